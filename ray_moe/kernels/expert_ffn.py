@@ -1,0 +1,95 @@
+"""``expert_ffn_triton``: the fused SwiGLU experts as one autograd Function.
+
+Forward (5 launches, no host sync, shapes fixed by R, K, H, I, S):
+    pair_layout (3 small kernels) → gate_up_swiglu (gather fused into loads, SwiGLU epilogue,
+    saves g|u) → down_scaled (router weight in the epilogue) → gather_sum (one write per row).
+Backward:
+    swiglu_backward_rows (grad_out gathered; recomputes a from g|u; gives d(g|u), weight*a and
+    the router-weight gradient) → dgrad_rows + gather_sum (dx) → grouped_wgrad twice (dW13, dW2).
+Saved for backward: x, weight, w13, w2 (inputs), g|u [R*K, 2I] (pre-activations) and the int32
+pair layout; nothing else.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ray_moe.kernels.gather_sum import gather_sum
+from ray_moe.kernels.grouped_swiglu import (
+    dgrad_rows,
+    down_scaled,
+    gate_up_swiglu,
+    grouped_wgrad,
+    swiglu_backward_rows,
+)
+from ray_moe.kernels.routing import PairLayout, pair_layout
+
+
+class _ExpertFFN(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, slot, weight, w13, w2):
+        R, K = slot.shape
+        layout = pair_layout(slot, w13.shape[0])
+        needs_grad = any(ctx.needs_input_grad)
+        act, h13 = gate_up_swiglu(x, layout, K, w13, save_preact=needs_grad)
+        y = down_scaled(act, layout, K, weight, w2)
+        del act
+        out = gather_sum(y, layout, K)
+        if needs_grad:
+            ctx.save_for_backward(x, weight, w13, w2, h13, *layout)
+        ctx.top_k = K
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, w13, w2, h13, *layout_t = ctx.saved_tensors
+        layout = PairLayout(*layout_t)
+        K = ctx.top_k
+        grad_out = grad_out.contiguous()
+        dh13, aw, dw_pos = swiglu_backward_rows(grad_out, layout, K, weight, w2, h13)
+        dx = dw13 = dw2 = dweight = None
+        if ctx.needs_input_grad[0]:
+            dx = gather_sum(dgrad_rows(dh13, layout, K, w13), layout, K)
+        if ctx.needs_input_grad[2]:
+            n_valid = layout.offsets[-1]
+            pos = layout.pair_pos.long()
+            dweight = torch.where(pos < n_valid, dw_pos[pos], 0.0).reshape(weight.shape)
+        if ctx.needs_input_grad[3]:
+            dw13 = grouped_wgrad(x, dh13, layout, K, gather_a=True, gather_b=False, role="wgrad13")
+        if ctx.needs_input_grad[4]:
+            dw2 = grouped_wgrad(aw, grad_out, layout, K, gather_a=False, gather_b=True, role="wgrad2")
+        return dx, None, dweight, dw13, dw2
+
+
+def expert_ffn_triton(
+    x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """Weighted SwiGLU experts over received rows, fused Triton kernels (sync-free, graph-capturable).
+
+    Args:
+        x: [R, H] float32 or bfloat16 token rows.
+        slot: int32/int64 [R, K] local slot per (row, k), -1 where that k is not for this rank.
+        weight: float32 [R, K] routing weights (0 where slot is -1).
+        w13: [S, H, 2I] gate|up weights (x.dtype); w2: [S, I, H] (x.dtype).
+    Returns:
+        [R, H] in x.dtype: sum_k weight[r,k] * (silu(x[r] @ gate_s) * (x[r] @ up_s)) @ w2_s over valid k.
+        Differentiable w.r.t. x, weight, w13, w2 (slots with no pairs get exactly zero weight grads).
+    """
+    if x.dim() != 2 or slot.dim() != 2 or weight.shape != slot.shape or slot.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"expected x [R, H], slot [R, K], weight [R, K]; got x {tuple(x.shape)}, "
+            f"slot {tuple(slot.shape)}, weight {tuple(weight.shape)}"
+        )
+    if w13.dim() != 3 or w2.dim() != 3 or w13.shape[1] != x.shape[1] or w13.shape[2] != 2 * w2.shape[1] \
+            or w2.shape[2] != x.shape[1] or w2.shape[0] != w13.shape[0]:
+        raise ValueError(
+            f"expected w13 [S, H, 2I] and w2 [S, I, H] with H={x.shape[1]}; got {tuple(w13.shape)}, {tuple(w2.shape)}"
+        )
+    if weight.dtype != torch.float32:
+        raise TypeError(f"weight must be float32, got {weight.dtype}")
+    if x.dtype not in (torch.float32, torch.bfloat16) or w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise TypeError(f"x, w13, w2 must share one dtype in (float32, bfloat16); got {x.dtype}, {w13.dtype}, {w2.dtype}")
+    devices = {t.device for t in (x, slot, weight, w13, w2)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    return _ExpertFFN.apply(x.contiguous(), slot.contiguous(), weight.contiguous(), w13, w2)

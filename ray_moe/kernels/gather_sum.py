@@ -1,0 +1,82 @@
+"""Weighted combine, gather form: out[r] = sum_k src[pair_pos[r*K + k]] over the valid pairs of row r.
+
+This replaces ``index_add`` scatter: each output row is written once, by one program, in a
+fixed order over k (deterministic). The per-pair weights were already applied by the kernel that
+produced ``src`` (the down GEMM's epilogue; the dX GEMM's operand), so this is a plain sum.
+A pair is valid when its position is below ``offsets[S]``; positions past it are never read.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ray_moe.kernels.routing import PairLayout
+
+
+@triton.jit
+def _gather_sum_kernel(
+    src_ptr, pair_pos_ptr, n_valid_ptr, out_ptr, n_rows, n_cols, stride_src, stride_out,
+    TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_ok = rows < n_rows
+    col_ok = cols < n_cols
+    n_valid = tl.load(n_valid_ptr)
+    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        pos = tl.load(pair_pos_ptr + rows * TOP_K + k, mask=row_ok, other=0)
+        ok = row_ok & (pos < n_valid)
+        v = tl.load(
+            src_ptr + pos[:, None].to(tl.int64) * stride_src + cols[None, :],
+            mask=ok[:, None] & col_ok[None, :], other=0.0,
+        )
+        acc += v.to(tl.float32)
+    tl.store(
+        out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+
+def gather_sum(src: torch.Tensor, layout: PairLayout, top_k: int) -> torch.Tensor:
+    """Sum each row's valid pairs.
+
+    Args:
+        src: [R*K, C] float32 or bfloat16, one row per position (rows past offsets[S] may be unset).
+        layout: the PairLayout of the slots ([R, K] flattened).
+        top_k: K.
+    Returns:
+        [R, C] in src.dtype; rows with no valid pair are 0.
+    """
+    if src.dim() != 2 or src.stride(1) != 1:
+        raise ValueError(f"src must be a row-contiguous [P, C] matrix, got shape {tuple(src.shape)} strides {src.stride()}")
+    n_pairs = layout.pair_pos.numel()
+    if n_pairs % top_k != 0 or src.shape[0] != n_pairs:
+        raise ValueError(f"src has {src.shape[0]} rows and the layout {n_pairs} pairs; top_k={top_k} must divide it")
+    if src.device != layout.pair_pos.device:
+        raise ValueError(f"src on {src.device}, layout on {layout.pair_pos.device}")
+    R, C = n_pairs // top_k, src.shape[1]
+    out = torch.empty(R, C, dtype=src.dtype, device=src.device)
+    if R == 0 or C == 0:
+        return out
+    block_c = min(256, triton.next_power_of_2(C))
+    block_r = max(1, 2048 // block_c)
+    grid = (triton.cdiv(R, block_r), triton.cdiv(C, block_c))
+    _gather_sum_kernel[grid](
+        src, layout.pair_pos, layout.offsets[-1:], out, R, C, src.stride(0), out.stride(0),
+        TOP_K=top_k, BLOCK_R=block_r, BLOCK_C=block_c,
+    )
+    return out
+
+
+def gather_sum_reference(src: torch.Tensor, layout: PairLayout, top_k: int) -> torch.Tensor:
+    """Pure-torch reference of :func:`gather_sum` (float32 accumulation)."""
+    n_valid = int(layout.offsets[-1])
+    pos = layout.pair_pos.long().reshape(-1, top_k)
+    valid = pos < n_valid
+    rows = src.float()[pos.clamp(max=max(n_valid - 1, 0)).reshape(-1)].reshape(*pos.shape, -1) if n_valid else None
+    if rows is None:
+        return torch.zeros(pos.shape[0], src.shape[1], dtype=src.dtype, device=src.device)
+    return (rows * valid.unsqueeze(-1)).sum(1).to(src.dtype)

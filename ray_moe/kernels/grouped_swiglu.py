@@ -1,0 +1,504 @@
+"""Grouped GEMMs of the SwiGLU experts over pairs grouped by slot (see routing.pair_layout).
+
+Two kernels, each parameterised by constexprs rather than copied:
+
+``_grouped_rows_kernel``: out[p, n] = epilogue(sum_k A[row(p), k] * B_s[k, n]) for the positions p
+    of group s. ``row(p)`` is ``sorted_pair[p] // K`` (the input row of the pair: the gather is
+    fused into the A loads) or p itself (a per-position tensor). Tiles are scheduled over the
+    ragged groups on the device: every program reads the group offsets, finds its group from
+    the cumulative tile counts, and exits if its tile is past the last one. The grid is fixed
+    by shapes alone (cdiv(R*K, BLOCK_M) + S row tiles), so nothing waits on the host.
+    Epilogues:
+      PLAIN       store acc                                      (dX rows)
+      SCALE       store acc * weight[pair]                       (down GEMM, forward)
+      SWIGLU      two accumulators gate|up; store silu(g)*u, and g|u when saving pre-activations
+      SWIGLU_BWD  acc = grad_out[row] @ w2_s^T; recompute a from the saved g|u; store
+                  d(g|u) = weight * swiglu'(acc), weight * a (for dW2), and the partial
+                  router-weight gradient sum_n a * acc for this column tile
+``_grouped_wgrad_kernel``: dW_s[m, n] = sum_{p in group s} A[rowA(p), m] * B[rowB(p), n] with
+    either side gathered; one program per (group, m tile, n tile), full contraction in registers,
+    so an empty group stores exactly zero.
+
+Each launcher checks shapes, dtypes and devices; each has a pure-torch reference below it.
+Weight layout: w13 [S, H, 2I] (gate = [..., :I], up = [..., I:]), w2 [S, I, H].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ray_moe.kernels.routing import PairLayout
+
+EPI_PLAIN: tl.constexpr = tl.constexpr(0)
+EPI_SCALE: tl.constexpr = tl.constexpr(1)
+EPI_SWIGLU: tl.constexpr = tl.constexpr(2)
+EPI_SWIGLU_BWD: tl.constexpr = tl.constexpr(3)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile shape and pipelining of one grouped GEMM launch."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+def default_config(role: str, dtype: torch.dtype, device: torch.device) -> GemmConfig:
+    """Tile choice per GEMM role (gate_up, down, dact, dx, wgrad13, wgrad2).
+
+    Small tiles on the CPU interpreter and for float32 (tests); Hopper-sized tiles for bf16/fp16.
+    """
+    if device.type != "cuda" or dtype == torch.float32:
+        return GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=2)
+    if role == "gate_up":  # two 128x128 accumulators
+        return GemmConfig(128, 128, 64, 8, 8, 3)
+    if role in ("wgrad13", "wgrad2"):
+        return GemmConfig(128, 256, 64, 8, 8, 3)
+    return GemmConfig(128, 256, 64, 8, 8, 3)
+
+
+@triton.jit
+def _tile_of_groups(offsets_ptr, n_groups, tile_m, BLOCK_M: tl.constexpr, GROUPS_PAD: tl.constexpr):
+    """Map the global row-tile index to (group, first position, group end, number of row tiles)."""
+    g = tl.arange(0, GROUPS_PAD)
+    g_ok = g < n_groups
+    starts = tl.load(offsets_ptr + g, mask=g_ok, other=0)
+    ends = tl.load(offsets_ptr + g + 1, mask=g_ok, other=0)
+    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    cum = tl.cumsum(tiles, axis=0)
+    total = tl.sum(tiles, axis=0)
+    group = tl.sum((cum <= tile_m).to(tl.int32), axis=0)
+    mine = g == group
+    first_tile = tl.sum(tl.where(mine, cum - tiles, 0), axis=0)
+    start = tl.sum(tl.where(mine, starts, 0), axis=0)
+    end = tl.sum(tl.where(mine, ends, 0), axis=0)
+    return group, start + (tile_m - first_tile) * BLOCK_M, end, total
+
+
+@triton.jit
+def _swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """Grouped ordering: GROUP_M row tiles sweep all column tiles before the next rows (L2 reuse)."""
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _grouped_rows_kernel(
+    a_ptr, b_ptr, out_ptr, out2_ptr, aux_ptr, weight_ptr, dw_ptr, offsets_ptr, sorted_pair_ptr,
+    n_groups, max_m_tiles, N, KD, half, n_pos,
+    stride_am, stride_bg, stride_bk, stride_bn, stride_om, stride_o2m, stride_xm,
+    TOP_K: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr, SAVE_AUX: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUPS_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """See the module docstring. ``half`` = I: column offset of the up half in w13 / h13 / dh13."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    tile_m, pid_n = _swizzle(tl.program_id(0), max_m_tiles, num_n, GROUP_M)
+    group, row_start, row_end, total = _tile_of_groups(offsets_ptr, n_groups, tile_m, BLOCK_M, GROUPS_PAD)
+    if tile_m >= total:
+        return
+    rm = row_start + tl.arange(0, BLOCK_M)
+    row_ok = rm < row_end
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    if GATHER_A or EPILOGUE == EPI_SCALE or EPILOGUE == EPI_SWIGLU_BWD:
+        pair = tl.load(sorted_pair_ptr + rm, mask=row_ok, other=0)
+    if GATHER_A:
+        a_row = (pair // TOP_K).to(tl.int64)
+    else:
+        a_row = rm.to(tl.int64)
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + rk[None, :]
+    b_ptrs = b_ptr + group.to(tl.int64) * stride_bg + rk[:, None] * stride_bk + rn[None, :] * stride_bn
+    up_off = half * stride_bn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, KD, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = (k0 + rk) < KD
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if EPILOGUE == EPI_SWIGLU:
+            if EVEN_K:
+                b_up = tl.load(b_ptrs + up_off, mask=col_ok[None, :], other=0.0)
+            else:
+                b_up = tl.load(b_ptrs + up_off, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_bk
+
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    rm64 = rm.to(tl.int64)
+    out_ptrs = out_ptr + rm64[:, None] * stride_om + rn[None, :]
+    if EPILOGUE == EPI_PLAIN:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    if EPILOGUE == EPI_SCALE:
+        w = tl.load(weight_ptr + pair, mask=row_ok, other=0.0)
+        tl.store(out_ptrs, (acc * w[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+    if EPILOGUE == EPI_SWIGLU:
+        if SAVE_AUX:
+            aux_ptrs = aux_ptr + rm64[:, None] * stride_xm + rn[None, :]
+            tl.store(aux_ptrs, acc.to(aux_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(aux_ptrs + half, acc_up.to(aux_ptr.dtype.element_ty), mask=out_mask)
+            # round like the saved pre-activations so that backward recomputes the same a
+            acc = acc.to(aux_ptr.dtype.element_ty).to(tl.float32)
+            acc_up = acc_up.to(aux_ptr.dtype.element_ty).to(tl.float32)
+        act = acc * tl.sigmoid(acc) * acc_up
+        tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=out_mask)
+    if EPILOGUE == EPI_SWIGLU_BWD:
+        aux_ptrs = aux_ptr + rm64[:, None] * stride_xm + rn[None, :]
+        gate = tl.load(aux_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+        up = tl.load(aux_ptrs + half, mask=out_mask, other=0.0).to(tl.float32)
+        w = tl.load(weight_ptr + pair, mask=row_ok, other=0.0)
+        sig = tl.sigmoid(gate)
+        silu = gate * sig
+        act = silu * up
+        tl.store(dw_ptr + pid_n.to(tl.int64) * n_pos + rm64, tl.sum(act * acc, axis=1), mask=row_ok)
+        d_act = acc * w[:, None]
+        d_up = d_act * silu
+        d_gate = d_act * up * sig * (1.0 + gate * (1.0 - sig))
+        tl.store(out_ptrs, d_gate.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptrs + half, d_up.to(out_ptr.dtype.element_ty), mask=out_mask)
+        out2_ptrs = out2_ptr + rm64[:, None] * stride_o2m + rn[None, :]
+        tl.store(out2_ptrs, (act * w[:, None]).to(out2_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _grouped_wgrad_kernel(
+    a_ptr, b_ptr, out_ptr, offsets_ptr, sorted_pair_ptr, M, N,
+    stride_am, stride_bm, stride_og, stride_om,
+    TOP_K: tl.constexpr, GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """out[s, m, n] = sum over positions p of group s of A[rowA(p), m] * B[rowB(p), n]."""
+    group = tl.program_id(1)
+    pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    start = tl.load(offsets_ptr + group)
+    end = tl.load(offsets_ptr + group + 1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for p0 in range(start, end, BLOCK_K):
+        rp = p0 + tl.arange(0, BLOCK_K)
+        p_ok = rp < end
+        if GATHER_A or GATHER_B:
+            pair = tl.load(sorted_pair_ptr + rp, mask=p_ok, other=0)
+        if GATHER_A:
+            a_row = (pair // TOP_K).to(tl.int64)
+        else:
+            a_row = rp.to(tl.int64)
+        if GATHER_B:
+            b_row = (pair // TOP_K).to(tl.int64)
+        else:
+            b_row = rp.to(tl.int64)
+        a = tl.load(a_ptr + a_row[None, :] * stride_am + rm[:, None], mask=m_ok[:, None] & p_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + b_row[:, None] * stride_bm + rn[None, :], mask=p_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    out_ptrs = out_ptr + group.to(tl.int64) * stride_og + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_same(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    if a.device != b.device:
+        raise ValueError(f"{name_a} is on {a.device} but {name_b} on {b.device}")
+    if a.dtype != b.dtype:
+        raise TypeError(f"{name_a} is {a.dtype} but {name_b} is {b.dtype}; use one dtype")
+
+
+def _check_matrix(name: str, t: torch.Tensor, rows: int | None = None, cols: int | None = None) -> None:
+    if t.dim() != 2 or t.stride(1) != 1:
+        raise ValueError(f"{name} must be a row-contiguous matrix, got shape {tuple(t.shape)} strides {t.stride()}")
+    if rows is not None and t.shape[0] != rows:
+        raise ValueError(f"{name} must have {rows} rows, got {t.shape[0]}")
+    if cols is not None and t.shape[1] != cols:
+        raise ValueError(f"{name} must have {cols} columns, got {t.shape[1]}")
+    if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _launch_rows(
+    *, a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, int], out: torch.Tensor,
+    layout: PairLayout, top_k: int, gather_a: bool, epilogue: int, n_cols: int, kd: int, half: int,
+    cfg: GemmConfig, out2: torch.Tensor | None = None, aux: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None, dw: torch.Tensor | None = None, save_aux: bool = False,
+) -> None:
+    n_pos = layout.sorted_pair.numel()
+    n_groups = layout.offsets.numel() - 1
+    if n_pos == 0 or n_cols == 0:
+        return
+    max_m_tiles = triton.cdiv(n_pos, cfg.block_m) + n_groups
+    grid = (max_m_tiles * triton.cdiv(n_cols, cfg.block_n),)
+    dummy = out
+    _grouped_rows_kernel[grid](
+        a, b, out, dummy if out2 is None else out2, dummy if aux is None else aux,
+        dummy if weight is None else weight, dummy if dw is None else dw,
+        layout.offsets, layout.sorted_pair,
+        n_groups, max_m_tiles, n_cols, kd, half, n_pos,
+        a.stride(0), b_strides[0], b_strides[1], b_strides[2], out.stride(0),
+        0 if out2 is None else out2.stride(0), 0 if aux is None else aux.stride(0),
+        TOP_K=top_k, GATHER_A=gather_a, EPILOGUE=epilogue, SAVE_AUX=save_aux,
+        EVEN_K=kd % cfg.block_k == 0, DOT_PRECISION=_dot_precision(a.dtype),
+        GROUPS_PAD=triton.next_power_of_2(n_groups),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _check_layout(layout: PairLayout, n_slots: int, n_pairs: int, device: torch.device) -> None:
+    if layout.offsets.numel() != n_slots + 1:
+        raise ValueError(f"layout has {layout.offsets.numel() - 1} groups, weights have {n_slots} slots")
+    if layout.sorted_pair.numel() != n_pairs:
+        raise ValueError(f"layout has {layout.sorted_pair.numel()} pairs, expected {n_pairs}")
+    if layout.sorted_pair.device != device:
+        raise ValueError(f"layout on {layout.sorted_pair.device}, tensors on {device}")
+
+
+def gate_up_swiglu(
+    x: torch.Tensor, layout: PairLayout, top_k: int, w13: torch.Tensor,
+    save_preact: bool = True, cfg: GemmConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """act[p] = silu(x[row(p)] @ gate_s) * (x[row(p)] @ up_s) for every valid position p.
+
+    Args:
+        x: [R, H] float32/bfloat16, row-contiguous. layout: PairLayout of slot [R, top_k].
+        w13: [S, H, 2I] same dtype, contiguous.
+        save_preact: also return the pre-activations g|u.
+    Returns:
+        act [R*K, I] and h13 [R*K, 2I] (or None), x.dtype; rows past offsets[S] are unset.
+    """
+    _check_matrix("x", x)
+    _check_same("x", x, "w13", w13)
+    if w13.dim() != 3 or w13.shape[1] != x.shape[1] or w13.shape[2] % 2:
+        raise ValueError(f"w13 must be [S, H={x.shape[1]}, 2I], got {tuple(w13.shape)}")
+    w13 = w13.contiguous()
+    S, H, I2 = w13.shape
+    I = I2 // 2
+    P = x.shape[0] * top_k
+    _check_layout(layout, S, P, x.device)
+    cfg = cfg or default_config("gate_up", x.dtype, x.device)
+    act = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    h13 = torch.empty(P, I2, dtype=x.dtype, device=x.device) if save_preact else None
+    _launch_rows(
+        a=x, b=w13, b_strides=(w13.stride(0), w13.stride(1), w13.stride(2)), out=act, aux=h13,
+        layout=layout, top_k=top_k, gather_a=True, epilogue=EPI_SWIGLU.value, n_cols=I, kd=H, half=I, cfg=cfg,
+        save_aux=save_preact,
+    )
+    return act, h13
+
+
+def down_scaled(
+    act: torch.Tensor, layout: PairLayout, top_k: int, weight: torch.Tensor, w2: torch.Tensor,
+    cfg: GemmConfig | None = None,
+) -> torch.Tensor:
+    """y[p] = weight[pair(p)] * (act[p] @ w2_s).
+
+    Args: act [R*K, I]; weight float32 [R, K] contiguous; w2 [S, I, H] (act's dtype).
+    Returns: y [R*K, H] in act.dtype; rows past offsets[S] are unset.
+    """
+    _check_matrix("act", act)
+    _check_same("act", act, "w2", w2)
+    if w2.dim() != 3 or w2.shape[1] != act.shape[1]:
+        raise ValueError(f"w2 must be [S, I={act.shape[1]}, H], got {tuple(w2.shape)}")
+    if weight.dtype != torch.float32 or weight.numel() != act.shape[0]:
+        raise ValueError(f"weight must be float32 with {act.shape[0]} entries, got {weight.dtype} {tuple(weight.shape)}")
+    w2 = w2.contiguous()
+    S, I, H = w2.shape
+    _check_layout(layout, S, act.shape[0], act.device)
+    cfg = cfg or default_config("down", act.dtype, act.device)
+    y = torch.empty(act.shape[0], H, dtype=act.dtype, device=act.device)
+    _launch_rows(
+        a=act, b=w2, b_strides=(w2.stride(0), w2.stride(1), w2.stride(2)), out=y, weight=weight.contiguous(),
+        layout=layout, top_k=top_k, gather_a=False, epilogue=EPI_SCALE.value, n_cols=H, kd=I, half=0, cfg=cfg,
+    )
+    return y
+
+
+def swiglu_backward_rows(
+    grad_out: torch.Tensor, layout: PairLayout, top_k: int, weight: torch.Tensor, w2: torch.Tensor,
+    h13: torch.Tensor, cfg: GemmConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward through the down GEMM and SwiGLU, per position.
+
+    With G[p] = grad_out[row(p)] @ w2_s^T and a = silu(g) * u recomputed from h13:
+    dh13[p] = weight * (dg | du), aw[p] = weight * a, and d_weight_pos[p] = <a, G>
+    (= <grad_out[row], a @ w2_s>, the router-weight gradient).
+
+    Args: grad_out [R, H]; weight float32 [R, K]; w2 [S, I, H]; h13 [R*K, 2I] saved pre-activations.
+    Returns: dh13 [R*K, 2I], aw [R*K, I] (grad_out.dtype), d_weight_pos float32 [R*K]
+        (valid positions only; rows past offsets[S] unset / 0).
+    """
+    _check_matrix("grad_out", grad_out)
+    _check_same("grad_out", grad_out, "w2", w2)
+    _check_same("grad_out", grad_out, "h13", h13)
+    w2 = w2.contiguous()
+    S, I, H = w2.shape
+    P = grad_out.shape[0] * top_k
+    _check_matrix("h13", h13, rows=P, cols=2 * I)
+    if grad_out.shape[1] != H:
+        raise ValueError(f"grad_out must have H={H} columns, got {grad_out.shape[1]}")
+    _check_layout(layout, S, P, grad_out.device)
+    cfg = cfg or default_config("dact", grad_out.dtype, grad_out.device)
+    dh13 = torch.empty(P, 2 * I, dtype=grad_out.dtype, device=grad_out.device)
+    aw = torch.empty(P, I, dtype=grad_out.dtype, device=grad_out.device)
+    n_tiles = triton.cdiv(I, cfg.block_n)
+    dw_part = torch.zeros(n_tiles, P, dtype=torch.float32, device=grad_out.device)
+    # B[k=h, n=i] = w2[s, i, h]
+    _launch_rows(
+        a=grad_out, b=w2, b_strides=(w2.stride(0), w2.stride(2), w2.stride(1)), out=dh13, out2=aw, aux=h13,
+        weight=weight.contiguous(), dw=dw_part,
+        layout=layout, top_k=top_k, gather_a=True, epilogue=EPI_SWIGLU_BWD.value, n_cols=I, kd=H, half=I, cfg=cfg,
+    )
+    return dh13, aw, dw_part.sum(0)
+
+
+def dgrad_rows(dh13: torch.Tensor, layout: PairLayout, top_k: int, w13: torch.Tensor, cfg: GemmConfig | None = None) -> torch.Tensor:
+    """dxs[p] = dh13[p] @ w13_s^T.
+
+    Args: dh13 [R*K, 2I]; w13 [S, H, 2I] (dh13's dtype).
+    Returns: dxs [R*K, H] in dh13.dtype; rows past offsets[S] are unset.
+    """
+    _check_matrix("dh13", dh13)
+    _check_same("dh13", dh13, "w13", w13)
+    w13 = w13.contiguous()
+    S, H, I2 = w13.shape
+    if dh13.shape[1] != I2:
+        raise ValueError(f"dh13 must have 2I={I2} columns, got {dh13.shape[1]}")
+    _check_layout(layout, S, dh13.shape[0], dh13.device)
+    cfg = cfg or default_config("dx", dh13.dtype, dh13.device)
+    dxs = torch.empty(dh13.shape[0], H, dtype=dh13.dtype, device=dh13.device)
+    # B[k=j, n=h] = w13[s, h, j]
+    _launch_rows(
+        a=dh13, b=w13, b_strides=(w13.stride(0), w13.stride(2), w13.stride(1)), out=dxs,
+        layout=layout, top_k=top_k, gather_a=False, epilogue=EPI_PLAIN.value, n_cols=H, kd=I2, half=0, cfg=cfg,
+    )
+    return dxs
+
+
+def grouped_wgrad(
+    a_src: torch.Tensor, b_src: torch.Tensor, layout: PairLayout, top_k: int,
+    gather_a: bool, gather_b: bool, role: str = "wgrad13", cfg: GemmConfig | None = None,
+) -> torch.Tensor:
+    """dW[s] = A_s^T @ B_s where A_s / B_s are the rows of group s (gathered through the pair's
+    input row when ``gather_*``, else taken at the position itself).
+
+    Args:
+        a_src: [R or R*K, M]; b_src: [R or R*K, N]; same dtype, row-contiguous.
+    Returns:
+        [S, M, N] in a_src.dtype; exactly zero for slots with no pairs.
+    """
+    _check_matrix("a_src", a_src)
+    _check_matrix("b_src", b_src)
+    _check_same("a_src", a_src, "b_src", b_src)
+    S = layout.offsets.numel() - 1
+    M, N = a_src.shape[1], b_src.shape[1]
+    cfg = cfg or default_config(role, a_src.dtype, a_src.device)
+    out = torch.empty(S, M, N, dtype=a_src.dtype, device=a_src.device)
+    if M == 0 or N == 0:
+        return out
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), S)
+    _grouped_wgrad_kernel[grid](
+        a_src, b_src, out, layout.offsets, layout.sorted_pair, M, N,
+        a_src.stride(0), b_src.stride(0), out.stride(0), out.stride(1),
+        TOP_K=top_k, GATHER_A=gather_a, GATHER_B=gather_b, DOT_PRECISION=_dot_precision(a_src.dtype),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# pure-torch references (float32 math, one loop over groups; valid positions only)
+# ---------------------------------------------------------------------------------------------
+
+
+def _groups(layout: PairLayout):
+    offsets = layout.offsets.tolist()
+    for s in range(len(offsets) - 1):
+        yield s, offsets[s], offsets[s + 1]
+
+
+def _rows_of(layout: PairLayout, top_k: int, lo: int, hi: int) -> torch.Tensor:
+    return layout.sorted_pair[lo:hi].long() // top_k
+
+
+def gate_up_swiglu_reference(x, layout, top_k, w13):
+    """Reference of :func:`gate_up_swiglu` → (act, h13) float32, unset rows 0."""
+    P, I2 = layout.sorted_pair.numel(), w13.shape[2]
+    h13 = torch.zeros(P, I2, dtype=torch.float32, device=x.device)
+    for s, lo, hi in _groups(layout):
+        h13[lo:hi] = x[_rows_of(layout, top_k, lo, hi)].float() @ w13[s].float()
+    gate, up = h13.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up, h13
+
+
+def down_scaled_reference(act, layout, top_k, weight, w2):
+    """Reference of :func:`down_scaled` (float32)."""
+    y = torch.zeros(act.shape[0], w2.shape[2], dtype=torch.float32, device=act.device)
+    wflat = weight.reshape(-1).float()
+    for s, lo, hi in _groups(layout):
+        pairs = layout.sorted_pair[lo:hi].long()
+        y[lo:hi] = (act[lo:hi].float() @ w2[s].float()) * wflat[pairs, None]
+    return y
+
+
+def swiglu_backward_rows_reference(grad_out, layout, top_k, weight, w2, h13):
+    """Reference of :func:`swiglu_backward_rows` (float32)."""
+    P, I = h13.shape[0], w2.shape[1]
+    g_all = torch.zeros(P, I, dtype=torch.float32, device=grad_out.device)
+    for s, lo, hi in _groups(layout):
+        g_all[lo:hi] = grad_out[_rows_of(layout, top_k, lo, hi)].float() @ w2[s].float().T
+    w = torch.zeros(P, dtype=torch.float32, device=grad_out.device)
+    n_valid = int(layout.offsets[-1])
+    w[:n_valid] = weight.reshape(-1).float()[layout.sorted_pair[:n_valid].long()]
+    gate, up = h13.float().chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    act = gate * sig * up
+    d_act = g_all * w[:, None]
+    d_gate = d_act * up * sig * (1 + gate * (1 - sig))
+    return torch.cat([d_gate, d_act * gate * sig], dim=1), act * w[:, None], (act * g_all).sum(1)
+
+
+def dgrad_rows_reference(dh13, layout, top_k, w13):
+    """Reference of :func:`dgrad_rows` (float32)."""
+    out = torch.zeros(dh13.shape[0], w13.shape[1], dtype=torch.float32, device=dh13.device)
+    for s, lo, hi in _groups(layout):
+        out[lo:hi] = dh13[lo:hi].float() @ w13[s].float().T
+    return out
+
+
+def grouped_wgrad_reference(a_src, b_src, layout, top_k, gather_a, gather_b):
+    """Reference of :func:`grouped_wgrad` (float32)."""
+    S = layout.offsets.numel() - 1
+    out = torch.zeros(S, a_src.shape[1], b_src.shape[1], dtype=torch.float32, device=a_src.device)
+    for s, lo, hi in _groups(layout):
+        ia = _rows_of(layout, top_k, lo, hi) if gather_a else torch.arange(lo, hi, device=a_src.device)
+        ib = _rows_of(layout, top_k, lo, hi) if gather_b else torch.arange(lo, hi, device=a_src.device)
+        out[s] = a_src[ia].float().T @ b_src[ib].float()
+    return out
