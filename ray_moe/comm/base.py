@@ -1,0 +1,147 @@
+"""The Transport interface: dispatch token rows to expert ranks, combine partial sums back.
+
+A transport implements four primitives; :func:`dispatch` and :func:`combine` wrap them in
+autograd so the layer above is the same for every transport (torch.distributed on CPU and GPU,
+NVSHMEM on GPU):
+
+- ``dispatch_forward``: each token row goes **once per destination rank** (rank-dedup) with its
+  K (slot, weight) pairs, slot -1 where that k goes to another rank.
+- ``dispatch_backward``: the dual, a combine of row gradients (summed per source token) and of
+  the routing-weight gradients.
+- ``combine_forward``: one partial row per (token, destination rank) goes back; the source sums.
+- ``combine_backward``: the dual, a dispatch of output gradients.
+
+The ``Layout`` returned by ``dispatch_forward`` is the per-call routing state both directions
+share (which rows went where). Transports subclass it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+
+class Layout:
+    """Routing state of one dispatch, reused by its combine and by both backwards.
+
+    Subclasses set ``num_tokens`` (T, tokens at the source) and ``top_k`` (K).
+    """
+
+    num_tokens: int
+    top_k: int
+
+
+class Transport(ABC):
+    """Moves token rows between the ranks of an expert-parallel group."""
+
+    name: str = "abstract"
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+
+    @abstractmethod
+    def dispatch_forward(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        dest_rank: torch.Tensor,
+        dest_slot: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Layout]:
+        """Send rows to the ranks that hold their experts.
+
+        Args:
+            x: [T, H] this rank's tokens.
+            weight: float32 [T, K] routing weights.
+            dest_rank: int32 [T, K] destination rank per (token, k).
+            dest_slot: int32 [T, K] expert slot on that rank.
+        Returns:
+            recv_x [R, H], recv_slot int32 [R, K] (-1 = not for this rank), recv_weight float32
+            [R, K] (0 where recv_slot is -1), and the layout. R may be a fixed capacity with
+            padding rows whose slots are all -1.
+        """
+
+    @abstractmethod
+    def dispatch_backward(
+        self, grad_recv_x: torch.Tensor, grad_recv_weight: torch.Tensor, layout: Layout
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[R, H], [R, K] gradients of the received rows → [T, H], [T, K] gradients at the source."""
+
+    @abstractmethod
+    def combine_forward(self, partial: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """[R, H] partial sums on the expert side → [T, H] summed per source token."""
+
+    @abstractmethod
+    def combine_backward(self, grad_out: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """[T, H] output gradient at the source → [R, H] gradient of the partial rows."""
+
+    def close(self) -> None:
+        """Release communication resources. Idempotent."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"transport": self.name, "rank": self.rank, "world_size": self.world_size}
+
+
+class _LayoutBox:
+    """Carries the (non-tensor) layout out of the dispatch autograd node."""
+
+    layout: Layout | None = None
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, transport, box, x, weight, dest_rank, dest_slot):
+        recv_x, recv_slot, recv_w, layout = transport.dispatch_forward(
+            x, weight, dest_rank, dest_slot
+        )
+        ctx.transport, ctx.layout = transport, layout
+        box.layout = layout
+        ctx.mark_non_differentiable(recv_slot)
+        return recv_x, recv_slot, recv_w
+
+    @staticmethod
+    def backward(ctx, grad_recv_x, _grad_slot, grad_recv_w):
+        if grad_recv_x is None:
+            raise RuntimeError("dispatch backward got no gradient for the received rows")
+        if grad_recv_w is None:
+            grad_recv_w = torch.zeros(
+                grad_recv_x.shape[0], ctx.layout.top_k, device=grad_recv_x.device
+            )
+        gx, gw = ctx.transport.dispatch_backward(
+            grad_recv_x.contiguous(), grad_recv_w.contiguous(), ctx.layout
+        )
+        return None, None, gx, gw, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, transport, layout, partial):
+        ctx.transport, ctx.layout = transport, layout
+        return transport.combine_forward(partial, layout)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return None, None, ctx.transport.combine_backward(grad_out.contiguous(), ctx.layout)
+
+
+def dispatch(
+    transport: Transport,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    dest_rank: torch.Tensor,
+    dest_slot: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Layout]:
+    """Differentiable dispatch (see :meth:`Transport.dispatch_forward` for shapes)."""
+    box = _LayoutBox()
+    recv_x, recv_slot, recv_w = _Dispatch.apply(
+        transport, box, x, weight, dest_rank.to(torch.int32), dest_slot.to(torch.int32)
+    )
+    assert box.layout is not None
+    return recv_x, recv_slot, recv_w, box.layout
+
+
+def combine(transport: Transport, partial: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Differentiable combine: [R, H] partial rows → [T, H] per-token sums."""
+    return _Combine.apply(transport, layout, partial)

@@ -1,0 +1,304 @@
+"""Typed configuration: dataclasses per section, YAML loading, ``key=value`` overrides, validation.
+
+Every validation error is a :class:`ConfigError` whose message names the dotted key, the bad
+value and what is allowed, e.g. ``moe.num_experts=30 is not divisible by parallel.world_size=4``.
+Unknown keys are rejected with the closest valid key suggested.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterable, get_origin, get_type_hints
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range; the message names the key."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256
+    n_layers: int = 2
+    d_model: int = 64
+    n_heads: int = 4
+    seq_len: int = 64
+    dense_first_layer: bool = False
+    dense_hidden: int = 0  # hidden size of a dense first layer; 0 means 4 * d_model
+    dtype: str = "float32"  # float32 | bfloat16
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 8
+    top_k: int = 2
+    expert_hidden: int = 128
+    aux_loss_coef: float = 0.0
+    expert_impl: str = "auto"  # auto | loop | grouped_mm | triton
+
+
+@dataclass
+class ParallelConfig:
+    world_size: int = 2
+    transport: str = "auto"  # auto | nvshmem | nccl | gloo
+    device: str = "auto"  # auto | cpu | cuda
+    cpu_per_worker: float = 1.0
+    placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+    startup_timeout_s: float = 60.0
+    collective_timeout_s: float = 120.0
+    force_remote_path: bool = False
+
+
+@dataclass
+class DataConfig:
+    paths: list = field(default_factory=list)  # files, directories or globs; [] = stdlib sources
+    val_fraction: float = 0.05
+    max_bytes: int = 0  # 0 = whole corpus
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    batch_size: int = 8  # sequences per rank per step
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 10
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_interval: int = 0  # 0 = only at the end
+    eval_batches: int = 4
+    checkpoint_interval: int = 0  # 0 = only at the end (when run_dir is set)
+    run_dir: str = "runs/latest"
+    log_interval: int = 1
+    max_failures: int = 0
+    step_timeout_s: float = 300.0
+    health_check_interval_s: float = 10.0
+    nonfinite: str = "skip"  # skip | stop
+    plots: bool = True
+
+
+@dataclass
+class BalanceConfig:
+    enabled: bool = False
+    interval: int = 50
+    clone_slots: int = 0
+    ema: float = 0.9
+    max_cross_node_clones: int = -1  # -1 = no limit
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_dict(cls, raw: dict | None) -> "Config":
+        cfg = cls()
+        for section, values in (raw or {}).items():
+            if section not in _sections():
+                raise ConfigError(_unknown(section, _sections()))
+            if values is None:
+                continue
+            if not isinstance(values, dict):
+                raise ConfigError(f"{section} must be a mapping of keys to values, got {values!r}")
+            for key, value in values.items():
+                cfg.set(f"{section}.{key}", value)
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: Iterable[str] = ()) -> "Config":
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+        cfg = cls.from_dict(raw)
+        return cfg.with_overrides(overrides)
+
+    def with_overrides(self, overrides: Iterable[str]) -> "Config":
+        """A copy with ``section.key=value`` strings applied (values parsed as YAML)."""
+        cfg = self.copy()
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} must look like section.key=value")
+            key, text = item.split("=", 1)
+            cfg.set(key.strip(), yaml.safe_load(text) if text.strip() else "")
+        cfg.validate()
+        return cfg
+
+    def copy(self) -> "Config":
+        return Config.from_plain(self.to_dict())
+
+    @classmethod
+    def from_plain(cls, raw: dict) -> "Config":
+        """Like from_dict, but without validation (for already-validated dicts)."""
+        cfg = cls()
+        for section, values in raw.items():
+            for key, value in values.items():
+                cfg.set(f"{section}.{key}", value)
+        return cfg
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    # ---------------------------------------------------------------- access
+    def set(self, dotted: str, value: Any) -> None:
+        section, _, key = dotted.partition(".")
+        if section not in _sections():
+            raise ConfigError(_unknown(section, _sections()))
+        obj = getattr(self, section)
+        names = [f.name for f in fields(obj)]
+        if key not in names:
+            raise ConfigError(_unknown(dotted, [f"{section}.{n}" for n in names]))
+        hint = get_type_hints(type(obj))[key]
+        setattr(obj, key, _coerce(dotted, value, hint))
+
+    def get(self, dotted: str) -> Any:
+        section, _, key = dotted.partition(".")
+        return getattr(getattr(self, section), key)
+
+    # ---------------------------------------------------------------- validation
+    def validate(self) -> None:
+        m, e, p, t, d, b = self.model, self.moe, self.parallel, self.train, self.data, self.balance
+        _positive("model.n_layers", m.n_layers)
+        _positive("model.d_model", m.d_model)
+        _positive("model.n_heads", m.n_heads)
+        _positive("model.seq_len", m.seq_len)
+        _positive("model.vocab_size", m.vocab_size)
+        if m.d_model % m.n_heads:
+            raise ConfigError(
+                f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}"
+            )
+        _choice("model.dtype", m.dtype, ("float32", "bfloat16"))
+        if m.dense_hidden < 0:
+            raise ConfigError(f"model.dense_hidden={m.dense_hidden} must be >= 0 (0 means 4*d_model)")
+        _positive("moe.num_experts", e.num_experts)
+        _positive("moe.expert_hidden", e.expert_hidden)
+        if not 1 <= e.top_k <= e.num_experts:
+            raise ConfigError(
+                f"moe.top_k={e.top_k} must be between 1 and moe.num_experts={e.num_experts}"
+            )
+        if e.aux_loss_coef < 0:
+            raise ConfigError(f"moe.aux_loss_coef={e.aux_loss_coef} must be >= 0")
+        _choice("moe.expert_impl", e.expert_impl, ("auto", "loop", "grouped_mm", "triton"))
+        _positive("parallel.world_size", p.world_size)
+        if e.num_experts % p.world_size:
+            raise ConfigError(
+                f"moe.num_experts={e.num_experts} is not divisible by "
+                f"parallel.world_size={p.world_size}"
+            )
+        _choice("parallel.transport", p.transport, ("auto", "nvshmem", "nccl", "gloo"))
+        _choice("parallel.device", p.device, ("auto", "cpu", "cuda"))
+        _choice(
+            "parallel.placement_strategy",
+            p.placement_strategy,
+            ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+        )
+        if p.cpu_per_worker <= 0:
+            raise ConfigError(f"parallel.cpu_per_worker={p.cpu_per_worker} must be > 0")
+        if p.transport in ("nvshmem", "nccl") and p.device == "cpu":
+            raise ConfigError(
+                f"parallel.transport={p.transport} needs GPUs but parallel.device=cpu; "
+                "use transport gloo or auto"
+            )
+        _positive("parallel.startup_timeout_s", p.startup_timeout_s)
+        _positive("parallel.collective_timeout_s", p.collective_timeout_s)
+        if not 0.0 <= d.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
+        if d.max_bytes < 0:
+            raise ConfigError(f"data.max_bytes={d.max_bytes} must be >= 0 (0 = whole corpus)")
+        _positive("train.steps", t.steps, allow_zero=True)
+        _positive("train.batch_size", t.batch_size)
+        if t.lr <= 0:
+            raise ConfigError(f"train.lr={t.lr} must be > 0")
+        for key in ("weight_decay", "grad_clip"):
+            if getattr(t, key) < 0:
+                raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 0")
+        for key in ("warmup_steps", "eval_interval", "checkpoint_interval", "max_failures"):
+            _positive(f"train.{key}", getattr(t, key), allow_zero=True)
+        _positive("train.eval_batches", t.eval_batches)
+        _positive("train.log_interval", t.log_interval)
+        _positive("train.step_timeout_s", t.step_timeout_s)
+        _positive("train.health_check_interval_s", t.health_check_interval_s)
+        _choice("train.nonfinite", t.nonfinite, ("skip", "stop"))
+        if not t.run_dir:
+            raise ConfigError("train.run_dir='' must name a directory")
+        _positive("balance.interval", b.interval)
+        _positive("balance.clone_slots", b.clone_slots, allow_zero=True)
+        if not 0.0 <= b.ema < 1.0:
+            raise ConfigError(f"balance.ema={b.ema} must be in [0, 1)")
+        if b.enabled and b.clone_slots == 0:
+            raise ConfigError(
+                "balance.enabled=true needs balance.clone_slots >= 1 (slots for clones per rank)"
+            )
+
+    # ---------------------------------------------------------------- derived
+    @property
+    def experts_per_rank(self) -> int:
+        return self.moe.num_experts // self.parallel.world_size
+
+
+def _sections() -> list[str]:
+    return [f.name for f in fields(Config)]
+
+
+def _unknown(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"unknown config key {key!r}{hint} (valid: {', '.join(valid)})"
+
+
+def _positive(key: str, value: Any, allow_zero: bool = False) -> None:
+    ok = value >= 0 if allow_zero else value > 0
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{key}={value} must be {bound}")
+
+
+def _choice(key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not allowed; choose one of {', '.join(allowed)}")
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    origin = get_origin(hint) or hint
+    if origin is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={value!r} must be true or false")
+    if origin is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}={value!r} must be an integer")
+        return value
+    if origin is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}={value!r} must be a number")
+        return float(value)
+    if origin is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}={value!r} must be a string")
+        return value
+    if origin is list:
+        if isinstance(value, str):
+            return [value]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{key}={value!r} must be a list of strings")
+        return list(value)
+    return value

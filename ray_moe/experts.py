@@ -1,0 +1,159 @@
+"""Routing and the expert side of an MoE layer: SwiGLU experts over (row, k) pairs grouped by slot.
+
+Weight layout (shared by every implementation and by checkpoints):
+    w13: [S, H, 2I]  gate in ``[..., :I]``, up in ``[..., I:]`` (split, not interleaved)
+    w2:  [S, I, H]
+    expert(x) = (silu(x @ gate) * (x @ up)) @ w2
+
+``expert_ffn`` is the expert side of a layer. Its input is what a rank received from dispatch:
+rows ``x [R, H]``, and per row up to K (slot, weight) pairs (slot -1 = that k went elsewhere).
+It returns one weighted partial sum per row, ``[R, H]``, ready for combine. Implementations:
+
+- ``loop``: per-slot matmuls (host reads group sizes); exact in fp32; the CPU path.
+- ``grouped_mm``: ``torch._grouped_mm`` over pairs sorted by slot; sync-free and
+  CUDA-graph-friendly (fixed R*K capacity; padding pairs sort last and are masked).
+- ``triton``: the fused kernels in :mod:`ray_moe.kernels` (when present).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def route(
+    x: torch.Tensor, router_w: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing with renormalised weights.
+
+    Args:
+        x: [T, H] tokens (any float dtype).
+        router_w: [H, E] router weights (kept in float32).
+        top_k: K.
+    Returns:
+        weights: float32 [T, K], rows sum to 1; differentiable w.r.t. x and router_w.
+        expert_ids: int64 [T, K] logical expert ids.
+        probs: float32 [T, E] full softmax (for the auxiliary load-balancing loss).
+    """
+    logits = x.float() @ router_w.float()
+    probs = torch.softmax(logits, dim=-1)
+    top_p, top_i = torch.topk(probs, top_k, dim=-1)
+    weights = top_p / top_p.sum(-1, keepdim=True)
+    return weights, top_i, probs
+
+
+def load_balancing_loss(probs: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    """Switch-style auxiliary loss E * sum_e f_e * P_e (1.0 at perfect balance).
+
+    probs: float32 [T, E]; expert_ids: int64 [T, K]. Returns a float32 scalar.
+    """
+    T, E = probs.shape
+    counts = torch.zeros(E, device=probs.device, dtype=torch.float32)
+    counts.scatter_add_(0, expert_ids.flatten(), torch.ones_like(expert_ids.flatten(), dtype=torch.float32))
+    frac = counts / max(expert_ids.numel(), 1)
+    return E * (frac * probs.mean(0)).sum()
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """[N, 2I] gate|up → [N, I]."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def expert_ffn(
+    x: torch.Tensor,
+    slot: torch.Tensor,
+    weight: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Weighted SwiGLU experts over received rows.
+
+    Args:
+        x: [R, H] received token rows (float32 or bfloat16).
+        slot: int [R, K] local expert slot per (row, k); -1 where that k is not for this rank.
+        weight: float32 [R, K] routing weights (0 where slot is -1).
+        w13: [S, H, 2I] gate|up weights of the S local slots; w2: [S, I, H].
+        impl: auto | loop | grouped_mm | triton.
+    Returns:
+        [R, H] in x.dtype: sum_k weight[r, k] * expert_{slot[r, k]}(x[r]); rows with no valid k are 0.
+        Differentiable w.r.t. x, weight, w13 and w2.
+    """
+    impl = resolve_impl(impl, x)
+    if impl == "loop":
+        return _expert_ffn_loop(x, slot, weight, w13, w2)
+    if impl == "grouped_mm":
+        return _expert_ffn_grouped_mm(x, slot, weight, w13, w2)
+    if impl == "triton":
+        from ray_moe.kernels import expert_ffn_triton
+
+        return expert_ffn_triton(x, slot, weight, w13, w2)
+    raise ValueError(f"expert impl {impl!r} is not one of auto, loop, grouped_mm, triton")
+
+
+def resolve_impl(impl: str, x: torch.Tensor) -> str:
+    """auto → grouped_mm on CUDA with bf16 on Hopper or newer, loop elsewhere."""
+    if impl != "auto":
+        return impl
+    if x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9:
+        return "grouped_mm"
+    return "loop"
+
+
+def _expert_ffn_loop(x, slot, weight, w13, w2):
+    R, K = slot.shape
+    out = torch.zeros_like(x)
+    flat_slot = slot.reshape(-1)
+    for s in torch.unique(flat_slot[flat_slot >= 0]).tolist():
+        pair = (flat_slot == s).nonzero().squeeze(1)
+        rows = pair // K
+        h = swiglu(x[rows] @ w13[s]) @ w2[s]
+        w = weight.reshape(-1)[pair].to(h.dtype).unsqueeze(1)
+        out = out.index_add(0, rows, h * w)
+    if not out.requires_grad and torch.is_grad_enabled():
+        # No pair landed here. Keep the output on the autograd graph anyway: the transports'
+        # backward passes are collectives, and every rank must reach them.
+        out = out + 0 * (x.sum() + weight.sum() + w13.sum() + w2.sum()).to(out.dtype)
+    return out
+
+
+def _expert_ffn_grouped_mm(x, slot, weight, w13, w2):
+    R, K = slot.shape
+    S = w13.shape[0]
+    key = torch.where(slot >= 0, slot, S).reshape(-1).long()  # padding pairs sort last
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(S + 1, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+    offs = counts[:S].cumsum(0, dtype=torch.int32)
+    rows = order // K
+    valid = (key[order] < S).unsqueeze(1)
+    # Rows past the last group are never written by _grouped_mm: mask them in both directions.
+    xs = torch.where(valid, x[rows], 0)
+    h = torch.where(valid, torch._grouped_mm(xs, w13, offs=offs), 0)
+    y = torch.where(valid, torch._grouped_mm(swiglu(h), w2, offs=offs), 0)
+    w = weight.reshape(-1)[order].to(y.dtype).unsqueeze(1)
+    return torch.zeros_like(x).index_add(0, rows, y * w)
+
+
+def reference_moe(
+    x: torch.Tensor,
+    router_w: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The single-process oracle: all E experts, no communication, one loop per expert.
+
+    Args: x [T, H]; router_w [H, E]; w13 [E, H, 2I]; w2 [E, I, H].
+    Returns: (out [T, H] in x.dtype, routing weights float32 [T, K], expert ids int64 [T, K]).
+    """
+    weights, ids, _ = route(x, router_w, top_k)
+    out = torch.zeros_like(x)
+    for e in range(w13.shape[0]):
+        tok, k = (ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        h = swiglu(x[tok] @ w13[e]) @ w2[e]
+        out = out.index_add(0, tok, h * weights[tok, k].to(h.dtype).unsqueeze(1))
+    return out, weights, ids

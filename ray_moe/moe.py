@@ -1,0 +1,145 @@
+"""The expert-parallel MoE layer: route → place → dispatch → experts → combine.
+
+Every rank holds the router (replicated) and the weights of its expert *slots*: its E/W native
+experts followed by ``clone_slots`` clones of other ranks' experts (see :mod:`ray_moe.placement`).
+The same code runs over every transport; the single-process oracle is
+:func:`ray_moe.experts.reference_moe`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ray_moe.comm.base import Transport, combine, dispatch
+from ray_moe.experts import expert_ffn, load_balancing_loss, route
+from ray_moe.placement import Placement
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def expert_init(
+    seed: int, layer: int, expert: int, d_model: int, hidden: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic float32 weights of one logical expert, independent of world size.
+
+    Returns w13 [H, 2I] (gate|up) and w2 [I, H].
+    """
+    g = torch.Generator().manual_seed(_mix(seed, layer, expert, 1))
+    w13 = torch.randn(d_model, 2 * hidden, generator=g) / math.sqrt(d_model)
+    w2 = torch.randn(hidden, d_model, generator=g) / math.sqrt(hidden)
+    return w13, w2
+
+
+def router_init(seed: int, layer: int, d_model: int, num_experts: int) -> torch.Tensor:
+    """Deterministic float32 router weights [H, E]."""
+    g = torch.Generator().manual_seed(_mix(seed, layer, 0, 2))
+    return torch.randn(d_model, num_experts, generator=g) / math.sqrt(d_model)
+
+
+def _mix(*xs: int) -> int:
+    h = 0x243F6A88
+    for x in xs:
+        h = (h * 0x100000001B3 ^ (x + 0x9E37)) & 0x7FFFFFFFFFFFFFFF
+    return h
+
+
+class MoELayer(nn.Module):
+    """Expert-parallel SwiGLU MoE layer.
+
+    Parameters: ``router`` float32 [H, E] (replicated); ``w13`` [S, H, 2I] and ``w2`` [S, I, H]
+    in the model dtype, where S = E/W native slots + clone slots.
+
+    Buffers (device-side load statistics, never read inside forward):
+    ``expert_tokens`` float32 [E] tokens routed to each logical expert from this rank, and
+    ``received_pairs`` float32 [1] (token, expert) pairs this rank's slots computed, both
+    accumulated since the last :meth:`pop_load`.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_experts: int,
+        top_k: int,
+        expert_hidden: int,
+        transport: Transport,
+        placement: Placement,
+        layer_idx: int = 0,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        expert_impl: str = "auto",
+        aux_loss_coef: float = 0.0,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        if num_experts != placement.num_experts or transport.world_size != placement.world_size:
+            raise ValueError(
+                f"placement is for E={placement.num_experts}, W={placement.world_size}; layer has "
+                f"E={num_experts}, W={transport.world_size}"
+            )
+        self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
+        self.expert_hidden, self.layer_idx, self.seed = expert_hidden, layer_idx, seed
+        self.transport, self.rank = transport, transport.rank
+        self.expert_impl, self.aux_loss_coef = expert_impl, aux_loss_coef
+        S = placement.slots_per_rank
+        self.router = nn.Parameter(router_init(seed, layer_idx, d_model, num_experts).to(device))
+        self.w13 = nn.Parameter(torch.empty(S, d_model, 2 * expert_hidden, dtype=dtype, device=device))
+        self.w2 = nn.Parameter(torch.empty(S, expert_hidden, d_model, dtype=dtype, device=device))
+        self.register_buffer("expert_tokens", torch.zeros(num_experts, device=device), persistent=False)
+        self.register_buffer("received_pairs", torch.zeros(1, device=device), persistent=False)
+        self.placement = placement
+        self.tables = placement.tables(device)
+        with torch.no_grad():
+            for slot, e in enumerate(placement.slot_experts()[self.rank].tolist()):
+                if e >= 0:
+                    self.load_expert(slot, *expert_init(seed, layer_idx, e, d_model, expert_hidden))
+
+    # ------------------------------------------------------------------ weights
+    @property
+    def native_experts(self) -> range:
+        n = self.placement.experts_per_rank
+        return range(self.rank * n, (self.rank + 1) * n)
+
+    @torch.no_grad()
+    def load_expert(self, slot: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Copy one expert's weights ([H, 2I], [I, H]) into a slot."""
+        self.w13[slot].copy_(w13)
+        self.w2[slot].copy_(w2)
+
+    def set_placement(self, placement: Placement) -> None:
+        """Switch routing tables (the caller moves clone weights, see ray_moe.clones)."""
+        if placement.slots_per_rank != self.w13.shape[0]:
+            raise ValueError(
+                f"placement has {placement.slots_per_rank} slots per rank; layer has {self.w13.shape[0]}"
+            )
+        self.placement = placement
+        self.tables = placement.tables(self.w13.device)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, H] (model dtype) → (out [T, H], auxiliary loss float32 scalar)."""
+        if x.dim() != 2 or x.shape[1] != self.d_model:
+            raise ValueError(f"MoELayer expects x of shape [T, {self.d_model}], got {tuple(x.shape)}")
+        if x.dtype != self.w13.dtype:
+            raise TypeError(f"MoELayer expects x of dtype {self.w13.dtype}, got {x.dtype}")
+        weights, ids, probs = route(x, self.router, self.top_k)
+        dest_rank, dest_slot = self.tables.route(ids, self.rank)
+        recv_x, recv_slot, recv_w, layout = dispatch(self.transport, x, weights, dest_rank, dest_slot)
+        partial = expert_ffn(recv_x, recv_slot, recv_w, self.w13, self.w2, self.expert_impl)
+        out = combine(self.transport, partial, layout)
+        with torch.no_grad():
+            self.expert_tokens.scatter_add_(
+                0, ids.flatten(), torch.ones(ids.numel(), device=ids.device)
+            )
+            self.received_pairs += (recv_slot >= 0).sum()
+        aux = load_balancing_loss(probs, ids) if self.aux_loss_coef > 0 else probs.new_zeros(())
+        return out, aux * self.aux_loss_coef
+
+    def pop_load(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert_tokens [E], received_pairs [1]) since the last call, then reset (host copies)."""
+        out = self.expert_tokens.detach().cpu().clone(), self.received_pairs.detach().cpu().clone()
+        self.expert_tokens.zero_()
+        self.received_pairs.zero_()
+        return out

@@ -1,0 +1,145 @@
+"""Validators run on every rank of a live group: the EP layer against the single-process oracle.
+
+Each rank builds the same global problem from a seed (tokens of every rank, router, all E
+experts), runs the expert-parallel layer on its own tokens, runs the oracle
+(:func:`ray_moe.experts.reference_moe`) on all tokens, and reports relative errors of its slice
+of the output and of every gradient. Used by the tests, the GPU tests and the cluster smoke test.
+
+Routing cases force the edge cases through the router itself (a large constant feature times
+a large router column): ``random``, ``one_expert`` (every token's top-1 is expert 0),
+``empty_rank`` (no token picks the last rank's experts), ``empty_expert`` (no token picks
+expert 1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ray_moe.experts import reference_moe
+from ray_moe.moe import DTYPES, MoELayer
+from ray_moe.placement import Placement
+
+ROUTINGS = ("random", "one_expert", "empty_rank", "empty_expert")
+
+
+@dataclass
+class LayerCase:
+    num_experts: int = 8
+    top_k: int = 2
+    d_model: int = 32
+    expert_hidden: int = 48
+    tokens_per_rank: list[int] = field(default_factory=lambda: [16])  # cycled over ranks
+    routing: str = "random"
+    seed: int = 0
+    dtype: str = "float32"
+    expert_impl: str = "auto"
+    placement: dict | None = None  # Placement.to_dict(); None = native
+
+    def tokens(self, rank: int) -> int:
+        return self.tokens_per_rank[rank % len(self.tokens_per_rank)]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ in float64; 0 when both are exactly zero, inf when only b is zero."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    if not torch.isfinite(a).all():
+        return math.inf
+    nb = b.norm().item()
+    diff = (a - b).norm().item()
+    if nb == 0.0:
+        return 0.0 if diff == 0.0 else math.inf
+    return diff / nb
+
+
+def make_problem(case: LayerCase, world_size: int) -> dict[str, Any]:
+    """The global problem every rank builds identically (float32, CPU)."""
+    if case.routing not in ROUTINGS:
+        raise ValueError(f"routing {case.routing!r} is not one of {', '.join(ROUTINGS)}")
+    g = torch.Generator().manual_seed(case.seed)
+    E, H, I = case.num_experts, case.d_model, case.expert_hidden
+    counts = [case.tokens(r) for r in range(world_size)]
+    x = torch.randn(sum(counts), H, generator=g)
+    router = torch.randn(H, E, generator=g) / math.sqrt(H)
+    w13 = torch.randn(E, H, 2 * I, generator=g) / math.sqrt(H)
+    w2 = torch.randn(E, I, H, generator=g) / math.sqrt(I)
+    grad_out = torch.randn(sum(counts), H, generator=g)
+    if case.routing != "random":
+        x[:, 0] = 4.0
+        router[0] = 0.0
+        n = E // world_size
+        if case.routing == "one_expert":
+            router[0, 0] = 8.0
+        elif case.routing == "empty_rank":
+            router[0, (world_size - 1) * n:] = -8.0
+        elif case.routing == "empty_expert":
+            router[0, 1] = -8.0
+    return {"x": x, "router": router, "w13": w13, "w2": w2, "grad_out": grad_out, "counts": counts}
+
+
+def layer_parity(worker: Any, case: LayerCase | dict) -> dict[str, float]:
+    """Run on every rank: EP layer vs oracle. Returns {name: relative error} for this rank."""
+    if isinstance(case, dict):
+        case = LayerCase(**case)
+    rank, W = worker.rank_info.rank, worker.rank_info.world_size
+    device, dtype = worker.device, DTYPES[case.dtype]
+    P = make_problem(case, W)
+    start = sum(P["counts"][:rank])
+    mine = slice(start, start + P["counts"][rank])
+
+    # Oracle on all tokens, float32 on the CPU.
+    x_ref = P["x"].clone().requires_grad_()
+    router_ref = P["router"].clone().requires_grad_()
+    w13_ref = P["w13"].clone().requires_grad_()
+    w2_ref = P["w2"].clone().requires_grad_()
+    out_ref, _, ids_ref = reference_moe(x_ref, router_ref, w13_ref, w2_ref, case.top_k)
+    (out_ref * P["grad_out"]).sum().backward()
+
+    placement = (
+        Placement.from_dict(case.placement)
+        if case.placement
+        else Placement.native(case.num_experts, W)
+    )
+    layer = MoELayer(
+        case.d_model, case.num_experts, case.top_k, case.expert_hidden, worker.transport,
+        placement, dtype=dtype, expert_impl=case.expert_impl, device=device,
+    )
+    with torch.no_grad():
+        layer.router.copy_(P["router"])
+        for slot, e in enumerate(placement.slot_experts()[rank].tolist()):
+            if e >= 0:
+                layer.load_expert(slot, P["w13"][e], P["w2"][e])
+    x = P["x"][mine].to(device=device, dtype=dtype).requires_grad_()
+    out, _ = layer(x)
+    (out.float() * P["grad_out"][mine].to(device)).sum().backward()
+
+    from ray_moe.clones import reduce_clone_grads
+
+    reduce_clone_grads(layer, placement)
+    router_grad = layer.router.grad.detach().clone()
+    if W > 1:
+        dist.all_reduce(router_grad)
+    natives = list(layer.native_experts)
+    n = len(natives)
+    errors = {
+        "out": rel_err(out, out_ref[mine]),
+        "grad_x": rel_err(x.grad, x_ref.grad[mine]),
+        "grad_router": rel_err(router_grad, router_ref.grad),
+        "grad_w13": rel_err(layer.w13.grad[:n], w13_ref.grad[natives]),
+        "grad_w2": rel_err(layer.w2.grad[:n], w2_ref.grad[natives]),
+    }
+    # Experts that got no tokens must have exactly zero gradients.
+    routed = torch.zeros(case.num_experts, dtype=torch.bool)
+    routed[ids_ref.flatten().unique()] = True
+    for i, e in enumerate(natives):
+        if not routed[e] and (layer.w13.grad[i].abs().sum() != 0 or layer.w2.grad[i].abs().sum() != 0):
+            errors["unrouted_expert_grad"] = math.inf
+    return errors
+
+
+def case_dict(**kwargs: Any) -> dict:
+    return asdict(LayerCase(**kwargs))
