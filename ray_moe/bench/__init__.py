@@ -1,0 +1,1 @@
+"""Benchmarks (``ray-moe bench ...``): each submodule exposes ``main(argv) -> int``."""

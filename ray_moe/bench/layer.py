@@ -1,0 +1,347 @@
+"""``ray-moe bench layer``: expert compute, routing/permutation and saved-activation audit.
+
+Single-GPU rows (this module): for T, H, I, E, K
+  - expert compute alone: ``torch._grouped_mm`` on pre-permuted rows vs the Triton kernels
+    (gather fused into the loads), forward and forward+backward, TFLOP/s with 6*T*K*H*I forward
+    FLOPs and twice that backward;
+  - the expert side of a layer (``expert_ffn``) end to end: grouped_mm path vs triton path;
+  - routing + permutation (top-k softmax; sort/gather vs counting-sort layout; combine);
+  - per-kernel times (optionally a sweep of tile configs);
+  - bytes saved for backward by each path.
+EP rows (several GPUs) come from :func:`ep_rows`, a hook that takes a transport.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """Benchmark problem: T tokens, hidden H, expert intermediate I, E experts, top-K."""
+
+    T: int = 32768
+    H: int = 4096
+    I: int = 1536
+    E: int = 64
+    K: int = 8
+
+    @property
+    def fwd_flops(self) -> float:
+        return 6.0 * self.T * self.K * self.H * self.I
+
+
+def _median_ms(fn: Callable[[], Any], warmup_ms: int, rep_ms: int) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def make_inputs(shape: LayerShape, device: torch.device, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    """Random tokens, router and expert weights; slots from softmax top-k of random logits.
+
+    Returns x [T, H], w13 [E, H, 2I], w2 [E, I, H] (dtype), logits float32 [T, E],
+    slot int64 [T, K], weight float32 [T, K].
+    """
+    from ray_moe.experts import route
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    T, H, I, E, K = shape.T, shape.H, shape.I, shape.E, shape.K
+
+    def randn(*size: int, scale: float) -> torch.Tensor:
+        return (torch.randn(*size, generator=g) * scale).to(device=device, dtype=dtype)
+
+    x = randn(T, H, scale=1.0)
+    router_w = (torch.randn(H, E, generator=g) / H**0.5).to(device)
+    w13 = randn(E, H, 2 * I, scale=H**-0.5)
+    w2 = randn(E, I, H, scale=I**-0.5)
+    weight, slot, _ = route(x, router_w, K)
+    logits = x.float() @ router_w
+    return {"x": x, "w13": w13, "w2": w2, "logits": logits, "slot": slot, "weight": weight.contiguous()}
+
+
+def _tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12
+
+
+def expert_compute_rows(shape: LayerShape, inp: dict[str, torch.Tensor], warmup_ms: int, rep_ms: int) -> list[dict]:
+    """Expert GEMMs alone (no routing, no combine): grouped_mm on pre-permuted rows vs triton."""
+    from ray_moe.experts import swiglu
+    from ray_moe.kernels.grouped_swiglu import (
+        dgrad_rows, down_scaled, gate_up_swiglu, grouped_wgrad, swiglu_backward_rows,
+    )
+    from ray_moe.kernels.routing import pair_layout, pair_layout_reference
+
+    x, w13, w2, slot, weight = inp["x"], inp["w13"], inp["w2"], inp["slot"], inp["weight"]
+    K, E = shape.K, shape.E
+    layout = pair_layout(slot, E)
+    ref = pair_layout_reference(slot, E)
+    if not all(torch.equal(a, b) for a, b in zip(layout, ref)):
+        raise RuntimeError("pair_layout disagrees with its reference on the benchmark input")
+    rows = layout.sorted_pair.long() // K
+    offs = layout.offsets[1:].contiguous()
+    xs = x[rows].detach().requires_grad_()
+    w13g = w13.detach().requires_grad_()
+    w2g = w2.detach().requires_grad_()
+    gy = torch.randn(xs.shape[0], shape.H, device=x.device, dtype=x.dtype)
+    go = torch.randn_like(x)
+
+    def mm_fwd():
+        h = torch._grouped_mm(xs, w13g, offs=offs)
+        return torch._grouped_mm(swiglu(h), w2g, offs=offs)
+
+    def mm_fwd_bwd():
+        torch.autograd.grad(mm_fwd(), (xs, w13g, w2g), gy)
+
+    def tr_fwd():
+        act, h13 = gate_up_swiglu(x, layout, K, w13, save_preact=True)
+        return down_scaled(act, layout, K, weight, w2), h13
+
+    def tr_fwd_bwd():
+        _, h13 = tr_fwd()
+        dh13, aw, _ = swiglu_backward_rows(go, layout, K, weight, w2, h13)
+        dgrad_rows(dh13, layout, K, w13)
+        grouped_wgrad(x, dh13, layout, K, gather_a=True, gather_b=False, role="wgrad13")
+        grouped_wgrad(aw, go, layout, K, gather_a=False, gather_b=True, role="wgrad2")
+
+    fl = shape.fwd_flops
+    out = []
+    times = {}
+    for name, fn, flops in [
+        ("grouped_mm fwd", mm_fwd, fl), ("triton fwd", tr_fwd, fl),
+        ("grouped_mm fwd+bwd", mm_fwd_bwd, 3 * fl), ("triton fwd+bwd", tr_fwd_bwd, 3 * fl),
+    ]:
+        ms = _median_ms(fn, warmup_ms, rep_ms)
+        times[name] = ms
+        out.append({"section": "expert compute", "what": name, "ms": ms, "TFLOP/s": _tflops(flops, ms)})
+    for phase in ("fwd", "fwd+bwd"):
+        out.append({
+            "section": "expert compute", "what": f"speedup triton/grouped_mm {phase}",
+            "ratio": times[f"grouped_mm {phase}"] / times[f"triton {phase}"],
+        })
+    return out
+
+
+def expert_ffn_rows(shape: LayerShape, inp: dict[str, torch.Tensor], warmup_ms: int, rep_ms: int) -> list[dict]:
+    """The expert side of a layer end to end (layout/permutation + GEMMs + combine)."""
+    from ray_moe.experts import expert_ffn
+
+    x = inp["x"].detach().requires_grad_()
+    weight = inp["weight"].detach().requires_grad_()
+    w13 = inp["w13"].detach().requires_grad_()
+    w2 = inp["w2"].detach().requires_grad_()
+    slot = inp["slot"]
+    go = torch.randn_like(inp["x"])
+    out = []
+    for impl in ("grouped_mm", "triton"):
+        def fwd(impl=impl):
+            with torch.no_grad():
+                return expert_ffn(x, slot, weight, w13, w2, impl=impl)
+
+        def fwd_bwd(impl=impl):
+            y = expert_ffn(x, slot, weight, w13, w2, impl=impl)
+            torch.autograd.grad(y, (x, weight, w13, w2), go)
+
+        for phase, fn, flops in (("fwd", fwd, shape.fwd_flops), ("fwd+bwd", fwd_bwd, 3 * shape.fwd_flops)):
+            ms = _median_ms(fn, warmup_ms, rep_ms)
+            out.append({"section": "expert_ffn", "what": f"{impl} {phase}", "ms": ms, "TFLOP/s": _tflops(flops, ms)})
+    return out
+
+
+def routing_rows(shape: LayerShape, inp: dict[str, torch.Tensor], warmup_ms: int, rep_ms: int) -> list[dict]:
+    """Routing and permutation: textbook torch ops vs the Triton kernels."""
+    from ray_moe.kernels.gather_sum import gather_sum
+    from ray_moe.kernels.routing import pair_layout, topk_softmax, topk_softmax_reference
+
+    x, slot, weight, logits = inp["x"], inp["slot"], inp["weight"], inp["logits"]
+    K, E = shape.K, shape.E
+    lg = logits.detach().requires_grad_()
+    gw = torch.rand(shape.T, K, device=x.device)
+
+    def textbook_permute():
+        key = torch.where(slot >= 0, slot, E).reshape(-1)
+        order = torch.argsort(key, stable=True)
+        counts = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+        counts[:E].cumsum(0, dtype=torch.int32)
+        return x[order // K]
+
+    layout = pair_layout(slot, E)
+    y = torch.randn(shape.T * K, shape.H, device=x.device, dtype=x.dtype)
+    rows = layout.sorted_pair.long() // K
+    wsorted = weight.reshape(-1)[layout.sorted_pair.long()]
+
+    def textbook_combine():
+        return torch.zeros_like(x).index_add(0, rows, y * wsorted.to(y.dtype).unsqueeze(1))
+
+    cases = [
+        ("top-k softmax: torch softmax/topk/renorm", lambda: topk_softmax_reference(logits, K)),
+        ("top-k softmax: triton", lambda: topk_softmax(logits, K)),
+        ("top-k softmax fwd+bwd: torch", lambda: torch.autograd.grad(topk_softmax_reference(lg, K)[0], lg, gw)),
+        ("top-k softmax fwd+bwd: triton", lambda: torch.autograd.grad(topk_softmax(lg, K)[0], lg, gw)),
+        ("permute: argsort + counts + x[rows] gather", textbook_permute),
+        ("permute: triton pair_layout (gather fused into GEMM)", lambda: pair_layout(slot, E)),
+        ("combine: y*w + index_add", textbook_combine),
+        ("combine: triton gather_sum", lambda: gather_sum(y, layout, K)),
+    ]
+    return [
+        {"section": "routing", "what": name, "ms": _median_ms(fn, warmup_ms, rep_ms)} for name, fn in cases
+    ]
+
+
+def kernel_rows(shape: LayerShape, inp: dict[str, torch.Tensor], warmup_ms: int, rep_ms: int, sweep: bool) -> list[dict]:
+    """Each Triton GEMM alone, with its default tiles and (``sweep``) a few alternatives."""
+    from ray_moe.kernels import grouped_swiglu as gs
+    from ray_moe.kernels.routing import pair_layout
+
+    x, w13, w2, slot, weight = inp["x"], inp["w13"], inp["w2"], inp["slot"], inp["weight"]
+    K, E, P = shape.K, shape.E, shape.T * shape.K
+    layout = pair_layout(slot, E)
+    act, h13 = gs.gate_up_swiglu(x, layout, K, w13, save_preact=True)
+    go = torch.randn_like(x)
+    dh13, aw, _ = gs.swiglu_backward_rows(go, layout, K, weight, w2, h13)
+    gemm = 2.0 * P * shape.H * shape.I  # one [P,H]x[H,I] product
+    roles: dict[str, tuple[Callable[[gs.GemmConfig | None], Any], float]] = {
+        "gate_up": (lambda c: gs.gate_up_swiglu(x, layout, K, w13, save_preact=True, cfg=c), 2 * gemm),
+        "down": (lambda c: gs.down_scaled(act, layout, K, weight, w2, cfg=c), gemm),
+        "dact": (lambda c: gs.swiglu_backward_rows(go, layout, K, weight, w2, h13, cfg=c), gemm),
+        "dx": (lambda c: gs.dgrad_rows(dh13, layout, K, w13, cfg=c), 2 * gemm),
+        "wgrad13": (lambda c: gs.grouped_wgrad(x, dh13, layout, K, True, False, "wgrad13", cfg=c), 2 * gemm),
+        "wgrad2": (lambda c: gs.grouped_wgrad(aw, go, layout, K, False, True, "wgrad2", cfg=c), gemm),
+    }
+    alternatives = [
+        gs.GemmConfig(128, 128, 64, 8, 8, 4),
+        gs.GemmConfig(128, 256, 64, 8, 8, 3),
+        gs.GemmConfig(128, 128, 64, 8, 4, 4),
+        gs.GemmConfig(64, 256, 64, 8, 4, 4),
+        gs.GemmConfig(128, 128, 128, 8, 8, 2),
+    ] if sweep else []
+    out = []
+    for role, (fn, flops) in roles.items():
+        default = gs.default_config(role, x.dtype, x.device)
+        for cfg in [default] + [c for c in alternatives if c != default]:
+            if role == "gate_up" and cfg.block_n > 128:
+                continue  # two accumulators: 128x256 each does not fit the register file
+            try:
+                ms = _median_ms(lambda: fn(cfg), warmup_ms, rep_ms)
+                row = {"ms": ms, "TFLOP/s": _tflops(flops, ms)}
+            except Exception as exc:  # a config that fails to compile (shared memory) is reported, not fatal
+                row = {"error": f"{type(exc).__name__}: {str(exc)[:80]}"}
+            out.append({"section": "kernels", "what": f"{role} {_cfg_name(cfg)}{' (default)' if cfg == default else ''}", **row})
+    return out
+
+
+def _cfg_name(cfg: Any) -> str:
+    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+
+
+def saved_bytes_rows(shape: LayerShape, inp: dict[str, torch.Tensor]) -> list[dict]:
+    """Bytes each path keeps for backward (saved_tensors_hooks, deduplicated by storage)."""
+    from ray_moe.experts import expert_ffn
+
+    leaves = {k: inp[k].detach().requires_grad_() for k in ("x", "weight", "w13", "w2")}
+    input_ptrs = {t.untyped_storage().data_ptr() for t in leaves.values()} | {inp["slot"].untyped_storage().data_ptr()}
+    preact = shape.T * shape.K * 2 * shape.I * inp["x"].element_size()
+    out = []
+    for impl in ("grouped_mm", "triton"):
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = expert_ffn(leaves["x"], inp["slot"], leaves["weight"], leaves["w13"], leaves["w2"], impl=impl)
+        inputs = sum(n for p, n in seen.items() if p in input_ptrs)
+        other = sum(n for p, n in seen.items() if p not in input_ptrs)
+        out.append({
+            "section": "saved activations", "what": impl, "input bytes (shared)": inputs, "other bytes": other,
+            "pre-activation bytes (T*K*2I)": preact, "other / pre-activations": other / preact,
+        })
+        del y
+    return out
+
+
+def ep_rows(shape: LayerShape, inp: dict[str, torch.Tensor], transport: Any | None = None, **kw: Any) -> list[dict]:
+    """Hook for the expert-parallel rows (per-rank layer time over ``transport``). None → no rows."""
+    if transport is None:
+        return []
+    raise NotImplementedError("EP rows are added by the layer/transport owner")
+
+
+def _print_table(rows: list[dict]) -> None:
+    from tabulate import tabulate
+
+    cols: list[str] = []
+    for r in rows:
+        cols += [k for k in r if k not in cols]
+    print(tabulate([[r.get(c, "") for c in cols] for r in rows], headers=cols, floatfmt=".3f"))
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="ray-moe bench layer", description=__doc__.splitlines()[0])
+    for name, default in asdict(LayerShape()).items():
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup-ms", type=int, default=100)
+    p.add_argument("--rep-ms", type=int, default=400)
+    p.add_argument("--sections", default="expert,ffn,routing,kernels,saved",
+                   help="comma list of expert,ffn,routing,kernels,saved")
+    p.add_argument("--sweep", action="store_true", help="time alternative tile configs per kernel")
+    p.add_argument("--json", default=None, help="write the rows and the setup here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    """CLI entry: ``ray-moe bench layer [--T ...] [--json out.json]``. Returns the exit code."""
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench layer needs a CUDA GPU", file=sys.stderr)
+        return 2
+    shape = LayerShape(args.T, args.H, args.I, args.E, args.K)
+    device = torch.device("cuda")
+    inp = make_inputs(shape, device, getattr(torch, args.dtype), args.seed)
+    sections = set(args.sections.split(","))
+    rows: list[dict] = []
+    steps = [
+        ("expert", lambda: expert_compute_rows(shape, inp, args.warmup_ms, args.rep_ms)),
+        ("ffn", lambda: expert_ffn_rows(shape, inp, args.warmup_ms, args.rep_ms)),
+        ("routing", lambda: routing_rows(shape, inp, args.warmup_ms, args.rep_ms)),
+        ("kernels", lambda: kernel_rows(shape, inp, args.warmup_ms, args.rep_ms, args.sweep)),
+        ("saved", lambda: saved_bytes_rows(shape, inp)),
+    ]
+    for name, step in steps:
+        if name in sections:
+            new = step()
+            _print_table(new)
+            print(flush=True)
+            rows += new
+            torch.cuda.empty_cache()
+    rows += ep_rows(shape, inp, transport=None)
+    setup = {
+        "shape": asdict(shape), "dtype": args.dtype, "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "python": platform.python_version(),
+    }
+    try:
+        import triton
+
+        setup["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"setup": setup, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

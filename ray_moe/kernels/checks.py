@@ -1,0 +1,89 @@
+"""Random problems and comparisons shared by the CPU (interpreter) and GPU kernel tests.
+
+``random_case`` draws fresh inputs with a named slot pattern; ``check_expert_ffn`` runs the
+Triton path and the exact ``loop`` path of :func:`ray_moe.experts.expert_ffn` (in float64 on the
+CPU, from the same values) and returns the relative error of the output and of each gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PATTERNS = ("random", "all_one_expert", "sparse")
+
+
+def random_case(
+    R: int, K: int, S: int, H: int, I: int, pattern: str, dtype: torch.dtype, device: str | torch.device, seed: int
+) -> dict[str, torch.Tensor]:
+    """Inputs of ``expert_ffn``.
+
+    pattern: ``random`` (slots uniform, ~20% of pairs -1, slot 1 never used when S > 2),
+    ``all_one_expert`` (every pair to slot S-1), ``sparse`` (each slot gets 0 or 1 pair; needs R*K small).
+    Returns x [R, H], w13 [S, H, 2I], w2 [S, I, H] (dtype), slot int64 [R, K], weight float32 [R, K]
+    (0 where slot is -1), all on ``device``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    if pattern == "random":
+        slot = torch.randint(0, S, (R, K), generator=g)
+        if S > 2:
+            slot[slot == 1] = 0  # an empty slot
+        slot[torch.rand(R, K, generator=g) < 0.2] = -1
+    elif pattern == "all_one_expert":
+        slot = torch.full((R, K), S - 1, dtype=torch.int64)
+    elif pattern == "sparse":
+        slot = torch.full((R * K,), -1, dtype=torch.int64)
+        chosen = torch.randperm(R * K, generator=g)[: min(S // 2, R * K)]
+        slot[chosen] = torch.randperm(S, generator=g)[: chosen.numel()]
+        slot = slot.reshape(R, K)
+    else:
+        raise ValueError(f"pattern {pattern!r} is not one of {PATTERNS}")
+    weight = torch.rand(R, K, generator=g) * (slot >= 0)
+    return {
+        "x": torch.randn(R, H, generator=g).to(device=device, dtype=dtype),
+        "w13": (torch.randn(S, H, 2 * I, generator=g) * H**-0.5).to(device=device, dtype=dtype),
+        "w2": (torch.randn(S, I, H, generator=g) * I**-0.5).to(device=device, dtype=dtype),
+        "slot": slot.to(device),
+        "weight": weight.float().to(device),
+    }
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (0 when both are 0; inf on NaN)."""
+    a64, b64 = a.double().cpu(), b.double().cpu()
+    if not torch.isfinite(a64).all():
+        return float("inf")
+    den = b64.norm().item()
+    num = (a64 - b64).norm().item()
+    return num / den if den > 0 else num
+
+
+def check_expert_ffn(case: dict[str, torch.Tensor], seed: int = 1) -> dict[str, float]:
+    """Relative errors of the triton path vs the float64 loop reference: out, x, weight, w13, w2;
+    plus ``empty_slot_grad``: max |dW| over slots with no valid pair (must be exactly 0)."""
+    from ray_moe.experts import expert_ffn
+
+    names = ("x", "weight", "w13", "w2")
+    leaves = {n: case[n].detach().clone().requires_grad_() for n in names}
+    out = expert_ffn(leaves["x"], case["slot"], leaves["weight"], leaves["w13"], leaves["w2"], impl="triton")
+    g = torch.Generator().manual_seed(seed)
+    grad_out = torch.randn(out.shape, generator=g).to(device=out.device, dtype=out.dtype)
+    grads = torch.autograd.grad(out, [leaves[n] for n in names], grad_out)
+
+    ref_leaves = {n: case[n].detach().double().cpu().requires_grad_() for n in names}
+    slot_cpu = case["slot"].cpu()
+    ref = expert_ffn(ref_leaves["x"], slot_cpu, ref_leaves["weight"], ref_leaves["w13"], ref_leaves["w2"], impl="loop")
+    ref_grads = torch.autograd.grad(ref, [ref_leaves[n] for n in names], grad_out.double().cpu())
+
+    result = {"out": relative_error(out, ref)}
+    result.update({f"d{n}": relative_error(a, b) for n, a, b in zip(names, grads, ref_grads)})
+    S = case["w13"].shape[0]
+    used = torch.zeros(S, dtype=torch.bool)
+    valid = slot_cpu[(slot_cpu >= 0) & (slot_cpu < S)]
+    used[valid] = True
+    empty = (~used).nonzero().squeeze(1)
+    result["empty_slot_grad"] = max(
+        [grads[2][empty].abs().max().item() if empty.numel() else 0.0,
+         grads[3][empty].abs().max().item() if empty.numel() else 0.0]
+    )
+    result["n_empty_slots"] = float(empty.numel())
+    return result

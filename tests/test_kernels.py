@@ -1,0 +1,179 @@
+"""CPU tests of the expert kernels.
+
+- The pure-torch references beside each kernel, composed, against ``expert_ffn(impl="loop")``.
+- The Triton kernels themselves under ``TRITON_INTERPRET=1`` at tiny sizes (float32), run in a
+  subprocess so the interpreter never leaks into other tests; skipped with the reason if the
+  installed Triton's interpreter cannot run them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ray_moe.kernels.checks import random_case, relative_error
+
+INTERP_CASES = {
+    # name: (R, K, S, H, I, pattern)
+    "random": (13, 3, 5, 40, 24, "random"),
+    "single_token": (1, 2, 4, 32, 16, "all_one_expert"),
+    "odd_shapes": (11, 2, 3, 37, 19, "random"),
+    "all_one_expert": (9, 2, 4, 32, 16, "all_one_expert"),
+    "k1_sparse": (6, 1, 8, 32, 16, "sparse"),
+}
+
+
+def _reference_expert_ffn(case: dict[str, torch.Tensor]) -> torch.Tensor:
+    """expert_ffn built only from the kernels' pure-torch references."""
+    from ray_moe.kernels.gather_sum import gather_sum_reference
+    from ray_moe.kernels.grouped_swiglu import down_scaled_reference, gate_up_swiglu_reference
+    from ray_moe.kernels.routing import pair_layout_reference
+
+    K, S = case["slot"].shape[1], case["w13"].shape[0]
+    layout = pair_layout_reference(case["slot"], S)
+    act, _ = gate_up_swiglu_reference(case["x"], layout, K, case["w13"])
+    y = down_scaled_reference(act, layout, K, case["weight"], case["w2"])
+    return gather_sum_reference(y, layout, K)
+
+
+@pytest.mark.parametrize("name", sorted(INTERP_CASES))
+def test_references_compose_to_loop_path(name):
+    from ray_moe.experts import expert_ffn
+
+    case = random_case(*INTERP_CASES[name], torch.float64, "cpu", seed=3)
+    want = expert_ffn(case["x"], case["slot"], case["weight"].double(), case["w13"], case["w2"], impl="loop")
+    assert relative_error(_reference_expert_ffn(case), want) < 1e-5  # references compute in float32
+
+
+def test_backward_references_match_autograd():
+    """swiglu_backward_rows / dgrad_rows / grouped_wgrad references give autograd's gradients."""
+    from ray_moe.experts import expert_ffn
+    from ray_moe.kernels.gather_sum import gather_sum_reference
+    from ray_moe.kernels.grouped_swiglu import (
+        dgrad_rows_reference, gate_up_swiglu_reference, grouped_wgrad_reference, swiglu_backward_rows_reference,
+    )
+    from ray_moe.kernels.routing import pair_layout_reference
+
+    case = random_case(*INTERP_CASES["random"], torch.float64, "cpu", seed=5)
+    K, S = case["slot"].shape[1], case["w13"].shape[0]
+    leaves = {n: case[n].clone().double().requires_grad_() for n in ("x", "weight", "w13", "w2")}
+    out = expert_ffn(leaves["x"], case["slot"], leaves["weight"], leaves["w13"], leaves["w2"], impl="loop")
+    go = torch.randn_like(out)
+    want = torch.autograd.grad(out, list(leaves.values()), go)
+
+    layout = pair_layout_reference(case["slot"], S)
+    _, h13 = gate_up_swiglu_reference(case["x"], layout, K, case["w13"])
+    dh13, aw, dw_pos = swiglu_backward_rows_reference(go, layout, K, case["weight"], case["w2"], h13)
+    n_valid = int(layout.offsets[-1])
+    pos = layout.pair_pos.long()
+    dweight = torch.where(pos < n_valid, dw_pos[pos.clamp(max=len(dw_pos) - 1)], 0.0).reshape(case["weight"].shape)
+    dx = gather_sum_reference(dgrad_rows_reference(dh13, layout, K, case["w13"]), layout, K)
+    dw13 = grouped_wgrad_reference(case["x"], dh13, layout, K, True, False)
+    dw2 = grouped_wgrad_reference(aw, go, layout, K, False, True)
+    for got, ref, name in zip((dx, dweight, dw13, dw2), want, ("dx", "dweight", "dw13", "dw2")):
+        assert relative_error(got, ref) < 1e-5, name  # float32 inside the references
+
+
+def test_topk_softmax_reference_matches_route():
+    from ray_moe.experts import route
+    from ray_moe.kernels.routing import topk_softmax_reference
+
+    x, router_w = torch.randn(50, 16), torch.randn(16, 10)
+    w, ids, _ = route(x, router_w, 3)
+    wr, ir = topk_softmax_reference(x @ router_w, 3)
+    assert torch.equal(ids, ir) and torch.allclose(w, wr)
+
+
+def test_pair_layout_reference_is_a_stable_grouping():
+    from ray_moe.kernels.routing import pair_layout_reference
+
+    slot = torch.tensor([[2, -1], [0, 2], [7, 0]])  # 7 is out of range for S=3: treated as -1
+    lay = pair_layout_reference(slot, 3)
+    assert lay.offsets.tolist() == [0, 2, 2, 4]
+    assert lay.sorted_pair.tolist()[:4] == [2, 5, 0, 3]
+    assert torch.equal(lay.sorted_pair[lay.pair_pos.long()], torch.arange(6, dtype=torch.int32))
+
+
+# ------------------------------------------------------------------------------------------
+# Triton kernels under the interpreter (subprocess)
+# ------------------------------------------------------------------------------------------
+
+
+def run_interpreter_checks() -> dict:
+    """Runs inside the subprocess (TRITON_INTERPRET=1 set before triton is imported)."""
+    from ray_moe.kernels import grouped_swiglu as gs
+    from ray_moe.kernels.checks import check_expert_ffn
+    from ray_moe.kernels.gather_sum import gather_sum, gather_sum_reference
+    from ray_moe.kernels.routing import pair_layout, pair_layout_reference, topk_softmax, topk_softmax_reference
+
+    results: dict = {}
+    for name, args in INTERP_CASES.items():
+        case = random_case(*args, torch.float32, "cpu", seed=11)
+        results[f"expert_ffn/{name}"] = check_expert_ffn(case)
+        K, S = case["slot"].shape[1], case["w13"].shape[0]
+        lay, ref = pair_layout(case["slot"], S), pair_layout_reference(case["slot"], S)
+        results[f"pair_layout/{name}"] = all(torch.equal(a, b) for a, b in zip(lay, ref))
+        act, h13 = gs.gate_up_swiglu(case["x"], lay, K, case["w13"])
+        act_r, h13_r = gs.gate_up_swiglu_reference(case["x"], lay, K, case["w13"])
+        nv = int(lay.offsets[-1])
+        y = gs.down_scaled(act, lay, K, case["weight"], case["w2"])
+        y_r = gs.down_scaled_reference(act, lay, K, case["weight"], case["w2"])
+        results[f"kernels/{name}"] = {
+            "act": relative_error(act[:nv], act_r[:nv]),
+            "h13": relative_error(h13[:nv], h13_r[:nv]),
+            "y": relative_error(y[:nv], y_r[:nv]),
+            "gather_sum": relative_error(gather_sum(y, lay, K), gather_sum_reference(y, lay, K)),
+        }
+    topk = {}
+    for T, E, K in [(9, 6, 1), (9, 6, 2), (17, 10, 3), (5, 16, 4)]:
+        logits = torch.randn(T, E, requires_grad=True)
+        w, i = topk_softmax(logits, K)
+        wr, ir = topk_softmax_reference(logits, K)
+        g = torch.randn_like(w)
+        (a,) = torch.autograd.grad(w, logits, g)
+        (b,) = torch.autograd.grad(wr, logits, g)
+        topk[f"{T}x{E}k{K}"] = {"ids": bool(torch.equal(i, ir)), "w": relative_error(w, wr), "grad_abs": (a - b).abs().max().item()}
+    results["topk_softmax"] = topk
+    return results
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict:
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"triton is not installed: {exc}")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=600
+    )
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        pytest.skip("the Triton interpreter could not run the kernels here: " + " | ".join(tail))
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", sorted(INTERP_CASES))
+def test_triton_expert_ffn_under_interpreter(interpreter_results, name):
+    errs = interpreter_results[f"expert_ffn/{name}"]
+    for key in ("out", "dx", "dweight", "dw13", "dw2"):
+        assert errs[key] < 1e-5, (key, errs)
+    assert errs["empty_slot_grad"] == 0.0
+    assert interpreter_results[f"pair_layout/{name}"]
+    assert all(v < 1e-5 for v in interpreter_results[f"kernels/{name}"].values()), interpreter_results[f"kernels/{name}"]
+
+
+def test_triton_topk_softmax_under_interpreter(interpreter_results):
+    for case, r in interpreter_results["topk_softmax"].items():
+        assert r["ids"] and r["w"] < 1e-6 and r["grad_abs"] < 1e-6, (case, r)
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("run through pytest (sets TRITON_INTERPRET=1 for this subprocess)")
+    print(json.dumps(run_interpreter_checks()))
