@@ -63,7 +63,7 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     steps: int = 100
-    batch_size: int = 8  # sequences per rank per step
+    batch_size: int = 8  # sequences per step over all ranks (split evenly; W-independent)
     lr: float = 3e-3
     weight_decay: float = 0.0
     warmup_steps: int = 10
@@ -73,6 +73,7 @@ class TrainConfig:
     eval_batches: int = 4
     checkpoint_interval: int = 0  # 0 = only at the end (when run_dir is set)
     run_dir: str = "runs/latest"
+    resume: bool = True  # continue from run_dir's latest checkpoint if there is one
     log_interval: int = 1
     max_failures: int = 0
     step_timeout_s: float = 300.0
@@ -226,6 +227,10 @@ class Config:
             raise ConfigError(f"data.max_bytes={d.max_bytes} must be >= 0 (0 = whole corpus)")
         _positive("train.steps", t.steps, allow_zero=True)
         _positive("train.batch_size", t.batch_size)
+        if t.batch_size % p.world_size:
+            raise ConfigError(
+                f"train.batch_size={t.batch_size} is not divisible by parallel.world_size={p.world_size}"
+            )
         if t.lr <= 0:
             raise ConfigError(f"train.lr={t.lr} must be > 0")
         for key in ("weight_decay", "grad_clip"):

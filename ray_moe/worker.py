@@ -105,12 +105,34 @@ class EPWorker:
             raise RuntimeError("the training engine is not built yet; call build_engine first")
         return getattr(self.engine, method)(*args, **kwargs)
 
+    def call_engine_step(self, poison: bool = False) -> dict:
+        """One training step (``poison`` injects a NaN into this rank's loss, for tests)."""
+        if self.engine is None:
+            raise RuntimeError("the training engine is not built yet; call build_engine first")
+        return self.engine.train_step(poison=poison)
+
     def build_engine(self) -> dict:
         from ray_moe.engine import Engine
 
         assert self.config is not None and self.rank_info is not None and self.transport is not None
         self.engine = Engine(self.config, self.rank_info, self.transport, self.device)
         return self.engine.describe()
+
+    def save_shard(self, staging: str) -> dict:
+        """Write this rank's checkpoint file into the staging directory; returns its entry."""
+        from ray_moe.checkpoint import write_shard
+
+        assert self.engine is not None and self.rank_info is not None
+        return write_shard(staging, self.rank_info.rank, self.engine.shard_state())
+
+    def load_checkpoint(self, path: str) -> int:
+        """Check and load a checkpoint (any world size) into this rank's shard; returns its step."""
+        from ray_moe.checkpoint import load_tensors, read_meta
+
+        assert self.engine is not None
+        meta = read_meta(path)
+        self.engine.load_state(load_tensors(path, meta), meta["step"], meta["opt_steps"])
+        return meta["step"]
 
     def close(self) -> None:
         if self.transport is not None:

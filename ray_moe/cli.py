@@ -1,0 +1,95 @@
+"""Command line: ``ray-moe train | bench | smoke``.
+
+    ray-moe train --config jobs/tiny.yaml [--address ADDR] [section.key=value ...]
+    ray-moe bench comm|layer|balance [options]     (see ``ray-moe bench NAME --help``)
+    ray-moe smoke --address ADDR                    (validate a cluster before a run)
+
+Exit code 0 on success; on failure a one-line reason on stderr and a non-zero code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+BENCHES = ("comm", "layer", "balance")
+
+
+def _train(args: argparse.Namespace) -> int:
+    from tabulate import tabulate
+
+    from ray_moe.config import Config
+    from ray_moe.trainer import Trainer
+
+    config = Config.from_yaml(args.config, args.overrides)
+    print("# resolved config")
+    print(config.to_yaml(), flush=True)
+    with Trainer(config, address=args.address, progress=not args.no_progress) as trainer:
+        trainer.train()
+        summary = trainer.summary()
+    print("\n# summary")
+    print(tabulate([(k, _fmt(v)) for k, v in summary.items()], tablefmt="github",
+                   headers=["metric", "value"]))
+    return 0
+
+
+def _fmt(v):
+    return f"{v:.4g}" if isinstance(v, float) else v
+
+
+def _bench(args: argparse.Namespace) -> int:
+    module = importlib.import_module(f"ray_moe.bench.{args.name}")
+    return int(module.main(args.rest) or 0)
+
+
+def _smoke(args: argparse.Namespace) -> int:
+    from ray_moe.smoke import main as smoke_main
+
+    return int(smoke_main(args.rest) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ray-moe", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train an MoE language model from a YAML config")
+    p.add_argument("--config", required=True, help="YAML config (e.g. jobs/tiny.yaml)")
+    p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or a new local cluster)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    p.set_defaults(fn=_train)
+    b = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES))
+    b.add_argument("name", choices=BENCHES)
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(fn=_bench)
+    s = sub.add_parser("smoke", help="cluster smoke test (see ray-moe smoke --help)")
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+    s.set_defaults(fn=_smoke)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    from ray_moe.checkpoint import CheckpointError
+    from ray_moe.config import ConfigError
+    from ray_moe.data import DataError
+    from ray_moe.group import GroupError
+    from ray_moe.trainer import TrainingError
+
+    try:
+        return args.fn(args)
+    except (ConfigError, DataError, GroupError, TrainingError, CheckpointError) as exc:
+        print(f"ray-moe {args.command}: error: {exc}".replace("\n", " "), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"ray-moe {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""PNG plots of a run: the loss curve and the expert-load heatmap (layers × experts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def loss_curve(metrics: list[dict], path: str | Path) -> Path:
+    steps = [m["step"] for m in metrics if "loss" in m]
+    loss = [m["loss"] for m in metrics if "loss" in m]
+    evals = [(m["step"], m["val_loss"]) for m in metrics if "val_loss" in m]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, loss, label="train")
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/byte)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def expert_load_heatmap(load: list[list[float]], path: str | Path, title: str = "") -> Path:
+    """load: [layers][experts] token counts."""
+    fig, ax = plt.subplots(figsize=(max(4, 0.25 * len(load[0]) + 2), 0.5 * len(load) + 1.5))
+    im = ax.imshow(load, aspect="auto", cmap="viridis")
+    ax.set_xlabel("logical expert")
+    ax.set_ylabel("MoE layer")
+    ax.set_title(title or "tokens per expert")
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
