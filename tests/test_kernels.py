@@ -112,9 +112,13 @@ def run_interpreter_checks() -> dict:
     from ray_moe.kernels.routing import pair_layout, pair_layout_reference, topk_softmax, topk_softmax_reference
 
     results: dict = {}
+    import dataclasses
+
+    split = dataclasses.replace(gs.default_plan(torch.float32, torch.device("cpu")), fused_dact=False)
     for name, args in INTERP_CASES.items():
         case = random_case(*args, torch.float32, "cpu", seed=11)
         results[f"expert_ffn/{name}"] = check_expert_ffn(case)
+        results[f"expert_ffn_split_dact/{name}"] = check_expert_ffn(case, plan=split)
         K, S = case["slot"].shape[1], case["w13"].shape[0]
         lay, ref = pair_layout(case["slot"], S), pair_layout_reference(case["slot"], S)
         results[f"pair_layout/{name}"] = all(torch.equal(a, b) for a, b in zip(lay, ref))
@@ -160,10 +164,11 @@ def interpreter_results() -> dict:
 
 @pytest.mark.parametrize("name", sorted(INTERP_CASES))
 def test_triton_expert_ffn_under_interpreter(interpreter_results, name):
-    errs = interpreter_results[f"expert_ffn/{name}"]
-    for key in ("out", "dx", "dweight", "dw13", "dw2"):
-        assert errs[key] < 1e-5, (key, errs)
-    assert errs["empty_slot_grad"] == 0.0
+    for variant in ("expert_ffn", "expert_ffn_split_dact"):
+        errs = interpreter_results[f"{variant}/{name}"]
+        for key in ("out", "dx", "dweight", "dw13", "dw2"):
+            assert errs[key] < 1e-5, (variant, key, errs)
+        assert errs["empty_slot_grad"] == 0.0, variant
     assert interpreter_results[f"pair_layout/{name}"]
     assert all(v < 1e-5 for v in interpreter_results[f"kernels/{name}"].values()), interpreter_results[f"kernels/{name}"]
 

@@ -71,16 +71,21 @@ def _tflops(flops: float, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12
 
 
-def expert_compute_rows(shape: LayerShape, inp: dict[str, torch.Tensor], warmup_ms: int, rep_ms: int) -> list[dict]:
-    """Expert GEMMs alone (no routing, no combine): grouped_mm on pre-permuted rows vs triton."""
+def expert_compute_rows(
+    shape: LayerShape, inp: dict[str, torch.Tensor], warmup_ms: int, rep_ms: int, plan: Any = None
+) -> list[dict]:
+    """Expert GEMMs alone (no routing, no combine): grouped_mm on pre-permuted rows vs triton
+    (``plan``: a KernelPlan, None → default)."""
     from ray_moe.experts import swiglu
     from ray_moe.kernels.grouped_swiglu import (
         dgrad_rows, down_scaled, gate_up_swiglu, grouped_wgrad, swiglu_backward_rows,
     )
+    from ray_moe.kernels.grouped_swiglu import default_plan
     from ray_moe.kernels.routing import pair_layout, pair_layout_reference
 
     x, w13, w2, slot, weight = inp["x"], inp["w13"], inp["w2"], inp["slot"], inp["weight"]
     K, E = shape.K, shape.E
+    plan = plan or default_plan(x.dtype, x.device)
     layout = pair_layout(slot, E)
     ref = pair_layout_reference(slot, E)
     if not all(torch.equal(a, b) for a, b in zip(layout, ref)):
@@ -101,15 +106,15 @@ def expert_compute_rows(shape: LayerShape, inp: dict[str, torch.Tensor], warmup_
         torch.autograd.grad(mm_fwd(), (xs, w13g, w2g), gy)
 
     def tr_fwd():
-        act, h13 = gate_up_swiglu(x, layout, K, w13, save_preact=True)
-        return down_scaled(act, layout, K, weight, w2), h13
+        act, h13 = gate_up_swiglu(x, layout, K, w13, save_preact=True, cfg=plan.gate_up)
+        return down_scaled(act, layout, K, weight, w2, cfg=plan.down), h13
 
     def tr_fwd_bwd():
         _, h13 = tr_fwd()
-        dh13, aw, _ = swiglu_backward_rows(go, layout, K, weight, w2, h13)
-        dgrad_rows(dh13, layout, K, w13)
-        grouped_wgrad(x, dh13, layout, K, gather_a=True, gather_b=False, role="wgrad13")
-        grouped_wgrad(aw, go, layout, K, gather_a=False, gather_b=True, role="wgrad2")
+        dh13, aw, _ = swiglu_backward_rows(go, layout, K, weight, w2, h13, cfg=plan.dact, fused=plan.fused_dact)
+        dgrad_rows(dh13, layout, K, w13, cfg=plan.dx)
+        grouped_wgrad(x, dh13, layout, K, gather_a=True, gather_b=False, cfg=plan.wgrad13)
+        grouped_wgrad(aw, go, layout, K, gather_a=False, gather_b=True, cfg=plan.wgrad2)
 
     fl = shape.fwd_flops
     out = []
@@ -129,9 +134,17 @@ def expert_compute_rows(shape: LayerShape, inp: dict[str, torch.Tensor], warmup_
     return out
 
 
-def expert_ffn_rows(shape: LayerShape, inp: dict[str, torch.Tensor], warmup_ms: int, rep_ms: int) -> list[dict]:
+def expert_ffn_rows(
+    shape: LayerShape, inp: dict[str, torch.Tensor], warmup_ms: int, rep_ms: int, plan: Any = None
+) -> list[dict]:
     """The expert side of a layer end to end (layout/permutation + GEMMs + combine)."""
     from ray_moe.experts import expert_ffn
+    from ray_moe.kernels.expert_ffn import expert_ffn_triton
+
+    def run(impl: str, *args: torch.Tensor) -> torch.Tensor:
+        if impl == "triton":
+            return expert_ffn_triton(*args, plan=plan)
+        return expert_ffn(*args, impl=impl)
 
     x = inp["x"].detach().requires_grad_()
     weight = inp["weight"].detach().requires_grad_()
@@ -143,10 +156,10 @@ def expert_ffn_rows(shape: LayerShape, inp: dict[str, torch.Tensor], warmup_ms: 
     for impl in ("grouped_mm", "triton"):
         def fwd(impl=impl):
             with torch.no_grad():
-                return expert_ffn(x, slot, weight, w13, w2, impl=impl)
+                return run(impl, x, slot, weight, w13, w2)
 
         def fwd_bwd(impl=impl):
-            y = expert_ffn(x, slot, weight, w13, w2, impl=impl)
+            y = run(impl, x, slot, weight, w13, w2)
             torch.autograd.grad(y, (x, weight, w13, w2), go)
 
         for phase, fn, flops in (("fwd", fwd, shape.fwd_flops), ("fwd+bwd", fwd_bwd, 3 * shape.fwd_flops)):
@@ -196,50 +209,73 @@ def routing_rows(shape: LayerShape, inp: dict[str, torch.Tensor], warmup_ms: int
     ]
 
 
-def kernel_rows(shape: LayerShape, inp: dict[str, torch.Tensor], warmup_ms: int, rep_ms: int, sweep: bool) -> list[dict]:
-    """Each Triton GEMM alone, with its default tiles and (``sweep``) a few alternatives."""
+def sweep_candidates(role: str) -> list[tuple[Any, bool]]:
+    """(GemmConfig, fused_dact) alternatives timed by ``--sweep`` for one GEMM role."""
+    from ray_moe.kernels.grouped_swiglu import GemmConfig as C
+
+    wide = [C(128, 256, 64, 8, 8, 3), C(128, 256, 64, 8, 8, 4), C(256, 128, 64, 8, 8, 3)]
+    return {
+        "gate_up": [(C(128, 128, 64, 8, 8, 3), False), (C(128, 128, 64, 16, 8, 3), False), (C(64, 128, 64, 8, 4, 4), False)],
+        "down": [(c, False) for c in wide],
+        "dact": [(C(128, 256, 64, 8, 8, 3), False), (C(128, 128, 64, 8, 8, 4), False),
+                 (C(128, 128, 64, 8, 8, 4), True), (C(128, 128, 64, 8, 8, 3), True)],
+        "dx": [(c, False) for c in wide],
+        "wgrad13": [(c, False) for c in [C(128, 128, 64, 8, 4, 4), C(128, 128, 64, 8, 4, 5), C(128, 128, 32, 8, 4, 6)] + wide],
+        "wgrad2": [(c, False) for c in [C(128, 128, 64, 8, 8, 4), C(128, 128, 64, 8, 4, 5), C(128, 128, 32, 8, 4, 6)] + wide],
+    }[role]
+
+
+def kernel_rows(
+    shape: LayerShape, inp: dict[str, torch.Tensor], warmup_ms: int, rep_ms: int, sweep: bool
+) -> tuple[list[dict], Any]:
+    """Each Triton GEMM alone with the default plan's tiles and (``sweep``) alternatives.
+
+    Returns the rows and the fastest KernelPlan found (the default plan without ``sweep``).
+    """
+    import dataclasses
+
     from ray_moe.kernels import grouped_swiglu as gs
     from ray_moe.kernels.routing import pair_layout
 
     x, w13, w2, slot, weight = inp["x"], inp["w13"], inp["w2"], inp["slot"], inp["weight"]
     K, E, P = shape.K, shape.E, shape.T * shape.K
+    plan = gs.default_plan(x.dtype, x.device)
     layout = pair_layout(slot, E)
-    act, h13 = gs.gate_up_swiglu(x, layout, K, w13, save_preact=True)
+    act, h13 = gs.gate_up_swiglu(x, layout, K, w13, save_preact=True, cfg=plan.gate_up)
     go = torch.randn_like(x)
-    dh13, aw, _ = gs.swiglu_backward_rows(go, layout, K, weight, w2, h13)
+    dh13, aw, _ = gs.swiglu_backward_rows(go, layout, K, weight, w2, h13, cfg=plan.dact, fused=plan.fused_dact)
     gemm = 2.0 * P * shape.H * shape.I  # one [P,H]x[H,I] product
-    roles: dict[str, tuple[Callable[[gs.GemmConfig | None], Any], float]] = {
-        "gate_up": (lambda c: gs.gate_up_swiglu(x, layout, K, w13, save_preact=True, cfg=c), 2 * gemm),
-        "down": (lambda c: gs.down_scaled(act, layout, K, weight, w2, cfg=c), gemm),
-        "dact": (lambda c: gs.swiglu_backward_rows(go, layout, K, weight, w2, h13, cfg=c), gemm),
-        "dx": (lambda c: gs.dgrad_rows(dh13, layout, K, w13, cfg=c), 2 * gemm),
-        "wgrad13": (lambda c: gs.grouped_wgrad(x, dh13, layout, K, True, False, "wgrad13", cfg=c), 2 * gemm),
-        "wgrad2": (lambda c: gs.grouped_wgrad(aw, go, layout, K, False, True, "wgrad2", cfg=c), gemm),
+    roles: dict[str, tuple[Callable[[Any, bool], Any], float]] = {
+        "gate_up": (lambda c, f: gs.gate_up_swiglu(x, layout, K, w13, save_preact=True, cfg=c), 2 * gemm),
+        "down": (lambda c, f: gs.down_scaled(act, layout, K, weight, w2, cfg=c), gemm),
+        "dact": (lambda c, f: gs.swiglu_backward_rows(go, layout, K, weight, w2, h13, cfg=c, fused=f), gemm),
+        "dx": (lambda c, f: gs.dgrad_rows(dh13, layout, K, w13, cfg=c), 2 * gemm),
+        "wgrad13": (lambda c, f: gs.grouped_wgrad(x, dh13, layout, K, True, False, cfg=c), 2 * gemm),
+        "wgrad2": (lambda c, f: gs.grouped_wgrad(aw, go, layout, K, False, True, cfg=c), gemm),
     }
-    alternatives = [
-        gs.GemmConfig(128, 128, 64, 8, 8, 4),
-        gs.GemmConfig(128, 256, 64, 8, 8, 3),
-        gs.GemmConfig(128, 128, 64, 8, 4, 4),
-        gs.GemmConfig(64, 256, 64, 8, 4, 4),
-        gs.GemmConfig(128, 128, 128, 8, 8, 2),
-    ] if sweep else []
     out = []
+    best: dict[str, tuple[float, Any, bool]] = {}
     for role, (fn, flops) in roles.items():
-        default = gs.default_config(role, x.dtype, x.device)
-        for cfg in [default] + [c for c in alternatives if c != default]:
-            if role == "gate_up" and cfg.block_n > 128:
-                continue  # two accumulators: 128x256 each does not fit the register file
+        default = (getattr(plan, role), plan.fused_dact if role == "dact" else False)
+        candidates = [default] + ([c for c in sweep_candidates(role) if c != default] if sweep else [])
+        for cfg, fused in candidates:
             try:
-                ms = _median_ms(lambda: fn(cfg), warmup_ms, rep_ms)
+                ms = _median_ms(lambda: fn(cfg, fused), warmup_ms, rep_ms)
                 row = {"ms": ms, "TFLOP/s": _tflops(flops, ms)}
+                if role not in best or ms < best[role][0]:
+                    best[role] = (ms, cfg, fused)
             except Exception as exc:  # a config that fails to compile (shared memory) is reported, not fatal
                 row = {"error": f"{type(exc).__name__}: {str(exc)[:80]}"}
-            out.append({"section": "kernels", "what": f"{role} {_cfg_name(cfg)}{' (default)' if cfg == default else ''}", **row})
-    return out
+            tag = (" fused" if fused else " split") if role == "dact" else ""
+            out.append({"section": "kernels", "what": f"{role}{tag} {_cfg_name(cfg)}{' (default)' if (cfg, fused) == default else ''}", **row})
+    picked = dataclasses.replace(
+        plan, **{r: best[r][1] for r in best}, fused_dact=best["dact"][2] if "dact" in best else plan.fused_dact
+    )
+    return out, picked
 
 
 def _cfg_name(cfg: Any) -> str:
-    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} g{cfg.group_m} w{cfg.num_warps} s{cfg.num_stages}"
 
 
 def saved_bytes_rows(shape: LayerShape, inp: dict[str, torch.Tensor]) -> list[dict]:
@@ -294,8 +330,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup-ms", type=int, default=100)
     p.add_argument("--rep-ms", type=int, default=400)
-    p.add_argument("--sections", default="expert,ffn,routing,kernels,saved",
-                   help="comma list of expert,ffn,routing,kernels,saved")
+    p.add_argument("--sections", default="kernels,expert,ffn,routing,saved",
+                   help="comma list of kernels,expert,ffn,routing,saved (kernels runs first; with --sweep"
+                   " the fastest tiles it finds are used by expert and ffn)")
     p.add_argument("--sweep", action="store_true", help="time alternative tile configs per kernel")
     p.add_argument("--json", default=None, help="write the rows and the setup here")
     return p.parse_args(argv)
@@ -312,11 +349,17 @@ def main(argv: list[str]) -> int:
     inp = make_inputs(shape, device, getattr(torch, args.dtype), args.seed)
     sections = set(args.sections.split(","))
     rows: list[dict] = []
+    plan = None
+    if "kernels" in sections:
+        new, plan = kernel_rows(shape, inp, args.warmup_ms, args.rep_ms, args.sweep)
+        _print_table(new)
+        print(f"plan used below: {plan}\n", flush=True)
+        rows += new
+        rows.append({"section": "plan", "what": repr(plan)})
     steps = [
-        ("expert", lambda: expert_compute_rows(shape, inp, args.warmup_ms, args.rep_ms)),
-        ("ffn", lambda: expert_ffn_rows(shape, inp, args.warmup_ms, args.rep_ms)),
+        ("expert", lambda: expert_compute_rows(shape, inp, args.warmup_ms, args.rep_ms, plan)),
+        ("ffn", lambda: expert_ffn_rows(shape, inp, args.warmup_ms, args.rep_ms, plan)),
         ("routing", lambda: routing_rows(shape, inp, args.warmup_ms, args.rep_ms)),
-        ("kernels", lambda: kernel_rows(shape, inp, args.warmup_ms, args.rep_ms, args.sweep)),
         ("saved", lambda: saved_bytes_rows(shape, inp)),
     ]
     for name, step in steps:

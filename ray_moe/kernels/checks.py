@@ -57,14 +57,16 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return num / den if den > 0 else num
 
 
-def check_expert_ffn(case: dict[str, torch.Tensor], seed: int = 1) -> dict[str, float]:
+def check_expert_ffn(case: dict[str, torch.Tensor], seed: int = 1, plan=None) -> dict[str, float]:
     """Relative errors of the triton path vs the float64 loop reference: out, x, weight, w13, w2;
-    plus ``empty_slot_grad``: max |dW| over slots with no valid pair (must be exactly 0)."""
+    plus ``empty_slot_grad``: max |dW| over slots with no valid pair (must be exactly 0).
+    ``plan``: a :class:`ray_moe.kernels.grouped_swiglu.KernelPlan` (None → the default)."""
     from ray_moe.experts import expert_ffn
+    from ray_moe.kernels.expert_ffn import expert_ffn_triton
 
     names = ("x", "weight", "w13", "w2")
     leaves = {n: case[n].detach().clone().requires_grad_() for n in names}
-    out = expert_ffn(leaves["x"], case["slot"], leaves["weight"], leaves["w13"], leaves["w2"], impl="triton")
+    out = expert_ffn_triton(leaves["x"], case["slot"], leaves["weight"], leaves["w13"], leaves["w2"], plan=plan)
     g = torch.Generator().manual_seed(seed)
     grad_out = torch.randn(out.shape, generator=g).to(device=out.device, dtype=out.dtype)
     grads = torch.autograd.grad(out, [leaves[n] for n in names], grad_out)

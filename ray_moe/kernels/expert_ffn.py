@@ -16,6 +16,8 @@ import torch
 
 from ray_moe.kernels.gather_sum import gather_sum
 from ray_moe.kernels.grouped_swiglu import (
+    KernelPlan,
+    default_plan,
     dgrad_rows,
     down_scaled,
     gate_up_swiglu,
@@ -27,42 +29,46 @@ from ray_moe.kernels.routing import PairLayout, pair_layout
 
 class _ExpertFFN(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, slot, weight, w13, w2):
+    def forward(ctx, x, slot, weight, w13, w2, plan):
         R, K = slot.shape
         layout = pair_layout(slot, w13.shape[0])
         needs_grad = any(ctx.needs_input_grad)
-        act, h13 = gate_up_swiglu(x, layout, K, w13, save_preact=needs_grad)
-        y = down_scaled(act, layout, K, weight, w2)
+        act, h13 = gate_up_swiglu(x, layout, K, w13, save_preact=needs_grad, cfg=plan.gate_up)
+        y = down_scaled(act, layout, K, weight, w2, cfg=plan.down)
         del act
         out = gather_sum(y, layout, K)
         if needs_grad:
             ctx.save_for_backward(x, weight, w13, w2, h13, *layout)
         ctx.top_k = K
+        ctx.plan = plan
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, w13, w2, h13, *layout_t = ctx.saved_tensors
         layout = PairLayout(*layout_t)
-        K = ctx.top_k
+        K, plan = ctx.top_k, ctx.plan
         grad_out = grad_out.contiguous()
-        dh13, aw, dw_pos = swiglu_backward_rows(grad_out, layout, K, weight, w2, h13)
+        dh13, aw, dw_pos = swiglu_backward_rows(
+            grad_out, layout, K, weight, w2, h13, cfg=plan.dact, fused=plan.fused_dact
+        )
         dx = dw13 = dw2 = dweight = None
         if ctx.needs_input_grad[0]:
-            dx = gather_sum(dgrad_rows(dh13, layout, K, w13), layout, K)
+            dx = gather_sum(dgrad_rows(dh13, layout, K, w13, cfg=plan.dx), layout, K)
         if ctx.needs_input_grad[2]:
             n_valid = layout.offsets[-1]
             pos = layout.pair_pos.long()
             dweight = torch.where(pos < n_valid, dw_pos[pos], 0.0).reshape(weight.shape)
         if ctx.needs_input_grad[3]:
-            dw13 = grouped_wgrad(x, dh13, layout, K, gather_a=True, gather_b=False, role="wgrad13")
+            dw13 = grouped_wgrad(x, dh13, layout, K, gather_a=True, gather_b=False, role="wgrad13", cfg=plan.wgrad13)
         if ctx.needs_input_grad[4]:
-            dw2 = grouped_wgrad(aw, grad_out, layout, K, gather_a=False, gather_b=True, role="wgrad2")
-        return dx, None, dweight, dw13, dw2
+            dw2 = grouped_wgrad(aw, grad_out, layout, K, gather_a=False, gather_b=True, role="wgrad2", cfg=plan.wgrad2)
+        return dx, None, dweight, dw13, dw2, None
 
 
 def expert_ffn_triton(
-    x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+    plan: KernelPlan | None = None,
 ) -> torch.Tensor:
     """Weighted SwiGLU experts over received rows, fused Triton kernels (sync-free, graph-capturable).
 
@@ -71,6 +77,7 @@ def expert_ffn_triton(
         slot: int32/int64 [R, K] local slot per (row, k), -1 where that k is not for this rank.
         weight: float32 [R, K] routing weights (0 where slot is -1).
         w13: [S, H, 2I] gate|up weights (x.dtype); w2: [S, I, H] (x.dtype).
+        plan: tiles per GEMM (None → :func:`default_plan` for x's dtype and device).
     Returns:
         [R, H] in x.dtype: sum_k weight[r,k] * (silu(x[r] @ gate_s) * (x[r] @ up_s)) @ w2_s over valid k.
         Differentiable w.r.t. x, weight, w13, w2 (slots with no pairs get exactly zero weight grads).
@@ -92,4 +99,5 @@ def expert_ffn_triton(
     devices = {t.device for t in (x, slot, weight, w13, w2)}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    return _ExpertFFN.apply(x.contiguous(), slot.contiguous(), weight.contiguous(), w13, w2)
+    plan = plan or default_plan(x.dtype, x.device)
+    return _ExpertFFN.apply(x.contiguous(), slot.contiguous(), weight.contiguous(), w13, w2, plan)

@@ -54,15 +54,44 @@ class GemmConfig:
 def default_config(role: str, dtype: torch.dtype, device: torch.device) -> GemmConfig:
     """Tile choice per GEMM role (gate_up, down, dact, dx, wgrad13, wgrad2).
 
-    Small tiles on the CPU interpreter and for float32 (tests); Hopper-sized tiles for bf16/fp16.
+    Small tiles on the CPU interpreter and for float32 (tests); for bf16/fp16 the best of the
+    sweep on one H200 (docs/BENCHMARKS.md, T=32768 H=4096 I=1536 E=64 K=8).
     """
     if device.type != "cuda" or dtype == torch.float32:
         return GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=2)
-    if role == "gate_up":  # two 128x128 accumulators
-        return GemmConfig(128, 128, 64, 8, 8, 3)
-    if role in ("wgrad13", "wgrad2"):
-        return GemmConfig(128, 256, 64, 8, 8, 3)
-    return GemmConfig(128, 256, 64, 8, 8, 3)
+    return {
+        "gate_up": GemmConfig(128, 128, 64, 8, 8, 3),  # two 128x128 accumulators
+        "down": GemmConfig(128, 256, 64, 8, 8, 3),
+        "dact": GemmConfig(128, 256, 64, 8, 8, 3),  # split: plain GEMM, then the elementwise kernel
+        "dact_fused": GemmConfig(128, 128, 64, 8, 8, 4),
+        "dx": GemmConfig(128, 256, 64, 8, 8, 3),
+        "wgrad13": GemmConfig(128, 128, 64, 8, 4, 4),
+        "wgrad2": GemmConfig(128, 128, 64, 8, 8, 4),
+    }[role]
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """Tiles of every GEMM of one expert_ffn call, and whether the SwiGLU backward is fused into
+    the dact GEMM's epilogue (one kernel) or run as GEMM + elementwise kernel (two)."""
+
+    gate_up: GemmConfig
+    down: GemmConfig
+    dact: GemmConfig
+    dx: GemmConfig
+    wgrad13: GemmConfig
+    wgrad2: GemmConfig
+    fused_dact: bool = False
+
+
+def default_plan(dtype: torch.dtype, device: torch.device) -> KernelPlan:
+    """The plan used when none is given."""
+    fused = device.type != "cuda" or dtype == torch.float32  # the interpreter tests the fused epilogue
+    roles = ("gate_up", "down", "dact", "dx", "wgrad13", "wgrad2")
+    cfgs = {r: default_config(r, dtype, device) for r in roles}
+    if fused:
+        cfgs["dact"] = default_config("dact_fused", dtype, device)
+    return KernelPlan(**cfgs, fused_dact=fused)
 
 
 @triton.jit
@@ -216,6 +245,39 @@ def _grouped_wgrad_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _swiglu_bwd_rows_kernel(
+    g_ptr, h13_ptr, weight_ptr, sorted_pair_ptr, n_valid_ptr, dh13_ptr, aw_ptr, dw_ptr, n_pos, I,
+    BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr,
+):
+    """Per position p < n_valid, from G = grad_out[row] @ w2_s^T [P, I] and h13 = g|u [P, 2I]:
+    dh13 = weight * (dG * u * silu'(g) | dG * silu(g)), aw = weight * a, dw[p] = <a, G>.
+    dw is written for every p (0 past n_valid); dh13 / aw only for valid rows."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    n_valid = tl.load(n_valid_ptr)
+    ok = rows < n_valid
+    pair = tl.load(sorted_pair_ptr + rows, mask=ok, other=0)
+    w = tl.load(weight_ptr + pair, mask=ok, other=0.0)
+    r64 = rows.to(tl.int64)
+    dw = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for c0 in range(0, I, BLOCK_I):
+        cols = c0 + tl.arange(0, BLOCK_I)
+        m = ok[:, None] & (cols < I)[None, :]
+        g = tl.load(g_ptr + r64[:, None] * I + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        gate = tl.load(h13_ptr + r64[:, None] * (2 * I) + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        up = tl.load(h13_ptr + r64[:, None] * (2 * I) + I + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        silu = gate * sig
+        act = silu * up
+        dw += tl.sum(act * g, axis=1)
+        d_act = g * w[:, None]
+        tl.store(dh13_ptr + r64[:, None] * (2 * I) + cols[None, :],
+                 (d_act * up * sig * (1.0 + gate * (1.0 - sig))).to(dh13_ptr.dtype.element_ty), mask=m)
+        tl.store(dh13_ptr + r64[:, None] * (2 * I) + I + cols[None, :], (d_act * silu).to(dh13_ptr.dtype.element_ty), mask=m)
+        tl.store(aw_ptr + r64[:, None] * I + cols[None, :], (act * w[:, None]).to(aw_ptr.dtype.element_ty), mask=m)
+    tl.store(dw_ptr + rows, dw, mask=rows < n_pos)
+
+
 # ---------------------------------------------------------------------------------------------
 # launchers
 # ---------------------------------------------------------------------------------------------
@@ -342,17 +404,19 @@ def down_scaled(
 
 def swiglu_backward_rows(
     grad_out: torch.Tensor, layout: PairLayout, top_k: int, weight: torch.Tensor, w2: torch.Tensor,
-    h13: torch.Tensor, cfg: GemmConfig | None = None,
+    h13: torch.Tensor, cfg: GemmConfig | None = None, fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward through the down GEMM and SwiGLU, per position.
 
     With G[p] = grad_out[row(p)] @ w2_s^T and a = silu(g) * u recomputed from h13:
     dh13[p] = weight * (dg | du), aw[p] = weight * a, and d_weight_pos[p] = <a, G>
     (= <grad_out[row], a @ w2_s>, the router-weight gradient).
+    ``fused``: SwiGLU backward in the GEMM epilogue (one kernel) or a separate elementwise kernel
+    over G stored in grad_out.dtype (two kernels); None → the default plan's choice.
 
     Args: grad_out [R, H]; weight float32 [R, K]; w2 [S, I, H]; h13 [R*K, 2I] saved pre-activations.
     Returns: dh13 [R*K, 2I], aw [R*K, I] (grad_out.dtype), d_weight_pos float32 [R*K]
-        (valid positions only; rows past offsets[S] unset / 0).
+        (0 past offsets[S]; dh13 / aw rows past it are unset).
     """
     _check_matrix("grad_out", grad_out)
     _check_same("grad_out", grad_out, "w2", w2)
@@ -364,18 +428,34 @@ def swiglu_backward_rows(
     if grad_out.shape[1] != H:
         raise ValueError(f"grad_out must have H={H} columns, got {grad_out.shape[1]}")
     _check_layout(layout, S, P, grad_out.device)
-    cfg = cfg or default_config("dact", grad_out.dtype, grad_out.device)
+    if fused is None:
+        fused = default_plan(grad_out.dtype, grad_out.device).fused_dact
+    cfg = cfg or default_config("dact_fused" if fused else "dact", grad_out.dtype, grad_out.device)
     dh13 = torch.empty(P, 2 * I, dtype=grad_out.dtype, device=grad_out.device)
     aw = torch.empty(P, I, dtype=grad_out.dtype, device=grad_out.device)
-    n_tiles = triton.cdiv(I, cfg.block_n)
-    dw_part = torch.zeros(n_tiles, P, dtype=torch.float32, device=grad_out.device)
-    # B[k=h, n=i] = w2[s, i, h]
+    weight = weight.contiguous()
+    w2_t = (w2.stride(0), w2.stride(2), w2.stride(1))  # B[k=h, n=i] = w2[s, i, h]
+    if fused:
+        dw_part = torch.zeros(triton.cdiv(I, cfg.block_n), P, dtype=torch.float32, device=grad_out.device)
+        _launch_rows(
+            a=grad_out, b=w2, b_strides=w2_t, out=dh13, out2=aw, aux=h13, weight=weight, dw=dw_part,
+            layout=layout, top_k=top_k, gather_a=True, epilogue=EPI_SWIGLU_BWD.value, n_cols=I, kd=H, half=I, cfg=cfg,
+        )
+        return dh13, aw, dw_part.sum(0)
+    g = torch.empty(P, I, dtype=grad_out.dtype, device=grad_out.device)
     _launch_rows(
-        a=grad_out, b=w2, b_strides=(w2.stride(0), w2.stride(2), w2.stride(1)), out=dh13, out2=aw, aux=h13,
-        weight=weight.contiguous(), dw=dw_part,
-        layout=layout, top_k=top_k, gather_a=True, epilogue=EPI_SWIGLU_BWD.value, n_cols=I, kd=H, half=I, cfg=cfg,
+        a=grad_out, b=w2, b_strides=w2_t, out=g,
+        layout=layout, top_k=top_k, gather_a=True, epilogue=EPI_PLAIN.value, n_cols=I, kd=H, half=0, cfg=cfg,
     )
-    return dh13, aw, dw_part.sum(0)
+    dw_pos = torch.empty(P, dtype=torch.float32, device=grad_out.device)
+    if P:
+        block_i = min(256, triton.next_power_of_2(I))
+        block_r = max(1, 2048 // block_i)
+        _swiglu_bwd_rows_kernel[(triton.cdiv(P, block_r),)](
+            g, h13, weight, layout.sorted_pair, layout.offsets[-1:], dh13, aw, dw_pos, P, I,
+            BLOCK_R=block_r, BLOCK_I=block_i,
+        )
+    return dh13, aw, dw_pos
 
 
 def dgrad_rows(dh13: torch.Tensor, layout: PairLayout, top_k: int, w13: torch.Tensor, cfg: GemmConfig | None = None) -> torch.Tensor:

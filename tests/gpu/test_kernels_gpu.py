@@ -43,6 +43,20 @@ def test_expert_ffn_bf16_matches_reference(R, K, S, H, I, pattern, seed):
     assert errs["empty_slot_grad"] == 0.0, errs
 
 
+@pytest.mark.parametrize("fused_dact", [False, True])
+def test_expert_ffn_bf16_both_dact_variants(fused_dact):
+    import dataclasses
+
+    from ray_moe.kernels.grouped_swiglu import default_plan
+
+    plan = dataclasses.replace(default_plan(torch.bfloat16, torch.device("cuda")), fused_dact=fused_dact)
+    if fused_dact:
+        plan = dataclasses.replace(plan, dact=dataclasses.replace(plan.dact, block_n=128, num_stages=4))
+    errs = check_expert_ffn(random_case(700, 4, 8, 1024, 384, "random", torch.bfloat16, "cuda", 5), plan=plan)
+    for name in ("out", "dx", "dweight", "dw13", "dw2"):
+        assert errs[name] <= TOL, f"{name}: relative error {errs[name]:.3g} > {TOL} ({errs})"
+
+
 def test_pair_layout_and_topk_match_references():
     from ray_moe.kernels.routing import pair_layout, pair_layout_reference, topk_softmax, topk_softmax_reference
 

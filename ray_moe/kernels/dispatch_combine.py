@@ -1,0 +1,597 @@
+"""Triton kernels of the NVSHMEM transport: rank-dedup dispatch and combine over symmetric memory.
+
+Two persistent kernels, each run by a grid of ``G`` programs (G ≤ number of SMs, equal on every
+rank). Program ``p`` of every rank owns token chunk ``p`` of its own tokens
+(``[p*C, min((p+1)*C, T))``, ``C = max(1, ceil(T/G))``) and, on the receiving side, the rows that
+program ``p`` of each peer sent. That pairing lets each program signal and wait per chunk, so
+copy-out and reduction overlap with the peers' sends instead of waiting for a whole exchange.
+
+Symmetric memory (owned by :class:`ray_moe.comm.nvshmem.SymmetricBuffer`) holds, per channel,
+one *region* per source rank::
+
+    region = [chunk meta: G x (start, end, total, 0) int32, padded to CM_BYTES]
+             [rows:      T_cap x ROW_BYTES      (row j of the source's list for this rank)]
+             [row meta:  T_cap x 2*KMAX int32  (K slots, then K float32 weights as bits)]
+
+plus int64 words: ``flag[W, G]`` (arrivals per source and program), ``rsig[W]`` (arrivals of
+whole regions put by NVSHMEM on the remote path) and ``ack[W]`` (how many programs of each peer
+finished reading what this rank wrote: back-pressure before a region is overwritten).
+
+Every counter is cumulative. Each program keeps its own call counter ``ctr[p]`` (ordinary
+device memory), so no host value changes between calls and the kernels can be captured in a
+CUDA graph. Every spin is bounded by ``spin_limit`` iterations; on timeout the program writes a
+code into ``err`` and carries on (the data are then wrong, but nothing hangs), and the host checks
+``err`` outside the hot path (:meth:`SymmetricBuffer.check`).
+
+Error codes (``err[0]`` holds the largest, ``err[1]`` the peer rank involved):
+1 layout prefix (programs of this rank not co-resident), 2 back-pressure ack from a peer,
+3 rows from a peer (dispatch channel), 4 rows from a peer (combine channel).
+
+Pure-torch references of the layout sit beside the kernels (:func:`layout_reference`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# ----------------------------------------------------------------------------------- helpers
+
+
+@triton.jit
+def _wait_ge(ptr, target, spin_limit, err_ptr, code, peer):
+    """Spin (acquire, system scope) until *ptr >= target, at most spin_limit polls."""
+    v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+    i = 0
+    while (v < target) & (i < spin_limit):
+        v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+        i += 1
+    if v < target:
+        tl.atomic_max(err_ptr, code)
+        tl.atomic_xchg(err_ptr + 1, peer)
+
+
+@triton.jit
+def _signal(addr, value):
+    """Make this program's earlier stores visible, then add ``value`` at a (peer) address."""
+    tl.debug_barrier()
+    tl.atomic_add(addr.to(tl.pointer_type(tl.int64)), value, sem="release", scope="sys")
+
+
+@triton.jit
+def _column(mat, col_ids, d):
+    """mat[:, d] of an int tensor [R, W_PAD] as [R]."""
+    return tl.sum(tl.where(col_ids[None, :] == d, mat, 0), axis=1)
+
+
+@triton.jit
+def _chunk(T, pid, G: tl.constexpr):
+    C = tl.maximum((T + G - 1) // G, 1)
+    t0 = tl.minimum(pid * C, T)
+    t1 = tl.minimum(t0 + C, T)
+    return t0, t1
+
+
+# ----------------------------------------------------------------------------------- dispatch
+
+
+@triton.jit(do_not_specialize=["T", "me", "T_cap", "REGION", "spin_limit"])
+def _dispatch_kernel(
+    # source side
+    x_ptr, dest_rank_ptr, dest_slot_ptr, weight_ptr, T,
+    pos_ptr,  # int32 [T, W] row of each token in each destination's list (-1: not sent)
+    smeta_ptr,  # int32 [G, W, 4] (start, end, total, 0) of each chunk per destination
+    scnt_ptr, sflag_ptr,  # int32 [G, W], int32 [G]: layout scratch (this rank only)
+    # addresses (int64 tables indexed by peer)
+    dst_tbl,  # region this rank writes for peer d (peer pointer, or local staging on the remote path)
+    pflag_tbl,  # address of flag[me, 0] on peer d (peer path)
+    pack_tbl,  # address of ack[me] on peer s (peer path)
+    remote_tbl,  # int32 [W]: 1 = reach that peer with host-issued NVSHMEM puts
+    recv_base,  # int: address of this rank's region 0 (regions are REGION bytes apart)
+    flag_ptr, rsig_ptr, ack_ptr,  # int64 local words
+    # receiver outputs
+    out_x_ptr, out_slot_ptr, out_w_ptr,  # [W*T_cap, H], int32 [W*T_cap, K], f32 [W*T_cap, K]
+    rmeta_ptr,  # int32 [W, G, 4]: per source, the chunk meta that arrived
+    ctr_ptr, err_ptr,
+    me, T_cap, REGION, spin_limit,
+    W: tl.constexpr, W_PAD: tl.constexpr, H: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
+    KMAX: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+    CM_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
+    HAS_META: tl.constexpr, COMPUTE_LAYOUT: tl.constexpr, PHASE: tl.constexpr,
+    ZERO_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    ELEM = x_ptr.dtype.element_ty
+    ESIZE = ELEM.primitive_bitwidth // 8
+    n = tl.load(ctr_ptr + pid)
+    t0, t1 = _chunk(T, pid, G)
+    wcol = tl.arange(0, W_PAD)
+    kcol = tl.arange(0, K_PAD)
+    hcol = tl.arange(0, BLOCK_H)
+    rrow = tl.arange(0, BLOCK_R)
+    meta_base = CM_BYTES + T_cap.to(tl.int64) * ROW_BYTES
+    region_sz = REGION.to(tl.int64)
+
+    if PHASE % 2 == 1:
+        # ---------------- layout: this chunk's rows per destination, then a prefix over chunks
+        if COMPUTE_LAYOUT:
+            cnt = tl.zeros([W_PAD], dtype=tl.int32)
+            for tb in range(t0, t1, BLOCK_R):
+                r = tb + rrow
+                dr = tl.load(dest_rank_ptr + r[:, None] * K + kcol[None, :],
+                             mask=(r[:, None] < t1) & (kcol[None, :] < K), other=-1)
+                hit = tl.max((dr[:, :, None] == wcol[None, None, :]).to(tl.int32), axis=1)
+                cnt += tl.sum(hit, axis=0)
+            tl.store(scnt_ptr + pid * W + wcol, cnt, mask=wcol < W)
+            tl.debug_barrier()
+            tl.atomic_xchg(sflag_ptr + pid, n + 1, sem="release", scope="gpu")
+            # every program of this rank is resident (G <= SMs), so this wait is bounded
+            gq = tl.arange(0, G_PAD)
+            fl = tl.atomic_add(sflag_ptr + gq, 0, mask=gq < G, sem="acquire", scope="gpu")
+            fl = tl.where(gq < G, fl, n + 1)
+            i = 0
+            while (tl.min(fl, axis=0) < n + 1) & (i < spin_limit):
+                fl = tl.atomic_add(sflag_ptr + gq, 0, mask=gq < G, sem="acquire", scope="gpu")
+                fl = tl.where(gq < G, fl, n + 1)
+                i += 1
+            if tl.min(fl, axis=0) < n + 1:
+                tl.atomic_max(err_ptr, 1)
+                tl.atomic_xchg(err_ptr + 1, me)
+            tl.debug_barrier()
+            allc = tl.load(scnt_ptr + gq[:, None] * W + wcol[None, :],
+                           mask=(gq[:, None] < G) & (wcol[None, :] < W), other=0, cache_modifier=".cg")
+            start = tl.sum(tl.where(gq[:, None] < pid, allc, 0), axis=0)
+            total = tl.sum(allc, axis=0)
+            sm = smeta_ptr + pid * W * 4 + wcol * 4
+            tl.store(sm, start, mask=wcol < W)
+            tl.store(sm + 1, start + cnt, mask=wcol < W)
+            tl.store(sm + 2, total, mask=wcol < W)
+            tl.store(sm + 3, tl.zeros_like(total), mask=wcol < W)
+        else:
+            sm = smeta_ptr + pid * W * 4 + wcol * 4
+            start = tl.load(sm, mask=wcol < W, other=0)
+        # ---------------- back-pressure: every program of each peer read our previous writes
+        if n > 0:
+            for d in tl.static_range(W):
+                if d != me:
+                    _wait_ge(ack_ptr + d, n.to(tl.int64) * G, spin_limit, err_ptr, 2, d)
+            tl.debug_barrier()
+        # ---------------- rows (and their slots/weights) to every destination, once per rank
+        running = start
+        for tb in range(t0, t1, BLOCK_R):
+            r = tb + rrow
+            rmask = r < t1
+            if COMPUTE_LAYOUT:
+                dr = tl.load(dest_rank_ptr + r[:, None] * K + kcol[None, :],
+                             mask=rmask[:, None] & (kcol[None, :] < K), other=-1)
+                hit = tl.max((dr[:, :, None] == wcol[None, None, :]).to(tl.int32), axis=1)
+                posm = tl.where(hit > 0, running[None, :] + tl.cumsum(hit, axis=0) - hit, -1)
+                running += tl.sum(hit, axis=0)
+                tl.store(pos_ptr + r[:, None] * W + wcol[None, :], posm,
+                         mask=rmask[:, None] & (wcol[None, :] < W))
+            else:
+                posm = tl.load(pos_ptr + r[:, None] * W + wcol[None, :],
+                               mask=rmask[:, None] & (wcol[None, :] < W), other=-1)
+            if HAS_META:
+                dr = tl.load(dest_rank_ptr + r[:, None] * K + kcol[None, :],
+                             mask=rmask[:, None] & (kcol[None, :] < K), other=-1)
+                ds = tl.load(dest_slot_ptr + r[:, None] * K + kcol[None, :],
+                             mask=rmask[:, None] & (kcol[None, :] < K), other=-1)
+                wt = tl.load(weight_ptr + r[:, None] * K + kcol[None, :],
+                             mask=rmask[:, None] & (kcol[None, :] < K), other=0.0)
+            for hb in tl.static_range(0, H, BLOCK_H):
+                h = hb + hcol
+                hm = h < H
+                xt = tl.load(x_ptr + r[:, None].to(tl.int64) * H + h[None, :],
+                             mask=rmask[:, None] & hm[None, :], other=0.0)
+                for d in tl.static_range(W):
+                    pd = _column(posm, wcol, d)
+                    ok = rmask & (pd >= 0)
+                    if d == me:
+                        dst = out_x_ptr + (me * T_cap + pd)[:, None].to(tl.int64) * H + h[None, :]
+                        tl.store(dst, xt, mask=ok[:, None] & hm[None, :])
+                    else:
+                        base = tl.load(dst_tbl + d)
+                        addr = base + CM_BYTES + pd[:, None].to(tl.int64) * ROW_BYTES + h[None, :] * ESIZE
+                        tl.store(addr.to(tl.pointer_type(ELEM)), xt, mask=ok[:, None] & hm[None, :])
+            if HAS_META:
+                kmask = kcol[None, :] < K
+                for d in tl.static_range(W):
+                    pd = _column(posm, wcol, d)
+                    ok = rmask & (pd >= 0)
+                    mine = dr == d
+                    slot = tl.where(mine, ds, -1)
+                    wgt = tl.where(mine, wt, 0.0)
+                    if d == me:
+                        row = (me * T_cap + pd)[:, None] * K + kcol[None, :]
+                        tl.store(out_slot_ptr + row, slot, mask=ok[:, None] & kmask)
+                        tl.store(out_w_ptr + row, wgt, mask=ok[:, None] & kmask)
+                    else:
+                        base = tl.load(dst_tbl + d)
+                        addr = base + meta_base + pd[:, None].to(tl.int64) * (8 * KMAX) + kcol[None, :] * 4
+                        tl.store(addr.to(tl.pointer_type(tl.int32)), slot, mask=ok[:, None] & kmask)
+                        tl.store((addr + 4 * KMAX).to(tl.pointer_type(tl.float32)), wgt,
+                                 mask=ok[:, None] & kmask)
+        # ---------------- chunk meta, then the arrival signal (peer path)
+        for d in tl.static_range(W):
+            if d != me:
+                smd = tl.load(smeta_ptr + pid * W * 4 + d * 4 + tl.arange(0, 4))
+                base = tl.load(dst_tbl + d)
+                tl.store((base + pid * 16 + tl.arange(0, 4) * 4).to(tl.pointer_type(tl.int32)), smd)
+        for d in tl.static_range(W):
+            if d != me:
+                if tl.load(remote_tbl + d) == 0:
+                    _signal(tl.load(pflag_tbl + d) + pid * 8, 1)
+
+    if PHASE >= 2:
+        tl.debug_barrier()
+        # ---------------- receive: wait for program pid of every source, copy rows out
+        for s in tl.static_range(W):
+            if s == me:
+                cm = tl.load(smeta_ptr + pid * W * 4 + me * 4 + tl.arange(0, 4))
+            else:
+                if tl.load(remote_tbl + s) == 0:
+                    _wait_ge(flag_ptr + s * G + pid, n.to(tl.int64) + 1, spin_limit, err_ptr, 3, s)
+                else:
+                    _wait_ge(rsig_ptr + s, n.to(tl.int64) + 1, spin_limit, err_ptr, 3, s)
+                tl.debug_barrier()
+                cm_addr = recv_base + s * region_sz + pid * 16 + tl.arange(0, 4) * 4
+                cm = tl.load(cm_addr.to(tl.pointer_type(tl.int32)), cache_modifier=".cg")
+            tl.store(rmeta_ptr + (s * G + pid) * 4 + tl.arange(0, 4), cm)
+            st = tl.sum(tl.where(tl.arange(0, 4) == 0, cm, 0), axis=0)
+            en = tl.sum(tl.where(tl.arange(0, 4) == 1, cm, 0), axis=0)
+            tot = tl.sum(tl.where(tl.arange(0, 4) == 2, cm, 0), axis=0)
+            region = recv_base + s * region_sz
+            if s != me:
+                for jb in range(st, en, BLOCK_R):
+                    j = jb + rrow
+                    jm = j < en
+                    out_row = (s * T_cap + j).to(tl.int64)
+                    for hb in tl.static_range(0, H, BLOCK_H):
+                        h = hb + hcol
+                        hm = h < H
+                        src = region + CM_BYTES + j[:, None].to(tl.int64) * ROW_BYTES + h[None, :] * ESIZE
+                        v = tl.load(src.to(tl.pointer_type(ELEM)), mask=jm[:, None] & hm[None, :],
+                                    cache_modifier=".cg")
+                        tl.store(out_x_ptr + out_row[:, None] * H + h[None, :], v, mask=jm[:, None] & hm[None, :])
+                    if HAS_META:
+                        kmask = kcol[None, :] < K
+                        maddr = region + meta_base + j[:, None].to(tl.int64) * (8 * KMAX) + kcol[None, :] * 4
+                        slot = tl.load(maddr.to(tl.pointer_type(tl.int32)), mask=jm[:, None] & kmask,
+                                       cache_modifier=".cg")
+                        wgt = tl.load((maddr + 4 * KMAX).to(tl.pointer_type(tl.float32)),
+                                      mask=jm[:, None] & kmask, cache_modifier=".cg")
+                        tl.store(out_slot_ptr + out_row[:, None] * K + kcol[None, :], slot, mask=jm[:, None] & kmask)
+                        tl.store(out_w_ptr + out_row[:, None] * K + kcol[None, :], wgt, mask=jm[:, None] & kmask)
+            # padding rows [tot, T_cap) of this source's block: striped over programs
+            nblk = (T_cap + BLOCK_R - 1) // BLOCK_R
+            b0 = tot // BLOCK_R
+            first = b0 + ((pid - b0) % G + G) % G
+            for b in range(first, nblk, G):
+                j = b * BLOCK_R + rrow
+                jm = (j >= tot) & (j < T_cap)
+                out_row = (s * T_cap + j).to(tl.int64)
+                if ZERO_PAD:
+                    for hb in tl.static_range(0, H, BLOCK_H):
+                        h = hb + hcol
+                        z = tl.zeros([BLOCK_R, BLOCK_H], dtype=ELEM)
+                        tl.store(out_x_ptr + out_row[:, None] * H + h[None, :], z,
+                                 mask=jm[:, None] & (h[None, :] < H))
+                if HAS_META:
+                    kmask = kcol[None, :] < K
+                    tl.store(out_slot_ptr + out_row[:, None] * K + kcol[None, :],
+                             tl.full([BLOCK_R, K_PAD], -1, tl.int32), mask=jm[:, None] & kmask)
+                    tl.store(out_w_ptr + out_row[:, None] * K + kcol[None, :],
+                             tl.zeros([BLOCK_R, K_PAD], dtype=tl.float32), mask=jm[:, None] & kmask)
+            if s != me:
+                if tl.load(remote_tbl + s) == 0:
+                    _signal(tl.load(pack_tbl + s), 1)
+        tl.store(ctr_ptr + pid, n + 1)
+
+
+# ----------------------------------------------------------------------------------- combine
+
+
+@triton.jit(do_not_specialize=["T", "me", "T_cap", "REGION", "spin_limit"])
+def _combine_kernel(
+    # expert side
+    src_ptr, side_ptr,  # [W*T_cap, H] rows to send back, float32 [W*T_cap, K] per-row side values
+    rmeta_ptr,  # int32 [W, G, 4] from the dispatch: which rows program pid received per source
+    dst_tbl, pflag_tbl, pack_tbl, remote_tbl, recv_base,
+    flag_ptr, rsig_ptr, ack_ptr,
+    # source side
+    pos_ptr, dest_rank_ptr, T,  # int32 [T, W], int32 [T, K]
+    out_ptr, gw_ptr,  # [T, H] sums, float32 [T, K] side values picked per k
+    ctr_ptr, err_ptr,
+    me, T_cap, REGION, spin_limit,
+    W: tl.constexpr, W_PAD: tl.constexpr, H: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
+    KMAX: tl.constexpr, G: tl.constexpr,
+    CM_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
+    HAS_META: tl.constexpr, PHASE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    ELEM = src_ptr.dtype.element_ty
+    ESIZE = ELEM.primitive_bitwidth // 8
+    n = tl.load(ctr_ptr + pid)
+    wcol = tl.arange(0, W_PAD)
+    kcol = tl.arange(0, K_PAD)
+    kmask = kcol[None, :] < K
+    hcol = tl.arange(0, BLOCK_H)
+    rrow = tl.arange(0, BLOCK_R)
+    meta_base = CM_BYTES + T_cap.to(tl.int64) * ROW_BYTES
+    region_sz = REGION.to(tl.int64)
+
+    if PHASE % 2 == 1:
+        if n > 0:
+            for d in tl.static_range(W):
+                if d != me:
+                    _wait_ge(ack_ptr + d, n.to(tl.int64) * G, spin_limit, err_ptr, 2, d)
+            tl.debug_barrier()
+        # ---------------- send back the rows program pid received from each source
+        for s in tl.static_range(W):
+            if s != me:
+                st = tl.load(rmeta_ptr + (s * G + pid) * 4)
+                en = tl.load(rmeta_ptr + (s * G + pid) * 4 + 1)
+                base = tl.load(dst_tbl + s)
+                for jb in range(st, en, BLOCK_R):
+                    j = jb + rrow
+                    jm = j < en
+                    in_row = (s * T_cap + j).to(tl.int64)
+                    for hb in tl.static_range(0, H, BLOCK_H):
+                        h = hb + hcol
+                        hm = h < H
+                        v = tl.load(src_ptr + in_row[:, None] * H + h[None, :], mask=jm[:, None] & hm[None, :])
+                        addr = base + CM_BYTES + j[:, None].to(tl.int64) * ROW_BYTES + h[None, :] * ESIZE
+                        tl.store(addr.to(tl.pointer_type(ELEM)), v, mask=jm[:, None] & hm[None, :])
+                    if HAS_META:
+                        sv = tl.load(side_ptr + in_row[:, None] * K + kcol[None, :], mask=jm[:, None] & kmask)
+                        addr = base + meta_base + j[:, None].to(tl.int64) * (8 * KMAX) + kcol[None, :] * 4
+                        tl.store(addr.to(tl.pointer_type(tl.float32)), sv, mask=jm[:, None] & kmask)
+                if tl.load(remote_tbl + s) == 0:
+                    _signal(tl.load(pflag_tbl + s) + pid * 8, 1)
+
+    if PHASE >= 2:
+        # ---------------- wait for program pid of every expert rank, then sum per token
+        for d in tl.static_range(W):
+            if d != me:
+                if tl.load(remote_tbl + d) == 0:
+                    _wait_ge(flag_ptr + d * G + pid, n.to(tl.int64) + 1, spin_limit, err_ptr, 4, d)
+                else:
+                    _wait_ge(rsig_ptr + d, n.to(tl.int64) + 1, spin_limit, err_ptr, 4, d)
+        tl.debug_barrier()
+        t0, t1 = _chunk(T, pid, G)
+        for tb in range(t0, t1, BLOCK_R):
+            r = tb + rrow
+            rmask = r < t1
+            posm = tl.load(pos_ptr + r[:, None] * W + wcol[None, :],
+                           mask=rmask[:, None] & (wcol[None, :] < W), other=-1)
+            for hb in tl.static_range(0, H, BLOCK_H):
+                h = hb + hcol
+                hm = h < H
+                acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+                for d in tl.static_range(W):
+                    pd = _column(posm, wcol, d)
+                    ok = (rmask & (pd >= 0))[:, None] & hm[None, :]
+                    if d == me:
+                        v = tl.load(src_ptr + (me * T_cap + pd)[:, None].to(tl.int64) * H + h[None, :],
+                                    mask=ok, other=0.0)
+                    else:
+                        addr = (recv_base + d * region_sz + CM_BYTES + pd[:, None].to(tl.int64) * ROW_BYTES
+                                + h[None, :] * ESIZE)
+                        v = tl.load(addr.to(tl.pointer_type(ELEM)), mask=ok, other=0.0, cache_modifier=".cg")
+                    acc += v.to(tl.float32)
+                tl.store(out_ptr + r[:, None].to(tl.int64) * H + h[None, :], acc.to(out_ptr.dtype.element_ty),
+                         mask=rmask[:, None] & hm[None, :])
+            if HAS_META:
+                dr = tl.load(dest_rank_ptr + r[:, None] * K + kcol[None, :], mask=rmask[:, None] & kmask, other=-1)
+                g = tl.zeros([BLOCK_R, K_PAD], dtype=tl.float32)
+                for d in tl.static_range(W):
+                    pd = _column(posm, wcol, d)
+                    ok = (rmask & (pd >= 0))[:, None] & kmask & (dr == d)
+                    if d == me:
+                        sv = tl.load(side_ptr + (me * T_cap + pd)[:, None].to(tl.int64) * K + kcol[None, :],
+                                     mask=ok, other=0.0)
+                    else:
+                        addr = recv_base + d * region_sz + meta_base + pd[:, None].to(tl.int64) * (8 * KMAX) + kcol[None, :] * 4
+                        sv = tl.load(addr.to(tl.pointer_type(tl.float32)), mask=ok, other=0.0, cache_modifier=".cg")
+                    g += sv
+                tl.store(gw_ptr + r[:, None] * K + kcol[None, :], g, mask=rmask[:, None] & kmask)
+        for d in tl.static_range(W):
+            if d != me:
+                if tl.load(remote_tbl + d) == 0:
+                    _signal(tl.load(pack_tbl + d), 1)
+        tl.store(ctr_ptr + pid, n + 1)
+
+
+# ----------------------------------------------------------------------------------- references
+
+
+def chunk_bounds(T: int, G: int) -> list[tuple[int, int]]:
+    """Token chunk of each program: [(t0, t1)] * G, as the kernels compute it."""
+    C = max(1, -(-T // G))
+    out = []
+    for p in range(G):
+        t0 = min(p * C, T)
+        out.append((t0, min(t0 + C, T)))
+    return out
+
+
+def layout_reference(dest_rank: torch.Tensor, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank-dedup layout of one source rank (pure torch; any device).
+
+    Args:
+        dest_rank: int [T, K] destination rank per (token, k).
+        world_size: W.
+    Returns:
+        pos: int32 [T, W]: row of token t in destination d's list (tokens in order), -1 if t does
+            not go to d; counts: int64 [W] rows per destination.
+    """
+    T = dest_rank.shape[0]
+    to_rank = torch.zeros(T, world_size, dtype=torch.bool, device=dest_rank.device)
+    if T:
+        to_rank.scatter_(1, dest_rank.long(), True)
+    csum = to_rank.long().cumsum(0) - to_rank.long()
+    pos = torch.where(to_rank, csum, -1).to(torch.int32)
+    return pos, to_rank.sum(0)
+
+
+# ----------------------------------------------------------------------------------- launchers
+
+
+def _pow2(n: int, floor: int = 2) -> int:
+    return max(floor, triton.next_power_of_2(max(int(n), 1)))
+
+
+class Geometry:
+    """Sizes shared by every rank of one symmetric buffer (kernel constants).
+
+    Attributes: world_size W, rank, capacity T_cap (rows per source region), hidden H,
+    kmax (row-meta width), num_programs G, cm_bytes, row_bytes, region_bytes.
+    """
+
+    def __init__(self, world_size: int, rank: int, capacity: int, hidden: int, elem_bytes: int,
+                 kmax: int, num_programs: int) -> None:
+        self.world_size, self.rank, self.capacity = world_size, rank, capacity
+        self.hidden, self.elem_bytes, self.kmax, self.num_programs = hidden, elem_bytes, kmax, num_programs
+        self.cm_bytes = -(-(num_programs * 16) // 256) * 256
+        self.row_bytes = -(-(hidden * elem_bytes) // 16) * 16
+        self.meta_bytes = 8 * kmax
+        self.region_bytes = -(-(self.cm_bytes + capacity * (self.row_bytes + self.meta_bytes)) // 256) * 256
+
+
+class ChannelAddrs:
+    """Addresses and words of one channel (dispatch-like or combine-like) on this rank.
+
+    dst_tbl/pflag_tbl/pack_tbl: int64 [W] device tables (see the kernels); remote_tbl int32 [W];
+    recv_base: int address of this rank's region 0; flag int64 [W*G], rsig int64 [W], ack int64 [W]
+    (symmetric words); ctr int32 [G] per-program call counters.
+    """
+
+    def __init__(self, dst_tbl, pflag_tbl, pack_tbl, remote_tbl, recv_base, flag, rsig, ack, ctr):
+        self.dst_tbl, self.pflag_tbl, self.pack_tbl, self.remote_tbl = dst_tbl, pflag_tbl, pack_tbl, remote_tbl
+        self.recv_base, self.flag, self.rsig, self.ack, self.ctr = recv_base, flag, rsig, ack, ctr
+
+
+class Tuning:
+    """Launch parameters (any value is correct; the benchmark picks the fastest)."""
+
+    def __init__(self, block_r: int = 8, block_h: int = 1024, num_warps: int = 8) -> None:
+        self.block_r, self.block_h, self.num_warps = block_r, block_h, num_warps
+
+    def as_dict(self) -> dict:
+        return {"block_r": self.block_r, "block_h": self.block_h, "num_warps": self.num_warps}
+
+
+def _check(t: torch.Tensor, name: str, shape: tuple, dtype=None, device=None) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def launch_dispatch(
+    geo: Geometry, ch: ChannelAddrs, x: torch.Tensor, pos: torch.Tensor, smeta: torch.Tensor,
+    out_x: torch.Tensor, rmeta: torch.Tensor, err: torch.Tensor, *, phase: int,
+    dest_rank: torch.Tensor | None = None, dest_slot: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None, out_slot: torch.Tensor | None = None,
+    out_w: torch.Tensor | None = None, scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+    compute_layout: bool = False, zero_pad: bool = True, spin_limit: int = 1 << 25,
+    tuning: Tuning | None = None,
+) -> None:
+    """Dispatch-like exchange: rows of x [T, H] go to out_x [W*T_cap, H] of their destinations.
+
+    With ``compute_layout`` (forward dispatch) the layout is derived from dest_rank int32 [T, K]
+    and written to pos int32 [T, W] and smeta int32 [G, W, 4]; otherwise both are read (the
+    backward of combine). With dest_slot/weight (int32/float32 [T, K]) the per-row meta goes to
+    out_slot int32 / out_w float32 [W*T_cap, K]. ``phase``: 1 send, 2 receive, 3 both.
+    """
+    tu = tuning or Tuning()
+    W, G, T_cap, H = geo.world_size, geo.num_programs, geo.capacity, geo.hidden
+    T = x.shape[0]
+    dev = x.device
+    _check(x, "x", (T, H), device=dev)
+    if x.element_size() > geo.elem_bytes:
+        raise TypeError(f"x of {x.dtype} needs {x.element_size()} bytes per element; the buffer "
+                        f"was sized for {geo.elem_bytes} (model.dtype)")
+    if T > T_cap:
+        raise ValueError(f"{T} tokens exceed the buffer capacity of {T_cap} per rank "
+                         "(train.batch_size * model.seq_len)")
+    _check(pos, "pos", (T, W), torch.int32, dev)
+    _check(smeta, "smeta", (G, W, 4), torch.int32, dev)
+    _check(out_x, "out_x", (W * T_cap, H), x.dtype, dev)
+    _check(rmeta, "rmeta", (W, G, 4), torch.int32, dev)
+    has_meta = weight is not None
+    K = dest_rank.shape[1] if dest_rank is not None else 1
+    if compute_layout or has_meta:
+        _check(dest_rank, "dest_rank", (T, K), torch.int32, dev)
+    if compute_layout and scratch is None:
+        raise ValueError("compute_layout needs the layout scratch tensors")
+    if has_meta:
+        if K > geo.kmax:
+            raise ValueError(f"top_k={K} exceeds the buffer's row-meta width {geo.kmax}")
+        _check(dest_slot, "dest_slot", (T, K), torch.int32, dev)
+        _check(weight, "weight", (T, K), torch.float32, dev)
+        _check(out_slot, "out_slot", (W * T_cap, K), torch.int32, dev)
+        _check(out_w, "out_w", (W * T_cap, K), torch.float32, dev)
+    dummy_i = pos
+    scnt, sflag = scratch if scratch is not None else (dummy_i, dummy_i)
+    _dispatch_kernel[(G,)](
+        x, dest_rank if dest_rank is not None else dummy_i, dest_slot if has_meta else dummy_i,
+        weight if has_meta else x, T, pos, smeta, scnt, sflag,
+        ch.dst_tbl, ch.pflag_tbl, ch.pack_tbl, ch.remote_tbl, ch.recv_base,
+        ch.flag, ch.rsig, ch.ack,
+        out_x, out_slot if has_meta else dummy_i, out_w if has_meta else x, rmeta,
+        ch.ctr, err, geo.rank, T_cap, geo.region_bytes, spin_limit,
+        W=W, W_PAD=_pow2(W), H=H, K=K, K_PAD=_pow2(K), KMAX=geo.kmax, G=G, G_PAD=_pow2(G),
+        CM_BYTES=geo.cm_bytes, ROW_BYTES=geo.row_bytes,
+        HAS_META=has_meta, COMPUTE_LAYOUT=compute_layout, PHASE=phase, ZERO_PAD=zero_pad,
+        BLOCK_R=tu.block_r, BLOCK_H=min(tu.block_h, _pow2(H)), num_warps=tu.num_warps,
+    )
+
+
+def launch_combine(
+    geo: Geometry, ch: ChannelAddrs, src: torch.Tensor, rmeta: torch.Tensor, pos: torch.Tensor,
+    out: torch.Tensor, err: torch.Tensor, *, phase: int, side: torch.Tensor | None = None,
+    dest_rank: torch.Tensor | None = None, gw: torch.Tensor | None = None,
+    spin_limit: int = 1 << 25, tuning: Tuning | None = None,
+) -> None:
+    """Combine-like exchange: rows src [W*T_cap, H] go back to their sources, summed per token.
+
+    out [T, H] (src dtype) gets sum over destinations d of the row token t had at d. With side
+    float32 [W*T_cap, K] and dest_rank int32 [T, K], gw float32 [T, K] gets side[row at
+    dest_rank[t, k], k] (the routing-weight gradient).
+    """
+    tu = tuning or Tuning()
+    W, G, T_cap, H = geo.world_size, geo.num_programs, geo.capacity, geo.hidden
+    T = out.shape[0]
+    dev = src.device
+    _check(src, "src", (W * T_cap, H), device=dev)
+    if src.element_size() > geo.elem_bytes:
+        raise TypeError(f"rows of {src.dtype} do not fit the buffer sized for {geo.elem_bytes}-byte elements")
+    _check(rmeta, "rmeta", (W, G, 4), torch.int32, dev)
+    _check(pos, "pos", (T, W), torch.int32, dev)
+    _check(out, "out", (T, H), src.dtype, dev)
+    has_meta = side is not None
+    K = 1
+    if has_meta:
+        K = side.shape[1]
+        if K > geo.kmax:
+            raise ValueError(f"top_k={K} exceeds the buffer's row-meta width {geo.kmax}")
+        _check(side, "side", (W * T_cap, K), torch.float32, dev)
+        _check(dest_rank, "dest_rank", (T, K), torch.int32, dev)
+        _check(gw, "gw", (T, K), torch.float32, dev)
+    _combine_kernel[(G,)](
+        src, side if has_meta else src, rmeta,
+        ch.dst_tbl, ch.pflag_tbl, ch.pack_tbl, ch.remote_tbl, ch.recv_base,
+        ch.flag, ch.rsig, ch.ack,
+        pos, dest_rank if has_meta else pos, T, out, gw if has_meta else out,
+        ch.ctr, err, geo.rank, T_cap, geo.region_bytes, spin_limit,
+        W=W, W_PAD=_pow2(W), H=H, K=K, K_PAD=_pow2(K), KMAX=geo.kmax, G=G,
+        CM_BYTES=geo.cm_bytes, ROW_BYTES=geo.row_bytes, HAS_META=has_meta, PHASE=phase,
+        BLOCK_R=tu.block_r, BLOCK_H=min(tu.block_h, _pow2(H)), num_warps=tu.num_warps,
+    )
