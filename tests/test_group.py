@@ -1,0 +1,340 @@
+"""Worker group: rank assignment (unit) and real groups on the session's two-node Ray cluster
+(two Ray nodes on one host, so they share an IP): topology, calls, execute, placement failures,
+clean-up."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from ray import cloudpickle  # the cloudpickle Ray serialises with
+import pytest
+
+from ray_moe.config import Config
+from ray_moe.topology import RankInfo, WorkerInfo, assign_ranks, node_of_rank
+
+# Functions sent with group.execute travel by value (workers cannot import this test module).
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+IP = "10.0.0.7"
+
+
+def w(node: str, gpus: tuple[int, ...] = (), pid: int = 0, ip: str = IP) -> WorkerInfo:
+    return WorkerInfo(node_id=node, ip=ip, hostname="host", pid=pid, gpu_ids=gpus)
+
+
+# =============================================================================== assign_ranks
+def test_assign_ranks_orders_by_node_then_gpu():
+    workers = [
+        w("node-b", (1,), pid=1),
+        w("node-a", (3,), pid=2),
+        w("node-b", (0,), pid=3),
+        w("node-a", (2,), pid=4),
+    ]
+    ranks = assign_ranks(workers)
+    assert len(ranks) == 4
+    # result[i] describes workers[i]
+    assert [r.pid for r in ranks] == [1, 2, 3, 4]
+    assert [r.rank for r in ranks] == [3, 1, 2, 0]
+    assert [r.node_rank for r in ranks] == [1, 0, 1, 0]
+    assert [r.local_rank for r in ranks] == [1, 1, 0, 0]
+    assert [r.gpu_id for r in ranks] == [1, 3, 0, 2]
+    assert all(r.local_world_size == 2 and r.num_nodes == 2 and r.world_size == 4 for r in ranks)
+    by_rank = sorted(ranks, key=lambda r: r.rank)
+    assert [(r.node_id, r.gpu_id) for r in by_rank] == [
+        ("node-a", 2), ("node-a", 3), ("node-b", 0), ("node-b", 1)]
+    assert node_of_rank(ranks) == [0, 0, 1, 1]
+
+
+def test_assign_ranks_uneven_nodes():
+    workers = [w("n2", (0,)), w("n1", (0,)), w("n1", (1,)), w("n1", (2,)), w("n3", (5,))]
+    ranks = sorted(assign_ranks(workers), key=lambda r: r.rank)
+    assert [r.node_id for r in ranks] == ["n1", "n1", "n1", "n2", "n3"]
+    assert [r.node_rank for r in ranks] == [0, 0, 0, 1, 2]
+    assert [r.local_rank for r in ranks] == [0, 1, 2, 0, 0]
+    assert [r.local_world_size for r in ranks] == [3, 3, 3, 1, 1]
+    assert {r.num_nodes for r in ranks} == {3}
+    assert [r.rank for r in ranks] == list(range(5))
+
+
+def test_assign_ranks_cpu_workers_keep_input_order_within_a_node():
+    workers = [w("y", pid=10), w("x", pid=11), w("y", pid=12), w("x", pid=13)]
+    ranks = assign_ranks(workers)
+    by_rank = sorted(ranks, key=lambda r: r.rank)
+    assert [r.pid for r in by_rank] == [11, 13, 10, 12]
+    assert all(r.gpu_id == -1 for r in ranks)
+    assert [r.local_rank for r in by_rank] == [0, 1, 0, 1]
+
+
+def test_assign_ranks_two_nodes_one_ip_are_distinct_nodes():
+    # Two Ray nodes on one host: same IP and hostname, different node ids, both with GPU 0.
+    workers = [w("ffff", (0,), pid=1), w("0000", (0,), pid=2)]
+    ranks = assign_ranks(workers)
+    assert ranks[0].ip == ranks[1].ip
+    assert {r.num_nodes for r in ranks} == {2}
+    assert (ranks[1].rank, ranks[1].node_rank, ranks[1].local_rank) == (0, 0, 0)
+    assert (ranks[0].rank, ranks[0].node_rank, ranks[0].local_rank) == (1, 1, 0)
+    assert all(r.local_world_size == 1 for r in ranks)
+
+
+def test_assign_ranks_different_ips_same_node_id_is_one_node():
+    ranks = assign_ranks([w("n", (0,), ip="1.1.1.1"), w("n", (1,), ip="2.2.2.2")])
+    assert {r.num_nodes for r in ranks} == {1}
+    assert [r.local_rank for r in ranks] == [0, 1]
+
+
+def test_assign_ranks_single_and_empty():
+    (only,) = assign_ranks([w("n", (4,))])
+    assert only == RankInfo(rank=0, world_size=1, node_id="n", node_rank=0, num_nodes=1,
+                            local_rank=0, local_world_size=1, ip=IP, hostname="host", pid=0,
+                            gpu_id=4)
+    assert only.to_dict()["gpu_id"] == 4
+    assert assign_ranks([]) == []
+
+
+# ============================================================================ real worker groups
+def where(worker, tag=None, *, scale=1):
+    """Runs on a worker: what it knows about itself and where it actually is."""
+    import ray
+    import torch.distributed as dist
+
+    return {
+        "rank": worker.rank_info.rank,
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "pid": os.getpid(),
+        "dist_rank": dist.get_rank(),
+        "dist_world": dist.get_world_size(),
+        "tag": tag,
+        "scaled": worker.rank_info.rank * scale,
+    }
+
+
+def all_reduce_ranks(worker):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(worker.rank_info.rank + 1)])
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def fail_on_rank(worker, bad_rank):
+    if worker.rank_info.rank == bad_rank:
+        raise ValueError(f"deliberate failure on rank {bad_rank}")
+    return worker.rank_info.rank
+
+
+def cfg_for(world_size: int, **parallel) -> Config:
+    p = {"world_size": world_size, "device": "cpu", "cpu_per_worker": 0.5, "startup_timeout_s": 60}
+    p.update(parallel)
+    # num_experts and batch_size must be multiples of world_size
+    return Config.from_dict({"parallel": p, "moe": {"num_experts": 2 * world_size, "top_k": 1},
+                             "train": {"batch_size": 2 * world_size}})
+
+
+def cluster_nodes():
+    import ray
+
+    return {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
+
+
+def live_pg_ids() -> set[str]:
+    from ray.util import placement_group_table
+
+    return {pid for pid, pg in placement_group_table().items() if pg["state"] != "REMOVED"}
+
+
+def wait_for(pred, timeout: float = 15.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.2)
+
+
+def available_cpu() -> float:
+    import ray
+
+    return ray.available_resources().get("CPU", 0.0)
+
+
+def test_strict_spread_two_ranks_on_two_nodes_same_ip(groups):
+    g = groups(2, "STRICT_SPREAD")
+    ranks = g.ranks
+    nodes = cluster_nodes()
+    assert len(nodes) == 2
+    assert [r.rank for r in ranks] == [0, 1]
+    assert len({r.node_id for r in ranks}) == 2
+    assert {r.node_id for r in ranks} == set(nodes)
+    assert ranks[0].ip == ranks[1].ip  # two Ray nodes on one host
+    assert [r.node_rank for r in ranks] == [0, 1]
+    assert [r.local_rank for r in ranks] == [0, 0]
+    assert [r.local_world_size for r in ranks] == [1, 1]
+    assert [r.num_nodes for r in ranks] == [2, 2] and g.num_nodes == 2
+    assert ranks[0].node_id < ranks[1].node_id  # node_rank follows node id order
+    assert all(r.gpu_id == -1 and r.world_size == 2 for r in ranks)
+    assert g.transport_name == "gloo"
+    # What the driver recorded is where the actors really run.
+    seen = g.execute(where)
+    assert [s["node_id"] for s in seen] == [r.node_id for r in ranks]
+    assert [s["pid"] for s in seen] == [r.pid for r in ranks]
+
+
+def test_ping_and_execute_in_rank_order(groups):
+    g = groups(2, "STRICT_SPREAD")
+    assert g.call("ping") == [0, 1]
+    out = g.execute(where, "t", scale=3)
+    assert [o["rank"] for o in out] == [0, 1]
+    assert [o["dist_rank"] for o in out] == [0, 1]  # rendezvous gave torch.distributed the same ranks
+    assert {o["dist_world"] for o in out} == {2}
+    assert {o["tag"] for o in out} == {"t"}
+    assert [o["scaled"] for o in out] == [0, 3]
+    assert len({o["pid"] for o in out}) == 2
+    # a collective across the two nodes works (gloo rendezvous through rank 0's TCP store)
+    assert g.execute(all_reduce_ranks) == [3.0, 3.0]
+    g.health_check(timeout=30)
+
+
+def test_execute_error_names_rank_and_group_survives(groups):
+    from ray_moe.group import WorkerFailure
+
+    g = groups(2, "STRICT_SPREAD")
+    with pytest.raises(WorkerFailure) as info:
+        g.execute(fail_on_rank, 1, timeout=60)
+    assert info.value.rank == 1 and info.value.cause == "error"
+    assert "rank 1" in str(info.value) and "deliberate failure on rank 1" in str(info.value)
+    assert g.call("ping") == [0, 1]
+
+
+@pytest.fixture(scope="module")
+def group4(ray_cluster):
+    """A W=4 group spread over both nodes, closed at the end of this module."""
+    from ray_moe.group import WorkerGroup
+
+    g = WorkerGroup(cfg_for(4, placement_strategy="SPREAD"))
+    yield g
+    g.close()
+
+
+def test_four_ranks_ordered_by_node(group4):
+    g = group4
+    ranks = g.ranks
+    assert [r.rank for r in ranks] == [0, 1, 2, 3]
+    assert g.num_nodes == 2  # SPREAD on an idle two-node cluster uses both nodes
+    node_ids = [r.node_id for r in ranks]
+    assert node_ids == sorted(node_ids)  # ranks follow node id order
+    assert [r.node_rank for r in ranks] == sorted(r.node_rank for r in ranks)
+    assert {r.node_rank for r in ranks} == {0, 1}
+    for node in set(node_ids):
+        local = [r for r in ranks if r.node_id == node]
+        assert [r.local_rank for r in local] == list(range(len(local)))
+        assert {r.local_world_size for r in local} == {len(local)}
+    assert len({r.ip for r in ranks}) == 1
+    assert g.call("ping") == [0, 1, 2, 3]
+    seen = g.execute(where)
+    assert [s["node_id"] for s in seen] == node_ids
+    assert [s["dist_rank"] for s in seen] == [0, 1, 2, 3]
+    assert g.execute(all_reduce_ranks) == [10.0] * 4
+
+
+# ------------------------------------------------------------------------ placement failures
+def test_world_size_beyond_cluster_cpus_fails_fast(ray_cluster):
+    from ray_moe.group import GroupError, WorkerGroup
+
+    total = cluster_cpus = sum(n["Resources"].get("CPU", 0) for n in cluster_nodes().values())
+    world = 32
+    assert world * 0.5 > total
+    before = live_pg_ids()
+    t0 = time.monotonic()
+    with pytest.raises(GroupError) as info:
+        WorkerGroup(cfg_for(world, startup_timeout_s=60))
+    elapsed = time.monotonic() - t0
+    msg = str(info.value)
+    assert elapsed < 10, f"took {elapsed:.1f}s; should fail before waiting for placement"
+    assert "CPU" in msg and "parallel.world_size=32" in msg
+    assert f"{world * 0.5:g} CPU" in msg and f"{cluster_cpus:g} CPU" in msg
+    assert live_pg_ids() == before  # nothing left behind
+
+
+def test_gpu_request_on_cpu_cluster_fails_fast(ray_cluster):
+    from ray_moe.group import GroupError, WorkerGroup
+
+    before = live_pg_ids()
+    t0 = time.monotonic()
+    with pytest.raises(GroupError) as info:
+        WorkerGroup(cfg_for(2, device="cuda", startup_timeout_s=60))
+    elapsed = time.monotonic() - t0
+    msg = str(info.value)
+    assert elapsed < 10, f"took {elapsed:.1f}s; should fail before waiting for placement"
+    assert "GPU" in msg and "0 GPU" in msg and "2 GPU" in msg
+    assert live_pg_ids() == before
+
+
+def test_unplaceable_strict_spread_times_out_clearly(ray_cluster):
+    from ray_moe.group import GroupError, WorkerGroup
+
+    cpu0 = available_cpu()
+    before = live_pg_ids()
+    timeout = 3.0
+    t0 = time.monotonic()
+    # 3 bundles, each on its own node, on a 2-node cluster: fits the totals, can never be placed.
+    with pytest.raises(GroupError) as info:
+        WorkerGroup(cfg_for(3, placement_strategy="STRICT_SPREAD", startup_timeout_s=timeout))
+    elapsed = time.monotonic() - t0
+    msg = str(info.value)
+    assert elapsed < timeout + 10, f"took {elapsed:.1f}s with startup_timeout_s={timeout}"
+    assert "STRICT_SPREAD" in msg and "parallel.startup_timeout_s=3" in msg
+    assert "not placed" in msg and "2 node(s)" in msg
+    # the pending placement group was removed and nothing is held
+    wait_for(lambda: live_pg_ids() == before, what="the pending placement group to be removed")
+    wait_for(lambda: available_cpu() == cpu0, what="CPUs to be available again")
+
+
+def test_bundle_bigger_than_any_node_times_out_clearly(ray_cluster):
+    from ray_moe.group import GroupError, WorkerGroup
+
+    per_node = max(n["Resources"].get("CPU", 0) for n in cluster_nodes().values())
+    cpu0 = available_cpu()
+    before = live_pg_ids()
+    cpus = per_node + 1  # less than the cluster total, more than any one node has
+    t0 = time.monotonic()
+    with pytest.raises(GroupError) as info:
+        WorkerGroup(cfg_for(1, cpu_per_worker=cpus, startup_timeout_s=2))
+    elapsed = time.monotonic() - t0
+    assert elapsed < 12
+    assert "not placed within parallel.startup_timeout_s=2" in str(info.value)
+    assert "CPU" in str(info.value)
+    wait_for(lambda: live_pg_ids() == before, what="the pending placement group to be removed")
+
+
+def test_close_removes_placement_group(ray_cluster):
+    from ray_moe.group import WorkerGroup
+
+    cpu0 = available_cpu()
+    before = live_pg_ids()
+    g = WorkerGroup(cfg_for(2, placement_strategy="STRICT_SPREAD"))
+    try:
+        assert g.call("ping") == [0, 1]
+        mine = live_pg_ids() - before
+        assert len(mine) == 1
+        wait_for(lambda: available_cpu() <= cpu0 - 1.0, what="the group's CPUs to be reserved")
+    finally:
+        g.close()
+    assert g.actors == []
+    wait_for(lambda: not (live_pg_ids() & mine), what="the placement group to be removed")
+    wait_for(lambda: available_cpu() == cpu0, what="CPUs to be available again")
+    g.close()  # idempotent
+
+
+def test_context_manager_closes(ray_cluster):
+    from ray_moe.group import WorkerGroup
+
+    cpu0 = available_cpu()
+    before = live_pg_ids()
+    with WorkerGroup(cfg_for(1)) as g:
+        assert g.call("ping") == [0]
+        assert g.ranks[0].num_nodes == 1 and g.ranks[0].local_world_size == 1
+        mine = live_pg_ids() - before
+    wait_for(lambda: not (live_pg_ids() & mine), what="the placement group to be removed")
+    wait_for(lambda: available_cpu() == cpu0, what="CPUs to be available again")
