@@ -1,0 +1,479 @@
+"""NVSHMEM transport: UID bootstrap across Ray actors, one symmetric-memory Buffer per worker,
+sync-free Triton dispatch/combine (:mod:`ray_moe.kernels.dispatch_combine`).
+
+Bootstrap: rank 0 calls :func:`create_unique_id` (128 bytes, broadcast by the driver through
+Ray); every rank then builds :class:`NVSHMEMTransport`, which calls ``nvshmem.core.init`` with
+that id and allocates one :class:`SymmetricBuffer`.
+
+The buffer is sized once for the worst case of rank-dedup traffic: every source may send each of
+its ``T_cap = train.batch_size * model.seq_len`` tokens to every rank, so each rank receives at
+most ``W * T_cap`` rows. Every layer and step reuses it.
+
+**Reuse hazard and how it is handled.** A layer's received rows are needed again in its
+backward, after later layers have dispatched through the same buffer. The receive kernels
+therefore *copy out* of symmetric memory into ordinary tensors (``recv_x``, the combine sums), as
+DeepEP does; the copy-out of the rows of chunk p overlaps with the peers still sending later
+chunks. The symmetric regions are then free: each receiving program acknowledges (a counter in
+the sender's memory) once it has read its rows, and a sender waits for all acknowledgements of
+call n-1 before it writes call n into a peer's region (back-pressure, bounded spin).
+
+**Peer path** (same node, the default): rows are stored straight into the peer's region through
+NVLink peer pointers (``nvshmem_ptr``) and arrival is signalled per (source, program) with
+release/acquire atomics.
+
+**Remote path** (peers on another node, or every peer with ``parallel.force_remote_path``): the
+send kernel writes each peer's rows into a local staging region; the host then enqueues one
+``nvshmemx_putmem_signal_on_stream`` per remote peer (whole region, signal += 1) and, after the
+receive kernel, ``nvshmemx_signal_op_on_stream`` for the acknowledgement. No host sync is needed:
+the put size is the region's capacity (the real row count lives on the device only), which
+costs bandwidth when traffic is far below capacity; the arrival counters are read in the kernel.
+
+No module-level mutable state: NVSHMEM's own process state is owned by the transport that
+initialised it (``close()`` finalizes it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ray_moe.comm.base import Layout, Transport
+from ray_moe.kernels.dispatch_combine import (
+    ChannelAddrs,
+    Geometry,
+    Tuning,
+    launch_combine,
+    launch_dispatch,
+)
+
+log = logging.getLogger(__name__)
+
+ERRORS = {
+    1: "the layout prefix timed out: not all programs of this rank were resident at once",
+    2: "a peer did not acknowledge the previous exchange (it is behind, hung or crashed)",
+    3: "rows of a dispatch did not arrive from a peer (it did not reach the same dispatch)",
+    4: "rows of a combine did not arrive from a peer (it did not reach the same combine)",
+}
+
+
+class NVSHMEMError(RuntimeError):
+    """NVSHMEM could not be imported or initialised, or a device-side wait timed out."""
+
+
+def _nvshmem_env() -> str:
+    env = {k: v for k, v in os.environ.items() if k.startswith("NVSHMEM_")}
+    return ", ".join(f"{k}={v}" for k, v in sorted(env.items())) or "none"
+
+
+def _import_nvshmem():
+    try:
+        import nvshmem.bindings as bindings
+        import nvshmem.core as core
+    except Exception as exc:  # ImportError, or the host library failing to load
+        raise NVSHMEMError(
+            f"could not import nvshmem4py ({type(exc).__name__}: {exc}); tried `import nvshmem.core` "
+            f"with NVSHMEM_* variables: {_nvshmem_env()}. Install it (pip install nvshmem4py-cu12/"
+            "cu13 and nvidia-nvshmem) or fall back with parallel.transport=nccl"
+        ) from exc
+    return core, bindings
+
+
+def create_unique_id(device: torch.device) -> bytes:
+    """Rank 0: NVSHMEM's unique id (128 bytes) for UID bootstrap."""
+    core, _ = _import_nvshmem()
+    import numpy as np
+
+    uid = core.get_unique_id()
+    return uid._data.view(np.int8).tobytes()
+
+
+def _uid_from_bytes(core, blob: bytes):
+    import numpy as np
+
+    uid = core.get_unique_id(empty=True)
+    view = uid._data.view(np.int8)
+    if view.nbytes != len(blob):
+        raise NVSHMEMError(f"bootstrap id has {len(blob)} bytes, NVSHMEM expects {view.nbytes}")
+    view[:] = np.frombuffer(blob, dtype=np.int8)
+    return uid
+
+
+class NVSHMEMRuntime:
+    """Owns NVSHMEM's process state: init on construction, finalize on close (if it initialised)."""
+
+    def __init__(self, device: torch.device, uid: bytes, rank: int, world_size: int) -> None:
+        self.core, self.bindings = _import_nvshmem()
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.owns = False
+        from cuda.core import Device
+
+        torch.cuda.set_device(device)
+        dev = Device(device.index if device.index is not None else torch.cuda.current_device())
+        dev.set_current()
+        try:
+            already = int(self.core.init_status()) >= 2  # NVSHMEM_STATUS_IS_INITIALIZED or later
+        except Exception:
+            already = False
+        if already:
+            return  # another owner in this process initialised it and will finalize it
+        try:
+            self.core.init(device=dev, uid=_uid_from_bytes(self.core, uid), rank=rank,
+                           nranks=world_size, initializer_method="uid")
+        except Exception as exc:
+            raise NVSHMEMError(
+                f"nvshmem.core.init(uid, rank={rank}, nranks={world_size}) failed on "
+                f"{torch.cuda.get_device_name(device)}: {type(exc).__name__}: {exc}. NVSHMEM_* "
+                f"variables: {_nvshmem_env()}. Every rank must call it with the id from rank 0; "
+                "fall back with parallel.transport=nccl"
+            ) from exc
+        self.owns = True
+
+    def stream(self) -> int:
+        return torch.cuda.current_stream().cuda_stream
+
+    def barrier(self) -> None:
+        self.core.barrier_all(stream=torch.cuda.current_stream())
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        """Zeroed symmetric bytes (collective: every rank allocates the same sizes in order)."""
+        t = self.core.tensor((nbytes,), dtype=torch.uint8)
+        t.zero_()
+        return t
+
+    def free(self, t: torch.Tensor) -> None:
+        self.core.free_tensor(t)
+
+    def peer_ptr(self, addr: int, pe: int) -> int:
+        """Address of symmetric ``addr`` on ``pe`` through load/store (0 when not reachable)."""
+        return int(self.bindings.ptr(addr, pe))
+
+    def put_signal(self, dst: int, src: int, nbytes: int, sig: int, value: int, pe: int) -> None:
+        b = self.bindings
+        b.putmem_signal_on_stream(dst, src, nbytes, sig, value, int(b.Signal_op.SIGNAL_ADD), pe, self.stream())
+
+    def signal_add(self, sig: int, value: int, pe: int) -> None:
+        b = self.bindings
+        b.signal_op_on_stream(sig, value, int(b.Signal_op.SIGNAL_ADD), pe, self.stream())
+
+    def close(self) -> None:
+        if self.owns:
+            self.core.finalize()
+            self.owns = False
+
+
+@dataclass
+class NVSHMEMLayout(Layout):
+    """Routing state of one dispatch.
+
+    pos int32 [T, W] (row of each token at each destination, -1 none), smeta int32 [G, W, 4]
+    (send chunk meta), rmeta int32 [W, G, 4] (received chunk meta), dest_rank int32 [T, K].
+    """
+
+    num_tokens: int
+    top_k: int
+    pos: torch.Tensor
+    smeta: torch.Tensor
+    rmeta: torch.Tensor
+    dest_rank: torch.Tensor
+
+
+class _Channel:
+    """Symmetric regions + words of one direction, and the device tables the kernels read."""
+
+    def __init__(self, rt: NVSHMEMRuntime, geo: Geometry, remote: list[bool], staging: bool) -> None:
+        W, G, me = geo.world_size, geo.num_programs, geo.rank
+        self.geo, self.remote = geo, remote
+        self.recv = rt.alloc(W * geo.region_bytes)
+        self.stage = rt.alloc(W * geo.region_bytes) if staging else None
+        self.words = rt.alloc(8 * (W * G + 2 * W)).view(torch.int64)
+        self.flag = self.words[: W * G]
+        self.rsig = self.words[W * G: W * G + W]
+        self.ack = self.words[W * G + W:]
+        recv_base, words_base = self.recv.data_ptr(), self.words.data_ptr()
+        self.recv_base = recv_base
+        self.rsig_base, self.ack_base = words_base + 8 * W * G, words_base + 8 * (W * G + W)
+        dst, pflag, pack = [0] * W, [0] * W, [0] * W
+        for d in range(W):
+            if d == me:
+                continue
+            if remote[d]:
+                dst[d] = self.stage.data_ptr() + d * geo.region_bytes
+            else:
+                dst[d] = rt.peer_ptr(recv_base + me * geo.region_bytes, d)
+                pflag[d] = rt.peer_ptr(words_base + 8 * me * G, d)
+                pack[d] = rt.peer_ptr(self.ack_base + 8 * me, d)
+                if not (dst[d] and pflag[d] and pack[d]):
+                    raise NVSHMEMError(f"rank {me}: no peer pointer to rank {d}; use the remote path")
+        dev = self.recv.device
+        self.addrs = ChannelAddrs(
+            dst_tbl=torch.tensor(dst, dtype=torch.int64, device=dev),
+            pflag_tbl=torch.tensor(pflag, dtype=torch.int64, device=dev),
+            pack_tbl=torch.tensor(pack, dtype=torch.int64, device=dev),
+            remote_tbl=torch.tensor([int(r) for r in remote], dtype=torch.int32, device=dev),
+            recv_base=recv_base, flag=self.flag, rsig=self.rsig, ack=self.ack,
+            ctr=torch.zeros(G, dtype=torch.int32, device=dev),
+        )
+
+    def post_send(self, rt: NVSHMEMRuntime) -> None:
+        """Remote peers: put each staged region into the peer's region for this rank, signal += 1."""
+        geo, me = self.geo, self.geo.rank
+        for d, far in enumerate(self.remote):
+            if far and d != me:
+                rt.put_signal(self.recv_base + me * geo.region_bytes,
+                              self.stage.data_ptr() + d * geo.region_bytes,
+                              geo.region_bytes, self.rsig_base + 8 * me, 1, d)
+
+    def post_recv(self, rt: NVSHMEMRuntime) -> None:
+        """Remote peers: acknowledge (G programs' worth) that their region was read."""
+        geo, me = self.geo, self.geo.rank
+        for s, far in enumerate(self.remote):
+            if far and s != me:
+                rt.signal_add(self.ack_base + 8 * me, geo.num_programs, s)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.recv, self.stage, self.words) if t is not None]
+
+
+class SymmetricBuffer:
+    """The symmetric memory of one worker and the dispatch/combine operations over it.
+
+    Args:
+        runtime: the initialised NVSHMEM runtime.
+        capacity: T_cap, the most tokens a rank passes to one dispatch.
+        hidden: H. elem_bytes: bytes per row element the buffer is sized for (2 bf16, 4 fp32).
+        kmax: widest top-k the row meta can carry.
+        num_programs: G, equal on every rank (≤ SMs).
+        remote: per peer, True to use host-issued NVSHMEM puts instead of peer pointers.
+        spin_limit: polls before a device-side wait gives up and raises the error flag.
+
+    Creating and closing a buffer are collective (symmetric allocation).
+    """
+
+    def __init__(self, runtime: NVSHMEMRuntime, capacity: int, hidden: int, elem_bytes: int, kmax: int,
+                 num_programs: int, remote: list[bool], spin_limit: int = 1 << 25,
+                 tuning: Tuning | None = None, zero_pad: bool = True) -> None:
+        self.rt = runtime
+        W, me = runtime.world_size, runtime.rank
+        self.geo = Geometry(W, me, max(16, capacity), hidden, elem_bytes, kmax, num_programs)
+        self.remote = [bool(r) and d != me for d, r in enumerate(remote)]
+        staging = any(remote)
+        self.dch = _Channel(runtime, self.geo, self.remote, staging)
+        self.cch = _Channel(runtime, self.geo, self.remote, staging)
+        dev = self.dch.recv.device
+        G = num_programs
+        self.scratch = (torch.zeros(G, W, dtype=torch.int32, device=dev),
+                        torch.zeros(G, dtype=torch.int32, device=dev))
+        self.err = torch.zeros(2, dtype=torch.int32, device=dev)
+        self.spin_limit, self.zero_pad = spin_limit, zero_pad
+        self.tuning = tuning or Tuning()
+        self.any_remote = any(self.remote)
+        runtime.barrier()
+        torch.cuda.synchronize(dev)
+
+    @property
+    def capacity(self) -> int:
+        return self.geo.capacity
+
+    @property
+    def symmetric_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for ch in (self.dch, self.cch) for t in ch.tensors())
+
+    # ---------------------------------------------------------------- the four operations
+    def dispatch(self, x: torch.Tensor, weight: torch.Tensor, dest_rank: torch.Tensor, dest_slot: torch.Tensor):
+        """x [T, H]; weight float32, dest_rank/dest_slot int32 [T, K] →
+        recv_x [W*T_cap, H], recv_slot int32 [W*T_cap, K], recv_w float32 [W*T_cap, K], layout."""
+        geo, dev = self.geo, x.device
+        T, K = dest_rank.shape
+        W, G, R = geo.world_size, geo.num_programs, geo.world_size * geo.capacity
+        x = x.contiguous()
+        dest_rank = dest_rank.to(torch.int32).contiguous()
+        pos = torch.empty(T, W, dtype=torch.int32, device=dev)
+        smeta = torch.empty(G, W, 4, dtype=torch.int32, device=dev)
+        rmeta = torch.empty(W, G, 4, dtype=torch.int32, device=dev)
+        recv_x = torch.empty(R, geo.hidden, dtype=x.dtype, device=dev)
+        recv_slot = torch.empty(R, K, dtype=torch.int32, device=dev)
+        recv_w = torch.empty(R, K, dtype=torch.float32, device=dev)
+        kw = dict(dest_rank=dest_rank, dest_slot=dest_slot.to(torch.int32).contiguous(),
+                  weight=weight.float().contiguous(), out_slot=recv_slot, out_w=recv_w,
+                  scratch=self.scratch, compute_layout=True, zero_pad=True,
+                  spin_limit=self.spin_limit, tuning=self.tuning)
+        self._dispatch_like(x, pos, smeta, recv_x, rmeta, kw)
+        return recv_x, recv_slot, recv_w, NVSHMEMLayout(T, K, pos, smeta, rmeta, dest_rank)
+
+    def combine(self, partial: torch.Tensor, layout: NVSHMEMLayout) -> torch.Tensor:
+        """partial [W*T_cap, H] → [T, H]: per token, the sum of its partial rows from every rank."""
+        out = torch.empty(layout.num_tokens, self.geo.hidden, dtype=partial.dtype, device=partial.device)
+        self._combine_like(partial.contiguous(), layout, out, {})
+        return out
+
+    def dispatch_grad(self, grad_recv_x: torch.Tensor, grad_recv_w: torch.Tensor, layout: NVSHMEMLayout):
+        """Backward of dispatch: [W*T_cap, H], float32 [W*T_cap, K] → gx [T, H], gw float32 [T, K]."""
+        T, K = layout.num_tokens, layout.top_k
+        gx = torch.empty(T, self.geo.hidden, dtype=grad_recv_x.dtype, device=grad_recv_x.device)
+        gw = torch.empty(T, K, dtype=torch.float32, device=grad_recv_x.device)
+        self._combine_like(grad_recv_x.contiguous(), layout, gx,
+                           dict(side=grad_recv_w.float().contiguous(), dest_rank=layout.dest_rank, gw=gw))
+        return gx, gw
+
+    def combine_grad(self, grad_out: torch.Tensor, layout: NVSHMEMLayout) -> torch.Tensor:
+        """Backward of combine: grad_out [T, H] → [W*T_cap, H] (zero on padding rows)."""
+        geo = self.geo
+        out = torch.empty(geo.world_size * geo.capacity, geo.hidden, dtype=grad_out.dtype, device=grad_out.device)
+        rmeta = torch.empty_like(layout.rmeta)
+        kw = dict(zero_pad=True, spin_limit=self.spin_limit, tuning=self.tuning)
+        self._dispatch_like(grad_out.contiguous(), layout.pos, layout.smeta, out, rmeta, kw)
+        return out
+
+    # ---------------------------------------------------------------- plumbing
+    def _dispatch_like(self, x, pos, smeta, out_x, rmeta, kw) -> None:
+        ch = self.dch
+        if not self.any_remote:
+            launch_dispatch(self.geo, ch.addrs, x, pos, smeta, out_x, rmeta, self.err, phase=3, **kw)
+            return
+        launch_dispatch(self.geo, ch.addrs, x, pos, smeta, out_x, rmeta, self.err, phase=1, **kw)
+        ch.post_send(self.rt)
+        launch_dispatch(self.geo, ch.addrs, x, pos, smeta, out_x, rmeta, self.err, phase=2, **kw)
+        ch.post_recv(self.rt)
+
+    def _combine_like(self, src, layout: NVSHMEMLayout, out, kw) -> None:
+        ch = self.cch
+        args = (self.geo, ch.addrs, src, layout.rmeta, layout.pos, out, self.err)
+        kw = dict(kw, spin_limit=self.spin_limit, tuning=self.tuning)
+        if not self.any_remote:
+            launch_combine(*args, phase=3, **kw)
+            return
+        launch_combine(*args, phase=1, **kw)
+        ch.post_send(self.rt)
+        launch_combine(*args, phase=2, **kw)
+        ch.post_recv(self.rt)
+
+    # ---------------------------------------------------------------- health
+    def check(self) -> None:
+        """Raise NVSHMEMError if a device-side wait timed out (host sync: call outside the hot path)."""
+        code, peer = (int(v) for v in self.err.tolist())
+        if code:
+            raise NVSHMEMError(
+                f"rank {self.geo.rank}: NVSHMEM transport error {code} involving rank {peer}: "
+                f"{ERRORS.get(code, 'unknown')}. Every rank must run the same sequence of "
+                "dispatch/combine calls; the data of the failed exchange are invalid"
+            )
+
+    def close(self) -> None:
+        """Free the symmetric memory (collective)."""
+        for ch in (self.dch, self.cch):
+            for t in ch.tensors():
+                self.rt.free(t)
+        self.dch = self.cch = None  # type: ignore[assignment]
+
+
+def _num_programs(device: torch.device) -> int:
+    """G: SMs of the smallest GPU of the group (an all-reduce at start-up), at most 132."""
+    import torch.distributed as dist
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    g = torch.tensor([min(sms, 132)], dtype=torch.int64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(g, op=dist.ReduceOp.MIN)
+    return int(g.item())
+
+
+def _gather_node_ranks(rank_info: Any, device: torch.device) -> list[int]:
+    """node_rank of every rank (an all-gather at start-up; the rank's own alone without a group)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [rank_info.node_rank] * rank_info.world_size
+    mine = torch.tensor([rank_info.node_rank], dtype=torch.int64, device=device)
+    out = [torch.zeros_like(mine) for _ in range(rank_info.world_size)]
+    dist.all_gather(out, mine)
+    return [int(t.item()) for t in out]
+
+
+class NVSHMEMTransport(Transport):
+    """Transport over one :class:`SymmetricBuffer`; no host synchronisation in any primitive."""
+
+    name = "nvshmem"
+
+    def __init__(self, config: Any, rank_info: Any, device: torch.device, bootstrap_id: bytes | None) -> None:
+        super().__init__(rank_info.rank, rank_info.world_size)
+        if bootstrap_id is None:
+            raise NVSHMEMError("the NVSHMEM transport needs rank 0's unique id (bootstrap_id is None)")
+        if device.type != "cuda":
+            raise NVSHMEMError(f"the NVSHMEM transport needs a CUDA device, got {device}")
+        self.device = device
+        self.runtime = NVSHMEMRuntime(device, bootstrap_id, rank_info.rank, rank_info.world_size)
+        self.force_remote = bool(config.parallel.force_remote_path)
+        self.node_of_rank = _gather_node_ranks(rank_info, device)
+        self.num_programs = _num_programs(device)
+        self.buffer: SymmetricBuffer | None = None
+        self.buffer = self.new_buffer(
+            capacity=config.train.batch_size * config.model.seq_len,
+            hidden=config.model.d_model,
+            elem_bytes=4 if config.model.dtype == "float32" else 2,
+            kmax=max(8, config.moe.top_k),
+        )
+        if self.force_remote:
+            self.name = "nvshmem-remote"
+        log.info("rank %d: NVSHMEM buffer of %.1f MiB (capacity %d rows/rank, remote peers %s)",
+                 self.rank, self.buffer.symmetric_bytes / 2**20, self.buffer.capacity,
+                 [d for d, r in enumerate(self.buffer.remote) if r])
+
+    def remote_peers(self) -> list[bool]:
+        """Per peer: reach it with puts when force_remote_path is set, when it is on another Ray
+        node (even one on the same host), or when NVSHMEM gives no peer pointer to it."""
+        W, me = self.world_size, self.rank
+        if self.force_remote:
+            return [d != me for d in range(W)]
+        probe = self.runtime.alloc(256)  # collective, same on every rank
+        try:
+            return [d != me and (self.node_of_rank[d] != self.node_of_rank[me]
+                                 or self.runtime.peer_ptr(probe.data_ptr(), d) == 0) for d in range(W)]
+        finally:
+            self.runtime.free(probe)
+
+    def new_buffer(self, capacity: int, hidden: int, elem_bytes: int = 2, kmax: int = 8,
+                   tuning: Tuning | None = None, spin_limit: int = 1 << 25) -> SymmetricBuffer:
+        """A further buffer (collective); the benchmark makes one per size."""
+        remote = self.remote_peers()
+        return SymmetricBuffer(self.runtime, capacity, hidden, elem_bytes, kmax, self.num_programs,
+                               remote, spin_limit=spin_limit, tuning=tuning)
+
+    # ---------------------------------------------------------------- Transport
+    def dispatch_forward(self, x, weight, dest_rank, dest_slot):
+        return self.buffer.dispatch(x, weight, dest_rank, dest_slot)
+
+    def dispatch_backward(self, grad_recv_x, grad_recv_weight, layout):
+        return self.buffer.dispatch_grad(grad_recv_x, grad_recv_weight, layout)
+
+    def combine_forward(self, partial, layout):
+        return self.buffer.combine(partial, layout)
+
+    def combine_backward(self, grad_out, layout):
+        return self.buffer.combine_grad(grad_out, layout)
+
+    def check(self) -> None:
+        """Raise if a device-side wait timed out (host sync; call at step end or in validators)."""
+        if self.buffer is not None:
+            self.buffer.check()
+
+    def describe(self) -> dict[str, Any]:
+        d = super().describe()
+        if self.buffer is not None:
+            d.update(capacity=self.buffer.capacity, symmetric_mib=round(self.buffer.symmetric_bytes / 2**20, 1),
+                     remote_peers=[i for i, r in enumerate(self.buffer.remote) if r],
+                     num_programs=self.num_programs)
+        return d
+
+    def close(self) -> None:
+        if self.buffer is not None:
+            try:
+                torch.cuda.synchronize(self.device)
+                self.runtime.barrier()
+                self.buffer.close()
+            finally:
+                self.buffer = None
+        self.runtime.close()

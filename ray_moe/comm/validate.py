@@ -1,0 +1,240 @@
+"""Transport validators: what every rank received and returned, against a torch reference.
+
+Run on every rank of a live group (``group.execute(check_dispatch, case)``); each rank builds
+the same seeded *global* routing (tokens, weights, destinations of every rank), runs the
+transport on its own share and checks the results it can see locally against a reference
+computed from the global routing. Transport-agnostic: torch/gloo, torch/NCCL and NVSHMEM.
+
+- :func:`check_dispatch`: received rows, slots and weights (row order free, padding rows must
+  have every slot -1 and weight 0); the backward of dispatch (gradients summed per source
+  token and routing-weight gradients picked per k). Two dispatches run back to back and the
+  first one's outputs are checked *after* the second: buffer reuse must not corrupt them.
+- :func:`check_combine`: per-token sums of the partial rows, and the backward of combine.
+
+Routings (``CommCase.routing``): ``random``, ``empty_rank`` (no token goes to the last rank),
+``empty_expert`` (no token picks expert 1), ``one_expert`` (every token's first choice is
+expert 0). Edge cases come from the other fields: ``top_k=1``, ``tokens_per_rank=[1]``,
+``tokens_per_rank=[0, 5]`` (a source with no tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+ROUTINGS = ("random", "empty_rank", "empty_expert", "one_expert")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class CommCase:
+    num_experts: int = 8
+    top_k: int = 2
+    hidden: int | None = None  # None: the worker's model.d_model
+    tokens_per_rank: list[int] = field(default_factory=lambda: [16])  # cycled over ranks
+    routing: str = "random"
+    seed: int = 0
+    dtype: str = "float32"
+
+    def tokens(self, rank: int) -> int:
+        return self.tokens_per_rank[rank % len(self.tokens_per_rank)]
+
+
+def comm_case(**kwargs: Any) -> dict:
+    return asdict(CommCase(**kwargs))
+
+
+def make_routing(case: CommCase, world_size: int, hidden: int) -> list[dict[str, torch.Tensor]]:
+    """Per rank: x float32 [T, H], weight float32 [T, K] (distinct, positive), dest_rank and
+    dest_slot int32 [T, K] (K distinct experts per token; expert e on rank e // (E/W), slot e % (E/W))."""
+    if case.routing not in ROUTINGS:
+        raise ValueError(f"routing {case.routing!r} is not one of {', '.join(ROUTINGS)}")
+    E, K, W = case.num_experts, case.top_k, world_size
+    if E % W:
+        raise ValueError(f"num_experts={E} is not divisible by world_size={W}")
+    n = E // W
+    allowed = list(range(E))
+    if case.routing == "empty_rank":
+        allowed = [e for e in allowed if e // n != W - 1]
+    elif case.routing == "empty_expert":
+        allowed = [e for e in allowed if e != 1]
+    elif case.routing == "one_expert":
+        allowed = [e for e in allowed if e != 0]
+    need = K - 1 if case.routing == "one_expert" else K
+    if need > len(allowed):
+        raise ValueError(f"top_k={K} is more than the {len(allowed)} experts routing {case.routing!r} allows")
+    g = torch.Generator().manual_seed(case.seed)
+    allowed_t = torch.tensor(allowed, dtype=torch.int64)
+    out = []
+    for r in range(W):
+        T = case.tokens(r)
+        pick = allowed_t[torch.rand(T, len(allowed), generator=g).argsort(1)[:, :need]]
+        if case.routing == "one_expert":
+            pick = torch.cat([torch.zeros(T, 1, dtype=torch.int64), pick], 1)
+        out.append({
+            "x": torch.randn(T, hidden, generator=g),
+            "weight": torch.rand(T, K, generator=g) + 0.25,
+            "dest_rank": (pick // n).to(torch.int32),
+            "dest_slot": (pick % n).to(torch.int32),
+        })
+    return out
+
+
+def _reference_received(routing: list[dict], me: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows rank ``me`` must receive: x, slots (-1 elsewhere), weights (0 elsewhere), source-major."""
+    xs, slots, ws = [], [], []
+    for src in routing:
+        mine = src["dest_rank"] == me
+        rows = mine.any(1)
+        xs.append(src["x"][rows])
+        slots.append(torch.where(mine, src["dest_slot"], -1)[rows])
+        ws.append(torch.where(mine, src["weight"], 0.0)[rows])
+    return torch.cat(xs), torch.cat(slots), torch.cat(ws)
+
+
+def _canonical(x: torch.Tensor, slot: torch.Tensor, w: torch.Tensor):
+    """Valid rows sorted by a key from their (exactly carried, distinct) weights."""
+    valid = (slot >= 0).any(1)
+    x, slot, w = x[valid], slot[valid], w[valid]
+    key = (w.double() * torch.arange(1, w.shape[1] + 1, dtype=torch.float64)).sum(1)
+    order = key.argsort()
+    return x[order], slot[order], w[order], valid
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    if a.shape != b.shape:
+        return float("inf")
+    if not torch.isfinite(a).all():
+        return float("inf")
+    nb = b.norm().item()
+    d = (a - b).norm().item()
+    return d / nb if nb else (0.0 if d == 0 else float("inf"))
+
+
+def _setup(worker: Any, case: CommCase | dict):
+    if isinstance(case, dict):
+        case = CommCase(**case)
+    rank, W = worker.rank_info.rank, worker.rank_info.world_size
+    hidden = case.hidden or worker.config.model.d_model
+    routing = make_routing(case, W, hidden)
+    return case, rank, W, routing, worker.device, DTYPES[case.dtype]
+
+
+def _to(t: torch.Tensor, device, dtype=None) -> torch.Tensor:
+    return t.to(device=device, dtype=dtype or t.dtype).contiguous()
+
+
+def _scale(rank: int) -> float:
+    return float(2 ** rank)  # powers of two keep bf16 products exact
+
+
+def _sync_check(transport: Any) -> None:
+    if hasattr(transport, "check"):
+        transport.check()
+
+
+def check_dispatch(worker: Any, case: CommCase | dict) -> dict[str, Any]:
+    """Run on every rank. Returns {'errors': {name: rel. error}, 'rows': rows received, ...}."""
+    case, me, W, routing, dev, dtype = _setup(worker, case)
+    tr = worker.transport
+    local = routing[me]
+    x = _to(local["x"], dev, dtype)
+    args = (x, _to(local["weight"], dev), _to(local["dest_rank"], dev), _to(local["dest_slot"], dev))
+    recv_x, recv_slot, recv_w, layout = tr.dispatch_forward(*args)
+    # a second dispatch through the same buffers, with another routing, before any check
+    case2 = CommCase(**{**asdict(case), "seed": case.seed + 1000})
+    routing2 = make_routing(case2, W, x.shape[1])
+    l2 = routing2[me]
+    out2 = tr.dispatch_forward(_to(l2["x"], dev, dtype), _to(l2["weight"], dev),
+                               _to(l2["dest_rank"], dev), _to(l2["dest_slot"], dev))
+    # backward of the first dispatch: grads scaled by this (destination) rank's power of two
+    s = _scale(me)
+    grad_x = recv_x.float() * s
+    grad_w = recv_w * s
+    gx, gw = tr.dispatch_backward(grad_x.to(dtype).contiguous(), grad_w.contiguous(), layout)
+    _sync_check(tr)
+
+    errors: dict[str, float] = {}
+    for tag, (rx, rs, rw), rt in (("", (recv_x, recv_slot, recv_w), routing), ("2", out2[:3], routing2)):
+        ref_x, ref_s, ref_w = _reference_received(rt, me)
+        ref_x = ref_x.to(dtype)
+        cx, cs, cw, valid = _canonical(rx.cpu(), rs.cpu(), rw.cpu())
+        rx_, rs_, rw_, _ = _canonical(ref_x, ref_s, ref_w)
+        errors[f"rows{tag}"] = 0.0 if cx.shape[0] == rx_.shape[0] else float("inf")
+        if cx.shape[0] == rx_.shape[0]:
+            errors[f"recv_x{tag}"] = _rel(cx, rx_)
+            errors[f"recv_slot{tag}"] = 0.0 if torch.equal(cs, rs_) else float("inf")
+            errors[f"recv_w{tag}"] = _rel(cw, rw_)
+        pad = ~valid
+        pad_ok = bool((rs.cpu()[pad] == -1).all()) and bool((rw.cpu()[pad] == 0).all())
+        errors[f"padding{tag}"] = 0.0 if pad_ok else float("inf")
+    # reference gradients at the source
+    dr = local["dest_rank"].long()
+    to_rank = torch.zeros(dr.shape[0], W, dtype=torch.bool)
+    if dr.numel():
+        to_rank.scatter_(1, dr, True)
+    mult = (to_rank.double() * torch.tensor([_scale(d) for d in range(W)], dtype=torch.float64)).sum(1)
+    ref_gx = (x.double().cpu() * mult[:, None])
+    ref_gw = local["weight"].double() * torch.tensor([_scale(d) for d in range(W)], dtype=torch.float64)[dr]
+    errors["grad_x"] = _rel(gx, ref_gx)
+    errors["grad_w"] = _rel(gw, ref_gw)
+    return {"errors": errors, "rows": int((recv_slot >= 0).any(1).sum().item()), "R": int(recv_x.shape[0])}
+
+
+def check_combine(worker: Any, case: CommCase | dict) -> dict[str, Any]:
+    """Run on every rank: combine of partial rows (received rows scaled by the expert rank's
+    power of two) and its backward (output grads scaled by 3 sent back to every row)."""
+    case, me, W, routing, dev, dtype = _setup(worker, case)
+    tr = worker.transport
+    local = routing[me]
+    x = _to(local["x"], dev, dtype)
+    recv_x, recv_slot, recv_w, layout = tr.dispatch_forward(
+        x, _to(local["weight"], dev), _to(local["dest_rank"], dev), _to(local["dest_slot"], dev))
+    valid = (recv_slot >= 0).any(1, keepdim=True)
+    partial = torch.where(valid, recv_x.float() * _scale(me), 1e30).to(dtype)  # padding must be ignored
+    out = tr.combine_forward(partial.contiguous(), layout)
+    grad_out = (x.float() * 0.5).to(dtype).contiguous()
+    grad_partial = tr.combine_backward(grad_out, layout)
+    _sync_check(tr)
+
+    dr = local["dest_rank"].long()
+    to_rank = torch.zeros(dr.shape[0], W, dtype=torch.bool)
+    if dr.numel():
+        to_rank.scatter_(1, dr, True)
+    mult = (to_rank.double() * torch.tensor([_scale(d) for d in range(W)], dtype=torch.float64)).sum(1)
+    errors = {"combine": _rel(out, x.double().cpu() * mult[:, None])}
+    v = valid.squeeze(1).cpu()
+    errors["combine_grad"] = _rel(grad_partial.cpu()[v], recv_x.cpu()[v].double() * 0.5)
+    pad = grad_partial.cpu()[~v]
+    errors["combine_grad_padding"] = 0.0 if (pad.numel() == 0 or bool((pad == 0).all())) else float("inf")
+    return {"errors": errors}
+
+
+EDGE_CASES: list[dict] = [
+    dict(routing="random"),
+    dict(routing="empty_rank"),
+    dict(routing="empty_expert"),
+    dict(routing="one_expert"),
+    dict(routing="one_expert", top_k=1),
+    dict(top_k=1),
+    dict(tokens_per_rank=[1]),
+    dict(tokens_per_rank=[0, 5]),
+    dict(tokens_per_rank=[1, 40], top_k=4),
+]
+
+
+def run_all(group: Any, base: dict | None = None, tol: float | None = None) -> list[str]:
+    """Every edge case through check_dispatch and check_combine on a group; returns failures."""
+    failures = []
+    for extra in EDGE_CASES:
+        case = comm_case(**{**(base or {}), **extra})
+        t = tol if tol is not None else (1e-6 if case["dtype"] == "float32" else 1e-2)
+        for fn in (check_dispatch, check_combine):
+            for rank, res in enumerate(group.execute(fn, case, timeout=300)):
+                bad = {k: v for k, v in res["errors"].items() if not v <= t}
+                if bad:
+                    failures.append(f"{fn.__name__} rank {rank} case {extra}: {bad}")
+    return failures
