@@ -24,8 +24,9 @@ Planner, in three parts:
    each source's tokens.
 
 Previous placements are kept when possible: the plan built on top of the previous clones is used
-unless a plan from scratch predicts a clearly lower imbalance (``hysteresis``); clones that the two
-have in common keep their slots. Same loads and same previous placement give back the previous
+unless a plan from scratch predicts a clearly lower imbalance (``hysteresis``); then the least used
+1, 2, 4, ... previous clones are dropped and the freed slots refilled, until the result is within
+``hysteresis`` of the plan from scratch (which is the last resort). Clones that stay keep their slots. Same loads and same previous placement give back the previous
 placement object itself.
 """
 
@@ -386,7 +387,7 @@ def plan_placement(
     previous: Placement | None = None,
     max_cross_node_clones: int = -1,
     source_loads: ArrayLike | None = None,
-    tolerance: float = 1e-3,
+    tolerance: float = 0.01,
     hysteresis: float = 0.02,
 ) -> Placement:
     """Plan one layer's placement from its loads. Pure and deterministic.
@@ -456,11 +457,24 @@ def plan_placement(
     fresh_imb = _balance_replicas(L, fresh.ranks, W)[0].max()
     layout = fresh
     if usable_prev:
-        _add_clones(kept, L, nodes, src, max_cross_node_clones, tolerance, prev_pairs)
-        kept_imb = _balance_replicas(L, kept.ranks, W)[0].max()
         mean = max(L.sum() / W, 1e-300)
-        if kept_imb / mean <= fresh_imb / mean + hysteresis:
-            layout = kept
+        # Keep all previous clones; if that is clearly worse than from scratch, drop the least used
+        # 1, 2, 4, ... of them and refill, so a drifting load moves few clones.
+        _, X = _balance_replicas(L, kept.ranks, W)
+        by_use = sorted(((X[e][i], e, q) for e, r in enumerate(kept.ranks) for i, q in enumerate(r) if i),
+                        key=lambda t: (t[0], t[1], t[2]))
+        k = 0
+        while True:
+            trial = kept.copy()
+            for _, e, q in by_use[:k]:
+                trial.ranks[e].remove(q)
+            _add_clones(trial, L, nodes, src, max_cross_node_clones, tolerance, prev_pairs)
+            if _balance_replicas(L, trial.ranks, W)[0].max() / mean <= fresh_imb / mean + hysteresis:
+                layout = trial
+                break
+            if k >= len(by_use):
+                break
+            k = min(len(by_use), max(1, 2 * k))
     plan = _build_placement(layout, L, src, nodes, version)
     if previous is not None and _same_plan(plan, previous):
         return previous

@@ -1,0 +1,266 @@
+"""``ray-moe bench balance``: how well the clone planner balances skewed routing.
+
+``--mode sim`` (CPU, any W/E/K/nodes): synthetic routers whose expert popularity is Zipf(s) with
+the hot experts at random positions; each token picks top-K distinct experts (sampling without
+replacement, Gumbel top-k). Two experiments:
+
+* **static** (per s): imbalance (max/mean tokens per rank) without cloning, with the plan on the
+  loads it was made from, on fresh batches from the same distribution (expected tokens from the
+  shares, and the tokens actually routed by the placement's on-device hash rule);
+* **shifting** (per s > 0): the hot set is redrawn every ``--shift-every`` steps; a
+  :class:`~ray_moe.balance.LoadTracker` (EMA over intervals, as the driver keeps it) feeds a
+  re-plan every ``--interval`` steps, and we
+  report the imbalance before the shift, its peak after it, and how many re-plan intervals it
+  takes to get back under ``--recover-below``.
+
+``--mode gpu`` (real training steps on GPUs, cloning off vs on) is a hook for the Trainer
+integration and is not implemented here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ray_moe.balance import (LoadTracker, nodes_of_ranks, plan_placement, plan_report,
+                             predicted_imbalance)
+from ray_moe.config import BalanceConfig
+from ray_moe.placement import Placement
+
+
+# ============================================================================ synthetic routing
+@dataclass
+class ZipfRouting:
+    """Expert popularity ∝ rank^-s, with the popularity ranks at a random permutation of experts.
+
+    probs: float64 [E] (sums to 1). s = 0 is uniform.
+    """
+
+    probs: np.ndarray
+
+    @classmethod
+    def make(cls, num_experts: int, s: float, seed: int) -> "ZipfRouting":
+        g = np.random.default_rng(seed)
+        order = g.permutation(num_experts)
+        p = np.empty(num_experts)
+        p[order] = np.arange(1, num_experts + 1, dtype=np.float64) ** (-s)
+        return cls(p / p.sum())
+
+    def draw(self, world_size: int, tokens_per_rank: int, top_k: int,
+             generator: torch.Generator) -> torch.Tensor:
+        """int64 [W, T, K]: each source rank's tokens' K distinct experts (Gumbel top-k)."""
+        logp = torch.from_numpy(np.log(self.probs)).to(torch.float32)
+        u = torch.rand(world_size, tokens_per_rank, len(self.probs), generator=generator)
+        gumbel = -torch.log(-torch.log(u.clamp_min(1e-20)))
+        return (logp + gumbel).topk(top_k, dim=-1).indices
+
+    @staticmethod
+    def counts(ids: torch.Tensor, num_experts: int) -> np.ndarray:
+        """float64 [W, E] tokens per source rank and expert from ids [W, T, K]."""
+        W = ids.shape[0]
+        flat = ids.reshape(W, -1) + torch.arange(W).view(W, 1) * num_experts
+        return torch.bincount(flat.flatten(), minlength=W * num_experts).view(W, num_experts).double().numpy()
+
+
+def routed_imbalance(ids: torch.Tensor, placement: Placement) -> float:
+    """max/mean (token, expert) pairs per rank when ids [W, T, K] are routed by the placement's
+    on-device rule (:meth:`PlacementTables.route`, the deterministic hash), not in expectation."""
+    tables = placement.tables("cpu")
+    per_rank = torch.zeros(placement.world_size, dtype=torch.float64)
+    for s in range(ids.shape[0]):
+        dest, _ = tables.route(ids[s], s)
+        per_rank += torch.bincount(dest.flatten().long(), minlength=placement.world_size).double()
+    mean = per_rank.mean().item()
+    return per_rank.max().item() / mean if mean > 0 else 1.0
+
+
+# ============================================================================ experiments
+def static_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One row per Zipf s: imbalance without cloning / on the plan's loads / on fresh batches."""
+    W, E, K, T = args.world_size, args.experts, args.top_k, args.tokens_per_rank
+    nodes = nodes_of_ranks(W, args.nodes)
+    bytes_per_expert = 3 * args.d_model * args.expert_hidden * args.bytes_per_param
+    rows = []
+    for s in args.zipf:
+        acc: dict[str, list[float]] = {k: [] for k in (
+            "no_clone", "plan_loads", "fresh", "fresh_routed", "fresh_no_clone", "clones",
+            "cross_node_clones", "plan_ms")}
+        for seed in range(args.seeds):
+            routing = ZipfRouting.make(E, s, seed)
+            gen = torch.Generator().manual_seed(10_000 + seed)
+            src = routing.counts(routing.draw(W, T, K, gen), E)
+            t0 = time.perf_counter()
+            plan = plan_placement(src.sum(0), W, nodes, args.clone_slots,
+                                  max_cross_node_clones=args.max_cross_node_clones, source_loads=src)
+            acc["plan_ms"].append((time.perf_counter() - t0) * 1e3)
+            rep = plan_report(src, None, plan, bytes_per_expert, nodes)
+            acc["no_clone"].append(rep["imbalance_native"])
+            acc["plan_loads"].append(rep["imbalance_after"])
+            acc["clones"].append(rep["clones"])
+            acc["cross_node_clones"].append(rep["cross_node_clones"])
+            native = Placement.native(E, W, args.clone_slots)
+            for _ in range(args.fresh_batches):
+                ids = routing.draw(W, T, K, gen)
+                fresh = routing.counts(ids, E)
+                acc["fresh"].append(predicted_imbalance(fresh, plan))
+                acc["fresh_no_clone"].append(predicted_imbalance(fresh, native))
+                acc["fresh_routed"].append(routed_imbalance(ids, plan))
+        rows.append({
+            "zipf_s": s,
+            "no_clone": float(np.mean(acc["no_clone"])),
+            "plan_loads": float(np.mean(acc["plan_loads"])),
+            "plan_loads_max": float(np.max(acc["plan_loads"])),
+            "fresh": float(np.mean(acc["fresh"])),
+            "fresh_max": float(np.max(acc["fresh"])),
+            "fresh_routed_max": float(np.max(acc["fresh_routed"])),
+            "clones": float(np.mean(acc["clones"])),
+            "cross_node_clones": float(np.mean(acc["cross_node_clones"])),
+            "bytes_per_plan_MB": float(np.mean(acc["clones"])) * bytes_per_expert / 2**20,
+            "plan_ms": float(np.mean(acc["plan_ms"])),
+        })
+    return rows
+
+
+def shifting_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One row per Zipf s > 0: the hot set is redrawn every ``shift_every`` steps."""
+    W, E, K, T = args.world_size, args.experts, args.top_k, args.shift_tokens_per_rank
+    nodes = nodes_of_ranks(W, args.nodes)
+    rows = []
+    for s in [z for z in args.zipf if z > 0]:
+        gen = torch.Generator().manual_seed(20_000)
+        tracker = LoadTracker(1, E, W, ema=args.ema)
+        placement = Placement.native(E, W, args.clone_slots)
+        native = placement
+        trace: list[dict[str, float]] = []
+        replans = changed = moved = 0
+        moved_steady = 0  # clones added by re-plans whose last two windows saw no shift
+        window: np.ndarray | None = None
+        routing = ZipfRouting.make(E, s, 0)
+        for step in range(args.shift_steps):
+            if step > 0 and step % args.shift_every == 0:
+                routing = ZipfRouting.make(E, s, step)
+            src = routing.counts(routing.draw(W, T, K, gen), E)
+            trace.append({"step": step, "imbalance": predicted_imbalance(src, placement),
+                          "no_clone": predicted_imbalance(src, native)})
+            window = src if window is None else window + src
+            if (step + 1) % args.interval == 0:  # the driver pulls the interval's counts, then plans
+                tracker.update(window[None])
+                window = None
+                new = plan_placement(tracker.loads[0], W, nodes, args.clone_slots, previous=placement,
+                                     max_cross_node_clones=args.max_cross_node_clones,
+                                     source_loads=tracker.source_loads[0])
+                rep = plan_report(tracker.loads[0], placement, new)
+                replans += 1
+                changed += rep["changed"]
+                moved += rep["clones_added"]
+                if step - (step // args.shift_every) * args.shift_every >= 2 * args.interval:
+                    moved_steady += rep["clones_added"]
+                placement = new
+        # recovery after each shift: intervals (re-plans) until a step is under the threshold
+        recover, peaks, steady = [], [], []
+        for shift in range(args.shift_every, args.shift_steps, args.shift_every):
+            before = [t["imbalance"] for t in trace[max(0, shift - args.interval):shift]]
+            steady.append(float(np.mean(before)))
+            after = trace[shift: shift + args.shift_every]
+            peaks.append(max(t["imbalance"] for t in after))
+            ok = next((t["step"] for t in after if t["imbalance"] <= args.recover_below), None)
+            if ok is None:
+                recover.append(float("inf"))
+            else:  # re-plans happen after steps interval-1, 2*interval-1, ...
+                first_plan = (shift // args.interval + 1) * args.interval
+                recover.append(0 if ok < first_plan else (ok - first_plan) // args.interval + 1)
+        rows.append({
+            "zipf_s": s,
+            "no_clone": float(np.mean([t["no_clone"] for t in trace])),
+            "steady_before_shift": float(np.mean(steady)) if steady else float("nan"),
+            "peak_after_shift": float(np.mean(peaks)) if peaks else float("nan"),
+            "intervals_to_recover": float(np.max(recover)) if recover else float("nan"),
+            "replans": replans,
+            "changed": changed,
+            "clones_moved": moved,
+            "clones_moved_no_shift": moved_steady,
+        })
+    return rows
+
+
+# ============================================================================ CLI
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ray-moe bench balance", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=("sim", "gpu"), default="sim")
+    ap.add_argument("--world-size", type=int, default=16)
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--clone-slots", type=int, default=1)
+    ap.add_argument("--max-cross-node-clones", type=int, default=-1)
+    ap.add_argument("--zipf", type=float, nargs="+", default=[0.0, 0.8, 1.2])
+    ap.add_argument("--tokens-per-rank", type=int, default=4096)
+    ap.add_argument("--seeds", type=int, default=3, help="routers (hot positions) per s")
+    ap.add_argument("--fresh-batches", type=int, default=2, help="fresh batches per router")
+    ap.add_argument("--d-model", type=int, default=4096, help="for bytes per cloned expert")
+    ap.add_argument("--expert-hidden", type=int, default=1536, help="for bytes per cloned expert")
+    ap.add_argument("--bytes-per-param", type=int, default=2)
+    ap.add_argument("--shift-steps", type=int, default=300)
+    ap.add_argument("--shift-every", type=int, default=100)
+    ap.add_argument("--shift-tokens-per-rank", type=int, default=1024)
+    ap.add_argument("--interval", type=int, default=10, help="steps between re-plans")
+    ap.add_argument("--ema", type=float, default=BalanceConfig().ema,
+                    help="EMA factor per re-plan interval (balance.ema)")
+    ap.add_argument("--recover-below", type=float, default=1.10)
+    ap.add_argument("--no-shift", action="store_true", help="skip the shifting hot-set experiment")
+    ap.add_argument("--json", type=str, default=None, help="write results to this JSON file")
+    return ap
+
+
+def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
+    """Real training steps with skewed routing, cloning off vs on (hook for the Trainer integration)."""
+    raise NotImplementedError(
+        "ray-moe bench balance --mode gpu (training steps on GPUs, cloning off vs on) is not "
+        "implemented yet: it needs the Trainer's rebalancing; use --mode sim for the planner simulation"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    for name in ("world_size", "nodes", "experts", "top_k", "tokens_per_rank", "seeds", "fresh_batches",
+                 "shift_steps", "shift_every", "shift_tokens_per_rank", "interval"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.top_k > args.experts:
+        parser.error(f"--top-k {args.top_k} is larger than --experts {args.experts}")
+    if args.mode == "gpu":
+        run_gpu(args)
+        return 1
+    from tabulate import tabulate
+
+    if args.world_size % args.nodes or args.experts % args.world_size:
+        print(f"need world_size % nodes == 0 and experts % world_size == 0 (got W={args.world_size}, "
+              f"nodes={args.nodes}, E={args.experts})", file=sys.stderr)
+        return 2
+    static = static_rows(args)
+    print(f"planner simulation: W={args.world_size} in {args.nodes} nodes, E={args.experts}, "
+          f"top-{args.top_k}, {args.clone_slots} clone slot(s)/rank, {args.tokens_per_rank} tokens/rank; "
+          f"imbalance = max/mean tokens per rank")
+    print(tabulate(static, headers="keys", floatfmt=".3f"))
+    shifting = [] if args.no_shift else shifting_rows(args)
+    if shifting:
+        print(f"\nshifting hot set: new hot positions every {args.shift_every} steps, re-plan every "
+              f"{args.interval} steps (EMA {args.ema}), recovered = step imbalance <= {args.recover_below}")
+        print(tabulate(shifting, headers="keys", floatfmt=".3f"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(args), "static": static, "shifting": shifting}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
