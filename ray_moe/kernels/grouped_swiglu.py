@@ -61,7 +61,7 @@ def default_config(role: str, dtype: torch.dtype, device: torch.device) -> GemmC
         return GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=2)
     return {
         "gate_up": GemmConfig(128, 128, 64, 8, 8, 3),  # two 128x128 accumulators
-        "down": GemmConfig(128, 256, 64, 8, 8, 3),
+        "down": GemmConfig(128, 256, 64, 8, 8, 4),
         "dact": GemmConfig(128, 256, 64, 8, 8, 3),  # split: plain GEMM, then the elementwise kernel
         "dact_fused": GemmConfig(128, 128, 64, 8, 8, 4),
         "dx": GemmConfig(128, 256, 64, 8, 8, 3),
