@@ -114,7 +114,7 @@ def run_interpreter_checks() -> dict:
     results: dict = {}
     import dataclasses
 
-    split = dataclasses.replace(gs.default_plan(torch.float32, torch.device("cpu")), fused_dact=False)
+    split = dataclasses.replace(gs.default_plan(torch.float32, torch.device("cpu")), fused_dact=False, dual_wgrad13=True)
     for name, args in INTERP_CASES.items():
         case = random_case(*args, torch.float32, "cpu", seed=11)
         results[f"expert_ffn/{name}"] = check_expert_ffn(case)

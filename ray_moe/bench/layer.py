@@ -113,7 +113,7 @@ def expert_compute_rows(
         _, h13 = tr_fwd()
         dh13, aw, _ = swiglu_backward_rows(go, layout, K, weight, w2, h13, cfg=plan.dact, fused=plan.fused_dact)
         dgrad_rows(dh13, layout, K, w13, cfg=plan.dx)
-        grouped_wgrad(x, dh13, layout, K, gather_a=True, gather_b=False, cfg=plan.wgrad13)
+        grouped_wgrad(x, dh13, layout, K, gather_a=True, gather_b=False, cfg=plan.wgrad13, dual=plan.dual_wgrad13)
         grouped_wgrad(aw, go, layout, K, gather_a=False, gather_b=True, cfg=plan.wgrad2)
 
     fl = shape.fwd_flops
@@ -210,7 +210,8 @@ def routing_rows(shape: LayerShape, inp: dict[str, torch.Tensor], warmup_ms: int
 
 
 def sweep_candidates(role: str) -> list[tuple[Any, bool]]:
-    """(GemmConfig, fused_dact) alternatives timed by ``--sweep`` for one GEMM role."""
+    """(GemmConfig, variant flag) alternatives timed by ``--sweep`` for one GEMM role; the flag is
+    ``fused_dact`` for dact, ``dual_wgrad13`` for wgrad13, unused otherwise."""
     from ray_moe.kernels.grouped_swiglu import GemmConfig as C
 
     wide = [C(128, 256, 64, 8, 8, 3), C(128, 256, 64, 8, 8, 4), C(256, 128, 64, 8, 8, 3)]
@@ -220,8 +221,9 @@ def sweep_candidates(role: str) -> list[tuple[Any, bool]]:
         "dact": [(C(128, 256, 64, 8, 8, 3), False), (C(128, 128, 64, 8, 8, 4), False),
                  (C(128, 128, 64, 8, 8, 4), True), (C(128, 128, 64, 8, 8, 3), True)],
         "dx": [(c, False) for c in wide],
-        "wgrad13": [(c, False) for c in [C(128, 128, 64, 8, 4, 4), C(128, 128, 64, 8, 4, 5), C(128, 128, 32, 8, 4, 6)] + wide],
-        "wgrad2": [(c, False) for c in [C(128, 128, 64, 8, 8, 4), C(128, 128, 64, 8, 4, 5), C(128, 128, 32, 8, 4, 6)] + wide],
+        "wgrad13": [(C(128, 128, 64, 8, 4, 4), False), (C(128, 128, 64, 8, 8, 3), True), (C(128, 128, 64, 8, 8, 4), True),
+                    (C(64, 128, 64, 8, 4, 4), True), (C(128, 64, 64, 8, 4, 4), True)],
+        "wgrad2": [(C(128, 128, 64, 8, 8, 4), False), (C(128, 128, 64, 8, 4, 4), False)],
     }[role]
 
 
@@ -250,13 +252,14 @@ def kernel_rows(
         "down": (lambda c, f: gs.down_scaled(act, layout, K, weight, w2, cfg=c), gemm),
         "dact": (lambda c, f: gs.swiglu_backward_rows(go, layout, K, weight, w2, h13, cfg=c, fused=f), gemm),
         "dx": (lambda c, f: gs.dgrad_rows(dh13, layout, K, w13, cfg=c), 2 * gemm),
-        "wgrad13": (lambda c, f: gs.grouped_wgrad(x, dh13, layout, K, True, False, cfg=c), 2 * gemm),
+        "wgrad13": (lambda c, f: gs.grouped_wgrad(x, dh13, layout, K, True, False, cfg=c, dual=f), 2 * gemm),
         "wgrad2": (lambda c, f: gs.grouped_wgrad(aw, go, layout, K, False, True, cfg=c), gemm),
     }
     out = []
     best: dict[str, tuple[float, Any, bool]] = {}
     for role, (fn, flops) in roles.items():
-        default = (getattr(plan, role), plan.fused_dact if role == "dact" else False)
+        flag = {"dact": plan.fused_dact, "wgrad13": plan.dual_wgrad13}.get(role, False)
+        default = (getattr(plan, role), flag)
         candidates = [default] + ([c for c in sweep_candidates(role) if c != default] if sweep else [])
         for cfg, fused in candidates:
             try:
@@ -266,10 +269,12 @@ def kernel_rows(
                     best[role] = (ms, cfg, fused)
             except Exception as exc:  # a config that fails to compile (shared memory) is reported, not fatal
                 row = {"error": f"{type(exc).__name__}: {str(exc)[:80]}"}
-            tag = (" fused" if fused else " split") if role == "dact" else ""
+            tag = {"dact": " fused" if fused else " split", "wgrad13": " dual" if fused else ""}.get(role, "")
             out.append({"section": "kernels", "what": f"{role}{tag} {_cfg_name(cfg)}{' (default)' if (cfg, fused) == default else ''}", **row})
     picked = dataclasses.replace(
-        plan, **{r: best[r][1] for r in best}, fused_dact=best["dact"][2] if "dact" in best else plan.fused_dact
+        plan, **{r: best[r][1] for r in best},
+        fused_dact=best["dact"][2] if "dact" in best else plan.fused_dact,
+        dual_wgrad13=best["wgrad13"][2] if "wgrad13" in best else plan.dual_wgrad13,
     )
     return out, picked
 

@@ -60,7 +60,8 @@ class _ExpertFFN(torch.autograd.Function):
             pos = layout.pair_pos.long()
             dweight = torch.where(pos < n_valid, dw_pos[pos], 0.0).reshape(weight.shape)
         if ctx.needs_input_grad[3]:
-            dw13 = grouped_wgrad(x, dh13, layout, K, gather_a=True, gather_b=False, role="wgrad13", cfg=plan.wgrad13)
+            dw13 = grouped_wgrad(x, dh13, layout, K, gather_a=True, gather_b=False, role="wgrad13", cfg=plan.wgrad13,
+                                 dual=plan.dual_wgrad13)
         if ctx.needs_input_grad[4]:
             dw2 = grouped_wgrad(aw, grad_out, layout, K, gather_a=False, gather_b=True, role="wgrad2", cfg=plan.wgrad2)
         return dx, None, dweight, dw13, dw2, None

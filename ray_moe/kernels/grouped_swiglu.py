@@ -72,8 +72,9 @@ def default_config(role: str, dtype: torch.dtype, device: torch.device) -> GemmC
 
 @dataclass(frozen=True)
 class KernelPlan:
-    """Tiles of every GEMM of one expert_ffn call, and whether the SwiGLU backward is fused into
-    the dact GEMM's epilogue (one kernel) or run as GEMM + elementwise kernel (two)."""
+    """Tiles of every GEMM of one expert_ffn call; whether the SwiGLU backward is fused into the
+    dact GEMM's epilogue (one kernel) or run as GEMM + elementwise kernel (two); whether dW13
+    computes its gate and up halves in one program (two accumulators sharing the x^T tile)."""
 
     gate_up: GemmConfig
     down: GemmConfig
@@ -82,6 +83,7 @@ class KernelPlan:
     wgrad13: GemmConfig
     wgrad2: GemmConfig
     fused_dact: bool = False
+    dual_wgrad13: bool = False
 
 
 def default_plan(dtype: torch.dtype, device: torch.device) -> KernelPlan:
@@ -210,12 +212,16 @@ def _grouped_rows_kernel(
 
 @triton.jit
 def _grouped_wgrad_kernel(
-    a_ptr, b_ptr, out_ptr, offsets_ptr, sorted_pair_ptr, M, N,
+    a_ptr, b_ptr, out_ptr, offsets_ptr, sorted_pair_ptr, M, N, half,
     stride_am, stride_bm, stride_og, stride_om,
-    TOP_K: tl.constexpr, GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TOP_K: tl.constexpr, GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, DUAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """out[s, m, n] = sum over positions p of group s of A[rowA(p), m] * B[rowB(p), n]."""
+    """out[s, m, n] = sum over positions p of group s of A[rowA(p), m] * B[rowB(p), n].
+
+    DUAL: N is the width of one half; the program also computes columns ``half + n`` with a
+    second accumulator that shares the A tile (dW13's gate and up halves)."""
     group = tl.program_id(1)
     pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     start = tl.load(offsets_ptr + group)
@@ -225,6 +231,7 @@ def _grouped_wgrad_kernel(
     m_ok = rm < M
     n_ok = rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for p0 in range(start, end, BLOCK_K):
         rp = p0 + tl.arange(0, BLOCK_K)
         p_ok = rp < end
@@ -239,10 +246,16 @@ def _grouped_wgrad_kernel(
         else:
             b_row = rp.to(tl.int64)
         a = tl.load(a_ptr + a_row[None, :] * stride_am + rm[:, None], mask=m_ok[:, None] & p_ok[None, :], other=0.0)
-        b = tl.load(b_ptr + b_row[:, None] * stride_bm + rn[None, :], mask=p_ok[:, None] & n_ok[None, :], other=0.0)
+        b_ptrs = b_ptr + b_row[:, None] * stride_bm + rn[None, :]
+        b = tl.load(b_ptrs, mask=p_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if DUAL:
+            b_up = tl.load(b_ptrs + half, mask=p_ok[:, None] & n_ok[None, :], other=0.0)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
     out_ptrs = out_ptr + group.to(tl.int64) * stride_og + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    if DUAL:
+        tl.store(out_ptrs + half, acc_up.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -484,12 +497,14 @@ def dgrad_rows(dh13: torch.Tensor, layout: PairLayout, top_k: int, w13: torch.Te
 def grouped_wgrad(
     a_src: torch.Tensor, b_src: torch.Tensor, layout: PairLayout, top_k: int,
     gather_a: bool, gather_b: bool, role: str = "wgrad13", cfg: GemmConfig | None = None,
+    dual: bool = False,
 ) -> torch.Tensor:
     """dW[s] = A_s^T @ B_s where A_s / B_s are the rows of group s (gathered through the pair's
     input row when ``gather_*``, else taken at the position itself).
 
     Args:
         a_src: [R or R*K, M]; b_src: [R or R*K, N]; same dtype, row-contiguous.
+        dual: compute the two column halves of B in one program sharing the A tile (N even).
     Returns:
         [S, M, N] in a_src.dtype; exactly zero for slots with no pairs.
     """
@@ -498,15 +513,18 @@ def grouped_wgrad(
     _check_same("a_src", a_src, "b_src", b_src)
     S = layout.offsets.numel() - 1
     M, N = a_src.shape[1], b_src.shape[1]
+    if dual and N % 2:
+        raise ValueError(f"dual needs an even number of B columns, got {N}")
     cfg = cfg or default_config(role, a_src.dtype, a_src.device)
     out = torch.empty(S, M, N, dtype=a_src.dtype, device=a_src.device)
     if M == 0 or N == 0:
         return out
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), S)
+    n_cols = N // 2 if dual else N
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(n_cols, cfg.block_n), S)
     _grouped_wgrad_kernel[grid](
-        a_src, b_src, out, layout.offsets, layout.sorted_pair, M, N,
+        a_src, b_src, out, layout.offsets, layout.sorted_pair, M, n_cols, n_cols,
         a_src.stride(0), b_src.stride(0), out.stride(0), out.stride(1),
-        TOP_K=top_k, GATHER_A=gather_a, GATHER_B=gather_b, DOT_PRECISION=_dot_precision(a_src.dtype),
+        TOP_K=top_k, GATHER_A=gather_a, GATHER_B=gather_b, DUAL=dual, DOT_PRECISION=_dot_precision(a_src.dtype),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

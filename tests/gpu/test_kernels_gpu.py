@@ -50,8 +50,9 @@ def test_expert_ffn_bf16_both_dact_variants(fused_dact):
     from ray_moe.kernels.grouped_swiglu import default_plan
 
     plan = dataclasses.replace(default_plan(torch.bfloat16, torch.device("cuda")), fused_dact=fused_dact)
-    if fused_dact:
-        plan = dataclasses.replace(plan, dact=dataclasses.replace(plan.dact, block_n=128, num_stages=4))
+    if fused_dact:  # also the dual-accumulator dW13
+        plan = dataclasses.replace(plan, dact=dataclasses.replace(plan.dact, block_n=128, num_stages=4),
+                                   dual_wgrad13=True, wgrad13=dataclasses.replace(plan.wgrad13, num_warps=8, num_stages=3))
     errs = check_expert_ffn(random_case(700, 4, 8, 1024, 384, "random", torch.bfloat16, "cuda", 5), plan=plan)
     for name in ("out", "dx", "dweight", "dw13", "dw2"):
         assert errs[name] <= TOL, f"{name}: relative error {errs[name]:.3g} > {TOL} ({errs})"
