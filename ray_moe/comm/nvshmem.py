@@ -410,6 +410,7 @@ class NVSHMEMTransport(Transport):
         self.node_of_rank = _gather_node_ranks(rank_info, device)
         self.num_programs = _num_programs(device)
         self.buffer: SymmetricBuffer | None = None
+        self.spin_limit = int(os.environ.get("RAY_MOE_NVSHMEM_SPIN_LIMIT", 1 << 25))
         self.buffer = self.new_buffer(
             capacity=config.train.batch_size * config.model.seq_len,
             hidden=config.model.d_model,
@@ -436,11 +437,11 @@ class NVSHMEMTransport(Transport):
             self.runtime.free(probe)
 
     def new_buffer(self, capacity: int, hidden: int, elem_bytes: int = 2, kmax: int = 8,
-                   tuning: Tuning | None = None, spin_limit: int = 1 << 25) -> SymmetricBuffer:
+                   tuning: Tuning | None = None, spin_limit: int | None = None) -> SymmetricBuffer:
         """A further buffer (collective); the benchmark makes one per size."""
         remote = self.remote_peers()
         return SymmetricBuffer(self.runtime, capacity, hidden, elem_bytes, kmax, self.num_programs,
-                               remote, spin_limit=spin_limit, tuning=tuning)
+                               remote, spin_limit=spin_limit or self.spin_limit, tuning=tuning)
 
     # ---------------------------------------------------------------- Transport
     def dispatch_forward(self, x, weight, dest_rank, dest_slot):

@@ -494,6 +494,11 @@ def _check(t: torch.Tensor, name: str, shape: tuple, dtype=None, device=None) ->
         raise ValueError(f"{name} must be contiguous")
 
 
+def _nz(t: torch.Tensor) -> torch.Tensor:
+    """A tensor Triton can take a pointer of (a one-element stand-in for an empty one)."""
+    return t if t.numel() else t.new_empty(1)
+
+
 def launch_dispatch(
     geo: Geometry, ch: ChannelAddrs, x: torch.Tensor, pos: torch.Tensor, smeta: torch.Tensor,
     out_x: torch.Tensor, rmeta: torch.Tensor, err: torch.Tensor, *, phase: int,
@@ -538,14 +543,16 @@ def launch_dispatch(
         _check(weight, "weight", (T, K), torch.float32, dev)
         _check(out_slot, "out_slot", (W * T_cap, K), torch.int32, dev)
         _check(out_w, "out_w", (W * T_cap, K), torch.float32, dev)
-    dummy_i = pos
-    scnt, sflag = scratch if scratch is not None else (dummy_i, dummy_i)
+    scnt, sflag = scratch if scratch is not None else (_nz(pos), _nz(pos))
+    x, pos = _nz(x), _nz(pos)
+    dest_rank = _nz(dest_rank) if dest_rank is not None else pos
+    dest_slot = _nz(dest_slot) if has_meta else pos
+    weight = _nz(weight) if has_meta else x
     _dispatch_kernel[(G,)](
-        x, dest_rank if dest_rank is not None else dummy_i, dest_slot if has_meta else dummy_i,
-        weight if has_meta else x, T, pos, smeta, scnt, sflag,
+        x, dest_rank, dest_slot, weight, T, pos, _nz(smeta), scnt, sflag,
         ch.dst_tbl, ch.pflag_tbl, ch.pack_tbl, ch.remote_tbl, ch.recv_base,
         ch.flag, ch.rsig, ch.ack,
-        out_x, out_slot if has_meta else dummy_i, out_w if has_meta else x, rmeta,
+        out_x, out_slot if has_meta else pos, out_w if has_meta else x, rmeta,
         ch.ctr, err, geo.rank, T_cap, geo.region_bytes, spin_limit,
         W=W, W_PAD=_pow2(W), H=H, K=K, K_PAD=_pow2(K), KMAX=geo.kmax, G=G, G_PAD=_pow2(G),
         CM_BYTES=geo.cm_bytes, ROW_BYTES=geo.row_bytes,
@@ -585,11 +592,12 @@ def launch_combine(
         _check(side, "side", (W * T_cap, K), torch.float32, dev)
         _check(dest_rank, "dest_rank", (T, K), torch.int32, dev)
         _check(gw, "gw", (T, K), torch.float32, dev)
+    pos, out = _nz(pos), _nz(out)
     _combine_kernel[(G,)](
         src, side if has_meta else src, rmeta,
         ch.dst_tbl, ch.pflag_tbl, ch.pack_tbl, ch.remote_tbl, ch.recv_base,
         ch.flag, ch.rsig, ch.ack,
-        pos, dest_rank if has_meta else pos, T, out, gw if has_meta else out,
+        pos, _nz(dest_rank) if has_meta else pos, T, out, _nz(gw) if has_meta else out,
         ch.ctr, err, geo.rank, T_cap, geo.region_bytes, spin_limit,
         W=W, W_PAD=_pow2(W), H=H, K=K, K_PAD=_pow2(K), KMAX=geo.kmax, G=G,
         CM_BYTES=geo.cm_bytes, ROW_BYTES=geo.row_bytes, HAS_META=has_meta, PHASE=phase,

@@ -1,0 +1,281 @@
+"""``ray-moe bench comm``: NVSHMEM dispatch/combine against the NCCL textbook exchange.
+
+For every T_local (default 128, 4096, 16384; H=4096, K=8, E=64, bf16, uniform random routing)
+each rank measures, in the same run:
+
+- NVSHMEM dispatch, combine and dispatch+combine (back-to-back calls timed with CUDA events,
+  per call), for each launch variant (``--variants``); the fastest variant is reported. Also a
+  CUDA graph of one dispatch+combine, replayed (launch overhead removed).
+- the textbook EP exchange through NCCL ``all_to_all_single``: one row per (token, k), split
+  sizes exchanged by a small all-to-all and read on the host, rows and (slot, weight) meta sent;
+  combine sends the K rows back and sums them weighted. Layout exchange included.
+- the peer-copy ceiling: ``copy_`` of the same number of bytes into the peer's symmetric memory
+  through its NVLink peer pointer, all ranks at once.
+
+"bytes" are what left this rank for other ranks (rank-dedup rows x (H x 2 + meta) for NVSHMEM,
+(token, k) rows for NCCL); GB/s = bytes / time. The table shows the slowest rank's numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from typing import Any
+
+import torch
+
+
+def _routing(T: int, E: int, K: int, W: int, seed: int, device) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.rand(T, E, generator=g).argsort(1)[:, :K]
+    n = E // W
+    w = torch.rand(T, K, generator=g) + 0.1
+    w = w / w.sum(1, keepdim=True)
+    return ((ids // n).to(torch.int32).to(device), (ids % n).to(torch.int32).to(device), w.to(device))
+
+
+def _time(fn, iters: int, warmup: int = 2) -> float:
+    """Seconds per call of fn, median over 3 runs of `iters` back-to-back calls (all ranks aligned)."""
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        fn()
+    runs = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        dist.barrier()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            fn()
+        b.record()
+        b.synchronize()
+        runs.append(a.elapsed_time(b) / 1e3 / iters)
+    return statistics.median(runs)
+
+
+class NCCLTextbook:
+    """The textbook EP exchange: per-(token, k) rows, host-synced split sizes, all_to_all_single."""
+
+    def __init__(self, W: int) -> None:
+        self.W = W
+
+    def dispatch(self, x, dest_rank, dest_slot, weight):
+        import torch.distributed as dist
+
+        T, K = dest_rank.shape
+        flat = dest_rank.reshape(-1).long()
+        order = flat.argsort(stable=True)
+        send = torch.bincount(flat, minlength=self.W)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send)
+        sc, rc = send.tolist(), recv.tolist()  # host sync: the textbook way
+        rows = x[order // K]
+        meta = torch.stack([dest_slot.reshape(-1)[order].float(), weight.reshape(-1)[order]], 1)
+        rx = x.new_empty(sum(rc), x.shape[1])
+        dist.all_to_all_single(rx, rows, rc, sc)
+        rmeta = meta.new_empty(sum(rc), 2)
+        dist.all_to_all_single(rmeta, meta, rc, sc)
+        return rx, rmeta, (order, sc, rc, T, K)
+
+    def combine(self, y, weight, state):
+        import torch.distributed as dist
+
+        order, sc, rc, T, K = state
+        back = y.new_empty(T * K, y.shape[1])
+        dist.all_to_all_single(back, y, sc, rc)
+        w = weight.reshape(-1)[order].to(y.dtype).unsqueeze(1)
+        return torch.zeros(T, y.shape[1], dtype=y.dtype, device=y.device).index_add_(0, order // K, back * w)
+
+
+VARIANTS = {
+    "r8h1024w8": dict(block_r=8, block_h=1024, num_warps=8),
+    "r4h2048w8": dict(block_r=4, block_h=2048, num_warps=8),
+    "r16h512w8": dict(block_r=16, block_h=512, num_warps=8),
+    "r8h1024w16": dict(block_r=8, block_h=1024, num_warps=16),
+    "r2h4096w16": dict(block_r=2, block_h=4096, num_warps=16),
+}
+
+
+def bench_worker(worker: Any, params: dict) -> list[dict]:
+    """Runs on every rank; returns one record per T_local."""
+    import torch.distributed as dist
+
+    from ray_moe.kernels.dispatch_combine import Tuning
+
+    tr = worker.transport
+    me, W, dev = tr.rank, tr.world_size, worker.device
+    H, K, E = params["hidden"], params["top_k"], params["experts"]
+    out = []
+    nccl = NCCLTextbook(W)
+    for T in params["tokens"]:
+        iters = params["iters"] if T >= 4096 else params["iters"] * 5
+        buf = tr.new_buffer(capacity=T, hidden=H, elem_bytes=2, kmax=max(8, K))
+        x = torch.randn(T, H, dtype=torch.bfloat16, device=dev)
+        dr, ds, w = _routing(T, E, K, W, 1000 * me + T, dev)
+        to_rank = torch.zeros(T, W, dtype=torch.bool, device=dev)
+        to_rank.scatter_(1, dr.long(), True)
+        rows_out = int(to_rank.sum().item() - to_rank[:, me].sum().item())
+        pairs_out = int((dr != me).sum().item())
+        disp_bytes = rows_out * (H * 2 + 8 * K)
+        comb_bytes = rows_out * H * 2
+        rec: dict[str, Any] = {"rank": me, "T": T, "H": H, "K": K, "E": E, "W": W,
+                               "dispatch_bytes": disp_bytes, "combine_bytes": comb_bytes,
+                               "nccl_bytes": pairs_out * (H * 2 + 8), "variants": {}}
+        names = params["variants"]
+        for name in names:
+            buf.tuning = Tuning(**VARIANTS[name])
+            state: dict[str, Any] = {}
+
+            def disp():
+                state["d"] = buf.dispatch(x, w, dr, ds)
+
+            t_d = _time(disp, iters)
+            rx, rs, rw, lay = state["d"]
+            t_c = _time(lambda: buf.combine(rx, lay), iters)
+
+            def pair():
+                r = buf.dispatch(x, w, dr, ds)
+                buf.combine(r[0], r[3])
+
+            t_dc = _time(pair, iters)
+            rec["variants"][name] = {"dispatch_s": t_d, "combine_s": t_c, "pair_s": t_dc}
+        best = min(rec["variants"], key=lambda n: rec["variants"][n]["pair_s"])
+        rec["best"] = best
+        buf.tuning = Tuning(**VARIANTS[best])
+        # CUDA graph of one dispatch + combine
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(2):
+                    r = buf.dispatch(x, w, dr, ds)
+                    buf.combine(r[0], r[3])
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                r = buf.dispatch(x, w, dr, ds)
+                y = buf.combine(r[0], r[3])
+            rec["graph_pair_s"] = _time(g.replay, iters)
+            del g, r, y
+        except Exception as exc:  # report, keep benchmarking
+            rec["graph_error"] = f"{type(exc).__name__}: {exc}"
+        buf.check()
+        # NCCL textbook exchange of the same routing
+        st: dict[str, Any] = {}
+
+        def nd():
+            st["d"] = nccl.dispatch(x, dr, ds, w)
+
+        rec["nccl_dispatch_s"] = _time(nd, max(2, iters // 2))
+        rxn = st["d"][0]
+        rec["nccl_combine_s"] = _time(lambda: nccl.combine(rxn, w, st["d"][2]), max(2, iters // 2))
+        # peer-copy ceiling: the same dispatch bytes into the peers' symmetric memory, all at once
+        import nvshmem.core as core
+
+        src = torch.empty(max(disp_bytes, 1) // max(W - 1, 1), dtype=torch.uint8, device=dev).random_(0, 255)
+        recv = buf.dch.recv
+        views = [core.get_peer_tensor(recv, d) for d in range(W) if d != me and not buf.remote[d]]
+        off = me * buf.geo.region_bytes
+        n = min(src.numel(), buf.geo.region_bytes)
+        if views:
+            def copy():
+                for v in views:
+                    v[off:off + n].copy_(src[:n])
+
+            rec["ceiling_s"] = _time(copy, iters)
+            rec["ceiling_bytes"] = n * len(views)
+        dist.barrier()
+        torch.cuda.synchronize()
+        buf.close()
+        del buf
+        torch.cuda.empty_cache()
+        out.append(rec)
+    return out
+
+
+def _summarise(per_rank: list[list[dict]]) -> list[dict]:
+    rows = []
+    for i, rec0 in enumerate(per_rank[0]):
+        recs = [r[i] for r in per_rank]
+        worst = lambda key: max(r.get(key, float("nan")) for r in recs)  # noqa: E731
+        best = rec0["best"]
+        v = lambda key: max(r["variants"][best][key] for r in recs)  # noqa: E731
+        d, c, dc = v("dispatch_s"), v("combine_s"), v("pair_s")
+        nd, nc = worst("nccl_dispatch_s"), worst("nccl_combine_s")
+        dbytes = max(r["dispatch_bytes"] for r in recs)
+        cbytes = max(r["combine_bytes"] for r in recs)
+        ceil = max(r.get("ceiling_s", float("nan")) for r in recs)
+        cbw = max(r.get("ceiling_bytes", 0) for r in recs) / ceil / 1e9 if ceil == ceil else float("nan")
+        rows.append({
+            "T_local": rec0["T"], "variant": best,
+            "dispatch_us": d * 1e6, "combine_us": c * 1e6, "pair_us": dc * 1e6,
+            "graph_pair_us": worst("graph_pair_s") * 1e6,
+            "dispatch_MB": dbytes / 1e6, "dispatch_GBps": dbytes / d / 1e9, "combine_GBps": cbytes / c / 1e9,
+            "nccl_dispatch_us": nd * 1e6, "nccl_combine_us": nc * 1e6,
+            "speedup_vs_nccl": (nd + nc) / dc, "ceiling_GBps": cbw,
+            "dispatch_vs_ceiling": (dbytes / d / 1e9) / cbw if cbw == cbw else float("nan"),
+            "graph_error": rec0.get("graph_error"),
+        })
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="ray-moe bench comm", description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", default="128,4096,16384", help="T_local values, comma-separated")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--world-size", type=int, default=0, help="0: every GPU of the cluster")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--variants", default="all", help=f"comma-separated of {', '.join(VARIANTS)} or all")
+    p.add_argument("--force-remote", action="store_true", help="every peer through NVSHMEM puts")
+    p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or a local cluster)")
+    p.add_argument("--json", default=None, help="write results here")
+    a = p.parse_args(argv)
+
+    import ray
+    from tabulate import tabulate
+
+    from ray_moe.config import Config
+    from ray_moe.group import WorkerGroup, connect
+
+    connect(a.address)
+    W = a.world_size or int(ray.cluster_resources().get("GPU", 0))
+    if W < 2:
+        print(f"bench comm needs at least 2 GPUs in the Ray cluster, found {W}")
+        return 2
+    tokens = [int(t) for t in a.tokens.split(",")]
+    variants = list(VARIANTS) if a.variants == "all" else a.variants.split(",")
+    cfg = Config.from_dict({
+        "model": {"d_model": a.hidden, "n_heads": 1, "seq_len": max(tokens), "dtype": "bfloat16"},
+        "moe": {"num_experts": a.experts, "top_k": a.top_k},
+        "train": {"batch_size": 1},
+        "parallel": {"world_size": W, "device": "cuda", "transport": "nvshmem",
+                     "force_remote_path": a.force_remote, "startup_timeout_s": 180},
+    })
+    params = {"tokens": tokens, "hidden": a.hidden, "top_k": a.top_k, "experts": a.experts,
+              "iters": a.iters, "variants": variants}
+    with WorkerGroup(cfg) as group:
+        devices = group.execute(lambda w: torch.cuda.get_device_name(w.device))
+        per_rank = group.execute(bench_worker, params, timeout=1800)
+    rows = _summarise(per_rank)
+    cols = ["T_local", "variant", "dispatch_us", "combine_us", "pair_us", "graph_pair_us", "dispatch_MB",
+            "dispatch_GBps", "combine_GBps", "nccl_dispatch_us", "nccl_combine_us", "speedup_vs_nccl",
+            "ceiling_GBps", "dispatch_vs_ceiling"]
+    print(f"W={W} on {devices[0]}, H={a.hidden} K={a.top_k} E={a.experts} bf16"
+          f"{' force_remote_path' if a.force_remote else ''}")
+    print(tabulate([[r[c] for c in cols] for r in rows], headers=cols, floatfmt=".1f"))
+    for r in rows:
+        if r["graph_error"]:
+            print(f"T={r['T_local']}: CUDA graph failed: {r['graph_error']}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"world_size": W, "device": devices[0], "force_remote": a.force_remote,
+                       "summary": rows, "per_rank": per_rank}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

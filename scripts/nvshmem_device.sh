@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call for issue 4: GPU tests, two Ray nodes on one host, the comm benchmark.
+# Usage (device machine, repo root):  . .devbundle/setup.sh && bash scripts/nvshmem_device.sh [steps]
+# steps: any of tests,twonode,bench,benchremote (default: all); logs go to $OUT.
+set -u
+export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY_DEDUP_LOGS=0
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+STEPS=${1:-tests,twonode,bench,benchremote}
+TOK=${TOKENS:-128,4096,16384}
+has() { [[ ",$STEPS," == *",$1,"* ]]; }
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
+if has tests; then
+  timeout ${T_TESTS:-420} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_nvshmem_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+fi
+if has twonode; then
+  ray stop --force >/dev/null 2>&1
+  CUDA_VISIBLE_DEVICES=0 ray start --head --port=6390 --num-gpus=1 --num-cpus=8 --include-dashboard=false >"$OUT/ray_head.log" 2>&1
+  CUDA_VISIBLE_DEVICES=1 ray start --address=127.0.0.1:6390 --num-gpus=1 --num-cpus=8 >"$OUT/ray_worker.log" 2>&1
+  RAY_MOE_TWO_NODE_ADDRESS=127.0.0.1:6390 timeout ${T_TWO:-240} python3 -m pytest -x -q -p no:cacheprovider \
+    tests/gpu/test_nvshmem_gpu.py -k two_ray_nodes 2>&1 | tee "$OUT/two_nodes.log" | tail -20
+  ray stop --force >/dev/null 2>&1
+fi
+if has bench; then
+  timeout ${T_BENCH:-400} python3 -m ray_moe.bench.comm --tokens "$TOK" --variants "${VARIANTS:-all}" \
+    --json "$OUT/bench_comm.json" 2>&1 | tee "$OUT/bench.log" | grep -v "^(" | tail -30
+fi
+if has benchremote; then
+  timeout ${T_BREM:-200} python3 -m ray_moe.bench.comm --tokens 4096 --variants r8h1024w8 --force-remote \
+    --json "$OUT/bench_comm_remote.json" 2>&1 | tee "$OUT/bench_remote.log" | grep -v "^(" | tail -12
+fi
