@@ -137,7 +137,11 @@ class Config:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} must look like section.key=value")
             key, text = item.split("=", 1)
-            cfg.set(key.strip(), yaml.safe_load(text) if text.strip() else "")
+            try:
+                value = yaml.safe_load(text) if text.strip() else ""
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"override {key.strip()}={text!r}: the value is not valid YAML ({exc})") from None
+            cfg.set(key.strip(), value)
         cfg.validate()
         return cfg
 
@@ -196,7 +200,7 @@ class Config:
             raise ConfigError(
                 f"moe.top_k={e.top_k} must be between 1 and moe.num_experts={e.num_experts}"
             )
-        if e.aux_loss_coef < 0:
+        if not e.aux_loss_coef >= 0:
             raise ConfigError(f"moe.aux_loss_coef={e.aux_loss_coef} must be >= 0")
         _choice("moe.expert_impl", e.expert_impl, ("auto", "loop", "grouped_mm", "triton"))
         _positive("parallel.world_size", p.world_size)
@@ -212,12 +216,17 @@ class Config:
             p.placement_strategy,
             ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
         )
-        if p.cpu_per_worker <= 0:
+        if not p.cpu_per_worker > 0:
             raise ConfigError(f"parallel.cpu_per_worker={p.cpu_per_worker} must be > 0")
         if p.transport in ("nvshmem", "nccl") and p.device == "cpu":
             raise ConfigError(
                 f"parallel.transport={p.transport} needs GPUs but parallel.device=cpu; "
                 "use transport gloo or auto"
+            )
+        if p.transport == "gloo" and p.device == "cuda":
+            raise ConfigError(
+                "parallel.transport=gloo cannot move CUDA tensors but parallel.device=cuda; "
+                "use transport nccl, nvshmem or auto"
             )
         _positive("parallel.startup_timeout_s", p.startup_timeout_s)
         _positive("parallel.collective_timeout_s", p.collective_timeout_s)
@@ -231,10 +240,10 @@ class Config:
             raise ConfigError(
                 f"train.batch_size={t.batch_size} is not divisible by parallel.world_size={p.world_size}"
             )
-        if t.lr <= 0:
+        if not t.lr > 0:
             raise ConfigError(f"train.lr={t.lr} must be > 0")
         for key in ("weight_decay", "grad_clip"):
-            if getattr(t, key) < 0:
+            if not getattr(t, key) >= 0:
                 raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 0")
         for key in ("warmup_steps", "eval_interval", "checkpoint_interval", "max_failures"):
             _positive(f"train.{key}", getattr(t, key), allow_zero=True)
@@ -265,13 +274,19 @@ def _sections() -> list[str]:
 
 
 def _unknown(key: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    # Compare the part after a shared section prefix, so "train." alone does not make a match.
+    section, dot, rest = key.rpartition(".")
+    if dot and all(v.startswith(section + ".") for v in valid):
+        names = [v[len(section) + 1:] for v in valid]
+        close = [f"{section}.{c}" for c in difflib.get_close_matches(rest, names, n=1, cutoff=0.6)]
+    else:
+        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return f"unknown config key {key!r}{hint} (valid: {', '.join(valid)})"
 
 
 def _positive(key: str, value: Any, allow_zero: bool = False) -> None:
-    ok = value >= 0 if allow_zero else value > 0
+    ok = value >= 0 if allow_zero else value > 0  # False for NaN too
     if not ok:
         bound = ">= 0" if allow_zero else "> 0"
         raise ConfigError(f"{key}={value} must be {bound}")
@@ -293,6 +308,11 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             raise ConfigError(f"{key}={value!r} must be an integer")
         return value
     if origin is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}={value!r} must be a number")
         return float(value)

@@ -79,7 +79,10 @@ class WorkerGroup:
         p = config.parallel
         self.world_size = p.world_size
         self.use_gpu = use_gpu_for(config)
-        self.transport_name, why = choose_transport(p.transport, self.use_gpu)
+        try:
+            self.transport_name, why = choose_transport(p.transport, self.use_gpu)
+        except ValueError as exc:
+            raise GroupError(str(exc)) from None
         log.info("transport %s: %s", self.transport_name, why)
         self.transport_reason = why
         self._pg = None

@@ -68,3 +68,11 @@ def groups(ray_cluster):
     yield get
     for g in made.values():
         g.close()
+
+
+def pytest_collection_finish(session):
+    """Functions defined in test modules travel to workers by value (workers can't import tests)."""
+    import ray.cloudpickle as cloudpickle
+
+    for module in {getattr(item, "module", None) for item in session.items} - {None}:
+        cloudpickle.register_pickle_by_value(module)

@@ -137,14 +137,7 @@ NAN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("key", [
-    pytest.param(k, marks=pytest.mark.xfail(
-        strict=True,
-        reason="BUG: Config.validate checks this key with `x <= 0` / `x < 0`, which is False for "
-               "NaN, so nan (e.g. the override train.lr=.nan) passes validation"))
-    if bug else k
-    for k, bug in NAN_CASES
-])
+@pytest.mark.parametrize("key", [k for k, _ in NAN_CASES])
 def test_nan_rejected(key):
     reject({key: math.nan}, f"{key}=nan")
 
@@ -304,10 +297,6 @@ def test_unknown_key_in_override(override, typo, suggestion):
         assert f"did you mean {suggestion!r}?" in msg
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: _unknown matches the whole dotted key, so the shared 'train.' prefix alone passes "
-    "difflib's 0.5 cutoff: 'train.zzzzzz' gets \"did you mean 'train.lr'?\" (and "
-    "'train.learning_rate' gets 'train.eval_batches'); compare the key part within the section"))
 def test_unknown_key_without_close_match_has_no_suggestion():
     with pytest.raises(ConfigError) as info:
         Config.from_dict({"train": {"zzzzzz": 1}})
@@ -434,10 +423,6 @@ def test_override_float_decimal_exponent():
     assert Config().with_overrides(["train.lr=3.0e-4"]).train.lr == pytest.approx(3e-4)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: overrides are parsed with yaml.safe_load (YAML 1.1), which reads '1e-3' (no dot) as the "
-    "string '1e-3'; _coerce then rejects it: \"train.lr='1e-3' must be a number\". The same "
-    "happens for `lr: 1e-3` in a YAML file"))
 def test_override_float_plain_exponent():
     assert Config().with_overrides(["train.lr=1e-3"]).train.lr == pytest.approx(1e-3)
 
@@ -479,10 +464,6 @@ def test_override_without_key():
         Config().with_overrides(["=4"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: with_overrides calls yaml.safe_load on the value without catching yaml.YAMLError, so a "
-    "malformed value such as data.paths=[a raises yaml.parser.ParserError instead of a "
-    "ConfigError naming the key"))
 def test_override_with_invalid_yaml_value():
     with pytest.raises(ConfigError) as info:
         Config().with_overrides(["data.paths=[a"])

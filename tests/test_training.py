@@ -1,0 +1,149 @@
+"""Training driver: learning, EP == single-process equivalence, checkpoints, notebook sessions, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ray_moe.checkpoint import latest_checkpoint
+from ray_moe.comm.local import LocalTransport
+from ray_moe.config import Config
+from ray_moe.data import DataError
+from ray_moe.engine import Engine
+from ray_moe.group import GroupError
+from ray_moe.topology import RankInfo
+from ray_moe.trainer import Trainer, TrainingError
+
+
+def small_config(tmp_path, world_size=2, **over) -> Config:
+    raw = {
+        "model": {"n_layers": 2, "d_model": 32, "n_heads": 2, "seq_len": 32},
+        "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 48, "aux_loss_coef": 0.0},
+        "parallel": {"world_size": world_size, "device": "cpu", "cpu_per_worker": 0.5},
+        "data": {"max_bytes": 300_000},
+        "train": {"steps": 6, "batch_size": 8, "lr": 3e-3, "warmup_steps": 2, "eval_batches": 2,
+                  "run_dir": str(tmp_path / "run"), "plots": False, "resume": False},
+    }
+    cfg = Config.from_dict(raw)
+    return cfg.with_overrides([f"{k}={v}" for k, v in over.items()])
+
+
+def fake_rank(world_size=1, rank=0) -> RankInfo:
+    return RankInfo(rank, world_size, "local", 0, 1, rank, world_size, "127.0.0.1", "local", 0, -1)
+
+
+def test_learning_w2(ray_cluster, tmp_path):
+    cfg = small_config(tmp_path, **{"train.steps": 60, "train.batch_size": 16, "data.max_bytes": 1_000_000})
+    with Trainer(cfg, progress=False) as t:
+        initial = t.evaluate()
+        t.train()
+        final = t.evaluate()
+        summary = t.summary()
+    assert math.isclose(initial, math.log(256), abs_tol=0.3), initial  # untrained ≈ uniform over bytes
+    assert final < initial - 1.2, (initial, final)
+    assert summary["last_loss"] < summary["first_loss"]
+    assert (tmp_path / "run" / "metrics.jsonl").stat().st_size > 0
+
+
+def _shards(worker):
+    return worker.engine.shard_state()
+
+
+def test_ep_training_equals_single_process(ray_cluster, tmp_path):
+    cfg = small_config(tmp_path, **{"train.steps": 4})
+    with Trainer(cfg, progress=False) as t:
+        ep_losses = [t.step()["loss"] for _ in range(4)]
+        ep_state = {}
+        for shard in t.group.execute(_shards):
+            ep_state.update(shard)
+
+    single_cfg = cfg.with_overrides(["parallel.world_size=1"])
+    engine = Engine(single_cfg, fake_rank(), LocalTransport(), torch.device("cpu"))
+    single_losses = [engine.train_step()["loss"] for _ in range(4)]
+    single_state = engine.shard_state()
+
+    assert ep_losses == pytest.approx(single_losses, rel=1e-5)
+    assert set(ep_state) == set(single_state)
+    for key, ref in single_state.items():
+        torch.testing.assert_close(ep_state[key], ref, rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_checkpoint_restores_onto_other_world_size(ray_cluster, tmp_path):
+    cfg = small_config(tmp_path, **{"train.steps": 10})
+    with Trainer(cfg, progress=False) as t:
+        for _ in range(3):
+            t.step()
+        saved = t.save()
+        uninterrupted = t.step()["loss"]
+    for world_size in (1, 4):
+        other = cfg.with_overrides([f"parallel.world_size={world_size}"])
+        with Trainer(other, progress=False) as t2:
+            assert t2.restore(saved) == 3
+            assert t2.step()["loss"] == pytest.approx(uninterrupted, rel=1e-5)
+
+
+def test_interrupted_save_keeps_previous_checkpoint(ray_cluster, tmp_path, monkeypatch):
+    cfg = small_config(tmp_path)
+    with Trainer(cfg, progress=False) as t:
+        t.step()
+        good = t.save()
+        t.step()
+        import ray_moe.trainer as trainer_mod
+
+        def crash(*_a, **_k):
+            raise KeyboardInterrupt("simulated crash after the shards were written")
+
+        monkeypatch.setattr(trainer_mod, "commit", crash)
+        with pytest.raises(KeyboardInterrupt):
+            t.save()
+        monkeypatch.undo()
+        assert latest_checkpoint(cfg.train.run_dir) == good
+        assert t.restore(good) == 1
+
+
+def test_notebook_session_reconnects_and_resumes(ray_cluster, tmp_path):
+    cfg = small_config(tmp_path, **{"train.resume": True})
+    t = Trainer(cfg, address=ray_cluster, progress=False)
+    for _ in range(2):
+        t.step()
+    t.save()
+    t.close()
+    t = Trainer(cfg, address=ray_cluster, progress=False)  # a new session on the same cluster
+    try:
+        assert t.step_count == 2  # resumed from run_dir's latest checkpoint
+        m = t.step()
+        assert m["step"] == 3 and math.isfinite(m["loss"])
+        assert t.expert_load() is not None and len(t.expert_load()) == cfg.model.n_layers
+    finally:
+        t.close()
+
+
+def test_missing_corpus_path_fails_fast(ray_cluster, tmp_path):
+    cfg = small_config(tmp_path, **{"data.paths": str(tmp_path / "nope.txt")})
+    with pytest.raises(TrainingError, match="nope.txt"):
+        Trainer(cfg, progress=False)
+
+
+def test_empty_corpus_fails_fast(ray_cluster, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    cfg = small_config(tmp_path, **{"data.paths": str(empty)})
+    with pytest.raises(TrainingError, match="bytes"):
+        Trainer(cfg, progress=False)
+
+
+def test_config_that_does_not_fit_fails_fast(ray_cluster, tmp_path):
+    cfg = small_config(tmp_path, **{"parallel.world_size": 64, "moe.num_experts": 64,
+                                    "train.batch_size": 64})
+    with pytest.raises(GroupError, match="needs 32 CPU"):
+        Trainer(cfg, progress=False)
+
+
+def test_corpus_errors_name_the_path(tmp_path):
+    from ray_moe.data import Corpus
+    from ray_moe.config import DataConfig
+
+    with pytest.raises(DataError, match="no file"):
+        Corpus.load(DataConfig(paths=[str(tmp_path / "*.nothing")]))
