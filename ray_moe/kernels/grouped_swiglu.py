@@ -65,7 +65,7 @@ def default_config(role: str, dtype: torch.dtype, device: torch.device) -> GemmC
         "dact": GemmConfig(128, 256, 64, 8, 8, 3),  # split: plain GEMM, then the elementwise kernel
         "dact_fused": GemmConfig(128, 128, 64, 8, 8, 4),
         "dx": GemmConfig(128, 256, 64, 8, 8, 3),
-        "wgrad13": GemmConfig(128, 128, 64, 8, 4, 4),
+        "wgrad13": GemmConfig(128, 64, 64, 8, 4, 4),  # with dual accumulators (gate|up): 128x128 per program
         "wgrad2": GemmConfig(128, 128, 64, 8, 8, 4),
     }[role]
 
@@ -93,7 +93,7 @@ def default_plan(dtype: torch.dtype, device: torch.device) -> KernelPlan:
     cfgs = {r: default_config(r, dtype, device) for r in roles}
     if fused:
         cfgs["dact"] = default_config("dact_fused", dtype, device)
-    return KernelPlan(**cfgs, fused_dact=fused)
+    return KernelPlan(**cfgs, fused_dact=fused, dual_wgrad13=not fused)
 
 
 @triton.jit
