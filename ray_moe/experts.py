@@ -22,20 +22,27 @@ import torch.nn.functional as F
 
 
 def route(
-    x: torch.Tensor, router_w: torch.Tensor, top_k: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, router_w: torch.Tensor, top_k: int, fused: bool = False, need_probs: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Softmax top-k routing with renormalised weights.
 
     Args:
         x: [T, H] tokens (any float dtype).
         router_w: [H, E] router weights (kept in float32).
         top_k: K.
+        fused: on CUDA, use the fused Triton top-k softmax (same function, one kernel).
+        need_probs: also return the full softmax (for the auxiliary load-balancing loss).
     Returns:
         weights: float32 [T, K], rows sum to 1; differentiable w.r.t. x and router_w.
         expert_ids: int64 [T, K] logical expert ids.
-        probs: float32 [T, E] full softmax (for the auxiliary load-balancing loss).
+        probs: float32 [T, E] full softmax, or None when not needed on the fused path.
     """
     logits = x.float() @ router_w.float()
+    if fused and logits.is_cuda:
+        from ray_moe.kernels import topk_softmax
+
+        weights, ids = topk_softmax(logits, top_k)
+        return weights, ids, torch.softmax(logits, dim=-1) if need_probs else None
     probs = torch.softmax(logits, dim=-1)
     top_p, top_i = torch.topk(probs, top_k, dim=-1)
     weights = top_p / top_p.sum(-1, keepdim=True)
@@ -93,11 +100,12 @@ def expert_ffn(
 
 
 def resolve_impl(impl: str, x: torch.Tensor) -> str:
-    """auto → grouped_mm on CUDA with bf16 on Hopper or newer, loop elsewhere."""
+    """auto → the Triton kernels on CUDA with bf16 on Hopper or newer (they beat the
+    grouped_mm path end to end, see docs/BENCHMARKS.md), loop elsewhere."""
     if impl != "auto":
         return impl
     if x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9:
-        return "grouped_mm"
+        return "triton"
     return "loop"
 
 

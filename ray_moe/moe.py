@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ray_moe.comm.base import Transport, combine, dispatch
-from ray_moe.experts import expert_ffn, load_balancing_loss, route
+from ray_moe.experts import expert_ffn, load_balancing_loss, resolve_impl, route
 from ray_moe.placement import Placement
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -124,17 +124,20 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer expects x of shape [T, {self.d_model}], got {tuple(x.shape)}")
         if x.dtype != self.w13.dtype:
             raise TypeError(f"MoELayer expects x of dtype {self.w13.dtype}, got {x.dtype}")
-        weights, ids, probs = route(x, self.router, self.top_k)
+        impl = resolve_impl(self.expert_impl, x)
+        weights, ids, probs = route(
+            x, self.router, self.top_k, fused=impl == "triton", need_probs=self.aux_loss_coef > 0
+        )
         dest_rank, dest_slot = self.tables.route(ids, self.rank)
         recv_x, recv_slot, recv_w, layout = dispatch(self.transport, x, weights, dest_rank, dest_slot)
-        partial = expert_ffn(recv_x, recv_slot, recv_w, self.w13, self.w2, self.expert_impl)
+        partial = expert_ffn(recv_x, recv_slot, recv_w, self.w13, self.w2, impl)
         out = combine(self.transport, partial, layout)
         with torch.no_grad():
             self.expert_tokens.scatter_add_(
                 0, ids.flatten(), torch.ones(ids.numel(), device=ids.device)
             )
             self.received_pairs += (recv_slot >= 0).sum()
-        aux = load_balancing_loss(probs, ids) if self.aux_loss_coef > 0 else probs.new_zeros(())
+        aux = load_balancing_loss(probs, ids) if self.aux_loss_coef > 0 else x.new_zeros((), dtype=torch.float32)
         return out, aux * self.aux_loss_coef
 
     def pop_load(self) -> tuple[torch.Tensor, torch.Tensor]:
