@@ -74,6 +74,11 @@ class Engine:
     def batch(self, split: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         t, m = self.config.train, self.config.model
         x, y = self.corpus.batch(split, t.seed, step, t.batch_size, m.seq_len, self.rank, self.world_size)
+        if int(x.max()) >= m.vocab_size:  # host tensors: no device sync
+            raise ValueError(
+                f"the corpus has byte values up to {int(x.max())} but model.vocab_size={m.vocab_size}; "
+                "byte-level data needs vocab_size 256"
+            )
         return x.to(self.device), y.to(self.device)
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

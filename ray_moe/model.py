@@ -96,6 +96,11 @@ class MoETransformer(nn.Module):
             raise ValueError(f"sequence length {L} exceeds model.seq_len={self.pos_emb.shape[0]}")
         if idx.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"token ids must be int64 or int32, got {idx.dtype}")
+        if idx.device.type == "cpu" and idx.numel():  # on GPUs the engine checks ids before the copy
+            lo, hi = int(idx.min()), int(idx.max())
+            V = self.tok_emb.num_embeddings
+            if lo < 0 or hi >= V:
+                raise ValueError(f"token ids must be in [0, {V}) (model.vocab_size), got min {lo}, max {hi}")
         x = self.tok_emb(idx) + self.pos_emb[:L]
         aux = x.new_zeros((), dtype=torch.float32)
         for block in self.blocks:

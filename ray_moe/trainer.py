@@ -77,6 +77,7 @@ class Trainer:
             raise
 
     def _recover(self, failure: WorkerFailure) -> None:
+        """Tear the group down, start a new one, restore the latest checkpoint, go on."""
         self.failures += 1
         self._log_event("failure", rank=failure.rank, cause=failure.cause, message=str(failure),
                         step=self.step_count, failures=self.failures)
@@ -87,15 +88,36 @@ class Trainer:
             ) from failure
         if self.group is not None:
             self.group.close()
+            self.group = None
         t0 = time.perf_counter()
-        self._start_group()
+        self._start_group_on_available()
         ckpt = latest_checkpoint(self.run_dir)
         if ckpt is not None:
             self.restore(ckpt)
         else:
             self.step_count = 0
         self._log_event("recovered", step=self.step_count, checkpoint=str(ckpt) if ckpt else None,
+                        world_size=self.config.parallel.world_size,
                         seconds=time.perf_counter() - t0)
+
+    def _start_group_on_available(self) -> None:
+        """Same world size when the cluster still fits it, else the largest one that fits
+        (checkpoints reshard, so training continues with the same global batch)."""
+        wanted = self.config.parallel.world_size
+        e, b = self.config.moe.num_experts, self.config.train.batch_size
+        sizes = [w for w in range(wanted, 0, -1) if e % w == 0 and b % w == 0]
+        last: Exception | None = None
+        for w in sizes:
+            if w != self.config.parallel.world_size:
+                self.config = self.config.with_overrides([f"parallel.world_size={w}"])
+            try:
+                self._start_group()
+                if w != wanted:
+                    self._log_event("resized", world_size=w, wanted=wanted)
+                return
+            except GroupError as exc:  # does not fit: try a smaller group
+                last = exc
+        raise TrainingError(f"no worker group could be started after a failure: {last}")
 
     def _with_recovery(self, fn):
         while True:
@@ -105,9 +127,13 @@ class Trainer:
                 self._recover(exc)
 
     # ------------------------------------------------------------------ training
-    def step(self) -> dict[str, Any]:
-        """One training step on every rank; returns the aggregated metrics of the step."""
-        return self._with_recovery(self._step_once)
+    def step(self, inject_nan_rank: int | None = None) -> dict[str, Any]:
+        """One training step on every rank; returns the aggregated metrics of the step.
+
+        ``inject_nan_rank`` makes that rank's loss NaN (fault injection for tests and smoke
+        checks: the step must be skipped, or the run stopped, per ``train.nonfinite``).
+        """
+        return self._with_recovery(lambda: self._step_once(inject_nan_rank))
 
     def _step_once(self, poison_rank: int | None = None) -> dict[str, Any]:
         assert self.group is not None

@@ -15,19 +15,7 @@ from ray_moe.engine import Engine
 from ray_moe.group import GroupError
 from ray_moe.topology import RankInfo
 from ray_moe.trainer import Trainer, TrainingError
-
-
-def small_config(tmp_path, world_size=2, **over) -> Config:
-    raw = {
-        "model": {"n_layers": 2, "d_model": 32, "n_heads": 2, "seq_len": 32},
-        "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 48, "aux_loss_coef": 0.0},
-        "parallel": {"world_size": world_size, "device": "cpu", "cpu_per_worker": 0.5},
-        "data": {"max_bytes": 300_000},
-        "train": {"steps": 6, "batch_size": 8, "lr": 3e-3, "warmup_steps": 2, "eval_batches": 2,
-                  "run_dir": str(tmp_path / "run"), "plots": False, "resume": False},
-    }
-    cfg = Config.from_dict(raw)
-    return cfg.with_overrides([f"{k}={v}" for k, v in over.items()])
+from tests_support import small_config
 
 
 def fake_rank(world_size=1, rank=0) -> RankInfo:

@@ -1,0 +1,167 @@
+"""Fault tolerance and bad input: dead, hung and poisoned workers; corrupt checkpoints; bad tensors."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from ray_moe.checkpoint import CheckpointError, latest_checkpoint, read_meta
+from ray_moe.comm.local import LocalTransport
+from ray_moe.moe import MoELayer
+from ray_moe.placement import Placement
+from ray_moe.trainer import Trainer, TrainingError
+from tests_support import small_config
+
+
+def _kill_when(trainer: Trainer, rank: int, step: int, timeout: float = 120) -> threading.Thread:
+    pid = trainer.group.ranks[rank].pid
+
+    def run():
+        deadline = time.monotonic() + timeout
+        while trainer.step_count < step and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th
+
+
+def test_killed_worker_recovers_from_checkpoint(ray_cluster, tmp_path):
+    cfg = small_config(tmp_path, **{"train.steps": 10, "train.checkpoint_interval": 3,
+                                    "train.max_failures": 2})
+    with Trainer(cfg, progress=False) as t:
+        killer = _kill_when(t, rank=1, step=4)
+        t.train()
+        killer.join()
+        events = [m for m in t.metrics if "event" in m]
+        steps = [m for m in t.metrics if "loss" in m]
+        assert t.step_count == 10
+    failures = [e for e in events if e["event"] == "failure"]
+    recovered = [e for e in events if e["event"] == "recovered"]
+    assert failures and failures[0]["cause"] in ("died", "error"), events
+    assert recovered and recovered[0]["step"] == 3, events  # the last checkpoint before the kill
+    # After recovery the run repeats step 4 from the checkpoint: the same loss as before the kill.
+    by_step: dict[int, list[float]] = {}
+    for m in steps:
+        by_step.setdefault(m["step"], []).append(m["loss"])
+    repeated = [s for s, ls in by_step.items() if len(ls) > 1]
+    assert 4 in repeated
+    for s in repeated:
+        assert by_step[s][0] == pytest.approx(by_step[s][-1], rel=1e-5)
+
+
+def _slow_rank1_saves(worker):
+    import ray_moe.checkpoint as ckpt
+
+    real = ckpt.write_shard
+
+    def slow(staging, rank, tensors):
+        if rank == 1:
+            time.sleep(60)
+        return real(staging, rank, tensors)
+
+    ckpt.write_shard = slow
+
+
+def test_worker_killed_during_save_keeps_previous_checkpoint(ray_cluster, tmp_path):
+    cfg = small_config(tmp_path)
+    with Trainer(cfg, progress=False) as t:
+        t.step()
+        good = t.save()
+        t.step()
+        t.group.execute(_slow_rank1_saves)
+        pid = t.group.ranks[1].pid
+        threading.Timer(2.0, lambda: os.kill(pid, signal.SIGKILL)).start()
+        with pytest.raises(Exception):
+            t.save()
+    assert latest_checkpoint(cfg.train.run_dir) == good
+    read_meta(good)  # complete and uncorrupted
+    with Trainer(cfg.with_overrides(["train.resume=true"]), progress=False) as t2:
+        assert t2.step_count == 1
+
+
+def _hang(worker):
+    worker.engine.train_step = lambda poison=False: time.sleep(3600)
+
+
+def test_hung_worker_is_detected_within_timeout(ray_cluster, tmp_path):
+    cfg = small_config(tmp_path, **{"train.step_timeout_s": 5})
+    with Trainer(cfg, progress=False) as t:
+        t.group.execute(_hang)
+        t0 = time.monotonic()
+        with pytest.raises(TrainingError, match="did not answer within 5s"):
+            t.step()
+        assert time.monotonic() - t0 < 30
+
+
+def _weights(worker):
+    return {k: v.clone() for k, v in worker.engine.shard_state().items()}
+
+
+def test_nan_step_is_skipped_without_touching_weights(ray_cluster, tmp_path):
+    cfg = small_config(tmp_path)
+    with Trainer(cfg, progress=False) as t:
+        t.step()
+        before = t.group.execute(_weights)
+        m = t.step(inject_nan_rank=1)
+        after = t.group.execute(_weights)
+        assert m["nonfinite"] and m["skipped"]
+        for b, a in zip(before, after):
+            for k in b:
+                assert torch.equal(b[k], a[k]), k  # weights and optimizer state untouched
+        m2 = t.step()
+        assert math.isfinite(m2["loss"]) and not m2["skipped"]
+        assert any(e.get("event") == "nonfinite" for e in t.metrics)
+
+
+def test_nan_step_stops_when_configured(ray_cluster, tmp_path):
+    cfg = small_config(tmp_path, **{"train.nonfinite": "stop"})
+    with Trainer(cfg, progress=False) as t:
+        with pytest.raises(TrainingError, match="non-finite"):
+            t.step(inject_nan_rank=0)
+
+
+def test_corrupt_checkpoint_is_refused_and_previous_kept(ray_cluster, tmp_path):
+    cfg = small_config(tmp_path)
+    with Trainer(cfg, progress=False) as t:
+        t.step()
+        good = t.save()
+        t.step()
+        bad = t.save()
+        shard = bad / "rank00001.safetensors"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        with pytest.raises(CheckpointError, match="rank00001.safetensors"):
+            t.restore(bad)
+        (bad / "meta.json").write_text("{not json")
+        with pytest.raises(CheckpointError, match="meta.json"):
+            t.restore(bad)
+        assert latest_checkpoint(cfg.train.run_dir) == good
+        assert t.restore() == 1
+
+
+def test_layer_rejects_bad_shapes_and_dtypes():
+    layer = MoELayer(16, 4, 2, 8, LocalTransport(), Placement.native(4, 1))
+    with pytest.raises(ValueError, match=r"shape \[T, 16\]"):
+        layer(torch.randn(3, 8))
+    with pytest.raises(TypeError, match="dtype torch.float32"):
+        layer(torch.randn(3, 16, dtype=torch.float64))
+
+
+def test_model_rejects_tokens_outside_vocab(tmp_path):
+    from ray_moe.model import MoETransformer
+
+    cfg = small_config(tmp_path, **{"parallel.world_size": 1})
+    model = MoETransformer(cfg, LocalTransport(), Placement.native(cfg.moe.num_experts, 1))
+    with pytest.raises(ValueError, match=r"\[0, 256\)"):
+        model(torch.tensor([[1, 2, 300]]))
+    with pytest.raises(TypeError, match="int64 or int32"):
+        model(torch.tensor([[1.0, 2.0]]))
