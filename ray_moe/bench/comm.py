@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = Config.from_dict({
         "model": {"d_model": a.hidden, "n_heads": 1, "seq_len": max(tokens), "dtype": "bfloat16"},
         "moe": {"num_experts": a.experts, "top_k": a.top_k},
-        "train": {"batch_size": 1},
+        "train": {"batch_size": W},  # global batch: one sequence of max(tokens) per rank
         "parallel": {"world_size": W, "device": "cuda", "transport": "nvshmem",
                      "force_remote_path": a.force_remote, "startup_timeout_s": 180},
     })

@@ -6,7 +6,7 @@ Ray); every rank then builds :class:`NVSHMEMTransport`, which calls ``nvshmem.co
 that id and allocates one :class:`SymmetricBuffer`.
 
 The buffer is sized once for the worst case of rank-dedup traffic: every source may send each of
-its ``T_cap = train.batch_size * model.seq_len`` tokens to every rank, so each rank receives at
+its ``T_cap = ceil(train.batch_size / W) * model.seq_len`` tokens to every rank, so each rank receives at
 most ``W * T_cap`` rows. Every layer and step reuses it.
 
 **Reuse hazard and how it is handled.** A layer's received rows are needed again in its
@@ -381,6 +381,11 @@ def _num_programs(device: torch.device) -> int:
     return int(g.item())
 
 
+def tokens_per_rank(config: Any, world_size: int) -> int:
+    """T_cap: tokens one rank passes to a layer (train.batch_size is global, split over ranks)."""
+    return max(1, -(-config.train.batch_size // world_size)) * config.model.seq_len
+
+
 def _gather_node_ranks(rank_info: Any, device: torch.device) -> list[int]:
     """node_rank of every rank (an all-gather at start-up; the rank's own alone without a group)."""
     import torch.distributed as dist
@@ -412,7 +417,7 @@ class NVSHMEMTransport(Transport):
         self.buffer: SymmetricBuffer | None = None
         self.spin_limit = int(os.environ.get("RAY_MOE_NVSHMEM_SPIN_LIMIT", 1 << 25))
         self.buffer = self.new_buffer(
-            capacity=config.train.batch_size * config.model.seq_len,
+            capacity=tokens_per_rank(config, rank_info.world_size),
             hidden=config.model.d_model,
             elem_bytes=4 if config.model.dtype == "float32" else 2,
             kmax=max(8, config.moe.top_k),

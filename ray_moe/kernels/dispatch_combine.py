@@ -525,7 +525,7 @@ def launch_dispatch(
                         f"was sized for {geo.elem_bytes} (model.dtype)")
     if T > T_cap:
         raise ValueError(f"{T} tokens exceed the buffer capacity of {T_cap} per rank "
-                         "(train.batch_size * model.seq_len)")
+                         "(train.batch_size / W * model.seq_len)")
     _check(pos, "pos", (T, W), torch.int32, dev)
     _check(smeta, "smeta", (G, W, 4), torch.int32, dev)
     _check(out_x, "out_x", (W * T_cap, H), x.dtype, dev)

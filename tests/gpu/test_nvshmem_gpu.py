@@ -39,9 +39,9 @@ def _make_group(force_remote: bool = False, address: str | None = None, strategy
     if ray.cluster_resources().get("GPU", 0) < 2:
         pytest.skip("needs 2 GPUs in the Ray cluster")
     cfg = Config.from_dict({
-        "model": {"d_model": 64, "seq_len": 64, "n_heads": 4},
+        "model": {"d_model": 64, "seq_len": 32, "n_heads": 4},
         "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 96},
-        "train": {"batch_size": 1},
+        "train": {"batch_size": 4},  # global: 2 sequences x 32 = 64 tokens per rank
         "parallel": {"world_size": 2, "device": "cuda", "transport": "nvshmem",
                      "force_remote_path": force_remote, "placement_strategy": strategy,
                      "startup_timeout_s": 180},
