@@ -87,7 +87,7 @@ class BalanceConfig:
     enabled: bool = False
     interval: int = 50
     clone_slots: int = 0
-    ema: float = 0.9
+    ema: float = 0.5  # per interval; 0.9 never recovers from a shifting hot set (bench balance)
     max_cross_node_clones: int = -1  # -1 = no limit
 
 

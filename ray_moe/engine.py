@@ -203,13 +203,21 @@ class Engine:
         return {"rank": self.rank, "expert_tokens": per_layer, "received_pairs": received}
 
     # ------------------------------------------------------------------ placement
-    def set_placement(self, placement_dict: dict) -> int:
-        """Switch every MoE layer to a new placement and fill clone slots; returns bytes received."""
-        placement = Placement.from_dict(placement_dict)
-        for layer in self.model.moe_layers():
-            layer.set_placement(placement)
-        self.placement = placement
+    def set_placements(self, placements: list[dict | None]) -> int:
+        """New placements per MoE layer (None keeps a layer's); fills clone slots from the owners.
+
+        Returns the bytes of clone weights this rank received.
+        """
+        layers = self.model.moe_layers()
+        if len(placements) != len(layers):
+            raise ValueError(f"got {len(placements)} placements for {len(layers)} MoE layers")
+        for layer, p in zip(layers, placements):
+            if p is not None:
+                layer.set_placement(Placement.from_dict(p))
         return self.push_clones()
+
+    def placement_versions(self) -> list[int]:
+        return [layer.placement.version for layer in self.model.moe_layers()]
 
     # ------------------------------------------------------------------ checkpoints
     def shard_state(self) -> dict[str, torch.Tensor]:
@@ -240,6 +248,8 @@ class Engine:
 
     def load_state(self, tensors: dict[str, torch.Tensor], step: int, opt_steps: int) -> None:
         """Load a full checkpoint (all ranks' tensors merged) into this rank's shard."""
+        for layer in self.model.moe_layers():  # checkpoints hold native experts only
+            layer.set_placement(self.placement)
         names = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, p in names.items():

@@ -26,6 +26,7 @@ from ray_moe.checkpoint import (
 )
 from ray_moe.config import Config, ConfigError
 from ray_moe.group import GroupError, WorkerFailure, WorkerGroup, connect
+from ray_moe.rebalance import Rebalancer
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class Trainer:
         self.metrics: list[dict[str, Any]] = []
         self.failures = 0
         self.group: WorkerGroup | None = None
+        self.rebalancer: Rebalancer | None = None
         self.step_count = 0
         self.last_load: list[list[float]] | None = None
         self._last_health = time.monotonic()
@@ -75,6 +77,10 @@ class Trainer:
             if exc.cause == "error":
                 raise TrainingError(f"workers could not build the model and data: {exc}") from None
             raise
+        self.rebalancer = (
+            Rebalancer(self.config, [r.node_rank for r in self.group.ranks])
+            if self.config.balance.enabled else None
+        )
 
     def _recover(self, failure: WorkerFailure) -> None:
         """Tear the group down, start a new one, restore the latest checkpoint, go on."""
@@ -148,6 +154,10 @@ class Trainer:
         wall = time.perf_counter() - t0
         m = self._aggregate(results, wall)
         self.step_count = m["step"]
+        if self.rebalancer is not None:
+            self.rebalancer.observe([r["load"]["expert_tokens"] for r in results])
+            if self.rebalancer.due(self.step_count):
+                self.rebalance()
         if m["nonfinite"]:
             self._log_event("nonfinite", step=m["step"], action="skipped" if t.nonfinite == "skip" else "stop")
             if t.nonfinite == "stop":
@@ -214,6 +224,19 @@ class Trainer:
             self.plot()
         return done
 
+    def rebalance(self) -> dict[str, Any]:
+        """Plan clone placements from the loads seen so far and apply the changed layers."""
+        assert self.group is not None and self.rebalancer is not None
+        t0 = time.perf_counter()
+        changes, report = self.rebalancer.plan()
+        moved = 0
+        if any(c is not None for c in changes):
+            moved = sum(self.group.call("call_engine", "set_placements", changes,
+                                        timeout=self.config.train.step_timeout_s))
+        report.update(step=self.step_count, bytes_moved=moved, seconds=time.perf_counter() - t0)
+        self._log_event("rebalance", **report)
+        return report
+
     def evaluate(self, batches: int | None = None) -> float:
         assert self.group is not None
         val = self._with_recovery(
@@ -264,6 +287,8 @@ class Trainer:
                 raise ConfigError(f"moe.{key}={getattr(self.config.moe, key)} but checkpoint has {e[key]}")
         steps = self.group.call("load_checkpoint", str(path), timeout=self.config.train.step_timeout_s)
         self.step_count = steps[0]
+        if self.rebalancer is not None:
+            self.rebalancer.reset()  # the workers are back on native placements
         return self.step_count
 
     # ------------------------------------------------------------------ records
@@ -310,6 +335,9 @@ class Trainer:
             "mean_tokens_per_s": sum(m["tokens_per_s"] for m in steps) / len(steps),
             "mean_step_time_s": sum(m["step_time"] for m in steps) / len(steps),
             "mean_imbalance": sum(m["imbalance"] for m in steps) / len(steps),
+            "last_imbalance": steps[-1]["imbalance"],
+            "rebalances": sum(m.get("event") == "rebalance" for m in self.metrics),
+            "clone_bytes_moved": sum(m.get("bytes_moved", 0) for m in self.metrics if m.get("event") == "rebalance"),
             "skipped_steps": sum(bool(m["skipped"]) for m in steps),
             "failures": self.failures,
             "world_size": self.config.parallel.world_size,
