@@ -40,8 +40,10 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 DEFAULT_STATE = Path(tempfile.gettempdir()) / "ray_moe_local_cluster.json"
+SLOW_HOST_TIMEOUTS = MappingProxyType({"RAY_agent_register_timeout_ms": "120000", "RAY_raylet_start_wait_time_s": "120"})
 
 
 @dataclass
@@ -196,6 +198,9 @@ def start(args: argparse.Namespace) -> int:
                 if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
     base_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{base_env.get('PATH', '')}"
     base_env |= client_env
+    # a loaded host starts Python agents slowly: give them longer than Ray's defaults to register
+    for name, value in SLOW_HOST_TIMEOUTS.items():
+        base_env.setdefault(name, value)
     port = free_port()
     state = ClusterState("", cluster_dir, client_env, [])
     for k in range(args.nodes):  # the head first, then every other node at once
