@@ -13,8 +13,9 @@ replacement, Gumbel top-k). Two experiments:
   report the imbalance before the shift, its peak after it, and how many re-plan intervals it
   takes to get back under ``--recover-below``.
 
-``--mode gpu`` (real training steps on GPUs, cloning off vs on) is a hook for the Trainer
-integration and is not implemented here.
+``--mode train``: real layer steps (forward, backward, clone coherence) on a Ray worker group
+(GPUs, or CPUs with ``--device cpu``) with Zipf-skewed routing whose hot experts live on rank 0:
+step time and measured imbalance with cloning off, then with the plan made from those loads.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -194,7 +195,13 @@ def shifting_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ray-moe bench balance", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", choices=("sim", "gpu"), default="sim")
+    ap.add_argument("--mode", choices=("sim", "train"), default="sim",
+                    help="sim: planner simulation (CPU); train: layer steps on a Ray group, cloning off vs on")
+    ap.add_argument("--device", default="auto", help="train: auto, cuda, cpu")
+    ap.add_argument("--transport", default="auto", help="train: auto, nvshmem, nccl, gloo")
+    ap.add_argument("--address", default=None, help="train: Ray address")
+    ap.add_argument("--dtype", default="bfloat16", help="train: bfloat16 or float32")
+    ap.add_argument("--iters", type=int, default=10, help="train: timed steps per setting")
     ap.add_argument("--world-size", type=int, default=16)
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--experts", type=int, default=128)
@@ -220,12 +227,56 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
-    """Real training steps with skewed routing, cloning off vs on (hook for the Trainer integration)."""
-    raise NotImplementedError(
-        "ray-moe bench balance --mode gpu (training steps on GPUs, cloning off vs on) is not "
-        "implemented yet: it needs the Trainer's rebalancing; use --mode sim for the planner simulation"
-    )
+def run_train(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Real layer steps (forward, backward, clone coherence) on a Ray worker group with skewed
+    routing whose hottest experts live on rank 0: cloning off vs on, per Zipf s."""
+    from ray_moe.balance import plan_placement, plan_report
+    from ray_moe.bench.ep_layer import StepSpec, time_layer_step
+    from ray_moe.config import Config
+    from ray_moe.group import WorkerGroup
+
+    W, E = args.world_size, args.experts
+    cfg = Config.from_dict({
+        "model": {"d_model": args.d_model, "n_heads": 1, "dtype": args.dtype},
+        "moe": {"num_experts": E, "top_k": args.top_k, "expert_hidden": args.expert_hidden},
+        "parallel": {"world_size": W, "device": args.device, "transport": args.transport,
+                     "cpu_per_worker": 0.5 if args.device == "cpu" else 1,
+                     "placement_strategy": "SPREAD"},
+        "train": {"batch_size": W},
+    })
+    rows = []
+    with WorkerGroup(cfg, address=args.address) as group:
+        node_of_rank = [r.node_rank for r in group.ranks]
+        bytes_per_expert = 3 * args.d_model * args.expert_hidden * (2 if args.dtype == "bfloat16" else 4)
+        for s in args.zipf:
+            spec = StepSpec(tokens=args.tokens_per_rank, d_model=args.d_model, hidden=args.expert_hidden,
+                            num_experts=E, top_k=args.top_k, dtype=args.dtype, iters=args.iters,
+                            zipf_s=s, clone_slots=args.clone_slots)
+            off = group.execute(time_layer_step, asdict(spec))
+            source = np.array([r["expert_tokens"] for r in off])  # [W_src, E]
+            placement = plan_placement(source.sum(0), W, node_of_rank, args.clone_slots,
+                                       source_loads=source,
+                                       max_cross_node_clones=args.max_cross_node_clones)
+            report = plan_report(source, None, placement, bytes_per_expert, node_of_rank)
+            on = group.execute(time_layer_step, dict(asdict(spec), placement=placement.to_dict()))
+
+            def worst(rs, key):
+                return max(r[key] for r in rs)
+
+            def imbalance(rs):
+                pairs = [r["received_pairs"] for r in rs]
+                return max(pairs) / (sum(pairs) / len(pairs)) if sum(pairs) else 1.0
+
+            rows.append({
+                "zipf_s": s, "world_size": W, "transport": group.transport_name,
+                "step_ms_off": worst(off, "forward_backward_ms"), "step_ms_on": worst(on, "forward_backward_ms"),
+                "speedup": worst(off, "forward_backward_ms") / worst(on, "forward_backward_ms"),
+                "fwd_ms_off": worst(off, "forward_ms"), "fwd_ms_on": worst(on, "forward_ms"),
+                "imbalance_off": imbalance(off), "imbalance_on": imbalance(on),
+                "predicted_on": report["imbalance_after"], "clones": report["clones"],
+                "clone_bytes": report["bytes_to_move"],
+            })
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -237,10 +288,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.top_k > args.experts:
         parser.error(f"--top-k {args.top_k} is larger than --experts {args.experts}")
-    if args.mode == "gpu":
-        run_gpu(args)
-        return 1
     from tabulate import tabulate
+
+    if args.mode == "train":
+        if args.experts % args.world_size:
+            parser.error(f"--experts {args.experts} is not divisible by --world-size {args.world_size}")
+        rows = run_train(args)
+        print(f"layer steps with Zipf-skewed routing (hot experts on rank 0): W={args.world_size}, "
+              f"E={args.experts}, top-{args.top_k}, {args.tokens_per_rank} tokens/rank, "
+              f"{args.clone_slots} clone slot(s)/rank; step = forward + backward + clone coherence")
+        print(tabulate(rows, headers="keys", floatfmt=".3f"))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"config": vars(args), "train": rows}, f, indent=2)
+        return 0
 
     if args.world_size % args.nodes or args.experts % args.world_size:
         print(f"need world_size % nodes == 0 and experts % world_size == 0 (got W={args.world_size}, "

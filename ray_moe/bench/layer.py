@@ -311,11 +311,14 @@ def saved_bytes_rows(shape: LayerShape, inp: dict[str, torch.Tensor]) -> list[di
     return out
 
 
-def ep_rows(shape: LayerShape, inp: dict[str, torch.Tensor], transport: Any | None = None, **kw: Any) -> list[dict]:
-    """Hook for the expert-parallel rows (per-rank layer time over ``transport``). None → no rows."""
-    if transport is None:
-        return []
-    raise NotImplementedError("EP rows are added by the layer/transport owner")
+def ep_rows(shape: LayerShape, args: argparse.Namespace) -> list[dict]:
+    """Expert-parallel rows over a Ray worker group (see :mod:`ray_moe.bench.ep_layer`)."""
+    from ray_moe.bench.ep_layer import ep_layer_rows
+
+    return ep_layer_rows(shape.T, shape.H, shape.I, shape.E, shape.K, args.world_size,
+                         transport=args.transport, address=args.address, dtype=args.dtype,
+                         impl=args.impl, iters=args.ep_iters, device=args.device,
+                         force_remote_path=args.force_remote_path)
 
 
 def _print_table(rows: list[dict]) -> None:
@@ -340,19 +343,34 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    " the fastest tiles it finds are used by expert and ffn)")
     p.add_argument("--sweep", action="store_true", help="time alternative tile configs per kernel")
     p.add_argument("--json", default=None, help="write the rows and the setup here")
+    p.add_argument("--world-size", type=int, default=0,
+                   help="with the 'ep' section: ranks of the expert-parallel group (T is global)")
+    p.add_argument("--transport", default="auto", help="ep: auto, nvshmem, nccl, gloo")
+    p.add_argument("--address", default=None, help="ep: Ray address (default: local cluster)")
+    p.add_argument("--impl", default="auto", help="ep: expert impl (auto, triton, grouped_mm, loop)")
+    p.add_argument("--device", default="auto", help="ep: auto, cuda, cpu")
+    p.add_argument("--ep-iters", type=int, default=10)
+    p.add_argument("--force-remote-path", action="store_true", help="ep/nvshmem: use the inter-node path")
     return p.parse_args(argv)
 
 
 def main(argv: list[str]) -> int:
     """CLI entry: ``ray-moe bench layer [--T ...] [--json out.json]``. Returns the exit code."""
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench layer needs a CUDA GPU", file=sys.stderr)
-        return 2
     shape = LayerShape(args.T, args.H, args.I, args.E, args.K)
+    sections = set(args.sections.split(","))
+    if sections == {"ep"}:  # the EP rows alone also run on CPU clusters (gloo)
+        rows = ep_rows(shape, args)
+        _print_table(rows)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"setup": {"shape": asdict(shape), "world_size": args.world_size}, "rows": rows}, f, indent=1)
+        return 0
+    if not torch.cuda.is_available():
+        print("bench layer needs a CUDA GPU (only --sections ep runs without one)", file=sys.stderr)
+        return 2
     device = torch.device("cuda")
     inp = make_inputs(shape, device, getattr(torch, args.dtype), args.seed)
-    sections = set(args.sections.split(","))
     rows: list[dict] = []
     plan = None
     if "kernels" in sections:
@@ -374,7 +392,12 @@ def main(argv: list[str]) -> int:
             print(flush=True)
             rows += new
             torch.cuda.empty_cache()
-    rows += ep_rows(shape, inp, transport=None)
+    if "ep" in sections and args.world_size > 0:
+        del inp
+        torch.cuda.empty_cache()
+        new = ep_rows(shape, args)
+        _print_table(new)
+        rows += new
     setup = {
         "shape": asdict(shape), "dtype": args.dtype, "device": torch.cuda.get_device_name(),
         "torch": torch.__version__, "python": platform.python_version(),
