@@ -14,7 +14,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a throwaway cluster owned 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-CPUS_PER_NODE = 4  # logical CPUs; actors ask for fractions of them
+CPUS_PER_NODE = 8  # logical CPUs (idle actors cost memory, not cores); actors ask for fractions
 
 
 def pytest_collection_modifyitems(config, items):
@@ -53,10 +53,13 @@ def groups(ray_cluster):
     from ray_moe.group import WorkerGroup
 
     made: dict[tuple, WorkerGroup] = {}
+    keep = 2  # live cached groups at most: the rest of the suite needs CPUs too
 
     def get(world_size: int, strategy: str = "PACK") -> WorkerGroup:
         key = (world_size, strategy)
         if key not in made:
+            while len(made) >= keep:
+                made.pop(next(iter(made))).close()
             cfg = Config.from_dict({
                 "parallel": {"world_size": world_size, "device": "cpu", "cpu_per_worker": 0.5,
                              "placement_strategy": strategy, "startup_timeout_s": 120},

@@ -73,7 +73,7 @@ def test_ray_job_submit_tiny(ray_head, tmp_path):
            "train.steps=4", "train.eval_batches=1", "train.eval_interval=0",
            "train.checkpoint_interval=0", "parallel.cpu_per_worker=0.5", "data.max_bytes=200000",
            f"train.run_dir={run_dir}"]
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 240
     while True:  # the job agent starts a little after the job server answers
         submit = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
         if "No available agent" not in submit.stderr or time.monotonic() > deadline:
