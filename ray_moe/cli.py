@@ -71,8 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _split_passthrough(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """``ray-moe [-v] smoke ARGS...``: ARGS go to :mod:`ray_moe.smoke` untouched (argparse's
+    REMAINDER would reject ARGS that start with an option, e.g. ``smoke --address X``)."""
+    for i, arg in enumerate(argv):
+        if not arg.startswith("-"):
+            return (argv[: i + 1], argv[i + 1:]) if arg == "smoke" else (argv, None)
+    return argv, None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    head, passthrough = _split_passthrough(list(sys.argv[1:] if argv is None else argv))
+    args = build_parser().parse_args(head)
+    if passthrough is not None:
+        args.rest = passthrough
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     from ray_moe.checkpoint import CheckpointError
