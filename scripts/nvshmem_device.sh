@@ -10,14 +10,14 @@ TOK=${TOKENS:-128,4096,16384}
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
 if has tests; then
-  timeout ${T_TESTS:-420} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_nvshmem_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  timeout ${T_TESTS:-420} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_nvshmem_gpu.py ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
 fi
 if has twonode; then
   ray() { python3 -c 'import sys; from ray.scripts.scripts import main; sys.argv[0] = "ray"; main()' "$@"; }
   ray stop --force >/dev/null 2>&1
   CUDA_VISIBLE_DEVICES=0 ray start --head --port=6390 --num-gpus=1 --num-cpus=8 --include-dashboard=false >"$OUT/ray_head.log" 2>&1
   CUDA_VISIBLE_DEVICES=1 ray start --address=127.0.0.1:6390 --num-gpus=1 --num-cpus=8 >"$OUT/ray_worker.log" 2>&1
-  tail -3 "$OUT/ray_head.log" "$OUT/ray_worker.log"
+  tail -n 3 "$OUT/ray_head.log" "$OUT/ray_worker.log"
   RAY_MOE_TWO_NODE_ADDRESS=127.0.0.1:6390 timeout ${T_TWO:-240} python3 -m pytest -x -q -p no:cacheprovider \
     tests/gpu/test_nvshmem_gpu.py -k two_ray_nodes 2>&1 | tee "$OUT/two_nodes.log" | tail -20
   ray stop --force >/dev/null 2>&1

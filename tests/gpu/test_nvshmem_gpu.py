@@ -71,11 +71,32 @@ def _check_everything(g, label: str) -> None:
     fails = run_all(g) + run_all(g, base=dict(dtype="bfloat16"))
     assert not fails, f"{label}: " + "\n".join(fails)
     for extra in PARITY_CASES:
-        res = g.execute(layer_parity, case_dict(seed=5, dtype="bfloat16", d_model=64, **extra), timeout=300)
+        case = case_dict(seed=_seed_without_near_ties(extra), dtype="bfloat16", d_model=64, **extra)
+        res = g.execute(layer_parity, case, timeout=300)
         for rank, errs in enumerate(res):
             bad = {k: v for k, v in errs.items() if not v <= BF16_TOL}
             assert not bad, f"{label} rank {rank} case {extra}: {bad}"
     g.execute(lambda w: w.transport.check())
+
+
+def _seed_without_near_ties(extra: dict) -> int:
+    """A seed whose top-k is the same on fp32 and bf16-rounded tokens.
+
+    ray_moe.validate.layer_parity routes the fp32 oracle on fp32 tokens while the bf16 layer
+    routes on bf16 tokens; a near tie then picks another expert for that token and the relative
+    error is ~0.1 whatever the transport (seen on the device: seed 5, 1 token of 32).
+    """
+    from ray_moe.experts import route
+    from ray_moe.validate import LayerCase, make_problem
+
+    for seed in range(5, 100):
+        case = LayerCase(seed=seed, dtype="bfloat16", d_model=64, **extra)
+        P = make_problem(case, 2)
+        _, a, _ = route(P["x"], P["router"], case.top_k)
+        _, b, _ = route(P["x"].bfloat16(), P["router"], case.top_k)
+        if torch.equal(a.sort(1).values, b.sort(1).values):
+            return seed
+    raise AssertionError(f"no seed without near ties for {extra}")
 
 
 def test_bootstrap(group):
