@@ -237,7 +237,8 @@ def run_train(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     W, E = args.world_size, args.experts
     cfg = Config.from_dict({
-        "model": {"d_model": args.d_model, "n_heads": 1, "dtype": args.dtype},
+        "model": {"d_model": args.d_model, "n_heads": 1, "dtype": args.dtype,
+                  "seq_len": args.tokens_per_rank},  # sizes the NVSHMEM buffer
         "moe": {"num_experts": E, "top_k": args.top_k, "expert_hidden": args.expert_hidden},
         "parallel": {"world_size": W, "device": args.device, "transport": args.transport,
                      "cpu_per_worker": 0.5 if args.device == "cpu" else 1,

@@ -136,7 +136,8 @@ def ep_layer_rows(
     if T % world_size:
         raise ValueError(f"T={T} is not divisible by world_size={world_size}")
     cfg = Config.from_dict({
-        "model": {"d_model": H, "n_heads": 1, "dtype": dtype},
+        # seq_len x batch_size/W sizes the NVSHMEM buffer: T/W tokens per rank.
+        "model": {"d_model": H, "n_heads": 1, "dtype": dtype, "seq_len": T // world_size},
         "moe": {"num_experts": E, "top_k": K, "expert_hidden": I, "expert_impl": impl},
         "parallel": {"world_size": world_size, "transport": transport, "device": device,
                      "cpu_per_worker": 1 if device != "cpu" else 0.5,
