@@ -33,7 +33,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ray_moe.smoke_report import FAIL, PASS, SKIP, SmokeReport, first_line
+from ray_moe.smoke_report import FAIL, PASS, SKIP, SmokeReport, condense_error, first_line, short_id
 
 LAYER_TOL = {"float32": 1e-5, "bfloat16": 1e-2}
 TRANSPORT_TOL = {"float32": 1e-6, "bfloat16": 1e-2}  # the transport validators' own bounds
@@ -112,7 +112,7 @@ def probe_all_nodes(nodes: list[dict[str, Any]], timeout: float) -> list[dict[st
         try:
             out.append(ray.get(ref))
         except Exception as exc:  # noqa: BLE001 - the node's failure is the result
-            out.append(f"{type(exc).__name__}: {first_line(str(exc), 400)}")
+            out.append(f"{type(exc).__name__}: {condense_error(str(exc))}")
     return out
 
 
@@ -201,7 +201,10 @@ def start_group(report: SmokeReport, config: Any, nodes: list[dict[str, Any]], d
     try:
         group = WorkerGroup(config)
     except GroupError as exc:
-        report.add("bootstrap", FAIL, detail=f"the worker group did not start: {exc}")
+        broken = [short_id(r.node_id) for r in report.results if r.check == "import" and r.status == FAIL]
+        hint = f" (import failed on node {', '.join(broken)})" if broken else ""
+        report.add("bootstrap", FAIL, detail=f"the worker group did not start{hint}: {condense_error(str(exc))}",
+                   data={"error": str(exc)})
         return None
     for r in group.ranks:
         report.add("bootstrap", PASS, **rank_where(r), data=r.to_dict(),
@@ -314,7 +317,8 @@ def run_group_checks(report: SmokeReport, group: Any, config: Any, opts: SmokeOp
             run()
         except WorkerFailure as exc:
             where = rank_where(group.ranks[exc.rank]) if exc.rank is not None else {}
-            report.add(name, FAIL, **where, detail=f"{exc.cause}: {exc}")
+            report.add(name, FAIL, **where, detail=f"{exc.cause}: {condense_error(str(exc))}",
+                       data={"error": str(exc)})
             return name
     return None
 
@@ -340,7 +344,8 @@ def run_smoke(opts: SmokeOptions) -> SmokeReport:
     try:
         ray.init(address=opts.address, log_to_driver=False, logging_level="WARNING")
     except Exception as exc:  # noqa: BLE001 - auth, address or version problems end here
-        report.add("connect", FAIL, detail=f"cannot connect to Ray at {opts.address!r}: {type(exc).__name__}: {exc}")
+        report.add("connect", FAIL, detail=f"cannot connect to Ray at {opts.address!r}: "
+                   f"{type(exc).__name__}: {condense_error(str(exc))}{auth_hint()}", data={"error": str(exc)})
         return report
     run_dir = tempfile.mkdtemp(prefix="ray-moe-smoke-")
     try:
@@ -379,7 +384,19 @@ def run_training(report: SmokeReport, config: Any, steps: int) -> None:
     try:
         check_training(report, config, steps)
     except (GroupError, TrainingError) as exc:
-        report.add("training", FAIL, detail=f"{type(exc).__name__}: {exc}")
+        report.add("training", FAIL, detail=f"{type(exc).__name__}: {condense_error(str(exc))}",
+                   data={"error": str(exc)})
+
+
+def auth_hint() -> str:
+    """What to check when a connection fails and this client has no Ray auth token configured."""
+    import os
+
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" and (
+            os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
+        return ""
+    return (" (if the cluster uses token auth, set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH "
+            "(or RAY_AUTH_TOKEN) to the cluster's token, as on its nodes; see docs/OPERATIONS.md)")
 
 
 def main(argv: list[str] | None = None) -> int:

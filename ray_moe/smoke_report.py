@@ -9,6 +9,7 @@ every failing (check, node, GPU) — the one line an operator reads first.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,9 @@ from typing import Any
 from tabulate import tabulate
 
 PASS, FAIL, SKIP = "pass", "fail", "skip"
+TABLE_DETAIL_CHARS = 140
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*")
 
 # Checks in the order they run (and are printed).
 CHECK_ORDER = ("connect", "import", "device", "peer_access", "bootstrap", "layer_parity", "transport",
@@ -80,7 +84,7 @@ class SmokeReport:
     def table(self, check: str) -> str:
         rows = [
             (short_id(r.node_id) or "-", r.ip or "-", "-" if r.gpu is None or r.gpu < 0 else r.gpu,
-             "-" if r.rank is None else r.rank, r.status.upper(), r.detail)
+             "-" if r.rank is None else r.rank, r.status.upper(), first_line(r.detail, TABLE_DETAIL_CHARS))
             for r in self.results if r.check == check
         ]
         return tabulate(rows, headers=["node", "ip", "gpu", "rank", "status", "detail"], tablefmt="github")
@@ -134,3 +138,15 @@ class SmokeReport:
 def first_line(text: str, limit: int = 160) -> str:
     line = text.strip().splitlines()[0] if text.strip() else ""
     return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def condense_error(text: str) -> str:
+    """A multi-line error (Ray's remote tracebacks, colour codes and all) as one line:
+    the last ``SomeError: message`` line (the root cause) first, then the first line (the context)."""
+    lines = [ln.strip() for ln in _ANSI.sub("", text).splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    causes = [ln for ln in lines if _EXCEPTION_LINE.match(ln)]
+    if causes and causes[-1] != lines[0]:
+        return f"{causes[-1]} (from: {lines[0]})"
+    return lines[0]
