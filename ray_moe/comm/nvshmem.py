@@ -269,7 +269,7 @@ class SymmetricBuffer:
                         torch.zeros(G, dtype=torch.int32, device=dev))
         self.err = torch.zeros(2, dtype=torch.int32, device=dev)
         self.spin_limit, self.zero_pad = spin_limit, zero_pad
-        self.tuning = tuning or Tuning()
+        self.tuning = tuning or Tuning.for_hidden(hidden)
         self.any_remote = any(self.remote)
         runtime.barrier()
         torch.cuda.synchronize(dev)
