@@ -121,7 +121,8 @@ def session_processes(sid: int) -> list[int]:
 
 
 def is_our_node(pid: int) -> bool:
-    """The PID still runs `ray start` (guards against a recycled PID)."""
+    """The PID still runs `ray start` (guards against a recycled PID). Not for a process that
+    was just spawned: its cmdline reads empty for a moment after exec."""
     try:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
@@ -203,6 +204,7 @@ def start(args: argparse.Namespace) -> int:
         base_env.setdefault(name, value)
     port = free_port()
     state = ClusterState("", cluster_dir, client_env, [])
+    procs: list[subprocess.Popen] = []
     for k in range(args.nodes):  # the head first, then every other node at once
         gpus = list(range(k * args.gpus_per_node, (k + 1) * args.gpus_per_node))
         cvd = ",".join(map(str, gpus))
@@ -221,15 +223,16 @@ def start(args: argparse.Namespace) -> int:
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        procs.append(proc)
         state.nodes.append(NodeRecord(k, proc.pid, k == 0, str(log_path), cvd, env_node.get(k, {})))
         state.save(state_path)  # recorded at once: a failed start can still be stopped
         if k == 0:
-            if not wait_started(state.nodes, args.timeout):
+            if not wait_started(state.nodes, procs, args.timeout):
                 return fail_start(state, state_path, "the head node did not come up")
             # the address Ray actually uses (the IP it picked, or --node-ip)
             state.address = (Path(cluster_dir) / "ray_current_cluster").read_text().strip()
             state.save(state_path)
-    if not wait_started(state.nodes, args.timeout):
+    if not wait_started(state.nodes, procs, args.timeout):
         return fail_start(state, state_path, f"not every node started within {args.timeout:g}s")
     alive = alive_nodes(state.address, client_env)
     if alive != args.nodes:
@@ -247,11 +250,11 @@ def node_ports() -> list[str]:
             f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"]
 
 
-def wait_started(nodes: list[NodeRecord], timeout: float) -> bool:
+def wait_started(nodes: list[NodeRecord], procs: list[subprocess.Popen], timeout: float) -> bool:
     """Every node's `ray start` has printed that its runtime started (and is still running)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(not is_our_node(rec.pid) for rec in nodes):
+        if any(proc.poll() is not None for proc in procs):
             return False
         logs = [Path(rec.log).read_text(errors="replace") if Path(rec.log).exists() else "" for rec in nodes]
         if all("Ray runtime started" in text for text in logs):

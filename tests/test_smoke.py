@@ -1,0 +1,181 @@
+"""Cluster smoke test against real multi-node clusters started by cluster/local_cluster.py.
+
+The session cluster of conftest.py lives in this pytest process, so the smoke test runs as a
+subprocess (``python -m ray_moe.cli smoke``) that connects to the cluster started here. It runs
+from a neutral directory: Ray puts the driver's working directory on the workers' sys.path, which
+would otherwise hide a node's broken installation behind this checkout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import yaml
+
+from ray_moe.smoke_report import FAIL, PASS, SKIP, SmokeReport, condense_error
+
+REPO = Path(__file__).resolve().parents[1]
+LOCAL_CLUSTER = REPO / "cluster" / "local_cluster.py"
+
+
+def cluster_env() -> dict[str, str]:
+    """This process's environment minus what conftest set for its own throwaway cluster."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = ""  # the nodes and the smoke driver import the installed package
+    return env
+
+
+class LocalClusters:
+    """Clusters started with cluster/local_cluster.py; whatever is still running is stopped at the end."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.running: list[Path] = []
+
+    def start(self, nodes: int = 2, env_node: tuple[str, ...] = ()) -> dict:
+        """→ the state dict of a running cluster (address, client_env, nodes with their node ids)."""
+        state = self.root / f"cluster{len(self.running)}-{len(list(self.root.iterdir()))}.json"
+        cmd = [sys.executable, str(LOCAL_CLUSTER), "start", "--nodes", str(nodes), "--cpus-per-node", "2",
+               "--state", str(state)]
+        for item in env_node:
+            cmd += ["--env-node", item]
+        self.running.append(state)
+        r = subprocess.run(cmd, env=cluster_env(), capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        info = json.loads(state.read_text())
+        assert r.stdout.strip().splitlines()[-1] == info["address"]
+        return info | {"state_file": str(state)}
+
+    def stop(self, info: dict) -> None:
+        state = Path(info["state_file"])
+        r = subprocess.run([sys.executable, str(LOCAL_CLUSTER), "stop", "--state", str(state)],
+                           env=cluster_env(), capture_output=True, text=True, timeout=120)
+        self.running.remove(state)
+        assert r.returncode == 0, r.stderr
+        assert not any(Path(f"/proc/{n['pid']}").exists() for n in info["nodes"])
+
+
+@pytest.fixture
+def local_clusters(tmp_path_factory) -> Iterator[LocalClusters]:
+    clusters = LocalClusters(tmp_path_factory.mktemp("clusters"))
+    yield clusters
+    for state in list(clusters.running):
+        if state.exists():
+            clusters.stop(json.loads(state.read_text()) | {"state_file": str(state)})
+
+
+def run_smoke(state: dict, tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "smoke.json"
+    env = cluster_env() | state["client_env"]
+    cmd = [sys.executable, "-m", "ray_moe.cli", "smoke", "--address", state["address"],
+           "--json", str(out), "--timeout", "90", *args]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    return r, (json.loads(out.read_text()) if out.exists() else {})
+
+
+def test_smoke_passes_on_two_nodes_then_names_a_broken_node(local_clusters, tmp_path):
+    # --- a healthy two-node cluster passes every check
+    good = local_clusters.start(2)
+    assert good["client_env"]["RAY_AUTH_MODE"] == "token"  # token auth on by default
+    assert oct(Path(good["client_env"]["RAY_AUTH_TOKEN_PATH"]).stat().st_mode & 0o777) == "0o600"
+    r, report = run_smoke(good, tmp_path, "--steps", "4")
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
+    assert report["ok"], report["summary"]
+    statuses = {}
+    for res in report["results"]:
+        statuses.setdefault(res["check"], set()).add(res["status"])
+    for check in ("import", "device", "bootstrap", "layer_parity", "transport", "bandwidth", "training"):
+        assert statuses.get(check) == {PASS}, (check, statuses)
+    node_ids = {n["node_id"] for n in good["nodes"]}
+    assert {res["node_id"] for res in report["results"] if res["check"] == "bootstrap"} == node_ids
+    gbps = report["bandwidth"]["gbps"]
+    assert gbps[0][1] > 0 and gbps[1][0] > 0
+    losses = next(res for res in report["results"] if res["check"] == "training")["data"]["losses"]
+    assert losses[-1] < losses[0]
+    assert "bandwidth matrix" in r.stdout and r.stdout.strip().splitlines()[-1].startswith("smoke: PASSED")
+    local_clusters.stop(good)  # stops exactly its nodes (and frees the CPUs for the next cluster)
+
+    # --- node 1 cannot import ray_moe: non-zero exit naming that node and the check
+    shadow = tmp_path / "shadow"
+    (shadow / "ray_moe").mkdir(parents=True)
+    (shadow / "ray_moe" / "__init__.py").write_text('raise ImportError("planted fault: no ray_moe here")\n')
+    bad = local_clusters.start(2, env_node=(f"1:PYTHONPATH={shadow}",))
+    broken_node = bad["nodes"][1]["node_id"]
+    r, report = run_smoke(bad, tmp_path, "--steps", "2")
+    summary = r.stdout.strip().splitlines()[-1]
+    assert r.returncode == 1, r.stdout[-4000:] + r.stderr[-3000:]
+    assert summary.startswith("smoke: FAILED"), summary
+    assert f"import on node {broken_node[:8]}" in summary and "planted fault" in summary, summary
+    failed = [res for res in report["results"] if res["status"] == FAIL]
+    assert [res["node_id"] for res in failed if res["check"] == "import"] == [broken_node]
+    assert any(res["check"] == "bootstrap" for res in failed)
+    assert {res["check"] for res in report["results"] if res["status"] == SKIP} >= {"layer_parity", "training"}
+
+
+def test_local_cluster_rejects_a_bad_env_node(tmp_path):
+    r = subprocess.run([sys.executable, str(LOCAL_CLUSTER), "start", "--nodes", "2", "--env-node", "5:X=1",
+                        "--state", str(tmp_path / "s.json")], capture_output=True, text=True)
+    assert r.returncode != 0 and "node 5 does not exist" in r.stderr
+
+
+# ---------------------------------------------------------------------- report assembly (pure)
+def test_report_summary_names_node_gpu_and_check():
+    rep = SmokeReport()
+    rep.add("import", PASS, node_id="a" * 56, ip="10.0.0.1", detail="ok")
+    rep.add("device", FAIL, node_id="b" * 56, ip="10.0.0.2", gpu=3, detail="CUDA error: no device\nmore")
+    rep.add("training", SKIP, detail="skipped")
+    assert not rep.ok
+    line = rep.summary_line()
+    assert line.startswith("smoke: FAILED (1 passed, 1 failed, 1 skipped)")
+    assert "device on node bbbbbbbb (10.0.0.2) GPU 3: CUDA error: no device" in line
+    assert "more" not in line
+
+
+def test_report_tables_and_json(tmp_path):
+    rep = SmokeReport(info={"world_size": 2})
+    rep.add("bootstrap", PASS, node_id="n1", ip="1.2.3.4", rank=0, detail="x" * 500)
+    rep.add("bandwidth", PASS, node_id="n1", rank=0, detail="→ rank 1")
+    rep.bandwidth = {"labels": ["0: n1/cpu", "1: n2/cpu"], "gbps": [[None, 1.5], [2.25, None]], "bytes": 4 << 20}
+    text = rep.render()
+    assert text.index("## bootstrap") < text.index("## bandwidth")
+    assert "x" * 500 not in text  # long details are cut in tables, kept in JSON
+    assert "1.50" in text and "2.25" in text and "4 MiB" in text
+    rep.write_json(tmp_path / "r.json")
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["ok"] and data["summary"] == rep.summary_line() and data["results"][0]["detail"] == "x" * 500
+    assert data["bandwidth"]["gbps"][1][0] == 2.25
+
+
+def test_empty_report_is_not_a_pass():
+    assert not SmokeReport().ok
+    assert "no check ran" in SmokeReport().summary_line()
+
+
+def test_condense_error_keeps_the_root_cause():
+    text = ("start: worker died: \x1b[36mray::EPWorker.__init__()\x1b[39m (pid=1)\n  File \"x.py\", line 1\n"
+            "RuntimeError: failed to import\n\n  File \"/tmp/shadow/ray_moe/__init__.py\"\n"
+            "ImportError: planted fault\n")
+    assert condense_error(text) == "ImportError: planted fault (from: start: worker died: ray::EPWorker.__init__() (pid=1))"
+    assert condense_error("plain message") == "plain message"
+    assert condense_error("") == ""
+
+
+def test_gpu_cluster_yaml_parses_and_keeps_multicast_off_and_auth_on():
+    cfg = yaml.safe_load((REPO / "cluster" / "gpu_cluster.yaml").read_text())
+    assert {"cluster_name", "provider", "available_node_types", "head_node_type"} <= set(cfg)
+    types = cfg["available_node_types"]
+    assert cfg["head_node_type"] in types
+    assert any(t.get("resources", {}).get("GPU", 0) >= 1 for t in types.values())
+    assert any("[gpu]" in cmd for cmd in cfg["setup_commands"])
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        text = "\n".join(cfg[key])
+        for var in ("NCCL_NVLS_ENABLE=0", "TORCH_SYMM_MEM_DISABLE_MULTICAST=1", "NVSHMEM_DISABLE_NVLS=1",
+                    "RAY_AUTH_MODE=token"):
+            assert var in text, (key, var)
+        assert "ray start" in text
