@@ -5,6 +5,7 @@
                                           [--env-node 1:PYTHONPATH=/tmp/shadow] [--no-auth]
                                           [--state FILE]
     python cluster/local_cluster.py status [--state FILE]
+    eval "$(python cluster/local_cluster.py env [--state FILE])"   # then: ray-moe smoke
     python cluster/local_cluster.py stop   [--state FILE]
 
 Node 0 is the head (``ray start --head --block``), nodes 1..N-1 join it
@@ -130,7 +131,7 @@ def is_our_node(pid: int) -> bool:
     return any(part.endswith(b"ray") for part in cmd) and b"start" in cmd
 
 
-def kill_session(sid: int, grace_s: float = 5.0) -> None:
+def kill_session(sid: int, grace_s: float = 3.0) -> None:
     """SIGTERM every process of the session, then SIGKILL what is left after ``grace_s``."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in session_processes(sid):
@@ -275,7 +276,7 @@ def fail_start(state: ClusterState, state_path: Path, why: str) -> int:
 def print_client_info(state: ClusterState, state_path: Path) -> None:
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in state.client_env.items())
     print(f"# {len(state.nodes)} Ray node(s) up; state in {state_path}")
-    print(f"# clients need: export {exports}")
+    print(f"# clients need: export {exports}   (or: eval \"$(python {Path(__file__).name} env --state {state_path})\")")
     print(f"# stop with: python {Path(__file__).name} stop --state {state_path}")
     print(state.address)
 
@@ -318,6 +319,18 @@ def status(args: argparse.Namespace) -> int:
     return 0 if len(running) == len(state.nodes) and alive == len(state.nodes) else 1
 
 
+def env(args: argparse.Namespace) -> int:
+    """Print `export` lines for clients: ``eval "$(python cluster/local_cluster.py env)"``."""
+    state_path = Path(args.state)
+    if not state_path.exists():
+        print(f"no local cluster recorded in {state_path}", file=sys.stderr)
+        return 1
+    state = ClusterState.load(state_path)
+    for name, value in {**state.client_env, "RAY_ADDRESS": state.address}.items():
+        print(f"export {name}={shlex.quote(value)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -333,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=120, help="seconds to wait for the nodes")
     s.set_defaults(fn=start)
     for name, fn, help_ in (("stop", stop, "kill exactly the nodes in the state file"),
-                            ("status", status, "show the recorded nodes and how many are alive")):
+                            ("status", status, "show the recorded nodes and how many are alive"),
+                            ("env", env, "print export lines (auth, RAY_ADDRESS) for clients")):
         c = sub.add_parser(name, help=help_)
         c.set_defaults(fn=fn)
         if name == "stop":
