@@ -33,7 +33,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ray_moe.smoke_report import FAIL, PASS, SKIP, SmokeReport, condense_error, first_line, short_id
+from ray_moe.smoke_report import FAIL, PASS, SKIP, SmokeReport, condense_error, short_id
 
 LAYER_TOL = {"float32": 1e-5, "bfloat16": 1e-2}
 TRANSPORT_TOL = {"float32": 1e-6, "bfloat16": 1e-2}  # the transport validators' own bounds
