@@ -126,6 +126,7 @@ class Engine:
             self.optimizer.zero_grad(set_to_none=False)
         self.step += 1
         self._sync()
+        self.transport.check()  # device-side timeouts become an error naming the cause
         t3 = time.perf_counter()
         return {
             "rank": self.rank, "step": self.step, "loss": ce.item(), "aux_loss": float(aux.detach()),

@@ -77,6 +77,10 @@ class Transport(ABC):
     def combine_backward(self, grad_out: torch.Tensor, layout: Layout) -> torch.Tensor:
         """[T, H] output gradient at the source → [R, H] gradient of the partial rows."""
 
+    def check(self) -> None:
+        """Raise if a device-side wait timed out since the last check (a host sync: call it
+        outside the layer's forward and backward, e.g. at the end of a step)."""
+
     def close(self) -> None:
         """Release communication resources. Idempotent."""
 
