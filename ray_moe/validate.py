@@ -97,7 +97,7 @@ def layer_parity(worker: Any, case: LayerCase | dict) -> dict[str, float]:
 
     # Oracle on all tokens, float32 on the CPU, from the same (dtype-rounded) tokens the layer
     # sees: otherwise a near-tie in the router picks different experts on the two sides.
-    x_ref = P["x"].to(dtype).float().requires_grad_()
+    x_ref = P["x"].to(dtype).float().clone().requires_grad_()
     router_ref = P["router"].clone().requires_grad_()
     w13_ref = P["w13"].clone().requires_grad_()
     w2_ref = P["w2"].clone().requires_grad_()
