@@ -133,7 +133,11 @@ def layer_parity(worker: Any, case: LayerCase | dict) -> dict[str, float]:
     errors = {
         "out": rel_err(out, out_ref[mine]),
         "grad_x": rel_err(x.grad, x_ref.grad[mine]),
-        "grad_router": rel_err(router_grad, router_ref.grad, floor=1e-3 if case.top_k == 1 else 0.0),
+        # A forced routing saturates the softmax (p ~ 1 - 1e-14) and top-1 renormalises to exactly
+        # 1: the router gradient is ~0 and round-off decides its direction, so it gets an
+        # absolute floor there. The random case checks it strictly.
+        "grad_router": rel_err(router_grad, router_ref.grad,
+                               floor=1e-3 if case.top_k == 1 or case.routing != "random" else 0.0),
         "grad_w13": rel_err(layer.w13.grad[:n], w13_ref.grad[natives]),
         "grad_w2": rel_err(layer.w2.grad[:n], w2_ref.grad[natives]),
     }
