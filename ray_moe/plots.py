@@ -40,3 +40,23 @@ def expert_load_heatmap(load: list[list[float]], path: str | Path, title: str = 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
+
+
+def imbalance_curve(metrics: list[dict], path: str | Path) -> Path:
+    """Load imbalance (max/mean routed pairs per rank) per step, with re-cloning marked."""
+    steps = [m["step"] for m in metrics if "imbalance" in m]
+    imb = [m["imbalance"] for m in metrics if "imbalance" in m]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, imb, label="measured (mean over MoE layers)")
+    for m in metrics:
+        if m.get("event") == "rebalance" and m.get("layers_changed"):
+            ax.axvline(m["step"], color="tab:red", alpha=0.4, lw=1)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xlabel("step (red: clone placement changed)")
+    ax.set_ylabel("max / mean tokens per rank")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

@@ -306,10 +306,11 @@ class Trainer:
             f.write(json.dumps(rec) + "\n")
 
     def plot(self) -> list[Path]:
-        from ray_moe.plots import expert_load_heatmap, loss_curve
+        from ray_moe.plots import expert_load_heatmap, imbalance_curve, loss_curve
 
         steps = [m for m in self.metrics if "loss" in m or "val_loss" in m]
-        out = [loss_curve(steps, self.run_dir / "loss.png")]
+        out = [loss_curve(steps, self.run_dir / "loss.png"),
+               imbalance_curve(self.metrics, self.run_dir / "imbalance.png")]
         totals = None
         for m in self.metrics:
             if "expert_tokens" in m:
@@ -338,12 +339,22 @@ class Trainer:
             "last_imbalance": steps[-1]["imbalance"],
             "rebalances": sum(m.get("event") == "rebalance" for m in self.metrics),
             "clone_bytes_moved": sum(m.get("bytes_moved", 0) for m in self.metrics if m.get("event") == "rebalance"),
+            **self._last_rebalance_summary(),
             "skipped_steps": sum(bool(m["skipped"]) for m in steps),
             "failures": self.failures,
             "world_size": self.config.parallel.world_size,
             "transport": self.group.transport_name if self.group else None,
             "run_dir": str(self.run_dir),
         }
+
+    def _last_rebalance_summary(self) -> dict[str, Any]:
+        last = [m for m in self.metrics if m.get("event") == "rebalance"]
+        if not last:
+            return {}
+        r = last[-1]
+        return {"planned_imbalance_before": max(r["imbalance_before"]),
+                "planned_imbalance_after": max(r["imbalance_after"]),
+                "last_rebalance_s": r["seconds"]}
 
     def close(self) -> None:
         if self.group is not None:

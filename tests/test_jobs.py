@@ -31,10 +31,16 @@ def ray_head(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     env["HOME"] = str(tmp_path / "home")  # the auth token lands here, not in the user's home
+    env["RAY_agent_register_timeout_ms"] = "120000"  # agents start slowly on a loaded 2-core host
     gcs, dash = free_port(), free_port()
     proc = subprocess.Popen(
         [str(bin_dir / "ray"), "start", "--head", "--block", f"--port={gcs}",
          f"--dashboard-port={dash}", "--include-dashboard=true", "--num-cpus=2",
+         # Ray's per-node service ports are fixed by default: other clusters on this host
+         # (the session's test cluster) hold them, and the job agent would not come up.
+         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+         f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+         f"--ray-client-server-port={free_port()}",
          f"--temp-dir={temp_dir}", "--disable-usage-stats"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
     )
