@@ -20,6 +20,10 @@ def loss_curve(metrics: list[dict], path: str | Path) -> Path:
         ax.plot(*zip(*evals), "o-", label="validation")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/byte)")
+    return _save(fig, ax, path)
+
+
+def _save(fig, ax, path: str | Path) -> Path:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -54,9 +58,4 @@ def imbalance_curve(metrics: list[dict], path: str | Path) -> Path:
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xlabel("step (red: clone placement changed)")
     ax.set_ylabel("max / mean tokens per rank")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _save(fig, ax, path)
