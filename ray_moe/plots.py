@@ -38,6 +38,8 @@ def expert_load_heatmap(load: list[list[float]], path: str | Path, title: str = 
     im = ax.imshow(load, aspect="auto", cmap="viridis")
     ax.set_xlabel("logical expert")
     ax.set_ylabel("MoE layer")
+    ax.set_yticks(range(len(load)))
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_title(title or "tokens per expert")
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
