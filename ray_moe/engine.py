@@ -45,6 +45,7 @@ class Engine:
             self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95),
             foreach=False,
         )
+        self.transport.timer.enabled = True  # communication time in the step breakdown
         self.step = 0  # steps taken (skipped ones included) == the data position
         self.opt_steps = 0  # optimizer updates applied (Adam's bias-correction counter)
         self.skipped = 0
@@ -93,7 +94,7 @@ class Engine:
         ``poison`` injects a NaN into this rank's activations (to test the non-finite policy).
         """
         self.model.train()
-        comm0 = self.transport_seconds()
+        self.transport.timer.pop()  # drop anything timed outside a training step
         t0 = time.perf_counter()
         x, y = self.batch("train", self.step)
         ce, aux = self.loss(x, y)
@@ -133,14 +134,11 @@ class Engine:
             "tokens": x.numel(), "grad_norm": grad_norm, "lr": lr, "skipped": skipped,
             "nonfinite": not finite, "load": self.expert_load(),
             "time": {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2,
-                     "step": t3 - t0, "comm": self.transport_seconds() - comm0},
+                     "step": t3 - t0, "comm": self.transport.timer.pop()},
         }
 
     def counters(self) -> dict[str, int]:
         return {"step": self.step, "opt_steps": self.opt_steps, "skipped": self.skipped}
-
-    def transport_seconds(self) -> float:
-        return float(getattr(self.transport, "seconds", 0.0))
 
     def _all_max(self, value: torch.Tensor) -> float:
         v = torch.where(torch.isfinite(value), value, torch.full_like(value, float("inf")))
@@ -245,6 +243,9 @@ class Engine:
                 for s in ("exp_avg", "exp_avg_sq"):
                     if s in state:
                         out[f"optim.{name}.{s}"] = state[s].cpu().clone()
+        out[f"rng.rank{self.rank}.cpu"] = torch.get_rng_state()
+        if self.device.type == "cuda":
+            out[f"rng.rank{self.rank}.cuda"] = torch.cuda.get_rng_state(self.device)
         return out
 
     def load_state(self, tensors: dict[str, torch.Tensor], step: int, opt_steps: int) -> None:
@@ -274,6 +275,11 @@ class Engine:
                     state["step"] = torch.tensor(float(opt_steps))
                     self.optimizer.state[p] = state
         self.step, self.opt_steps = step, opt_steps
+        # RNG streams are per rank: restored when this rank existed in the saved run.
+        if f"rng.rank{self.rank}.cpu" in tensors:
+            torch.set_rng_state(tensors[f"rng.rank{self.rank}.cpu"])
+        if self.device.type == "cuda" and f"rng.rank{self.rank}.cuda" in tensors:
+            torch.cuda.set_rng_state(tensors[f"rng.rank{self.rank}.cuda"], self.device)
         self.push_clones()
 
 

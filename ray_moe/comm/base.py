@@ -17,6 +17,7 @@ share (which rows went where). Transports subclass it.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -41,6 +42,7 @@ class Transport(ABC):
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
         self.world_size = world_size
+        self.timer = CommTimer()
 
     @abstractmethod
     def dispatch_forward(
@@ -88,6 +90,48 @@ class Transport(ABC):
         return {"transport": self.name, "rank": self.rank, "world_size": self.world_size}
 
 
+class CommTimer:
+    """Time spent in a transport's primitives, for the step breakdown. Off by default.
+
+    On the CPU it adds host wall time (the collectives are synchronous). On CUDA it records an
+    event pair around each primitive on the current stream and sums them in :meth:`pop`, the only
+    place that waits; leave it off while capturing CUDA graphs.
+    """
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self._seconds = 0.0
+        self._events: list[tuple[Any, Any]] = []
+
+    def start(self, like: torch.Tensor) -> Any:
+        if not self.enabled:
+            return None
+        if like.is_cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def stop(self, mark: Any) -> None:
+        if mark is None:
+            return
+        if isinstance(mark, float):
+            self._seconds += time.perf_counter() - mark
+        else:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((mark, end))
+
+    def pop(self) -> float:
+        """Seconds since the last pop (synchronises on the recorded CUDA events)."""
+        total = self._seconds
+        if self._events:
+            self._events[-1][1].synchronize()
+            total = self._seconds + sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+        self._seconds, self._events = 0.0, []
+        return total
+
+
 class _LayoutBox:
     """Carries the (non-tensor) layout out of the dispatch autograd node."""
 
@@ -97,9 +141,11 @@ class _LayoutBox:
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, transport, box, x, weight, dest_rank, dest_slot):
+        mark = transport.timer.start(x)
         recv_x, recv_slot, recv_w, layout = transport.dispatch_forward(
             x, weight, dest_rank, dest_slot
         )
+        transport.timer.stop(mark)
         ctx.transport, ctx.layout = transport, layout
         box.layout = layout
         ctx.mark_non_differentiable(recv_slot)
@@ -113,9 +159,11 @@ class _Dispatch(torch.autograd.Function):
             grad_recv_w = torch.zeros(
                 grad_recv_x.shape[0], ctx.layout.top_k, device=grad_recv_x.device
             )
+        mark = ctx.transport.timer.start(grad_recv_x)
         gx, gw = ctx.transport.dispatch_backward(
             grad_recv_x.contiguous(), grad_recv_w.contiguous(), ctx.layout
         )
+        ctx.transport.timer.stop(mark)
         return None, None, gx, gw, None, None
 
 
@@ -123,11 +171,17 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, transport, layout, partial):
         ctx.transport, ctx.layout = transport, layout
-        return transport.combine_forward(partial, layout)
+        mark = transport.timer.start(partial)
+        out = transport.combine_forward(partial, layout)
+        transport.timer.stop(mark)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        return None, None, ctx.transport.combine_backward(grad_out.contiguous(), ctx.layout)
+        mark = ctx.transport.timer.start(grad_out)
+        grad = ctx.transport.combine_backward(grad_out.contiguous(), ctx.layout)
+        ctx.transport.timer.stop(mark)
+        return None, None, grad
 
 
 def dispatch(
