@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from types import MappingProxyType
 from typing import Any, Callable, Sequence
 
 import ray
@@ -30,7 +31,9 @@ from ray_moe.worker import EPWorker
 log = logging.getLogger(__name__)
 
 # NVLink multicast stays off on shared hosts unless the user overrides these in the driver env.
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+MULTICAST_OFF = MappingProxyType(
+    {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+)
 
 
 class GroupError(RuntimeError):

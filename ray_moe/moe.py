@@ -9,6 +9,7 @@ The same code runs over every transport; the single-process oracle is
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 
 import torch
 from torch import nn
@@ -17,7 +18,7 @@ from ray_moe.comm.base import Transport, combine, dispatch
 from ray_moe.experts import expert_ffn, load_balancing_loss, resolve_impl, route
 from ray_moe.placement import Placement
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16})
 
 
 def expert_init(

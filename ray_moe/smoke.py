@@ -31,12 +31,13 @@ import math
 import shutil
 import tempfile
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Callable
 
 from ray_moe.smoke_report import FAIL, PASS, SKIP, SmokeReport, condense_error, short_id
 
-LAYER_TOL = {"float32": 1e-5, "bfloat16": 1e-2}
-TRANSPORT_TOL = {"float32": 1e-6, "bfloat16": 1e-2}  # the transport validators' own bounds
+LAYER_TOL = MappingProxyType({"float32": 1e-5, "bfloat16": 1e-2})
+TRANSPORT_TOL = MappingProxyType({"float32": 1e-6, "bfloat16": 1e-2})  # the transport validators' own bounds
 GROUP_CHECKS = ("layer_parity", "transport", "bandwidth", "training")
 
 
@@ -253,7 +254,12 @@ def check_layer_parity(report: SmokeReport, group: Any, config: Any) -> None:
 
 def check_transport(report: SmokeReport, group: Any, config: Any) -> None:
     try:
-        from ray_moe.comm.validate import EDGE_CASES, check_combine, check_dispatch, comm_case
+        from ray_moe.comm.validate import (
+            EDGE_CASES,
+            check_combine,
+            check_dispatch,
+            comm_case,
+        )
     except ImportError as exc:
         report.add("transport", SKIP, detail=f"ray_moe.comm.validate is absent ({exc}); transport validators not run")
         return

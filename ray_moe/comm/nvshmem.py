@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -52,12 +53,12 @@ from ray_moe.kernels.dispatch_combine import (
 
 log = logging.getLogger(__name__)
 
-ERRORS = {
+ERRORS = MappingProxyType({
     1: "the layout prefix timed out: not all programs of this rank were resident at once",
     2: "a peer did not acknowledge the previous exchange (it is behind, hung or crashed)",
     3: "rows of a dispatch did not arrive from a peer (it did not reach the same dispatch)",
     4: "rows of a combine did not arrive from a peer (it did not reach the same combine)",
-}
+})
 
 
 class NVSHMEMError(RuntimeError):

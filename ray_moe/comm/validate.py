@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
+from ray_moe.moe import DTYPES
+
 ROUTINGS = ("random", "empty_rank", "empty_expert", "one_expert")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -213,7 +214,7 @@ def check_combine(worker: Any, case: CommCase | dict) -> dict[str, Any]:
     return {"errors": errors}
 
 
-EDGE_CASES: list[dict] = [
+EDGE_CASES: tuple[dict, ...] = (
     dict(routing="random"),
     dict(routing="empty_rank"),
     dict(routing="empty_expert"),
@@ -223,7 +224,7 @@ EDGE_CASES: list[dict] = [
     dict(tokens_per_rank=[1]),
     dict(tokens_per_rank=[0, 5]),
     dict(tokens_per_rank=[1, 40], top_k=4),
-]
+)
 
 
 def run_all(group: Any, base: dict | None = None, tol: float | None = None) -> list[str]:
