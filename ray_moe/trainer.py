@@ -58,8 +58,19 @@ class Trainer:
             self.restore(resumed)
             self._log_event("resumed", checkpoint=str(resumed), step=self.step_count)
         else:
+            self._set_aside_old_checkpoints()
             self._metrics_file.write_text("")
         (self.run_dir / "config.yaml").write_text(config.to_yaml())
+
+    def _set_aside_old_checkpoints(self) -> None:
+        """A fresh run must never recover into an earlier run's checkpoints: move them aside."""
+        from ray_moe.checkpoint import checkpoints_dir
+
+        old = checkpoints_dir(self.run_dir)
+        if old.is_dir() and any(old.iterdir()):
+            aside = old.with_name(f"checkpoints.previous-{time.strftime('%Y%m%d-%H%M%S')}")
+            old.rename(aside)
+            log.warning("train.resume is off: moved the earlier run's checkpoints to %s", aside)
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: Iterable[str] = (), **kwargs: Any) -> "Trainer":

@@ -137,3 +137,14 @@ def test_corpus_errors_name_the_path(tmp_path):
 
     with pytest.raises(DataError, match="no file"):
         Corpus.load(DataConfig(paths=[str(tmp_path / "*.nothing")]))
+
+
+def test_fresh_run_sets_earlier_checkpoints_aside(ray_cluster, tmp_path):
+    cfg = small_config(tmp_path)
+    with Trainer(cfg, progress=False) as t:
+        t.step()
+        t.save()
+    with Trainer(cfg, progress=False) as t:  # train.resume=false: a new run in the same run_dir
+        assert t.step_count == 0
+        assert latest_checkpoint(cfg.train.run_dir) is None  # nothing of the old run to recover into
+    assert list((tmp_path / "run").glob("checkpoints.previous-*/step_00000001"))
