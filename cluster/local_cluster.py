@@ -290,23 +290,30 @@ def stop_cluster(state: ClusterState, state_path: Path, keep_logs: bool = False)
     state_path.unlink(missing_ok=True)
 
 
-def stop(args: argparse.Namespace) -> int:
+def load_recorded(args: argparse.Namespace) -> tuple[ClusterState, Path] | None:
+    """The cluster recorded in ``--state``, or None (with a message) if there is none."""
     state_path = Path(args.state)
     if not state_path.exists():
         print(f"no local cluster recorded in {state_path}", file=sys.stderr)
+        return None
+    return ClusterState.load(state_path), state_path
+
+
+def stop(args: argparse.Namespace) -> int:
+    loaded = load_recorded(args)
+    if loaded is None:
         return 1
-    state = ClusterState.load(state_path)
+    state, state_path = loaded
     stop_cluster(state, state_path, keep_logs=args.keep_logs)
     print(f"stopped {len(state.nodes)} node(s) of {state.address}")
     return 0
 
 
 def status(args: argparse.Namespace) -> int:
-    state_path = Path(args.state)
-    if not state_path.exists():
-        print(f"no local cluster recorded in {state_path}", file=sys.stderr)
+    loaded = load_recorded(args)
+    if loaded is None:
         return 1
-    state = ClusterState.load(state_path)
+    state, state_path = loaded
     running = [rec for rec in state.nodes if is_our_node(rec.pid)]
     for rec in state.nodes:
         what = "running" if rec in running else "gone"
@@ -321,11 +328,10 @@ def status(args: argparse.Namespace) -> int:
 
 def env(args: argparse.Namespace) -> int:
     """Print `export` lines for clients: ``eval "$(python cluster/local_cluster.py env)"``."""
-    state_path = Path(args.state)
-    if not state_path.exists():
-        print(f"no local cluster recorded in {state_path}", file=sys.stderr)
+    loaded = load_recorded(args)
+    if loaded is None:
         return 1
-    state = ClusterState.load(state_path)
+    state, state_path = loaded
     for name, value in {**state.client_env, "RAY_ADDRESS": state.address}.items():
         print(f"export {name}={shlex.quote(value)}")
     return 0
