@@ -48,6 +48,9 @@ class Trainer:
         self.rebalancer: Rebalancer | None = None
         self.step_count = 0
         self.last_load: list[list[float]] | None = None
+        # What a recovery restores: the last checkpoint this run saved or restored (never an
+        # earlier run's checkpoint that happens to sit in the same run_dir).
+        self.last_checkpoint: Path | None = None
         self._last_health = time.monotonic()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         clean_staging(self.run_dir)
@@ -58,19 +61,8 @@ class Trainer:
             self.restore(resumed)
             self._log_event("resumed", checkpoint=str(resumed), step=self.step_count)
         else:
-            self._set_aside_old_checkpoints()
             self._metrics_file.write_text("")
         (self.run_dir / "config.yaml").write_text(config.to_yaml())
-
-    def _set_aside_old_checkpoints(self) -> None:
-        """A fresh run must never recover into an earlier run's checkpoints: move them aside."""
-        from ray_moe.checkpoint import checkpoints_dir
-
-        old = checkpoints_dir(self.run_dir)
-        if old.is_dir() and any(old.iterdir()):
-            aside = old.with_name(f"checkpoints.previous-{time.strftime('%Y%m%d-%H%M%S')}")
-            old.rename(aside)
-            log.warning("train.resume is off: moved the earlier run's checkpoints to %s", aside)
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: Iterable[str] = (), **kwargs: Any) -> "Trainer":
@@ -108,7 +100,13 @@ class Trainer:
             self.group = None
         t0 = time.perf_counter()
         self._start_group_on_available()
-        ckpt = latest_checkpoint(self.run_dir)
+        ckpt = self.last_checkpoint
+        if ckpt is not None:
+            try:
+                read_meta(ckpt)
+            except CheckpointError as exc:
+                log.warning("cannot recover from %s (%s); restarting from step 0", ckpt, exc)
+                ckpt = None
         if ckpt is not None:
             self.restore(ckpt)
         else:
@@ -274,6 +272,7 @@ class Trainer:
             "time": time.time(),
         }
         path = commit(staging, meta, files)
+        self.last_checkpoint = path
         self._log_event("checkpoint", step=self.step_count, path=str(path))
         return path
 
@@ -298,6 +297,7 @@ class Trainer:
                 raise ConfigError(f"moe.{key}={getattr(self.config.moe, key)} but checkpoint has {e[key]}")
         steps = self.group.call("load_checkpoint", str(path), timeout=self.config.train.step_timeout_s)
         self.step_count = steps[0]
+        self.last_checkpoint = path
         if self.rebalancer is not None:
             self.rebalancer.reset()  # the workers are back on native placements
         return self.step_count

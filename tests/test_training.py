@@ -139,12 +139,20 @@ def test_corpus_errors_name_the_path(tmp_path):
         Corpus.load(DataConfig(paths=[str(tmp_path / "*.nothing")]))
 
 
-def test_fresh_run_sets_earlier_checkpoints_aside(ray_cluster, tmp_path):
-    cfg = small_config(tmp_path)
+def test_fresh_run_never_recovers_into_an_earlier_runs_checkpoint(ray_cluster, tmp_path):
+    import os
+    import signal
+
+    cfg = small_config(tmp_path, **{"train.max_failures": 1})
     with Trainer(cfg, progress=False) as t:
-        t.step()
+        for _ in range(3):
+            t.step()
         t.save()
     with Trainer(cfg, progress=False) as t:  # train.resume=false: a new run in the same run_dir
         assert t.step_count == 0
-        assert latest_checkpoint(cfg.train.run_dir) is None  # nothing of the old run to recover into
-    assert list((tmp_path / "run").glob("checkpoints.previous-*/step_00000001"))
+        t.step()
+        os.kill(t.group.ranks[1].pid, signal.SIGKILL)
+        m = t.step()
+        recovered = [e for e in t.metrics if e.get("event") == "recovered"]
+        assert recovered and recovered[0]["checkpoint"] is None  # not the earlier run's step 3
+        assert m["step"] == 1
