@@ -17,10 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from ray_moe.device import synchronize
 
 
 def _exchange(buf: torch.Tensor, ack: torch.Tensor, peer: int, rounds: int, sender: bool) -> None:
@@ -47,10 +44,10 @@ def pair_bandwidth(worker: Any, nbytes: int, iters: int = 3) -> list[float | Non
             if rank in (src, dst):
                 peer, sender = (dst, True) if rank == src else (src, False)
                 _exchange(buf, ack, peer, 1, sender)  # warm-up
-                _sync(device)
+                synchronize(device)
                 t0 = time.perf_counter()
                 _exchange(buf, ack, peer, iters, sender)
-                _sync(device)
+                synchronize(device)
                 if sender:
                     row[dst] = nbytes * iters / (time.perf_counter() - t0) / 1e9
             dist.barrier()

@@ -23,6 +23,7 @@ from ray_moe.clones import push_clone_weights, reduce_clone_grads
 from ray_moe.comm.base import Transport
 from ray_moe.config import Config
 from ray_moe.data import Corpus
+from ray_moe.device import synchronize
 from ray_moe.model import MoETransformer, is_sharded
 from ray_moe.placement import Placement
 from ray_moe.topology import RankInfo
@@ -68,10 +69,6 @@ class Engine:
         progress = min(1.0, (step - t.warmup_steps) / span)
         return t.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def batch(self, split: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         t, m = self.config.train, self.config.model
         x, y = self.corpus.batch(split, t.seed, step, t.batch_size, m.seq_len, self.rank, self.world_size)
@@ -101,11 +98,11 @@ class Engine:
         if poison:
             ce = ce + float("nan")
         loss = ce + aux
-        self._sync()
+        synchronize(self.device)
         t1 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=False)
         loss.backward()
-        self._sync()
+        synchronize(self.device)
         t2 = time.perf_counter()
         grad_norm = self.sync_grads()
         finite = math.isfinite(grad_norm) and math.isfinite(self._all_max(ce.detach().float()))
@@ -126,7 +123,7 @@ class Engine:
             self.skipped += 1
             self.optimizer.zero_grad(set_to_none=False)
         self.step += 1
-        self._sync()
+        synchronize(self.device)
         self.transport.check()  # device-side timeouts become an error naming the cause
         t3 = time.perf_counter()
         return {

@@ -45,13 +45,14 @@ class LayerCase:
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
-    """‖a − b‖ / max(‖b‖, floor) in float64; 0 when both are exactly zero, inf when only b is.
+    """‖a − b‖ / max(‖b‖, floor) in float64; 0 when both are exactly zero, inf when only b is
+    (or when the shapes differ, or a holds a NaN or inf).
 
     ``floor`` is for gradients that are zero in exact arithmetic (the router's with top-1:
     renormalised weights are identically 1), where ‖b‖ is round-off.
     """
     a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    if not torch.isfinite(a).all():
+    if a.shape != b.shape or not torch.isfinite(a).all():
         return math.inf
     nb = max(b.norm().item(), floor)
     diff = (a - b).norm().item()

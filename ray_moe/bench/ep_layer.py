@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ray_moe.clones import push_clone_weights, reduce_clone_grads
 from ray_moe.comm.local import LocalTransport
+from ray_moe.device import synchronize
 from ray_moe.moe import DTYPES, MoELayer
 from ray_moe.placement import Placement
 
@@ -48,11 +49,6 @@ def zipf_router_bias(num_experts: int, world_size: int, s: float) -> torch.Tenso
     """float32 [E] logit bias: Zipf(s) over experts, rank 0's experts hottest."""
     ranks = torch.arange(num_experts, dtype=torch.float64)  # expert e is the (e+1)-th hottest
     return (-s * torch.log1p(ranks)).float()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_layer_step(worker: Any, spec: StepSpec | dict) -> dict[str, Any]:
@@ -88,15 +84,15 @@ def time_layer_step(worker: Any, spec: StepSpec | dict) -> dict[str, Any]:
     fwd, bwd = [], []
     for i in range(spec.warmup + spec.iters):
         barrier()
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         out, _ = layer(x)
-        _sync(device)
+        synchronize(device)
         t1 = time.perf_counter()
         out.backward(grad)
         reduce_clone_grads(layer, placement)
         push_clone_weights(layer, placement)
-        _sync(device)
+        synchronize(device)
         t2 = time.perf_counter()
         layer.w13.grad = layer.w2.grad = layer.router.grad = None
         if i >= spec.warmup:

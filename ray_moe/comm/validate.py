@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ray_moe.moe import DTYPES
+from ray_moe.validate import rel_err
 
 ROUTINGS = ("random", "empty_rank", "empty_expert", "one_expert")
 
@@ -104,17 +105,6 @@ def _canonical(x: torch.Tensor, slot: torch.Tensor, w: torch.Tensor):
     return x[order], slot[order], w[order], valid
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    if a.shape != b.shape:
-        return float("inf")
-    if not torch.isfinite(a).all():
-        return float("inf")
-    nb = b.norm().item()
-    d = (a - b).norm().item()
-    return d / nb if nb else (0.0 if d == 0 else float("inf"))
-
-
 def _setup(worker: Any, case: CommCase | dict):
     if isinstance(case, dict):
         case = CommCase(**case)
@@ -166,9 +156,9 @@ def check_dispatch(worker: Any, case: CommCase | dict) -> dict[str, Any]:
         rx_, rs_, rw_, _ = _canonical(ref_x, ref_s, ref_w)
         errors[f"rows{tag}"] = 0.0 if cx.shape[0] == rx_.shape[0] else float("inf")
         if cx.shape[0] == rx_.shape[0]:
-            errors[f"recv_x{tag}"] = _rel(cx, rx_)
+            errors[f"recv_x{tag}"] = rel_err(cx, rx_)
             errors[f"recv_slot{tag}"] = 0.0 if torch.equal(cs, rs_) else float("inf")
-            errors[f"recv_w{tag}"] = _rel(cw, rw_)
+            errors[f"recv_w{tag}"] = rel_err(cw, rw_)
         pad = ~valid
         pad_ok = bool((rs.cpu()[pad] == -1).all()) and bool((rw.cpu()[pad] == 0).all())
         errors[f"padding{tag}"] = 0.0 if pad_ok else float("inf")
@@ -180,8 +170,8 @@ def check_dispatch(worker: Any, case: CommCase | dict) -> dict[str, Any]:
     mult = (to_rank.double() * torch.tensor([_scale(d) for d in range(W)], dtype=torch.float64)).sum(1)
     ref_gx = (x.double().cpu() * mult[:, None])
     ref_gw = local["weight"].double() * torch.tensor([_scale(d) for d in range(W)], dtype=torch.float64)[dr]
-    errors["grad_x"] = _rel(gx, ref_gx)
-    errors["grad_w"] = _rel(gw, ref_gw)
+    errors["grad_x"] = rel_err(gx, ref_gx)
+    errors["grad_w"] = rel_err(gw, ref_gw)
     return {"errors": errors, "rows": int((recv_slot >= 0).any(1).sum().item()), "R": int(recv_x.shape[0])}
 
 
@@ -206,9 +196,9 @@ def check_combine(worker: Any, case: CommCase | dict) -> dict[str, Any]:
     if dr.numel():
         to_rank.scatter_(1, dr, True)
     mult = (to_rank.double() * torch.tensor([_scale(d) for d in range(W)], dtype=torch.float64)).sum(1)
-    errors = {"combine": _rel(out, x.double().cpu() * mult[:, None])}
+    errors = {"combine": rel_err(out, x.double().cpu() * mult[:, None])}
     v = valid.squeeze(1).cpu()
-    errors["combine_grad"] = _rel(grad_partial.cpu()[v], recv_x.cpu()[v].double() * 0.5)
+    errors["combine_grad"] = rel_err(grad_partial.cpu()[v], recv_x.cpu()[v].double() * 0.5)
     pad = grad_partial.cpu()[~v]
     errors["combine_grad_padding"] = 0.0 if (pad.numel() == 0 or bool((pad == 0).all())) else float("inf")
     return {"errors": errors}

@@ -14,6 +14,8 @@ import os
 import pytest
 import torch
 
+from ray_moe.validate import rel_err
+
 pytestmark = pytest.mark.gpu
 
 BF16_TOL = 1e-2
@@ -153,11 +155,6 @@ def _layer(worker, seed: int, idx: int = 0):
                     dtype=torch.bfloat16, expert_impl="grouped_mm", device=worker.device)
 
 
-def _rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def _stacked_layers(worker) -> dict:
     from ray_moe.comm.local import LocalTransport
 
@@ -182,10 +179,10 @@ def _stacked_layers(worker) -> dict:
     h2.float().square().sum().backward()
     del LocalTransport
     worker.transport.check()
-    out = {"out": _rel(h, h2), "grad_x": _rel(x.grad, x2.grad)}
+    out = {"out": rel_err(h, h2), "grad_x": rel_err(x.grad, x2.grad)}
     for i, (a, b) in enumerate(zip(layers, ref_layers)):
-        out[f"w13_{i}"] = _rel(a.w13.grad, b.w13.grad)
-        out[f"router_{i}"] = _rel(a.router.grad, b.router.grad)
+        out[f"w13_{i}"] = rel_err(a.w13.grad, b.w13.grad)
+        out[f"router_{i}"] = rel_err(a.router.grad, b.router.grad)
     return out
 
 
@@ -222,9 +219,9 @@ def _graph_vs_eager(worker) -> dict:
         ex = nx.clone().requires_grad_()
         eo, _ = eager(ex)
         eo.backward(ng)
-        errs[f"out{trial}"] = _rel(out, eo)
-        errs[f"grad_x{trial}"] = _rel(sx.grad, ex.grad)
-        errs[f"grad_w13_{trial}"] = _rel(layer.w13.grad, eager.w13.grad)
-        errs[f"grad_router{trial}"] = _rel(layer.router.grad, eager.router.grad)
+        errs[f"out{trial}"] = rel_err(out, eo)
+        errs[f"grad_x{trial}"] = rel_err(sx.grad, ex.grad)
+        errs[f"grad_w13_{trial}"] = rel_err(layer.w13.grad, eager.w13.grad)
+        errs[f"grad_router{trial}"] = rel_err(layer.router.grad, eager.router.grad)
     worker.transport.check()
     return errs
