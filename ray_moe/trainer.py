@@ -27,6 +27,7 @@ from ray_moe.checkpoint import (
 from ray_moe.config import Config, ConfigError
 from ray_moe.group import GroupError, WorkerFailure, WorkerGroup, connect
 from ray_moe.rebalance import Rebalancer
+from ray_moe.topology import node_of_rank
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class Trainer:
                 raise TrainingError(f"workers could not build the model and data: {exc}") from None
             raise
         self.rebalancer = (
-            Rebalancer(self.config, [r.node_rank for r in self.group.ranks])
+            Rebalancer(self.config, node_of_rank(self.group.ranks))
             if self.config.balance.enabled else None
         )
 

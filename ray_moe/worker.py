@@ -97,9 +97,6 @@ class EPWorker:
     def ping(self) -> int:
         return -1 if self.rank_info is None else self.rank_info.rank
 
-    def pid(self) -> int:
-        return os.getpid()
-
     def call_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if self.engine is None:
             raise RuntimeError("the training engine is not built yet; call build_engine first")
