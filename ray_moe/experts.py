@@ -74,6 +74,7 @@ def expert_ffn(
     w13: torch.Tensor,
     w2: torch.Tensor,
     impl: str = "auto",
+    wgrad: str = "triton",
 ) -> torch.Tensor:
     """Weighted SwiGLU experts over received rows.
 
@@ -82,20 +83,28 @@ def expert_ffn(
         slot: int [R, K] local expert slot per (row, k); -1 where that k is not for this rank.
         weight: float32 [R, K] routing weights (0 where slot is -1).
         w13: [S, H, 2I] gate|up weights of the S local slots; w2: [S, I, H].
-        impl: auto | loop | grouped_mm | triton.
+        impl: auto | loop | grouped_mm | triton (auto: triton on Hopper bf16, else loop; MoELayer
+            goes further and measures per shape, see ray_moe.expert_choice).
+        wgrad: with triton, who computes the weight gradients: triton | grouped_mm.
     Returns:
         [R, H] in x.dtype: sum_k weight[r, k] * expert_{slot[r, k]}(x[r]); rows with no valid k are 0.
         Differentiable w.r.t. x, weight, w13 and w2.
     """
     impl = resolve_impl(impl, x)
+    if wgrad not in ("triton", "grouped_mm"):
+        raise ValueError(f"wgrad {wgrad!r} is not one of triton, grouped_mm")
     if impl == "loop":
         return _expert_ffn_loop(x, slot, weight, w13, w2)
     if impl == "grouped_mm":
         return _expert_ffn_grouped_mm(x, slot, weight, w13, w2)
     if impl == "triton":
-        from ray_moe.kernels import expert_ffn_triton
+        from dataclasses import replace
 
-        return expert_ffn_triton(x, slot, weight, w13, w2)
+        from ray_moe.kernels import expert_ffn_triton
+        from ray_moe.kernels.grouped_swiglu import default_plan
+
+        plan = None if wgrad == "triton" else replace(default_plan(x.dtype, x.device), wgrad=wgrad)
+        return expert_ffn_triton(x, slot, weight, w13, w2, plan=plan)
     raise ValueError(f"expert impl {impl!r} is not one of auto, loop, grouped_mm, triton")
 
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from ray_moe.comm.base import Transport
 from ray_moe.config import Config
+from ray_moe.expert_choice import ExpertImplChooser
 from ray_moe.moe import DTYPES, MoELayer
 from ray_moe.placement import Placement
 
@@ -70,6 +71,7 @@ class MoETransformer(nn.Module):
         self.tok_emb = nn.Embedding(m.vocab_size, m.d_model)
         self.pos_emb = nn.Parameter(torch.randn(m.seq_len, m.d_model) * 0.02)
         blocks = []
+        chooser = ExpertImplChooser()  # one per model: layers of one shape share the measurement
         for i in range(m.n_layers):
             if i == 0 and m.dense_first_layer:
                 ffn: nn.Module = DenseMLP(m.d_model, m.dense_hidden or 4 * m.d_model)
@@ -77,7 +79,7 @@ class MoETransformer(nn.Module):
                 ffn = MoELayer(
                     m.d_model, e.num_experts, e.top_k, e.expert_hidden, transport, placement,
                     layer_idx=i, seed=config.train.seed, dtype=dtype, expert_impl=e.expert_impl,
-                    aux_loss_coef=e.aux_loss_coef, device=device,
+                    aux_loss_coef=e.aux_loss_coef, device=device, expert_chooser=chooser,
                 )
             blocks.append(Block(m.d_model, m.n_heads, ffn))
         self.blocks = nn.ModuleList(blocks)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ray_moe.comm.base import Transport, combine, dispatch
+from ray_moe.expert_choice import ExpertChoice, ExpertImplChooser
 from ray_moe.experts import expert_ffn, load_balancing_loss, resolve_impl, route
 from ray_moe.placement import Placement
 
@@ -73,6 +74,7 @@ class MoELayer(nn.Module):
         expert_impl: str = "auto",
         aux_loss_coef: float = 0.0,
         device: torch.device | str = "cpu",
+        expert_chooser: ExpertImplChooser | None = None,
     ) -> None:
         super().__init__()
         if num_experts != placement.num_experts or transport.world_size != placement.world_size:
@@ -84,6 +86,9 @@ class MoELayer(nn.Module):
         self.expert_hidden, self.layer_idx, self.seed = expert_hidden, layer_idx, seed
         self.transport, self.rank = transport, transport.rank
         self.expert_impl, self.aux_loss_coef = expert_impl, aux_loss_coef
+        # with expert_impl "auto" on a GPU that runs the Triton kernels: measured per shape, shared by
+        # the model's layers (ray_moe.expert_choice)
+        self.expert_chooser = expert_chooser or ExpertImplChooser()
         S = placement.slots_per_rank
         self.router = nn.Parameter(router_init(seed, layer_idx, d_model, num_experts).to(device))
         self.w13 = nn.Parameter(torch.empty(S, d_model, 2 * expert_hidden, dtype=dtype, device=device))
@@ -131,7 +136,11 @@ class MoELayer(nn.Module):
         )
         dest_rank, dest_slot = self.tables.route(ids, self.rank)
         recv_x, recv_slot, recv_w, layout = dispatch(self.transport, x, weights, dest_rank, dest_slot)
-        partial = expert_ffn(recv_x, recv_slot, recv_w, self.w13, self.w2, impl)
+        choice = ExpertChoice(impl)
+        if self.expert_impl == "auto" and impl == "triton":
+            needs_grad = torch.is_grad_enabled() and (self.w13.requires_grad or x.requires_grad)
+            choice = self.expert_chooser.choose(recv_x, recv_slot, recv_w, self.w13, self.w2, needs_grad)
+        partial = expert_ffn(recv_x, recv_slot, recv_w, self.w13, self.w2, choice.impl, wgrad=choice.wgrad)
         out = combine(self.transport, partial, layout)
         with torch.no_grad():
             self.expert_tokens.scatter_add_(

@@ -2,7 +2,8 @@
 # One device call for the integration work (issues 4-7 on nvidia-h200-x2): GPU training/parity
 # tests, the EP layer benchmark, re-cloning under skewed routing, the smoke test on two Ray nodes.
 # Usage (device machine, repo root):  . .devbundle/setup.sh && bash scripts/device_integration.sh [steps]
-# steps: any of tests,layer,balance,smoke (default: all); logs go to $OUT.
+# steps: any of kernels,tests,layer,balance,smoke (default: all but kernels); logs go to $OUT.
+# kernels: the expert-kernel GPU tests on GPU 1 while `bench layer` (expert, ffn) runs on GPU 0.
 set -u
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY_DEDUP_LOGS=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -13,6 +14,14 @@ mkdir -p /tmp/site/bin
 printf '#!/usr/bin/env python3\nimport sys\nfrom ray.scripts.scripts import main\nsys.argv[0] = "ray"\nsys.exit(main())\n' > /tmp/site/bin/ray
 chmod +x /tmp/site/bin/ray
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
+if has kernels; then
+  CUDA_VISIBLE_DEVICES=1 timeout ${T_KTESTS:-240} python3 -m pytest -q -p no:cacheprovider --noconftest \
+    tests/gpu/test_kernels_gpu.py > "$OUT/gpu_kernel_tests.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=0 timeout ${T_KBENCH:-240} python3 -m ray_moe.cli bench layer --sections expert,ffn \
+    --warmup-ms 25 --rep-ms 150 --json "$OUT/bench_layer_1gpu.json" 2>&1 | tee "$OUT/bench_layer_1gpu.log" | tail -30
+  wait
+  tail -5 "$OUT/gpu_kernel_tests.log"
+fi
 if has tests; then
   timeout ${T_TESTS:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_training_gpu.py 2>&1 \
     | tee "$OUT/gpu_training_tests.log" | grep -v "^(" | tail -25

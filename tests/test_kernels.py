@@ -115,10 +115,15 @@ def run_interpreter_checks() -> dict:
     import dataclasses
 
     split = dataclasses.replace(gs.default_plan(torch.float32, torch.device("cpu")), fused_dact=False, dual_wgrad13=True)
+    mm_wgrad = dataclasses.replace(gs.default_plan(torch.float32, torch.device("cpu")), wgrad="grouped_mm")
     for name, args in INTERP_CASES.items():
         case = random_case(*args, torch.float32, "cpu", seed=11)
         results[f"expert_ffn/{name}"] = check_expert_ffn(case)
         results[f"expert_ffn_split_dact/{name}"] = check_expert_ffn(case, plan=split)
+        try:
+            results[f"expert_ffn_mm_wgrad/{name}"] = check_expert_ffn(case, plan=mm_wgrad)
+        except ValueError as exc:  # rows that are not 16-byte multiples: torch._grouped_mm's rule
+            results[f"expert_ffn_mm_wgrad/{name}"] = {"error": str(exc)}
         K, S = case["slot"].shape[1], case["w13"].shape[0]
         lay, ref = pair_layout(case["slot"], S), pair_layout_reference(case["slot"], S)
         results[f"pair_layout/{name}"] = all(torch.equal(a, b) for a, b in zip(lay, ref))
@@ -169,6 +174,13 @@ def test_triton_expert_ffn_under_interpreter(interpreter_results, name):
         for key in ("out", "dx", "dweight", "dw13", "dw2"):
             assert errs[key] < 1e-5, (variant, key, errs)
         assert errs["empty_slot_grad"] == 0.0, variant
+    mm = interpreter_results[f"expert_ffn_mm_wgrad/{name}"]
+    H, I = INTERP_CASES[name][3:5]
+    if H % 4 or I % 4:  # float32 rows of H or I elements are not 16-byte multiples
+        assert "multiple of 16 bytes" in mm["error"], mm
+    else:
+        assert all(mm[k] < 1e-5 for k in ("out", "dx", "dweight", "dw13", "dw2")), mm
+        assert mm["empty_slot_grad"] == 0.0, mm
     assert interpreter_results[f"pair_layout/{name}"]
     assert all(v < 1e-5 for v in interpreter_results[f"kernels/{name}"].values()), interpreter_results[f"kernels/{name}"]
 

@@ -95,7 +95,10 @@ VARIANTS = {
     "r16h512w8": dict(block_r=16, block_h=512, num_warps=8),
     "r8h1024w16": dict(block_r=8, block_h=1024, num_warps=16),
     "r2h4096w16": dict(block_r=2, block_h=4096, num_warps=16),
-    "r4h4096w16": dict(block_r=4, block_h=4096, num_warps=16),  # not yet measured
+    "r4h4096w16": dict(block_r=4, block_h=4096, num_warps=16),
+    "r2h4096w8": dict(block_r=2, block_h=4096, num_warps=8),
+    "r1h4096w8": dict(block_r=1, block_h=4096, num_warps=8),
+    "r8h4096w16": dict(block_r=8, block_h=4096, num_warps=16),
 }
 
 

@@ -78,7 +78,7 @@ def expert_compute_rows(
     (``plan``: a KernelPlan, None → default)."""
     from ray_moe.experts import swiglu
     from ray_moe.kernels.grouped_swiglu import (
-        dgrad_rows, down_scaled, gate_up_swiglu, grouped_wgrad, swiglu_backward_rows,
+        dgrad_rows, down_scaled, gate_up_swiglu, grouped_wgrad, grouped_wgrad_mm, swiglu_backward_rows,
     )
     from ray_moe.kernels.grouped_swiglu import default_plan
     from ray_moe.kernels.routing import pair_layout, pair_layout_reference
@@ -109,10 +109,14 @@ def expert_compute_rows(
         act, h13 = gate_up_swiglu(x, layout, K, w13, save_preact=True, cfg=plan.gate_up)
         return down_scaled(act, layout, K, weight, w2, cfg=plan.down), h13
 
-    def tr_fwd_bwd():
+    def tr_fwd_bwd(mm_wgrad: bool = False):
         _, h13 = tr_fwd()
         dh13, aw, _ = swiglu_backward_rows(go, layout, K, weight, w2, h13, cfg=plan.dact, fused=plan.fused_dact)
         dgrad_rows(dh13, layout, K, w13, cfg=plan.dx)
+        if mm_wgrad:
+            grouped_wgrad_mm(x, dh13, layout, K, gather_a=True, gather_b=False)
+            grouped_wgrad_mm(aw, go, layout, K, gather_a=False, gather_b=True)
+            return
         grouped_wgrad(x, dh13, layout, K, gather_a=True, gather_b=False, cfg=plan.wgrad13, dual=plan.dual_wgrad13)
         grouped_wgrad(aw, go, layout, K, gather_a=False, gather_b=True, cfg=plan.wgrad2)
 
@@ -122,6 +126,7 @@ def expert_compute_rows(
     for name, fn, flops in [
         ("grouped_mm fwd", mm_fwd, fl), ("triton fwd", tr_fwd, fl),
         ("grouped_mm fwd+bwd", mm_fwd_bwd, 3 * fl), ("triton fwd+bwd", tr_fwd_bwd, 3 * fl),
+        ("triton+mm_wgrad fwd+bwd", lambda: tr_fwd_bwd(mm_wgrad=True), 3 * fl),
     ]:
         ms = _median_ms(fn, warmup_ms, rep_ms)
         times[name] = ms
@@ -141,9 +146,18 @@ def expert_ffn_rows(
     from ray_moe.experts import expert_ffn
     from ray_moe.kernels.expert_ffn import expert_ffn_triton
 
+    import dataclasses
+
+    from ray_moe.expert_choice import ExpertImplChooser
+    from ray_moe.kernels.grouped_swiglu import default_plan
+
+    base_plan = plan or default_plan(inp["x"].dtype, inp["x"].device)
+
     def run(impl: str, *args: torch.Tensor) -> torch.Tensor:
         if impl == "triton":
-            return expert_ffn_triton(*args, plan=plan)
+            return expert_ffn_triton(*args, plan=base_plan)
+        if impl == "triton+mm_wgrad":
+            return expert_ffn_triton(*args, plan=dataclasses.replace(base_plan, wgrad="grouped_mm"))
         return expert_ffn(*args, impl=impl)
 
     x = inp["x"].detach().requires_grad_()
@@ -153,7 +167,7 @@ def expert_ffn_rows(
     slot = inp["slot"]
     go = torch.randn_like(inp["x"])
     out = []
-    for impl in ("grouped_mm", "triton"):
+    for impl in ("grouped_mm", "triton", "triton+mm_wgrad"):
         def fwd(impl=impl):
             with torch.no_grad():
                 return run(impl, x, slot, weight, w13, w2)
@@ -165,6 +179,13 @@ def expert_ffn_rows(
         for phase, fn, flops in (("fwd", fwd, shape.fwd_flops), ("fwd+bwd", fwd_bwd, 3 * shape.fwd_flops)):
             ms = _median_ms(fn, warmup_ms, rep_ms)
             out.append({"section": "expert_ffn", "what": f"{impl} {phase}", "ms": ms, "TFLOP/s": _tflops(flops, ms)})
+    # what moe.expert_impl=auto picks for this shape (its own shorter measurement, for training)
+    chooser = ExpertImplChooser()
+    choice = chooser.choose(inp["x"], slot, inp["weight"], inp["w13"], inp["w2"], needs_grad=True)
+    (timings,) = chooser.timings.values()
+    out.append({"section": "expert_ffn", "what": f"auto chooses {choice.name}",
+                "ms": timings[choice.name], "note": {n: (round(t, 3) if isinstance(t, float) else t)
+                                                     for n, t in timings.items()}})
     return out
 
 

@@ -195,6 +195,9 @@ class _Channel:
         self.rsig = self.words[W * G: W * G + W]
         self.ack = self.words[W * G + W:]
         recv_base, words_base = self.recv.data_ptr(), self.words.data_ptr()
+        for name, t in (("receive regions", self.recv), ("staging regions", self.stage)):
+            if t is not None and t.data_ptr() % 256:  # the kernels' 16-byte vector accesses rely on it
+                raise NVSHMEMError(f"rank {me}: symmetric {name} at {t.data_ptr():#x} are not 256-byte aligned")
         self.recv_base = recv_base
         self.rsig_base, self.ack_base = words_base + 8 * W * G, words_base + 8 * (W * G + W)
         dst, pflag, pack = [0] * W, [0] * W, [0] * W

@@ -60,6 +60,32 @@ def _signal(addr, value):
 
 
 @triton.jit
+def _rows_of(base, rows, cols, ROW_ELEMS: tl.constexpr, COLS: tl.constexpr, ALIGNED: tl.constexpr):
+    """Pointers [R, COLS] to columns ``cols`` [COLS] (contiguous, starting at a multiple of COLS) of
+    rows ``rows`` [R] of a row-major array with ROW_ELEMS elements per row at pointer ``base``.
+
+    ALIGNED (base 16-byte aligned and rows a multiple of 16 bytes) adds the hints that let Triton
+    emit 16-byte vector accesses. Without them, addresses built from an integer (peer pointers,
+    symmetric regions) and even some of ordinary tensors compile to one 2-byte access per element
+    (seen in the PTX), which made the NVLink traffic latency-bound. The hints must sit on the op that
+    computes the pointers, hence this helper.
+    """
+    p = base + rows[:, None].to(tl.int64) * ROW_ELEMS + cols[None, :]
+    if ALIGNED:
+        p = tl.max_contiguous(tl.multiple_of(p, [16, 16]), [1, COLS])
+    return p
+
+
+@triton.jit
+def _row_block(addr, rows, cols, ROW_ELEMS: tl.constexpr, ELEM: tl.constexpr, COLS: tl.constexpr):
+    """:func:`_rows_of` for an array at byte address ``addr`` (int64 scalar) in a symmetric region
+    (or its local staging copy), which is always aligned: regions are 256-byte multiples inside
+    their allocation, CM_BYTES is a multiple of 256, ROW_BYTES of 16, and row meta is 8*KMAX bytes
+    per row with KMAX a multiple of 4."""
+    return _rows_of(addr.to(tl.pointer_type(ELEM)), rows, cols, ROW_ELEMS, COLS, True)
+
+
+@triton.jit
 def _column(mat, col_ids, d):
     """mat[:, d] of an int tensor [R, W_PAD] as [R]."""
     return tl.sum(tl.where(col_ids[None, :] == d, mat, 0), axis=1)
@@ -99,11 +125,11 @@ def _dispatch_kernel(
     KMAX: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
     CM_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
     HAS_META: tl.constexpr, COMPUTE_LAYOUT: tl.constexpr, PHASE: tl.constexpr,
-    ZERO_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    ZERO_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     ELEM = x_ptr.dtype.element_ty
-    ESIZE = ELEM.primitive_bitwidth // 8
+    ROW_ELEMS: tl.constexpr = ROW_BYTES // (ELEM.primitive_bitwidth // 8)
     n = tl.load(ctr_ptr + pid)
     t0, t1 = _chunk(T, pid, G)
     wcol = tl.arange(0, W_PAD)
@@ -183,18 +209,18 @@ def _dispatch_kernel(
             for hb in tl.static_range(0, H, BLOCK_H):
                 h = hb + hcol
                 hm = h < H
-                xt = tl.load(x_ptr + r[:, None].to(tl.int64) * H + h[None, :],
+                xt = tl.load(_rows_of(x_ptr, r, h, H, BLOCK_H, ALIGNED),
                              mask=rmask[:, None] & hm[None, :], other=0.0)
                 for d in tl.static_range(W):
                     pd = _column(posm, wcol, d)
                     ok = rmask & (pd >= 0)
                     if d == me:
-                        dst = out_x_ptr + (me * T_cap + pd)[:, None].to(tl.int64) * H + h[None, :]
+                        dst = _rows_of(out_x_ptr, me * T_cap + pd, h, H, BLOCK_H, ALIGNED)
                         tl.store(dst, xt, mask=ok[:, None] & hm[None, :])
                     else:
-                        base = tl.load(dst_tbl + d)
-                        addr = base + CM_BYTES + pd[:, None].to(tl.int64) * ROW_BYTES + h[None, :] * ESIZE
-                        tl.store(addr.to(tl.pointer_type(ELEM)), xt, mask=ok[:, None] & hm[None, :])
+                        rows = _row_block(tl.load(dst_tbl + d) + CM_BYTES, pd, h, ROW_ELEMS, ELEM, BLOCK_H)
+                        tl.store(rows, xt,
+                                 mask=ok[:, None] & hm[None, :])
             if HAS_META:
                 kmask = kcol[None, :] < K
                 for d in tl.static_range(W):
@@ -208,11 +234,9 @@ def _dispatch_kernel(
                         tl.store(out_slot_ptr + row, slot, mask=ok[:, None] & kmask)
                         tl.store(out_w_ptr + row, wgt, mask=ok[:, None] & kmask)
                     else:
-                        base = tl.load(dst_tbl + d)
-                        addr = base + meta_base + pd[:, None].to(tl.int64) * (8 * KMAX) + kcol[None, :] * 4
-                        tl.store(addr.to(tl.pointer_type(tl.int32)), slot, mask=ok[:, None] & kmask)
-                        tl.store((addr + 4 * KMAX).to(tl.pointer_type(tl.float32)), wgt,
-                                 mask=ok[:, None] & kmask)
+                        mrow = _row_block(tl.load(dst_tbl + d) + meta_base, pd, kcol, 2 * KMAX, tl.int32, K_PAD)
+                        tl.store(mrow, slot, mask=ok[:, None] & kmask)
+                        tl.store((mrow + KMAX).to(tl.pointer_type(tl.float32)), wgt, mask=ok[:, None] & kmask)
         # ---------------- chunk meta, then the arrival signal (peer path)
         for d in tl.static_range(W):
             if d != me:
@@ -251,16 +275,14 @@ def _dispatch_kernel(
                     for hb in tl.static_range(0, H, BLOCK_H):
                         h = hb + hcol
                         hm = h < H
-                        src = region + CM_BYTES + j[:, None].to(tl.int64) * ROW_BYTES + h[None, :] * ESIZE
-                        v = tl.load(src.to(tl.pointer_type(ELEM)), mask=jm[:, None] & hm[None, :],
-                                    cache_modifier=".cg")
-                        tl.store(out_x_ptr + out_row[:, None] * H + h[None, :], v, mask=jm[:, None] & hm[None, :])
+                        src = _row_block(region + CM_BYTES, j, h, ROW_ELEMS, ELEM, BLOCK_H)
+                        v = tl.load(src, mask=jm[:, None] & hm[None, :], cache_modifier=".cg")
+                        tl.store(_rows_of(out_x_ptr, out_row, h, H, BLOCK_H, ALIGNED), v, mask=jm[:, None] & hm[None, :])
                     if HAS_META:
                         kmask = kcol[None, :] < K
-                        maddr = region + meta_base + j[:, None].to(tl.int64) * (8 * KMAX) + kcol[None, :] * 4
-                        slot = tl.load(maddr.to(tl.pointer_type(tl.int32)), mask=jm[:, None] & kmask,
-                                       cache_modifier=".cg")
-                        wgt = tl.load((maddr + 4 * KMAX).to(tl.pointer_type(tl.float32)),
+                        mrow = _row_block(region + meta_base, j, kcol, 2 * KMAX, tl.int32, K_PAD)
+                        slot = tl.load(mrow, mask=jm[:, None] & kmask, cache_modifier=".cg")
+                        wgt = tl.load((mrow + KMAX).to(tl.pointer_type(tl.float32)),
                                       mask=jm[:, None] & kmask, cache_modifier=".cg")
                         tl.store(out_slot_ptr + out_row[:, None] * K + kcol[None, :], slot, mask=jm[:, None] & kmask)
                         tl.store(out_w_ptr + out_row[:, None] * K + kcol[None, :], wgt, mask=jm[:, None] & kmask)
@@ -276,7 +298,7 @@ def _dispatch_kernel(
                     for hb in tl.static_range(0, H, BLOCK_H):
                         h = hb + hcol
                         z = tl.zeros([BLOCK_R, BLOCK_H], dtype=ELEM)
-                        tl.store(out_x_ptr + out_row[:, None] * H + h[None, :], z,
+                        tl.store(_rows_of(out_x_ptr, out_row, h, H, BLOCK_H, ALIGNED), z,
                                  mask=jm[:, None] & (h[None, :] < H))
                 if HAS_META:
                     kmask = kcol[None, :] < K
@@ -309,10 +331,11 @@ def _combine_kernel(
     KMAX: tl.constexpr, G: tl.constexpr,
     CM_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
     HAS_META: tl.constexpr, PHASE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     ELEM = src_ptr.dtype.element_ty
-    ESIZE = ELEM.primitive_bitwidth // 8
+    ROW_ELEMS: tl.constexpr = ROW_BYTES // (ELEM.primitive_bitwidth // 8)
     n = tl.load(ctr_ptr + pid)
     wcol = tl.arange(0, W_PAD)
     kcol = tl.arange(0, K_PAD)
@@ -341,13 +364,13 @@ def _combine_kernel(
                     for hb in tl.static_range(0, H, BLOCK_H):
                         h = hb + hcol
                         hm = h < H
-                        v = tl.load(src_ptr + in_row[:, None] * H + h[None, :], mask=jm[:, None] & hm[None, :])
-                        addr = base + CM_BYTES + j[:, None].to(tl.int64) * ROW_BYTES + h[None, :] * ESIZE
-                        tl.store(addr.to(tl.pointer_type(ELEM)), v, mask=jm[:, None] & hm[None, :])
+                        v = tl.load(_rows_of(src_ptr, in_row, h, H, BLOCK_H, ALIGNED), mask=jm[:, None] & hm[None, :])
+                        dst = _row_block(base + CM_BYTES, j, h, ROW_ELEMS, ELEM, BLOCK_H)
+                        tl.store(dst, v, mask=jm[:, None] & hm[None, :])
                     if HAS_META:
                         sv = tl.load(side_ptr + in_row[:, None] * K + kcol[None, :], mask=jm[:, None] & kmask)
-                        addr = base + meta_base + j[:, None].to(tl.int64) * (8 * KMAX) + kcol[None, :] * 4
-                        tl.store(addr.to(tl.pointer_type(tl.float32)), sv, mask=jm[:, None] & kmask)
+                        mrow = _row_block(base + meta_base, j, kcol, 2 * KMAX, tl.float32, K_PAD)
+                        tl.store(mrow, sv, mask=jm[:, None] & kmask)
                 if tl.load(remote_tbl + s) == 0:
                     _signal(tl.load(pflag_tbl + s) + pid * 8, 1)
 
@@ -374,14 +397,14 @@ def _combine_kernel(
                     pd = _column(posm, wcol, d)
                     ok = (rmask & (pd >= 0))[:, None] & hm[None, :]
                     if d == me:
-                        v = tl.load(src_ptr + (me * T_cap + pd)[:, None].to(tl.int64) * H + h[None, :],
+                        v = tl.load(_rows_of(src_ptr, me * T_cap + pd, h, H, BLOCK_H, ALIGNED),
                                     mask=ok, other=0.0)
                     else:
-                        addr = (recv_base + d * region_sz + CM_BYTES + pd[:, None].to(tl.int64) * ROW_BYTES
-                                + h[None, :] * ESIZE)
-                        v = tl.load(addr.to(tl.pointer_type(ELEM)), mask=ok, other=0.0, cache_modifier=".cg")
+                        rows = _row_block(recv_base + d * region_sz + CM_BYTES, pd, h, ROW_ELEMS, ELEM, BLOCK_H)
+                        v = tl.load(rows, mask=ok, other=0.0,
+                                    cache_modifier=".cg")
                     acc += v.to(tl.float32)
-                tl.store(out_ptr + r[:, None].to(tl.int64) * H + h[None, :], acc.to(out_ptr.dtype.element_ty),
+                tl.store(_rows_of(out_ptr, r, h, H, BLOCK_H, ALIGNED), acc.to(out_ptr.dtype.element_ty),
                          mask=rmask[:, None] & hm[None, :])
             if HAS_META:
                 dr = tl.load(dest_rank_ptr + r[:, None] * K + kcol[None, :], mask=rmask[:, None] & kmask, other=-1)
@@ -393,8 +416,8 @@ def _combine_kernel(
                         sv = tl.load(side_ptr + (me * T_cap + pd)[:, None].to(tl.int64) * K + kcol[None, :],
                                      mask=ok, other=0.0)
                     else:
-                        addr = recv_base + d * region_sz + meta_base + pd[:, None].to(tl.int64) * (8 * KMAX) + kcol[None, :] * 4
-                        sv = tl.load(addr.to(tl.pointer_type(tl.float32)), mask=ok, other=0.0, cache_modifier=".cg")
+                        mrow = _row_block(recv_base + d * region_sz + meta_base, pd, kcol, 2 * KMAX, tl.float32, K_PAD)
+                        sv = tl.load(mrow, mask=ok, other=0.0, cache_modifier=".cg")
                     g += sv
                 tl.store(gw_ptr + r[:, None] * K + kcol[None, :], g, mask=rmask[:, None] & kmask)
         for d in tl.static_range(W):
@@ -453,7 +476,8 @@ class Geometry:
     def __init__(self, world_size: int, rank: int, capacity: int, hidden: int, elem_bytes: int,
                  kmax: int, num_programs: int) -> None:
         self.world_size, self.rank, self.capacity = world_size, rank, capacity
-        self.hidden, self.elem_bytes, self.kmax, self.num_programs = hidden, elem_bytes, kmax, num_programs
+        # row meta (K int32 slots + K float32 weights) rounded to 32 bytes keeps its rows 16-byte aligned
+        self.hidden, self.elem_bytes, self.kmax, self.num_programs = hidden, elem_bytes, -(-kmax // 4) * 4, num_programs
         self.cm_bytes = -(-(num_programs * 16) // 256) * 256
         self.row_bytes = -(-(hidden * elem_bytes) // 16) * 16
         self.meta_bytes = 8 * kmax
@@ -481,10 +505,11 @@ class Tuning:
 
     @classmethod
     def for_hidden(cls, hidden: int) -> "Tuning":
-        """Default per row width: whole 4096-wide rows, 2 per step, 16 warps for wide rows (the
-        fastest of the variants measured on H200 x2, 3x faster than 8 x 1024 with 8 warps)."""
+        """Default per row width: whole 4096-wide rows, 8 per step, 16 warps for wide rows (the
+        fastest of the variants measured on H200 x2 with 16-byte accesses, docs/BENCHMARKS.md;
+        every variant is within ~10% of it at T_local=16384)."""
         if hidden >= 2048:
-            return cls(block_r=2, block_h=4096, num_warps=16)
+            return cls(block_r=8, block_h=4096, num_warps=16)
         return cls()
 
     def as_dict(self) -> dict:
@@ -500,6 +525,11 @@ def _check(t: torch.Tensor, name: str, shape: tuple, dtype=None, device=None) ->
         raise ValueError(f"{name} must be on {device}, got {t.device}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
+
+
+def _aligned_rows(*tensors: torch.Tensor) -> bool:
+    """Whether every row tensor [N, H] starts 16-byte aligned with rows a multiple of 16 bytes."""
+    return all(t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0 for t in tensors)
 
 
 def _nz(t: torch.Tensor) -> torch.Tensor:
@@ -565,7 +595,8 @@ def launch_dispatch(
         W=W, W_PAD=_pow2(W), H=H, K=K, K_PAD=_pow2(K), KMAX=geo.kmax, G=G, G_PAD=_pow2(G),
         CM_BYTES=geo.cm_bytes, ROW_BYTES=geo.row_bytes,
         HAS_META=has_meta, COMPUTE_LAYOUT=compute_layout, PHASE=phase, ZERO_PAD=zero_pad,
-        BLOCK_R=tu.block_r, BLOCK_H=min(tu.block_h, _pow2(H)), num_warps=tu.num_warps,
+        BLOCK_R=tu.block_r, BLOCK_H=min(tu.block_h, _pow2(H)), ALIGNED=_aligned_rows(x, out_x),
+        num_warps=tu.num_warps,
     )
 
 
@@ -609,5 +640,6 @@ def launch_combine(
         ch.ctr, err, geo.rank, T_cap, geo.region_bytes, spin_limit,
         W=W, W_PAD=_pow2(W), H=H, K=K, K_PAD=_pow2(K), KMAX=geo.kmax, G=G,
         CM_BYTES=geo.cm_bytes, ROW_BYTES=geo.row_bytes, HAS_META=has_meta, PHASE=phase,
-        BLOCK_R=tu.block_r, BLOCK_H=min(tu.block_h, _pow2(H)), num_warps=tu.num_warps,
+        BLOCK_R=tu.block_r, BLOCK_H=min(tu.block_h, _pow2(H)), ALIGNED=_aligned_rows(src, out),
+        num_warps=tu.num_warps,
     )

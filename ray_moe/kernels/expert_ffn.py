@@ -5,7 +5,8 @@ Forward (5 launches, no host sync, shapes fixed by R, K, H, I, S):
     saves g|u) → down_scaled (router weight in the epilogue) → gather_sum (one write per row).
 Backward:
     swiglu_backward_rows (grad_out gathered; recomputes a from g|u; gives d(g|u), weight*a and
-    the router-weight gradient) → dgrad_rows + gather_sum (dx) → grouped_wgrad twice (dW13, dW2).
+    the router-weight gradient) → dgrad_rows + gather_sum (dx) → grouped_wgrad twice (dW13, dW2; Triton, or
+    ``torch._grouped_mm`` on gathered rows when the plan says ``wgrad="grouped_mm"``).
 Saved for backward: x, weight, w13, w2 (inputs), g|u [R*K, 2I] (pre-activations) and the int32
 pair layout; nothing else.
 """
@@ -22,6 +23,7 @@ from ray_moe.kernels.grouped_swiglu import (
     down_scaled,
     gate_up_swiglu,
     grouped_wgrad,
+    grouped_wgrad_mm,
     swiglu_backward_rows,
 )
 from ray_moe.kernels.routing import PairLayout, pair_layout
@@ -59,11 +61,15 @@ class _ExpertFFN(torch.autograd.Function):
             n_valid = layout.offsets[-1]
             pos = layout.pair_pos.long()
             dweight = torch.where(pos < n_valid, dw_pos[pos], 0.0).reshape(weight.shape)
+        mm = plan.wgrad == "grouped_mm"
         if ctx.needs_input_grad[3]:
-            dw13 = grouped_wgrad(x, dh13, layout, K, gather_a=True, gather_b=False, role="wgrad13", cfg=plan.wgrad13,
-                                 dual=plan.dual_wgrad13)
+            dw13 = (grouped_wgrad_mm(x, dh13, layout, K, gather_a=True, gather_b=False) if mm else
+                    grouped_wgrad(x, dh13, layout, K, gather_a=True, gather_b=False, role="wgrad13",
+                                  cfg=plan.wgrad13, dual=plan.dual_wgrad13))
         if ctx.needs_input_grad[4]:
-            dw2 = grouped_wgrad(aw, grad_out, layout, K, gather_a=False, gather_b=True, role="wgrad2", cfg=plan.wgrad2)
+            dw2 = (grouped_wgrad_mm(aw, grad_out, layout, K, gather_a=False, gather_b=True) if mm else
+                   grouped_wgrad(aw, grad_out, layout, K, gather_a=False, gather_b=True, role="wgrad2",
+                                 cfg=plan.wgrad2))
         return dx, None, dweight, dw13, dw2, None
 
 

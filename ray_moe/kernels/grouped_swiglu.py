@@ -74,7 +74,8 @@ def default_config(role: str, dtype: torch.dtype, device: torch.device) -> GemmC
 class KernelPlan:
     """Tiles of every GEMM of one expert_ffn call; whether the SwiGLU backward is fused into the
     dact GEMM's epilogue (one kernel) or run as GEMM + elementwise kernel (two); whether dW13
-    computes its gate and up halves in one program (two accumulators sharing the x^T tile)."""
+    computes its gate and up halves in one program (two accumulators sharing the x^T tile); and
+    whether the weight gradients run in Triton or through ``torch._grouped_mm`` (``wgrad``)."""
 
     gate_up: GemmConfig
     down: GemmConfig
@@ -84,6 +85,7 @@ class KernelPlan:
     wgrad2: GemmConfig
     fused_dact: bool = False
     dual_wgrad13: bool = False
+    wgrad: str = "triton"  # triton | grouped_mm: who computes dW13 and dW2 (see grouped_wgrad_mm)
 
 
 def default_plan(dtype: torch.dtype, device: torch.device) -> KernelPlan:
@@ -529,6 +531,37 @@ def grouped_wgrad(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
+
+
+WGRAD_BACKENDS = ("triton", "grouped_mm")
+
+
+def grouped_wgrad_mm(
+    a_src: torch.Tensor, b_src: torch.Tensor, layout: PairLayout, top_k: int, gather_a: bool, gather_b: bool,
+) -> torch.Tensor:
+    """:func:`grouped_wgrad` through ``torch._grouped_mm`` (groups along the contraction).
+
+    The gathered side is materialised in position order first (a transient [R*K, M or N]
+    tensor), which the Triton kernel avoids; in exchange the GEMM runs at cuBLAS/CUTLASS speed.
+    Positions past the last group are never read (``offs`` ends there). Slots with no pairs are
+    zeroed explicitly rather than trusting the library with empty groups.
+
+    Args/returns as :func:`grouped_wgrad`; needs rows of 16-byte multiples (library rule).
+    """
+    _check_matrix("a_src", a_src)
+    _check_matrix("b_src", b_src)
+    _check_same("a_src", a_src, "b_src", b_src)
+    for name, t in (("a_src", a_src), ("b_src", b_src)):
+        if (t.shape[1] * t.element_size()) % 16:
+            raise ValueError(f"grouped_wgrad_mm needs {name} rows of a multiple of 16 bytes, got "
+                             f"{t.shape[1]} x {t.element_size()} bytes; use the triton backend")
+    rows = layout.sorted_pair.long() // top_k if (gather_a or gather_b) else None
+    a = a_src[rows] if gather_a else a_src
+    b = b_src[rows] if gather_b else b_src
+    offs = layout.offsets[1:].contiguous()
+    out = torch._grouped_mm(a.t(), b, offs=offs)
+    empty = layout.offsets[1:] == layout.offsets[:-1]
+    return out.masked_fill_(empty[:, None, None], 0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -109,3 +109,39 @@ def test_cuda_graph_capture_and_replay():
         eager = step()
         for a, b in zip(captured, eager):
             assert torch.equal(a, b)
+
+
+# 16-byte rows (torch._grouped_mm's rule): H and I multiples of 8 in bf16
+MM_WGRAD_CASES = [c for c in CASES if c[3] % 8 == 0 and c[4] % 8 == 0]
+
+
+@pytest.mark.parametrize("R,K,S,H,I,pattern", MM_WGRAD_CASES)
+def test_expert_ffn_bf16_grouped_mm_weight_grads(R, K, S, H, I, pattern):
+    """The Triton forward with dW13/dW2 through torch._grouped_mm: same gradients, empty slots 0."""
+    import dataclasses
+
+    from ray_moe.kernels.grouped_swiglu import default_plan
+
+    plan = dataclasses.replace(default_plan(torch.bfloat16, torch.device("cuda")), wgrad="grouped_mm")
+    errs = check_expert_ffn(random_case(R, K, S, H, I, pattern, torch.bfloat16, "cuda", 3), plan=plan)
+    for name in ("out", "dx", "dweight", "dw13", "dw2"):
+        assert errs[name] <= TOL, f"{name}: relative error {errs[name]:.3g} > {TOL} ({errs})"
+    assert errs["empty_slot_grad"] == 0.0, errs
+
+
+def test_chooser_measures_every_candidate_and_its_choice_is_correct():
+    from ray_moe.expert_choice import CANDIDATES, ExpertImplChooser
+    from ray_moe.experts import expert_ffn
+
+    case = random_case(2048, 4, 8, 1024, 384, "random", torch.bfloat16, "cuda", 9)
+    ch = ExpertImplChooser()
+    choice = ch.choose(case["x"], case["slot"], case["weight"], case["w13"], case["w2"], needs_grad=True)
+    (timings,) = ch.timings.values()
+    assert set(timings) == {c.name for c in CANDIDATES}
+    assert all(isinstance(t, float) and t > 0 for t in timings.values()), timings
+    assert timings[choice.name] == min(timings.values())
+    got = expert_ffn(case["x"], case["slot"], case["weight"], case["w13"], case["w2"], impl=choice.impl,
+                     wgrad=choice.wgrad)
+    want = expert_ffn(case["x"].double().cpu(), case["slot"].cpu(), case["weight"].double().cpu(),
+                      case["w13"].double().cpu(), case["w2"].double().cpu(), impl="loop")
+    assert relative_error(got, want) <= TOL

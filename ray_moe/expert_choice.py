@@ -1,0 +1,124 @@
+"""Per-shape choice of the expert implementation, measured on first use (``moe.expert_impl: auto``).
+
+Candidates (each correct; which is fastest depends on the shape and the GPU):
+
+- ``triton``: the fused Triton kernels for every GEMM (gather fused into the loads, SwiGLU and
+  the routing weight in the epilogues, no permuted copies);
+- ``triton+mm_wgrad``: the same forward and activation gradients, with the two weight-gradient
+  GEMMs through ``torch._grouped_mm`` on gathered rows (cuBLAS/CUTLASS speed for dW13/dW2,
+  at the cost of materialising the gathered rows);
+- ``grouped_mm``: the torch path (argsort, ``x[rows]``, ``_grouped_mm``, ``index_add``).
+
+:class:`ExpertImplChooser` times every candidate once per shape key (rows, top-k, slots, H, I,
+dtype, device, whether gradients are needed) on the call's own inputs, forward and, for training,
+backward, and keeps the fastest, like Triton's autotuner: a host synchronisation once per
+shape, never inside a CUDA-graph capture (there the default, ``triton``, is used and nothing is
+recorded). A candidate that fails (unsupported shape or dtype, out of memory) is skipped with
+its reason kept in :attr:`ExpertImplChooser.timings`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExpertChoice:
+    """What ``expert_ffn`` runs: ``impl`` (triton | grouped_mm | loop) and, for triton, who
+    computes the weight gradients (``wgrad``: triton | grouped_mm)."""
+
+    impl: str
+    wgrad: str = "triton"
+
+    @property
+    def name(self) -> str:
+        return "triton+mm_wgrad" if (self.impl == "triton" and self.wgrad == "grouped_mm") else self.impl
+
+
+CANDIDATES = (ExpertChoice("triton"), ExpertChoice("triton", "grouped_mm"), ExpertChoice("grouped_mm"))
+DEFAULT = CANDIDATES[0]
+
+
+Timer = Callable[[Callable[[], object], str], float]
+
+
+def bench_timer(warmup_ms: int = 10, rep_ms: int = 40) -> Timer:
+    """Median milliseconds of ``fn`` by ``triton.testing.do_bench`` (synchronises the device)."""
+    def time_ms(fn: Callable[[], object], name: str) -> float:
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+    return time_ms
+
+
+class ExpertImplChooser:
+    """Measures the candidates once per shape and remembers the fastest (one per model; every
+    MoE layer of the same shape shares the measurement).
+
+    Attributes:
+        choices: shape key → the chosen :class:`ExpertChoice`.
+        timings: shape key → {candidate name: milliseconds, or the error that ruled it out}.
+    """
+
+    def __init__(self, candidates: tuple[ExpertChoice, ...] = CANDIDATES, timer: Timer | None = None) -> None:
+        """timer(fn, candidate name) → milliseconds per call of fn (default :func:`bench_timer`)."""
+        self.candidates, self.timer = candidates, timer or bench_timer()
+        self.choices: dict[tuple, ExpertChoice] = {}
+        self.timings: dict[tuple, dict[str, float | str]] = {}
+
+    @staticmethod
+    def key(x: torch.Tensor, slot: torch.Tensor, w13: torch.Tensor, needs_grad: bool) -> tuple:
+        return (tuple(x.shape), slot.shape[1], tuple(w13.shape), x.dtype, str(x.device), needs_grad)
+
+    def choose(self, x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor, w13: torch.Tensor,
+               w2: torch.Tensor, needs_grad: bool) -> ExpertChoice:
+        """The fastest candidate for this shape (measured now if the shape is new).
+
+        Args: the arguments of :func:`ray_moe.experts.expert_ffn`: x [R, H], slot int [R, K],
+        weight float32 [R, K], w13 [S, H, 2I], w2 [S, I, H]; needs_grad: time backward too.
+        """
+        key = self.key(x, slot, w13, needs_grad)
+        hit = self.choices.get(key)
+        if hit is not None:
+            return hit
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return DEFAULT
+        timings = self._measure(x, slot, weight, w13, w2, needs_grad)
+        ok = {n: t for n, t in timings.items() if isinstance(t, float)}
+        best = min(ok, key=ok.get) if ok else DEFAULT.name
+        choice = next(c for c in self.candidates if c.name == best) if ok else DEFAULT
+        self.choices[key], self.timings[key] = choice, timings
+        log.info("expert impl for R=%d K=%d S=%d H=%d I=%d %s (grad=%s): %s; ms %s", x.shape[0], slot.shape[1],
+                 w13.shape[0], x.shape[1], w2.shape[1], str(x.dtype).replace("torch.", ""), needs_grad,
+                 choice.name, {n: (round(t, 3) if isinstance(t, float) else t) for n, t in timings.items()})
+        return choice
+
+    def _measure(self, x, slot, weight, w13, w2, needs_grad) -> dict[str, float | str]:
+        from ray_moe.experts import expert_ffn
+
+        leaves = [t.detach().clone().requires_grad_(needs_grad) for t in (x, weight, w13, w2)]
+        slot = slot.detach()
+        grad_out = torch.randn_like(x) if needs_grad else None
+        out: dict[str, float | str] = {}
+        for cand in self.candidates:
+            def step(cand=cand):
+                with torch.enable_grad() if needs_grad else torch.no_grad():
+                    y = expert_ffn(leaves[0], slot, leaves[1], leaves[2], leaves[3], impl=cand.impl,
+                                   wgrad=cand.wgrad)
+                    if needs_grad:
+                        torch.autograd.grad(y, leaves, grad_out)
+
+            try:
+                out[cand.name] = float(self.timer(step, cand.name))
+            except (RuntimeError, ValueError, TypeError, NotImplementedError) as exc:  # OOM is a RuntimeError
+                out[cand.name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                if x.is_cuda:
+                    torch.cuda.empty_cache()
+        return out

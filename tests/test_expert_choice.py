@@ -1,0 +1,87 @@
+"""The per-shape expert implementation choice (ray_moe.expert_choice) and the grouped_mm
+weight-gradient path, on CPU (the GPU tests time the real candidates)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ray_moe.expert_choice import DEFAULT, ExpertChoice, ExpertImplChooser
+from ray_moe.kernels.checks import random_case, relative_error
+
+
+def _case(R=12, seed=0):
+    c = random_case(R, 2, 4, 16, 8, "random", torch.float32, "cpu", seed=seed)
+    return c["x"], c["slot"], c["weight"], c["w13"], c["w2"]
+
+
+class FakeTimer:
+    """Runs each candidate once (so a broken one fails for real) and returns preset times."""
+
+    def __init__(self, ms):
+        self.ms, self.calls = ms, []
+
+    def __call__(self, fn, name):
+        fn()
+        self.calls.append(name)
+        return self.ms[name]
+
+
+def test_chooser_keeps_the_fastest_working_candidate_per_shape():
+    cands = (ExpertChoice("loop"), ExpertChoice("grouped_mm"), ExpertChoice("no_such_impl"))
+    timer = FakeTimer({"loop": 2.0, "grouped_mm": 1.0, "no_such_impl": 0.1})
+    ch = ExpertImplChooser(candidates=cands, timer=timer)
+    x, slot, weight, w13, w2 = _case()
+    assert ch.choose(x, slot, weight, w13, w2, needs_grad=True) == ExpertChoice("grouped_mm")
+    (timings,) = ch.timings.values()
+    assert timings["loop"] == 2.0 and timings["grouped_mm"] == 1.0
+    assert "no_such_impl" in timings["no_such_impl"]  # the error that ruled it out, not a time
+    assert timer.calls == ["loop", "grouped_mm"]
+    # same shape: remembered, nothing re-measured; a new shape is measured again
+    assert ch.choose(*_case(seed=1), needs_grad=True).impl == "grouped_mm"
+    assert len(timer.calls) == 2
+    ch.choose(*_case(R=20), needs_grad=True)
+    assert len(timer.calls) == 4 and len(ch.choices) == 2
+
+
+def test_chooser_falls_back_to_the_default_when_nothing_runs():
+    ch = ExpertImplChooser(candidates=(ExpertChoice("no_such_impl"),), timer=FakeTimer({"no_such_impl": 1.0}))
+    assert ch.choose(*_case(), needs_grad=False) == DEFAULT
+
+
+def test_expert_ffn_rejects_an_unknown_wgrad_backend():
+    from ray_moe.experts import expert_ffn
+
+    x, slot, weight, w13, w2 = _case()
+    with pytest.raises(ValueError, match="wgrad 'cublas' is not one of triton, grouped_mm"):
+        expert_ffn(x, slot, weight, w13, w2, impl="loop", wgrad="cublas")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pattern", ["random", "all_one_expert", "sparse"])
+def test_grouped_wgrad_mm_matches_reference(dtype, pattern):
+    """dW through torch._grouped_mm equals the reference, empty slots exactly zero, both sides."""
+    from ray_moe.kernels.grouped_swiglu import grouped_wgrad_mm, grouped_wgrad_reference
+    from ray_moe.kernels.routing import pair_layout_reference
+
+    R, K, S = (3, 2, 8) if pattern == "sparse" else (13, 3, 5)
+    c = random_case(R, K, S, 40, 24, pattern, dtype, "cpu", seed=7)
+    lay = pair_layout_reference(c["slot"], S)
+    b = torch.randn(R * K, 48).to(dtype)
+    a = torch.randn(R * K, 24).to(dtype)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    for args in ((c["x"], b, lay, K, True, False), (a, c["x"], lay, K, False, True)):
+        got, ref = grouped_wgrad_mm(*args), grouped_wgrad_reference(*args)
+        assert relative_error(got, ref) < tol
+        empty = lay.offsets[1:] == lay.offsets[:-1]
+        assert got[empty].abs().max().item() == 0 if empty.any() else True
+
+
+def test_grouped_wgrad_mm_names_the_row_rule():
+    from ray_moe.kernels.grouped_swiglu import grouped_wgrad_mm
+    from ray_moe.kernels.routing import pair_layout_reference
+
+    c = random_case(5, 2, 3, 37, 19, "random", torch.float32, "cpu", seed=1)
+    lay = pair_layout_reference(c["slot"], 3)
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        grouped_wgrad_mm(c["x"], torch.randn(10, 38), lay, 2, True, False)
