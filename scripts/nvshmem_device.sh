@@ -27,6 +27,6 @@ if has bench; then
     --json "$OUT/bench_comm.json" 2>&1 | tee "$OUT/bench.log" | grep -v "^(" | tail -30
 fi
 if has benchremote; then
-  timeout ${T_BREM:-200} python3 -m ray_moe.bench.comm --tokens 4096 --variants r8h1024w8 --force-remote \
+  timeout ${T_BREM:-100} python3 -m ray_moe.bench.comm --tokens 4096,16384 --variants r2h4096w16,r4h4096w16 --force-remote \
     --json "$OUT/bench_comm_remote.json" 2>&1 | tee "$OUT/bench_remote.log" | grep -v "^(" | tail -12
 fi
