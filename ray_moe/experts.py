@@ -37,7 +37,7 @@ def route(
         expert_ids: int64 [T, K] logical expert ids.
         probs: float32 [T, E] full softmax, or None when not needed on the fused path.
     """
-    logits = x.float() @ router_w.float()
+    logits = router_logits(x, router_w)
     if fused and logits.is_cuda:
         from ray_moe.kernels import topk_softmax
 
@@ -47,6 +47,65 @@ def route(
     top_p, top_i = torch.topk(probs, top_k, dim=-1)
     weights = top_p / top_p.sum(-1, keepdim=True)
     return weights, top_i, probs
+
+
+def router_logits(x: torch.Tensor, router_w: torch.Tensor) -> torch.Tensor:
+    """float32 logits [T, E] = x [T, H] @ router_w [H, E] (float32 weights), float32-accurate.
+
+    On CUDA with bf16 tokens: :class:`SplitRouterLogits`, tensor-core GEMMs against the router
+    weight split into two bf16 parts, with no float32 copy of x (saved for backward by the plain
+    form: 4 bytes per element of x). Elsewhere: ``x.float() @ router_w.float()``.
+    """
+    if x.is_cuda and x.dtype == torch.bfloat16 and router_w.dtype == torch.float32:
+        return SplitRouterLogits.apply(x, router_w)
+    return x.float() @ router_w.float()
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b of bf16 operands with float32 accumulation and output (tensor cores on CUDA)."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()  # the same products (exact in float32) for CPU tests
+
+
+def _split_bf16(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 t → (hi, lo) bf16 with hi + lo == t to ~16 significant bits."""
+    hi = t.to(torch.bfloat16)
+    return hi, (t - hi.float()).to(torch.bfloat16)
+
+
+class SplitRouterLogits(torch.autograd.Function):
+    """Router logits from bf16 tokens and float32 weights in bf16 tensor-core GEMMs.
+
+    The weight is split w = hi + lo (bf16 each, ~16 significant bits together) and the tokens
+    are exact in bf16, so ``x @ [hi | lo]`` with float32 accumulation gives the float32 product to
+    ~1e-5 relative, at bf16 GEMM speed. Backward splits the float32 logit gradient the same way:
+    dW = xᵀ @ [g_hi | g_lo] (float32 out), dx = [g_hi | g_lo | g_hi] @ [hi | hi | lo]ᵀ (bf16 out,
+    float32 accumulation). Saves x (already kept by the layer) and the two bf16 weight halves.
+
+    x: bf16 [T, H]; w: float32 [H, E] → float32 [T, E].
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        E = w.shape[1]
+        hi, lo = _split_bf16(w)
+        both = _mm_f32(x, torch.cat([hi, lo], dim=1))
+        ctx.save_for_backward(x, hi, lo)
+        return both[:, :E] + both[:, E:]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, hi, lo = ctx.saved_tensors
+        E = hi.shape[1]
+        g_hi, g_lo = _split_bf16(grad.float().contiguous())
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.mm(torch.cat([g_hi, g_lo, g_hi], dim=1), torch.cat([hi, hi, lo], dim=1).t()).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            both = _mm_f32(x.t(), torch.cat([g_hi, g_lo], dim=1))
+            dw = both[:, :E] + both[:, E:]
+        return dx, dw
 
 
 def load_balancing_loss(probs: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:

@@ -85,3 +85,26 @@ def test_grouped_wgrad_mm_names_the_row_rule():
     lay = pair_layout_reference(c["slot"], 3)
     with pytest.raises(ValueError, match="multiple of 16 bytes"):
         grouped_wgrad_mm(c["x"], torch.randn(10, 38), lay, 2, True, False)
+
+
+def test_split_router_logits_match_float32():
+    """The bf16-split router GEMMs (run here with the CPU stand-in for the float32-output mm) give
+    float32-accurate logits and gradients."""
+    from ray_moe.experts import SplitRouterLogits
+
+    g = torch.Generator().manual_seed(0)
+    for T, H, E in [(37, 64, 8), (1, 16, 3), (0, 16, 4)]:
+        x = torch.randn(T, H, generator=g).bfloat16().requires_grad_()
+        w = (torch.randn(H, E, generator=g) / H**0.5).requires_grad_()
+        got = SplitRouterLogits.apply(x, w)
+        xr, wr = x.detach().float().requires_grad_(), w.detach().clone().requires_grad_()
+        want = xr @ wr
+        assert got.dtype == torch.float32 and got.shape == (T, E)
+        if T == 0:
+            continue
+        assert relative_error(got, want) < 1e-4
+        go = torch.randn(T, E, generator=g)
+        dx, dw = torch.autograd.grad(got, (x, w), go)
+        rx, rw = torch.autograd.grad(want, (xr, wr), go)
+        assert dx.dtype == torch.bfloat16 and relative_error(dw, rw) < 1e-4
+        assert relative_error(dx, rx) < 1e-2  # a bf16 gradient
