@@ -215,7 +215,25 @@ def routing_rows(shape: LayerShape, inp: dict[str, torch.Tensor], warmup_ms: int
     def textbook_combine():
         return torch.zeros_like(x).index_add(0, rows, y * wsorted.to(y.dtype).unsqueeze(1))
 
+    from ray_moe.experts import SplitRouterLogits
+
+    xg = x.detach().requires_grad_()
+    router_w = (torch.randn(shape.H, E, device=x.device) / shape.H**0.5).requires_grad_()
+    glog = torch.randn(shape.T, E, device=x.device)
+
+    def router_fp32(backward: bool):
+        out = xg.float() @ router_w
+        return torch.autograd.grad(out, (xg, router_w), glog) if backward else out
+
+    def router_split(backward: bool):
+        out = SplitRouterLogits.apply(xg, router_w)
+        return torch.autograd.grad(out, (xg, router_w), glog) if backward else out
+
     cases = [
+        ("router logits fwd: x.float() @ w (float32)", lambda: router_fp32(False)),
+        ("router logits fwd: split bf16 GEMMs", lambda: router_split(False)),
+        ("router logits fwd+bwd: float32", lambda: router_fp32(True)),
+        ("router logits fwd+bwd: split bf16 GEMMs", lambda: router_split(True)),
         ("top-k softmax: torch softmax/topk/renorm", lambda: topk_softmax_reference(logits, K)),
         ("top-k softmax: triton", lambda: topk_softmax(logits, K)),
         ("top-k softmax fwd+bwd: torch", lambda: torch.autograd.grad(topk_softmax_reference(lg, K)[0], lg, gw)),
