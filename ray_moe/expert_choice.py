@@ -9,8 +9,8 @@ Candidates (each correct; which is fastest depends on the shape and the GPU):
   at the cost of materialising the gathered rows);
 - ``grouped_mm``: the torch path (argsort, ``x[rows]``, ``_grouped_mm``, ``index_add``).
 
-:class:`ExpertImplChooser` times every candidate once per shape key (rows, top-k, slots, H, I,
-dtype, device, whether gradients are needed) on the call's own inputs, forward and, for training,
+:class:`ExpertImplChooser` times every candidate once per shape key (rows rounded up to a power
+of two, top-k, slots, H, I, dtype, device, whether gradients are needed) on the call's own inputs, forward and, for training,
 backward, and keeps the fastest, like Triton's autotuner: a host synchronisation once per
 shape, never inside a CUDA-graph capture (there the default, ``triton``, is used and nothing is
 recorded). A candidate that fails (unsupported shape or dtype, out of memory) is skipped with
@@ -75,7 +75,10 @@ class ExpertImplChooser:
 
     @staticmethod
     def key(x: torch.Tensor, slot: torch.Tensor, w13: torch.Tensor, needs_grad: bool) -> tuple:
-        return (tuple(x.shape), slot.shape[1], tuple(w13.shape), x.dtype, str(x.device), needs_grad)
+        """Rows are bucketed to the next power of two: transports with host-synced splits (NCCL)
+        receive a different R every step, and one measurement must serve them all."""
+        rows = 1 << max(int(x.shape[0]) - 1, 0).bit_length()
+        return (rows, x.shape[1], slot.shape[1], tuple(w13.shape), x.dtype, str(x.device), needs_grad)
 
     def choose(self, x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor, w13: torch.Tensor,
                w2: torch.Tensor, needs_grad: bool) -> ExpertChoice:
@@ -103,9 +106,12 @@ class ExpertImplChooser:
     def _measure(self, x, slot, weight, w13, w2, needs_grad) -> dict[str, float | str]:
         from ray_moe.experts import expert_ffn
 
-        leaves = [t.detach().clone().requires_grad_(needs_grad) for t in (x, weight, w13, w2)]
+        # views, not copies: cloning w13/w2 would double the expert weights' memory for a moment
+        leaves = [t.detach().requires_grad_(needs_grad) for t in (x, weight, w13, w2)]
         slot = slot.detach()
-        grad_out = torch.randn_like(x) if needs_grad else None
+        # a private generator: measuring must not advance the training RNG (exact resume)
+        gen = torch.Generator(device=x.device).manual_seed(0)
+        grad_out = torch.randn(x.shape, generator=gen, device=x.device, dtype=x.dtype) if needs_grad else None
         out: dict[str, float | str] = {}
         for cand in self.candidates:
             def step(cand=cand):
@@ -117,8 +123,9 @@ class ExpertImplChooser:
 
             try:
                 out[cand.name] = float(self.timer(step, cand.name))
-            except (RuntimeError, ValueError, TypeError, NotImplementedError) as exc:  # OOM is a RuntimeError
-                out[cand.name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            except Exception as exc:  # any failure rules the candidate out (OOM, Triton compile errors, ...)
+                out[cand.name] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+                log.warning("expert impl candidate %s failed and is skipped: %s", cand.name, out[cand.name])
                 if x.is_cuda:
                     torch.cuda.empty_cache()
         return out

@@ -50,13 +50,15 @@ def route(
 
 
 def router_logits(x: torch.Tensor, router_w: torch.Tensor) -> torch.Tensor:
-    """float32 logits [T, E] = x [T, H] @ router_w [H, E] (float32 weights), float32-accurate.
+    """float32 logits [T, E] = x [T, H] @ router_w [H, E] (float32 weights).
 
-    On CUDA with bf16 tokens: :class:`SplitRouterLogits`, tensor-core GEMMs against the router
-    weight split into two bf16 parts, with no float32 copy of x (saved for backward by the plain
-    form: 4 bytes per element of x). Elsewhere: ``x.float() @ router_w.float()``.
+    On CUDA with bf16 tokens (and a torch with ``mm(..., out_dtype=)``): :class:`SplitRouterLogits`,
+    tensor-core GEMMs against the router weight split into two bf16 parts (~16 significant bits,
+    relative error ~1e-5), with no float32 copy of x (saved for backward by the plain form: 4 bytes
+    per element of x). Elsewhere: ``x.float() @ router_w.float()``.
     """
-    if x.is_cuda and x.dtype == torch.bfloat16 and router_w.dtype == torch.float32:
+    split_ok = hasattr(torch.ops.aten.mm, "dtype")  # aten::mm.dtype: bf16 x bf16 -> float32 out
+    if split_ok and x.is_cuda and x.dtype == torch.bfloat16 and router_w.dtype == torch.float32:
         return SplitRouterLogits.apply(x, router_w)
     return x.float() @ router_w.float()
 
@@ -78,8 +80,8 @@ class SplitRouterLogits(torch.autograd.Function):
     """Router logits from bf16 tokens and float32 weights in bf16 tensor-core GEMMs.
 
     The weight is split w = hi + lo (bf16 each, ~16 significant bits together) and the tokens
-    are exact in bf16, so ``x @ [hi | lo]`` with float32 accumulation gives the float32 product to
-    ~1e-5 relative, at bf16 GEMM speed. Backward splits the float32 logit gradient the same way:
+    are exact in bf16, so ``x @ [hi | lo]`` with float32 accumulation gives the product to ~1e-5
+    relative (float32 would be ~1e-7), at bf16 GEMM speed. Backward splits the float32 logit gradient the same way:
     dW = xᵀ @ [g_hi | g_lo] (float32 out), dx = [g_hi | g_lo | g_hi] @ [hi | hi | lo]ᵀ (bf16 out,
     float32 accumulation). Saves x (already kept by the layer) and the two bf16 weight halves.
 

@@ -138,7 +138,8 @@ class MoELayer(nn.Module):
         recv_x, recv_slot, recv_w, layout = dispatch(self.transport, x, weights, dest_rank, dest_slot)
         choice = ExpertChoice(impl)
         if self.expert_impl == "auto" and impl == "triton":
-            needs_grad = torch.is_grad_enabled() and (self.w13.requires_grad or x.requires_grad)
+            needs_grad = torch.is_grad_enabled() and any(
+                t.requires_grad for t in (recv_x, recv_w, self.w13, self.w2))
             choice = self.expert_chooser.choose(recv_x, recv_slot, recv_w, self.w13, self.w2, needs_grad)
         partial = expert_ffn(recv_x, recv_slot, recv_w, self.w13, self.w2, choice.impl, wgrad=choice.wgrad)
         out = combine(self.transport, partial, layout)

@@ -78,6 +78,19 @@ def test_layout_reference_and_chunks():
     assert chunk_bounds(0, 2) == [(0, 0), (0, 0)]
 
 
+@pytest.mark.parametrize("kmax", [1, 8, 10, 13])
+def test_geometry_sizes_regions_for_the_rounded_meta_width(kmax):
+    """Row meta is laid out with KMAX rounded up to a multiple of 4 (16-byte aligned rows); the
+    region must be sized with the same width or late rows would spill into the next region."""
+    from ray_moe.kernels.dispatch_combine import Geometry
+
+    geo = Geometry(world_size=2, rank=0, capacity=1000, hidden=4096, elem_bytes=2, kmax=kmax, num_programs=132)
+    assert geo.kmax % 4 == 0 and geo.kmax >= kmax
+    assert geo.meta_bytes == 8 * geo.kmax
+    assert geo.region_bytes >= geo.cm_bytes + geo.capacity * (geo.row_bytes + 8 * geo.kmax)
+    assert geo.region_bytes % 256 == 0 and geo.cm_bytes % 256 == 0 and geo.row_bytes % 16 == 0
+
+
 def test_nvshmem_module_imports_lazily():
     import ray_moe.comm.nvshmem as nv
 

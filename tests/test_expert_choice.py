@@ -44,6 +44,31 @@ def test_chooser_keeps_the_fastest_working_candidate_per_shape():
     assert len(timer.calls) == 4 and len(ch.choices) == 2
 
 
+def test_chooser_buckets_rows_leaves_weights_alone_and_survives_any_error():
+    class Boom(Exception):
+        pass
+
+    def timer(fn, name):
+        fn()
+        if name == "grouped_mm":
+            raise Boom("compile failed")  # not a RuntimeError: still only rules the candidate out
+        return 1.0
+
+    ch = ExpertImplChooser(candidates=(ExpertChoice("loop"), ExpertChoice("grouped_mm")), timer=timer)
+    x, slot, weight, w13, w2 = _case(R=12)
+    before = w13.clone()
+    assert ch.choose(x, slot, weight, w13, w2, needs_grad=True) == ExpertChoice("loop")
+    (timings,) = ch.timings.values()
+    assert timings["grouped_mm"].startswith("Boom: compile failed")
+    assert torch.equal(w13, before) and w13.grad is None and not w13.requires_grad
+    # NCCL-style transports receive a different row count every step: one power-of-two bucket
+    for R in (9, 13, 16):
+        ch.choose(*_case(R=R), needs_grad=True)
+    assert len(ch.choices) == 1
+    ch.choose(*_case(R=17), needs_grad=True)
+    assert len(ch.choices) == 2
+
+
 def test_chooser_falls_back_to_the_default_when_nothing_runs():
     ch = ExpertImplChooser(candidates=(ExpertChoice("no_such_impl"),), timer=FakeTimer({"no_such_impl": 1.0}))
     assert ch.choose(*_case(), needs_grad=False) == DEFAULT

@@ -102,6 +102,16 @@ VARIANTS = {
 }
 
 
+def _round_trip_error(buf: Any, x, w, dr, ds, to_rank) -> float:
+    """Relative error of combine(dispatch(x)) with the received rows passed straight back: each
+    token returns once per destination rank, so the result must be x * (its number of ranks).
+    x bf16 [T, H]; w float32, dr/ds int32 [T, K]; to_rank bool [T, W]."""
+    rx, _, _, lay = buf.dispatch(x, w, dr, ds)
+    back = buf.combine(rx, lay)
+    want = x.float() * to_rank.sum(1, keepdim=True)
+    return float(((back.float() - want).norm() / want.norm().clamp_min(1e-30)).item())
+
+
 def bench_worker(worker: Any, params: dict) -> list[dict]:
     """Runs on every rank; returns one record per T_local."""
     import torch.distributed as dist
@@ -144,7 +154,8 @@ def bench_worker(worker: Any, params: dict) -> list[dict]:
                 buf.combine(r[0], r[3])
 
             t_dc = _time(pair, iters)
-            rec["variants"][name] = {"dispatch_s": t_d, "combine_s": t_c, "pair_s": t_dc}
+            rec["variants"][name] = {"dispatch_s": t_d, "combine_s": t_c, "pair_s": t_dc,
+                                     "round_trip_rel_err": _round_trip_error(buf, x, w, dr, ds, to_rank)}
         best = min(rec["variants"], key=lambda n: rec["variants"][n]["pair_s"])
         rec["best"] = best
         buf.tuning = Tuning(**VARIANTS[best])
@@ -166,6 +177,24 @@ def bench_worker(worker: Any, params: dict) -> list[dict]:
         except Exception as exc:  # report, keep benchmarking
             rec["graph_error"] = f"{type(exc).__name__}: {exc}"
         buf.check()
+        # fewer SMs for the exchange (what an overlap with expert compute could afford)
+        rec["programs"] = {}
+        for G in params.get("programs", []):
+            small = tr.new_buffer(capacity=T, hidden=H, elem_bytes=2, kmax=max(8, K), num_programs=G)
+            small.tuning = buf.tuning
+            sd: dict[str, Any] = {}
+
+            def small_disp():
+                sd["d"] = small.dispatch(x, w, dr, ds)
+
+            t_sd = _time(small_disp, iters)
+            t_sc = _time(lambda: small.combine(sd["d"][0], sd["d"][3]), iters)
+            rec["programs"][G] = {"dispatch_s": t_sd, "combine_s": t_sc,
+                                  "round_trip_rel_err": _round_trip_error(small, x, w, dr, ds, to_rank)}
+            small.check()
+            dist.barrier()
+            torch.cuda.synchronize()
+            small.close()
         # NCCL textbook exchange of the same routing
         st: dict[str, Any] = {}
 
@@ -221,6 +250,8 @@ def _summarise(per_rank: list[list[dict]]) -> list[dict]:
             "speedup_vs_nccl": (nd + nc) / dc, "ceiling_GBps": cbw,
             "dispatch_vs_ceiling": (dbytes / d / 1e9) / cbw if cbw == cbw else float("nan"),
             "graph_error": rec0.get("graph_error"),
+            "round_trip_rel_err": max(v.get("round_trip_rel_err", 0.0) for r in recs
+                                      for v in [*r["variants"].values(), *r.get("programs", {}).values()]),
         })
     return rows
 
@@ -235,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--variants", default="all", help=f"comma-separated of {', '.join(VARIANTS)} or all")
     p.add_argument("--force-remote", action="store_true", help="every peer through NVSHMEM puts")
+    p.add_argument("--programs", default="", help="also time the best variant with these G (SMs), e.g. 16,32,64")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or a local cluster)")
     p.add_argument("--json", default=None, help="write results here")
     a = p.parse_args(argv)
@@ -260,17 +292,34 @@ def main(argv: list[str] | None = None) -> int:
                      "force_remote_path": a.force_remote, "startup_timeout_s": 180},
     })
     params = {"tokens": tokens, "hidden": a.hidden, "top_k": a.top_k, "experts": a.experts,
-              "iters": a.iters, "variants": variants}
+              "iters": a.iters, "variants": variants,
+              "programs": [int(g) for g in a.programs.split(",") if g]}
     with WorkerGroup(cfg) as group:
         devices = group.execute(lambda w: torch.cuda.get_device_name(w.device))
         per_rank = group.execute(bench_worker, params, timeout=1800)
     rows = _summarise(per_rank)
     cols = ["T_local", "variant", "dispatch_us", "combine_us", "pair_us", "graph_pair_us", "dispatch_MB",
             "dispatch_GBps", "combine_GBps", "nccl_dispatch_us", "nccl_combine_us", "speedup_vs_nccl",
-            "ceiling_GBps", "dispatch_vs_ceiling"]
+            "ceiling_GBps", "dispatch_vs_ceiling", "round_trip_rel_err"]
     print(f"W={W} on {devices[0]}, H={a.hidden} K={a.top_k} E={a.experts} bf16"
           f"{' force_remote_path' if a.force_remote else ''}")
-    print(tabulate([[r[c] for c in cols] for r in rows], headers=cols, floatfmt=".1f"))
+    print(tabulate([[f"{r[c]:.1e}" if c == "round_trip_rel_err" else r[c] for c in cols] for r in rows],
+                   headers=cols, floatfmt=".1f"))
+    progs = sorted({g for rank in per_rank for rec in rank for g in rec.get("programs", {})}, key=int)
+    if progs:
+        table = []
+        for i, rec0 in enumerate(per_rank[0]):
+            for g in progs:
+                d = max(rank[i]["programs"][g]["dispatch_s"] for rank in per_rank)
+                c = max(rank[i]["programs"][g]["combine_s"] for rank in per_rank)
+                table.append([rec0["T"], g, d * 1e6, c * 1e6, rec0["dispatch_bytes"] / d / 1e9,
+                              rec0["combine_bytes"] / c / 1e9])
+        print("\nwith G programs (SMs) instead of all, variant as above:")
+        print(tabulate(table, headers=["T_local", "G", "dispatch_us", "combine_us", "dispatch_GBps",
+                                       "combine_GBps"], floatfmt=".1f"))
+    bad = [r["T_local"] for r in rows if not r["round_trip_rel_err"] <= 1e-2]
+    if bad:
+        print(f"ERROR: combine(dispatch(x)) != x * ranks at T_local={bad} (round_trip_rel_err > 1e-2)")
     for r in rows:
         if r["graph_error"]:
             print(f"T={r['T_local']}: CUDA graph failed: {r['graph_error']}")
@@ -278,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(a.json, "w") as f:
             json.dump({"world_size": W, "device": devices[0], "force_remote": a.force_remote,
                        "summary": rows, "per_rank": per_rank}, f, indent=1)
-    return 0
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

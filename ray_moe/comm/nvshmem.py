@@ -446,10 +446,15 @@ class NVSHMEMTransport(Transport):
             self.runtime.free(probe)
 
     def new_buffer(self, capacity: int, hidden: int, elem_bytes: int = 2, kmax: int = 8,
-                   tuning: Tuning | None = None, spin_limit: int | None = None) -> SymmetricBuffer:
-        """A further buffer (collective); the benchmark makes one per size."""
+                   tuning: Tuning | None = None, spin_limit: int | None = None,
+                   num_programs: int | None = None) -> SymmetricBuffer:
+        """A further buffer (collective); the benchmark makes one per size. ``num_programs``: G,
+        the same on every rank, at most the SMs (default: all of them, ``self.num_programs``)."""
+        G = num_programs or self.num_programs
+        if not 1 <= G <= self.num_programs:
+            raise ValueError(f"num_programs must be in [1, {self.num_programs}] (SMs), got {G}")
         remote = self.remote_peers()
-        return SymmetricBuffer(self.runtime, capacity, hidden, elem_bytes, kmax, self.num_programs,
+        return SymmetricBuffer(self.runtime, capacity, hidden, elem_bytes, kmax, G,
                                remote, spin_limit=spin_limit or self.spin_limit, tuning=tuning)
 
     # ---------------------------------------------------------------- Transport

@@ -480,7 +480,7 @@ class Geometry:
         self.hidden, self.elem_bytes, self.kmax, self.num_programs = hidden, elem_bytes, -(-kmax // 4) * 4, num_programs
         self.cm_bytes = -(-(num_programs * 16) // 256) * 256
         self.row_bytes = -(-(hidden * elem_bytes) // 16) * 16
-        self.meta_bytes = 8 * kmax
+        self.meta_bytes = 8 * self.kmax  # the rounded width: the kernels lay rows out by it
         self.region_bytes = -(-(self.cm_bytes + capacity * (self.row_bytes + self.meta_bytes)) // 256) * 256
 
 
