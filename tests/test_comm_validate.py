@@ -145,3 +145,33 @@ def test_kernels_compile_for_hopper_with_vector_row_access():
         ops = re.findall(r"\b(?:ld|st)\.global[.\w]*", text)
         assert any(".v4." in op for op in ops), name
         assert not [op for op in ops if op.endswith(".b16")], f"{name}: 2-byte row accesses in the PTX"
+
+
+def test_exclusive_prefix_under_interpreter():
+    """The dispatch layout's per-destination row positions (a triangular sum standing in for
+    tl.cumsum, which Triton 3.6 fails to lower there) equal torch's exclusive cumsum."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    code = """
+import torch, triton, triton.language as tl
+from ray_moe.kernels.dispatch_combine import _exclusive_prefix
+
+@triton.jit
+def k(h_ptr, o_ptr, R: tl.constexpr, W: tl.constexpr):
+    r = tl.arange(0, R)
+    w = tl.arange(0, W)
+    hit = tl.load(h_ptr + r[:, None] * W + w[None, :])
+    tl.store(o_ptr + r[:, None] * W + w[None, :], _exclusive_prefix(hit, R))
+
+for R in (1, 2, 8, 16):
+    h = (torch.rand(R, 4) < 0.5).to(torch.int32)
+    o = torch.full_like(h, -7)
+    k[(1,)](h, o, R=R, W=4)
+    assert torch.equal(o, (h.cumsum(0) - h).to(torch.int32)), (R, h, o)
+print("prefix ok")
+"""
+    env = dict(__import__("os").environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "prefix ok" in proc.stdout, proc.stderr[-2000:]

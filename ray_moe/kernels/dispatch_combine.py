@@ -92,6 +92,19 @@ def _column(mat, col_ids, d):
 
 
 @triton.jit
+def _exclusive_prefix(hit, BLOCK_R: tl.constexpr):
+    """Exclusive prefix sum over the rows of hit [BLOCK_R, W_PAD] (int32), as a triangular sum.
+
+    ``tl.cumsum`` here trips an assertion in Triton 3.6's scan lowering (ScanOpToLLVM.cpp,
+    ``AddPartialReduceOneWarp``) when G <= 32 programs; BLOCK_R is small, so the [R, R, W_PAD]
+    product costs nothing.
+    """
+    r = tl.arange(0, BLOCK_R)
+    before = (r[None, :] < r[:, None]).to(tl.int32)  # [i, j]: row j comes before row i
+    return tl.sum(before[:, :, None] * hit[None, :, :], axis=1)
+
+
+@triton.jit
 def _chunk(T, pid, G: tl.constexpr):
     C = tl.maximum((T + G - 1) // G, 1)
     t0 = tl.minimum(pid * C, T)
@@ -192,7 +205,7 @@ def _dispatch_kernel(
                 dr = tl.load(dest_rank_ptr + r[:, None] * K + kcol[None, :],
                              mask=rmask[:, None] & (kcol[None, :] < K), other=-1)
                 hit = tl.max((dr[:, :, None] == wcol[None, None, :]).to(tl.int32), axis=1)
-                posm = tl.where(hit > 0, running[None, :] + tl.cumsum(hit, axis=0) - hit, -1)
+                posm = tl.where(hit > 0, running[None, :] + _exclusive_prefix(hit, BLOCK_R), -1)
                 running += tl.sum(hit, axis=0)
                 tl.store(pos_ptr + r[:, None] * W + wcol[None, :], posm,
                          mask=rmask[:, None] & (wcol[None, :] < W))
