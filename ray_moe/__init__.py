@@ -1,0 +1,41 @@
+"""ray_moe: expert-parallel Mixture-of-Experts training on a Ray cluster.
+
+    from ray_moe import Config, Trainer
+    with Trainer(Config.from_yaml("jobs/tiny.yaml")) as t:
+        t.train()
+
+The public names below load on first use, so importing a leaf package (``ray_moe.kernels``,
+``ray_moe.comm``) does not pull in Ray or the driver.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_PUBLIC = {
+    "Config": "ray_moe.config",
+    "ConfigError": "ray_moe.config",
+    "Trainer": "ray_moe.driver.trainer",
+    "TrainingError": "ray_moe.driver.trainer",
+    "WorkerGroup": "ray_moe.driver.group",
+    "GroupError": "ray_moe.driver.group",
+    "WorkerFailure": "ray_moe.driver.group",
+    "EPWorker": "ray_moe.worker.actor",
+    "MoELayer": "ray_moe.model.moe",
+    "MoETransformer": "ray_moe.model.transformer",
+    "Placement": "ray_moe.placement.placement",
+    "CheckpointError": "ray_moe.checkpoint",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'ray_moe' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -1,13 +1,20 @@
-"""Atomic, resharding checkpoints.
+"""Atomic, resharding checkpoints: files, the key schema, and the compatibility checks.
 
 Layout under ``<run_dir>/checkpoints/``::
 
     step_00000040/
-        meta.json                 step, optimizer steps, world size, config, placement, and the
+        meta.json                 step, optimizer steps, world size, config, the placement of every
+                                  MoE layer, the re-cloning state (load statistics), and the
                                   size + sha256 of every file (written last)
         rank00000.safetensors     rank 0: replicated params + their optimizer state, its experts
         rank00001.safetensors     rank 1: its experts (keys name logical experts)
     latest                        name of the newest complete checkpoint (replaced atomically)
+
+Key schema (:func:`shard_state` writes it, :func:`load_shard_state` reads it): a replicated
+parameter under its module name (``blocks.0.attn.qkv.weight``); an expert-sharded parameter
+(marked with :class:`~ray_moe.placement.placement.ExpertShard`) once per *logical* expert,
+``blocks.1.ffn.experts.{e}.w13``, so any world size can load it; optimizer state under
+``optim.{key}.{exp_avg|exp_avg_sq}``; each rank's RNG under ``rng.rank{r}.{cpu|cuda}``.
 
 Each rank writes its own file straight into a temporary directory (data never passes through
 the driver; on a multi-node cluster ``run_dir`` must be shared storage). The driver then writes
@@ -24,13 +31,20 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from ray_moe.config import Config, ConfigError
+from ray_moe.placement.placement import expert_shard
+
 META = "meta.json"
 LATEST = "latest"
+OPTIM_STATES = ("exp_avg", "exp_avg_sq")
+# The config keys a checkpoint must agree on to be loaded (everything else may change on resume).
+COMPATIBLE_KEYS = ("model.n_layers", "model.d_model", "model.n_heads", "model.seq_len", "model.vocab_size",
+                   "model.dense_first_layer", "moe.num_experts", "moe.expert_hidden")
 
 
 class CheckpointError(RuntimeError):
@@ -131,6 +145,120 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
         except CheckpointError:
             continue
     return None
+
+
+def expert_key(param_name: str, expert: int) -> str:
+    """``blocks.1.ffn.w13``, expert 5 → ``blocks.1.ffn.experts.5.w13`` (world-size independent)."""
+    prefix, kind = param_name.rsplit(".", 1)
+    return f"{prefix}.experts.{expert}.{kind}"
+
+
+def optim_key(key: str, state: str) -> str:
+    return f"optim.{key}.{state}"
+
+
+def rng_key(rank: int, device_type: str) -> str:
+    return f"rng.rank{rank}.{device_type}"
+
+
+def shard_state(
+    named_params: Iterable[tuple[str, torch.Tensor]],
+    optim_state: Mapping[torch.Tensor, Mapping[str, torch.Tensor]],
+    rank: int,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """This rank's part of a checkpoint as flat named CPU tensors.
+
+    Args:
+        named_params: (name, parameter) of the model; expert-sharded ones carry ``expert_shard``.
+        optim_state: the optimizer's per-parameter state (``exp_avg``/``exp_avg_sq`` shaped like
+            the parameter; other entries are not saved: the step count is in the meta).
+        rank: this rank; replicated parameters and their state come from rank 0 only.
+        device: this rank's device (its RNG state is saved too).
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, p in named_params:
+        state = optim_state.get(p, {})
+        shard = expert_shard(p)
+        if shard is not None:  # native slots only: clones are copies
+            for slot, e in enumerate(shard.native_experts):
+                key = expert_key(name, e)
+                out[key] = p.detach()[slot].cpu().clone()
+                for s in OPTIM_STATES:
+                    if s in state:
+                        out[optim_key(key, s)] = state[s][slot].cpu().clone()
+        elif rank == 0:
+            out[name] = p.detach().cpu().clone()
+            for s in OPTIM_STATES:
+                if s in state:
+                    out[optim_key(name, s)] = state[s].cpu().clone()
+    out[rng_key(rank, "cpu")] = torch.get_rng_state()
+    if device.type == "cuda":
+        out[rng_key(rank, "cuda")] = torch.cuda.get_rng_state(device)
+    return out
+
+
+@torch.no_grad()
+def load_shard_state(
+    named_params: Iterable[tuple[str, torch.Tensor]],
+    optim_state: dict[torch.Tensor, dict[str, torch.Tensor]],
+    tensors: Mapping[str, torch.Tensor],
+    opt_steps: int,
+    rank: int,
+    device: torch.device,
+) -> None:
+    """Load a whole checkpoint (every rank's tensors merged) into this rank's parameters and
+    optimizer state (``optim_state``, the optimizer's ``state`` dict, filled in place).
+
+    Expert-sharded parameters take their native experts' rows (clone slots are left to the
+    caller, which refills them from the owners); the optimizer state is restored only when
+    ``opt_steps > 0``; this rank's RNG is restored when the saved run had this rank.
+    Raises :class:`CheckpointError` naming a missing tensor or a shape that does not match.
+    """
+    for name, p in named_params:
+        shard = expert_shard(p)
+        state: dict[str, torch.Tensor] = {}
+        if shard is not None:
+            for slot, e in enumerate(shard.native_experts):
+                key = expert_key(name, e)
+                p[slot].copy_(_need(tensors, key, p[slot].shape))
+                if opt_steps > 0:
+                    for s in OPTIM_STATES:
+                        state.setdefault(s, torch.zeros_like(p))[slot].copy_(
+                            _need(tensors, optim_key(key, s), p[slot].shape))
+        else:
+            p.copy_(_need(tensors, name, p.shape))
+            if opt_steps > 0:
+                for s in OPTIM_STATES:
+                    state[s] = _need(tensors, optim_key(name, s), p.shape).to(p.device, p.dtype).clone()
+        if opt_steps > 0:
+            state["step"] = torch.tensor(float(opt_steps))
+            optim_state[p] = state
+    if rng_key(rank, "cpu") in tensors:
+        torch.set_rng_state(tensors[rng_key(rank, "cpu")])
+    if device.type == "cuda" and rng_key(rank, "cuda") in tensors:
+        torch.cuda.set_rng_state(tensors[rng_key(rank, "cuda")], device)
+
+
+def _need(tensors: Mapping[str, torch.Tensor], key: str, shape: torch.Size) -> torch.Tensor:
+    if key not in tensors:
+        raise CheckpointError(f"checkpoint has no tensor {key!r}")
+    t = tensors[key]
+    if t.shape != shape:
+        raise CheckpointError(f"checkpoint tensor {key!r} has shape {tuple(t.shape)}; the model expects {tuple(shape)}")
+    return t
+
+
+def check_compatible(meta: Mapping[str, Any], config: Config, path: str | Path) -> None:
+    """Raise :class:`~ray_moe.config.ConfigError` naming the first key of
+    :data:`COMPATIBLE_KEYS` on which ``config`` and the checkpoint's config differ."""
+    saved = meta["config"]
+    for dotted in COMPATIBLE_KEYS:
+        section, key = dotted.split(".")
+        theirs = saved.get(section, {}).get(key)
+        ours = config.get(dotted)
+        if theirs != ours:
+            raise ConfigError(f"{dotted}={ours} but checkpoint {str(path)!r} has {theirs}")
 
 
 def clean_staging(run_dir: str | Path) -> None:

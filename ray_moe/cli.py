@@ -21,7 +21,7 @@ def _train(args: argparse.Namespace) -> int:
     from tabulate import tabulate
 
     from ray_moe.config import Config
-    from ray_moe.trainer import Trainer
+    from ray_moe.driver.trainer import Trainer
 
     config = Config.from_yaml(args.config, args.overrides)
     print("# resolved config")
@@ -45,7 +45,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _smoke(args: argparse.Namespace) -> int:
-    from ray_moe.smoke import main as smoke_main
+    from ray_moe.ops.smoke import main as smoke_main
 
     return int(smoke_main(args.rest) or 0)
 
@@ -89,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     from ray_moe.checkpoint import CheckpointError
     from ray_moe.config import ConfigError
-    from ray_moe.data import DataError
-    from ray_moe.group import GroupError
-    from ray_moe.trainer import TrainingError
+    from ray_moe.driver.group import GroupError
+    from ray_moe.driver.trainer import TrainingError
+    from ray_moe.worker.data import DataError
 
     try:
         return args.fn(args)

@@ -11,9 +11,24 @@ import dataclasses
 import difflib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Iterable, get_origin, get_type_hints
 
+import torch
 import yaml
+
+# The one table of model dtypes: config name → torch dtype (element sizes come from the dtype).
+DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16})
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``model.dtype`` name → torch dtype (``float32`` | ``bfloat16``)."""
+    return DTYPES[name]
+
+
+def element_size(name: str) -> int:
+    """Bytes per element of the ``model.dtype`` named ``name``."""
+    return DTYPES[name].itemsize
 
 
 class ConfigError(ValueError):
@@ -191,7 +206,7 @@ class Config:
             raise ConfigError(
                 f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}"
             )
-        _choice("model.dtype", m.dtype, ("float32", "bfloat16"))
+        _choice("model.dtype", m.dtype, tuple(DTYPES))
         if m.dense_hidden < 0:
             raise ConfigError(f"model.dense_hidden={m.dense_hidden} must be >= 0 (0 means 4*d_model)")
         _positive("moe.num_experts", e.num_experts)
@@ -262,11 +277,6 @@ class Config:
             raise ConfigError(
                 "balance.enabled=true needs balance.clone_slots >= 1 (slots for clones per rank)"
             )
-
-    # ---------------------------------------------------------------- derived
-    @property
-    def experts_per_rank(self) -> int:
-        return self.moe.num_experts // self.parallel.world_size
 
 
 def _sections() -> list[str]:

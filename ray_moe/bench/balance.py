@@ -8,7 +8,7 @@ replacement, Gumbel top-k). Two experiments:
   loads it was made from, on fresh batches from the same distribution (expected tokens from the
   shares, and the tokens actually routed by the placement's on-device hash rule);
 * **shifting** (per s > 0): the hot set is redrawn every ``--shift-every`` steps; a
-  :class:`~ray_moe.balance.LoadTracker` (EMA over intervals, as the driver keeps it) feeds a
+  :class:`~ray_moe.placement.loads.LoadTracker` (EMA over intervals, as the driver keeps it) feeds a
   re-plan every ``--interval`` steps, and we
   report the imbalance before the shift, its peak after it, and how many re-plan intervals it
   takes to get back under ``--recover-below``.
@@ -24,62 +24,22 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from ray_moe.balance import (LoadTracker, nodes_of_ranks, plan_placement, plan_report,
-                             predicted_imbalance)
 from ray_moe.config import BalanceConfig
-from ray_moe.placement import Placement
-
-
-# ============================================================================ synthetic routing
-@dataclass
-class ZipfRouting:
-    """Expert popularity ∝ rank^-s, with the popularity ranks at a random permutation of experts.
-
-    probs: float64 [E] (sums to 1). s = 0 is uniform.
-    """
-
-    probs: np.ndarray
-
-    @classmethod
-    def make(cls, num_experts: int, s: float, seed: int) -> "ZipfRouting":
-        g = np.random.default_rng(seed)
-        order = g.permutation(num_experts)
-        p = np.empty(num_experts)
-        p[order] = np.arange(1, num_experts + 1, dtype=np.float64) ** (-s)
-        return cls(p / p.sum())
-
-    def draw(self, world_size: int, tokens_per_rank: int, top_k: int,
-             generator: torch.Generator) -> torch.Tensor:
-        """int64 [W, T, K]: each source rank's tokens' K distinct experts (Gumbel top-k)."""
-        logp = torch.from_numpy(np.log(self.probs)).to(torch.float32)
-        u = torch.rand(world_size, tokens_per_rank, len(self.probs), generator=generator)
-        gumbel = -torch.log(-torch.log(u.clamp_min(1e-20)))
-        return (logp + gumbel).topk(top_k, dim=-1).indices
-
-    @staticmethod
-    def counts(ids: torch.Tensor, num_experts: int) -> np.ndarray:
-        """float64 [W, E] tokens per source rank and expert from ids [W, T, K]."""
-        W = ids.shape[0]
-        flat = ids.reshape(W, -1) + torch.arange(W).view(W, 1) * num_experts
-        return torch.bincount(flat.flatten(), minlength=W * num_experts).view(W, num_experts).double().numpy()
-
-
-def routed_imbalance(ids: torch.Tensor, placement: Placement) -> float:
-    """max/mean (token, expert) pairs per rank when ids [W, T, K] are routed by the placement's
-    on-device rule (:meth:`PlacementTables.route`, the deterministic hash), not in expectation."""
-    tables = placement.tables("cpu")
-    per_rank = torch.zeros(placement.world_size, dtype=torch.float64)
-    for s in range(ids.shape[0]):
-        dest, _ = tables.route(ids[s], s)
-        per_rank += torch.bincount(dest.flatten().long(), minlength=placement.world_size).double()
-    mean = per_rank.mean().item()
-    return per_rank.max().item() / mean if mean > 0 else 1.0
+from ray_moe.placement.loads import LoadTracker
+from ray_moe.placement.placement import Placement
+from ray_moe.placement.planner import (
+    nodes_of_ranks,
+    plan_placement,
+    plan_report,
+    predicted_imbalance,
+)
+from ray_moe.placement.sim import ZipfRouting, routed_imbalance
 
 
 # ============================================================================ experiments
@@ -230,10 +190,10 @@ def _parser() -> argparse.ArgumentParser:
 def run_train(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Real layer steps (forward, backward, clone coherence) on a Ray worker group with skewed
     routing whose hottest experts live on rank 0: cloning off vs on, per Zipf s."""
-    from ray_moe.balance import plan_placement, plan_report
     from ray_moe.bench.ep_layer import StepSpec, time_layer_step
     from ray_moe.config import Config
-    from ray_moe.group import WorkerGroup
+    from ray_moe.driver.group import WorkerGroup
+    from ray_moe.placement.planner import plan_placement, plan_report
 
     W, E = args.world_size, args.experts
     cfg = Config.from_dict({

@@ -116,7 +116,7 @@ def bench_worker(worker: Any, params: dict) -> list[dict]:
     """Runs on every rank; returns one record per T_local."""
     import torch.distributed as dist
 
-    from ray_moe.kernels.dispatch_combine import Tuning
+    from ray_moe.comm.nvshmem_kernels import Tuning
 
     tr = worker.transport
     me, W, dev = tr.rank, tr.world_size, worker.device
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     from tabulate import tabulate
 
     from ray_moe.config import Config
-    from ray_moe.group import WorkerGroup, connect
+    from ray_moe.driver.group import WorkerGroup, connect
 
     connect(a.address)
     W = a.world_size or int(ray.cluster_resources().get("GPU", 0))

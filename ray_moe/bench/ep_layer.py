@@ -17,11 +17,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ray_moe.clones import push_clone_weights, reduce_clone_grads
+from ray_moe.comm.base import BufferSpec
 from ray_moe.comm.local import LocalTransport
+from ray_moe.config import torch_dtype
 from ray_moe.device import synchronize
-from ray_moe.moe import DTYPES, MoELayer
-from ray_moe.placement import Placement
+from ray_moe.model.moe import MoELayer
+from ray_moe.placement.clones import push_clone_weights, reduce_clone_grads
+from ray_moe.placement.placement import Placement
 
 
 @dataclass
@@ -65,7 +67,8 @@ def time_layer_step(worker: Any, spec: StepSpec | dict) -> dict[str, Any]:
     placement = (
         Placement.from_dict(spec.placement) if spec.placement else Placement.native(E, W, spec.clone_slots)
     )
-    dtype = DTYPES[spec.dtype]
+    dtype = torch_dtype(spec.dtype)
+    transport.reserve(BufferSpec(max_tokens=spec.tokens, hidden=H, elem_bytes=dtype.itemsize, max_top_k=spec.top_k))
     layer = MoELayer(H, E, spec.top_k, I, transport, placement, dtype=dtype,
                      expert_impl=spec.impl, device=device, seed=spec.seed)
     g = torch.Generator().manual_seed(spec.seed * 7919 + rank)
@@ -127,7 +130,7 @@ def ep_layer_rows(
     import ray
 
     from ray_moe.config import Config
-    from ray_moe.group import WorkerGroup
+    from ray_moe.driver.group import WorkerGroup
 
     if T % world_size:
         raise ValueError(f"T={T} is not divisible by world_size={world_size}")

@@ -50,7 +50,7 @@ def make_inputs(shape: LayerShape, device: torch.device, dtype: torch.dtype, see
     Returns x [T, H], w13 [E, H, 2I], w2 [E, I, H] (dtype), logits float32 [T, E],
     slot int64 [T, K], weight float32 [T, K].
     """
-    from ray_moe.experts import route
+    from ray_moe.model.router import route
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     T, H, I, E, K = shape.T, shape.H, shape.I, shape.E, shape.K
@@ -76,12 +76,17 @@ def expert_compute_rows(
 ) -> list[dict]:
     """Expert GEMMs alone (no routing, no combine): grouped_mm on pre-permuted rows vs triton
     (``plan``: a KernelPlan, None → default)."""
-    from ray_moe.experts import swiglu
     from ray_moe.kernels.grouped_swiglu import (
-        dgrad_rows, down_scaled, gate_up_swiglu, grouped_wgrad, grouped_wgrad_mm, swiglu_backward_rows,
+        default_plan,
+        dgrad_rows,
+        down_scaled,
+        gate_up_swiglu,
+        grouped_wgrad,
+        grouped_wgrad_mm,
+        swiglu_backward_rows,
     )
-    from ray_moe.kernels.grouped_swiglu import default_plan
     from ray_moe.kernels.routing import pair_layout, pair_layout_reference
+    from ray_moe.model.experts import swiglu
 
     x, w13, w2, slot, weight = inp["x"], inp["w13"], inp["w2"], inp["slot"], inp["weight"]
     K, E = shape.K, shape.E
@@ -143,13 +148,12 @@ def expert_ffn_rows(
     shape: LayerShape, inp: dict[str, torch.Tensor], warmup_ms: int, rep_ms: int, plan: Any = None
 ) -> list[dict]:
     """The expert side of a layer end to end (layout/permutation + GEMMs + combine)."""
-    from ray_moe.experts import expert_ffn
-    from ray_moe.kernels.expert_ffn import expert_ffn_triton
-
     import dataclasses
 
-    from ray_moe.expert_choice import ExpertImplChooser
+    from ray_moe.kernels.expert_ffn import expert_ffn_triton
     from ray_moe.kernels.grouped_swiglu import default_plan
+    from ray_moe.model.expert_choice import ExpertImplChooser
+    from ray_moe.model.experts import expert_ffn
 
     base_plan = plan or default_plan(inp["x"].dtype, inp["x"].device)
 
@@ -192,7 +196,11 @@ def expert_ffn_rows(
 def routing_rows(shape: LayerShape, inp: dict[str, torch.Tensor], warmup_ms: int, rep_ms: int) -> list[dict]:
     """Routing and permutation: textbook torch ops vs the Triton kernels."""
     from ray_moe.kernels.gather_sum import gather_sum
-    from ray_moe.kernels.routing import pair_layout, topk_softmax, topk_softmax_reference
+    from ray_moe.kernels.routing import (
+        pair_layout,
+        topk_softmax,
+        topk_softmax_reference,
+    )
 
     x, slot, weight, logits = inp["x"], inp["slot"], inp["weight"], inp["logits"]
     K, E = shape.K, shape.E
@@ -215,7 +223,7 @@ def routing_rows(shape: LayerShape, inp: dict[str, torch.Tensor], warmup_ms: int
     def textbook_combine():
         return torch.zeros_like(x).index_add(0, rows, y * wsorted.to(y.dtype).unsqueeze(1))
 
-    from ray_moe.experts import SplitRouterLogits
+    from ray_moe.model.router import SplitRouterLogits
 
     xg = x.detach().requires_grad_()
     router_w = (torch.randn(shape.H, E, device=x.device) / shape.H**0.5).requires_grad_()
@@ -324,7 +332,7 @@ def _cfg_name(cfg: Any) -> str:
 
 def saved_bytes_rows(shape: LayerShape, inp: dict[str, torch.Tensor]) -> list[dict]:
     """Bytes each path keeps for backward (saved_tensors_hooks, deduplicated by storage)."""
-    from ray_moe.experts import expert_ffn
+    from ray_moe.model.experts import expert_ffn
 
     leaves = {k: inp[k].detach().requires_grad_() for k in ("x", "weight", "w13", "w2")}
     input_ptrs = {t.untyped_storage().data_ptr() for t in leaves.values()} | {inp["slot"].untyped_storage().data_ptr()}

@@ -1,7 +1,8 @@
 """Transports: how token rows move between the ranks of an expert-parallel group.
 
 ``choose_transport`` resolves ``parallel.transport: auto``; ``make_transport`` builds one on a
-worker after torch.distributed is initialised.
+worker after torch.distributed is initialised, from the rank's place in the group and an
+explicit :class:`BufferSpec` (never from a training config).
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ import logging
 
 import torch
 
-from ray_moe.comm.base import Layout, Transport, combine, dispatch
+from ray_moe.comm.base import BufferSpec, Layout, Transport, combine, dispatch
+from ray_moe.topology import RankInfo
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Layout", "Transport", "combine", "dispatch", "choose_transport", "make_transport"]
+__all__ = ["BufferSpec", "Layout", "Transport", "combine", "dispatch", "choose_transport",
+           "make_transport", "transport_bootstrap_id"]
 
 
 def nvshmem_available() -> bool:
@@ -38,6 +41,7 @@ def choose_transport(requested: str, use_gpu: bool) -> tuple[str, str]:
 
 
 def transport_bootstrap_id(name: str, device: torch.device) -> bytes | None:
+    """Rank 0: what every rank needs to initialise transport ``name`` (NVSHMEM's unique id)."""
     if name == "nvshmem":
         from ray_moe.comm.nvshmem import create_unique_id
 
@@ -45,7 +49,15 @@ def transport_bootstrap_id(name: str, device: torch.device) -> bytes | None:
     return None
 
 
-def make_transport(name, config, rank_info, device, bootstrap_id=None) -> Transport:
+def make_transport(
+    name: str,
+    rank_info: RankInfo,
+    device: torch.device,
+    spec: BufferSpec,
+    bootstrap_id: bytes | None = None,
+    force_remote_path: bool = False,
+) -> Transport:
+    """Build transport ``name`` (gloo | nccl | nvshmem) for this rank, its buffers sized by ``spec``."""
     if name in ("gloo", "nccl"):
         from ray_moe.comm.torch_a2a import TorchA2ATransport
 
@@ -53,5 +65,5 @@ def make_transport(name, config, rank_info, device, bootstrap_id=None) -> Transp
     if name == "nvshmem":
         from ray_moe.comm.nvshmem import NVSHMEMTransport
 
-        return NVSHMEMTransport(config, rank_info, device, bootstrap_id)
+        return NVSHMEMTransport(rank_info, device, bootstrap_id, spec, force_remote_path=force_remote_path)
     raise ValueError(f"unknown transport {name!r}; choose one of gloo, nccl, nvshmem")

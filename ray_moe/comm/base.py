@@ -19,9 +19,33 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """What a transport's buffers must hold, in explicit sizes (as DeepEP's ``Buffer`` takes
+    byte sizes, not a training config).
+
+    Attributes:
+        max_tokens: T_cap, the most token rows one rank passes to one dispatch.
+        hidden: H, elements per row.
+        elem_bytes: bytes per row element (2 for bf16, 4 for float32).
+        max_top_k: the widest K of any dispatch (the per-row (slot, weight) list).
+    """
+
+    max_tokens: int
+    hidden: int
+    elem_bytes: int
+    max_top_k: int
+
+    def covers(self, other: "BufferSpec") -> bool:
+        """True when a buffer built for ``self`` also serves ``other``."""
+        return (self.max_tokens >= other.max_tokens and self.hidden == other.hidden
+                and self.elem_bytes >= other.elem_bytes and self.max_top_k >= other.max_top_k)
 
 
 class Layout:
@@ -78,6 +102,10 @@ class Transport(ABC):
     @abstractmethod
     def combine_backward(self, grad_out: torch.Tensor, layout: Layout) -> torch.Tensor:
         """[T, H] output gradient at the source → [R, H] gradient of the partial rows."""
+
+    def reserve(self, spec: BufferSpec) -> None:
+        """Make the transport's buffers hold ``spec`` (collective where buffers are symmetric:
+        every rank calls it with the same spec). Transports without fixed buffers ignore it."""
 
     def check(self) -> None:
         """Raise if a device-side wait timed out since the last check (a host sync: call it

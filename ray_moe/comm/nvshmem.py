@@ -1,13 +1,14 @@
 """NVSHMEM transport: UID bootstrap across Ray actors, one symmetric-memory Buffer per worker,
-sync-free Triton dispatch/combine (:mod:`ray_moe.kernels.dispatch_combine`).
+sync-free Triton dispatch/combine (:mod:`ray_moe.comm.nvshmem_kernels`).
 
 Bootstrap: rank 0 calls :func:`create_unique_id` (128 bytes, broadcast by the driver through
 Ray); every rank then builds :class:`NVSHMEMTransport`, which calls ``nvshmem.core.init`` with
 that id and allocates one :class:`SymmetricBuffer`.
 
-The buffer is sized once for the worst case of rank-dedup traffic: every source may send each of
-its ``T_cap = ceil(train.batch_size / W) * model.seq_len`` tokens to every rank, so each rank receives at
-most ``W * T_cap`` rows. Every layer and step reuses it.
+The buffer is sized from an explicit :class:`~ray_moe.comm.base.BufferSpec` for the worst case of
+rank-dedup traffic: every source may send each of its ``T_cap = spec.max_tokens`` tokens to every
+rank, so each rank receives at most ``W * T_cap`` rows. Every layer and step reuses it;
+:meth:`NVSHMEMTransport.reserve` replaces it (collectively) when a larger spec arrives.
 
 **Reuse hazard and how it is handled.** A layer's received rows are needed again in its
 backward, after later layers have dispatched through the same buffer. The receive kernels
@@ -42,8 +43,8 @@ from typing import Any
 
 import torch
 
-from ray_moe.comm.base import Layout, Transport
-from ray_moe.kernels.dispatch_combine import (
+from ray_moe.comm.base import BufferSpec, Layout, Transport
+from ray_moe.comm.nvshmem_kernels import (
     ChannelAddrs,
     Geometry,
     Tuning,
@@ -259,7 +260,7 @@ class SymmetricBuffer:
 
     def __init__(self, runtime: NVSHMEMRuntime, capacity: int, hidden: int, elem_bytes: int, kmax: int,
                  num_programs: int, remote: list[bool], spin_limit: int = 1 << 25,
-                 tuning: Tuning | None = None, zero_pad: bool = True) -> None:
+                 tuning: Tuning | None = None) -> None:
         self.rt = runtime
         W, me = runtime.world_size, runtime.rank
         self.geo = Geometry(W, me, max(16, capacity), hidden, elem_bytes, kmax, num_programs)
@@ -272,7 +273,7 @@ class SymmetricBuffer:
         self.scratch = (torch.zeros(G, W, dtype=torch.int32, device=dev),
                         torch.zeros(G, dtype=torch.int32, device=dev))
         self.err = torch.zeros(2, dtype=torch.int32, device=dev)
-        self.spin_limit, self.zero_pad = spin_limit, zero_pad
+        self.spin_limit = spin_limit
         self.tuning = tuning or Tuning.for_hidden(hidden)
         self.any_remote = any(self.remote)
         runtime.barrier()
@@ -303,7 +304,7 @@ class SymmetricBuffer:
         recv_w = torch.empty(R, K, dtype=torch.float32, device=dev)
         kw = dict(dest_rank=dest_rank, dest_slot=dest_slot.to(torch.int32).contiguous(),
                   weight=weight.float().contiguous(), out_slot=recv_slot, out_w=recv_w,
-                  scratch=self.scratch, compute_layout=True, zero_pad=True,
+                  scratch=self.scratch, compute_layout=True,
                   spin_limit=self.spin_limit, tuning=self.tuning)
         self._dispatch_like(x, pos, smeta, recv_x, rmeta, kw)
         return recv_x, recv_slot, recv_w, NVSHMEMLayout(T, K, pos, smeta, rmeta, dest_rank)
@@ -328,7 +329,7 @@ class SymmetricBuffer:
         geo = self.geo
         out = torch.empty(geo.world_size * geo.capacity, geo.hidden, dtype=grad_out.dtype, device=grad_out.device)
         rmeta = torch.empty_like(layout.rmeta)
-        kw = dict(zero_pad=True, spin_limit=self.spin_limit, tuning=self.tuning)
+        kw = dict(spin_limit=self.spin_limit, tuning=self.tuning)
         self._dispatch_like(grad_out.contiguous(), layout.pos, layout.smeta, out, rmeta, kw)
         return out
 
@@ -385,11 +386,6 @@ def _num_programs(device: torch.device) -> int:
     return int(g.item())
 
 
-def tokens_per_rank(config: Any, world_size: int) -> int:
-    """T_cap: tokens one rank passes to a layer (train.batch_size is global, split over ranks)."""
-    return max(1, -(-config.train.batch_size // world_size)) * config.model.seq_len
-
-
 def _gather_node_ranks(rank_info: Any, device: torch.device) -> list[int]:
     """node_rank of every rank (an all-gather at start-up; the rank's own alone without a group)."""
     import torch.distributed as dist
@@ -407,7 +403,8 @@ class NVSHMEMTransport(Transport):
 
     name = "nvshmem"
 
-    def __init__(self, config: Any, rank_info: Any, device: torch.device, bootstrap_id: bytes | None) -> None:
+    def __init__(self, rank_info: Any, device: torch.device, bootstrap_id: bytes | None, spec: BufferSpec,
+                 force_remote_path: bool = False) -> None:
         super().__init__(rank_info.rank, rank_info.world_size)
         if bootstrap_id is None:
             raise NVSHMEMError("the NVSHMEM transport needs rank 0's unique id (bootstrap_id is None)")
@@ -415,19 +412,28 @@ class NVSHMEMTransport(Transport):
             raise NVSHMEMError(f"the NVSHMEM transport needs a CUDA device, got {device}")
         self.device = device
         self.runtime = NVSHMEMRuntime(device, bootstrap_id, rank_info.rank, rank_info.world_size)
-        self.force_remote = bool(config.parallel.force_remote_path)
+        self.force_remote = bool(force_remote_path)
         self.node_of_rank = _gather_node_ranks(rank_info, device)
         self.num_programs = _num_programs(device)
         self.buffer: SymmetricBuffer | None = None
+        self.spec: BufferSpec | None = None
         self.spin_limit = int(os.environ.get("RAY_MOE_NVSHMEM_SPIN_LIMIT", 1 << 25))
-        self.buffer = self.new_buffer(
-            capacity=tokens_per_rank(config, rank_info.world_size),
-            hidden=config.model.d_model,
-            elem_bytes=4 if config.model.dtype == "float32" else 2,
-            kmax=max(8, config.moe.top_k),
-        )
         if self.force_remote:
             self.name = "nvshmem-remote"
+        self.reserve(spec)
+
+    def reserve(self, spec: BufferSpec) -> None:
+        """Allocate the buffer for ``spec`` unless the current one covers it (collective)."""
+        if self.spec is not None and self.spec.covers(spec):
+            return
+        if self.buffer is not None:
+            torch.cuda.synchronize(self.device)
+            self.runtime.barrier()
+            self.buffer.close()
+            self.buffer = None
+        self.buffer = self.new_buffer(capacity=spec.max_tokens, hidden=spec.hidden,
+                                      elem_bytes=spec.elem_bytes, kmax=max(8, spec.max_top_k))
+        self.spec = spec
         log.info("rank %d: NVSHMEM buffer of %.1f MiB (capacity %d rows/rank, remote peers %s)",
                  self.rank, self.buffer.symmetric_bytes / 2**20, self.buffer.capacity,
                  [d for d, r in enumerate(self.buffer.remote) if r])

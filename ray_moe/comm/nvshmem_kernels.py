@@ -138,7 +138,7 @@ def _dispatch_kernel(
     KMAX: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
     CM_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
     HAS_META: tl.constexpr, COMPUTE_LAYOUT: tl.constexpr, PHASE: tl.constexpr,
-    ZERO_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, ALIGNED: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     ELEM = x_ptr.dtype.element_ty
@@ -307,12 +307,11 @@ def _dispatch_kernel(
                 j = b * BLOCK_R + rrow
                 jm = (j >= tot) & (j < T_cap)
                 out_row = (s * T_cap + j).to(tl.int64)
-                if ZERO_PAD:
-                    for hb in tl.static_range(0, H, BLOCK_H):
-                        h = hb + hcol
-                        z = tl.zeros([BLOCK_R, BLOCK_H], dtype=ELEM)
-                        tl.store(_rows_of(out_x_ptr, out_row, h, H, BLOCK_H, ALIGNED), z,
-                                 mask=jm[:, None] & (h[None, :] < H))
+                for hb in tl.static_range(0, H, BLOCK_H):
+                    h = hb + hcol
+                    z = tl.zeros([BLOCK_R, BLOCK_H], dtype=ELEM)
+                    tl.store(_rows_of(out_x_ptr, out_row, h, H, BLOCK_H, ALIGNED), z,
+                             mask=jm[:, None] & (h[None, :] < H))
                 if HAS_META:
                     kmask = kcol[None, :] < K
                     tl.store(out_slot_ptr + out_row[:, None] * K + kcol[None, :],
@@ -556,7 +555,7 @@ def launch_dispatch(
     dest_rank: torch.Tensor | None = None, dest_slot: torch.Tensor | None = None,
     weight: torch.Tensor | None = None, out_slot: torch.Tensor | None = None,
     out_w: torch.Tensor | None = None, scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
-    compute_layout: bool = False, zero_pad: bool = True, spin_limit: int = 1 << 25,
+    compute_layout: bool = False, spin_limit: int = 1 << 25,
     tuning: Tuning | None = None,
 ) -> None:
     """Dispatch-like exchange: rows of x [T, H] go to out_x [W*T_cap, H] of their destinations.
@@ -573,10 +572,10 @@ def launch_dispatch(
     _check(x, "x", (T, H), device=dev)
     if x.element_size() > geo.elem_bytes:
         raise TypeError(f"x of {x.dtype} needs {x.element_size()} bytes per element; the buffer "
-                        f"was sized for {geo.elem_bytes} (model.dtype)")
+                        f"was sized for {geo.elem_bytes} (BufferSpec.elem_bytes)")
     if T > T_cap:
         raise ValueError(f"{T} tokens exceed the buffer capacity of {T_cap} per rank "
-                         "(train.batch_size / W * model.seq_len)")
+                         "(BufferSpec.max_tokens)")
     _check(pos, "pos", (T, W), torch.int32, dev)
     _check(smeta, "smeta", (G, W, 4), torch.int32, dev)
     _check(out_x, "out_x", (W * T_cap, H), x.dtype, dev)
@@ -607,7 +606,7 @@ def launch_dispatch(
         ch.ctr, err, geo.rank, T_cap, geo.region_bytes, spin_limit,
         W=W, W_PAD=_pow2(W), H=H, K=K, K_PAD=_pow2(K), KMAX=geo.kmax, G=G, G_PAD=_pow2(G),
         CM_BYTES=geo.cm_bytes, ROW_BYTES=geo.row_bytes,
-        HAS_META=has_meta, COMPUTE_LAYOUT=compute_layout, PHASE=phase, ZERO_PAD=zero_pad,
+        HAS_META=has_meta, COMPUTE_LAYOUT=compute_layout, PHASE=phase,
         BLOCK_R=tu.block_r, BLOCK_H=min(tu.block_h, _pow2(H)), ALIGNED=_aligned_rows(x, out_x),
         num_warps=tu.num_warps,
     )

@@ -1,9 +1,12 @@
 """WorkerGroup: a placement group of one EPWorker actor per GPU (or CPU slot), ranked and joined.
 
     group = WorkerGroup(config)           # connects to Ray (or starts a local cluster)
-    group.call("ping")                    # -> [0, 1, ...] in rank order
+    group.call(EPWorker.ping)             # -> [0, 1, ...] in rank order (methods by reference)
     group.execute(fn, *args)              # fn(worker, *args) on every rank
     group.close()
+
+The group owns the world size: ``parallel.world_size`` is what was asked for; ``group.world_size``
+is what runs, and every rank learns it from the :class:`~ray_moe.topology.RankInfo` the group hands out.
 
 Ranks are ordered by node, then GPU. Rendezvous: rank 0 creates the bootstrap id (a TCP store
 address for torch.distributed; NVSHMEM's unique id for the NVSHMEM transport), the driver
@@ -16,7 +19,7 @@ import logging
 import os
 import time
 from types import MappingProxyType
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -26,9 +29,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ray_moe.comm import choose_transport
 from ray_moe.config import Config
 from ray_moe.topology import RankInfo, assign_ranks
-from ray_moe.worker import EPWorker
+from ray_moe.worker.actor import EPWorker
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 # NVLink multicast stays off on shared hosts unless the user overrides these in the driver env.
 MULTICAST_OFF = MappingProxyType(
@@ -184,14 +188,21 @@ class WorkerGroup:
                                     rank, "error") from exc
         return results
 
-    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> list:
-        """Call ``method`` on every worker; results in rank order."""
-        refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
-        return self._get(refs, timeout, method)
+    def call(self, method: Callable[..., R], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[R]:
+        """Call ``method`` (an :class:`EPWorker` method, e.g. ``EPWorker.step``) on every worker
+        with the same arguments; results in rank order."""
+        name = _worker_method(method)
+        refs = [getattr(a, name).remote(*args, **kwargs) for a in self.actors]
+        return self._get(refs, timeout, name)
 
-    def call_each(self, method: str, args_per_rank: Sequence[tuple], timeout: float | None = None) -> list:
-        refs = [getattr(a, method).remote(*args) for a, args in zip(self.actors, args_per_rank)]
-        return self._get(refs, timeout, method)
+    def call_each(self, method: Callable[..., R], args_per_rank: Sequence[tuple],
+                  timeout: float | None = None) -> list[R]:
+        """Call ``method`` on every worker with its own arguments (``args_per_rank[rank]``)."""
+        if len(args_per_rank) != len(self.actors):
+            raise ValueError(f"got arguments for {len(args_per_rank)} ranks; the group has {len(self.actors)}")
+        name = _worker_method(method)
+        refs = [getattr(a, name).remote(*args) for a, args in zip(self.actors, args_per_rank)]
+        return self._get(refs, timeout, name)
 
     def execute(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list:
         """Run ``fn(worker, *args, **kwargs)`` on every rank; results in rank order."""
@@ -200,7 +211,7 @@ class WorkerGroup:
 
     def health_check(self, timeout: float = 10.0) -> None:
         """Raise WorkerFailure naming the first rank that is dead or does not answer in time."""
-        self.call("ping", timeout=timeout)
+        self.call(EPWorker.ping, timeout=timeout)
 
     @property
     def num_nodes(self) -> int:
@@ -231,3 +242,13 @@ class WorkerGroup:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _worker_method(method: Callable[..., Any]) -> str:
+    """The name of an :class:`EPWorker` method given by reference; anything else is refused here,
+    on the driver, before a call is sent."""
+    name = getattr(method, "__name__", None)
+    if name is None or getattr(EPWorker, name, None) is not method:
+        raise TypeError(f"{method!r} is not a method of EPWorker; pass e.g. EPWorker.step "
+                        "(or use WorkerGroup.execute for a function)")
+    return name

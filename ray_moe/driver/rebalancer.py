@@ -2,9 +2,14 @@
 
 The workers count tokens per logical expert on the device every step (no host sync inside the
 step); the Trainer hands each step's per-rank counts to :meth:`Rebalancer.observe`. At every
-interval the loads since the last plan go into an EMA (:class:`ray_moe.balance.LoadTracker`) and
-:func:`ray_moe.balance.plan_layers` makes one placement per MoE layer; only layers whose plan
-changed are sent to the workers, which copy the new clones' weights GPU-to-GPU from the owners.
+interval the loads since the last plan go into an EMA (:class:`ray_moe.placement.loads.LoadTracker`)
+and :func:`ray_moe.placement.planner.plan_layers` makes one placement per MoE layer; only layers
+whose plan changed are sent to the workers, which copy the new clones' weights GPU-to-GPU from
+the owners.
+
+Every fact about the model comes from the workers' :class:`~ray_moe.worker.engine.ModelReport`
+(MoE layers, native placement, bytes per expert); the world size and node of each rank from the
+group. The state (EMA, the window since the last plan, the placements) goes into checkpoints.
 """
 
 from __future__ import annotations
@@ -13,38 +18,41 @@ from typing import Any
 
 import numpy as np
 
-from ray_moe.balance import LoadTracker, plan_layers, plan_report
-from ray_moe.config import Config
-from ray_moe.placement import Placement
+from ray_moe.config import BalanceConfig
+from ray_moe.placement.loads import LoadTracker
+from ray_moe.placement.placement import Placement
+from ray_moe.placement.planner import plan_layers, plan_report
+from ray_moe.worker.engine import ModelReport
 
 
 class Rebalancer:
-    def __init__(self, config: Config, node_of_rank: list[int]):
-        self.config = config
-        b, m, e = config.balance, config.model, config.moe
-        self.world_size = config.parallel.world_size
-        self.node_of_rank = node_of_rank
-        self.num_layers = m.n_layers - (1 if m.dense_first_layer else 0)
-        self.tracker = LoadTracker.from_config(b, self.num_layers, e.num_experts, self.world_size)
-        self.placements = [
-            Placement.native(e.num_experts, self.world_size, b.clone_slots) for _ in range(self.num_layers)
-        ]
-        self._window = np.zeros((self.num_layers, self.world_size, e.num_experts))
-        itemsize = 2 if m.dtype == "bfloat16" else 4
-        self.bytes_per_expert = 3 * m.d_model * e.expert_hidden * itemsize
+    def __init__(self, balance: BalanceConfig, report: ModelReport, node_of_rank: list[int]):
+        self.balance = balance
+        self.node_of_rank = list(node_of_rank)
+        self.world_size = len(node_of_rank)
+        self.num_layers = len(report.moe_layers)
+        self.num_experts = report.num_experts
+        self.native = Placement.from_dict(report.native_placement)
+        if self.native.world_size != self.world_size:
+            raise ValueError(f"the workers report a placement for W={self.native.world_size}; "
+                             f"the group has {self.world_size} ranks")
+        self.bytes_per_expert = report.expert_bytes
+        self.tracker = LoadTracker(self.num_layers, self.num_experts, self.world_size, ema=balance.ema)
+        self.placements = [self.native] * self.num_layers
+        self._window = np.zeros((self.num_layers, self.world_size, self.num_experts))
 
     def observe(self, per_rank_expert_tokens: list[list[list[float]]]) -> None:
         """per_rank_expert_tokens[rank][layer][expert]: tokens routed from that rank this step."""
         self._window += np.asarray(per_rank_expert_tokens, dtype=np.float64).transpose(1, 0, 2)
 
     def due(self, step: int) -> bool:
-        return self.config.balance.enabled and step > 0 and step % self.config.balance.interval == 0
+        return self.balance.enabled and step > 0 and step % self.balance.interval == 0
 
     def plan(self) -> tuple[list[dict | None], dict[str, Any]]:
         """New placements (None for layers that keep theirs) and a report for the metrics."""
         self.tracker.update(self._window)
         self._window[:] = 0
-        b = self.config.balance
+        b = self.balance
         new = plan_layers(
             self.tracker.loads, self.world_size, self.node_of_rank, b.clone_slots,
             previous=self.placements, max_cross_node_clones=b.max_cross_node_clones,
@@ -67,5 +75,21 @@ class Rebalancer:
         return changes, summary
 
     def reset(self) -> None:
-        """Back to native placements (after a restore: checkpoints hold native experts only)."""
-        self.__init__(self.config, self.node_of_rank)
+        """Back to native placements with no load history (a restore at another world size)."""
+        self.tracker.reset()
+        self.placements = [self.native] * self.num_layers
+        self._window[:] = 0
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-ready state: the EMA, the loads seen since the last plan, the placements."""
+        return {"tracker": self.tracker.state_dict(), "window": self._window.tolist(),
+                "placements": [p.to_dict() for p in self.placements], "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (same world size and model; the caller checks)."""
+        if state["world_size"] != self.world_size:
+            raise ValueError(f"re-cloning state is for W={state['world_size']}; the group has {self.world_size}")
+        self.tracker.load_state_dict(state["tracker"])
+        self._window = np.asarray(state["window"], dtype=np.float64).reshape(self._window.shape)
+        self.placements = [Placement.from_dict(p) for p in state["placements"]]

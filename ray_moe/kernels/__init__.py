@@ -8,7 +8,13 @@
 """
 
 from ray_moe.kernels.expert_ffn import expert_ffn_triton
-from ray_moe.kernels.routing import PairLayout, pair_layout, pair_layout_reference, topk_softmax, topk_softmax_reference
+from ray_moe.kernels.routing import (
+    PairLayout,
+    pair_layout,
+    pair_layout_reference,
+    topk_softmax,
+    topk_softmax_reference,
+)
 
 __all__ = [
     "PairLayout",

@@ -20,8 +20,8 @@ its reason kept in :attr:`ExpertImplChooser.timings`.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -84,7 +84,7 @@ class ExpertImplChooser:
                w2: torch.Tensor, needs_grad: bool) -> ExpertChoice:
         """The fastest candidate for this shape (measured now if the shape is new).
 
-        Args: the arguments of :func:`ray_moe.experts.expert_ffn`: x [R, H], slot int [R, K],
+        Args: the arguments of :func:`ray_moe.model.experts.expert_ffn`: x [R, H], slot int [R, K],
         weight float32 [R, K], w13 [S, H, 2I], w2 [S, I, H]; needs_grad: time backward too.
         """
         key = self.key(x, slot, w13, needs_grad)
@@ -104,7 +104,7 @@ class ExpertImplChooser:
         return choice
 
     def _measure(self, x, slot, weight, w13, w2, needs_grad) -> dict[str, float | str]:
-        from ray_moe.experts import expert_ffn
+        from ray_moe.model.experts import expert_ffn
 
         # views, not copies: cloning w13/w2 would double the expert weights' memory for a moment
         leaves = [t.detach().requires_grad_(needs_grad) for t in (x, weight, w13, w2)]

@@ -2,24 +2,23 @@
 
 Every rank holds the router (replicated) and the weights of its expert *slots*: its E/W native
 experts followed by ``clone_slots`` clones of other ranks' experts (see :mod:`ray_moe.placement`).
-The same code runs over every transport; the single-process oracle is
-:func:`ray_moe.experts.reference_moe`.
+The world size comes from the transport (which the worker group built); the layer's native
+placement is derived from it. The same code runs over every transport; the single-process
+oracle is :func:`ray_moe.model.experts.reference_moe`.
 """
 
 from __future__ import annotations
 
 import math
-from types import MappingProxyType
 
 import torch
 from torch import nn
 
 from ray_moe.comm.base import Transport, combine, dispatch
-from ray_moe.expert_choice import ExpertChoice, ExpertImplChooser
-from ray_moe.experts import expert_ffn, load_balancing_loss, resolve_impl, route
-from ray_moe.placement import Placement
-
-DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16})
+from ray_moe.model.expert_choice import ExpertChoice, ExpertImplChooser
+from ray_moe.model.experts import expert_ffn, resolve_impl
+from ray_moe.model.router import load_balancing_loss, route
+from ray_moe.placement.placement import ExpertShard, Placement
 
 
 def expert_init(
@@ -52,7 +51,8 @@ class MoELayer(nn.Module):
     """Expert-parallel SwiGLU MoE layer.
 
     Parameters: ``router`` float32 [H, E] (replicated); ``w13`` [S, H, 2I] and ``w2`` [S, I, H]
-    in the model dtype, where S = E/W native slots + clone slots.
+    in the model dtype, where S = E/W native slots + ``clone_slots``; both carry an
+    :class:`~ray_moe.placement.placement.ExpertShard` mark (``param.expert_shard``).
 
     Buffers (device-side load statistics, never read inside forward):
     ``expert_tokens`` float32 [E] tokens routed to each logical expert from this rank, and
@@ -67,7 +67,7 @@ class MoELayer(nn.Module):
         top_k: int,
         expert_hidden: int,
         transport: Transport,
-        placement: Placement,
+        placement: Placement | None = None,
         layer_idx: int = 0,
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
@@ -75,38 +75,61 @@ class MoELayer(nn.Module):
         aux_loss_coef: float = 0.0,
         device: torch.device | str = "cpu",
         expert_chooser: ExpertImplChooser | None = None,
+        clone_slots: int = 0,
     ) -> None:
+        """``placement``: the initial placement (default: native, with ``clone_slots`` free clone
+        slots per rank); the world size is the transport's."""
         super().__init__()
-        if num_experts != placement.num_experts or transport.world_size != placement.world_size:
-            raise ValueError(
-                f"placement is for E={placement.num_experts}, W={placement.world_size}; layer has "
-                f"E={num_experts}, W={transport.world_size}"
-            )
+        if placement is None:
+            placement = Placement.native(num_experts, transport.world_size, clone_slots)
+        self._check_placement(placement, num_experts, transport.world_size)
         self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
         self.expert_hidden, self.layer_idx, self.seed = expert_hidden, layer_idx, seed
         self.transport, self.rank = transport, transport.rank
         self.expert_impl, self.aux_loss_coef = expert_impl, aux_loss_coef
         # with expert_impl "auto" on a GPU that runs the Triton kernels: measured per shape, shared by
-        # the model's layers (ray_moe.expert_choice)
+        # the model's layers (ray_moe.model.expert_choice)
         self.expert_chooser = expert_chooser or ExpertImplChooser()
         S = placement.slots_per_rank
         self.router = nn.Parameter(router_init(seed, layer_idx, d_model, num_experts).to(device))
         self.w13 = nn.Parameter(torch.empty(S, d_model, 2 * expert_hidden, dtype=dtype, device=device))
         self.w2 = nn.Parameter(torch.empty(S, expert_hidden, d_model, dtype=dtype, device=device))
+        shard = ExpertShard(tuple(range(transport.rank * placement.experts_per_rank,
+                                        (transport.rank + 1) * placement.experts_per_rank)))
+        self.w13.expert_shard = shard
+        self.w2.expert_shard = shard
         self.register_buffer("expert_tokens", torch.zeros(num_experts, device=device), persistent=False)
         self.register_buffer("received_pairs", torch.zeros(1, device=device), persistent=False)
         self.placement = placement
         self.tables = placement.tables(device)
-        with torch.no_grad():
-            for slot, e in enumerate(placement.slot_experts()[self.rank].tolist()):
-                if e >= 0:
-                    self.load_expert(slot, *expert_init(seed, layer_idx, e, d_model, expert_hidden))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Deterministic initial router and expert weights, independent of the world size (each
+        logical expert from its own generator), and zeroed load counters."""
+        self.router.copy_(router_init(self.seed, self.layer_idx, self.d_model, self.num_experts))
+        self.w13.zero_()
+        self.w2.zero_()
+        for slot, e in enumerate(self.placement.slot_experts()[self.rank].tolist()):
+            if e >= 0:
+                self.load_expert(slot, *expert_init(self.seed, self.layer_idx, e, self.d_model, self.expert_hidden))
+        self.expert_tokens.zero_()
+        self.received_pairs.zero_()
+
+    @staticmethod
+    def _check_placement(placement: Placement, num_experts: int, world_size: int) -> None:
+        if placement.num_experts != num_experts or placement.world_size != world_size:
+            raise ValueError(
+                f"placement is for E={placement.num_experts}, W={placement.world_size}; the layer "
+                f"has E={num_experts} over a transport of W={world_size}"
+            )
 
     # ------------------------------------------------------------------ weights
     @property
-    def native_experts(self) -> range:
-        n = self.placement.experts_per_rank
-        return range(self.rank * n, (self.rank + 1) * n)
+    def native_experts(self) -> tuple[int, ...]:
+        """Logical ids of the experts this rank owns (slots 0 .. E/W-1)."""
+        return self.w13.expert_shard.native_experts
 
     @torch.no_grad()
     def load_expert(self, slot: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
@@ -115,7 +138,8 @@ class MoELayer(nn.Module):
         self.w2[slot].copy_(w2)
 
     def set_placement(self, placement: Placement) -> None:
-        """Switch routing tables (the caller moves clone weights, see ray_moe.clones)."""
+        """Switch routing tables (the caller moves clone weights, see ray_moe.placement.clones)."""
+        self._check_placement(placement, self.num_experts, self.transport.world_size)
         if placement.slots_per_rank != self.w13.shape[0]:
             raise ValueError(
                 f"placement has {placement.slots_per_rank} slots per rank; layer has {self.w13.shape[0]}"

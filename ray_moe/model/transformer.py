@@ -1,30 +1,36 @@
 """A small decoder-only MoE language model over bytes.
 
 Embeddings, attention and norms are replicated on every rank (data parallel: gradients are
-all-reduced); every FFN is an expert-parallel :class:`ray_moe.moe.MoELayer` (optionally a dense
-first layer). Tokens flow DP → EP → DP: each rank attends over its own sequences, then the
+all-reduced); every FFN is an expert-parallel :class:`ray_moe.model.moe.MoELayer` (optionally a
+dense first layer). Tokens flow DP → EP → DP: each rank attends over its own sequences, then the
 MoE layers move token rows to the experts and back.
+
+Initial weights come from the model's own generator seeded by ``train.seed`` (replicated
+parameters are identical on every rank; experts from per-expert generators, independent of the
+world size); the global RNG is neither seeded nor advanced.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import skip_init
 
 from ray_moe.comm.base import Transport
-from ray_moe.config import Config
-from ray_moe.expert_choice import ExpertImplChooser
-from ray_moe.moe import DTYPES, MoELayer
-from ray_moe.placement import Placement
+from ray_moe.config import Config, torch_dtype
+from ray_moe.model.expert_choice import ExpertImplChooser
+from ray_moe.model.moe import MoELayer
 
 
 class Attention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int):
+    def __init__(self, d_model: int, n_heads: int, device: torch.device | str = "cpu"):
         super().__init__()
         self.n_heads = n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
-        self.proj = nn.Linear(d_model, d_model, bias=False)
+        self.qkv = skip_init(nn.Linear, d_model, 3 * d_model, bias=False, device=device)
+        self.proj = skip_init(nn.Linear, d_model, d_model, bias=False, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, L, H] → [B, L, H], causal."""
@@ -35,25 +41,27 @@ class Attention(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, d_model: int, hidden: int):
+    def __init__(self, d_model: int, hidden: int, device: torch.device | str = "cpu"):
         super().__init__()
-        self.w13 = nn.Linear(d_model, 2 * hidden, bias=False)
-        self.w2 = nn.Linear(hidden, d_model, bias=False)
+        self.w13 = skip_init(nn.Linear, d_model, 2 * hidden, bias=False, device=device)
+        self.w2 = skip_init(nn.Linear, hidden, d_model, bias=False, device=device)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, H] → ([T, H], zero auxiliary loss)."""
         gate, up = self.w13(x).chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up), x.new_zeros((), dtype=torch.float32)
 
 
 class Block(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, ffn: nn.Module):
+    def __init__(self, d_model: int, n_heads: int, ffn: nn.Module, device: torch.device | str = "cpu"):
         super().__init__()
-        self.norm1 = nn.RMSNorm(d_model)
-        self.attn = Attention(d_model, n_heads)
-        self.norm2 = nn.RMSNorm(d_model)
+        self.norm1 = nn.RMSNorm(d_model, device=device)
+        self.attn = Attention(d_model, n_heads, device)
+        self.norm2 = nn.RMSNorm(d_model, device=device)
         self.ffn = ffn
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, L, H] → ([B, L, H], auxiliary loss float32 scalar)."""
         x = x + self.attn(self.norm1(x))
         B, L, H = x.shape
         y, aux = self.ffn(self.norm2(x).reshape(B * L, H))
@@ -61,38 +69,65 @@ class Block(nn.Module):
 
 
 class MoETransformer(nn.Module):
-    """Byte-level decoder; ``forward(idx [B, L] int64) -> (logits [B, L, V] float32, aux loss)``."""
+    """Byte-level decoder; ``forward(idx [B, L] int64) -> (logits [B, L, V] float32, aux loss)``.
 
-    def __init__(self, config: Config, transport: Transport, placement: Placement, device="cpu"):
+    Expert-parallel over ``transport`` (its world size is the group's); ``moe.clone_slots`` per
+    rank and layer are reserved for clones of hot experts.
+    """
+
+    def __init__(self, config: Config, transport: Transport, device: torch.device | str = "cpu"):
         super().__init__()
         m, e = config.model, config.moe
-        dtype = DTYPES[m.dtype]
-        torch.manual_seed(config.train.seed)  # replicated parameters are identical on every rank
-        self.tok_emb = nn.Embedding(m.vocab_size, m.d_model)
-        self.pos_emb = nn.Parameter(torch.randn(m.seq_len, m.d_model) * 0.02)
+        dtype = torch_dtype(m.dtype)
+        self.seed = config.train.seed
+        self.tok_emb = skip_init(nn.Embedding, m.vocab_size, m.d_model, device=device)
+        self.pos_emb = nn.Parameter(torch.empty(m.seq_len, m.d_model, device=device))
         blocks = []
         chooser = ExpertImplChooser()  # one per model: layers of one shape share the measurement
         for i in range(m.n_layers):
             if i == 0 and m.dense_first_layer:
-                ffn: nn.Module = DenseMLP(m.d_model, m.dense_hidden or 4 * m.d_model)
+                ffn: nn.Module = DenseMLP(m.d_model, m.dense_hidden or 4 * m.d_model, device)
             else:
                 ffn = MoELayer(
-                    m.d_model, e.num_experts, e.top_k, e.expert_hidden, transport, placement,
+                    m.d_model, e.num_experts, e.top_k, e.expert_hidden, transport,
                     layer_idx=i, seed=config.train.seed, dtype=dtype, expert_impl=e.expert_impl,
                     aux_loss_coef=e.aux_loss_coef, device=device, expert_chooser=chooser,
+                    clone_slots=config.balance.clone_slots,
                 )
-            blocks.append(Block(m.d_model, m.n_heads, ffn))
+            blocks.append(Block(m.d_model, m.n_heads, ffn, device))
         self.blocks = nn.ModuleList(blocks)
-        self.norm_f = nn.RMSNorm(m.d_model)
-        self.lm_head = nn.Linear(m.d_model, m.vocab_size, bias=False)
-        for name, p in self.named_parameters():
-            if not _is_expert(name):
-                p.data = p.data.to(device=device, dtype=dtype)
+        self.norm_f = nn.RMSNorm(m.d_model, device=device)
+        self.lm_head = skip_init(nn.Linear, m.d_model, m.vocab_size, bias=False, device=device)
+        self.init_weights(torch.Generator().manual_seed(config.train.seed))
+        for name, p in self.named_parameters():  # experts are built in dtype; routers stay float32
+            if getattr(p, "expert_shard", None) is None and not name.endswith("ffn.router"):
+                p.data = p.data.to(dtype=dtype)
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator) -> None:
+        """Initial replicated weights from ``generator`` (a CPU generator: the same values on every
+        rank and device) in module order; MoE layers reset from their own per-expert generators.
+
+        Embeddings N(0, 1), positions N(0, 0.02²), linear layers U(±1/√fan_in) (PyTorch's
+        defaults), norms 1.
+        """
+        for module in self.modules():
+            if isinstance(module, MoELayer):
+                module.reset_parameters()
+            elif isinstance(module, nn.Embedding):
+                module.weight.copy_(torch.randn(module.weight.shape, generator=generator))
+            elif isinstance(module, nn.Linear):
+                bound = 1.0 / math.sqrt(module.in_features)
+                module.weight.copy_(torch.empty(module.weight.shape).uniform_(-bound, bound, generator=generator))
+            elif isinstance(module, nn.RMSNorm):
+                module.weight.fill_(1.0)
+        self.pos_emb.copy_(torch.randn(self.pos_emb.shape, generator=generator) * 0.02)
 
     def moe_layers(self) -> list[MoELayer]:
         return [b.ffn for b in self.blocks if isinstance(b.ffn, MoELayer)]
 
     def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """idx: int64/int32 [B, L] token ids → (logits float32 [B, L, V], aux loss float32 scalar)."""
         B, L = idx.shape
         if L > self.pos_emb.shape[0]:
             raise ValueError(f"sequence length {L} exceeds model.seq_len={self.pos_emb.shape[0]}")
@@ -109,12 +144,3 @@ class MoETransformer(nn.Module):
             x, a = block(x)
             aux = aux + a
         return self.lm_head(self.norm_f(x)).float(), aux
-
-
-def _is_expert(name: str) -> bool:
-    return name.endswith("ffn.w13") or name.endswith("ffn.w2") or name.endswith("ffn.router")
-
-
-def is_sharded(name: str) -> bool:
-    """Expert weights are sharded (expert parallel); everything else is replicated."""
-    return name.endswith("ffn.w13") or name.endswith("ffn.w2")

@@ -14,10 +14,10 @@ Checks, in order, each printed as a table (node id, IP, GPU, rank, status, detai
 3. ``layer_parity`` — the EP layer against the single-process oracle on every rank, on random
    routings and the edge cases (one expert, an empty rank, an empty expert): fp32 on CPU
    (tolerance 1e-5), bf16 on GPU (1e-2);
-4. ``transport`` — the transport validators (dispatch/combine, every edge case), when
-   ``ray_moe.comm.validate`` is present;
+4. ``transport`` — the transport validators (dispatch/combine, every edge case);
 5. ``bandwidth`` — a rank i → rank j matrix in GB/s (torch.distributed send/recv);
-6. ``training`` — a few Trainer steps on a tiny model: every loss finite, the last below the first.
+6. ``training`` — a few Trainer steps on a tiny model, on the same group: every loss finite, the
+   last below the first.
 
 Writes everything as JSON (``--json``), ends with one summary line naming every failing check
 with its node / GPU / rank, and exits 0 when everything passed, 1 when a check failed.
@@ -34,7 +34,14 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable
 
-from ray_moe.smoke_report import FAIL, PASS, SKIP, SmokeReport, condense_error, short_id
+from ray_moe.ops.smoke_report import (
+    FAIL,
+    PASS,
+    SKIP,
+    SmokeReport,
+    condense_error,
+    short_id,
+)
 
 LAYER_TOL = MappingProxyType({"float32": 1e-5, "bfloat16": 1e-2})
 TRANSPORT_TOL = MappingProxyType({"float32": 1e-6, "bfloat16": 1e-2})  # the transport validators' own bounds
@@ -92,7 +99,7 @@ def probe_all_nodes(nodes: list[dict[str, Any]], timeout: float) -> list[dict[st
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from ray_moe import node_probe
+    from ray_moe.ops import node_probe
 
     with node_probe.shipped_by_value():
         probe = ray.remote(node_probe.probe_node)
@@ -197,7 +204,7 @@ def rank_where(r: Any) -> dict[str, Any]:
 
 def start_group(report: SmokeReport, config: Any, nodes: list[dict[str, Any]], device: str):
     """The ``bootstrap`` check: a WorkerGroup that spans the nodes. Returns it, or None."""
-    from ray_moe.group import GroupError, WorkerGroup
+    from ray_moe.driver.group import GroupError, WorkerGroup
 
     try:
         group = WorkerGroup(config)
@@ -243,37 +250,32 @@ def per_rank_errors(report: SmokeReport, check: str, group: Any,
 
 
 def check_layer_parity(report: SmokeReport, group: Any, config: Any) -> None:
-    from ray_moe.validate import ROUTINGS, case_dict, layer_parity
+    from ray_moe.validation import ROUTINGS, Case
+    from ray_moe.validation.layer import layer_parity
 
     dtype = config.model.dtype
-    base = dict(num_experts=config.moe.num_experts, top_k=2, d_model=32, expert_hidden=48, dtype=dtype)
-    runs = [(routing, layer_parity, case_dict(routing=routing, **base)) for routing in ROUTINGS]
-    runs.append(("random,uneven", layer_parity, case_dict(routing="random", seed=1, tokens_per_rank=[3, 17], **base)))
+    base = Case(num_experts=config.moe.num_experts, top_k=2, hidden=32, expert_hidden=48, dtype=dtype)
+    runs = [(routing, layer_parity, base.but(routing=routing)) for routing in ROUTINGS]
+    runs.append(("random,uneven", layer_parity, base.but(routing="random", seed=1, tokens_per_rank=(3, 17))))
     per_rank_errors(report, "layer_parity", group, runs, LAYER_TOL[dtype], lambda res: res)
 
 
 def check_transport(report: SmokeReport, group: Any, config: Any) -> None:
-    try:
-        from ray_moe.comm.validate import (
-            EDGE_CASES,
-            check_combine,
-            check_dispatch,
-            comm_case,
-        )
-    except ImportError as exc:
-        report.add("transport", SKIP, detail=f"ray_moe.comm.validate is absent ({exc}); transport validators not run")
-        return
+    from ray_moe.validation import EDGE_CASES, Case
+    from ray_moe.validation.transport import check_combine, check_dispatch
+
     dtype = config.model.dtype
+    base = Case(num_experts=config.moe.num_experts, dtype=dtype)
     runs = []
     for extra in EDGE_CASES:
-        case = comm_case(**{"num_experts": config.moe.num_experts, "dtype": dtype, **extra})
+        case = base.but(**extra)
         label = ",".join(f"{k}={v}" for k, v in extra.items())
         runs += [(f"dispatch[{label}]", check_dispatch, case), (f"combine[{label}]", check_combine, case)]
     per_rank_errors(report, "transport", group, runs, TRANSPORT_TOL[dtype], lambda res: res["errors"])
 
 
 def check_bandwidth(report: SmokeReport, group: Any, opts: SmokeOptions) -> None:
-    from ray_moe.bandwidth import pair_bandwidth
+    from ray_moe.ops.bandwidth import pair_bandwidth
 
     mib = opts.bandwidth_mib or (256.0 if group.use_gpu else 4.0)
     nbytes = int(mib * 2**20)
@@ -290,11 +292,11 @@ def check_bandwidth(report: SmokeReport, group: Any, opts: SmokeOptions) -> None
                               + (f"{gbps:.2f} GB/s" if ok else f"no valid measurement ({gbps})"))
 
 
-def check_training(report: SmokeReport, config: Any, steps: int) -> None:
-    from ray_moe.trainer import Trainer
+def check_training(report: SmokeReport, config: Any, steps: int, group: Any) -> None:
+    from ray_moe.driver.trainer import Trainer
 
     losses: list[float] = []
-    with Trainer(config, progress=False) as trainer:
+    with Trainer(config, progress=False, group=group) as trainer:
         for _ in range(steps):
             losses.append(float(trainer.step()["loss"]))
         val = float(trainer.evaluate())
@@ -311,7 +313,7 @@ def check_training(report: SmokeReport, config: Any, steps: int) -> None:
 
 def run_group_checks(report: SmokeReport, group: Any, config: Any, opts: SmokeOptions) -> str | None:
     """Checks on the live group; returns the name of the check that broke the group, or None."""
-    from ray_moe.group import WorkerFailure
+    from ray_moe.driver.group import WorkerFailure
 
     steps: list[tuple[str, Callable[[], None]]] = [
         ("layer_parity", lambda: check_layer_parity(report, group, config)),
@@ -369,26 +371,27 @@ def run_smoke(opts: SmokeOptions) -> SmokeReport:
         try:
             report.info["transport"] = group.transport_name
             broken = run_group_checks(report, group, config, opts)
+            if broken:
+                skip_rest(report, GROUP_CHECKS[GROUP_CHECKS.index(broken) + 1:],
+                          f"skipped: the group failed in {broken}")
+            elif opts.steps > 0:
+                run_training(report, config, opts.steps, group)
+            else:
+                skip_rest(report, ("training",), "skipped: --steps 0")
         finally:
             group.close()
-        if broken:
-            skip_rest(report, GROUP_CHECKS[GROUP_CHECKS.index(broken) + 1:], f"skipped: the group failed in {broken}")
-        elif opts.steps > 0:
-            run_training(report, config, opts.steps)
-        else:
-            skip_rest(report, ("training",), "skipped: --steps 0")
         return report
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
         ray.shutdown()
 
 
-def run_training(report: SmokeReport, config: Any, steps: int) -> None:
-    from ray_moe.group import GroupError
-    from ray_moe.trainer import TrainingError
+def run_training(report: SmokeReport, config: Any, steps: int, group: Any) -> None:
+    from ray_moe.driver.group import GroupError
+    from ray_moe.driver.trainer import TrainingError
 
     try:
-        check_training(report, config, steps)
+        check_training(report, config, steps, group)
     except (GroupError, TrainingError) as exc:
         report.add("training", FAIL, detail=f"{type(exc).__name__}: {condense_error(str(exc))}",
                    data={"error": str(exc)})

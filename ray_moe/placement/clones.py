@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ray_moe.placement import Placement, Replica
+from ray_moe.placement.placement import Placement, Replica
 
 
 def _moves(placement: Placement) -> list[tuple[int, Replica]]:

@@ -19,8 +19,28 @@ import torch
 
 @dataclass(frozen=True)
 class Replica:
+    """One physical copy of a logical expert: slot ``slot`` of rank ``rank``."""
+
     rank: int
     slot: int
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """Marks a parameter as sharded by expert (expert parallel), set by the layer that owns it.
+
+    Dim 0 of the parameter indexes the rank's slots; slots ``[0, len(native_experts))`` hold the
+    rank's native experts (the logical ids listed, which it owns: weights, gradients, optimizer
+    state), the remaining slots hold clones (copies, never checkpointed or stepped on their own).
+    Everything without this mark is replicated (data parallel).
+    """
+
+    native_experts: tuple[int, ...]
+
+
+def expert_shard(param: torch.Tensor) -> ExpertShard | None:
+    """The :class:`ExpertShard` of a parameter, or None for a replicated one."""
+    return getattr(param, "expert_shard", None)
 
 
 @dataclass

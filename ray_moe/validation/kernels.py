@@ -1,13 +1,15 @@
 """Random problems and comparisons shared by the CPU (interpreter) and GPU kernel tests.
 
 ``random_case`` draws fresh inputs with a named slot pattern; ``check_expert_ffn`` runs the
-Triton path and the exact ``loop`` path of :func:`ray_moe.experts.expert_ffn` (in float64 on the
+Triton path and the exact ``loop`` path of :func:`ray_moe.model.experts.expert_ffn` (in float64 on the
 CPU, from the same values) and returns the relative error of the output and of each gradient.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ray_moe.validation.errors import rel_err
 
 PATTERNS = ("random", "all_one_expert", "sparse")
 
@@ -47,22 +49,12 @@ def random_case(
     }
 
 
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| in float64 (0 when both are 0; inf on NaN)."""
-    a64, b64 = a.double().cpu(), b.double().cpu()
-    if not torch.isfinite(a64).all():
-        return float("inf")
-    den = b64.norm().item()
-    num = (a64 - b64).norm().item()
-    return num / den if den > 0 else num
-
-
 def check_expert_ffn(case: dict[str, torch.Tensor], seed: int = 1, plan=None) -> dict[str, float]:
     """Relative errors of the triton path vs the float64 loop reference: out, x, weight, w13, w2;
     plus ``empty_slot_grad``: max |dW| over slots with no valid pair (must be exactly 0).
     ``plan``: a :class:`ray_moe.kernels.grouped_swiglu.KernelPlan` (None → the default)."""
-    from ray_moe.experts import expert_ffn
     from ray_moe.kernels.expert_ffn import expert_ffn_triton
+    from ray_moe.model.experts import expert_ffn
 
     names = ("x", "weight", "w13", "w2")
     leaves = {n: case[n].detach().clone().requires_grad_() for n in names}
@@ -76,8 +68,8 @@ def check_expert_ffn(case: dict[str, torch.Tensor], seed: int = 1, plan=None) ->
     ref = expert_ffn(ref_leaves["x"], slot_cpu, ref_leaves["weight"], ref_leaves["w13"], ref_leaves["w2"], impl="loop")
     ref_grads = torch.autograd.grad(ref, [ref_leaves[n] for n in names], grad_out.double().cpu())
 
-    result = {"out": relative_error(out, ref)}
-    result.update({f"d{n}": relative_error(a, b) for n, a, b in zip(names, grads, ref_grads)})
+    result = {"out": rel_err(out, ref)}
+    result.update({f"d{n}": rel_err(a, b) for n, a, b in zip(names, grads, ref_grads)})
     S = case["w13"].shape[0]
     used = torch.zeros(S, dtype=torch.bool)
     valid = slot_cpu[(slot_cpu >= 0) & (slot_cpu < S)]
@@ -110,4 +102,4 @@ def check_router_logits(logits_fn, T: int, H: int, E: int, device: str | torch.d
     rx, rw = torch.autograd.grad(want, (xr, wr), go.double())
     if dx.dtype != torch.bfloat16:
         raise AssertionError(f"dx must be bf16 like x, got {dx.dtype}")
-    return {"logits": relative_error(got, want), "dx": relative_error(dx, rx), "dw": relative_error(dw, rw)}
+    return {"logits": rel_err(got, want), "dx": rel_err(dx, rx), "dw": rel_err(dw, rw)}

@@ -2,71 +2,35 @@
 
 Each rank builds the same global problem from a seed (tokens of every rank, router, all E
 experts), runs the expert-parallel layer on its own tokens, runs the oracle
-(:func:`ray_moe.experts.reference_moe`) on all tokens, and reports relative errors of its slice
+(:func:`ray_moe.model.experts.reference_moe`) on all tokens, and reports relative errors of its slice
 of the output and of every gradient. Used by the tests, the GPU tests and the cluster smoke test.
 
-Routing cases force the edge cases through the router itself (a large constant feature times
-a large router column): ``random``, ``one_expert`` (every token's top-1 is expert 0),
-``empty_rank`` (no token picks the last rank's experts), ``empty_expert`` (no token picks
-expert 1).
+Routing cases (:class:`~ray_moe.validation.cases.Case`) force the edge cases through the router
+itself (a large constant feature times a large router column).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ray_moe.experts import reference_moe
-from ray_moe.moe import DTYPES, MoELayer
-from ray_moe.placement import Placement
-
-ROUTINGS = ("random", "one_expert", "empty_rank", "empty_expert")
-
-
-@dataclass
-class LayerCase:
-    num_experts: int = 8
-    top_k: int = 2
-    d_model: int = 32
-    expert_hidden: int = 48
-    tokens_per_rank: list[int] = field(default_factory=lambda: [16])  # cycled over ranks
-    routing: str = "random"
-    seed: int = 0
-    dtype: str = "float32"
-    expert_impl: str = "auto"
-    placement: dict | None = None  # Placement.to_dict(); None = native
-
-    def tokens(self, rank: int) -> int:
-        return self.tokens_per_rank[rank % len(self.tokens_per_rank)]
+from ray_moe.config import torch_dtype
+from ray_moe.model.experts import reference_moe
+from ray_moe.model.moe import MoELayer
+from ray_moe.placement.clones import reduce_clone_grads
+from ray_moe.placement.placement import Placement
+from ray_moe.validation.cases import Case
+from ray_moe.validation.errors import rel_err
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
-    """‖a − b‖ / max(‖b‖, floor) in float64; 0 when both are exactly zero, inf when only b is
-    (or when the shapes differ, or a holds a NaN or inf).
-
-    ``floor`` is for gradients that are zero in exact arithmetic (the router's with top-1:
-    renormalised weights are identically 1), where ‖b‖ is round-off.
-    """
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    if a.shape != b.shape or not torch.isfinite(a).all():
-        return math.inf
-    nb = max(b.norm().item(), floor)
-    diff = (a - b).norm().item()
-    if nb == 0.0:
-        return 0.0 if diff == 0.0 else math.inf
-    return diff / nb
-
-
-def make_problem(case: LayerCase, world_size: int) -> dict[str, Any]:
-    """The global problem every rank builds identically (float32, CPU)."""
-    if case.routing not in ROUTINGS:
-        raise ValueError(f"routing {case.routing!r} is not one of {', '.join(ROUTINGS)}")
+def make_problem(case: Case, world_size: int) -> dict[str, Any]:
+    """The global problem every rank builds identically (float32, CPU): tokens x [T_all, H],
+    router [H, E], experts w13 [E, H, 2I] / w2 [E, I, H], grad_out [T_all, H], counts per rank."""
     g = torch.Generator().manual_seed(case.seed)
-    E, H, I = case.num_experts, case.d_model, case.expert_hidden
+    E, H, I = case.num_experts, case.hidden, case.expert_hidden
     counts = [case.tokens(r) for r in range(world_size)]
     x = torch.randn(sum(counts), H, generator=g)
     router = torch.randn(H, E, generator=g) / math.sqrt(H)
@@ -86,12 +50,12 @@ def make_problem(case: LayerCase, world_size: int) -> dict[str, Any]:
     return {"x": x, "router": router, "w13": w13, "w2": w2, "grad_out": grad_out, "counts": counts}
 
 
-def layer_parity(worker: Any, case: LayerCase | dict) -> dict[str, float]:
-    """Run on every rank: EP layer vs oracle. Returns {name: relative error} for this rank."""
-    if isinstance(case, dict):
-        case = LayerCase(**case)
+def layer_parity(worker: Any, case: Case) -> dict[str, float]:
+    """Run on every rank of a group (``group.execute(layer_parity, case)``): the EP layer over
+    the worker's transport vs the oracle. Returns {name: relative error} for this rank."""
     rank, W = worker.rank_info.rank, worker.rank_info.world_size
-    device, dtype = worker.device, DTYPES[case.dtype]
+    device, dtype = worker.device, torch_dtype(case.dtype)
+    worker.transport.reserve(case.buffer_spec())
     P = make_problem(case, W)
     start = sum(P["counts"][:rank])
     mine = slice(start, start + P["counts"][rank])
@@ -111,7 +75,7 @@ def layer_parity(worker: Any, case: LayerCase | dict) -> dict[str, float]:
         else Placement.native(case.num_experts, W)
     )
     layer = MoELayer(
-        case.d_model, case.num_experts, case.top_k, case.expert_hidden, worker.transport,
+        case.hidden, case.num_experts, case.top_k, case.expert_hidden, worker.transport,
         placement, dtype=dtype, expert_impl=case.expert_impl, device=device,
     )
     with torch.no_grad():
@@ -122,8 +86,6 @@ def layer_parity(worker: Any, case: LayerCase | dict) -> dict[str, float]:
     x = P["x"][mine].to(device=device, dtype=dtype).requires_grad_()
     out, _ = layer(x)
     (out.float() * P["grad_out"][mine].to(device)).sum().backward()
-
-    from ray_moe.clones import reduce_clone_grads
 
     reduce_clone_grads(layer, placement)
     router_grad = layer.router.grad.detach().clone()
@@ -149,7 +111,3 @@ def layer_parity(worker: Any, case: LayerCase | dict) -> dict[str, float]:
         if not routed[e] and (layer.w13.grad[i].abs().sum() != 0 or layer.w2.grad[i].abs().sum() != 0):
             errors["unrouted_expert_grad"] = math.inf
     return errors
-
-
-def case_dict(**kwargs: Any) -> dict:
-    return asdict(LayerCase(**kwargs))

@@ -11,49 +11,25 @@ computed from the global routing. Transport-agnostic: torch/gloo, torch/NCCL and
   first one's outputs are checked *after* the second: buffer reuse must not corrupt them.
 - :func:`check_combine`: per-token sums of the partial rows, and the backward of combine.
 
-Routings (``CommCase.routing``): ``random``, ``empty_rank`` (no token goes to the last rank),
-``empty_expert`` (no token picks expert 1), ``one_expert`` (every token's first choice is
-expert 0). Edge cases come from the other fields: ``top_k=1``, ``tokens_per_rank=[1]``,
-``tokens_per_rank=[0, 5]`` (a source with no tokens).
+Routings and edge cases: :class:`~ray_moe.validation.cases.Case` and ``EDGE_CASES``; here the
+routing is forced through the destinations directly (no router).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-from ray_moe.moe import DTYPES
-from ray_moe.validate import rel_err
-
-ROUTINGS = ("random", "empty_rank", "empty_expert", "one_expert")
-
-
-@dataclass
-class CommCase:
-    num_experts: int = 8
-    top_k: int = 2
-    hidden: int | None = None  # None: the worker's model.d_model
-    tokens_per_rank: list[int] = field(default_factory=lambda: [16])  # cycled over ranks
-    routing: str = "random"
-    seed: int = 0
-    dtype: str = "float32"
-
-    def tokens(self, rank: int) -> int:
-        return self.tokens_per_rank[rank % len(self.tokens_per_rank)]
+from ray_moe.config import torch_dtype
+from ray_moe.validation.cases import EDGE_CASES, Case
+from ray_moe.validation.errors import rel_err
 
 
-def comm_case(**kwargs: Any) -> dict:
-    return asdict(CommCase(**kwargs))
-
-
-def make_routing(case: CommCase, world_size: int, hidden: int) -> list[dict[str, torch.Tensor]]:
+def make_routing(case: Case, world_size: int) -> list[dict[str, torch.Tensor]]:
     """Per rank: x float32 [T, H], weight float32 [T, K] (distinct, positive), dest_rank and
     dest_slot int32 [T, K] (K distinct experts per token; expert e on rank e // (E/W), slot e % (E/W))."""
-    if case.routing not in ROUTINGS:
-        raise ValueError(f"routing {case.routing!r} is not one of {', '.join(ROUTINGS)}")
-    E, K, W = case.num_experts, case.top_k, world_size
+    E, K, W, hidden = case.num_experts, case.top_k, world_size, case.hidden
     if E % W:
         raise ValueError(f"num_experts={E} is not divisible by world_size={W}")
     n = E // W
@@ -105,13 +81,11 @@ def _canonical(x: torch.Tensor, slot: torch.Tensor, w: torch.Tensor):
     return x[order], slot[order], w[order], valid
 
 
-def _setup(worker: Any, case: CommCase | dict):
-    if isinstance(case, dict):
-        case = CommCase(**case)
+def _setup(worker: Any, case: Case):
     rank, W = worker.rank_info.rank, worker.rank_info.world_size
-    hidden = case.hidden or worker.config.model.d_model
-    routing = make_routing(case, W, hidden)
-    return case, rank, W, routing, worker.device, DTYPES[case.dtype]
+    worker.transport.reserve(case.buffer_spec())
+    routing = make_routing(case, W)
+    return case, rank, W, routing, worker.device, torch_dtype(case.dtype)
 
 
 def _to(t: torch.Tensor, device, dtype=None) -> torch.Tensor:
@@ -127,7 +101,7 @@ def _sync_check(transport: Any) -> None:
         transport.check()
 
 
-def check_dispatch(worker: Any, case: CommCase | dict) -> dict[str, Any]:
+def check_dispatch(worker: Any, case: Case) -> dict[str, Any]:
     """Run on every rank. Returns {'errors': {name: rel. error}, 'rows': rows received, ...}."""
     case, me, W, routing, dev, dtype = _setup(worker, case)
     tr = worker.transport
@@ -136,8 +110,7 @@ def check_dispatch(worker: Any, case: CommCase | dict) -> dict[str, Any]:
     args = (x, _to(local["weight"], dev), _to(local["dest_rank"], dev), _to(local["dest_slot"], dev))
     recv_x, recv_slot, recv_w, layout = tr.dispatch_forward(*args)
     # a second dispatch through the same buffers, with another routing, before any check
-    case2 = CommCase(**{**asdict(case), "seed": case.seed + 1000})
-    routing2 = make_routing(case2, W, x.shape[1])
+    routing2 = make_routing(case.but(seed=case.seed + 1000), W)
     l2 = routing2[me]
     out2 = tr.dispatch_forward(_to(l2["x"], dev, dtype), _to(l2["weight"], dev),
                                _to(l2["dest_rank"], dev), _to(l2["dest_slot"], dev))
@@ -175,7 +148,7 @@ def check_dispatch(worker: Any, case: CommCase | dict) -> dict[str, Any]:
     return {"errors": errors, "rows": int((recv_slot >= 0).any(1).sum().item()), "R": int(recv_x.shape[0])}
 
 
-def check_combine(worker: Any, case: CommCase | dict) -> dict[str, Any]:
+def check_combine(worker: Any, case: Case) -> dict[str, Any]:
     """Run on every rank: combine of partial rows (received rows scaled by the expert rank's
     power of two) and its backward (output grads scaled by 3 sent back to every row)."""
     case, me, W, routing, dev, dtype = _setup(worker, case)
@@ -204,25 +177,12 @@ def check_combine(worker: Any, case: CommCase | dict) -> dict[str, Any]:
     return {"errors": errors}
 
 
-EDGE_CASES: tuple[dict, ...] = (
-    dict(routing="random"),
-    dict(routing="empty_rank"),
-    dict(routing="empty_expert"),
-    dict(routing="one_expert"),
-    dict(routing="one_expert", top_k=1),
-    dict(top_k=1),
-    dict(tokens_per_rank=[1]),
-    dict(tokens_per_rank=[0, 5]),
-    dict(tokens_per_rank=[1, 40], top_k=4),
-)
-
-
-def run_all(group: Any, base: dict | None = None, tol: float | None = None) -> list[str]:
+def run_all(group: Any, base: Case | None = None, tol: float | None = None) -> list[str]:
     """Every edge case through check_dispatch and check_combine on a group; returns failures."""
     failures = []
     for extra in EDGE_CASES:
-        case = comm_case(**{**(base or {}), **extra})
-        t = tol if tol is not None else (1e-6 if case["dtype"] == "float32" else 1e-2)
+        case = (base or Case()).but(**extra)
+        t = tol if tol is not None else (1e-6 if case.dtype == "float32" else 1e-2)
         for fn in (check_dispatch, check_combine):
             for rank, res in enumerate(group.execute(fn, case, timeout=300)):
                 bad = {k: v for k, v in res["errors"].items() if not v <= t}

@@ -1,9 +1,13 @@
 """EPWorker: the Ray actor that owns one GPU (or a CPU slot) of an expert-parallel group.
 
-Life cycle, driven by :class:`ray_moe.group.WorkerGroup`:
+Life cycle, driven by :class:`ray_moe.driver.group.WorkerGroup`:
 ``info()`` → (ranks assigned by the driver) → rank 0: ``bootstrap_address()`` → all:
-``setup(config, rank_info, address)`` (torch.distributed) → ``init_transport(bootstrap_id)``
-→ work (``execute``, training methods) → ``close()``.
+``setup(config, rank_info, address)`` (torch.distributed) → rank 0: ``transport_bootstrap_id()``
+→ all: ``init_transport(bootstrap_id)`` → ``build_engine(config)`` → training calls (``step``,
+``evaluate``, ``set_placements``, ``save_shard``, ``load_checkpoint``, ...) → ``close()``.
+
+The driver calls these methods by reference (``group.call(EPWorker.step, ...)``), never by name:
+a method that does not exist fails on the driver, before anything is sent.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from ray_moe.comm import make_transport, transport_bootstrap_id
 from ray_moe.comm.base import Transport
 from ray_moe.config import Config
 from ray_moe.topology import RankInfo, WorkerInfo
+from ray_moe.worker.engine import Engine, ModelReport, buffer_spec
 
 
 class EPWorker:
@@ -30,10 +35,11 @@ class EPWorker:
         self.rank_info: RankInfo | None = None
         self.device = torch.device("cpu")
         self.transport: Transport | None = None
-        self.engine: Any = None  # ray_moe.engine.Engine once training is set up
+        self._engine: Engine | None = None
 
     # ------------------------------------------------------------------ bootstrap
     def info(self) -> WorkerInfo:
+        """Where this actor runs (node, IP, host, pid, GPUs), before it has a rank."""
         import ray
 
         ctx = ray.get_runtime_context()
@@ -57,6 +63,7 @@ class EPWorker:
         return f"tcp://{ip}:{port}"
 
     def setup(self, config: dict, rank_info: RankInfo, init_method: str, use_gpu: bool) -> int:
+        """Join torch.distributed as ``rank_info.rank`` of ``rank_info.world_size``; returns the rank."""
         self.config = Config.from_plain(config)
         self.rank_info = rank_info
         torch.set_num_threads(max(1, int(self.config.parallel.cpu_per_worker)))
@@ -85,55 +92,88 @@ class EPWorker:
         return transport_bootstrap_id(name, self.device)
 
     def init_transport(self, name: str, bootstrap_id: bytes | None) -> str:
-        assert self.config is not None and self.rank_info is not None
-        self.transport = make_transport(name, self.config, self.rank_info, self.device, bootstrap_id)
+        """Build transport ``name`` (collective), its buffers sized for the group's config."""
+        config, rank_info = self._setup_done()
+        spec = buffer_spec(config, rank_info.world_size)
+        self.transport = make_transport(name, rank_info, self.device, spec, bootstrap_id,
+                                        force_remote_path=config.parallel.force_remote_path)
         return self.transport.name
 
-    # ------------------------------------------------------------------ work
+    # ------------------------------------------------------------------ generic
     def execute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn(worker, *args, **kwargs)`` here (tests, validators, smoke checks)."""
         return fn(self, *args, **kwargs)
 
     def ping(self) -> int:
+        """This rank (-1 before setup): the health check."""
         return -1 if self.rank_info is None else self.rank_info.rank
 
-    def call_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        if self.engine is None:
-            raise RuntimeError("the training engine is not built yet; call build_engine first")
-        return getattr(self.engine, method)(*args, **kwargs)
+    # ------------------------------------------------------------------ training
+    def build_engine(self, config: dict | None = None) -> ModelReport:
+        """Build the model shard, optimizer and data for ``config`` (default: the group's), growing
+        the transport's buffers if this config needs more (collective). Returns what was built."""
+        group_config, rank_info = self._setup_done()
+        if self.transport is None:
+            raise RuntimeError("the transport is not initialised; call init_transport first")
+        cfg = Config.from_plain(config) if config is not None else group_config
+        self._engine = None  # free the previous engine's memory before building the next one
+        self._engine = Engine(cfg, rank_info, self.transport, self.device)
+        return self._engine.describe()
 
-    def call_engine_step(self, poison: bool = False) -> dict:
-        """One training step (``poison`` injects a NaN into this rank's loss, for tests)."""
-        if self.engine is None:
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
             raise RuntimeError("the training engine is not built yet; call build_engine first")
+        return self._engine
+
+    def step(self, poison: bool = False) -> dict[str, Any]:
+        """One training step; returns this rank's metrics (loss, times, expert loads, ...).
+        ``poison`` makes this rank's loss NaN (fault injection for tests and smoke checks)."""
         return self.engine.train_step(poison=poison)
 
-    def build_engine(self) -> dict:
-        from ray_moe.engine import Engine
+    def evaluate(self, batches: int | None = None) -> float:
+        """Mean validation loss over ``batches`` fixed global batches (the same on every rank)."""
+        return self.engine.evaluate(batches)
 
-        assert self.config is not None and self.rank_info is not None and self.transport is not None
-        self.engine = Engine(self.config, self.rank_info, self.transport, self.device)
-        return self.engine.describe()
+    def set_placements(self, placements: list[dict | None]) -> int:
+        """New placement per MoE layer (None keeps a layer's); returns clone bytes received."""
+        return self.engine.set_placements(placements)
 
-    def save_shard(self, staging: str) -> dict:
-        """Write this rank's checkpoint file into the staging directory; returns its entry."""
+    def placements(self) -> list[dict]:
+        """The current placement of every MoE layer."""
+        return self.engine.placements()
+
+    def counters(self) -> dict[str, int]:
+        """Steps taken, optimizer steps applied, steps skipped."""
+        return self.engine.counters()
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_shard(self, staging: str) -> dict[str, Any]:
+        """Write this rank's checkpoint file into the staging directory; returns its meta entry."""
         from ray_moe.checkpoint import write_shard
 
-        assert self.engine is not None and self.rank_info is not None
-        return write_shard(staging, self.rank_info.rank, self.engine.shard_state())
+        _, rank_info = self._setup_done()
+        return write_shard(staging, rank_info.rank, self.engine.shard_state())
 
     def load_checkpoint(self, path: str) -> int:
         """Check and load a checkpoint (any world size) into this rank's shard; returns its step."""
         from ray_moe.checkpoint import load_tensors, read_meta
 
-        assert self.engine is not None
         meta = read_meta(path)
         self.engine.load_state(load_tensors(path, meta), meta["step"], meta["opt_steps"])
         return meta["step"]
 
+    # ------------------------------------------------------------------ teardown
     def close(self) -> None:
+        """Release the engine, the transport and the process group. Idempotent."""
+        self._engine = None
         if self.transport is not None:
             self.transport.close()
             self.transport = None
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def _setup_done(self) -> tuple[Config, RankInfo]:
+        if self.config is None or self.rank_info is None:
+            raise RuntimeError("the worker is not set up; call setup first")
+        return self.config, self.rank_info

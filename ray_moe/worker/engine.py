@@ -13,20 +13,60 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ray_moe.clones import push_clone_weights, reduce_clone_grads
-from ray_moe.comm.base import Transport
-from ray_moe.config import Config
-from ray_moe.data import Corpus
+from ray_moe import checkpoint
+from ray_moe.comm.base import BufferSpec, Transport
+from ray_moe.config import Config, element_size
 from ray_moe.device import synchronize
-from ray_moe.model import MoETransformer, is_sharded
-from ray_moe.placement import Placement
+from ray_moe.model.transformer import MoETransformer
+from ray_moe.placement.clones import push_clone_weights, reduce_clone_grads
+from ray_moe.placement.placement import Placement, expert_shard
 from ray_moe.topology import RankInfo
+from ray_moe.worker.data import Corpus
+
+
+def buffer_spec(config: Config, world_size: int) -> BufferSpec:
+    """What the transport must hold for training with ``config`` on ``world_size`` ranks: each
+    rank passes ``ceil(train.batch_size / W) * model.seq_len`` token rows of ``model.d_model``
+    elements to one dispatch."""
+    m = config.model
+    return BufferSpec(
+        max_tokens=max(1, -(-config.train.batch_size // world_size)) * m.seq_len,
+        hidden=m.d_model,
+        elem_bytes=element_size(m.dtype),
+        max_top_k=config.moe.top_k,
+    )
+
+
+@dataclass(frozen=True)
+class ModelReport:
+    """What a worker tells the driver about the model it built (the driver recomputes none of it).
+
+    moe_layers: block indices of the MoE layers; native_placement: ``Placement.to_dict()`` of a
+    layer's starting placement (the same for every layer); expert_bytes: bytes of one expert's
+    weights (what a clone copies).
+    """
+
+    rank: int
+    device: str
+    transport: str
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    native_placement: dict
+    expert_bytes: int
+    replicated_params: int
+    expert_params_local: int
+    corpus_train_bytes: int
+    corpus_files: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 class Engine:
@@ -35,12 +75,10 @@ class Engine:
         self.rank, self.world_size = rank_info.rank, rank_info.world_size
         self.distributed = self.world_size > 1 and dist.is_initialized()
         self.corpus = Corpus.load(config.data, min_bytes=config.model.seq_len + 2)
-        self.placement = Placement.native(
-            config.moe.num_experts, self.world_size, config.balance.clone_slots
-        )
-        self.model = MoETransformer(config, transport, self.placement, device)
-        self.sharded = [p for n, p in self.model.named_parameters() if is_sharded(n)]
-        self.replicated = [p for n, p in self.model.named_parameters() if not is_sharded(n)]
+        transport.reserve(buffer_spec(config, self.world_size))
+        self.model = MoETransformer(config, transport, device)
+        self.sharded = [p for p in self.model.parameters() if expert_shard(p) is not None]
+        self.replicated = [p for p in self.model.parameters() if expert_shard(p) is None]
         t = config.train
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95),
@@ -51,14 +89,21 @@ class Engine:
         self.opt_steps = 0  # optimizer updates applied (Adam's bias-correction counter)
         self.skipped = 0
 
-    def describe(self) -> dict[str, Any]:
-        n_rep = sum(p.numel() for p in self.replicated)
-        n_exp = sum(p.numel() for p in self.sharded)
-        return {
-            "rank": self.rank, "device": str(self.device), "transport": self.transport.name,
-            "replicated_params": n_rep, "expert_params_local": n_exp,
-            "corpus_train_bytes": len(self.corpus.train), "corpus_files": self.corpus.files,
-        }
+    def describe(self) -> ModelReport:
+        layers = self.model.moe_layers()
+        first = layers[0] if layers else None
+        return ModelReport(
+            rank=self.rank, device=str(self.device), transport=self.transport.name,
+            moe_layers=tuple(layer.layer_idx for layer in layers),
+            num_experts=first.num_experts if first else 0,
+            native_placement=(Placement.native(first.num_experts, self.world_size, first.placement.clone_slots)
+                              .to_dict() if first else {}),
+            expert_bytes=(first.w13[0].numel() * first.w13.element_size()
+                          + first.w2[0].numel() * first.w2.element_size()) if first else 0,
+            replicated_params=sum(p.numel() for p in self.replicated),
+            expert_params_local=sum(p.numel() for p in self.sharded),
+            corpus_train_bytes=len(self.corpus.train), corpus_files=self.corpus.files,
+        )
 
     # ------------------------------------------------------------------ helpers
     def lr_at(self, step: int) -> float:
@@ -212,75 +257,24 @@ class Engine:
                 layer.set_placement(Placement.from_dict(p))
         return self.push_clones()
 
+    def placements(self) -> list[dict]:
+        """The current placement of every MoE layer (``Placement.to_dict()``), for checkpoints."""
+        return [layer.placement.to_dict() for layer in self.model.moe_layers()]
+
     def placement_versions(self) -> list[int]:
         return [layer.placement.version for layer in self.model.moe_layers()]
 
     # ------------------------------------------------------------------ checkpoints
     def shard_state(self) -> dict[str, torch.Tensor]:
-        """This rank's part of a checkpoint as flat named CPU tensors.
-
-        Replicated parameters (and their optimizer state) come from rank 0 only; experts are keyed
-        by logical expert id (``blocks.{i}.ffn.experts.{e}.w13``) so any world size can load them.
-        """
-        out: dict[str, torch.Tensor] = {}
-        names = dict(self.model.named_parameters())
-        for name, p in names.items():
-            state = self.optimizer.state.get(p, {})
-            if is_sharded(name):
-                layer_prefix, kind = name.rsplit(".", 1)
-                layer = self.model.get_submodule(layer_prefix)
-                for slot, e in enumerate(layer.native_experts):
-                    key = f"{layer_prefix}.experts.{e}.{kind}"
-                    out[key] = p.detach()[slot].cpu().clone()
-                    for s in ("exp_avg", "exp_avg_sq"):
-                        if s in state:
-                            out[f"optim.{key}.{s}"] = state[s][slot].cpu().clone()
-            elif self.rank == 0:
-                out[name] = p.detach().cpu().clone()
-                for s in ("exp_avg", "exp_avg_sq"):
-                    if s in state:
-                        out[f"optim.{name}.{s}"] = state[s].cpu().clone()
-        out[f"rng.rank{self.rank}.cpu"] = torch.get_rng_state()
-        if self.device.type == "cuda":
-            out[f"rng.rank{self.rank}.cuda"] = torch.cuda.get_rng_state(self.device)
-        return out
+        """This rank's part of a checkpoint (schema: :mod:`ray_moe.checkpoint`)."""
+        return checkpoint.shard_state(self.model.named_parameters(), self.optimizer.state, self.rank, self.device)
 
     def load_state(self, tensors: dict[str, torch.Tensor], step: int, opt_steps: int) -> None:
-        """Load a full checkpoint (all ranks' tensors merged) into this rank's shard."""
-        for layer in self.model.moe_layers():  # checkpoints hold native experts only
-            layer.set_placement(self.placement)
-        names = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name, p in names.items():
-                has_optim = opt_steps > 0
-                state: dict[str, torch.Tensor] = {}
-                if is_sharded(name):
-                    layer_prefix, kind = name.rsplit(".", 1)
-                    layer = self.model.get_submodule(layer_prefix)
-                    for slot, e in enumerate(layer.native_experts):
-                        key = f"{layer_prefix}.experts.{e}.{kind}"
-                        p[slot].copy_(_need(tensors, key))
-                        if has_optim:
-                            for s in ("exp_avg", "exp_avg_sq"):
-                                state.setdefault(s, torch.zeros_like(p))[slot].copy_(_need(tensors, f"optim.{key}.{s}"))
-                else:
-                    p.copy_(_need(tensors, name))
-                    if has_optim:
-                        for s in ("exp_avg", "exp_avg_sq"):
-                            state[s] = _need(tensors, f"optim.{name}.{s}").to(p.device, p.dtype).clone()
-                if has_optim:
-                    state["step"] = torch.tensor(float(opt_steps))
-                    self.optimizer.state[p] = state
+        """Load a full checkpoint (all ranks' tensors merged) into this rank's shard; every layer
+        goes back to its native placement (checkpoints hold native experts only)."""
+        for layer in self.model.moe_layers():
+            layer.set_placement(Placement.native(layer.num_experts, self.world_size, layer.placement.clone_slots))
+        checkpoint.load_shard_state(self.model.named_parameters(), self.optimizer.state, tensors, opt_steps,
+                                    self.rank, self.device)
         self.step, self.opt_steps = step, opt_steps
-        # RNG streams are per rank: restored when this rank existed in the saved run.
-        if f"rng.rank{self.rank}.cpu" in tensors:
-            torch.set_rng_state(tensors[f"rng.rank{self.rank}.cpu"])
-        if self.device.type == "cuda" and f"rng.rank{self.rank}.cuda" in tensors:
-            torch.cuda.set_rng_state(tensors[f"rng.rank{self.rank}.cuda"], self.device)
         self.push_clones()
-
-
-def _need(tensors: dict[str, torch.Tensor], key: str) -> torch.Tensor:
-    if key not in tensors:
-        raise KeyError(f"checkpoint has no tensor {key!r}")
-    return tensors[key]

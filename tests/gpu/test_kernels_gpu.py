@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ray_moe.kernels.checks import check_expert_ffn, random_case, relative_error
+from ray_moe.validation import rel_err
+from ray_moe.validation.kernels import check_expert_ffn, random_case
 
 pytestmark = pytest.mark.gpu
 
@@ -59,7 +60,12 @@ def test_expert_ffn_bf16_both_dact_variants(fused_dact):
 
 
 def test_pair_layout_and_topk_match_references():
-    from ray_moe.kernels.routing import pair_layout, pair_layout_reference, topk_softmax, topk_softmax_reference
+    from ray_moe.kernels.routing import (
+        pair_layout,
+        pair_layout_reference,
+        topk_softmax,
+        topk_softmax_reference,
+    )
 
     for seed, (R, K, S) in enumerate([(32768, 8, 64), (1000, 3, 7), (1, 1, 1), (5000, 2, 300)]):
         case = random_case(R, K, S, 8, 8, "random", torch.bfloat16, "cuda", seed)
@@ -71,7 +77,7 @@ def test_pair_layout_and_topk_match_references():
         w, i = topk_softmax(logits, K)
         wr, ir = topk_softmax_reference(logits, K)
         assert torch.equal(i, ir)
-        assert relative_error(w, wr) < 1e-6
+        assert rel_err(w, wr) < 1e-6
         g = torch.randn_like(w)
         (a,) = torch.autograd.grad(w, logits, g)
         (b,) = torch.autograd.grad(wr, logits, g)
@@ -130,8 +136,8 @@ def test_expert_ffn_bf16_grouped_mm_weight_grads(R, K, S, H, I, pattern):
 
 
 def test_chooser_measures_every_candidate_and_its_choice_is_correct():
-    from ray_moe.expert_choice import CANDIDATES, ExpertImplChooser
-    from ray_moe.experts import expert_ffn
+    from ray_moe.model.expert_choice import CANDIDATES, ExpertImplChooser
+    from ray_moe.model.experts import expert_ffn
 
     case = random_case(2048, 4, 8, 1024, 384, "random", torch.bfloat16, "cuda", 9)
     ch = ExpertImplChooser()
@@ -144,13 +150,13 @@ def test_chooser_measures_every_candidate_and_its_choice_is_correct():
                      wgrad=choice.wgrad)
     want = expert_ffn(case["x"].double().cpu(), case["slot"].cpu(), case["weight"].double().cpu(),
                       case["w13"].double().cpu(), case["w2"].double().cpu(), impl="loop")
-    assert relative_error(got, want) <= TOL
+    assert rel_err(got, want) <= TOL
 
 
 def test_router_logits_split_bf16_matches_float32():
     """route()'s router GEMM on CUDA bf16 (two bf16 halves of the float32 weight, tensor cores)."""
-    from ray_moe.experts import router_logits
-    from ray_moe.kernels.checks import check_router_logits
+    from ray_moe.model.experts import router_logits
+    from ray_moe.validation.kernels import check_router_logits
 
     for T, H, E in [(16384, 4096, 64), (7, 200, 6), (0, 64, 8)]:
         errs = check_router_logits(router_logits, T, H, E, "cuda", seed=T)

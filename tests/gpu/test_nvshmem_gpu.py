@@ -1,10 +1,14 @@
 """NVSHMEM transport on real GPUs (run on the GPU machine; skipped without CUDA or nvshmem4py).
 
-Covers: UID bootstrap across Ray actors, the transport validators on W=2 (fp32 and bf16), the
-full layer's parity with the single-process oracle in bf16 (every gradient), the
-``force_remote_path`` variant, CUDA-graph capture and replay of a layer's forward+backward, and
-(with ``RAY_MOE_TWO_NODE_ADDRESS`` pointing at a cluster of two Ray nodes on one host, see
+Covers: UID bootstrap across Ray actors, the kernels' layout against ``layout_reference``, the
+transport validators (fp32 and bf16), the full layer's parity with the single-process oracle in
+bf16 (every gradient), a larger buffer reserved on a live transport, the ``force_remote_path``
+variant, CUDA-graph capture and replay of a layer's forward+backward, and (with
+``RAY_MOE_TWO_NODE_ADDRESS`` pointing at a cluster of two Ray nodes on one host, see
 ``scripts/nvshmem_device.sh``) two Ray nodes treated as two nodes.
+
+The group has two ranks where the machine has two GPUs, else one (one PE: the kernels, the
+layout and the graph capture still run; the peer paths need two).
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import os
 import pytest
 import torch
 
-from ray_moe.validate import rel_err
+from ray_moe.validation import Case, rel_err
+from ray_moe.validation.layer import layer_parity, make_problem
+from ray_moe.validation.transport import run_all
 
 pytestmark = pytest.mark.gpu
 
@@ -30,21 +36,24 @@ PARITY_CASES = [
 ]
 
 
-def _make_group(force_remote: bool = False, address: str | None = None, strategy: str = "PACK"):
+def _make_group(force_remote: bool = False, address: str | None = None, strategy: str = "PACK",
+                min_gpus: int = 1):
     pytest.importorskip("nvshmem.core")
     import ray
 
     from ray_moe.config import Config
-    from ray_moe.group import WorkerGroup, connect
+    from ray_moe.driver.group import WorkerGroup, connect
 
     connect(address)
-    if ray.cluster_resources().get("GPU", 0) < 2:
-        pytest.skip("needs 2 GPUs in the Ray cluster")
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    if gpus < min_gpus:
+        pytest.skip(f"needs {min_gpus} GPUs in the Ray cluster")
+    W = min(2, gpus)
     cfg = Config.from_dict({
         "model": {"d_model": 64, "seq_len": 32, "n_heads": 4},
         "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 96},
-        "train": {"batch_size": 4},  # global: 2 sequences x 32 = 64 tokens per rank
-        "parallel": {"world_size": 2, "device": "cuda", "transport": "nvshmem",
+        "train": {"batch_size": 2 * W},  # 2 sequences x 32 = 64 tokens per rank
+        "parallel": {"world_size": W, "device": "cuda", "transport": "nvshmem",
                      "force_remote_path": force_remote, "placement_strategy": strategy,
                      "startup_timeout_s": 180},
     })
@@ -61,19 +70,16 @@ def group():
 @pytest.fixture(scope="module")
 def remote_group(group):
     group.close()  # one group of two GPUs at a time
-    g = _make_group(force_remote=True)
+    g = _make_group(force_remote=True, min_gpus=2)
     yield g
     g.close()
 
 
 def _check_everything(g, label: str) -> None:
-    from ray_moe.comm.validate import run_all
-    from ray_moe.validate import case_dict, layer_parity
-
-    fails = run_all(g) + run_all(g, base=dict(dtype="bfloat16"))
+    fails = run_all(g, Case(hidden=64)) + run_all(g, Case(hidden=64, dtype="bfloat16"))
     assert not fails, f"{label}: " + "\n".join(fails)
     for extra in PARITY_CASES:
-        case = case_dict(seed=_seed_without_near_ties(extra), dtype="bfloat16", d_model=64, **extra)
+        case = Case(seed=_seed_without_near_ties(extra, g.world_size), dtype="bfloat16", hidden=64, **extra)
         res = g.execute(layer_parity, case, timeout=300)
         for rank, errs in enumerate(res):
             bad = {k: v for k, v in errs.items() if not v <= BF16_TOL}
@@ -81,19 +87,18 @@ def _check_everything(g, label: str) -> None:
     g.execute(lambda w: w.transport.check())
 
 
-def _seed_without_near_ties(extra: dict) -> int:
+def _seed_without_near_ties(extra: dict, world_size: int) -> int:
     """A seed whose top-k is the same on fp32 and bf16-rounded tokens.
 
-    ray_moe.validate.layer_parity routes the fp32 oracle on fp32 tokens while the bf16 layer
-    routes on bf16 tokens; a near tie then picks another expert for that token and the relative
-    error is ~0.1 whatever the transport (seen on the device: seed 5, 1 token of 32).
+    layer_parity routes the fp32 oracle on fp32 tokens while the bf16 layer routes on bf16
+    tokens; a near tie then picks another expert for that token and the relative error is ~0.1
+    whatever the transport (seen on the device: seed 5, 1 token of 32).
     """
-    from ray_moe.experts import route
-    from ray_moe.validate import LayerCase, make_problem
+    from ray_moe.model.router import route
 
     for seed in range(5, 100):
-        case = LayerCase(seed=seed, dtype="bfloat16", d_model=64, **extra)
-        P = make_problem(case, 2)
+        case = Case(seed=seed, dtype="bfloat16", hidden=64, **extra)
+        P = make_problem(case, world_size)
         _, a, _ = route(P["x"], P["router"], case.top_k)
         _, b, _ = route(P["x"].bfloat16(), P["router"], case.top_k)
         if torch.equal(a.sort(1).values, b.sort(1).values):
@@ -103,8 +108,25 @@ def _seed_without_near_ties(extra: dict) -> int:
 
 def test_bootstrap(group):
     desc = group.execute(lambda w: w.transport.describe())
-    assert [d["transport"] for d in desc] == ["nvshmem", "nvshmem"]
+    assert [d["transport"] for d in desc] == ["nvshmem"] * group.world_size
     assert all(d["remote_peers"] == [] for d in desc)
+
+
+def test_kernel_layout_equals_layout_reference(group):
+    """The dispatch kernel's on-device layout (row of each token at each destination, rows per
+    destination) is exactly ``layout_reference``'s, for fresh random routings and edge cases."""
+    res = group.execute(_layout_vs_reference, timeout=300)
+    for rank, bad in enumerate(res):
+        assert not bad, f"rank {rank}: {bad}"
+
+
+def test_reserve_grows_the_buffer_on_a_live_transport(group):
+    """A case wider and longer than the group's config: the transport reserves a new symmetric
+    buffer (collectively) and the validators still pass on it."""
+    fails = run_all(group, Case(hidden=192, tokens_per_rank=(300, 7), dtype="bfloat16"))
+    assert not fails, "\n".join(fails)
+    caps = group.execute(lambda w: (w.transport.buffer.capacity, w.transport.spec.hidden))
+    assert all(c >= 300 and h == 192 for c, h in caps), caps
 
 
 def test_validators_and_layer_parity(group):
@@ -148,11 +170,39 @@ def test_two_ray_nodes_on_one_host():
 
 # --------------------------------------------------------------------------- worker functions
 def _layer(worker, seed: int, idx: int = 0):
-    from ray_moe.moe import MoELayer
-    from ray_moe.placement import Placement
+    from ray_moe.model.moe import MoELayer
 
-    return MoELayer(64, 8, 2, 96, worker.transport, Placement.native(8, 2), layer_idx=idx, seed=seed,
+    return MoELayer(64, 8, 2, 96, worker.transport, layer_idx=idx, seed=seed,
                     dtype=torch.bfloat16, expert_impl="grouped_mm", device=worker.device)
+
+
+def _layout_vs_reference(worker) -> list[str]:
+    from ray_moe.comm.base import BufferSpec
+    from ray_moe.comm.nvshmem_kernels import layout_reference
+
+    tr, dev = worker.transport, worker.device
+    W, me = tr.world_size, tr.rank
+    tr.reserve(BufferSpec(max_tokens=512, hidden=64, elem_bytes=2, max_top_k=8))
+    g = torch.Generator().manual_seed(100 + me)
+    bad = []
+    for T, K, mode in ((512, 8, "random"), (300, 2, "random"), (1, 1, "random"), (0, 2, "random"),
+                       (257, 4, "all_to_last"), (64, 3, "all_to_me")):
+        if mode == "random":
+            dr = torch.randint(0, W, (T, K), generator=g, dtype=torch.int32)
+        else:
+            dr = torch.full((T, K), W - 1 if mode == "all_to_last" else me, dtype=torch.int32)
+        ds = torch.randint(0, 4, (T, K), generator=g, dtype=torch.int32)
+        x = torch.randn(T, 64, generator=g).to(dev, torch.bfloat16)
+        w = torch.rand(T, K, generator=g).to(dev)
+        *_, layout = tr.dispatch_forward(x, w, dr.to(dev), ds.to(dev))
+        pos, counts = layout_reference(dr, W)
+        if not torch.equal(layout.pos.cpu(), pos):
+            bad.append(f"T={T} K={K} {mode}: pos differs in {(layout.pos.cpu() != pos).sum().item()} entries")
+        totals = layout.smeta[..., 2].cpu().max(0).values if T else torch.zeros(W, dtype=torch.int32)
+        if not torch.equal(totals.long(), counts.long()):
+            bad.append(f"T={T} K={K} {mode}: rows per destination {totals.tolist()} != {counts.tolist()}")
+    tr.check()
+    return bad
 
 
 def _stacked_layers(worker) -> dict:

@@ -1,7 +1,8 @@
 """The layer and the training driver on real GPUs (run on the GPU machine; skipped without CUDA).
 
 The NCCL transport (torch all_to_all_single) against the oracle in bf16, and short training
-runs of a bf16 MoE LM with the Triton expert kernels over NCCL and over NVSHMEM.
+runs of a bf16 MoE LM with the Triton expert kernels over NCCL and over NVSHMEM, on two GPUs
+where the machine has them, else one.
 """
 
 from __future__ import annotations
@@ -15,29 +16,33 @@ pytestmark = pytest.mark.gpu
 BF16_TOL = 1e-2
 
 
-def _ray_with_gpus(n: int = 2):
+def _ray_world_size() -> int:
+    """Ranks for these tests: 2 where the Ray cluster has two GPUs, else 1 (skip without any)."""
     import ray
 
-    from ray_moe.group import connect
+    from ray_moe.driver.group import connect
 
     connect()
-    if ray.cluster_resources().get("GPU", 0) < n:
-        pytest.skip(f"needs {n} GPUs in the Ray cluster")
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    if gpus < 1:
+        pytest.skip("needs a GPU in the Ray cluster")
+    return min(2, gpus)
 
 
 @pytest.mark.parametrize("case", [dict(), dict(routing="empty_rank"), dict(routing="one_expert", top_k=1),
                                   dict(tokens_per_rank=[1, 33], top_k=4)])
 def test_nccl_layer_parity_bf16(case):
-    _ray_with_gpus()
+    W = _ray_world_size()
     from ray_moe.config import Config
-    from ray_moe.group import WorkerGroup
-    from ray_moe.validate import case_dict, layer_parity
+    from ray_moe.driver.group import WorkerGroup
+    from ray_moe.validation import Case
+    from ray_moe.validation.layer import layer_parity
 
-    cfg = Config.from_dict({"parallel": {"world_size": 2, "device": "cuda", "transport": "nccl"},
+    cfg = Config.from_dict({"parallel": {"world_size": W, "device": "cuda", "transport": "nccl"},
                             "moe": {"num_experts": 8}})
     with WorkerGroup(cfg) as g:
         for impl in ("triton", "grouped_mm"):
-            res = g.execute(layer_parity, case_dict(seed=3, dtype="bfloat16", d_model=64,
+            res = g.execute(layer_parity, Case(seed=3, dtype="bfloat16", hidden=64,
                                                     expert_hidden=96, expert_impl=impl, **case))
             for rank, errs in enumerate(res):
                 bad = {k: v for k, v in errs.items() if not v <= BF16_TOL}
@@ -46,14 +51,14 @@ def test_nccl_layer_parity_bf16(case):
 
 @pytest.mark.parametrize("transport", ["nccl", "nvshmem"])
 def test_gpu_training_learns(tmp_path, transport):
-    _ray_with_gpus()
+    W = _ray_world_size()
     if transport == "nvshmem":
         pytest.importorskip("nvshmem.core")
     from ray_moe.config import Config
-    from ray_moe.trainer import Trainer
+    from ray_moe.driver.trainer import Trainer
 
     cfg = Config.from_yaml("jobs/gpu_2x.yaml", [
-        f"parallel.transport={transport}", "train.steps=30", "train.eval_interval=0",
+        f"parallel.transport={transport}", f"parallel.world_size={W}", "train.steps=30", "train.eval_interval=0",
         "train.checkpoint_interval=0", "train.plots=false", f"train.run_dir={tmp_path}",
         "model.n_layers=2", "model.d_model=256", "model.n_heads=4", "model.seq_len=256",
         "moe.expert_hidden=256", "train.batch_size=16", "data.max_bytes=2000000",

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from ray_moe.kernels.checks import random_case, relative_error
+from ray_moe.validation.kernels import random_case, rel_err
 
 INTERP_CASES = {
     # name: (R, K, S, H, I, pattern)
@@ -31,7 +31,10 @@ INTERP_CASES = {
 def _reference_expert_ffn(case: dict[str, torch.Tensor]) -> torch.Tensor:
     """expert_ffn built only from the kernels' pure-torch references."""
     from ray_moe.kernels.gather_sum import gather_sum_reference
-    from ray_moe.kernels.grouped_swiglu import down_scaled_reference, gate_up_swiglu_reference
+    from ray_moe.kernels.grouped_swiglu import (
+        down_scaled_reference,
+        gate_up_swiglu_reference,
+    )
     from ray_moe.kernels.routing import pair_layout_reference
 
     K, S = case["slot"].shape[1], case["w13"].shape[0]
@@ -43,21 +46,24 @@ def _reference_expert_ffn(case: dict[str, torch.Tensor]) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", sorted(INTERP_CASES))
 def test_references_compose_to_loop_path(name):
-    from ray_moe.experts import expert_ffn
+    from ray_moe.model.experts import expert_ffn
 
     case = random_case(*INTERP_CASES[name], torch.float64, "cpu", seed=3)
     want = expert_ffn(case["x"], case["slot"], case["weight"].double(), case["w13"], case["w2"], impl="loop")
-    assert relative_error(_reference_expert_ffn(case), want) < 1e-5  # references compute in float32
+    assert rel_err(_reference_expert_ffn(case), want) < 1e-5  # references compute in float32
 
 
 def test_backward_references_match_autograd():
     """swiglu_backward_rows / dgrad_rows / grouped_wgrad references give autograd's gradients."""
-    from ray_moe.experts import expert_ffn
     from ray_moe.kernels.gather_sum import gather_sum_reference
     from ray_moe.kernels.grouped_swiglu import (
-        dgrad_rows_reference, gate_up_swiglu_reference, grouped_wgrad_reference, swiglu_backward_rows_reference,
+        dgrad_rows_reference,
+        gate_up_swiglu_reference,
+        grouped_wgrad_reference,
+        swiglu_backward_rows_reference,
     )
     from ray_moe.kernels.routing import pair_layout_reference
+    from ray_moe.model.experts import expert_ffn
 
     case = random_case(*INTERP_CASES["random"], torch.float64, "cpu", seed=5)
     K, S = case["slot"].shape[1], case["w13"].shape[0]
@@ -76,12 +82,12 @@ def test_backward_references_match_autograd():
     dw13 = grouped_wgrad_reference(case["x"], dh13, layout, K, True, False)
     dw2 = grouped_wgrad_reference(aw, go, layout, K, False, True)
     for got, ref, name in zip((dx, dweight, dw13, dw2), want, ("dx", "dweight", "dw13", "dw2")):
-        assert relative_error(got, ref) < 1e-5, name  # float32 inside the references
+        assert rel_err(got, ref) < 1e-5, name  # float32 inside the references
 
 
 def test_topk_softmax_reference_matches_route():
-    from ray_moe.experts import route
     from ray_moe.kernels.routing import topk_softmax_reference
+    from ray_moe.model.experts import route
 
     x, router_w = torch.randn(50, 16), torch.randn(16, 10)
     w, ids, _ = route(x, router_w, 3)
@@ -107,9 +113,14 @@ def test_pair_layout_reference_is_a_stable_grouping():
 def run_interpreter_checks() -> dict:
     """Runs inside the subprocess (TRITON_INTERPRET=1 set before triton is imported)."""
     from ray_moe.kernels import grouped_swiglu as gs
-    from ray_moe.kernels.checks import check_expert_ffn
     from ray_moe.kernels.gather_sum import gather_sum, gather_sum_reference
-    from ray_moe.kernels.routing import pair_layout, pair_layout_reference, topk_softmax, topk_softmax_reference
+    from ray_moe.kernels.routing import (
+        pair_layout,
+        pair_layout_reference,
+        topk_softmax,
+        topk_softmax_reference,
+    )
+    from ray_moe.validation.kernels import check_expert_ffn
 
     results: dict = {}
     import dataclasses
@@ -133,10 +144,10 @@ def run_interpreter_checks() -> dict:
         y = gs.down_scaled(act, lay, K, case["weight"], case["w2"])
         y_r = gs.down_scaled_reference(act, lay, K, case["weight"], case["w2"])
         results[f"kernels/{name}"] = {
-            "act": relative_error(act[:nv], act_r[:nv]),
-            "h13": relative_error(h13[:nv], h13_r[:nv]),
-            "y": relative_error(y[:nv], y_r[:nv]),
-            "gather_sum": relative_error(gather_sum(y, lay, K), gather_sum_reference(y, lay, K)),
+            "act": rel_err(act[:nv], act_r[:nv]),
+            "h13": rel_err(h13[:nv], h13_r[:nv]),
+            "y": rel_err(y[:nv], y_r[:nv]),
+            "gather_sum": rel_err(gather_sum(y, lay, K), gather_sum_reference(y, lay, K)),
         }
     topk = {}
     for T, E, K in [(9, 6, 1), (9, 6, 2), (17, 10, 3), (5, 16, 4)]:
@@ -146,7 +157,7 @@ def run_interpreter_checks() -> dict:
         g = torch.randn_like(w)
         (a,) = torch.autograd.grad(w, logits, g)
         (b,) = torch.autograd.grad(wr, logits, g)
-        topk[f"{T}x{E}k{K}"] = {"ids": bool(torch.equal(i, ir)), "w": relative_error(w, wr), "grad_abs": (a - b).abs().max().item()}
+        topk[f"{T}x{E}k{K}"] = {"ids": bool(torch.equal(i, ir)), "w": rel_err(w, wr), "grad_abs": (a - b).abs().max().item()}
     results["topk_softmax"] = topk
     return results
 

@@ -1,6 +1,5 @@
-"""Worker group: rank assignment (unit) and real groups on the session's two-node Ray cluster
-(two Ray nodes on one host, so they share an IP): topology, calls, execute, placement failures,
-clean-up."""
+"""Worker group: real groups on the session's two-node Ray cluster (two Ray nodes on one host, so
+they share an IP): topology, typed calls, execute, placement failures, clean-up."""
 
 from __future__ import annotations
 
@@ -8,92 +7,15 @@ import os
 import sys
 import time
 
-from ray import cloudpickle  # the cloudpickle Ray serialises with
 import pytest
+from ray import cloudpickle  # the cloudpickle Ray serialises with
 
 from ray_moe.config import Config
-from ray_moe.topology import RankInfo, WorkerInfo, assign_ranks, node_of_rank
+from ray_moe.worker.actor import EPWorker
 
 # Functions sent with group.execute travel by value (workers cannot import this test module).
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-IP = "10.0.0.7"
-
-
-def w(node: str, gpus: tuple[int, ...] = (), pid: int = 0, ip: str = IP) -> WorkerInfo:
-    return WorkerInfo(node_id=node, ip=ip, hostname="host", pid=pid, gpu_ids=gpus)
-
-
-# =============================================================================== assign_ranks
-def test_assign_ranks_orders_by_node_then_gpu():
-    workers = [
-        w("node-b", (1,), pid=1),
-        w("node-a", (3,), pid=2),
-        w("node-b", (0,), pid=3),
-        w("node-a", (2,), pid=4),
-    ]
-    ranks = assign_ranks(workers)
-    assert len(ranks) == 4
-    # result[i] describes workers[i]
-    assert [r.pid for r in ranks] == [1, 2, 3, 4]
-    assert [r.rank for r in ranks] == [3, 1, 2, 0]
-    assert [r.node_rank for r in ranks] == [1, 0, 1, 0]
-    assert [r.local_rank for r in ranks] == [1, 1, 0, 0]
-    assert [r.gpu_id for r in ranks] == [1, 3, 0, 2]
-    assert all(r.local_world_size == 2 and r.num_nodes == 2 and r.world_size == 4 for r in ranks)
-    by_rank = sorted(ranks, key=lambda r: r.rank)
-    assert [(r.node_id, r.gpu_id) for r in by_rank] == [
-        ("node-a", 2), ("node-a", 3), ("node-b", 0), ("node-b", 1)]
-    assert node_of_rank(ranks) == [0, 0, 1, 1]
-
-
-def test_assign_ranks_uneven_nodes():
-    workers = [w("n2", (0,)), w("n1", (0,)), w("n1", (1,)), w("n1", (2,)), w("n3", (5,))]
-    ranks = sorted(assign_ranks(workers), key=lambda r: r.rank)
-    assert [r.node_id for r in ranks] == ["n1", "n1", "n1", "n2", "n3"]
-    assert [r.node_rank for r in ranks] == [0, 0, 0, 1, 2]
-    assert [r.local_rank for r in ranks] == [0, 1, 2, 0, 0]
-    assert [r.local_world_size for r in ranks] == [3, 3, 3, 1, 1]
-    assert {r.num_nodes for r in ranks} == {3}
-    assert [r.rank for r in ranks] == list(range(5))
-
-
-def test_assign_ranks_cpu_workers_keep_input_order_within_a_node():
-    workers = [w("y", pid=10), w("x", pid=11), w("y", pid=12), w("x", pid=13)]
-    ranks = assign_ranks(workers)
-    by_rank = sorted(ranks, key=lambda r: r.rank)
-    assert [r.pid for r in by_rank] == [11, 13, 10, 12]
-    assert all(r.gpu_id == -1 for r in ranks)
-    assert [r.local_rank for r in by_rank] == [0, 1, 0, 1]
-
-
-def test_assign_ranks_two_nodes_one_ip_are_distinct_nodes():
-    # Two Ray nodes on one host: same IP and hostname, different node ids, both with GPU 0.
-    workers = [w("ffff", (0,), pid=1), w("0000", (0,), pid=2)]
-    ranks = assign_ranks(workers)
-    assert ranks[0].ip == ranks[1].ip
-    assert {r.num_nodes for r in ranks} == {2}
-    assert (ranks[1].rank, ranks[1].node_rank, ranks[1].local_rank) == (0, 0, 0)
-    assert (ranks[0].rank, ranks[0].node_rank, ranks[0].local_rank) == (1, 1, 0)
-    assert all(r.local_world_size == 1 for r in ranks)
-
-
-def test_assign_ranks_different_ips_same_node_id_is_one_node():
-    ranks = assign_ranks([w("n", (0,), ip="1.1.1.1"), w("n", (1,), ip="2.2.2.2")])
-    assert {r.num_nodes for r in ranks} == {1}
-    assert [r.local_rank for r in ranks] == [0, 1]
-
-
-def test_assign_ranks_single_and_empty():
-    (only,) = assign_ranks([w("n", (4,))])
-    assert only == RankInfo(rank=0, world_size=1, node_id="n", node_rank=0, num_nodes=1,
-                            local_rank=0, local_world_size=1, ip=IP, hostname="host", pid=0,
-                            gpu_id=4)
-    assert only.to_dict()["gpu_id"] == 4
-    assert assign_ranks([]) == []
-
-
-# ============================================================================ real worker groups
 def where(worker, tag=None, *, scale=1):
     """Runs on a worker: what it knows about itself and where it actually is."""
     import ray
@@ -183,7 +105,7 @@ def test_strict_spread_two_ranks_on_two_nodes_same_ip(groups):
 
 def test_ping_and_execute_in_rank_order(groups):
     g = groups(2, "STRICT_SPREAD")
-    assert g.call("ping") == [0, 1]
+    assert g.call(EPWorker.ping) == [0, 1]
     out = g.execute(where, "t", scale=3)
     assert [o["rank"] for o in out] == [0, 1]
     assert [o["dist_rank"] for o in out] == [0, 1]  # rendezvous gave torch.distributed the same ranks
@@ -197,20 +119,31 @@ def test_ping_and_execute_in_rank_order(groups):
 
 
 def test_execute_error_names_rank_and_group_survives(groups):
-    from ray_moe.group import WorkerFailure
+    from ray_moe.driver.group import WorkerFailure
 
     g = groups(2, "STRICT_SPREAD")
     with pytest.raises(WorkerFailure) as info:
         g.execute(fail_on_rank, 1, timeout=60)
     assert info.value.rank == 1 and info.value.cause == "error"
     assert "rank 1" in str(info.value) and "deliberate failure on rank 1" in str(info.value)
-    assert g.call("ping") == [0, 1]
+    assert g.call(EPWorker.ping) == [0, 1]
+
+
+def test_calls_take_worker_methods_by_reference_only(groups):
+    g = groups(2, "STRICT_SPREAD")
+    assert g.call_each(EPWorker.ping, [(), ()]) == [0, 1]
+    for bad in ("ping", where, print):
+        with pytest.raises(TypeError, match="not a method of EPWorker"):
+            g.call(bad)  # refused on the driver: nothing reaches a worker
+    with pytest.raises(ValueError, match="arguments for 1 ranks"):
+        g.call_each(EPWorker.ping, [()])
+    assert g.call(EPWorker.ping) == [0, 1]
 
 
 @pytest.fixture(scope="module")
 def group4(ray_cluster):
     """A W=4 group spread over both nodes, closed at the end of this module."""
-    from ray_moe.group import WorkerGroup
+    from ray_moe.driver.group import WorkerGroup
 
     g = WorkerGroup(cfg_for(4, placement_strategy="SPREAD"))
     yield g
@@ -231,7 +164,7 @@ def test_four_ranks_ordered_by_node(group4):
         assert [r.local_rank for r in local] == list(range(len(local)))
         assert {r.local_world_size for r in local} == {len(local)}
     assert len({r.ip for r in ranks}) == 1
-    assert g.call("ping") == [0, 1, 2, 3]
+    assert g.call(EPWorker.ping) == [0, 1, 2, 3]
     seen = g.execute(where)
     assert [s["node_id"] for s in seen] == node_ids
     assert [s["dist_rank"] for s in seen] == [0, 1, 2, 3]
@@ -240,7 +173,7 @@ def test_four_ranks_ordered_by_node(group4):
 
 # ------------------------------------------------------------------------ placement failures
 def test_world_size_beyond_cluster_cpus_fails_fast(ray_cluster):
-    from ray_moe.group import GroupError, WorkerGroup
+    from ray_moe.driver.group import GroupError, WorkerGroup
 
     total = cluster_cpus = sum(n["Resources"].get("CPU", 0) for n in cluster_nodes().values())
     world = 64
@@ -258,7 +191,7 @@ def test_world_size_beyond_cluster_cpus_fails_fast(ray_cluster):
 
 
 def test_gpu_request_on_cpu_cluster_fails_fast(ray_cluster):
-    from ray_moe.group import GroupError, WorkerGroup
+    from ray_moe.driver.group import GroupError, WorkerGroup
 
     before = live_pg_ids()
     t0 = time.monotonic()
@@ -272,7 +205,7 @@ def test_gpu_request_on_cpu_cluster_fails_fast(ray_cluster):
 
 
 def test_unplaceable_strict_spread_times_out_clearly(ray_cluster):
-    from ray_moe.group import GroupError, WorkerGroup
+    from ray_moe.driver.group import GroupError, WorkerGroup
 
     cpu0 = available_cpu()
     before = live_pg_ids()
@@ -292,7 +225,7 @@ def test_unplaceable_strict_spread_times_out_clearly(ray_cluster):
 
 
 def test_bundle_bigger_than_any_node_times_out_clearly(ray_cluster):
-    from ray_moe.group import GroupError, WorkerGroup
+    from ray_moe.driver.group import GroupError, WorkerGroup
 
     per_node = max(n["Resources"].get("CPU", 0) for n in cluster_nodes().values())
     cpu0 = available_cpu()
@@ -309,13 +242,13 @@ def test_bundle_bigger_than_any_node_times_out_clearly(ray_cluster):
 
 
 def test_close_removes_placement_group(ray_cluster):
-    from ray_moe.group import WorkerGroup
+    from ray_moe.driver.group import WorkerGroup
 
     cpu0 = available_cpu()
     before = live_pg_ids()
     g = WorkerGroup(cfg_for(2, placement_strategy="STRICT_SPREAD"))
     try:
-        assert g.call("ping") == [0, 1]
+        assert g.call(EPWorker.ping) == [0, 1]
         mine = live_pg_ids() - before
         assert len(mine) == 1
         wait_for(lambda: available_cpu() <= cpu0 - 1.0, what="the group's CPUs to be reserved")
@@ -328,12 +261,12 @@ def test_close_removes_placement_group(ray_cluster):
 
 
 def test_context_manager_closes(ray_cluster):
-    from ray_moe.group import WorkerGroup
+    from ray_moe.driver.group import WorkerGroup
 
     cpu0 = available_cpu()
     before = live_pg_ids()
     with WorkerGroup(cfg_for(1)) as g:
-        assert g.call("ping") == [0]
+        assert g.call(EPWorker.ping) == [0]
         assert g.ranks[0].num_nodes == 1 and g.ranks[0].local_world_size == 1
         mine = live_pg_ids() - before
     wait_for(lambda: not (live_pg_ids() & mine), what="the placement group to be removed")

@@ -1,18 +1,21 @@
-"""Load tracker and clone planner: properties on random loads, node awareness, stability, targets."""
+"""Clone planner: properties on random loads, node awareness, stability, targets."""
 
 from __future__ import annotations
-
-import json
 
 import numpy as np
 import pytest
 import torch
 
-from ray_moe.balance import (LoadTracker, nodes_of_ranks, plan_layers, plan_placement, plan_report,
-                             predicted_imbalance, rank_tokens)
-from ray_moe.bench.balance import ZipfRouting, main as bench_main, routed_imbalance
-from ray_moe.config import BalanceConfig
-from ray_moe.placement import Placement
+from ray_moe.placement.placement import Placement
+from ray_moe.placement.planner import (
+    nodes_of_ranks,
+    plan_layers,
+    plan_placement,
+    plan_report,
+    predicted_imbalance,
+    rank_tokens,
+)
+from ray_moe.placement.sim import ZipfRouting, routed_imbalance
 
 
 def random_case(seed: int, W: int, E: int, with_sources: bool):
@@ -177,43 +180,3 @@ def test_plan_layers_and_report():
     assert rep["clones_dropped"] == 0 and rep["version"] == 0
 
 
-def test_load_tracker_ema():
-    t = LoadTracker.from_config(BalanceConfig(ema=0.75), num_layers=2, num_experts=4, world_size=2)
-    assert t.loads.shape == (2, 4) and not t.loads.any() and t.source_loads is None
-    a = np.arange(16.0).reshape(2, 2, 4)
-    b = torch.ones(2, 2, 4, dtype=torch.int64)
-    t.update(a)
-    np.testing.assert_allclose(t.loads, a.sum(1))
-    t.update(b)
-    np.testing.assert_allclose(t.source_loads, 0.75 * a + 0.25 * 1.0)
-    np.testing.assert_allclose(t.loads, (0.75 * a + 0.25).sum(1))
-    state = t.state_dict()
-    u = LoadTracker(2, 4, 2)
-    u.load_state_dict(json.loads(json.dumps(state)))
-    np.testing.assert_allclose(u.loads, t.loads)
-    with pytest.raises(ValueError, match="shape"):
-        t.update(np.ones((2, 4)))  # totals after per-source updates
-    with pytest.raises(ValueError, match="source ranks"):
-        LoadTracker(2, 4, 2).update(np.ones((2, 3, 4)))
-    with pytest.raises(ValueError, match="ema"):
-        LoadTracker(1, 4, ema=1.0)
-    totals = LoadTracker(1, 4, 2, ema=0.5)
-    totals.update([[1, 2, 3, 4]])
-    totals.update([[3, 2, 1, 0]])
-    np.testing.assert_allclose(totals.loads, [[2, 2, 2, 2]])
-    assert totals.source_loads is None
-
-
-def test_bench_sim_cli(tmp_path):
-    out = tmp_path / "bal.json"
-    rc = bench_main(["--world-size", "4", "--nodes", "2", "--experts", "16", "--top-k", "2",
-                     "--tokens-per-rank", "256", "--seeds", "1", "--fresh-batches", "1",
-                     "--zipf", "0", "1.2", "--shift-steps", "40", "--shift-every", "20",
-                     "--shift-tokens-per-rank", "128", "--interval", "5", "--json", str(out)])
-    assert rc == 0
-    data = json.loads(out.read_text())
-    assert [r["zipf_s"] for r in data["static"]] == [0.0, 1.2]
-    assert [r["zipf_s"] for r in data["shifting"]] == [1.2]
-    assert data["static"][1]["plan_loads"] < data["static"][1]["no_clone"]
-    with pytest.raises(SystemExit):  # only sim and train exist (train is tested in test_bench.py)
-        bench_main(["--mode", "gpu"])

@@ -11,7 +11,7 @@ import yaml
 
 from ray_moe.config import Config, ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def build(overrides: dict[str, object]) -> Config:
@@ -40,7 +40,16 @@ def test_defaults_validate():
     assert Config.from_dict(None) == cfg
     assert Config.from_dict({}) == cfg
     assert Config.from_dict({"model": None}) == cfg  # an empty section in YAML is allowed
-    assert cfg.experts_per_rank == cfg.moe.num_experts // cfg.parallel.world_size
+
+
+def test_dtype_table_gives_torch_dtypes_and_element_sizes():
+    import torch
+
+    from ray_moe.config import DTYPES, element_size, torch_dtype
+
+    assert set(DTYPES) == {"float32", "bfloat16"}
+    assert torch_dtype("bfloat16") is torch.bfloat16 and element_size("bfloat16") == 2
+    assert element_size("float32") == 4
 
 
 # ------------------------------------------------------------------------ validate(): ranges
@@ -150,7 +159,7 @@ def test_num_experts_divisible_by_world_size():
 
 def test_num_experts_divisible_ok():
     cfg = build({"moe.num_experts": 12, "parallel.world_size": 3, "train.batch_size": 6})
-    assert cfg.experts_per_rank == 4
+    assert cfg.moe.num_experts % cfg.parallel.world_size == 0
 
 
 def test_batch_size_divisible_by_world_size():

@@ -9,22 +9,15 @@ import torch
 
 from ray_moe.checkpoint import latest_checkpoint
 from ray_moe.comm.local import LocalTransport
-from ray_moe.config import Config
-from ray_moe.data import DataError
-from ray_moe.engine import Engine
-from ray_moe.group import GroupError
-from ray_moe.topology import RankInfo
-from ray_moe.trainer import Trainer, TrainingError
-from tests_support import small_config
+from ray_moe.driver.group import GroupError
+from ray_moe.driver.trainer import Trainer, TrainingError
+from ray_moe.worker.engine import Engine
+from tests.support import single_rank, small_config
 
 
-def fake_rank(world_size=1, rank=0) -> RankInfo:
-    return RankInfo(rank, world_size, "local", 0, 1, rank, world_size, "127.0.0.1", "local", 0, -1)
-
-
-def test_learning_w2(ray_cluster, tmp_path):
+def test_learning_w2(groups, tmp_path):
     cfg = small_config(tmp_path, **{"train.steps": 60, "train.batch_size": 16, "data.max_bytes": 1_000_000})
-    with Trainer(cfg, progress=False) as t:
+    with Trainer(cfg, progress=False, group=groups(2)) as t:
         initial = t.evaluate()
         t.train()
         final = t.evaluate()
@@ -41,16 +34,16 @@ def _shards(worker):
     return {k: v for k, v in worker.engine.shard_state().items() if not k.startswith("rng.")}
 
 
-def test_ep_training_equals_single_process(ray_cluster, tmp_path):
+def test_ep_training_equals_single_process(groups, tmp_path):
     cfg = small_config(tmp_path, **{"train.steps": 4})
-    with Trainer(cfg, progress=False) as t:
+    with Trainer(cfg, progress=False, group=groups(2)) as t:
         ep_losses = [t.step()["loss"] for _ in range(4)]
         ep_state = {}
         for shard in t.group.execute(_shards):
             ep_state.update(shard)
 
     single_cfg = cfg.with_overrides(["parallel.world_size=1"])
-    engine = Engine(single_cfg, fake_rank(), LocalTransport(), torch.device("cpu"))
+    engine = Engine(single_cfg, single_rank(), LocalTransport(), torch.device("cpu"))
     single_losses = [engine.train_step()["loss"] for _ in range(4)]
     single_state = {k: v for k, v in engine.shard_state().items() if not k.startswith("rng.")}
 
@@ -60,27 +53,27 @@ def test_ep_training_equals_single_process(ray_cluster, tmp_path):
         torch.testing.assert_close(ep_state[key], ref, rtol=1e-4, atol=1e-6, msg=key)
 
 
-def test_checkpoint_restores_onto_other_world_size(ray_cluster, tmp_path):
+def test_checkpoint_restores_onto_other_world_size(groups, tmp_path):
     cfg = small_config(tmp_path, **{"train.steps": 10})
-    with Trainer(cfg, progress=False) as t:
+    with Trainer(cfg, progress=False, group=groups(2)) as t:
         for _ in range(3):
             t.step()
         saved = t.save()
         uninterrupted = t.step()["loss"]
     for world_size in (1, 4):
         other = cfg.with_overrides([f"parallel.world_size={world_size}"])
-        with Trainer(other, progress=False) as t2:
+        with Trainer(other, progress=False, group=groups(world_size)) as t2:
             assert t2.restore(saved) == 3
             assert t2.step()["loss"] == pytest.approx(uninterrupted, rel=1e-5)
 
 
-def test_interrupted_save_keeps_previous_checkpoint(ray_cluster, tmp_path, monkeypatch):
+def test_interrupted_save_keeps_previous_checkpoint(groups, tmp_path, monkeypatch):
     cfg = small_config(tmp_path)
-    with Trainer(cfg, progress=False) as t:
+    with Trainer(cfg, progress=False, group=groups(2)) as t:
         t.step()
         good = t.save()
         t.step()
-        import ray_moe.trainer as trainer_mod
+        import ray_moe.driver.trainer as trainer_mod
 
         def crash(*_a, **_k):
             raise KeyboardInterrupt("simulated crash after the shards were written")
@@ -110,18 +103,18 @@ def test_notebook_session_reconnects_and_resumes(ray_cluster, tmp_path):
         t.close()
 
 
-def test_missing_corpus_path_fails_fast(ray_cluster, tmp_path):
+def test_missing_corpus_path_fails_fast(groups, tmp_path):
     cfg = small_config(tmp_path, **{"data.paths": str(tmp_path / "nope.txt")})
     with pytest.raises(TrainingError, match="nope.txt"):
-        Trainer(cfg, progress=False)
+        Trainer(cfg, progress=False, group=groups(2))
 
 
-def test_empty_corpus_fails_fast(ray_cluster, tmp_path):
+def test_empty_corpus_fails_fast(groups, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     cfg = small_config(tmp_path, **{"data.paths": str(empty)})
     with pytest.raises(TrainingError, match="bytes"):
-        Trainer(cfg, progress=False)
+        Trainer(cfg, progress=False, group=groups(2))
 
 
 def test_config_that_does_not_fit_fails_fast(ray_cluster, tmp_path):
@@ -131,20 +124,12 @@ def test_config_that_does_not_fit_fails_fast(ray_cluster, tmp_path):
         Trainer(cfg, progress=False)
 
 
-def test_corpus_errors_name_the_path(tmp_path):
-    from ray_moe.data import Corpus
-    from ray_moe.config import DataConfig
-
-    with pytest.raises(DataError, match="no file"):
-        Corpus.load(DataConfig(paths=[str(tmp_path / "*.nothing")]))
-
-
-def test_fresh_run_never_recovers_into_an_earlier_runs_checkpoint(ray_cluster, tmp_path):
+def test_fresh_run_never_recovers_into_an_earlier_runs_checkpoint(groups, tmp_path):
     import os
     import signal
 
     cfg = small_config(tmp_path, **{"train.max_failures": 1})
-    with Trainer(cfg, progress=False) as t:
+    with Trainer(cfg, progress=False, group=groups(2)) as t:
         for _ in range(3):
             t.step()
         t.save()

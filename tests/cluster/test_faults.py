@@ -12,11 +12,8 @@ import pytest
 import torch
 
 from ray_moe.checkpoint import CheckpointError, latest_checkpoint, read_meta
-from ray_moe.comm.local import LocalTransport
-from ray_moe.moe import MoELayer
-from ray_moe.placement import Placement
-from ray_moe.trainer import Trainer, TrainingError
-from tests_support import small_config
+from ray_moe.driver.trainer import Trainer, TrainingError
+from tests.support import small_config
 
 
 def _kill_when(trainer: Trainer, rank: int, step: int, timeout: float = 120) -> threading.Thread:
@@ -105,9 +102,9 @@ def _weights(worker):
     return {k: v.clone() for k, v in worker.engine.shard_state().items()}
 
 
-def test_nan_step_is_skipped_without_touching_weights(ray_cluster, tmp_path):
+def test_nan_step_is_skipped_without_touching_weights(groups, tmp_path):
     cfg = small_config(tmp_path)
-    with Trainer(cfg, progress=False) as t:
+    with Trainer(cfg, progress=False, group=groups(2)) as t:
         t.step()
         before = t.group.execute(_weights)
         m = t.step(inject_nan_rank=1)
@@ -121,16 +118,16 @@ def test_nan_step_is_skipped_without_touching_weights(ray_cluster, tmp_path):
         assert any(e.get("event") == "nonfinite" for e in t.metrics)
 
 
-def test_nan_step_stops_when_configured(ray_cluster, tmp_path):
+def test_nan_step_stops_when_configured(groups, tmp_path):
     cfg = small_config(tmp_path, **{"train.nonfinite": "stop"})
-    with Trainer(cfg, progress=False) as t:
+    with Trainer(cfg, progress=False, group=groups(2)) as t:
         with pytest.raises(TrainingError, match="non-finite"):
             t.step(inject_nan_rank=0)
 
 
-def test_corrupt_checkpoint_is_refused_and_previous_kept(ray_cluster, tmp_path):
+def test_corrupt_checkpoint_is_refused_and_previous_kept(groups, tmp_path):
     cfg = small_config(tmp_path)
-    with Trainer(cfg, progress=False) as t:
+    with Trainer(cfg, progress=False, group=groups(2)) as t:
         t.step()
         good = t.save()
         t.step()
@@ -148,20 +145,3 @@ def test_corrupt_checkpoint_is_refused_and_previous_kept(ray_cluster, tmp_path):
         assert t.restore() == 1
 
 
-def test_layer_rejects_bad_shapes_and_dtypes():
-    layer = MoELayer(16, 4, 2, 8, LocalTransport(), Placement.native(4, 1))
-    with pytest.raises(ValueError, match=r"shape \[T, 16\]"):
-        layer(torch.randn(3, 8))
-    with pytest.raises(TypeError, match="dtype torch.float32"):
-        layer(torch.randn(3, 16, dtype=torch.float64))
-
-
-def test_model_rejects_tokens_outside_vocab(tmp_path):
-    from ray_moe.model import MoETransformer
-
-    cfg = small_config(tmp_path, **{"parallel.world_size": 1})
-    model = MoETransformer(cfg, LocalTransport(), Placement.native(cfg.moe.num_experts, 1))
-    with pytest.raises(ValueError, match=r"\[0, 256\)"):
-        model(torch.tensor([[1, 2, 300]]))
-    with pytest.raises(TypeError, match="int64 or int32"):
-        model(torch.tensor([[1.0, 2.0]]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ray_moe.config import Config
+from ray_moe.topology import RankInfo
 
 
 def small_config(tmp_path, world_size=2, **over) -> Config:
@@ -16,3 +17,8 @@ def small_config(tmp_path, world_size=2, **over) -> Config:
     }
     cfg = Config.from_dict(raw)
     return cfg.with_overrides([f"{k}={v}" for k, v in over.items()])
+
+
+def single_rank(world_size: int = 1, rank: int = 0) -> RankInfo:
+    """The RankInfo of a rank that runs without a group (the single-process reference)."""
+    return RankInfo(rank, world_size, "local", 0, 1, rank, world_size, "127.0.0.1", "local", 0, -1)

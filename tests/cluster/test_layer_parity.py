@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from ray_moe.validate import case_dict, layer_parity
+from ray_moe.validation import Case
+from ray_moe.validation.layer import layer_parity
 
 TOL = 1e-5
 
 
 def assert_parity(group, **case):
-    results = group.execute(layer_parity, case_dict(**case), timeout=180)
+    results = group.execute(layer_parity, Case(**case), timeout=180)
     for rank, errs in enumerate(results):
         bad = {k: v for k, v in errs.items() if not v <= TOL}
         assert not bad, f"rank {rank} case {case}: relative errors above {TOL}: {bad}"

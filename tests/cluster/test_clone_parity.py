@@ -11,9 +11,10 @@ import pytest
 import ray.cloudpickle
 import torch
 
-from ray_moe.balance import plan_placement
-from ray_moe.placement import Placement, Replica
-from ray_moe.validate import case_dict, layer_parity
+from ray_moe.placement.placement import Placement, Replica
+from ray_moe.placement.planner import plan_placement
+from ray_moe.validation import Case
+from ray_moe.validation.layer import layer_parity
 
 TOL = 1e-5
 
@@ -58,7 +59,7 @@ def group_for(groups, world_size: int):
 
 
 def assert_parity(group, placement: Placement, **case):
-    results = group.execute(layer_parity, case_dict(placement=placement.to_dict(), **case), timeout=180)
+    results = group.execute(layer_parity, Case(placement=placement.to_dict(), **case), timeout=180)
     for rank, errs in enumerate(results):
         if case.get("top_k") == 1:
             # Top-1 weights renormalise to exactly 1: the true router gradient is 0 and the oracle's
@@ -95,8 +96,8 @@ def test_layer_parity_with_planned_clones(groups):
 def clone_coherence(worker, placement_dict: dict, d_model: int, hidden: int) -> dict:
     """On every rank: push_clone_weights copies owners' weights into clone slots, and
     reduce_clone_grads adds clone grads onto owners and zeroes them. Returns max errors."""
-    from ray_moe.clones import push_clone_weights, reduce_clone_grads
-    from ray_moe.moe import MoELayer
+    from ray_moe.model.moe import MoELayer
+    from ray_moe.placement.clones import push_clone_weights, reduce_clone_grads
 
     placement = Placement.from_dict(placement_dict)
     rank, n, E = worker.rank_info.rank, placement.experts_per_rank, placement.num_experts

@@ -1,0 +1,122 @@
+"""The run's records: per-step metrics aggregated over ranks, events, the summary, and plots.
+
+One :class:`MetricsLog` per run keeps every record in memory (``Trainer.metrics``) and appends it
+to ``metrics.jsonl`` in the run directory: a step record has ``loss``; an event record has
+``event`` (``eval``, ``checkpoint``, ``failure``, ``recovered``, ``rebalance``, ...).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def aggregate_step(results: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    """One step's record from every rank's result (``EPWorker.step``), in rank order.
+
+    Loss and auxiliary loss are means over ranks; tokens a sum; ``expert_tokens[layer][e]`` the
+    tokens routed to logical expert e from all ranks; ``rank_pairs[layer][rank]`` the (token,
+    expert) pairs each rank computed; ``imbalance`` the mean over layers of max/mean of those.
+    """
+    W = len(results)
+    tokens = sum(r["tokens"] for r in results)
+    loads = [r["load"] for r in results]
+    n_layers = len(loads[0]["expert_tokens"])
+    expert_tokens = [
+        [sum(ld["expert_tokens"][i][e] for ld in loads) for e in range(len(loads[0]["expert_tokens"][i]))]
+        for i in range(n_layers)
+    ]
+    rank_pairs = [[ld["received_pairs"][i] for ld in loads] for i in range(n_layers)]
+    imb = [max(p) / (sum(p) / W) if sum(p) > 0 else 1.0 for p in rank_pairs]
+    return {
+        "step": results[0]["step"],
+        "loss": sum(r["loss"] for r in results) / W,
+        "aux_loss": sum(r["aux_loss"] for r in results) / W,
+        "lr": results[0]["lr"],
+        "grad_norm": results[0]["grad_norm"],
+        "skipped": results[0]["skipped"],
+        "nonfinite": any(r["nonfinite"] for r in results),
+        "tokens": tokens,
+        "step_time": wall,
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "time_per_rank": {k: [r["time"][k] for r in results] for k in results[0]["time"]},
+        "expert_tokens": expert_tokens,
+        "rank_pairs": rank_pairs,
+        "imbalance": sum(imb) / len(imb) if imb else 1.0,
+        "imbalance_per_layer": imb,
+    }
+
+
+class MetricsLog:
+    """Records of one run, in memory and appended to ``path`` (JSON lines)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.records: list[dict[str, Any]] = []
+
+    def truncate(self) -> None:
+        """Start an empty file (a fresh run)."""
+        self.path.write_text("")
+
+    def record(self, rec: dict[str, Any]) -> None:
+        self.records.append(rec)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def event(self, event: str, **fields: Any) -> None:
+        self.record({"event": event, **fields})
+
+    @property
+    def steps(self) -> list[dict[str, Any]]:
+        return [m for m in self.records if "loss" in m]
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        return [m for m in self.records if m.get("event") == name]
+
+    def summary(self) -> dict[str, Any]:
+        """The run so far: losses, throughput, imbalance, re-cloning, skipped steps."""
+        steps = self.steps
+        evals = [m["val_loss"] for m in self.records if "val_loss" in m]
+        if not steps:
+            return {"val_loss": evals[-1] if evals else None}
+        rebalances = self.events("rebalance")
+        out = {
+            "first_loss": steps[0]["loss"],
+            "last_loss": steps[-1]["loss"],
+            "val_loss": evals[-1] if evals else None,
+            "mean_tokens_per_s": sum(m["tokens_per_s"] for m in steps) / len(steps),
+            "mean_step_time_s": sum(m["step_time"] for m in steps) / len(steps),
+            "mean_imbalance": sum(m["imbalance"] for m in steps) / len(steps),
+            "last_imbalance": steps[-1]["imbalance"],
+            "rebalances": len(rebalances),
+            "clone_bytes_moved": sum(m.get("bytes_moved", 0) for m in rebalances),
+        }
+        if rebalances:
+            r = rebalances[-1]
+            out.update(planned_imbalance_before=max(r["imbalance_before"]),
+                       planned_imbalance_after=max(r["imbalance_after"]), last_rebalance_s=r["seconds"])
+        out["skipped_steps"] = sum(bool(m["skipped"]) for m in steps)
+        return out
+
+    def plot(self, run_dir: Path) -> list[Path]:
+        """loss.png, imbalance.png and expert_load.png (tokens per expert over the whole run)."""
+        from ray_moe.driver.plots import (
+            expert_load_heatmap,
+            imbalance_curve,
+            loss_curve,
+        )
+
+        curves = [m for m in self.records if "loss" in m or "val_loss" in m]
+        out = [loss_curve(curves, run_dir / "loss.png"),
+               imbalance_curve(self.records, run_dir / "imbalance.png")]
+        totals: list[list[float]] | None = None
+        for m in self.records:
+            if "expert_tokens" in m:
+                if totals is None:
+                    totals = [list(row) for row in m["expert_tokens"]]
+                else:
+                    totals = [[a + b for a, b in zip(r1, r2)] for r1, r2 in zip(totals, m["expert_tokens"])]
+        if totals:
+            out.append(expert_load_heatmap(totals, run_dir / "expert_load.png", "tokens per expert (whole run)"))
+        return out

@@ -1,0 +1,64 @@
+"""One local Ray cluster of two simulated nodes for the whole test run, and shared worker groups.
+
+Two Ray nodes on one host (``ray.cluster_utils.Cluster``) make every group test a two-node
+test: ranks are ordered by node, and STRICT_SPREAD groups span both nodes. Worker groups are
+cached by (world size, strategy) and shared by the layer, transport and training tests (a
+``Trainer`` takes an existing group); tests that kill or hang workers start their own.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+CPUS_PER_NODE = 8  # logical CPUs (idle actors cost memory, not cores); actors ask for fractions
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A two-node local Ray cluster; yields its address."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": CPUS_PER_NODE, "include_dashboard": False},
+    )
+    cluster.add_node(num_cpus=CPUS_PER_NODE)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster.address
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def groups(ray_cluster):
+    """groups(world_size, strategy="PACK") → a cached CPU WorkerGroup of that size (gloo transport).
+
+    A test may train on it (``Trainer(config, group=groups(2))``) but must leave it healthy: tests
+    that kill, hang or poison workers start their own group.
+    """
+    from ray_moe.config import Config
+    from ray_moe.driver.group import WorkerGroup
+
+    made: dict[tuple, WorkerGroup] = {}
+    keep = 4  # live cached groups at most: the rest of the suite needs CPUs too
+
+    def get(world_size: int, strategy: str = "PACK") -> WorkerGroup:
+        key = (world_size, strategy)
+        if key not in made:
+            while len(made) >= keep:
+                made.pop(next(iter(made))).close()
+            cfg = Config.from_dict({
+                "parallel": {"world_size": world_size, "device": "cpu", "cpu_per_worker": 0.5,
+                             "placement_strategy": strategy, "startup_timeout_s": 120},
+                "moe": {"num_experts": 8},
+            })
+            made[key] = WorkerGroup(cfg)
+        else:
+            made[key] = made.pop(key)  # most recently used last
+        return made[key]
+
+    yield get
+    for g in made.values():
+        g.close()
