@@ -131,18 +131,22 @@ def is_our_node(pid: int) -> bool:
     return any(part.endswith(b"ray") for part in cmd) and b"start" in cmd
 
 
-def kill_session(sid: int, grace_s: float = 3.0) -> None:
-    """SIGTERM every process of the session, then SIGKILL what is left after ``grace_s``."""
+def kill_sessions(sids: list[int], grace_s: float = 3.0) -> None:
+    """SIGTERM every process of the sessions at once, then SIGKILL what is left after ``grace_s``
+    (one grace period for all nodes, not one per node)."""
+    def alive() -> list[int]:
+        return [pid for sid in sids for pid in session_processes(sid)]
+
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in session_processes(sid):
+        for pid in alive():
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5.0)
-        while session_processes(sid) and time.monotonic() < deadline:
+        while alive() and time.monotonic() < deadline:
             time.sleep(0.2)
-        if not session_processes(sid):
+        if not alive():
             return
 
 
@@ -282,9 +286,7 @@ def print_client_info(state: ClusterState, state_path: Path) -> None:
 
 
 def stop_cluster(state: ClusterState, state_path: Path, keep_logs: bool = False) -> None:
-    for rec in reversed(state.nodes):  # workers first, the head last
-        if is_our_node(rec.pid) or session_processes(rec.pid):
-            kill_session(rec.pid)
+    kill_sessions([rec.pid for rec in state.nodes if is_our_node(rec.pid) or session_processes(rec.pid)])
     if not keep_logs:
         shutil.rmtree(state.temp_dir, ignore_errors=True)
     state_path.unlink(missing_ok=True)

@@ -11,9 +11,10 @@ The public names below load on first use, so importing a leaf package (``ray_moe
 from __future__ import annotations
 
 import importlib
+from types import MappingProxyType
 from typing import Any
 
-_PUBLIC = {
+_PUBLIC = MappingProxyType({
     "Config": "ray_moe.config",
     "ConfigError": "ray_moe.config",
     "Trainer": "ray_moe.driver.trainer",
@@ -26,7 +27,7 @@ _PUBLIC = {
     "MoETransformer": "ray_moe.model.transformer",
     "Placement": "ray_moe.placement.placement",
     "CheckpointError": "ray_moe.checkpoint",
-}
+})
 
 __all__ = sorted(_PUBLIC)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -89,7 +90,7 @@ class NCCLTextbook:
         return torch.zeros(T, y.shape[1], dtype=y.dtype, device=y.device).index_add_(0, order // K, back * w)
 
 
-VARIANTS = {
+VARIANTS = MappingProxyType({
     "r8h1024w8": dict(block_r=8, block_h=1024, num_warps=8),
     "r4h2048w8": dict(block_r=4, block_h=2048, num_warps=8),
     "r16h512w8": dict(block_r=16, block_h=512, num_warps=8),
@@ -99,7 +100,7 @@ VARIANTS = {
     "r2h4096w8": dict(block_r=2, block_h=4096, num_warps=8),
     "r1h4096w8": dict(block_r=1, block_h=4096, num_warps=8),
     "r8h4096w16": dict(block_r=8, block_h=4096, num_warps=16),
-}
+})
 
 
 def _round_trip_error(buf: Any, x, w, dr, ds, to_rank) -> float:

@@ -35,6 +35,9 @@ def ray_cluster():
 def groups(ray_cluster):
     """groups(world_size, strategy="PACK") → a cached CPU WorkerGroup of that size (gloo transport).
 
+    The suite asks for four: (1, PACK), (2, PACK), (2, STRICT_SPREAD) and (4, SPREAD) (the last
+    two span both simulated nodes); all four stay up for the whole run.
+
     A test may train on it (``Trainer(config, group=groups(2))``) but must leave it healthy: tests
     that kill, hang or poison workers start their own group.
     """

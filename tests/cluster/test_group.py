@@ -140,18 +140,8 @@ def test_calls_take_worker_methods_by_reference_only(groups):
     assert g.call(EPWorker.ping) == [0, 1]
 
 
-@pytest.fixture(scope="module")
-def group4(ray_cluster):
-    """A W=4 group spread over both nodes, closed at the end of this module."""
-    from ray_moe.driver.group import WorkerGroup
-
-    g = WorkerGroup(cfg_for(4, placement_strategy="SPREAD"))
-    yield g
-    g.close()
-
-
-def test_four_ranks_ordered_by_node(group4):
-    g = group4
+def test_four_ranks_ordered_by_node(groups):
+    g = groups(4, "SPREAD")
     ranks = g.ranks
     assert [r.rank for r in ranks] == [0, 1, 2, 3]
     assert g.num_nodes == 2  # SPREAD on an idle two-node cluster uses both nodes

@@ -61,9 +61,10 @@ def ray_head(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
+            proc.wait(timeout=3)
+        except subprocess.TimeoutExpired:  # `ray start --block` stops its services slowly
             os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
         import shutil
 
         shutil.rmtree(temp_dir, ignore_errors=True)

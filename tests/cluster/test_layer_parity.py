@@ -21,7 +21,7 @@ def assert_parity(group, **case):
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_parity_random_routing(groups, world_size):
     for seed in range(2):
-        assert_parity(groups(world_size), seed=seed, tokens_per_rank=[16, 9, 23, 5])
+        assert_parity(groups(world_size, "SPREAD" if world_size == 4 else "PACK"), seed=seed, tokens_per_rank=[16, 9, 23, 5])
 
 
 @pytest.mark.parametrize(
@@ -45,4 +45,4 @@ def test_parity_edge_cases(groups, case):
 
 def test_parity_edge_cases_w4(groups):
     for case in (dict(routing="empty_rank"), dict(num_experts=4, top_k=1), dict(tokens_per_rank=[2, 0, 5, 1])):
-        assert_parity(groups(4), seed=3, **case)
+        assert_parity(groups(4, "SPREAD"), seed=3, **case)

@@ -38,7 +38,7 @@ def test_training_with_cloning_equals_without(groups, tmp_path, world_size, expe
     off = small_config(tmp_path / "off", **common)
     on = small_config(tmp_path / "on", **common, **{"balance.enabled": True, "balance.interval": 2,
                                                      "balance.clone_slots": 1, "balance.ema": 0.0})
-    group = groups(world_size, "SPREAD")
+    group = groups(world_size, "SPREAD" if world_size == 4 else "STRICT_SPREAD")
     losses_off, state_off, _, _, _, _ = run(off, 8, group)
     losses_on, state_on, events, versions, nodes, _ = run(on, 8, group)
     assert nodes == 2  # the ranks span both simulated nodes
@@ -63,7 +63,7 @@ def test_resume_with_recloning_continues_exactly(groups, tmp_path):
     Trainer: the next steps' losses, the re-plans and the final weights are bit-identical."""
     common = {"moe.num_experts": 4, "train.steps": 9, "balance.enabled": True, "balance.interval": 2,
               "balance.clone_slots": 1, "balance.ema": 0.5, "parallel.placement_strategy": "SPREAD"}
-    group = groups(2, "SPREAD")
+    group = groups(2, "STRICT_SPREAD")
     whole = small_config(tmp_path / "whole", **common)
     with Trainer(whole, progress=False, group=group) as t:
         losses = [t.step()["loss"] for _ in range(9)]

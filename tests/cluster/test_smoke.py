@@ -78,12 +78,12 @@ def run_smoke(state: dict, tmp_path: Path, *args: str) -> tuple[subprocess.Compl
     return r, (json.loads(out.read_text()) if out.exists() else {})
 
 
-def test_smoke_passes_on_two_nodes_then_names_a_broken_node(local_clusters, tmp_path):
-    # --- a healthy two-node cluster passes every check
-    good = local_clusters.start(2)
-    assert good["client_env"]["RAY_AUTH_MODE"] == "token"  # token auth on by default
-    assert oct(Path(good["client_env"]["RAY_AUTH_TOKEN_PATH"]).stat().st_mode & 0o777) == "0o600"
-    r, report = run_smoke(good, tmp_path, "--steps", "4")
+def test_smoke_passes_on_two_nodes(ray_cluster, tmp_path):
+    """The session's two-node cluster (other tests' groups alive on it) passes every check."""
+    import ray
+
+    session = {"address": ray_cluster, "client_env": {"RAY_AUTH_MODE": "disabled"}}
+    r, report = run_smoke(session, tmp_path, "--steps", "4")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
     assert report["ok"], report["summary"]
     statuses = {}
@@ -91,20 +91,25 @@ def test_smoke_passes_on_two_nodes_then_names_a_broken_node(local_clusters, tmp_
         statuses.setdefault(res["check"], set()).add(res["status"])
     for check in ("import", "device", "bootstrap", "layer_parity", "transport", "bandwidth", "training"):
         assert statuses.get(check) == {PASS}, (check, statuses)
-    node_ids = {n["node_id"] for n in good["nodes"]}
+    node_ids = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert len(node_ids) == 2
     assert {res["node_id"] for res in report["results"] if res["check"] == "bootstrap"} == node_ids
     gbps = report["bandwidth"]["gbps"]
     assert gbps[0][1] > 0 and gbps[1][0] > 0
     losses = next(res for res in report["results"] if res["check"] == "training")["data"]["losses"]
     assert losses[-1] < losses[0]
     assert "bandwidth matrix" in r.stdout and r.stdout.strip().splitlines()[-1].startswith("smoke: PASSED")
-    local_clusters.stop(good)  # stops exactly its nodes (and frees the CPUs for the next cluster)
 
-    # --- node 1 cannot import ray_moe: non-zero exit naming that node and the check
+
+def test_smoke_names_a_broken_node(local_clusters, tmp_path):
+    """A local_cluster.py cluster (token auth on) whose node 1 cannot import ray_moe: non-zero exit
+    naming that node and the check; stop kills exactly its nodes."""
     shadow = tmp_path / "shadow"
     (shadow / "ray_moe").mkdir(parents=True)
     (shadow / "ray_moe" / "__init__.py").write_text('raise ImportError("planted fault: no ray_moe here")\n')
     bad = local_clusters.start(2, env_node=(f"1:PYTHONPATH={shadow}",))
+    assert bad["client_env"]["RAY_AUTH_MODE"] == "token"  # token auth on by default
+    assert oct(Path(bad["client_env"]["RAY_AUTH_TOKEN_PATH"]).stat().st_mode & 0o777) == "0o600"
     broken_node = bad["nodes"][1]["node_id"]
     r, report = run_smoke(bad, tmp_path, "--steps", "2")
     summary = r.stdout.strip().splitlines()[-1]

@@ -62,7 +62,7 @@ def test_checkpoint_restores_onto_other_world_size(groups, tmp_path):
         uninterrupted = t.step()["loss"]
     for world_size in (1, 4):
         other = cfg.with_overrides([f"parallel.world_size={world_size}"])
-        with Trainer(other, progress=False, group=groups(world_size)) as t2:
+        with Trainer(other, progress=False, group=groups(world_size, "SPREAD" if world_size == 4 else "PACK")) as t2:
             assert t2.restore(saved) == 3
             assert t2.step()["loss"] == pytest.approx(uninterrupted, rel=1e-5)
 
@@ -86,9 +86,9 @@ def test_interrupted_save_keeps_previous_checkpoint(groups, tmp_path, monkeypatc
         assert t.restore(good) == 1
 
 
-def test_notebook_session_reconnects_and_resumes(ray_cluster, tmp_path):
+def test_notebook_session_reconnects_and_resumes(ray_cluster, groups, tmp_path):
     cfg = small_config(tmp_path, **{"train.resume": True})
-    t = Trainer(cfg, address=ray_cluster, progress=False)
+    t = Trainer(cfg, progress=False, group=groups(2))  # an earlier session's run
     for _ in range(2):
         t.step()
     t.save()

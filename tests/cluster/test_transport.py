@@ -11,7 +11,7 @@ def test_validators_pass_on_gloo_w2(groups):
 
 
 def test_validators_pass_on_gloo_w4(groups):
-    group = groups(4)
+    group = groups(4, "SPREAD")
     for extra in (dict(routing="empty_rank"), dict(tokens_per_rank=[2, 0, 5, 1], top_k=3)):
         for fn in (check_dispatch, check_combine):
             for res in group.execute(fn, Case(**extra), timeout=120):

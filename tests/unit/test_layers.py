@@ -1,0 +1,84 @@
+"""The package's layers: imports run one way (driver → worker → model → placement/comm/kernels),
+and no module keeps mutable state at module level.
+
+Each package may import only the packages listed for it (its own modules always); the check
+reads every module's imports (module level and inside functions) from its source.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "ray_moe"
+
+# What each part of the package may import (besides itself). Shared base modules first.
+BASE = {"config", "topology", "device"}
+ALLOWED = {
+    "config": set(),
+    "topology": set(),
+    "device": set(),
+    "kernels": set(),
+    "comm": {"topology"},
+    "placement": set(),
+    "model": {"config", "comm", "kernels", "placement"},
+    "checkpoint": {"config", "placement"},
+    "validation": BASE | {"comm", "kernels", "model", "placement"},
+    "worker": BASE | {"checkpoint", "comm", "model", "placement"},
+    "driver": BASE | {"checkpoint", "comm", "placement", "worker"},
+    "ops": BASE | {"driver", "validation"},
+    "bench": BASE | {"comm", "driver", "kernels", "model", "placement", "validation", "worker"},
+    "cli": BASE | {"bench", "checkpoint", "driver", "ops", "worker"},
+    "__init__": set(),  # lazy re-exports by name only
+}
+
+
+def _part(path: Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0].removesuffix(".py")
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "ray_moe":
+            names = [f"ray_moe.{a.name}" for a in node.names]  # from ray_moe import checkpoint
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            if name == "ray_moe" or name.startswith("ray_moe."):
+                parts = name.split(".")
+                found.add(parts[1] if len(parts) > 1 else "__init__")
+    return found
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=[str(p.relative_to(PACKAGE)) for p in MODULES])
+def test_imports_run_down_the_layers(path):
+    part = _part(path)
+    assert part in ALLOWED, f"{part} is not in the layer table of this test: add it"
+    upward = _imports(path) - ALLOWED[part] - {part}
+    assert not upward, f"ray_moe/{path.relative_to(PACKAGE)} ({part}) imports {sorted(upward)}"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=[str(p.relative_to(PACKAGE)) for p in MODULES])
+def test_no_mutable_module_state(path):
+    """Module-level assignments hold constants: no lists, dicts or sets (tables are tuples or
+    MappingProxyType), and no ``global`` statements anywhere."""
+    tree = ast.parse(path.read_text())
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, (ast.List, ast.Dict, ast.Set,
+                                                                                     ast.ListComp, ast.DictComp,
+                                                                                     ast.SetComp)):
+            target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+            name = getattr(target, "id", "?")
+            assert name == "__all__", f"{path.name}: module-level mutable {name} (line {node.lineno})"
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.Global)], f"{path.name} uses global"
