@@ -423,9 +423,15 @@ class NVSHMEMTransport(Transport):
         self.reserve(spec)
 
     def reserve(self, spec: BufferSpec) -> None:
-        """Allocate the buffer for ``spec`` unless the current one covers it (collective)."""
+        """Make the buffer hold ``spec`` (collective). A buffer serves one row width: a new hidden
+        size replaces it, keeping the larger of the old and new row count, meta width and element
+        size, so a later caller of the previous size still fits unless its width differs."""
         if self.spec is not None and self.spec.covers(spec):
             return
+        if self.spec is not None:
+            spec = BufferSpec(max_tokens=max(spec.max_tokens, self.spec.max_tokens), hidden=spec.hidden,
+                              elem_bytes=max(spec.elem_bytes, self.spec.elem_bytes),
+                              max_top_k=max(spec.max_top_k, self.spec.max_top_k))
         if self.buffer is not None:
             torch.cuda.synchronize(self.device)
             self.runtime.barrier()

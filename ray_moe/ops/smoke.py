@@ -228,11 +228,14 @@ def start_group(report: SmokeReport, config: Any, nodes: list[dict[str, Any]], d
 
 
 def per_rank_errors(report: SmokeReport, check: str, group: Any,
-                    runs: list[tuple[str, Callable, dict]], tol: float, extract: Callable) -> None:
-    """Run each (label, fn, case) on every rank; one row per rank with its worst error."""
+                    runs: list[tuple[str, Callable, Any]], tol: float, extract: Callable) -> None:
+    """Run each (label, fn, case) on every rank; one row per rank with its worst error. Cases
+    that cannot run at this world size (an empty rank needs two ranks) are left out and named."""
     worst = [0.0] * group.world_size
     bad: list[list[str]] = [[] for _ in range(group.world_size)]
     errors: list[dict[str, dict]] = [{} for _ in range(group.world_size)]
+    skipped = [f"{label} ({why})" for label, _, case in runs if (why := case.applies_to(group.world_size))]
+    runs = [run for run in runs if run[2].applies_to(group.world_size) is None]
     for label, fn, case in runs:
         for rank, res in enumerate(group.execute(fn, case, timeout=report.info["timeout"])):
             errs = extract(res)
@@ -245,8 +248,10 @@ def per_rank_errors(report: SmokeReport, check: str, group: Any,
         ok = not bad[r.rank]
         detail = (f"{len(runs)} case(s), worst rel. error {worst[r.rank]:.2e} <= {tol:g}" if ok
                   else f"{len(bad[r.rank])} error(s) over {tol:g}: " + "; ".join(bad[r.rank][:4]))
+        if skipped:
+            detail += f"; not run at W={group.world_size}: " + ", ".join(sorted(set(skipped)))
         report.add(check, PASS if ok else FAIL, **rank_where(r), detail=detail,
-                   data={"tolerance": tol, "errors": errors[r.rank]})
+                   data={"tolerance": tol, "errors": errors[r.rank], "not_run": skipped})
 
 
 def check_layer_parity(report: SmokeReport, group: Any, config: Any) -> None:

@@ -45,6 +45,15 @@ class Case:
     def tokens(self, rank: int) -> int:
         return self.tokens_per_rank[rank % len(self.tokens_per_rank)]
 
+    def applies_to(self, world_size: int) -> str | None:
+        """None when the case can run on ``world_size`` ranks, else why not (an empty rank
+        needs a second rank to receive everything)."""
+        if self.routing == "empty_rank" and world_size < 2:
+            return "routing empty_rank needs at least 2 ranks"
+        if self.num_experts % world_size:
+            return f"num_experts={self.num_experts} is not divisible by {world_size} ranks"
+        return None
+
     def buffer_spec(self) -> BufferSpec:
         """What a transport must hold to run this case."""
         return BufferSpec(max_tokens=max(1, *self.tokens_per_rank), hidden=self.hidden,

@@ -76,11 +76,17 @@ def test_pair_layout_and_topk_match_references():
         logits = torch.randn(T, E, device="cuda", requires_grad=True)
         w, i = topk_softmax(logits, K)
         wr, ir = topk_softmax_reference(logits, K)
-        assert torch.equal(i, ir)
-        assert rel_err(w, wr) < 1e-6
+        # A valid top-k: every chosen logit >= every other one (ties in any order), and the same
+        # weights per chosen expert as the reference (softmax over all E, renormalised).
+        chosen = logits.detach().gather(1, i.long())
+        rest = logits.detach().scatter(1, i.long(), float("-inf"))
+        assert (chosen.min(1).values >= rest.max(1).values).all()
+        assert rel_err(w, wr.gather(1, (ir.unsqueeze(2) == i.unsqueeze(1)).float().argmax(1))) < 1e-6
+        exact = (chosen.min(1).values - rest.max(1).values) > 1e-5  # rows without a near tie
+        assert exact.float().mean() > 0.99 and torch.equal(i[exact], ir[exact])
         g = torch.randn_like(w)
         (a,) = torch.autograd.grad(w, logits, g)
-        (b,) = torch.autograd.grad(wr, logits, g)
+        (b,) = torch.autograd.grad(wr, logits, g.gather(1, (i.unsqueeze(2) == ir.unsqueeze(1)).float().argmax(1)))
         assert (a - b).abs().max().item() < 1e-5
 
 
@@ -155,7 +161,7 @@ def test_chooser_measures_every_candidate_and_its_choice_is_correct():
 
 def test_router_logits_split_bf16_matches_float32():
     """route()'s router GEMM on CUDA bf16 (two bf16 halves of the float32 weight, tensor cores)."""
-    from ray_moe.model.experts import router_logits
+    from ray_moe.model.router import router_logits
     from ray_moe.validation.kernels import check_router_logits
 
     for T, H, E in [(16384, 4096, 64), (7, 200, 6), (0, 64, 8)]:

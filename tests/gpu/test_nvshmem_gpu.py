@@ -79,6 +79,8 @@ def _check_everything(g, label: str) -> None:
     fails = run_all(g, Case(hidden=64)) + run_all(g, Case(hidden=64, dtype="bfloat16"))
     assert not fails, f"{label}: " + "\n".join(fails)
     for extra in PARITY_CASES:
+        if Case(**extra).applies_to(g.world_size) is not None:
+            continue
         case = Case(seed=_seed_without_near_ties(extra, g.world_size), dtype="bfloat16", hidden=64, **extra)
         res = g.execute(layer_parity, case, timeout=300)
         for rank, errs in enumerate(res):
@@ -170,8 +172,10 @@ def test_two_ray_nodes_on_one_host():
 
 # --------------------------------------------------------------------------- worker functions
 def _layer(worker, seed: int, idx: int = 0):
+    from ray_moe.comm.base import BufferSpec
     from ray_moe.model.moe import MoELayer
 
+    worker.transport.reserve(BufferSpec(max_tokens=64, hidden=64, elem_bytes=2, max_top_k=2))
     return MoELayer(64, 8, 2, 96, worker.transport, layer_idx=idx, seed=seed,
                     dtype=torch.bfloat16, expert_impl="grouped_mm", device=worker.device)
 
@@ -218,7 +222,7 @@ def _stacked_layers(worker) -> dict:
     # the same computation with the rows kept per layer in ordinary tensors (torch transport)
     from ray_moe.comm.torch_a2a import TorchA2ATransport
 
-    ref_t = TorchA2ATransport(worker.rank_info.rank, 2)
+    ref_t = TorchA2ATransport(worker.rank_info.rank, worker.rank_info.world_size)
     ref_layers = [_layer(worker, 3, i) for i in range(4)]
     for lr in ref_layers:
         lr.transport = ref_t
