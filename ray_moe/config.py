@@ -46,6 +46,20 @@ class ModelConfig:
     dense_hidden: int = 0  # hidden size of a dense first layer; 0 means 4 * d_model
     dtype: str = "float32"  # float32 | bfloat16
 
+    def check(self) -> None:
+        _positive("model.n_layers", self.n_layers)
+        _positive("model.d_model", self.d_model)
+        _positive("model.n_heads", self.n_heads)
+        _positive("model.seq_len", self.seq_len)
+        _positive("model.vocab_size", self.vocab_size)
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}"
+            )
+        _choice("model.dtype", self.dtype, tuple(DTYPES))
+        if self.dense_hidden < 0:
+            raise ConfigError(f"model.dense_hidden={self.dense_hidden} must be >= 0 (0 means 4*d_model)")
+
 
 @dataclass
 class MoEConfig:
@@ -54,6 +68,17 @@ class MoEConfig:
     expert_hidden: int = 128
     aux_loss_coef: float = 0.0
     expert_impl: str = "auto"  # auto | loop | grouped_mm | triton
+
+    def check(self) -> None:
+        _positive("moe.num_experts", self.num_experts)
+        _positive("moe.expert_hidden", self.expert_hidden)
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(
+                f"moe.top_k={self.top_k} must be between 1 and moe.num_experts={self.num_experts}"
+            )
+        if not self.aux_loss_coef >= 0:
+            raise ConfigError(f"moe.aux_loss_coef={self.aux_loss_coef} must be >= 0")
+        _choice("moe.expert_impl", self.expert_impl, ("auto", "loop", "grouped_mm", "triton"))
 
 
 @dataclass
@@ -67,12 +92,42 @@ class ParallelConfig:
     collective_timeout_s: float = 120.0
     force_remote_path: bool = False
 
+    def check(self) -> None:
+        _positive("parallel.world_size", self.world_size)
+        _choice("parallel.transport", self.transport, ("auto", "nvshmem", "nccl", "gloo"))
+        _choice("parallel.device", self.device, ("auto", "cpu", "cuda"))
+        _choice(
+            "parallel.placement_strategy",
+            self.placement_strategy,
+            ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+        )
+        if not self.cpu_per_worker > 0:
+            raise ConfigError(f"parallel.cpu_per_worker={self.cpu_per_worker} must be > 0")
+        if self.transport in ("nvshmem", "nccl") and self.device == "cpu":
+            raise ConfigError(
+                f"parallel.transport={self.transport} needs GPUs but parallel.device=cpu; "
+                "use transport gloo or auto"
+            )
+        if self.transport == "gloo" and self.device == "cuda":
+            raise ConfigError(
+                "parallel.transport=gloo cannot move CUDA tensors but parallel.device=cuda; "
+                "use transport nccl, nvshmem or auto"
+            )
+        _positive("parallel.startup_timeout_s", self.startup_timeout_s)
+        _positive("parallel.collective_timeout_s", self.collective_timeout_s)
+
 
 @dataclass
 class DataConfig:
     paths: list = field(default_factory=list)  # files, directories or globs; [] = stdlib sources
     val_fraction: float = 0.05
     max_bytes: int = 0  # 0 = whole corpus
+
+    def check(self) -> None:
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction={self.val_fraction} must be in [0, 1)")
+        if self.max_bytes < 0:
+            raise ConfigError(f"data.max_bytes={self.max_bytes} must be >= 0 (0 = whole corpus)")
 
 
 @dataclass
@@ -96,6 +151,24 @@ class TrainConfig:
     nonfinite: str = "skip"  # skip | stop
     plots: bool = True
 
+    def check(self) -> None:
+        _positive("train.steps", self.steps, allow_zero=True)
+        _positive("train.batch_size", self.batch_size)
+        if not self.lr > 0:
+            raise ConfigError(f"train.lr={self.lr} must be > 0")
+        for key in ("weight_decay", "grad_clip"):
+            if not getattr(self, key) >= 0:
+                raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 0")
+        for key in ("warmup_steps", "eval_interval", "checkpoint_interval", "max_failures"):
+            _positive(f"train.{key}", getattr(self, key), allow_zero=True)
+        _positive("train.eval_batches", self.eval_batches)
+        _positive("train.log_interval", self.log_interval)
+        _positive("train.step_timeout_s", self.step_timeout_s)
+        _positive("train.health_check_interval_s", self.health_check_interval_s)
+        _choice("train.nonfinite", self.nonfinite, ("skip", "stop"))
+        if not self.run_dir:
+            raise ConfigError("train.run_dir='' must name a directory")
+
 
 @dataclass
 class BalanceConfig:
@@ -104,6 +177,16 @@ class BalanceConfig:
     clone_slots: int = 0
     ema: float = 0.5  # per interval; 0.9 never recovers from a shifting hot set (bench balance)
     max_cross_node_clones: int = -1  # -1 = no limit
+
+    def check(self) -> None:
+        _positive("balance.interval", self.interval)
+        _positive("balance.clone_slots", self.clone_slots, allow_zero=True)
+        if not 0.0 <= self.ema < 1.0:
+            raise ConfigError(f"balance.ema={self.ema} must be in [0, 1)")
+        if self.enabled and self.clone_slots == 0:
+            raise ConfigError(
+                "balance.enabled=true needs balance.clone_slots >= 1 (slots for clones per rank)"
+            )
 
 
 @dataclass
@@ -196,86 +279,18 @@ class Config:
 
     # ---------------------------------------------------------------- validation
     def validate(self) -> None:
-        m, e, p, t, d, b = self.model, self.moe, self.parallel, self.train, self.data, self.balance
-        _positive("model.n_layers", m.n_layers)
-        _positive("model.d_model", m.d_model)
-        _positive("model.n_heads", m.n_heads)
-        _positive("model.seq_len", m.seq_len)
-        _positive("model.vocab_size", m.vocab_size)
-        if m.d_model % m.n_heads:
-            raise ConfigError(
-                f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}"
-            )
-        _choice("model.dtype", m.dtype, tuple(DTYPES))
-        if m.dense_hidden < 0:
-            raise ConfigError(f"model.dense_hidden={m.dense_hidden} must be >= 0 (0 means 4*d_model)")
-        _positive("moe.num_experts", e.num_experts)
-        _positive("moe.expert_hidden", e.expert_hidden)
-        if not 1 <= e.top_k <= e.num_experts:
-            raise ConfigError(
-                f"moe.top_k={e.top_k} must be between 1 and moe.num_experts={e.num_experts}"
-            )
-        if not e.aux_loss_coef >= 0:
-            raise ConfigError(f"moe.aux_loss_coef={e.aux_loss_coef} must be >= 0")
-        _choice("moe.expert_impl", e.expert_impl, ("auto", "loop", "grouped_mm", "triton"))
-        _positive("parallel.world_size", p.world_size)
+        """Each section checks its own keys; then the checks that span sections."""
+        for section in _sections():
+            getattr(self, section).check()
+        e, p, t = self.moe, self.parallel, self.train
         if e.num_experts % p.world_size:
             raise ConfigError(
                 f"moe.num_experts={e.num_experts} is not divisible by "
                 f"parallel.world_size={p.world_size}"
             )
-        _choice("parallel.transport", p.transport, ("auto", "nvshmem", "nccl", "gloo"))
-        _choice("parallel.device", p.device, ("auto", "cpu", "cuda"))
-        _choice(
-            "parallel.placement_strategy",
-            p.placement_strategy,
-            ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
-        )
-        if not p.cpu_per_worker > 0:
-            raise ConfigError(f"parallel.cpu_per_worker={p.cpu_per_worker} must be > 0")
-        if p.transport in ("nvshmem", "nccl") and p.device == "cpu":
-            raise ConfigError(
-                f"parallel.transport={p.transport} needs GPUs but parallel.device=cpu; "
-                "use transport gloo or auto"
-            )
-        if p.transport == "gloo" and p.device == "cuda":
-            raise ConfigError(
-                "parallel.transport=gloo cannot move CUDA tensors but parallel.device=cuda; "
-                "use transport nccl, nvshmem or auto"
-            )
-        _positive("parallel.startup_timeout_s", p.startup_timeout_s)
-        _positive("parallel.collective_timeout_s", p.collective_timeout_s)
-        if not 0.0 <= d.val_fraction < 1.0:
-            raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
-        if d.max_bytes < 0:
-            raise ConfigError(f"data.max_bytes={d.max_bytes} must be >= 0 (0 = whole corpus)")
-        _positive("train.steps", t.steps, allow_zero=True)
-        _positive("train.batch_size", t.batch_size)
         if t.batch_size % p.world_size:
             raise ConfigError(
                 f"train.batch_size={t.batch_size} is not divisible by parallel.world_size={p.world_size}"
-            )
-        if not t.lr > 0:
-            raise ConfigError(f"train.lr={t.lr} must be > 0")
-        for key in ("weight_decay", "grad_clip"):
-            if not getattr(t, key) >= 0:
-                raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 0")
-        for key in ("warmup_steps", "eval_interval", "checkpoint_interval", "max_failures"):
-            _positive(f"train.{key}", getattr(t, key), allow_zero=True)
-        _positive("train.eval_batches", t.eval_batches)
-        _positive("train.log_interval", t.log_interval)
-        _positive("train.step_timeout_s", t.step_timeout_s)
-        _positive("train.health_check_interval_s", t.health_check_interval_s)
-        _choice("train.nonfinite", t.nonfinite, ("skip", "stop"))
-        if not t.run_dir:
-            raise ConfigError("train.run_dir='' must name a directory")
-        _positive("balance.interval", b.interval)
-        _positive("balance.clone_slots", b.clone_slots, allow_zero=True)
-        if not 0.0 <= b.ema < 1.0:
-            raise ConfigError(f"balance.ema={b.ema} must be in [0, 1)")
-        if b.enabled and b.clone_slots == 0:
-            raise ConfigError(
-                "balance.enabled=true needs balance.clone_slots >= 1 (slots for clones per rank)"
             )
 
 

@@ -222,8 +222,7 @@ def bench_worker(worker: Any, params: dict) -> list[dict]:
             rec["ceiling_bytes"] = n * len(views)
         dist.barrier()
         torch.cuda.synchronize()
-        buf.close()
-        del buf
+        buf.close()  # the next size allocates its own (collective)
         torch.cuda.empty_cache()
         out.append(rec)
     return out

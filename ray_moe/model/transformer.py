@@ -126,8 +126,10 @@ class MoETransformer(nn.Module):
     def moe_layers(self) -> list[MoELayer]:
         return [b.ffn for b in self.blocks if isinstance(b.ffn, MoELayer)]
 
-    def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """idx: int64/int32 [B, L] token ids → (logits float32 [B, L, V], aux loss float32 scalar)."""
+    def hidden_states(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """idx: int64/int32 [B, L] token ids → (final-norm hidden states [B, L, H] in the model
+        dtype, aux loss float32 scalar). The LM head (``self.lm_head``) is applied by the caller
+        (``forward`` for logits, :func:`ray_moe.model.loss.lm_loss` for the training loss)."""
         B, L = idx.shape
         if L > self.pos_emb.shape[0]:
             raise ValueError(f"sequence length {L} exceeds model.seq_len={self.pos_emb.shape[0]}")
@@ -143,4 +145,9 @@ class MoETransformer(nn.Module):
         for block in self.blocks:
             x, a = block(x)
             aux = aux + a
-        return self.lm_head(self.norm_f(x)).float(), aux
+        return self.norm_f(x), aux
+
+    def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """idx: int64/int32 [B, L] token ids → (logits float32 [B, L, V], aux loss float32 scalar)."""
+        h, aux = self.hidden_states(idx)
+        return self.lm_head(h).float(), aux

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ray_moe import checkpoint
 from ray_moe.comm.base import BufferSpec, Transport
 from ray_moe.config import Config, element_size
 from ray_moe.device import synchronize
+from ray_moe.model.loss import lm_loss
 from ray_moe.model.transformer import MoETransformer
 from ray_moe.placement.clones import push_clone_weights, reduce_clone_grads
 from ray_moe.placement.placement import Placement, expert_shard
@@ -125,8 +125,9 @@ class Engine:
         return x.to(self.device), y.to(self.device)
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits, aux = self.model(x)
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        """x, y: int64 [B, L] inputs and next-token targets → (mean cross-entropy, aux loss)."""
+        h, aux = self.model.hidden_states(x)
+        ce = lm_loss(h.reshape(-1, h.shape[-1]), self.model.lm_head.weight, y.reshape(-1))
         return ce, aux
 
     # ------------------------------------------------------------------ training
