@@ -14,7 +14,8 @@ Key schema (:func:`shard_state` writes it, :func:`load_shard_state` reads it): a
 parameter under its module name (``blocks.0.attn.qkv.weight``); an expert-sharded parameter
 (marked with :class:`~ray_moe.placement.placement.ExpertShard`) once per *logical* expert,
 ``blocks.1.ffn.experts.{e}.w13``, so any world size can load it; optimizer state under
-``optim.{key}.{exp_avg|exp_avg_sq}``; each rank's RNG under ``rng.rank{r}.{cpu|cuda}``.
+``optim.{key}.{exp_avg|exp_avg_sq}``; replicated buffers that training changes under
+``buffer.{name}``; each rank's RNG under ``rng.rank{r}.{cpu|cuda}``.
 
 Each rank writes its own file straight into a temporary directory (data never passes through
 the driver; on a multi-node cluster ``run_dir`` must be shared storage). The driver then writes
@@ -157,6 +158,10 @@ def optim_key(key: str, state: str) -> str:
     return f"optim.{key}.{state}"
 
 
+def buffer_key(name: str) -> str:
+    return f"buffer.{name}"
+
+
 def rng_key(rank: int, device_type: str) -> str:
     return f"rng.rank{rank}.{device_type}"
 
@@ -166,17 +171,25 @@ def shard_state(
     optim_state: Mapping[torch.Tensor, Mapping[str, torch.Tensor]],
     rank: int,
     device: torch.device,
+    named_buffers: Iterable[tuple[str, torch.Tensor]] = (),
 ) -> dict[str, torch.Tensor]:
     """This rank's part of a checkpoint as flat named CPU tensors.
 
     Args:
-        named_params: (name, parameter) of the model; expert-sharded ones carry ``expert_shard``.
-        optim_state: the optimizer's per-parameter state (``exp_avg``/``exp_avg_sq`` shaped like
-            the parameter; other entries are not saved: the step count is in the meta).
+        named_params: (name, parameter) of the model (or the optimizer's master copies under the
+            model's names); expert-sharded ones carry ``expert_shard``.
+        optim_state: the optimizer's per-parameter state, keyed by the tensors of
+            ``named_params`` (``exp_avg``/``exp_avg_sq`` shaped like the parameter; other entries
+            are not saved: the step count is in the meta).
         rank: this rank; replicated parameters and their state come from rank 0 only.
         device: this rank's device (its RNG state is saved too).
+        named_buffers: (name, tensor) of replicated non-parameter state that training changes
+            (e.g. a router's balancing bias), saved from rank 0 under ``buffer.{name}``.
     """
     out: dict[str, torch.Tensor] = {}
+    if rank == 0:
+        for name, buf in named_buffers:
+            out[buffer_key(name)] = buf.detach().cpu().clone()
     for name, p in named_params:
         state = optim_state.get(p, {})
         shard = expert_shard(p)
@@ -206,6 +219,7 @@ def load_shard_state(
     opt_steps: int,
     rank: int,
     device: torch.device,
+    named_buffers: Iterable[tuple[str, torch.Tensor]] = (),
 ) -> None:
     """Load a whole checkpoint (every rank's tensors merged) into this rank's parameters and
     optimizer state (``optim_state``, the optimizer's ``state`` dict, filled in place).
@@ -215,6 +229,8 @@ def load_shard_state(
     ``opt_steps > 0``; this rank's RNG is restored when the saved run had this rank.
     Raises :class:`CheckpointError` naming a missing tensor or a shape that does not match.
     """
+    for name, buf in named_buffers:
+        buf.copy_(_need(tensors, buffer_key(name), buf.shape))
     for name, p in named_params:
         shard = expert_shard(p)
         state: dict[str, torch.Tensor] = {}
