@@ -38,6 +38,13 @@ class LayerShape:
         return 6.0 * self.T * self.K * self.H * self.I
 
 
+def _log(msg: str) -> None:
+    """Progress line with wall time (long steps, e.g. SonicMoE's first-call autotuning, show up)."""
+    import time
+
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
 def _median_ms(fn: Callable[[], Any], warmup_ms: int, rep_ms: int) -> float:
     import triton.testing
 
@@ -272,10 +279,12 @@ def sweep_candidates(role: str) -> list[tuple[Any, bool]]:
         "wgrad13": [(C(128, 128, 64, 8, 4, 4), False), (C(128, 128, 64, 8, 8, 3), True), (C(128, 128, 64, 8, 8, 4), True),
                     (C(64, 128, 64, 8, 4, 4), True), (C(128, 64, 64, 8, 4, 4), True), (C(128, 64, 64, 8, 4, 5), True),
                     (C(128, 64, 64, 8, 4, 4, tma=True), True), (C(128, 64, 64, 8, 4, 5, tma=True), True),
-                    (C(128, 128, 64, 8, 8, 4, tma=True), True)],
+                    (C(128, 64, 64, 8, 4, 3, tma=True), True), (C(128, 128, 64, 8, 8, 4, tma=True), True),
+                    (C(128, 128, 32, 8, 8, 6, tma=True), True)],
         "wgrad2": [(C(128, 128, 64, 8, 8, 4), False), (C(128, 128, 64, 8, 4, 4), False), (C(128, 128, 64, 8, 8, 5), False),
                    (C(128, 128, 64, 8, 8, 4, tma=True), False), (C(128, 128, 64, 8, 8, 5, tma=True), False),
-                   (C(128, 256, 64, 8, 8, 4, tma=True), False)],
+                   (C(128, 256, 64, 8, 8, 4, tma=True), False), (C(128, 128, 64, 8, 4, 4, tma=True), False),
+                   (C(128, 128, 32, 8, 8, 6, tma=True), False)],
     }[role]
 
 
@@ -495,14 +504,17 @@ def _saved_and_peak(step_fwd: Callable[[], torch.Tensor], backward: Callable[[to
     return sum(n for p, n in seen.items() if p not in input_ptrs), peak
 
 
-def sonic_layer_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms: int, rep_ms: int) -> list[dict]:
+def sonic_layer_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms: int, rep_ms: int,
+                     impls: tuple[str, ...] = ("ray_moe", "sonicmoe"), sonic_mode: str = "full") -> list[dict]:
     """The full layer, training-mode forward and forward+backward, ray_moe vs SonicMoE.
 
     ray_moe: ``MoELayer`` (W=1, ``LocalTransport``, ``expert_impl: auto``): router (float32
     weights), fused top-k, counting-sort layout, experts, gather-combine. SonicMoE: the same
     problem through ``moe_TC_softmax_topk_layer`` (bf16 router). Both: x requires grad, the
     backward gives dx and every weight gradient. Errors: output and gradients against the float32
-    oracle (:func:`ray_moe.experts.reference_moe`, autograd).
+    oracle (:func:`ray_moe.experts.reference_moe`, autograd). ``sonic_mode="forward"`` times
+    SonicMoE's training-mode forward only (its first backward call autotunes four more GEMMs,
+    over ten minutes on a fresh machine).
     """
     from ray_moe.experts import reference_moe
 
@@ -515,6 +527,7 @@ def sonic_layer_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms
     sec = f"layer T={shape.T} E={shape.E}"
 
     # float32 oracle first (its autograd graph is the largest allocation of the run)
+    _log(f"{sec}: float32 oracle")
     leaves = [t.detach().float().requires_grad_() for t in (prob["x"], prob["router"], prob["w13"], prob["w2"])]
     ref_out, _, _ = reference_moe(*leaves, shape.K)
     ref_grads = torch.autograd.grad(ref_out, leaves, grad.float())
@@ -522,40 +535,52 @@ def sonic_layer_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms
     del leaves
     torch.cuda.empty_cache()
 
-    impls: dict[str, tuple[Callable[[], torch.Tensor], tuple[torch.Tensor, ...], Callable[..., tuple]]] = {}
+    runs: dict[str, tuple[Callable[[], torch.Tensor], tuple[torch.Tensor, ...], Callable[..., tuple]]] = {}
     layer = ray_moe_layer(shape, prob)
-    impls["ray_moe"] = (lambda: layer(x)[0], (x, layer.router, layer.w13, layer.w2), lambda *g: g)
+    if "ray_moe" in impls:
+        runs["ray_moe"] = (lambda: layer(x)[0], (x, layer.router, layer.w13, layer.w2), lambda *g: g)
     err = sonic_import_error()
-    if err is None:
+    if err is None and "sonicmoe" in impls:
         sonic = SonicLayer(prob, shape.K)
-        impls["sonicmoe"] = (lambda: sonic(x), (x, *sonic.params),
-                             lambda dx, dr, dfc, dpj: (dx, *sonic.grads_in_ray_layout(dr, dfc, dpj)))
-    else:
+        runs["sonicmoe"] = (lambda: sonic(x), (x, *sonic.params),
+                            lambda dx, dr, dfc, dpj: (dx, *sonic.grads_in_ray_layout(dr, dfc, dpj)))
+    elif err is not None:
         rows.append({"section": sec, "what": "sonicmoe", "note": f"not run: {err}"})
     times: dict[str, dict[str, float]] = {}
-    for name, (fwd, params, to_ray) in impls.items():
+    for name, (fwd, params, to_ray) in runs.items():
+        backward = name == "ray_moe" or sonic_mode == "full"
+
         def fwd_bwd(fwd=fwd, params=params):
             torch.autograd.grad(fwd(), params, grad)
 
-        fwd_bwd()  # compiles / autotunes (SonicMoE's quack GEMMs; ray_moe's per-shape choice)
+        _log(f"{sec}: {name} first call (compile / autotune / per-shape choice)")
+        (fwd_bwd if backward else fwd)()  # compiles / autotunes (SonicMoE's quack GEMMs; ray_moe's choice)
+        torch.cuda.synchronize()
+        _log(f"{sec}: {name} errors, saved bytes, timings")
         out = fwd().detach()
-        grads = to_ray(*torch.autograd.grad(fwd(), params, grad))
         errs = {"out": _rel_err_gpu(out, ref_out)}
-        errs.update({f"d{n}": _rel_err_gpu(a, b) for n, a, b in zip(("x", "router", "w13", "w2"), grads, ref_grads)})
-        del out, grads
-        saved, peak = _saved_and_peak(fwd, lambda o, params=params: torch.autograd.grad(o, params, grad),
-                                      params)
+        if backward:
+            grads = to_ray(*torch.autograd.grad(fwd(), params, grad))
+            errs.update({f"d{n}": _rel_err_gpu(a, b) for n, a, b in zip(("x", "router", "w13", "w2"), grads, ref_grads)})
+            del grads
+        del out
+        saved, peak = _saved_and_peak(
+            fwd, (lambda o, params=params: torch.autograd.grad(o, params, grad)) if backward else (lambda o: None),
+            params)
         t_f = _median_ms(fwd, warmup_ms, rep_ms)
-        t_fb = _median_ms(fwd_bwd, warmup_ms, rep_ms)
+        t_fb = _median_ms(fwd_bwd, warmup_ms, rep_ms) if backward else float("nan")
         times[name] = {"fwd": t_f, "fwd+bwd": t_fb}
-        note = {"rel_err": {k: float(f"{v:.3g}") for k, v in errs.items()}}
+        note: dict[str, Any] = {"rel_err": {k: float(f"{v:.3g}") for k, v in errs.items()}}
         if name == "ray_moe" and layer.expert_chooser.choices:
             note["expert impl"] = [c.name for c in layer.expert_chooser.choices.values()]
+        if not backward:
+            note["mode"] = "forward only (peak: forward)"
+        _log(f"{sec}: {name} fwd {t_f:.2f} ms, fwd+bwd {t_fb:.2f} ms, errors {errs}")
         rows.append({"section": sec, "what": name, "fwd ms": t_f, "fwd TFLOP/s": _tflops(fl, t_f),
                      "fwd+bwd ms": t_fb, "bwd ms": t_fb - t_f, "bwd TFLOP/s": _tflops(2 * fl, t_fb - t_f),
                      "saved GiB": saved / 2**30, "peak GiB": peak, "note": note})
         torch.cuda.empty_cache()
-    if "sonicmoe" in times:
+    if len(times) == 2:
         r, s_ = times["ray_moe"], times["sonicmoe"]
         rows.append({"section": sec, "what": "ray_moe / sonicmoe (time ratio, < 1 = ray_moe faster)",
                      "fwd ms": r["fwd"] / s_["fwd"], "fwd+bwd ms": r["fwd+bwd"] / s_["fwd+bwd"],
@@ -586,7 +611,7 @@ def _graph_ms(fn: Callable[[], Any], warmup_ms: int, rep_ms: int) -> float:
 
 
 def small_t_rows(shape: LayerShape, tokens: list[int], dtype: torch.dtype, seed: int, warmup_ms: int,
-                 rep_ms: int, copy_gbs: float) -> list[dict]:
+                 rep_ms: int, copy_gbs: float, impls: tuple[str, ...] = ("ray_moe", "sonicmoe")) -> list[dict]:
     """Inference forward at small token counts, eager and replayed from a CUDA graph, ray_moe
     (``MoELayer``, auto) vs SonicMoE, as expert-weight bytes read per second against the copy
     bandwidth measured in the same run (the layer must read every touched expert's weights once)."""
@@ -595,7 +620,7 @@ def small_t_rows(shape: LayerShape, tokens: list[int], dtype: torch.dtype, seed:
     prob = layer_problem(big, device, dtype, seed)
     layer = ray_moe_layer(big, prob)
     err = sonic_import_error()
-    sonic = SonicLayer(prob, shape.K) if err is None else None
+    sonic = SonicLayer(prob, shape.K) if err is None and "sonicmoe" in impls else None
     w_bytes_per_expert = 3 * shape.H * shape.I * prob["w13"].element_size()
     rows: list[dict] = []
     for T in tokens:
@@ -604,12 +629,13 @@ def small_t_rows(shape: LayerShape, tokens: list[int], dtype: torch.dtype, seed:
             ids = torch.topk(x.float() @ prob["router"], shape.K, dim=-1).indices
         touched = int(torch.unique(ids).numel())
         w_bytes = touched * w_bytes_per_expert
-        fns = {"ray_moe": lambda: layer(x)[0]}
+        fns = {"ray_moe": lambda: layer(x)[0]} if "ray_moe" in impls else {}
         if sonic is not None:
             fns["sonicmoe"] = lambda: sonic(x, inference=True)
         res: dict[str, dict[str, float]] = {}
         for name, fn in fns.items():
             row: dict[str, Any] = {"section": f"small T E={shape.E}", "what": f"{name} T={T}"}
+            _log(f"small T E={shape.E}: {name} T={T}")
             try:
                 with torch.no_grad():
                     fn()  # compile / autotune / per-shape choice outside the timings
@@ -632,7 +658,8 @@ def small_t_rows(shape: LayerShape, tokens: list[int], dtype: torch.dtype, seed:
     return rows
 
 
-def profile_rows(shape: LayerShape, dtype: torch.dtype, seed: int, top: int = 14) -> list[dict]:
+def profile_rows(shape: LayerShape, dtype: torch.dtype, seed: int, top: int = 14,
+                 impls: tuple[str, ...] = ("ray_moe", "sonicmoe")) -> list[dict]:
     """Where one training step's GPU time goes (torch.profiler, CUDA kernels by total time):
     one forward+backward of ray_moe's layer and, when it imports, SonicMoE's, after warm-up."""
     from torch.profiler import ProfilerActivity, profile
@@ -642,11 +669,13 @@ def profile_rows(shape: LayerShape, dtype: torch.dtype, seed: int, top: int = 14
     x = prob["x"].detach().requires_grad_()
     layer = ray_moe_layer(shape, prob)
     steps = {"ray_moe": (lambda: layer(x)[0], (x, layer.router, layer.w13, layer.w2))}
-    if sonic_import_error() is None:
+    if sonic_import_error() is None and "sonicmoe" in impls:
         sonic = SonicLayer(prob, shape.K)
         steps["sonicmoe"] = (lambda: sonic(x), (x, *sonic.params))
     rows: list[dict] = []
     for name, (fwd, params) in steps.items():
+        if name not in impls:
+            continue
         def step(fwd=fwd, params=params):
             torch.autograd.grad(fwd(), params, prob["grad"])
 
@@ -701,6 +730,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    " as weight bytes/s against the copy bandwidth; profile: kernel time of one training step")
     p.add_argument("--layer-E", default=None, help="layer/small/profile: comma list of E (default: --E)")
     p.add_argument("--small-T", default="128,1024", help="small: comma list of token counts")
+    p.add_argument("--impls", default="ray_moe,sonicmoe", help="layer/small/profile: which layers to run")
+    p.add_argument("--sonic-mode", default="full", choices=["full", "forward"],
+                   help="layer: SonicMoE forward+backward, or its forward only (its backward GEMMs autotune"
+                        " for over ten minutes on a fresh machine)")
     p.add_argument("--sweep", action="store_true", help="time alternative tile configs per kernel")
     p.add_argument("--json", default=None, help="write the rows and the setup here")
     p.add_argument("--world-size", type=int, default=0,
@@ -756,6 +789,7 @@ def main(argv: list[str]) -> int:
             _write_json(args.json, shape, args, rows)
             torch.cuda.empty_cache()
     layer_es = [int(e) for e in (args.layer_E or str(shape.E)).split(",")]
+    impls = tuple(args.impls.split(","))
     dtype = getattr(torch, args.dtype)
     if sections & {"layer", "small", "profile"}:
         inp = None
@@ -765,15 +799,16 @@ def main(argv: list[str]) -> int:
         copy_gbs = copy_bandwidth_gbs()
         rows.append({"section": "small T", "what": "device copy bandwidth (read + write)", "GB/s": copy_gbs})
         print(f"copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
-    for E in layer_es:
+    for name_, E in [(n, e) for n in ("layer", "small", "profile") for e in layer_es]:
         eshape = LayerShape(shape.T, shape.H, shape.I, E, shape.K)
         for name, step in (
-            ("layer", lambda: sonic_layer_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms)),
+            ("layer", lambda: sonic_layer_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms, impls,
+                                               args.sonic_mode)),
             ("small", lambda: small_t_rows(eshape, [int(t) for t in args.small_T.split(",")], dtype, args.seed,
-                                           args.warmup_ms, args.rep_ms, copy_gbs)),
-            ("profile", lambda: profile_rows(eshape, dtype, args.seed)),
+                                           args.warmup_ms, args.rep_ms, copy_gbs, impls)),
+            ("profile", lambda: profile_rows(eshape, dtype, args.seed, impls=impls)),
         ):
-            if name in sections:
+            if name in sections and name == name_:
                 try:
                     new = step()
                 except Exception as exc:  # one failing comparison must not lose the others' rows
