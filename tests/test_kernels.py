@@ -122,7 +122,8 @@ def run_interpreter_checks() -> dict:
     hopper = {
         "tma": dataclasses.replace(split, **{r: dataclasses.replace(getattr(split, r), tma=True) for r in roles}),
         "tma_persistent": dataclasses.replace(split, dual_wgrad13=False, **{
-            r: dataclasses.replace(getattr(split, r), tma=True, persistent=True, flatten=True) for r in roles}),
+            r: dataclasses.replace(getattr(split, r), tma=True, persistent=True, flatten=r in ("down", "dx"))
+            for r in roles}),
     }
     from ray_moe.kernels import grouped_tma
 
