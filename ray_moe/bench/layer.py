@@ -408,18 +408,13 @@ def layer_problem(shape: LayerShape, device: torch.device, dtype: torch.dtype, s
 
 def ray_moe_layer(shape: LayerShape, prob: dict[str, torch.Tensor], impl: str = "auto") -> Any:
     """``MoELayer`` at W=1 over ``LocalTransport`` (route + experts + combine) holding ``prob``'s
-    weights. The per-expert deterministic initialisation is skipped (the weights are copied in
-    right after), which keeps building an E=128 layer off the host's random generator."""
-    from unittest import mock
-
-    from ray_moe import moe as moe_mod
+    weights (the layer's own expert initialisation is skipped: the weights are copied in right after)."""
     from ray_moe.comm.local import LocalTransport
-    from ray_moe.placement import Placement
+    from ray_moe.model.moe import MoELayer
 
     w13 = prob["w13"]
-    with mock.patch.object(moe_mod, "expert_init", lambda *a: (torch.zeros(()), torch.zeros(()))):
-        layer = moe_mod.MoELayer(shape.H, shape.E, shape.K, shape.I, LocalTransport(), Placement.native(shape.E, 1),
-                                 dtype=w13.dtype, expert_impl=impl, device=w13.device)
+    layer = MoELayer(shape.H, shape.E, shape.K, shape.I, LocalTransport(), dtype=w13.dtype, expert_impl=impl,
+                     device=w13.device, init_weights=False)
     with torch.no_grad():
         layer.router.copy_(prob["router"])
         layer.w13.copy_(w13)
@@ -460,7 +455,6 @@ class SonicLayer:
 
     def grads_in_ray_layout(self, d_router_w, d_fc, d_proj) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(router float32 [H, E], w13 [E, H, 2I], w2 [E, I, H]) gradients from SonicMoE's layout."""
-        I = d_fc.shape[1] // 2
         dw13 = torch.cat([d_fc[:, 0::2, :].transpose(1, 2), d_fc[:, 1::2, :].transpose(1, 2)], dim=2)
         return d_router_w.t().float(), dw13, d_proj.transpose(1, 2)
 
@@ -520,11 +514,11 @@ def sonic_layer_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms
     weights), fused top-k, counting-sort layout, experts, gather-combine. SonicMoE: the same
     problem through ``moe_TC_softmax_topk_layer`` (bf16 router). Both: x requires grad, the
     backward gives dx and every weight gradient. Errors: output and gradients against the float32
-    oracle (:func:`ray_moe.experts.reference_moe`, autograd). ``sonic_mode="forward"`` times
+    oracle (:func:`ray_moe.model.experts.reference_moe`, autograd). ``sonic_mode="forward"`` times
     SonicMoE's training-mode forward only (its first backward call autotunes four more GEMMs,
     over ten minutes on a fresh machine).
     """
-    from ray_moe.experts import reference_moe
+    from ray_moe.model.experts import reference_moe
 
     device = torch.device("cuda")
     prob = layer_problem(shape, device, dtype, seed)

@@ -76,9 +76,12 @@ class MoELayer(nn.Module):
         device: torch.device | str = "cpu",
         expert_chooser: ExpertImplChooser | None = None,
         clone_slots: int = 0,
+        init_weights: bool = True,
     ) -> None:
         """``placement``: the initial placement (default: native, with ``clone_slots`` free clone
-        slots per rank); the world size is the transport's."""
+        slots per rank); the world size is the transport's. ``init_weights=False`` leaves the
+        expert weights uninitialised for a caller that loads them (drawing E large experts on the
+        host takes minutes at real sizes)."""
         super().__init__()
         if placement is None:
             placement = Placement.native(num_experts, transport.world_size, clone_slots)
@@ -102,18 +105,20 @@ class MoELayer(nn.Module):
         self.register_buffer("received_pairs", torch.zeros(1, device=device), persistent=False)
         self.placement = placement
         self.tables = placement.tables(device)
-        self.reset_parameters()
+        self.reset_parameters(experts=init_weights)
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """Deterministic initial router and expert weights, independent of the world size (each
-        logical expert from its own generator), and zeroed load counters."""
+    def reset_parameters(self, experts: bool = True) -> None:
+        """Deterministic initial router and (with ``experts``) expert weights, independent of the
+        world size (each logical expert from its own generator), and zeroed load counters."""
         self.router.copy_(router_init(self.seed, self.layer_idx, self.d_model, self.num_experts))
-        self.w13.zero_()
-        self.w2.zero_()
-        for slot, e in enumerate(self.placement.slot_experts()[self.rank].tolist()):
-            if e >= 0:
-                self.load_expert(slot, *expert_init(self.seed, self.layer_idx, e, self.d_model, self.expert_hidden))
+        if experts:
+            self.w13.zero_()
+            self.w2.zero_()
+            for slot, e in enumerate(self.placement.slot_experts()[self.rank].tolist()):
+                if e >= 0:
+                    w13, w2 = expert_init(self.seed, self.layer_idx, e, self.d_model, self.expert_hidden)
+                    self.load_expert(slot, w13, w2)
         self.expert_tokens.zero_()
         self.received_pairs.zero_()
 

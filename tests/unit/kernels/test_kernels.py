@@ -235,7 +235,7 @@ def test_sonic_layout_round_trip_matches_the_oracle(monkeypatch):
     import torch.nn.functional as F
 
     from ray_moe.bench.layer import LayerShape, SonicLayer, layer_problem
-    from ray_moe.experts import reference_moe
+    from ray_moe.model.experts import reference_moe
 
     def stand_in(x, router_w, w1, b1, w2, b2, K, stream_id, activation_type, is_inference_mode_enabled=False):
         logits = F.linear(x, router_w)
@@ -265,9 +265,9 @@ def test_sonic_layout_round_trip_matches_the_oracle(monkeypatch):
     ref, _, _ = reference_moe(*leaves, shape.K)
     want = torch.autograd.grad(ref, leaves, prob["grad"])
     # the oracle routes with float32 logits (route()), the rest is float64 on both sides
-    assert relative_error(out, ref) < 1e-6
+    assert rel_err(out, ref) < 1e-6
     for a, b, name in zip(got, want, ("dx", "drouter", "dw13", "dw2")):
-        assert relative_error(a, b) < 1e-6, name
+        assert rel_err(a, b) < 1e-6, name
 
 
 def test_triton_topk_softmax_under_interpreter(interpreter_results):
