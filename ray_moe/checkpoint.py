@@ -108,10 +108,13 @@ def read_meta(ckpt: str | Path) -> dict[str, Any]:
         path = ckpt / entry["file"]
         if not path.is_file():
             raise CheckpointError(f"checkpoint file {str(path)!r} is missing")
-        if path.stat().st_size != entry["bytes"] or _sha256(path) != entry["sha256"]:
-            raise CheckpointError(
-                f"checkpoint file {str(path)!r} is corrupt (size or sha256 differs from {META})"
-            )
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(f"checkpoint file {str(path)!r} is corrupt: {size} bytes, "
+                                  f"{META} says {entry['bytes']} (truncated or overwritten)")
+        if _sha256(path) != entry["sha256"]:
+            raise CheckpointError(f"checkpoint file {str(path)!r} is corrupt: its sha256 differs "
+                                  f"from the one in {META} (bytes changed)")
     if not meta.get("files"):
         raise CheckpointError(f"checkpoint {str(ckpt)!r} lists no tensor files in {META}")
     return meta
@@ -129,23 +132,28 @@ def load_tensors(ckpt: str | Path, meta: dict[str, Any]) -> dict[str, torch.Tens
     return out
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete, uncorrupted checkpoint under run_dir (None if there is none)."""
+def scan_checkpoints(run_dir: str | Path) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """Every checkpoint under run_dir, checked: (valid ones newest first, [(corrupt one, why)]).
+
+    Newest means highest step; ``latest`` only breaks no ties (a step has one directory).
+    """
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
-        return None
-    candidates = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True)
-    pointer = root / LATEST
-    if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        candidates = [named] + [c for c in candidates if c != named]
-    for c in candidates:
+        return [], []
+    valid, corrupt = [], []
+    for c in sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True):
         try:
             read_meta(c)
-            return c
-        except CheckpointError:
-            continue
-    return None
+            valid.append(c)
+        except CheckpointError as exc:
+            corrupt.append((c, str(exc)))
+    return valid, corrupt
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete, uncorrupted checkpoint under run_dir (None if there is none)."""
+    valid, _ = scan_checkpoints(run_dir)
+    return valid[0] if valid else None
 
 
 def expert_key(param_name: str, expert: int) -> str:

@@ -24,15 +24,28 @@ def _train(args: argparse.Namespace) -> int:
     from ray_moe.driver.trainer import Trainer
 
     config = Config.from_yaml(args.config, args.overrides)
-    print("# resolved config")
-    print(config.to_yaml(), flush=True)
+    print("# config (whole: RUN_DIR/config.yaml)")
+    print(compact_config(config), flush=True)
     with Trainer(config, address=args.address, progress=not args.no_progress) as trainer:
+        print(f"# run_dir {trainer.run_dir} (step {trainer.step_count} of {config.train.steps})", flush=True)
         trainer.train()
         summary = trainer.summary()
     print("\n# summary")
     print(tabulate([(k, _fmt(v)) for k, v in summary.items()], tablefmt="github",
                    headers=["metric", "value"]))
+    print(f"# results in {summary['run_dir']}", flush=True)
     return 0
+
+
+def compact_config(config) -> str:
+    """One line per section: the keys that differ from the defaults (``section: (defaults)`` when none)."""
+    from ray_moe.config import Config
+
+    default, lines = Config().to_dict(), []
+    for section, values in config.to_dict().items():
+        changed = [f"{k}={v}" for k, v in values.items() if default[section][k] != v]
+        lines.append(f"{section}: " + (" ".join(changed) if changed else "(defaults)"))
+    return "\n".join(lines)
 
 
 def _fmt(v):
@@ -90,11 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     from ray_moe.checkpoint import CheckpointError
     from ray_moe.config import ConfigError
     from ray_moe.driver.group import GroupError
-    from ray_moe.driver.trainer import TrainingError
+    from ray_moe.driver.trainer import TrainingError, TrainingInterrupted
     from ray_moe.worker.data import DataError
 
     try:
         return args.fn(args)
+    except TrainingInterrupted as exc:
+        print(f"ray-moe {args.command}: {exc}", file=sys.stderr)
+        return 128 + exc.signum
     except (ConfigError, DataError, GroupError, TrainingError, CheckpointError) as exc:
         print(f"ray-moe {args.command}: error: {exc}".replace("\n", " "), file=sys.stderr)
         return 2

@@ -19,6 +19,8 @@ import yaml
 
 # The one table of model dtypes: config name → torch dtype (element sizes come from the dtype).
 DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16})
+# Where step metrics go besides run_dir/metrics.jsonl and Ray's metrics (always on).
+LOGGERS = ("tensorboard", "wandb")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -143,8 +145,13 @@ class TrainConfig:
     eval_batches: int = 4
     checkpoint_interval: int = 0  # 0 = only at the end (when run_dir is set)
     run_dir: str = "runs/latest"
-    resume: bool = True  # continue from run_dir's latest checkpoint if there is one
-    log_interval: int = 1
+    storage_path: str = ""  # base of a relative run_dir (shared storage on a multi-node cluster)
+    resume: str = "auto"  # auto (when run_dir has a valid checkpoint) | true (must) | false (fresh run)
+    overwrite: bool = False  # a fresh run moves an earlier run's results to run_dir/archive/
+    log_interval: int = 10  # steps between progress lines when the output is not a terminal
+    log_every_s: float = 30.0  # ... or seconds, whichever comes first
+    progress: str = "auto"  # auto (a bar on a terminal, lines otherwise) | bar | lines | off
+    loggers: list = field(default_factory=list)  # besides metrics.jsonl: tensorboard, wandb
     max_failures: int = 0
     step_timeout_s: float = 300.0
     health_check_interval_s: float = 10.0
@@ -168,6 +175,11 @@ class TrainConfig:
         _choice("train.nonfinite", self.nonfinite, ("skip", "stop"))
         if not self.run_dir:
             raise ConfigError("train.run_dir='' must name a directory")
+        _choice("train.resume", self.resume, ("auto", "true", "false"))
+        _positive("train.log_every_s", self.log_every_s)
+        _choice("train.progress", self.progress, ("auto", "bar", "lines", "off"))
+        for logger in self.loggers:
+            _choice("train.loggers", logger, LOGGERS)
 
 
 @dataclass
@@ -342,6 +354,8 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             raise ConfigError(f"{key}={value!r} must be a number")
         return float(value)
     if origin is str:
+        if isinstance(value, bool):  # YAML reads true/false/yes/no as booleans
+            return "true" if value else "false"
         if not isinstance(value, str):
             raise ConfigError(f"{key}={value!r} must be a string")
         return value
