@@ -9,6 +9,7 @@ tokens/s, step time, learning rate, gradient norm, expert-load imbalance.
 from __future__ import annotations
 
 import logging
+import uuid
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -101,7 +102,7 @@ class WandbSink:
                               "pip install wandb (or remove wandb from train.loggers)") from None
         id_file = run_dir / "wandb" / "run_id"
         id_file.parent.mkdir(parents=True, exist_ok=True)
-        run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
         id_file.write_text(run_id)
         self.run = wandb.init(project="ray-moe", name=run_name, id=run_id, resume="allow",
                               dir=str(run_dir), config=config.to_dict())

@@ -99,3 +99,12 @@ def test_cli_with_an_unreachable_address_exits_2_in_one_line(tmp_path):
     err = r.stderr.strip().splitlines()
     assert len(err) == 1 and "nothing listens at --address '127.0.0.1:1'" in err[0], err
     assert time.monotonic() - t0 < 60
+
+
+def test_wandb_logger_without_the_package_is_one_line(tmp_path, monkeypatch):
+    from ray_moe.config import Config, ConfigError
+    from ray_moe.driver.loggers import make_sinks
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    with pytest.raises(ConfigError, match="train.loggers includes wandb but the wandb package is not installed"):
+        make_sinks(Config().with_overrides(["train.loggers=[wandb]"]), tmp_path)
