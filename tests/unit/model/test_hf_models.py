@@ -1,0 +1,127 @@
+"""The HF families against transformers at W=1 (no Ray): logits and loss gradients (router, every
+expert of a layer, shared expert, dense layer, attention, embedding) equal transformers' own
+model in fp32, at the native placement and with clones; activation checkpointing changes no
+number and counts each token once; a run's checkpoint exports to a directory that
+``AutoModelForCausalLM.from_pretrained`` loads to the same logits; bad weights are named."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ray_moe.comm.local import LocalTransport
+from ray_moe.config import Config
+from ray_moe.model.build import build_model
+from ray_moe.model.hf import WeightsError
+from ray_moe.validation.hf_model import model_parity, parity_config, reference
+from tests.support import single_rank
+
+FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe")
+TOL = 1e-5
+
+
+def local_worker() -> SimpleNamespace:
+    return SimpleNamespace(rank_info=single_rank(), transport=LocalTransport(), device="cpu")
+
+
+def batch(vocab: int = 272, B: int = 4, L: int = 12, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (B, L + 1), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_equal_to_transformers_at_one_rank(tiny_hf, family):
+    cfg = parity_config(tiny_hf(family), world_size=1, batch=4, seq_len=12)
+    ids = batch()
+    res = model_parity(local_worker(), cfg, ids, reference(cfg, ids))
+    for placement in ("native", "clones"):
+        errs = res[placement]
+        assert any(k.startswith("expert.") for k in errs) and any(k.endswith("routed.router") for k in errs)
+        bad = {k: v for k, v in errs.items() if not v <= TOL}
+        assert not bad, f"{family} {placement}: relative errors above {TOL}: {bad}"
+
+
+def test_a_changed_routing_is_caught(tiny_hf):
+    """The comparison can fail: the GLM model with another routed_scaling_factor or without the
+    group limit differs from transformers' far beyond the tolerance."""
+    cfg = parity_config(tiny_hf("glm4_moe"), world_size=1, batch=4, seq_len=12)
+    ids = batch()
+    expected = reference(cfg, ids)
+    for change in ("model.hf.routed_scaling_factor=1.0", "model.hf.topk_group=4"):
+        res = model_parity(local_worker(), cfg.with_overrides([change]), ids, expected, with_clones=False)
+        assert res["native"]["logits"] > 1e-2, change
+
+
+@pytest.mark.parametrize("mode", ["moe", "full"])
+def test_activation_checkpointing_changes_nothing(tiny_hf, mode):
+    base = parity_config(tiny_hf("glm4_moe"), world_size=1, batch=4, seq_len=12)
+    ids = batch()
+    grads, counts = [], []
+    for cfg in (base, base.with_overrides([f"model.activation_checkpointing={mode}"])):
+        model = build_model(cfg, LocalTransport())
+        h, _ = model.hidden_states(ids[:, :-1])
+        (h.float().square().mean()).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        counts.append(torch.stack([layer.expert_tokens.clone() for layer in model.moe_layers()]))
+    for name, g in grads[0].items():
+        assert torch.allclose(grads[1][name], g, rtol=1e-6, atol=1e-7), name
+    assert torch.equal(counts[0], counts[1]) and counts[0].sum() == 2 * 4 * 12 * 3  # 2 MoE layers, K=3
+
+
+def test_init_from_names_a_misshapen_or_foreign_tensor(tiny_hf):
+    path = tiny_hf("qwen3_moe")
+    cfg = parity_config(path, world_size=1, batch=4, seq_len=12)
+    with pytest.raises(WeightsError, match=r"model\.layers\.1\.mlp\.experts\.0\.gate_proj\.weight.*shape \(16, 32\)"):
+        build_model(cfg.with_overrides(["model.hf.moe_intermediate_size=24"]), LocalTransport())
+    with pytest.raises(WeightsError, match=r"tensor 'model\.layers\.2\.[^']+' is not part of a qwen3_moe model"):
+        build_model(cfg.with_overrides(["model.hf.num_hidden_layers=2"]), LocalTransport())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_loads_in_transformers_with_the_same_logits(tiny_hf, tmp_path, family):
+    """Train two steps from the HF directory, checkpoint, ``ray-moe export --format hf``, load the
+    export with ``AutoModelForCausalLM.from_pretrained``: the same logits as ray_moe's model."""
+    from transformers import AutoModelForCausalLM
+
+    from ray_moe import checkpoint
+    from ray_moe.cli import main
+    from ray_moe.worker.engine import Engine
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f(x):\n    return x * 2\n" * 400)
+    cfg = Config.from_dict({
+        "model": {"init_from": tiny_hf(family), "seq_len": 16},
+        "parallel": {"world_size": 1, "device": "cpu"}, "data": {"paths": [str(corpus)]},
+        "train": {"batch_size": 2, "steps": 2, "warmup_steps": 1, "run_dir": str(tmp_path / "run")},
+    })
+    engine = Engine(cfg, single_rank(), LocalTransport(), torch.device("cpu"))
+    for _ in range(2):
+        engine.train_step()
+    staging = checkpoint.new_staging_dir(cfg.train.run_dir, 2)
+    files = [checkpoint.write_shard(staging, 0, engine.shard_state())]
+    checkpoint.commit(staging, {"step": 2, "opt_steps": 2, "world_size": 1, "config": cfg.to_dict(),
+                                "hf_config": cfg.model.resolve_hf()[1]}, files)
+    out = tmp_path / "export"
+    assert main(["export", cfg.train.run_dir, "--format", "hf", "--out", str(out), "--max-shard-gb", "0.0001"]) == 0
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1  # sharded, with an index
+    hf = AutoModelForCausalLM.from_pretrained(str(out))
+    ids = batch(vocab=256, B=2, L=16)[:, :-1]
+    engine.model.eval()
+    with torch.no_grad():
+        theirs = hf(input_ids=ids).logits.float()
+        ours, _ = engine.model(ids)
+    assert (ours - theirs).norm() / theirs.norm() <= TOL
+
+
+def test_export_refuses_the_byte_model(tmp_path, capsys):
+    from ray_moe import checkpoint
+    from ray_moe.cli import main
+    from tests.support import small_config
+
+    cfg = small_config(tmp_path)
+    staging = checkpoint.new_staging_dir(tmp_path / "run", 0)
+    files = [checkpoint.write_shard(staging, 0, {"x": torch.zeros(1)})]
+    checkpoint.commit(staging, {"step": 0, "opt_steps": 0, "world_size": 1, "config": cfg.to_dict()}, files)
+    assert main(["export", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "o")]) == 2
+    assert "model.arch=byte" in capsys.readouterr().err
