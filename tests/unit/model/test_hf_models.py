@@ -125,3 +125,65 @@ def test_export_refuses_the_byte_model(tmp_path, capsys):
     checkpoint.commit(staging, {"step": 0, "opt_steps": 0, "world_size": 1, "config": cfg.to_dict()}, files)
     assert main(["export", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "o")]) == 2
     assert "model.arch=byte" in capsys.readouterr().err
+
+
+def _engine(tmp_path, family_dir, **over):
+    from ray_moe.worker.engine import Engine
+
+    corpus = tmp_path / "corpus.txt"
+    if not corpus.exists():
+        corpus.write_text("".join(f"line {i}: value = {i * 7 % 13}\n" for i in range(2000)))
+    raw = {"model": {"init_from": family_dir, "seq_len": 16}, "moe": {"bias_update_rate": 0.01},
+           "parallel": {"world_size": 1, "device": "cpu"}, "data": {"paths": [str(corpus)]},
+           "train": {"batch_size": 2, "steps": 4, "warmup_steps": 1, "run_dir": str(tmp_path / "run")}}
+    cfg = Config.from_dict(raw).with_overrides([f"{k}={v}" for k, v in over.items()])
+    return Engine(cfg, single_rank(), LocalTransport(), torch.device("cpu"))
+
+
+def test_balancing_bias_updates_deterministically_and_resumes(tiny_hf, tmp_path):
+    """The bias moves by ±rate against each expert's load after every step, identically in two
+    runs, and a run resumed from a checkpoint continues exactly (the bias is checkpointed)."""
+    path = tiny_hf("glm4_moe")
+    a = _engine(tmp_path, path)
+    before = [layer.score_bias.clone() for layer in a.model.moe_layers()]
+    for _ in range(4):
+        a.train_step()
+    layer0 = a.model.moe_layers()[0]
+    b = _engine(tmp_path, path)
+    b.train_step()  # one step, by hand: rate * sign(mean load - load), 2 x 16 tokens x K=3 over 8 experts
+    step = 0.01 * torch.sign(torch.full((8,), 2 * 16 * 3 / 8) - _first_step_loads(tmp_path, path))
+    assert torch.allclose(b.model.moe_layers()[0].score_bias - before[0], step)
+    b.train_step()
+    state = b.shard_state()
+    assert "buffer.layers.1.mlp.routed.score_bias" in state
+    c = _engine(tmp_path, path)
+    for layer in c.model.moe_layers():
+        layer.score_bias.fill_(7.0)  # must come back from the checkpoint
+    c.load_state(state, step=2, opt_steps=2)
+    for _ in range(2):
+        c.train_step()
+    assert not torch.equal(layer0.score_bias, before[0])
+    for x, y in zip(a.model.moe_layers(), c.model.moe_layers()):
+        assert torch.equal(x.score_bias, y.score_bias)
+    for (name, p), q in zip(a.model.named_parameters(), c.model.parameters()):
+        assert torch.equal(p, q), name
+
+
+def _first_step_loads(tmp_path, path) -> torch.Tensor:
+    """Tokens per expert of layer 1 in step 0's forward (a fresh engine, no update)."""
+    e = _engine(tmp_path, path, **{"moe.bias_update_rate": 0.0})
+    e.model.train()
+    x, y = e.batch("train", 0)
+    e.loss(x, y)
+    return e.model.moe_layers()[0].expert_tokens.clone()
+
+
+def test_generate_is_deterministic(tiny_hf, tmp_path):
+    e = _engine(tmp_path, tiny_hf("qwen3_moe"))
+    greedy = e.generate([10, 11, 12], 6, temperature=0.0, seed=0)
+    assert len(greedy) == 6 and greedy == e.generate([10, 11, 12], 6, temperature=0.0, seed=0)
+    sampled = e.generate([10, 11, 12], 20, temperature=1.0, seed=3)
+    assert sampled == e.generate([10, 11, 12], 20, temperature=1.0, seed=3)
+    assert all(layer.expert_tokens.sum() == 0 for layer in e.model.moe_layers())  # not counted as load
+    with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, 272\)"):
+        e.generate([300], 1, 0.0, 0)
