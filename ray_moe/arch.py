@@ -201,6 +201,40 @@ class ArchSpec:
         return {"replicated": replicated, "per_expert": per_expert, "experts": experts,
                 "total": replicated + experts}
 
+    def memory_per_rank(self, world_size: int, clone_slots: int = 0, bytes_per_param: int = 16) -> dict[str, float]:
+        """Training state of one rank of ``world_size`` (expert parallel over all ranks, the rest
+        replicated): its parameters (replicated + E/W + ``clone_slots`` experts per MoE layer) and
+        their bytes at ``bytes_per_param`` (16 = bf16 weight + bf16 gradient + fp32 master +
+        fp32 Adam moments). Activations are separate (:meth:`activation_bytes_per_token`)."""
+        if self.num_experts % world_size:
+            raise ArchError(f"{self.num_experts} experts do not divide over {world_size} ranks")
+        c = self.param_counts()
+        n_moe = sum(self.moe_layers)
+        params = c["replicated"] + n_moe * (self.num_experts // world_size + clone_slots) * c["per_expert"]
+        return {"params": params, "state_bytes": params * bytes_per_param,
+                "replicated_bytes": c["replicated"] * bytes_per_param}
+
+    def activation_bytes_per_token(self, checkpointing: str, world_size: int, elem: int = 2) -> float:
+        """An estimate of the activation bytes one token keeps for backward over the whole model
+        (bf16: ``elem`` = 2), by counting what the layers save: attention (norm in float32, q/k/v
+        after norm and RoPE, the attention output), the MoE FFN (norm, router scores, the token
+        rows received by ~min(K, W) ranks, gate|up and SwiGLU output per chosen expert, the shared
+        expert) and, for ``full``, one layer being recomputed. Not counted: the logits (the loss's
+        business) and allocator slack."""
+        H, q, kv, I, K = (self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                          self.expert_hidden, self.top_k)
+        norm = (2 * 2 + elem) * H  # float32 copy + its normalised cast
+        attn = norm + elem * (3 * q + 4 * kv) + elem * (q + kv) * 2 * self.qk_norm + elem * 2 * q
+        ranks = min(K, world_size) if world_size > 1 else 1
+        moe = norm + 12 * self.num_experts + elem * H * ranks + K * 3 * elem * I + 4 * elem * self.shared_hidden
+        dense = norm + 4 * elem * self.dense_hidden
+        layers = [attn + (moe if m else dense) for m in self.moe_layers]
+        if checkpointing == "none":
+            return float(sum(layers))
+        if checkpointing == "moe":
+            return float(sum(attn + elem * H + (0 if m else dense) for m in self.moe_layers) + max(layers))
+        return float(self.num_layers * elem * H + max(layers))  # full: block inputs + one replay
+
     def active_params_per_token(self) -> int:
         """Parameters a token passes through (the 'A3B' of Qwen3-30B-A3B): replicated minus the
         unused embedding rows, plus top_k experts per MoE layer."""
@@ -380,3 +414,36 @@ def resolve(source: str, overrides: Mapping[str, Any]) -> tuple[ArchSpec, dict[s
     hf = load_hf_config(source) if source else {}
     hf.update(overrides)
     return ArchSpec.from_hf(hf), hf
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ray_moe.arch SOURCE [--world-sizes 8,16] [--tokens 16384]``: parameters, training
+    state per rank and estimated activations for an HF config (preset, config.json or directory)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m ray_moe.arch", description=main.__doc__)
+    p.add_argument("source", help=f"a preset ({', '.join(PRESETS)}), a config.json or a model directory")
+    p.add_argument("--world-sizes", default="4,8,16", help="comma-separated ranks (GPUs)")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per rank per step")
+    p.add_argument("--clone-slots", type=int, default=0)
+    args = p.parse_args(argv)
+    spec = ArchSpec.from_hf(load_hf_config(args.source))
+    c = spec.param_counts()
+    print(f"{args.source}: {c['total'] / 1e9:.2f}B parameters ({c['replicated'] / 1e9:.2f}B replicated, "
+          f"{c['experts'] / 1e9:.2f}B in {spec.num_experts} experts x {sum(spec.moe_layers)} layers), "
+          f"{spec.active_params_per_token() / 1e9:.2f}B active per token")
+    print("| GPUs | params/rank | state/rank (16 B/param) | activations, none / moe / full "
+          f"({args.tokens} tokens/rank, bf16, estimate) |")
+    print("| --- | --- | --- | --- |")
+    for w in (int(x) for x in args.world_sizes.split(",")):
+        if spec.num_experts % w:
+            continue
+        m = spec.memory_per_rank(w, args.clone_slots)
+        acts = " / ".join(f"{spec.activation_bytes_per_token(mode, w) * args.tokens / 2**30:.1f}"
+                          for mode in ("none", "moe", "full"))
+        print(f"| {w} | {m['params'] / 1e9:.2f}B | {m['state_bytes'] / 2**30:.1f} GiB | {acts} GiB |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

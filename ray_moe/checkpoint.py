@@ -44,8 +44,8 @@ META = "meta.json"
 LATEST = "latest"
 OPTIM_STATES = ("exp_avg", "exp_avg_sq")
 # The config keys a checkpoint must agree on to be loaded (everything else may change on resume).
-COMPATIBLE_KEYS = ("model.arch", "model.n_layers", "model.d_model", "model.n_heads", "model.seq_len", "model.vocab_size",
-                   "model.dense_first_layer", "moe.num_experts", "moe.expert_hidden")
+COMPATIBLE_KEYS = ("model.arch", "model.n_layers", "model.d_model", "model.n_heads", "model.seq_len",
+                   "model.vocab_size", "model.dense_first_layer", "moe.num_experts", "moe.expert_hidden")
 
 
 class CheckpointError(RuntimeError):

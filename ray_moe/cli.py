@@ -120,11 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         args.rest = passthrough
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    from ray_moe.arch import ArchError
     from ray_moe.checkpoint import CheckpointError
     from ray_moe.config import ConfigError
     from ray_moe.driver.group import GroupError
     from ray_moe.driver.trainer import TrainingError
-    from ray_moe.arch import ArchError
     from ray_moe.model.hf import WeightsError
     from ray_moe.worker.data import DataError
 

@@ -317,8 +317,7 @@ def hf_config_for_export(spec: ArchSpec, hf_config: Mapping[str, Any], dtype: st
     out = dict(hf_config)
     out["architectures"] = [ARCHITECTURES[spec.family]]
     out["model_type"] = spec.family
-    out["dtype"] = dtype
-    out.pop("torch_dtype", None)
+    out["dtype"] = out["torch_dtype"] = dtype  # transformers 5 reads dtype; 4.x and older tools torch_dtype
     return out
 
 

@@ -104,3 +104,14 @@ def test_param_counts_match_a_built_model(name):
     model = build_model(cfg, LocalTransport())
     counts = ArchSpec.from_hf(preset(name)).param_counts()
     assert sum(p.numel() for p in model.parameters()) == counts["total"]
+
+
+def test_memory_plan_of_the_readme():
+    """The README's real-size table comes from these numbers (16 B per parameter)."""
+    q = ArchSpec.from_hf(preset("qwen3-30b-a3b"))
+    assert round(q.memory_per_rank(8)["state_bytes"] / 2**30, 1) == 77.0
+    assert round(q.memory_per_rank(16)["state_bytes"] / 2**30, 1) == 50.0
+    m = ArchSpec.from_hf(preset("mixtral-8x7b"))
+    assert round(m.memory_per_rank(8)["state_bytes"] / 2**30, 1) == 107.9
+    assert q.activation_bytes_per_token("full", 8) < q.activation_bytes_per_token("moe", 8) \
+        < q.activation_bytes_per_token("none", 8)
