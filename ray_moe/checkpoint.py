@@ -297,9 +297,11 @@ def check_compatible(meta: Mapping[str, Any], config: Config, path: str | Path) 
     """Raise :class:`~ray_moe.config.ConfigError` naming the first key of
     :data:`COMPATIBLE_KEYS` on which ``config`` and the checkpoint's config differ."""
     saved = meta["config"]
+    defaults = Config()
     for dotted in COMPATIBLE_KEYS:
         section, key = dotted.split(".")
-        theirs = saved.get(section, {}).get(key)
+        # a key the saving version did not have was at its default (model.arch: byte)
+        theirs = saved.get(section, {}).get(key, defaults.get(dotted))
         ours = config.get(dotted)
         if theirs != ours:
             raise ConfigError(f"{dotted}={ours} but checkpoint {str(path)!r} has {theirs}")

@@ -100,8 +100,9 @@ class MoELayer(nn.Module):
         self.expert_chooser = expert_chooser or ExpertImplChooser()
         S = placement.slots_per_rank
         self.router = nn.Parameter(router_init(seed, layer_idx, d_model, num_experts).to(device))
-        self.w13 = nn.Parameter(torch.empty(S, d_model, 2 * expert_hidden, dtype=dtype, device=device))
-        self.w2 = nn.Parameter(torch.empty(S, expert_hidden, d_model, dtype=dtype, device=device))
+        # zeros, not empty: with reset=False the clone slots are never loaded until a placement uses them
+        self.w13 = nn.Parameter(torch.zeros(S, d_model, 2 * expert_hidden, dtype=dtype, device=device))
+        self.w2 = nn.Parameter(torch.zeros(S, expert_hidden, d_model, dtype=dtype, device=device))
         shard = ExpertShard(tuple(range(transport.rank * placement.experts_per_rank,
                                         (transport.rank + 1) * placement.experts_per_rank)))
         self.w13.expert_shard = shard

@@ -115,3 +115,14 @@ def test_memory_plan_of_the_readme():
     assert round(m.memory_per_rank(8)["state_bytes"] / 2**30, 1) == 107.9
     assert q.activation_bytes_per_token("full", 8) < q.activation_bytes_per_token("moe", 8) \
         < q.activation_bytes_per_token("none", 8)
+
+
+def test_checkpoint_compatibility_names_the_architecture(tmp_path):
+    from ray_moe.checkpoint import check_compatible
+
+    byte = Config.from_dict({"parallel": {"world_size": 1}})
+    old = byte.to_dict()
+    del old["model"]["arch"]  # a checkpoint written before model.arch existed: the byte model
+    check_compatible({"config": old}, byte, tmp_path)
+    with pytest.raises(ConfigError, match="model.arch=qwen3_moe but checkpoint"):
+        check_compatible({"config": old}, hf_cfg(), tmp_path)
