@@ -1,8 +1,10 @@
 """The HF families against transformers at W=1 (no Ray): logits and loss gradients (router, every
 expert of a layer, shared expert, dense layer, attention, embedding) equal transformers' own
-model in fp32, at the native placement and with clones; activation checkpointing changes no
-number and counts each token once; a run's checkpoint exports to a directory that
-``AutoModelForCausalLM.from_pretrained`` loads to the same logits; bad weights are named."""
+model in fp32, at the native placement and with clones (and with tied embeddings); activation
+checkpointing changes no number and counts each token once; a run's checkpoint exports to a
+directory that ``AutoModelForCausalLM.from_pretrained`` (and ``model.init_from``) loads to the same
+logits; the fused expert layout loads; bad weights are named; the balancing bias updates
+deterministically and resumes; generation is deterministic."""
 
 from __future__ import annotations
 
@@ -108,9 +110,11 @@ def test_export_loads_in_transformers_with_the_same_logits(tiny_hf, tmp_path, fa
     hf = AutoModelForCausalLM.from_pretrained(str(out))
     ids = batch(vocab=256, B=2, L=16)[:, :-1]
     engine.model.eval()
+    again = build_model(cfg.with_overrides([f"model.init_from={out}"]), LocalTransport())  # sharded + index
     with torch.no_grad():
         theirs = hf(input_ids=ids).logits.float()
         ours, _ = engine.model(ids)
+        assert torch.equal(again(ids)[0], ours)
     assert (ours - theirs).norm() / theirs.norm() <= TOL
 
 
@@ -187,3 +191,49 @@ def test_generate_is_deterministic(tiny_hf, tmp_path):
     assert all(layer.expert_tokens.sum() == 0 for layer in e.model.moe_layers())  # not counted as load
     with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, 272\)"):
         e.generate([300], 1, 0.0, 0)
+
+
+def test_tied_embeddings_equal_to_transformers(tmp_path):
+    from ray_moe.validation.hf_model import save_tiny_model
+
+    save_tiny_model("qwen3_moe", tmp_path, seed=4, tie_word_embeddings=True, norm_topk_prob=True)
+    cfg = parity_config(tmp_path, world_size=1, batch=4, seq_len=12)
+    ids = batch(seed=4)
+    res = model_parity(local_worker(), cfg, ids, reference(cfg, ids), with_clones=False)
+    model = build_model(cfg, LocalTransport())
+    assert model.lm_head.weight is model.embed_tokens.weight
+    bad = {k: v for k, v in res["native"].items() if not v <= TOL}
+    assert not bad, bad
+
+
+def test_fused_expert_layout_and_own_exports_load(tiny_hf, tmp_path):
+    """A directory in transformers 5's fused expert layout (gate_up_proj [E, 2I, H], down_proj
+    [E, H, I]) loads to the same model as the per-expert layout; each rank reads only its rows."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_hf("mixtral")
+    tensors = load_file(f"{src}/model.safetensors")
+    fused: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if ".experts." not in name:
+            fused[name.replace("block_sparse_moe", "mlp")] = t
+    for layer in range(2):
+        p = f"model.layers.{layer}.block_sparse_moe.experts"
+        gate_up = [torch.cat([tensors[f"{p}.{e}.w1.weight"], tensors[f"{p}.{e}.w3.weight"]]) for e in range(8)]
+        fused[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.stack(gate_up)
+        fused[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack(
+            [tensors[f"{p}.{e}.w2.weight"] for e in range(8)])
+    save_file(fused, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(f"{src}/config.json", tmp_path / "config.json")
+    ids = batch()[:, :-1]
+    ref = build_model(parity_config(src, 1, 4, 12), LocalTransport())
+    from tests.unit.test_checkpoint import ShapeOnlyTransport
+
+    rank1 = build_model(parity_config(tmp_path, 2, 4, 12), ShapeOnlyTransport(1, 2))
+    assert "model.layers.0.mlp.experts.gate_up_proj[4]" in rank1.source_tensors
+    assert not any(n.endswith("[0]") for n in rank1.source_tensors)  # rank 1 owns experts 4..7
+    one = build_model(parity_config(tmp_path, 1, 4, 12), LocalTransport())
+    with torch.no_grad():
+        assert torch.equal(one(ids)[0], ref(ids)[0])
