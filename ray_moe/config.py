@@ -356,7 +356,6 @@ class Config:
                 f"train.batch_size={t.batch_size} is not divisible by parallel.world_size={p.world_size}"
             )
 
-
     def _check_explicit(self, explicit: dict[str, Any]) -> None:
         """With an HF architecture, a key of :data:`HF_DERIVED` given explicitly must agree with
         the HF config (it is set from it); the message says how to change it there."""

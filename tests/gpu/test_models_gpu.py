@@ -84,7 +84,7 @@ def test_short_training_run(tmp_path, family, job, checkpointing):
         pytest.skip("needs a GPU in the Ray cluster")
     cfg = Config.from_yaml(job, [
         "parallel.device=cuda", f"parallel.world_size={W}", "model.dtype=bfloat16", "model.seq_len=256",
-        f"model.activation_checkpointing={checkpointing}", "train.steps=60", "train.batch_size=16",
+        f"model.activation_checkpointing={checkpointing}", "train.steps=40", "train.batch_size=16",
         "train.eval_interval=0", "train.checkpoint_interval=0", "train.plots=false", f"train.run_dir={tmp_path}",
         "data.max_bytes=2000000",
     ])
@@ -92,7 +92,7 @@ def test_short_training_run(tmp_path, family, job, checkpointing):
         first = t.evaluate()
         t.train()
         last = t.evaluate()
-        sample = t.generate("def ", max_new_tokens=40, temperature=0.0)
+        sample = t.generate("def ", max_new_tokens=24, temperature=0.0)
     print(json.dumps({"family": family, "val_first": first, "val_last": last, "sample": sample}))
     assert all(math.isfinite(m["loss"]) for m in t.metrics if "loss" in m)
     assert last < first - 0.5, (first, last)
