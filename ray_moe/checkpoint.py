@@ -32,7 +32,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -44,8 +44,8 @@ META = "meta.json"
 LATEST = "latest"
 OPTIM_STATES = ("exp_avg", "exp_avg_sq")
 # The config keys a checkpoint must agree on to be loaded (everything else may change on resume).
-COMPATIBLE_KEYS = ("model.n_layers", "model.d_model", "model.n_heads", "model.seq_len", "model.vocab_size",
-                   "model.dense_first_layer", "moe.num_experts", "moe.expert_hidden")
+COMPATIBLE_KEYS = ("model.arch", "model.n_layers", "model.d_model", "model.n_heads", "model.seq_len",
+                   "model.vocab_size", "model.dense_first_layer", "moe.num_experts", "moe.expert_hidden")
 
 
 class CheckpointError(RuntimeError):
@@ -130,6 +130,34 @@ def load_tensors(ckpt: str | Path, meta: dict[str, Any]) -> dict[str, torch.Tens
         except Exception as exc:  # safetensors raises its own error types
             raise CheckpointError(f"checkpoint file {str(path)!r} cannot be read: {exc}") from exc
     return out
+
+
+def iter_tensors(ckpt: str | Path, meta: dict[str, Any]) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(key, loader) for every tensor of a checked checkpoint, file by file; calling a loader
+    (while the iteration is at it) reads that one tensor, so a whole model is never in memory."""
+    from safetensors import safe_open
+
+    for entry in meta["files"]:
+        path = Path(ckpt) / entry["file"]
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open handles are not dicts)
+                    yield key, (lambda f=f, key=key: f.get_tensor(key))
+        except CheckpointError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types
+            raise CheckpointError(f"checkpoint file {str(path)!r} cannot be read: {exc}") from exc
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or a run directory (its latest complete checkpoint)."""
+    path = Path(path).expanduser().resolve()
+    if (path / META).is_file():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise CheckpointError(f"{str(path)!r} is neither a checkpoint (no {META}) nor a run directory with one")
+    return latest
 
 
 def scan_checkpoints(run_dir: str | Path) -> tuple[list[Path], list[tuple[Path, str]]]:
@@ -277,9 +305,11 @@ def check_compatible(meta: Mapping[str, Any], config: Config, path: str | Path) 
     """Raise :class:`~ray_moe.config.ConfigError` naming the first key of
     :data:`COMPATIBLE_KEYS` on which ``config`` and the checkpoint's config differ."""
     saved = meta["config"]
+    defaults = Config()
     for dotted in COMPATIBLE_KEYS:
         section, key = dotted.split(".")
-        theirs = saved.get(section, {}).get(key)
+        # a key the saving version did not have was at its default (model.arch: byte)
+        theirs = saved.get(section, {}).get(key, defaults.get(dotted))
         ours = config.get(dotted)
         if theirs != ours:
             raise ConfigError(f"{dotted}={ours} but checkpoint {str(path)!r} has {theirs}")

@@ -414,7 +414,7 @@ def ray_moe_layer(shape: LayerShape, prob: dict[str, torch.Tensor], impl: str = 
 
     w13 = prob["w13"]
     layer = MoELayer(shape.H, shape.E, shape.K, shape.I, LocalTransport(), dtype=w13.dtype, expert_impl=impl,
-                     device=w13.device, init_weights=False)
+                     device=w13.device, reset=False)
     with torch.no_grad():
         layer.router.copy_(prob["router"])
         layer.w13.copy_(w13)

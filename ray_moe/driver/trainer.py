@@ -15,7 +15,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from ray_moe.checkpoint import (
     CheckpointError,
@@ -316,6 +316,22 @@ class Trainer:
             self._progress.message(f"eval at step {self.step_count}: val_loss {val:.4f}")
         return val
 
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 200, temperature: float = 0.8,
+                 seed: int | None = None) -> str | list[int]:
+        """Continue ``prompt`` with the model as trained so far: ``prompt`` and the result are text
+        (bytes for the byte-level model, ``data.tokenizer``'s tokens when the run has one) or
+        token ids. Returns the prompt followed by ``max_new_tokens`` sampled tokens (greedy at
+        ``temperature`` <= 0; ``seed``: the sampling seed, default ``train.seed``). The context is
+        the last ``model.seq_len`` tokens."""
+        assert self.group is not None
+        codec = _TextCodec(self.config)
+        ids = codec.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+        seed = self.config.train.seed if seed is None else seed
+        new = self._with_recovery(lambda: self.group.call(
+            EPWorker.generate, ids, max_new_tokens, float(temperature), seed,
+            timeout=self.config.train.step_timeout_s)[0])
+        return codec.decode(ids + new) if isinstance(prompt, str) else ids + new
+
     def expert_load(self) -> list[list[float]] | None:
         """Tokens per logical expert per MoE layer in the last step (summed over ranks)."""
         return self.last_load
@@ -334,6 +350,8 @@ class Trainer:
             "config": self.config.to_dict(),
             "placements": self.group.call(EPWorker.placements, timeout=timeout)[0],
             "balance": self.rebalancer.state_dict() if self.rebalancer is not None else None,
+            # the HF config in effect (for `ray-moe export`, whatever becomes of model.hf_config's file)
+            "hf_config": self.config.model.resolve_hf()[1] if self.config.model.arch != "byte" else None,
             "time": time.time(),
         }
         path = commit(staging, meta, files)
@@ -433,6 +451,29 @@ class _StopOnSignal:
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+
+
+class _TextCodec:
+    """Text ↔ token ids of a run: ``data.tokenizer``'s tokenizer.json when the config has one, else
+    UTF-8 bytes (ids >= 256, which a byte-level run never trains on, decode as U+FFFD)."""
+
+    def __init__(self, config: Config):
+        directory = getattr(config.data, "tokenizer", "") or ""
+        self.tokenizer = None
+        if directory:
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_file(str(Path(directory).expanduser() / "tokenizer.json"))
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is not None:
+            return list(self.tokenizer.encode(text).ids)
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is not None:
+            return self.tokenizer.decode(list(ids))
+        return b"".join(bytes([i]) if i < 256 else "\ufffd".encode() for i in ids).decode("utf-8", "replace")
 
 
 __all__ = ["Trainer", "TrainingError", "TrainingInterrupted", "GroupError", "WorkerFailure"]
