@@ -94,7 +94,7 @@ def test_balancing_bias_same_on_every_rank_and_resumes(groups, tmp_path):
         ids = t.generate([100, 101], max_new_tokens=5, temperature=1.0, seed=1)
         assert len(ids) == 7 and ids[:2] == [100, 101] and all(0 <= i < 256 for i in ids)
     assert start[0] != final[0] and final[0] == final[1]
-    cfg_b = cfg.with_overrides([f"train.run_dir={tmp_path / 'b'}", "train.resume=true"])
+    cfg_b = cfg.with_overrides([f"train.run_dir={tmp_path / 'b'}", "train.resume=auto"])
     with Trainer(cfg_b, group=group, progress=False) as t:
         first = [t.step()["loss"] for _ in range(2)]
         t.save()
