@@ -40,8 +40,9 @@ class RayMetricsSink:
         from ray.util.metrics import Gauge
 
         self.tags = {"run": run_name}
+        # Ray exports application metrics with a "ray_" prefix: these appear as ray_moe_train_loss, ...
         self.gauges = {
-            name: Gauge("ray_moe_" + name.replace("/", "_"), description=f"ray_moe {name}",
+            name: Gauge("moe_" + name.replace("/", "_"), description=f"ray_moe {name}",
                         tag_keys=("run",))
             for name in (*SCALARS.values(), "train/step")
         }

@@ -79,8 +79,11 @@ def scrape(tmp_ray: Path, name: str, timeout: float) -> str | None:
     come from Ray's service-discovery file), or None."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        sd = tmp_ray / "prom_metrics_service_discovery.json"
-        targets = json.loads(sd.read_text())[0]["targets"] if sd.is_file() else []
+        sd = tmp_ray / "ray" / "prom_metrics_service_discovery.json"  # Ray's temp dir is RAY_TMPDIR/ray
+        try:
+            targets = [t for entry in json.loads(sd.read_text()) for t in entry["targets"]]
+        except (OSError, ValueError, KeyError):
+            targets = []
         for target in targets:
             try:
                 body = urllib.request.urlopen(f"http://{target}/metrics", timeout=5).read().decode()
@@ -127,7 +130,7 @@ def test_readme_job_submit_succeeds_and_outputs_land_where_configured(readme_job
     repo, env, rc, out, _ = readme_job
     assert rc == 0, out[-4000:]
     assert "succeeded" in out.lower() and "# summary" in out, out[-3000:]
-    run = repo / "runs" / "tiny"  # train.storage_path="$PWD/runs" + jobs/tiny.yaml's run_dir
+    run = repo / "runs" / "tiny"  # train.storage_path="$PWD" + jobs/tiny.yaml's run_dir
     assert f"# run_dir {run}" in out and f"# results in {run}" in out
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
              if '"loss"' in line]
