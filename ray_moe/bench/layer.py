@@ -468,6 +468,140 @@ def sonic_import_error() -> str | None:
     return None
 
 
+SONIC_PRECOMPILE_ENV = {"QUACK_ARCH": "90", "CUTE_DSL_ARCH": "sm_90a"}
+
+
+def sonic_precompile(shape: LayerShape, cache_dir: str, limit: int | None = None) -> dict[str, dict[str, int]]:
+    """Compile, without a GPU, every quack GEMM config that SonicMoE's autotuner times on sm_90a
+    (H100/H200), into quack's on-disk kernel cache ``cache_dir`` (its ``QUACK_CACHE_DIR``).
+
+    SonicMoE's first training step autotunes each of its six quack GEMMs (training and inference
+    up-projection + SwiGLU, down-projection, dSwiGLU, dX, dW1, dW2: 9 to 22 configs each) by
+    compiling every config in worker processes and timing it; on a fresh device machine that
+    takes longer than one 10-minute command. The compiled objects do not depend on T, E, H or I
+    (quack compiles with symbolic shapes), so they can be built here once, carried, unpacked
+    into the device's ``QUACK_CACHE_DIR``, and the autotuner there only loads and times them:
+    SonicMoE still picks its fastest config by measuring every candidate on the device.
+
+    This mirrors quack's own worker path (``quack._compile_worker``: fake tensors,
+    ``COMPILE_ONLY``) through SonicMoE's own op bodies, so the tensors, strides and flags are the
+    ones a real step passes. Needs the environment of :data:`SONIC_PRECOMPILE_ENV` set before
+    cutlass is imported (``main`` does it); the DSL's one-time CUDA driver check is skipped,
+    since nothing is launched. Run it in a process of its own: it patches quack's autotuner and
+    custom ops for the duration of the call.
+
+    Args:
+        shape: any shape (only dtypes, layouts and flags reach the compiled kernels).
+        cache_dir: quack's kernel cache directory to fill (``<dir>/<source fingerprint>/*.o``).
+        limit: compile at most this many configs per GEMM (tests).
+    Returns:
+        {step: {"configs": n, "failed": m}} per SonicMoE GEMM call.
+    """
+    import time
+
+    from torch._library.custom_ops import CustomOpDef
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import cutlass.base_dsl.compiler as dsl_compiler
+    import quack.autotuner as qat
+    import quack.cache_utils as qcu
+    import quack.gemm_interface as qgi
+    import sonicmoe.functional.backward as sb
+    import sonicmoe.functional.forward as sf
+
+    counts: dict[str, dict[str, int]] = {}
+    current: dict[str, int] = {}
+
+    def compile_all(self, *args, **kwargs):  # stands in for Autotuner.__call__
+        self.nargs = dict(zip(self.arg_names, args))
+        configs = self.prune_configs(kwargs)[:limit]
+        current["configs"] = current.get("configs", 0) + len(configs)
+        ret = None  # the caller may unpack a result (gemm_dgated's colvec reduction): a fake tensor
+        for cfg in configs:
+            t0 = time.time()
+            try:
+                ret = self.fn(*args, **kwargs, **cfg.all_kwargs())
+            except Exception as exc:  # reported; the device autotuner skips such a config too
+                current["failed"] = current.get("failed", 0) + 1
+                _log(f"  {self.fn.__name__} {cfg}: {type(exc).__name__}: {str(exc)[:160]}")
+                continue
+            _log(f"  {self.fn.__name__} {time.time() - t0:5.1f} s {cfg}")
+        return ret
+
+    saved = {"call": qat.Autotuner.__call__, "only": qcu.COMPILE_ONLY, "dir": qcu.CACHE_DIR,
+             "check": dsl_compiler.Compiler._check_cuda_dependencies_once,
+             "ops": {n: getattr(qgi, n) for n in dir(qgi) if isinstance(getattr(qgi, n), CustomOpDef)}}
+    qat.Autotuner.__call__ = compile_all
+    qcu.COMPILE_ONLY, qcu.CACHE_DIR = True, cache_dir
+    dsl_compiler.Compiler._check_cuda_dependencies_once = lambda self, libs: None
+    for n, op in saved["ops"].items():  # quack's custom ops → their Python bodies (no fake kernels)
+        setattr(qgi, n, op._init_fn)
+    try:
+        T, H, I, E, K = shape.T, shape.H, shape.I, shape.E, shape.K
+        TK, bf, i32 = T * K, torch.bfloat16, torch.int32
+        with FakeTensorMode():
+            def t(*size, dtype=bf):
+                return torch.empty(*size, dtype=dtype, device="cuda")
+
+            x, dout = t(T, H), t(T, H)
+            w1 = t(E, 2 * I, H).permute(1, 2, 0)  # SonicLayer's c_fc.permute(1, 2, 0)
+            w2 = t(E, H, I).permute(1, 2, 0)  # c_proj.permute(1, 2, 0)
+            off, gidx, sidx = t(E + 1, dtype=i32), t(TK, dtype=i32), t(TK, dtype=i32)
+            a, h, scores = t(TK, I), t(TK, 2 * I), t(TK, dtype=torch.float32)
+            steps = {  # SonicMoE's op bodies, called as _UpProjection / _DownProjection call them
+                "up-projection + SwiGLU (training)":
+                    lambda: sf._up_projection_forward._init_fn(x, w1, h, a, None, off, gidx, "swiglu", False, False),
+                "up-projection + SwiGLU (inference)":
+                    lambda: sf._up_projection_forward._init_fn(x, w1, None, a, None, off, gidx, "swiglu", True, False),
+                "down-projection": lambda: sf._down_projection_forward._init_fn(w2, a, t(TK, H), None, off),
+                "dSwiGLU (grad_out gathered)": lambda: sb._down_projection_backward_act._init_fn(
+                    dout, h, w2, torch.empty_like(h), torch.empty_like(scores), None, None, t(TK, I), scores, off,
+                    gidx, sidx, "swiglu"),
+                "dW2": lambda: sb._down_projection_backward_weight._init_fn(dout, a, torch.empty_like(w2), off, gidx),
+                "dX rows": lambda: sb._up_projection_backward_act._init_fn(w1, t(TK, H), h, None, off, True, False),
+                "dW1 (x gathered)": lambda: sb._up_projection_backward_weight._init_fn(
+                    x, torch.empty_like(w1), h, off, gidx, True, False),
+            }
+            for name, step in steps.items():
+                current.clear()
+                t0 = time.time()
+                _log(f"sonic precompile: {name}")
+                step()
+                counts[name] = {"configs": current.get("configs", 0), "failed": current.get("failed", 0)}
+                _log(f"sonic precompile: {name}: {counts[name]} in {time.time() - t0:.0f} s")
+    finally:
+        qat.Autotuner.__call__ = saved["call"]
+        qcu.COMPILE_ONLY, qcu.CACHE_DIR = saved["only"], saved["dir"]
+        dsl_compiler.Compiler._check_cuda_dependencies_once = saved["check"]
+        for n, op in saved["ops"].items():
+            setattr(qgi, n, op)
+    return counts
+
+
+def sonic_autotune_summary() -> dict[str, Any]:
+    """What SonicMoE's quack autotuner chose in this process: per tuned GEMM, the number of
+    shapes tuned, configs timed for the last one, and the chosen config per shape (short form)."""
+    try:
+        import quack.gemm_interface as qgi
+    except Exception:
+        return {}
+    out: dict[str, Any] = {}
+    for name in ("gemm_gated_tuned", "gemm_tuned", "gemm_dgated_tuned"):
+        tuner = getattr(qgi, name, None)
+        cache = getattr(tuner, "cache", None) or {}
+        if not cache:
+            continue
+
+        def short(c: Any) -> str:
+            c = c.kwargs.get("config", c)
+            return (f"{c.tile_m}x{c.tile_n} {'pp' if c.pingpong else 'coop'} c{c.cluster_m}x{c.cluster_n}"
+                    f"{' swapAB' if c.swap_ab else ''}")
+
+        out[name] = {"shapes": len(cache), "configs timed (last)": len(getattr(tuner, "configs_timings", {}) or {}),
+                     "chosen": sorted({short(c) for c in cache.values()})}
+    return out
+
+
 def _rel_err_gpu(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| accumulated in float64 on the device, slice by slice along dim 0."""
     num = den = torch.zeros((), dtype=torch.float64, device=b.device)
@@ -575,6 +709,10 @@ def sonic_layer_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms
         note: dict[str, Any] = {"rel_err": {k: float(f"{v:.3g}") for k, v in errs.items()}}
         if name == "ray_moe" and layer.expert_chooser.choices:
             note["expert impl"] = [c.name for c in layer.expert_chooser.choices.values()]
+            note["chooser ms"] = [{n: (round(t, 2) if isinstance(t, float) else t) for n, t in tm.items()}
+                                  for tm in layer.expert_chooser.timings.values()]
+        if name == "sonicmoe":
+            note["quack autotune"] = sonic_autotune_summary()
         if not backward:
             note["mode"] = "forward only (peak: forward)"
         _log(f"{sec}: {name} fwd {t_f:.2f} ms, fwd+bwd {t_fb:.2f} ms, errors {errs}")
@@ -660,7 +798,7 @@ def small_t_rows(shape: LayerShape, tokens: list[int], dtype: torch.dtype, seed:
     return rows
 
 
-def profile_rows(shape: LayerShape, dtype: torch.dtype, seed: int, top: int = 14,
+def profile_rows(shape: LayerShape, dtype: torch.dtype, seed: int, top: int = 22,
                  impls: tuple[str, ...] = ("ray_moe", "sonicmoe")) -> list[dict]:
     """Where one training step's GPU time goes (torch.profiler, CUDA kernels by total time):
     one forward+backward of ray_moe's layer and, when it imports, SonicMoE's, after warm-up."""
@@ -683,18 +821,83 @@ def profile_rows(shape: LayerShape, dtype: torch.dtype, seed: int, top: int = 14
 
         for _ in range(2):
             step()
-        torch.cuda.synchronize()
+        walls = []
+        for _ in range(3):  # the step's wall time on the device, to compare with its kernels' sum
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
+            step()
+            t1.record()
+            torch.cuda.synchronize()
+            walls.append(t0.elapsed_time(t1))
+        wall = sorted(walls)[1]
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
         events = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0]
         events.sort(key=lambda e: -e.device_time_total)
         total = sum(e.device_time_total for e in events) / 1e3
+        sec = f"profile {name} T={shape.T} E={shape.E}"
+        rows.append({"section": sec, "what": "step wall time (events, median of 3) / sum of kernel times",
+                     "calls": sum(e.count for e in events), "ms": wall, "share": total / wall})
         for e in events[:top]:
-            rows.append({"section": f"profile {name} T={shape.T} E={shape.E} (one fwd+bwd, {total:.1f} ms of kernels)",
-                         "what": e.key[:70], "calls": e.count, "ms": e.device_time_total / 1e3,
+            rows.append({"section": sec, "what": e.key[:90], "calls": e.count, "ms": e.device_time_total / 1e3,
                          "share": e.device_time_total / 1e3 / total})
+        rest = events[top:]
+        if rest:
+            rows.append({"section": sec, "what": f"{len(rest)} other kernels", "calls": sum(e.count for e in rest),
+                         "ms": sum(e.device_time_total for e in rest) / 1e3,
+                         "share": sum(e.device_time_total for e in rest) / 1e3 / total})
+        try:  # the step's kernels in launch order (one name covers several GEMMs: the order tells them apart)
+            rows += _timeline_rows(prof, f"timeline {name} T={shape.T} E={shape.E}")
+        except Exception as exc:  # profiler internals differ between torch versions: report, go on
+            rows.append({"section": sec, "what": "timeline", "note": f"{type(exc).__name__}: {exc}"[:200]})
         torch.cuda.empty_cache()
+    return rows
+
+
+def _timeline_rows(prof: Any, section: str, min_ms: float = 0.1) -> list[dict]:
+    """The profiled kernels in start order: each kernel of at least ``min_ms`` on its own row,
+    shorter ones merged per run, and device idle gaps of at least ``min_ms`` (start in ms from
+    the first kernel)."""
+    from torch.autograd import DeviceType
+
+    kern = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
+    if not kern:
+        return []
+    t0 = kern[0].time_range.start
+    rows: list[dict] = []
+    small = {"n": 0, "ms": 0.0, "start": 0.0}
+    busy_end = t0
+    idle = 0.0
+
+    def flush() -> None:
+        if small["n"]:
+            rows.append({"section": section, "what": f"{small['n']} short kernels", "calls": small["n"],
+                         "ms": small["ms"], "start ms": small["start"]})
+            small.update(n=0, ms=0.0)
+
+    for e in kern:
+        start, end = e.time_range.start, e.time_range.end
+        gap = (start - busy_end) / 1e3
+        if gap > 0:
+            idle += gap
+        if gap >= min_ms:
+            flush()
+            rows.append({"section": section, "what": "(device idle)", "ms": gap, "start ms": (busy_end - t0) / 1e3})
+        dur = (end - start) / 1e3
+        if dur >= min_ms:
+            flush()
+            rows.append({"section": section, "what": e.name[:90], "calls": 1, "ms": dur, "start ms": (start - t0) / 1e3})
+        else:
+            if not small["n"]:
+                small["start"] = (start - t0) / 1e3
+            small["n"] += 1
+            small["ms"] += dur
+        busy_end = max(busy_end, end)
+    flush()
+    rows.append({"section": section, "what": "span first kernel start → last kernel end; idle inside it",
+                 "ms": (busy_end - t0) / 1e3, "note": {"idle ms": round(idle, 3)}})
     return rows
 
 
@@ -737,6 +940,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="layer: SonicMoE forward+backward, or its forward only (its backward GEMMs autotune"
                         " for over ten minutes on a fresh machine)")
     p.add_argument("--sweep", action="store_true", help="time alternative tile configs per kernel")
+    p.add_argument("--sonic-precompile", default=None, metavar="DIR",
+                   help="no GPU needed: compile every quack GEMM config SonicMoE's autotuner times on sm_90a"
+                        " into DIR (carry it as the device's QUACK_CACHE_DIR), then exit")
+    p.add_argument("--sonic-precompile-limit", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help="write the rows and the setup here")
     p.add_argument("--world-size", type=int, default=0,
                    help="with the 'ep' section: ranks of the expert-parallel group (T is global)")
@@ -753,6 +960,14 @@ def main(argv: list[str]) -> int:
     """CLI entry: ``ray-moe bench layer [--T ...] [--json out.json]``. Returns the exit code."""
     args = parse_args(argv)
     shape = LayerShape(args.T, args.H, args.I, args.E, args.K)
+    if args.sonic_precompile:
+        import os
+
+        for k, v in SONIC_PRECOMPILE_ENV.items():  # read when cutlass / quack are first imported
+            os.environ.setdefault(k, v)
+        counts = sonic_precompile(shape, args.sonic_precompile, args.sonic_precompile_limit)
+        print(json.dumps(counts, indent=1))
+        return 1 if any(c["failed"] or not c["configs"] for c in counts.values()) else 0
     sections = set(args.sections.split(","))
     if sections == {"ep"}:  # the EP rows alone also run on CPU clusters (gloo)
         rows = ep_rows(shape, args)

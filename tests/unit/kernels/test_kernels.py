@@ -270,6 +270,23 @@ def test_sonic_layout_round_trip_matches_the_oracle(monkeypatch):
         assert rel_err(a, b) < 1e-6, name
 
 
+def test_profile_timeline_orders_kernels_and_finds_idle_gaps():
+    """bench layer's profile timeline: kernels in start order, short ones merged, idle gaps."""
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    from ray_moe.bench.layer import _timeline_rows
+
+    spans = [(1000, 5000), (0, 500), (510, 530), (540, 560), (5001, 5002)]  # microseconds, out of order
+    events = [NS(device_type=DeviceType.CUDA, name=f"k{s}", time_range=NS(start=s, end=e)) for s, e in spans]
+    events.append(NS(device_type=DeviceType.CPU, name="cpu op", time_range=NS(start=0, end=6000)))
+    rows = _timeline_rows(NS(events=lambda: events), "t")
+    assert [r["what"] for r in rows[:-1]] == ["k0", "2 short kernels", "(device idle)", "k1000", "1 short kernels"]
+    assert rows[2]["ms"] == pytest.approx(0.44) and rows[-1]["ms"] == pytest.approx(5.002)
+    assert rows[-1]["note"]["idle ms"] == pytest.approx(0.461)
+
+
 def test_triton_topk_softmax_under_interpreter(interpreter_results):
     for case, r in interpreter_results["topk_softmax"].items():
         assert r["ids"] and r["w"] < 1e-6 and r["grad_abs"] < 1e-6, (case, r)
