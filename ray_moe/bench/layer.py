@@ -855,6 +855,100 @@ def profile_rows(shape: LayerShape, dtype: torch.dtype, seed: int, top: int = 22
     return rows
 
 
+def steady_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms: int, rep_ms: int, n_steps: int = 3,
+                impls: tuple[str, ...] = ("ray_moe", "sonicmoe")) -> list[dict]:
+    """Training steps back to back, as the timings run them (no synchronisation between steps),
+    profiled with the host side: per step, the kernels' sum and the device's idle time; the gap
+    between steps; the host's CUDA API calls by total time, and for every call that waits on the
+    device (``*Synchronize``, a blocking copy) the torch op and Python stack it came from. Tells
+    a steady-state gap between kernel sums and step times apart into device idle (host-bound or
+    a synchronisation) and slower kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device("cuda")
+    prob = layer_problem(shape, device, dtype, seed)
+    x = prob["x"].detach().requires_grad_()
+    layer = ray_moe_layer(shape, prob)
+    steps = {"ray_moe": (lambda: layer(x)[0], (x, layer.router, layer.w13, layer.w2))}
+    if sonic_import_error() is None and "sonicmoe" in impls:
+        sonic = SonicLayer(prob, shape.K)
+        steps["sonicmoe"] = (lambda: sonic(x), (x, *sonic.params))
+    rows: list[dict] = []
+    for name, (fwd, params) in steps.items():
+        if name not in impls:
+            continue
+
+        def step(fwd=fwd, params=params):
+            torch.autograd.grad(fwd(), params, prob["grad"])
+
+        step()
+        t_step = _median_ms(step, warmup_ms, rep_ms)
+        t_fwd = _median_ms(fwd, warmup_ms, rep_ms)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+            for _ in range(n_steps):
+                step()
+            torch.cuda.synchronize()
+        sec = f"steady {name} T={shape.T} E={shape.E}"
+        rows.append({"section": sec, "what": "do_bench median: fwd+bwd / fwd (same process)", "ms": t_step,
+                     "note": {"fwd ms": round(t_fwd, 3)}})
+        try:
+            rows += _steady_analysis(prof.events(), n_steps, sec)
+        except Exception as exc:  # profiler internals differ between torch versions: report, go on
+            rows.append({"section": sec, "what": "analysis failed", "note": f"{type(exc).__name__}: {exc}"[:200]})
+        del prof
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _steady_analysis(events: list, n_steps: int, section: str) -> list[dict]:
+    """Rows of :func:`steady_rows` from profiler events (``FunctionEvent``-like: name,
+    device_type, time_range.start/end in us, thread, stack): the kernels split evenly into
+    ``n_steps`` steps in start order."""
+    from torch.autograd import DeviceType
+
+    kern = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    per = len(kern) // max(n_steps, 1)
+    rows: list[dict] = []
+    prev_end = None
+    for i in range(n_steps):
+        ks = kern[i * per:(i + 1) * per]
+        if not ks:
+            break
+        busy = sum(k.time_range.end - k.time_range.start for k in ks) / 1e3
+        start, end = ks[0].time_range.start, max(k.time_range.end for k in ks)
+        row = {"section": section, "what": f"step {i + 1}: span first → last kernel", "calls": len(ks),
+               "ms": (end - start) / 1e3, "note": {"kernel sum ms": round(busy, 3),
+                                                   "idle ms": round((end - start) / 1e3 - busy, 3)}}
+        if prev_end is not None:
+            row["note"]["gap before ms"] = round((start - prev_end) / 1e3, 3)
+        rows.append(row)
+        prev_end = end
+    host = [e for e in events if e.device_type == DeviceType.CPU and (e.name.startswith("cuda") or e.name.startswith("cu"))]
+    agg: dict[str, list[float]] = {}
+    for e in host:
+        d = (e.time_range.end - e.time_range.start) / 1e3
+        a = agg.setdefault(e.name, [0, 0.0, 0.0])
+        a[0] += 1
+        a[1] += d
+        a[2] = max(a[2], d)
+    for nm, (n, tot, mx) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:8]:
+        rows.append({"section": section, "what": f"host API {nm}", "calls": n, "ms": tot, "note": {"max ms": round(mx, 3)}})
+    waits = [e for e in host if "Synchronize" in e.name or ("Memcpy" in e.name and "Async" not in e.name)
+             or ("Memcpy" in e.name and (e.time_range.end - e.time_range.start) > 50)]
+    host_ids = {id(e) for e in host}
+    ops = [e for e in events if e.device_type == DeviceType.CPU and id(e) not in host_ids]
+    for w in waits[:12]:
+        inner = [o for o in ops if o.thread == w.thread and o.time_range.start <= w.time_range.start
+                 and o.time_range.end >= w.time_range.end]
+        op = min(inner, key=lambda o: o.time_range.end - o.time_range.start) if inner else None
+        stack = [f for f in (getattr(op, "stack", None) or []) if "ray_moe" in f or "sonicmoe" in f or "quack" in f][:4]
+        rows.append({"section": section, "what": f"device wait: {w.name}", "calls": 1,
+                     "ms": (w.time_range.end - w.time_range.start) / 1e3,
+                     "note": {"in op": op.name if op is not None else None, "stack": stack}})
+    return rows
+
+
 def _timeline_rows(prof: Any, section: str, min_ms: float = 0.1) -> list[dict]:
     """The profiled kernels in start order: each kernel of at least ``min_ms`` on its own row,
     shorter ones merged per run, and device idle gaps of at least ``min_ms`` (start in ms from
@@ -932,7 +1026,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="comma list of kernels,expert,ffn,routing,saved,layer,small,profile (kernels runs first;"
                    " with --sweep the fastest tiles it finds are used by expert and ffn). layer: the whole"
                    " MoELayer (W=1) vs SonicMoE, training step; small: inference forward at --small-T vs SonicMoE"
-                   " as weight bytes/s against the copy bandwidth; profile: kernel time of one training step")
+                   " as weight bytes/s against the copy bandwidth; profile: kernel time of one training step;"
+                   " steady: training steps back to back with the host side (device idle, waits, API calls)")
     p.add_argument("--layer-E", default=None, help="layer/small/profile: comma list of E (default: --E)")
     p.add_argument("--small-T", default="128,1024", help="small: comma list of token counts")
     p.add_argument("--impls", default="ray_moe,sonicmoe", help="layer/small/profile: which layers to run")
@@ -1008,7 +1103,7 @@ def main(argv: list[str]) -> int:
     layer_es = [int(e) for e in (args.layer_E or str(shape.E)).split(",")]
     impls = tuple(args.impls.split(","))
     dtype = getattr(torch, args.dtype)
-    if sections & {"layer", "small", "profile"}:
+    if sections & {"layer", "small", "profile", "steady"}:
         inp = None
         torch.cuda.empty_cache()
         print(f"device: {torch.cuda.get_device_name()}; sonicmoe: {sonic_import_error() or 'imports'}", flush=True)
@@ -1016,7 +1111,7 @@ def main(argv: list[str]) -> int:
         copy_gbs = copy_bandwidth_gbs()
         rows.append({"section": "small T", "what": "device copy bandwidth (read + write)", "GB/s": copy_gbs})
         print(f"copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
-    for name_, E in [(n, e) for n in ("layer", "small", "profile") for e in layer_es]:
+    for name_, E in [(n, e) for n in ("layer", "small", "profile", "steady") for e in layer_es]:
         eshape = LayerShape(shape.T, shape.H, shape.I, E, shape.K)
         for name, step in (
             ("layer", lambda: sonic_layer_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms, impls,
@@ -1024,6 +1119,7 @@ def main(argv: list[str]) -> int:
             ("small", lambda: small_t_rows(eshape, [int(t) for t in args.small_T.split(",")], dtype, args.seed,
                                            args.warmup_ms, args.rep_ms, copy_gbs, impls)),
             ("profile", lambda: profile_rows(eshape, dtype, args.seed, impls=impls)),
+            ("steady", lambda: steady_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms, impls=impls)),
         ):
             if name in sections and name == name_:
                 try:
