@@ -855,6 +855,56 @@ def profile_rows(shape: LayerShape, dtype: torch.dtype, seed: int, top: int = 22
     return rows
 
 
+def wgrad_backend_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms: int, rep_ms: int) -> list[dict]:
+    """The two weight-gradient GEMMs at the layer shape, each backend (Triton default plan, quack
+    where installed, torch._grouped_mm) timed alone, with its error against the float32 reference
+    (the same routing: float32 router logits, top-k of the layer problem)."""
+    from ray_moe.kernels.grouped_swiglu import (
+        default_plan,
+        grouped_wgrad,
+        grouped_wgrad_mm,
+        grouped_wgrad_reference,
+    )
+    from ray_moe.kernels.quack_wgrad import grouped_wgrad_quack, quack_available
+    from ray_moe.kernels.routing import pair_layout
+    from ray_moe.model.router import route
+
+    device = torch.device("cuda")
+    prob = layer_problem(shape, device, dtype, seed)
+    x, K, E = prob["x"], shape.K, shape.E
+    with torch.no_grad():
+        _, ids, _ = route(x, prob["router"], K, need_probs=False)
+    layout = pair_layout(ids.to(torch.int32), E)
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    P = shape.T * K
+    dh13 = torch.randn(P, 2 * shape.I, generator=g, device=device).to(dtype)
+    aw = torch.randn(P, shape.I, generator=g, device=device).to(dtype)
+    go = torch.randn(shape.T, shape.H, generator=g, device=device).to(dtype)
+    plan = default_plan(dtype, device)
+    cases = {"dW13 (x gathered)": (x, dh13, True, False, plan.wgrad13, plan.dual_wgrad13, "wgrad13"),
+             "dW2 (grad_out gathered)": (aw, go, False, True, plan.wgrad2, False, "wgrad2")}
+    rows: list[dict] = []
+    for what, (a, b, ga, gb, cfg, dual, role) in cases.items():
+        ref = grouped_wgrad_reference(a, b, layout, K, ga, gb)
+        flops = 2.0 * P * a.shape[1] * b.shape[1]
+        backends = {"triton": lambda: grouped_wgrad(a, b, layout, K, ga, gb, role=role, cfg=cfg, dual=dual),
+                    "grouped_mm": lambda: grouped_wgrad_mm(a, b, layout, K, ga, gb)}
+        if quack_available():
+            backends["quack"] = lambda: grouped_wgrad_quack(a, b, layout, K, ga, gb)
+        for name, fn in backends.items():
+            row: dict[str, Any] = {"section": f"wgrad T={shape.T} E={E}", "what": f"{what} {name}"}
+            try:
+                err = _rel_err_gpu(fn(), ref)
+                ms = _median_ms(fn, warmup_ms, rep_ms)
+                row.update({"ms": ms, "TFLOP/s": _tflops(flops, ms), "rel_err vs float32": float(f"{err:.3g}")})
+            except Exception as exc:  # a backend that cannot run here is reported, not fatal
+                row["note"] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
+            _log(f"wgrad: {row}")
+            rows.append(row)
+        del ref
+    return rows
+
+
 def steady_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms: int, rep_ms: int, n_steps: int = 3,
                 impls: tuple[str, ...] = ("ray_moe", "sonicmoe")) -> list[dict]:
     """Training steps back to back, as the timings run them (no synchronisation between steps),
@@ -1027,7 +1077,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    " with --sweep the fastest tiles it finds are used by expert and ffn). layer: the whole"
                    " MoELayer (W=1) vs SonicMoE, training step; small: inference forward at --small-T vs SonicMoE"
                    " as weight bytes/s against the copy bandwidth; profile: kernel time of one training step;"
-                   " steady: training steps back to back with the host side (device idle, waits, API calls)")
+                   " steady: training steps back to back with the host side (device idle, waits, API calls);"
+                   " wgrad: the weight-gradient GEMMs alone per backend (triton, grouped_mm, quack)")
     p.add_argument("--layer-E", default=None, help="layer/small/profile: comma list of E (default: --E)")
     p.add_argument("--small-T", default="128,1024", help="small: comma list of token counts")
     p.add_argument("--impls", default="ray_moe,sonicmoe", help="layer/small/profile: which layers to run")
@@ -1103,7 +1154,7 @@ def main(argv: list[str]) -> int:
     layer_es = [int(e) for e in (args.layer_E or str(shape.E)).split(",")]
     impls = tuple(args.impls.split(","))
     dtype = getattr(torch, args.dtype)
-    if sections & {"layer", "small", "profile", "steady"}:
+    if sections & {"layer", "small", "profile", "steady", "wgrad"}:
         inp = None
         torch.cuda.empty_cache()
         print(f"device: {torch.cuda.get_device_name()}; sonicmoe: {sonic_import_error() or 'imports'}", flush=True)
@@ -1111,7 +1162,7 @@ def main(argv: list[str]) -> int:
         copy_gbs = copy_bandwidth_gbs()
         rows.append({"section": "small T", "what": "device copy bandwidth (read + write)", "GB/s": copy_gbs})
         print(f"copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
-    for name_, E in [(n, e) for n in ("layer", "small", "profile", "steady") for e in layer_es]:
+    for name_, E in [(n, e) for n in ("layer", "small", "profile", "steady", "wgrad") for e in layer_es]:
         eshape = LayerShape(shape.T, shape.H, shape.I, E, shape.K)
         for name, step in (
             ("layer", lambda: sonic_layer_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms, impls,
@@ -1120,6 +1171,7 @@ def main(argv: list[str]) -> int:
                                            args.warmup_ms, args.rep_ms, copy_gbs, impls)),
             ("profile", lambda: profile_rows(eshape, dtype, args.seed, impls=impls)),
             ("steady", lambda: steady_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms, impls=impls)),
+            ("wgrad", lambda: wgrad_backend_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms)),
         ):
             if name in sections and name == name_:
                 try:

@@ -7,6 +7,9 @@ Candidates (each correct; which is fastest depends on the shape and the GPU):
 - ``triton+mm_wgrad``: the same forward and activation gradients, with the two weight-gradient
   GEMMs through ``torch._grouped_mm`` on gathered rows (cuBLAS/CUTLASS speed for dW13/dW2,
   at the cost of materialising the gathered rows);
+- ``triton+quack_wgrad`` (offered only where quack, the GEMM library under SonicMoE, is
+  installed): the weight gradients through quack's varlen-K CUTLASS GEMM, which gathers the rows
+  itself (see :mod:`ray_moe.kernels.quack_wgrad`);
 - ``grouped_mm``: the torch path (argsort, ``x[rows]``, ``_grouped_mm``, ``index_add``).
 
 :class:`ExpertImplChooser` times every candidate once per shape key (rows rounded up to a power
@@ -38,11 +41,22 @@ class ExpertChoice:
 
     @property
     def name(self) -> str:
-        return "triton+mm_wgrad" if (self.impl == "triton" and self.wgrad == "grouped_mm") else self.impl
+        if self.impl != "triton" or self.wgrad == "triton":
+            return self.impl
+        return f"triton+{'mm' if self.wgrad == 'grouped_mm' else self.wgrad}_wgrad"
 
 
 CANDIDATES = (ExpertChoice("triton"), ExpertChoice("triton", "grouped_mm"), ExpertChoice("grouped_mm"))
+QUACK_WGRAD = ExpertChoice("triton", "quack")
 DEFAULT = CANDIDATES[0]
+
+
+def default_candidates() -> tuple[ExpertChoice, ...]:
+    """:data:`CANDIDATES`, plus ``triton+quack_wgrad`` where quack is installed (checked without
+    importing it)."""
+    from ray_moe.kernels.quack_wgrad import quack_available
+
+    return CANDIDATES + ((QUACK_WGRAD,) if quack_available() else ())
 
 
 Timer = Callable[[Callable[[], object], str], float]
@@ -67,9 +81,11 @@ class ExpertImplChooser:
         timings: shape key → {candidate name: milliseconds, or the error that ruled it out}.
     """
 
-    def __init__(self, candidates: tuple[ExpertChoice, ...] = CANDIDATES, timer: Timer | None = None) -> None:
-        """timer(fn, candidate name) → milliseconds per call of fn (default :func:`bench_timer`)."""
-        self.candidates, self.timer = candidates, timer or bench_timer()
+    def __init__(self, candidates: tuple[ExpertChoice, ...] | None = None, timer: Timer | None = None) -> None:
+        """candidates: default :func:`default_candidates`; timer(fn, candidate name) → milliseconds
+        per call of fn (default :func:`bench_timer`)."""
+        self.candidates = default_candidates() if candidates is None else candidates
+        self.timer = timer or bench_timer()
         self.choices: dict[tuple, ExpertChoice] = {}
         self.timings: dict[tuple, dict[str, float | str]] = {}
 
