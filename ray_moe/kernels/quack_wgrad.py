@@ -3,11 +3,13 @@
 quack (``quack-kernels``, the GEMM library under SonicMoE; Hopper and Blackwell, CUTLASS DSL)
 has a grouped GEMM whose groups run along the contraction (``cu_seqlens_k``) and which gathers
 the rows of A by an index (``A_idx``): exactly dW_s = Σ_{p in group s} A[row(p)]ᵀ B[p]. It is
-autotuned per shape by quack itself, two consumer warpgroups per tile with TMA for B, and
-groups with no rows store exact zeros. On an H100 at T=32768, H=4096, I=1536, K=8, E=128 its
-weight-gradient GEMMs take ~9.6 and ~5.0 ms against ~14.6 and ~7.6 ms for the Triton kernels
-(docs/BENCHMARKS.md, issue 16 session 4), so the expert chooser offers it as a candidate
-(``triton+quack_wgrad``) wherever quack is installed; everything else stays Triton.
+autotuned per shape by quack itself (two consumer warpgroups per tile, TMA for B, 2×1 clusters),
+and groups with no rows store exact zeros (its sm_90 kernel zero-fills the accumulator when a
+group has no k tiles). On an H100 at T=32768, H=4096, I=1536, K=8, E=128, timed alone under the
+same sustained load: dW13 11.0 ms and dW2 5.8 ms against 14.9 and 7.6 ms for the Triton
+kernels, same error against float32 (docs/BENCHMARKS.md, issue 16 session 4). The expert
+chooser considers it only on request (``expert_choice.candidates_with_quack()``): its GPU tests'
+verdict was lost in that session (cut off by the command's own limit), so it is not a default.
 
 Mapping (the gathered side must be A, the position-indexed side B):
     dW13 [S, H, 2I] = Σ x[row(p)]ᵀ dh13[p]      → gemm(xᵀ, dh13, out=dW13, cu_seqlens_k=offsets, A_idx=rows)

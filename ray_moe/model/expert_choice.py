@@ -7,9 +7,10 @@ Candidates (each correct; which is fastest depends on the shape and the GPU):
 - ``triton+mm_wgrad``: the same forward and activation gradients, with the two weight-gradient
   GEMMs through ``torch._grouped_mm`` on gathered rows (cuBLAS/CUTLASS speed for dW13/dW2,
   at the cost of materialising the gathered rows);
-- ``triton+quack_wgrad`` (offered only where quack, the GEMM library under SonicMoE, is
-  installed): the weight gradients through quack's varlen-K CUTLASS GEMM, which gathers the rows
-  itself (see :mod:`ray_moe.kernels.quack_wgrad`);
+- ``triton+quack_wgrad`` (opt-in: :func:`candidates_with_quack`, needs quack, the GEMM library
+  under SonicMoE): the weight gradients through quack's varlen-K CUTLASS GEMM, which gathers the
+  rows itself (see :mod:`ray_moe.kernels.quack_wgrad`; not offered by default until its GPU
+  tests have been seen passing on the device);
 - ``grouped_mm``: the torch path (argsort, ``x[rows]``, ``_grouped_mm``, ``index_add``).
 
 :class:`ExpertImplChooser` times every candidate once per shape key (rows rounded up to a power
@@ -51,9 +52,10 @@ QUACK_WGRAD = ExpertChoice("triton", "quack")
 DEFAULT = CANDIDATES[0]
 
 
-def default_candidates() -> tuple[ExpertChoice, ...]:
-    """:data:`CANDIDATES`, plus ``triton+quack_wgrad`` where quack is installed (checked without
-    importing it)."""
+def candidates_with_quack() -> tuple[ExpertChoice, ...]:
+    """:data:`CANDIDATES` plus ``triton+quack_wgrad`` where quack is installed (checked without
+    importing it); pass to ``ExpertImplChooser(candidates=...)`` (and that chooser to
+    ``MoELayer(expert_chooser=...)``) to let the measurement consider it."""
     from ray_moe.kernels.quack_wgrad import quack_available
 
     return CANDIDATES + ((QUACK_WGRAD,) if quack_available() else ())
@@ -81,11 +83,9 @@ class ExpertImplChooser:
         timings: shape key → {candidate name: milliseconds, or the error that ruled it out}.
     """
 
-    def __init__(self, candidates: tuple[ExpertChoice, ...] | None = None, timer: Timer | None = None) -> None:
-        """candidates: default :func:`default_candidates`; timer(fn, candidate name) → milliseconds
-        per call of fn (default :func:`bench_timer`)."""
-        self.candidates = default_candidates() if candidates is None else candidates
-        self.timer = timer or bench_timer()
+    def __init__(self, candidates: tuple[ExpertChoice, ...] = CANDIDATES, timer: Timer | None = None) -> None:
+        """timer(fn, candidate name) → milliseconds per call of fn (default :func:`bench_timer`)."""
+        self.candidates, self.timer = candidates, timer or bench_timer()
         self.choices: dict[tuple, ExpertChoice] = {}
         self.timings: dict[tuple, dict[str, float | str]] = {}
 
