@@ -499,15 +499,14 @@ def sonic_precompile(shape: LayerShape, cache_dir: str, limit: int | None = None
     """
     import time
 
-    from torch._library.custom_ops import CustomOpDef
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     import cutlass.base_dsl.compiler as dsl_compiler
     import quack.autotuner as qat
     import quack.cache_utils as qcu
     import quack.gemm_interface as qgi
     import sonicmoe.functional.backward as sb
     import sonicmoe.functional.forward as sf
+    from torch._library.custom_ops import CustomOpDef
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     counts: dict[str, dict[str, int]] = {}
     current: dict[str, int] = {}
@@ -887,10 +886,12 @@ def wgrad_backend_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_
     for what, (a, b, ga, gb, cfg, dual, role) in cases.items():
         ref = grouped_wgrad_reference(a, b, layout, K, ga, gb)
         flops = 2.0 * P * a.shape[1] * b.shape[1]
-        backends = {"triton": lambda: grouped_wgrad(a, b, layout, K, ga, gb, role=role, cfg=cfg, dual=dual),
-                    "grouped_mm": lambda: grouped_wgrad_mm(a, b, layout, K, ga, gb)}
+        args = (a, b, layout, K, ga, gb)
+        backends = {"triton": lambda args=args, role=role, cfg=cfg, dual=dual: grouped_wgrad(
+                        *args, role=role, cfg=cfg, dual=dual),
+                    "grouped_mm": lambda args=args: grouped_wgrad_mm(*args)}
         if quack_available():
-            backends["quack"] = lambda: grouped_wgrad_quack(a, b, layout, K, ga, gb)
+            backends["quack"] = lambda args=args: grouped_wgrad_quack(*args)
         for name, fn in backends.items():
             row: dict[str, Any] = {"section": f"wgrad T={shape.T} E={E}", "what": f"{what} {name}"}
             try:
@@ -1165,13 +1166,13 @@ def main(argv: list[str]) -> int:
     for name_, E in [(n, e) for n in ("layer", "small", "profile", "steady", "wgrad") for e in layer_es]:
         eshape = LayerShape(shape.T, shape.H, shape.I, E, shape.K)
         for name, step in (
-            ("layer", lambda: sonic_layer_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms, impls,
+            ("layer", lambda eshape=eshape: sonic_layer_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms, impls,
                                                args.sonic_mode)),
-            ("small", lambda: small_t_rows(eshape, [int(t) for t in args.small_T.split(",")], dtype, args.seed,
+            ("small", lambda eshape=eshape: small_t_rows(eshape, [int(t) for t in args.small_T.split(",")], dtype, args.seed,
                                            args.warmup_ms, args.rep_ms, copy_gbs, impls)),
-            ("profile", lambda: profile_rows(eshape, dtype, args.seed, impls=impls)),
-            ("steady", lambda: steady_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms, impls=impls)),
-            ("wgrad", lambda: wgrad_backend_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms)),
+            ("profile", lambda eshape=eshape: profile_rows(eshape, dtype, args.seed, impls=impls)),
+            ("steady", lambda eshape=eshape: steady_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms, impls=impls)),
+            ("wgrad", lambda eshape=eshape: wgrad_backend_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms)),
         ):
             if name in sections and name == name_:
                 try:
