@@ -468,6 +468,139 @@ def sonic_import_error() -> str | None:
     return None
 
 
+SONIC_PRECOMPILE_ENV = {"QUACK_ARCH": "90", "CUTE_DSL_ARCH": "sm_90a"}
+
+
+def sonic_precompile(shape: LayerShape, cache_dir: str, limit: int | None = None) -> dict[str, dict[str, int]]:
+    """Compile, without a GPU, every quack GEMM config that SonicMoE's autotuner times on sm_90a
+    (H100/H200), into quack's on-disk kernel cache ``cache_dir`` (its ``QUACK_CACHE_DIR``).
+
+    SonicMoE's first training step autotunes each of its six quack GEMMs (training and inference
+    up-projection + SwiGLU, down-projection, dSwiGLU, dX, dW1, dW2: 9 to 22 configs each) by
+    compiling every config in worker processes and timing it; on a fresh device machine that
+    takes longer than one 10-minute command. The compiled objects do not depend on T, E, H or I
+    (quack compiles with symbolic shapes), so they can be built here once, carried, unpacked
+    into the device's ``QUACK_CACHE_DIR``, and the autotuner there only loads and times them:
+    SonicMoE still picks its fastest config by measuring every candidate on the device.
+
+    This mirrors quack's own worker path (``quack._compile_worker``: fake tensors,
+    ``COMPILE_ONLY``) through SonicMoE's own op bodies, so the tensors, strides and flags are the
+    ones a real step passes. Needs the environment of :data:`SONIC_PRECOMPILE_ENV` set before
+    cutlass is imported (``main`` does it); the DSL's one-time CUDA driver check is skipped,
+    since nothing is launched. Run it in a process of its own: it patches quack's autotuner and
+    custom ops for the duration of the call.
+
+    Args:
+        shape: any shape (only dtypes, layouts and flags reach the compiled kernels).
+        cache_dir: quack's kernel cache directory to fill (``<dir>/<source fingerprint>/*.o``).
+        limit: compile at most this many configs per GEMM (tests).
+    Returns:
+        {step: {"configs": n, "failed": m}} per SonicMoE GEMM call.
+    """
+    import time
+
+    import cutlass.base_dsl.compiler as dsl_compiler
+    import quack.autotuner as qat
+    import quack.cache_utils as qcu
+    import quack.gemm_interface as qgi
+    import sonicmoe.functional.backward as sb
+    import sonicmoe.functional.forward as sf
+    from torch._library.custom_ops import CustomOpDef
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    counts: dict[str, dict[str, int]] = {}
+    current: dict[str, int] = {}
+
+    def compile_all(self, *args, **kwargs):  # stands in for Autotuner.__call__
+        self.nargs = dict(zip(self.arg_names, args))
+        configs = self.prune_configs(kwargs)[:limit]
+        current["configs"] = current.get("configs", 0) + len(configs)
+        ret = None  # the caller may unpack a result (gemm_dgated's colvec reduction): a fake tensor
+        for cfg in configs:
+            t0 = time.time()
+            try:
+                ret = self.fn(*args, **kwargs, **cfg.all_kwargs())
+            except Exception as exc:  # reported; the device autotuner skips such a config too
+                current["failed"] = current.get("failed", 0) + 1
+                _log(f"  {self.fn.__name__} {cfg}: {type(exc).__name__}: {str(exc)[:160]}")
+                continue
+            _log(f"  {self.fn.__name__} {time.time() - t0:5.1f} s {cfg}")
+        return ret
+
+    saved = {"call": qat.Autotuner.__call__, "only": qcu.COMPILE_ONLY, "dir": qcu.CACHE_DIR,
+             "check": dsl_compiler.Compiler._check_cuda_dependencies_once,
+             "ops": {n: getattr(qgi, n) for n in dir(qgi) if isinstance(getattr(qgi, n), CustomOpDef)}}
+    qat.Autotuner.__call__ = compile_all
+    qcu.COMPILE_ONLY, qcu.CACHE_DIR = True, cache_dir
+    dsl_compiler.Compiler._check_cuda_dependencies_once = lambda self, libs: None
+    for n, op in saved["ops"].items():  # quack's custom ops → their Python bodies (no fake kernels)
+        setattr(qgi, n, op._init_fn)
+    try:
+        T, H, I, E, K = shape.T, shape.H, shape.I, shape.E, shape.K
+        TK, bf, i32 = T * K, torch.bfloat16, torch.int32
+        with FakeTensorMode():
+            def t(*size, dtype=bf):
+                return torch.empty(*size, dtype=dtype, device="cuda")
+
+            x, dout = t(T, H), t(T, H)
+            w1 = t(E, 2 * I, H).permute(1, 2, 0)  # SonicLayer's c_fc.permute(1, 2, 0)
+            w2 = t(E, H, I).permute(1, 2, 0)  # c_proj.permute(1, 2, 0)
+            off, gidx, sidx = t(E + 1, dtype=i32), t(TK, dtype=i32), t(TK, dtype=i32)
+            a, h, scores = t(TK, I), t(TK, 2 * I), t(TK, dtype=torch.float32)
+            steps = {  # SonicMoE's op bodies, called as _UpProjection / _DownProjection call them
+                "up-projection + SwiGLU (training)":
+                    lambda: sf._up_projection_forward._init_fn(x, w1, h, a, None, off, gidx, "swiglu", False, False),
+                "up-projection + SwiGLU (inference)":
+                    lambda: sf._up_projection_forward._init_fn(x, w1, None, a, None, off, gidx, "swiglu", True, False),
+                "down-projection": lambda: sf._down_projection_forward._init_fn(w2, a, t(TK, H), None, off),
+                "dSwiGLU (grad_out gathered)": lambda: sb._down_projection_backward_act._init_fn(
+                    dout, h, w2, torch.empty_like(h), torch.empty_like(scores), None, None, t(TK, I), scores, off,
+                    gidx, sidx, "swiglu"),
+                "dW2": lambda: sb._down_projection_backward_weight._init_fn(dout, a, torch.empty_like(w2), off, gidx),
+                "dX rows": lambda: sb._up_projection_backward_act._init_fn(w1, t(TK, H), h, None, off, True, False),
+                "dW1 (x gathered)": lambda: sb._up_projection_backward_weight._init_fn(
+                    x, torch.empty_like(w1), h, off, gidx, True, False),
+            }
+            for name, step in steps.items():
+                current.clear()
+                t0 = time.time()
+                _log(f"sonic precompile: {name}")
+                step()
+                counts[name] = {"configs": current.get("configs", 0), "failed": current.get("failed", 0)}
+                _log(f"sonic precompile: {name}: {counts[name]} in {time.time() - t0:.0f} s")
+    finally:
+        qat.Autotuner.__call__ = saved["call"]
+        qcu.COMPILE_ONLY, qcu.CACHE_DIR = saved["only"], saved["dir"]
+        dsl_compiler.Compiler._check_cuda_dependencies_once = saved["check"]
+        for n, op in saved["ops"].items():
+            setattr(qgi, n, op)
+    return counts
+
+
+def sonic_autotune_summary() -> dict[str, Any]:
+    """What SonicMoE's quack autotuner chose in this process: per tuned GEMM, the number of
+    shapes tuned, configs timed for the last one, and the chosen config per shape (short form)."""
+    try:
+        import quack.gemm_interface as qgi
+    except Exception:
+        return {}
+    out: dict[str, Any] = {}
+    for name in ("gemm_gated_tuned", "gemm_tuned", "gemm_dgated_tuned"):
+        tuner = getattr(qgi, name, None)
+        cache = getattr(tuner, "cache", None) or {}
+        if not cache:
+            continue
+
+        def short(c: Any) -> str:
+            c = c.kwargs.get("config", c)
+            return (f"{c.tile_m}x{c.tile_n} {'pp' if c.pingpong else 'coop'} c{c.cluster_m}x{c.cluster_n}"
+                    f"{' swapAB' if c.swap_ab else ''}")
+
+        out[name] = {"shapes": len(cache), "configs timed (last)": len(getattr(tuner, "configs_timings", {}) or {}),
+                     "chosen": sorted({short(c) for c in cache.values()})}
+    return out
+
+
 def _rel_err_gpu(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| accumulated in float64 on the device, slice by slice along dim 0."""
     num = den = torch.zeros((), dtype=torch.float64, device=b.device)
@@ -575,6 +708,10 @@ def sonic_layer_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms
         note: dict[str, Any] = {"rel_err": {k: float(f"{v:.3g}") for k, v in errs.items()}}
         if name == "ray_moe" and layer.expert_chooser.choices:
             note["expert impl"] = [c.name for c in layer.expert_chooser.choices.values()]
+            note["chooser ms"] = [{n: (round(t, 2) if isinstance(t, float) else t) for n, t in tm.items()}
+                                  for tm in layer.expert_chooser.timings.values()]
+        if name == "sonicmoe":
+            note["quack autotune"] = sonic_autotune_summary()
         if not backward:
             note["mode"] = "forward only (peak: forward)"
         _log(f"{sec}: {name} fwd {t_f:.2f} ms, fwd+bwd {t_fb:.2f} ms, errors {errs}")
@@ -660,7 +797,7 @@ def small_t_rows(shape: LayerShape, tokens: list[int], dtype: torch.dtype, seed:
     return rows
 
 
-def profile_rows(shape: LayerShape, dtype: torch.dtype, seed: int, top: int = 14,
+def profile_rows(shape: LayerShape, dtype: torch.dtype, seed: int, top: int = 22,
                  impls: tuple[str, ...] = ("ray_moe", "sonicmoe")) -> list[dict]:
     """Where one training step's GPU time goes (torch.profiler, CUDA kernels by total time):
     one forward+backward of ray_moe's layer and, when it imports, SonicMoE's, after warm-up."""
@@ -683,18 +820,229 @@ def profile_rows(shape: LayerShape, dtype: torch.dtype, seed: int, top: int = 14
 
         for _ in range(2):
             step()
-        torch.cuda.synchronize()
+        walls = []
+        for _ in range(3):  # the step's wall time on the device, to compare with its kernels' sum
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
+            step()
+            t1.record()
+            torch.cuda.synchronize()
+            walls.append(t0.elapsed_time(t1))
+        wall = sorted(walls)[1]
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
         events = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0]
         events.sort(key=lambda e: -e.device_time_total)
         total = sum(e.device_time_total for e in events) / 1e3
+        sec = f"profile {name} T={shape.T} E={shape.E}"
+        rows.append({"section": sec, "what": "step wall time (events, median of 3) / sum of kernel times",
+                     "calls": sum(e.count for e in events), "ms": wall, "share": total / wall})
         for e in events[:top]:
-            rows.append({"section": f"profile {name} T={shape.T} E={shape.E} (one fwd+bwd, {total:.1f} ms of kernels)",
-                         "what": e.key[:70], "calls": e.count, "ms": e.device_time_total / 1e3,
+            rows.append({"section": sec, "what": e.key[:90], "calls": e.count, "ms": e.device_time_total / 1e3,
                          "share": e.device_time_total / 1e3 / total})
+        rest = events[top:]
+        if rest:
+            rows.append({"section": sec, "what": f"{len(rest)} other kernels", "calls": sum(e.count for e in rest),
+                         "ms": sum(e.device_time_total for e in rest) / 1e3,
+                         "share": sum(e.device_time_total for e in rest) / 1e3 / total})
+        try:  # the step's kernels in launch order (one name covers several GEMMs: the order tells them apart)
+            rows += _timeline_rows(prof, f"timeline {name} T={shape.T} E={shape.E}")
+        except Exception as exc:  # profiler internals differ between torch versions: report, go on
+            rows.append({"section": sec, "what": "timeline", "note": f"{type(exc).__name__}: {exc}"[:200]})
         torch.cuda.empty_cache()
+    return rows
+
+
+def wgrad_backend_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms: int, rep_ms: int) -> list[dict]:
+    """The two weight-gradient GEMMs at the layer shape, each backend (Triton default plan, quack
+    where installed, torch._grouped_mm) timed alone, with its error against the float32 reference
+    (the same routing: float32 router logits, top-k of the layer problem)."""
+    from ray_moe.kernels.grouped_swiglu import (
+        default_plan,
+        grouped_wgrad,
+        grouped_wgrad_mm,
+        grouped_wgrad_reference,
+    )
+    from ray_moe.kernels.quack_wgrad import grouped_wgrad_quack, quack_available
+    from ray_moe.kernels.routing import pair_layout
+    from ray_moe.model.router import route
+
+    device = torch.device("cuda")
+    prob = layer_problem(shape, device, dtype, seed)
+    x, K, E = prob["x"], shape.K, shape.E
+    with torch.no_grad():
+        _, ids, _ = route(x, prob["router"], K, need_probs=False)
+    layout = pair_layout(ids.to(torch.int32), E)
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    P = shape.T * K
+    dh13 = torch.randn(P, 2 * shape.I, generator=g, device=device).to(dtype)
+    aw = torch.randn(P, shape.I, generator=g, device=device).to(dtype)
+    go = torch.randn(shape.T, shape.H, generator=g, device=device).to(dtype)
+    plan = default_plan(dtype, device)
+    cases = {"dW13 (x gathered)": (x, dh13, True, False, plan.wgrad13, plan.dual_wgrad13, "wgrad13"),
+             "dW2 (grad_out gathered)": (aw, go, False, True, plan.wgrad2, False, "wgrad2")}
+    rows: list[dict] = []
+    for what, (a, b, ga, gb, cfg, dual, role) in cases.items():
+        ref = grouped_wgrad_reference(a, b, layout, K, ga, gb)
+        flops = 2.0 * P * a.shape[1] * b.shape[1]
+        args = (a, b, layout, K, ga, gb)
+        backends = {"triton": lambda args=args, role=role, cfg=cfg, dual=dual: grouped_wgrad(
+                        *args, role=role, cfg=cfg, dual=dual),
+                    "grouped_mm": lambda args=args: grouped_wgrad_mm(*args)}
+        if quack_available():
+            backends["quack"] = lambda args=args: grouped_wgrad_quack(*args)
+        for name, fn in backends.items():
+            row: dict[str, Any] = {"section": f"wgrad T={shape.T} E={E}", "what": f"{what} {name}"}
+            try:
+                err = _rel_err_gpu(fn(), ref)
+                ms = _median_ms(fn, warmup_ms, rep_ms)
+                row.update({"ms": ms, "TFLOP/s": _tflops(flops, ms), "rel_err vs float32": float(f"{err:.3g}")})
+            except Exception as exc:  # a backend that cannot run here is reported, not fatal
+                row["note"] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
+            _log(f"wgrad: {row}")
+            rows.append(row)
+        del ref
+    return rows
+
+
+def steady_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms: int, rep_ms: int, n_steps: int = 3,
+                impls: tuple[str, ...] = ("ray_moe", "sonicmoe")) -> list[dict]:
+    """Training steps back to back, as the timings run them (no synchronisation between steps),
+    profiled with the host side: per step, the kernels' sum and the device's idle time; the gap
+    between steps; the host's CUDA API calls by total time, and for every call that waits on the
+    device (``*Synchronize``, a blocking copy) the torch op and Python stack it came from. Tells
+    a steady-state gap between kernel sums and step times apart into device idle (host-bound or
+    a synchronisation) and slower kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device("cuda")
+    prob = layer_problem(shape, device, dtype, seed)
+    x = prob["x"].detach().requires_grad_()
+    layer = ray_moe_layer(shape, prob)
+    steps = {"ray_moe": (lambda: layer(x)[0], (x, layer.router, layer.w13, layer.w2))}
+    if sonic_import_error() is None and "sonicmoe" in impls:
+        sonic = SonicLayer(prob, shape.K)
+        steps["sonicmoe"] = (lambda: sonic(x), (x, *sonic.params))
+    rows: list[dict] = []
+    for name, (fwd, params) in steps.items():
+        if name not in impls:
+            continue
+
+        def step(fwd=fwd, params=params):
+            torch.autograd.grad(fwd(), params, prob["grad"])
+
+        step()
+        t_step = _median_ms(step, warmup_ms, rep_ms)
+        t_fwd = _median_ms(fwd, warmup_ms, rep_ms)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+            for _ in range(n_steps):
+                step()
+            torch.cuda.synchronize()
+        sec = f"steady {name} T={shape.T} E={shape.E}"
+        rows.append({"section": sec, "what": "do_bench median: fwd+bwd / fwd (same process)", "ms": t_step,
+                     "note": {"fwd ms": round(t_fwd, 3)}})
+        try:
+            rows += _steady_analysis(prof.events(), n_steps, sec)
+        except Exception as exc:  # profiler internals differ between torch versions: report, go on
+            rows.append({"section": sec, "what": "analysis failed", "note": f"{type(exc).__name__}: {exc}"[:200]})
+        del prof
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _steady_analysis(events: list, n_steps: int, section: str) -> list[dict]:
+    """Rows of :func:`steady_rows` from profiler events (``FunctionEvent``-like: name,
+    device_type, time_range.start/end in us, thread, stack): the kernels split evenly into
+    ``n_steps`` steps in start order."""
+    from torch.autograd import DeviceType
+
+    kern = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    per = len(kern) // max(n_steps, 1)
+    rows: list[dict] = []
+    prev_end = None
+    for i in range(n_steps):
+        ks = kern[i * per:(i + 1) * per]
+        if not ks:
+            break
+        busy = sum(k.time_range.end - k.time_range.start for k in ks) / 1e3
+        start, end = ks[0].time_range.start, max(k.time_range.end for k in ks)
+        row = {"section": section, "what": f"step {i + 1}: span first → last kernel", "calls": len(ks),
+               "ms": (end - start) / 1e3, "note": {"kernel sum ms": round(busy, 3),
+                                                   "idle ms": round((end - start) / 1e3 - busy, 3)}}
+        if prev_end is not None:
+            row["note"]["gap before ms"] = round((start - prev_end) / 1e3, 3)
+        rows.append(row)
+        prev_end = end
+    host = [e for e in events if e.device_type == DeviceType.CPU and (e.name.startswith("cuda") or e.name.startswith("cu"))]
+    agg: dict[str, list[float]] = {}
+    for e in host:
+        d = (e.time_range.end - e.time_range.start) / 1e3
+        a = agg.setdefault(e.name, [0, 0.0, 0.0])
+        a[0] += 1
+        a[1] += d
+        a[2] = max(a[2], d)
+    for nm, (n, tot, mx) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:8]:
+        rows.append({"section": section, "what": f"host API {nm}", "calls": n, "ms": tot, "note": {"max ms": round(mx, 3)}})
+    waits = [e for e in host if "Synchronize" in e.name or ("Memcpy" in e.name and "Async" not in e.name)
+             or ("Memcpy" in e.name and (e.time_range.end - e.time_range.start) > 50)]
+    host_ids = {id(e) for e in host}
+    ops = [e for e in events if e.device_type == DeviceType.CPU and id(e) not in host_ids]
+    for w in waits[:12]:
+        inner = [o for o in ops if o.thread == w.thread and o.time_range.start <= w.time_range.start
+                 and o.time_range.end >= w.time_range.end]
+        op = min(inner, key=lambda o: o.time_range.end - o.time_range.start) if inner else None
+        stack = [f for f in (getattr(op, "stack", None) or []) if "ray_moe" in f or "sonicmoe" in f or "quack" in f][:4]
+        rows.append({"section": section, "what": f"device wait: {w.name}", "calls": 1,
+                     "ms": (w.time_range.end - w.time_range.start) / 1e3,
+                     "note": {"in op": op.name if op is not None else None, "stack": stack}})
+    return rows
+
+
+def _timeline_rows(prof: Any, section: str, min_ms: float = 0.1) -> list[dict]:
+    """The profiled kernels in start order: each kernel of at least ``min_ms`` on its own row,
+    shorter ones merged per run, and device idle gaps of at least ``min_ms`` (start in ms from
+    the first kernel)."""
+    from torch.autograd import DeviceType
+
+    kern = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
+    if not kern:
+        return []
+    t0 = kern[0].time_range.start
+    rows: list[dict] = []
+    small = {"n": 0, "ms": 0.0, "start": 0.0}
+    busy_end = t0
+    idle = 0.0
+
+    def flush() -> None:
+        if small["n"]:
+            rows.append({"section": section, "what": f"{small['n']} short kernels", "calls": small["n"],
+                         "ms": small["ms"], "start ms": small["start"]})
+            small.update(n=0, ms=0.0)
+
+    for e in kern:
+        start, end = e.time_range.start, e.time_range.end
+        gap = (start - busy_end) / 1e3
+        if gap > 0:
+            idle += gap
+        if gap >= min_ms:
+            flush()
+            rows.append({"section": section, "what": "(device idle)", "ms": gap, "start ms": (busy_end - t0) / 1e3})
+        dur = (end - start) / 1e3
+        if dur >= min_ms:
+            flush()
+            rows.append({"section": section, "what": e.name[:90], "calls": 1, "ms": dur, "start ms": (start - t0) / 1e3})
+        else:
+            if not small["n"]:
+                small["start"] = (start - t0) / 1e3
+            small["n"] += 1
+            small["ms"] += dur
+        busy_end = max(busy_end, end)
+    flush()
+    rows.append({"section": section, "what": "span first kernel start → last kernel end; idle inside it",
+                 "ms": (busy_end - t0) / 1e3, "note": {"idle ms": round(idle, 3)}})
     return rows
 
 
@@ -729,7 +1077,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="comma list of kernels,expert,ffn,routing,saved,layer,small,profile (kernels runs first;"
                    " with --sweep the fastest tiles it finds are used by expert and ffn). layer: the whole"
                    " MoELayer (W=1) vs SonicMoE, training step; small: inference forward at --small-T vs SonicMoE"
-                   " as weight bytes/s against the copy bandwidth; profile: kernel time of one training step")
+                   " as weight bytes/s against the copy bandwidth; profile: kernel time of one training step;"
+                   " steady: training steps back to back with the host side (device idle, waits, API calls);"
+                   " wgrad: the weight-gradient GEMMs alone per backend (triton, grouped_mm, quack)")
     p.add_argument("--layer-E", default=None, help="layer/small/profile: comma list of E (default: --E)")
     p.add_argument("--small-T", default="128,1024", help="small: comma list of token counts")
     p.add_argument("--impls", default="ray_moe,sonicmoe", help="layer/small/profile: which layers to run")
@@ -737,6 +1087,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="layer: SonicMoE forward+backward, or its forward only (its backward GEMMs autotune"
                         " for over ten minutes on a fresh machine)")
     p.add_argument("--sweep", action="store_true", help="time alternative tile configs per kernel")
+    p.add_argument("--sonic-precompile", default=None, metavar="DIR",
+                   help="no GPU needed: compile every quack GEMM config SonicMoE's autotuner times on sm_90a"
+                        " into DIR (carry it as the device's QUACK_CACHE_DIR), then exit")
+    p.add_argument("--sonic-precompile-limit", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help="write the rows and the setup here")
     p.add_argument("--world-size", type=int, default=0,
                    help="with the 'ep' section: ranks of the expert-parallel group (T is global)")
@@ -753,6 +1107,14 @@ def main(argv: list[str]) -> int:
     """CLI entry: ``ray-moe bench layer [--T ...] [--json out.json]``. Returns the exit code."""
     args = parse_args(argv)
     shape = LayerShape(args.T, args.H, args.I, args.E, args.K)
+    if args.sonic_precompile:
+        import os
+
+        for k, v in SONIC_PRECOMPILE_ENV.items():  # read when cutlass / quack are first imported
+            os.environ.setdefault(k, v)
+        counts = sonic_precompile(shape, args.sonic_precompile, args.sonic_precompile_limit)
+        print(json.dumps(counts, indent=1))
+        return 1 if any(c["failed"] or not c["configs"] for c in counts.values()) else 0
     sections = set(args.sections.split(","))
     if sections == {"ep"}:  # the EP rows alone also run on CPU clusters (gloo)
         rows = ep_rows(shape, args)
@@ -793,7 +1155,7 @@ def main(argv: list[str]) -> int:
     layer_es = [int(e) for e in (args.layer_E or str(shape.E)).split(",")]
     impls = tuple(args.impls.split(","))
     dtype = getattr(torch, args.dtype)
-    if sections & {"layer", "small", "profile"}:
+    if sections & {"layer", "small", "profile", "steady", "wgrad"}:
         inp = None
         torch.cuda.empty_cache()
         print(f"device: {torch.cuda.get_device_name()}; sonicmoe: {sonic_import_error() or 'imports'}", flush=True)
@@ -801,14 +1163,16 @@ def main(argv: list[str]) -> int:
         copy_gbs = copy_bandwidth_gbs()
         rows.append({"section": "small T", "what": "device copy bandwidth (read + write)", "GB/s": copy_gbs})
         print(f"copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
-    for name_, E in [(n, e) for n in ("layer", "small", "profile") for e in layer_es]:
+    for name_, E in [(n, e) for n in ("layer", "small", "profile", "steady", "wgrad") for e in layer_es]:
         eshape = LayerShape(shape.T, shape.H, shape.I, E, shape.K)
         for name, step in (
-            ("layer", lambda: sonic_layer_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms, impls,
+            ("layer", lambda eshape=eshape: sonic_layer_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms, impls,
                                                args.sonic_mode)),
-            ("small", lambda: small_t_rows(eshape, [int(t) for t in args.small_T.split(",")], dtype, args.seed,
+            ("small", lambda eshape=eshape: small_t_rows(eshape, [int(t) for t in args.small_T.split(",")], dtype, args.seed,
                                            args.warmup_ms, args.rep_ms, copy_gbs, impls)),
-            ("profile", lambda: profile_rows(eshape, dtype, args.seed, impls=impls)),
+            ("profile", lambda eshape=eshape: profile_rows(eshape, dtype, args.seed, impls=impls)),
+            ("steady", lambda eshape=eshape: steady_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms, impls=impls)),
+            ("wgrad", lambda eshape=eshape: wgrad_backend_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms)),
         ):
             if name in sections and name == name_:
                 try:

@@ -6,7 +6,8 @@ Forward (5 launches, no host sync, shapes fixed by R, K, H, I, S):
 Backward:
     swiglu_backward_rows (grad_out gathered; recomputes a from g|u; gives d(g|u), weight*a and
     the router-weight gradient) → dgrad_rows + gather_sum (dx) → grouped_wgrad twice (dW13, dW2; Triton, or
-    ``torch._grouped_mm`` on gathered rows when the plan says ``wgrad="grouped_mm"``).
+    ``torch._grouped_mm`` on gathered rows when the plan says ``wgrad="grouped_mm"``, or quack's
+    varlen-K GEMM with the row gather in its loads for ``wgrad="quack"``).
 Saved for backward: x, weight, w13, w2 (inputs), g|u [R*K, 2I] (pre-activations) and the int32
 pair layout; nothing else.
 """
@@ -28,6 +29,7 @@ from ray_moe.kernels.grouped_swiglu import (
     grouped_wgrad_mm,
     swiglu_backward_rows,
 )
+from ray_moe.kernels.quack_wgrad import grouped_wgrad_quack
 from ray_moe.kernels.routing import PairLayout, pair_layout
 
 
@@ -63,16 +65,16 @@ class _ExpertFFN(torch.autograd.Function):
             n_valid = layout.offsets[-1]
             pos = layout.pair_pos.long()
             dweight = torch.where(pos < n_valid, dw_pos[pos], 0.0).reshape(weight.shape)
-        mm = plan.wgrad == "grouped_mm"
         wg13, wg2 = plan.wgrad13, plan.wgrad2
         if plan.fused_dact:  # the fused epilogue leaves dh13/aw rows past offsets[S] unset: no TMA reads
             wg13, wg2 = replace(wg13, tma=False), replace(wg2, tma=False)
+        library = {"grouped_mm": grouped_wgrad_mm, "quack": grouped_wgrad_quack}.get(plan.wgrad)
         if ctx.needs_input_grad[3]:
-            dw13 = (grouped_wgrad_mm(x, dh13, layout, K, gather_a=True, gather_b=False) if mm else
+            dw13 = (library(x, dh13, layout, K, gather_a=True, gather_b=False) if library else
                     grouped_wgrad(x, dh13, layout, K, gather_a=True, gather_b=False, role="wgrad13",
                                   cfg=wg13, dual=plan.dual_wgrad13))
         if ctx.needs_input_grad[4]:
-            dw2 = (grouped_wgrad_mm(aw, grad_out, layout, K, gather_a=False, gather_b=True) if mm else
+            dw2 = (library(aw, grad_out, layout, K, gather_a=False, gather_b=True) if library else
                    grouped_wgrad(aw, grad_out, layout, K, gather_a=False, gather_b=True, role="wgrad2",
                                  cfg=wg2))
         return dx, None, dweight, dw13, dw2, None

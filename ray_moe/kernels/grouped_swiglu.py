@@ -90,7 +90,8 @@ class KernelPlan:
     """Tiles of every GEMM of one expert_ffn call; whether the SwiGLU backward is fused into the
     dact GEMM's epilogue (one kernel) or run as GEMM + elementwise kernel (two); whether dW13
     computes its gate and up halves in one program (two accumulators sharing the x^T tile); and
-    whether the weight gradients run in Triton or through ``torch._grouped_mm`` (``wgrad``)."""
+    whether the weight gradients run in Triton, through ``torch._grouped_mm`` or through quack's
+    varlen-K GEMM (``wgrad``, one of :data:`WGRAD_BACKENDS`)."""
 
     gate_up: GemmConfig
     down: GemmConfig
@@ -100,7 +101,7 @@ class KernelPlan:
     wgrad2: GemmConfig
     fused_dact: bool = False
     dual_wgrad13: bool = False
-    wgrad: str = "triton"  # triton | grouped_mm: who computes dW13 and dW2 (see grouped_wgrad_mm)
+    wgrad: str = "triton"  # triton | grouped_mm | quack: who computes dW13 and dW2 (WGRAD_BACKENDS)
 
 
 def default_plan(dtype: torch.dtype, device: torch.device) -> KernelPlan:
@@ -573,7 +574,7 @@ def grouped_wgrad(
     return out
 
 
-WGRAD_BACKENDS = ("triton", "grouped_mm")
+WGRAD_BACKENDS = ("triton", "grouped_mm", "quack")  # quack: see ray_moe.kernels.quack_wgrad
 
 
 def grouped_wgrad_mm(

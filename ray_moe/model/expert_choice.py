@@ -7,6 +7,10 @@ Candidates (each correct; which is fastest depends on the shape and the GPU):
 - ``triton+mm_wgrad``: the same forward and activation gradients, with the two weight-gradient
   GEMMs through ``torch._grouped_mm`` on gathered rows (cuBLAS/CUTLASS speed for dW13/dW2,
   at the cost of materialising the gathered rows);
+- ``triton+quack_wgrad`` (opt-in: :func:`candidates_with_quack`, needs quack, the GEMM library
+  under SonicMoE): the weight gradients through quack's varlen-K CUTLASS GEMM, which gathers the
+  rows itself (see :mod:`ray_moe.kernels.quack_wgrad`; not offered by default until its GPU
+  tests have been seen passing on the device);
 - ``grouped_mm``: the torch path (argsort, ``x[rows]``, ``_grouped_mm``, ``index_add``).
 
 :class:`ExpertImplChooser` times every candidate once per shape key (rows rounded up to a power
@@ -38,11 +42,23 @@ class ExpertChoice:
 
     @property
     def name(self) -> str:
-        return "triton+mm_wgrad" if (self.impl == "triton" and self.wgrad == "grouped_mm") else self.impl
+        if self.impl != "triton" or self.wgrad == "triton":
+            return self.impl
+        return f"triton+{'mm' if self.wgrad == 'grouped_mm' else self.wgrad}_wgrad"
 
 
 CANDIDATES = (ExpertChoice("triton"), ExpertChoice("triton", "grouped_mm"), ExpertChoice("grouped_mm"))
+QUACK_WGRAD = ExpertChoice("triton", "quack")
 DEFAULT = CANDIDATES[0]
+
+
+def candidates_with_quack() -> tuple[ExpertChoice, ...]:
+    """:data:`CANDIDATES` plus ``triton+quack_wgrad`` where quack is installed (checked without
+    importing it); pass to ``ExpertImplChooser(candidates=...)`` (and that chooser to
+    ``MoELayer(expert_chooser=...)``) to let the measurement consider it."""
+    from ray_moe.kernels.quack_wgrad import quack_available
+
+    return CANDIDATES + ((QUACK_WGRAD,) if quack_available() else ())
 
 
 Timer = Callable[[Callable[[], object], str], float]

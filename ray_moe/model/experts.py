@@ -48,14 +48,14 @@ def expert_ffn(
         w13: [S, H, 2I] gate|up weights of the S local slots; w2: [S, I, H].
         impl: auto | loop | grouped_mm | triton (auto: triton on Hopper bf16, else loop; MoELayer
             goes further and measures per shape, see ray_moe.model.expert_choice).
-        wgrad: with triton, who computes the weight gradients: triton | grouped_mm.
+        wgrad: with triton, who computes the weight gradients: triton | grouped_mm | quack.
     Returns:
         [R, H] in x.dtype: sum_k weight[r, k] * expert_{slot[r, k]}(x[r]); rows with no valid k are 0.
         Differentiable w.r.t. x, weight, w13 and w2.
     """
     impl = resolve_impl(impl, x)
-    if wgrad not in ("triton", "grouped_mm"):
-        raise ValueError(f"wgrad {wgrad!r} is not one of triton, grouped_mm")
+    if wgrad not in ("triton", "grouped_mm", "quack"):  # kernels.grouped_swiglu.WGRAD_BACKENDS
+        raise ValueError(f"wgrad {wgrad!r} is not one of triton, grouped_mm, quack")
     if impl == "loop":
         return _expert_ffn_loop(x, slot, weight, w13, w2)
     if impl == "grouped_mm":

@@ -270,6 +270,47 @@ def test_sonic_layout_round_trip_matches_the_oracle(monkeypatch):
         assert rel_err(a, b) < 1e-6, name
 
 
+def test_profile_timeline_orders_kernels_and_finds_idle_gaps():
+    """bench layer's profile timeline: kernels in start order, short ones merged, idle gaps."""
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    from ray_moe.bench.layer import _timeline_rows
+
+    spans = [(1000, 5000), (0, 500), (510, 530), (540, 560), (5001, 5002)]  # microseconds, out of order
+    events = [NS(device_type=DeviceType.CUDA, name=f"k{s}", time_range=NS(start=s, end=e)) for s, e in spans]
+    events.append(NS(device_type=DeviceType.CPU, name="cpu op", time_range=NS(start=0, end=6000)))
+    rows = _timeline_rows(NS(events=lambda: events), "t")
+    assert [r["what"] for r in rows[:-1]] == ["k0", "2 short kernels", "(device idle)", "k1000", "1 short kernels"]
+    assert rows[2]["ms"] == pytest.approx(0.44) and rows[-1]["ms"] == pytest.approx(5.002)
+    assert rows[-1]["note"]["idle ms"] == pytest.approx(0.461)
+
+
+def test_steady_analysis_splits_steps_and_finds_device_waits():
+    """bench layer's steady section: kernels split into steps, idle per step, the host API calls,
+    and the op (with its stack) that waited on the device."""
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    from ray_moe.bench.layer import _steady_analysis
+
+    def ev(name, s, e, dev=DeviceType.CUDA, thread=1, stack=()):
+        return NS(name=name, device_type=dev, time_range=NS(start=s, end=e), thread=thread, stack=list(stack))
+
+    events = [ev("k", 0, 1000), ev("k", 1500, 2000), ev("k", 3000, 4000), ev("k", 4000, 4500),
+              ev("aten::item", 2000, 2900, DeviceType.CPU, stack=["ray_moe/x.py(3): f", "torch/y.py"]),
+              ev("cudaStreamSynchronize", 2100, 2850, DeviceType.CPU),
+              ev("cudaLaunchKernel", 10, 20, DeviceType.CPU), ev("cudaLaunchKernel", 30, 45, DeviceType.CPU)]
+    rows = {r["what"]: r for r in _steady_analysis(events, 2, "s")}
+    assert rows["step 1: span first → last kernel"]["note"] == {"kernel sum ms": 1.5, "idle ms": 0.5}
+    assert rows["step 2: span first → last kernel"]["note"]["gap before ms"] == 1.0
+    assert rows["host API cudaLaunchKernel"]["calls"] == 2
+    wait = rows["device wait: cudaStreamSynchronize"]
+    assert wait["ms"] == 0.75 and wait["note"] == {"in op": "aten::item", "stack": ["ray_moe/x.py(3): f"]}
+
+
 def test_triton_topk_softmax_under_interpreter(interpreter_results):
     for case, r in interpreter_results["topk_softmax"].items():
         assert r["ids"] and r["w"] < 1e-6 and r["grad_abs"] < 1e-6, (case, r)

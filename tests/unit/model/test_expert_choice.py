@@ -78,7 +78,20 @@ def test_expert_ffn_rejects_an_unknown_wgrad_backend():
     from ray_moe.model.experts import expert_ffn
 
     x, slot, weight, w13, w2 = _case()
-    with pytest.raises(ValueError, match="wgrad 'cublas' is not one of triton, grouped_mm"):
+    with pytest.raises(ValueError, match="wgrad 'cublas' is not one of triton, grouped_mm, quack"):
         expert_ffn(x, slot, weight, w13, w2, impl="loop", wgrad="cublas")
 
 
+
+
+def test_candidate_names_and_quack_only_on_request_where_installed(monkeypatch):
+    from ray_moe.kernels import quack_wgrad
+    from ray_moe.model import expert_choice as ec
+
+    assert [c.name for c in ec.CANDIDATES] == ["triton", "triton+mm_wgrad", "grouped_mm"]
+    assert ec.QUACK_WGRAD.name == "triton+quack_wgrad"
+    assert ExpertImplChooser().candidates == ec.CANDIDATES  # never by default
+    monkeypatch.setattr(quack_wgrad, "quack_available", lambda: False)
+    assert ec.candidates_with_quack() == ec.CANDIDATES
+    monkeypatch.setattr(quack_wgrad, "quack_available", lambda: True)
+    assert ec.candidates_with_quack() == ec.CANDIDATES + (ec.QUACK_WGRAD,)
