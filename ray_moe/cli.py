@@ -1,7 +1,7 @@
 """Command line: ``ray-moe train | bench | smoke``.
 
     ray-moe train --config jobs/tiny.yaml [--address ADDR] [section.key=value ...]
-    ray-moe bench comm|layer|balance [options]     (see ``ray-moe bench NAME --help``)
+    ray-moe bench comm|layer|balance|precision [options]     (see ``ray-moe bench NAME --help``)
     ray-moe smoke --address ADDR                    (validate a cluster before a run)
 
 Exit code 0 on success; on failure a one-line reason on stderr and a non-zero code.
@@ -14,7 +14,7 @@ import importlib
 import logging
 import sys
 
-BENCHES = ("comm", "layer", "balance")
+BENCHES = ("comm", "layer", "balance", "precision")
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -21,19 +21,23 @@ Rows whose target is ``ignore_index`` count neither in the sum nor in the mean (
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 LOSS_IMPLS = ("auto", "chunked", "liger")
 IGNORE_INDEX = -100
+SMALL_LOGITS_BYTES = 64 * 2**20  # float32 logits chunks below this are never split further
 
 
 def liger_available() -> bool:
-    """Whether Liger-Kernel's fused linear cross-entropy imports here."""
+    """Whether Liger-Kernel's fused linear cross-entropy imports here and takes ``accum_dtype``
+    (0.6.2 and later: the float32 weight-gradient accumulator)."""
     try:
-        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy  # noqa: F401
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
     except Exception:  # ImportError, or a Triton/CUDA mismatch raised while importing
         return False
-    return True
+    return "accum_dtype" in inspect.signature(liger_fused_linear_cross_entropy).parameters
 
 
 def resolve_loss_impl(name: str, device: torch.device) -> str:
@@ -48,17 +52,19 @@ def resolve_loss_impl(name: str, device: torch.device) -> str:
             raise ValueError(f"train.loss_impl=liger needs CUDA but the device is {device}; use chunked or auto")
         if not liger_available():
             raise ValueError("train.loss_impl=liger but liger_kernel does not import "
-                             "(pip install liger-kernel); use chunked or auto")
+                             "(pip install 'liger-kernel>=0.6.2'); use chunked or auto")
     return name
 
 
 def auto_chunk(rows: int, vocab: int, hidden: int) -> int:
     """Rows per chunk such that a chunk's logits ``[c, V]`` hold about as many elements as the
-    hidden states ``[N, H]`` (Liger-Kernel's rule): the next power of two of N / ceil(V / H),
-    at most N (one chunk when the vocabulary is no larger than the hidden size)."""
+    hidden states ``[N, H]`` (Liger-Kernel's rule: the next power of two of N / ceil(V / H)), but
+    never fewer rows than 64 MiB of float32 logits hold (smaller chunks save nothing worth their
+    per-chunk cost), and at most N."""
     per = -(-vocab // hidden)
     c = 1 << max(0, (-(-rows // per) - 1).bit_length())
-    return max(1, min(c, rows))
+    floor = 1 << max(0, (SMALL_LOGITS_BYTES // (4 * vocab)).bit_length() - 1)
+    return max(1, min(max(c, floor), rows))
 
 
 def lm_loss(

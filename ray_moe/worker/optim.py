@@ -124,10 +124,10 @@ class MixedPrecisionAdamW:
 
     # ------------------------------------------------------------------ one update
     def zero_grad(self) -> None:
-        """Zero the compute parameters' gradients (kept allocated: backward accumulates into them)."""
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if grads:
-            torch._foreach_zero_(grads)
+        """Drop the compute parameters' gradients: backward writes fresh ones (no zeroing pass over
+        them; the master gradients are overwritten by :meth:`gather_grads`)."""
+        for p in self.params:
+            p.grad = None
 
     @torch.no_grad()
     def gather_grads(self) -> None:

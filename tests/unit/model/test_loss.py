@@ -39,7 +39,7 @@ def _full(h, w, t):
 
 
 @pytest.mark.parametrize("N,V,H,chunk,ignore_every", [
-    (37, 53, 16, 0, 0),      # odd sizes, automatic chunks (3 of 16 rows)
+    (37, 53, 16, 0, 0),      # odd sizes, automatic chunk (one)
     (37, 53, 16, 5, 4),      # a chunk that does not divide N; every 4th row ignored
     (1, 7, 3, 1, 0),         # one row
     (64, 256, 32, 64, 3),    # one chunk
@@ -99,5 +99,7 @@ def test_bad_inputs_name_the_problem():
 
 def test_auto_chunk_bounds_logits_to_the_hidden_states():
     assert auto_chunk(32768, 151936, 4096) == 1024  # 1024 x 151936 logits ≈ 32768 x 4096 hidden
+    assert auto_chunk(32768, 151936, 64) == 64  # not below 64 MiB of logits (110 rows → 64)
     assert auto_chunk(32768, 256, 4096) == 32768  # small vocabulary: one chunk
-    assert auto_chunk(37, 53, 16) == 16 and auto_chunk(0, 10, 4) == 1 and auto_chunk(1, 10**6, 2) == 1
+    assert auto_chunk(37, 53, 16) == 37 and auto_chunk(0, 10, 4) == 1 and auto_chunk(1, 10**6, 2) == 1
+    assert auto_chunk(10**6, 151936, 4096) == 32768
