@@ -27,16 +27,17 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-VARIANTS = {
-    "old": ["train.master_weights=false", "train.optimizer_impl=for_loop"],
-    "new": [],
-    "new_foreach": ["train.optimizer_impl=foreach"],
-}
+VARIANTS = MappingProxyType({  # step variant → config overrides
+    "old": ("train.master_weights=false", "train.optimizer_impl=for_loop"),
+    "new": (),
+    "new_foreach": ("train.optimizer_impl=foreach",),
+})
 TIME_KEYS = ("forward", "backward", "optimizer", "grad_sync", "update", "step")
 
 
@@ -85,7 +86,7 @@ def step_config(args: argparse.Namespace, variant: str):
     ]
     if args.data_paths:
         base.append(f"data.paths={json.dumps(args.data_paths)}")
-    return Config().with_overrides(base + VARIANTS[variant])
+    return Config().with_overrides([*base, *VARIANTS[variant]])
 
 
 def step_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
