@@ -147,6 +147,7 @@ def loss_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     for name, fn in impls.items():
         row: dict[str, Any] = {"impl": name, "N": N, "V": V, "H": H, "dtype": args.dtype,
                                "chunk": (args.loss_chunk or auto_chunk(N, V, H)) if name == "chunked" else None}
+        loss = None
         try:
             times = []
             for i in range(args.loss_iters + 1):
@@ -169,10 +170,10 @@ def loss_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
                 row["loss_abs_diff"] = abs(float(result[0] - reference[0]))
                 row["rel_err_dh"] = rel_err(result[1], reference[1])
                 row["rel_err_dw"] = rel_err(result[2], reference[2])
-            del loss, result
+            del result
         except torch.OutOfMemoryError as exc:
             row["error"] = f"out of memory: {str(exc).splitlines()[0][:160]}"
-        h.grad = w.grad = None
+        loss = h.grad = w.grad = None  # the full path's graph holds 20 GB of saved softmax
         _free(device)
         rows.append(row)
         print(f"  loss {name}: {row.get('fwd_bwd_ms', float('nan')):.1f} ms, "
