@@ -32,7 +32,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -44,8 +44,8 @@ META = "meta.json"
 LATEST = "latest"
 OPTIM_STATES = ("exp_avg", "exp_avg_sq")
 # The config keys a checkpoint must agree on to be loaded (everything else may change on resume).
-COMPATIBLE_KEYS = ("model.n_layers", "model.d_model", "model.n_heads", "model.seq_len", "model.vocab_size",
-                   "model.dense_first_layer", "moe.num_experts", "moe.expert_hidden")
+COMPATIBLE_KEYS = ("model.arch", "model.n_layers", "model.d_model", "model.n_heads", "model.seq_len",
+                   "model.vocab_size", "model.dense_first_layer", "moe.num_experts", "moe.expert_hidden")
 
 
 class CheckpointError(RuntimeError):
@@ -108,10 +108,13 @@ def read_meta(ckpt: str | Path) -> dict[str, Any]:
         path = ckpt / entry["file"]
         if not path.is_file():
             raise CheckpointError(f"checkpoint file {str(path)!r} is missing")
-        if path.stat().st_size != entry["bytes"] or _sha256(path) != entry["sha256"]:
-            raise CheckpointError(
-                f"checkpoint file {str(path)!r} is corrupt (size or sha256 differs from {META})"
-            )
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(f"checkpoint file {str(path)!r} is corrupt: {size} bytes, "
+                                  f"{META} says {entry['bytes']} (truncated or overwritten)")
+        if _sha256(path) != entry["sha256"]:
+            raise CheckpointError(f"checkpoint file {str(path)!r} is corrupt: its sha256 differs "
+                                  f"from the one in {META} (bytes changed)")
     if not meta.get("files"):
         raise CheckpointError(f"checkpoint {str(ckpt)!r} lists no tensor files in {META}")
     return meta
@@ -129,23 +132,56 @@ def load_tensors(ckpt: str | Path, meta: dict[str, Any]) -> dict[str, torch.Tens
     return out
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete, uncorrupted checkpoint under run_dir (None if there is none)."""
+def iter_tensors(ckpt: str | Path, meta: dict[str, Any]) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(key, loader) for every tensor of a checked checkpoint, file by file; calling a loader
+    (while the iteration is at it) reads that one tensor, so a whole model is never in memory."""
+    from safetensors import safe_open
+
+    for entry in meta["files"]:
+        path = Path(ckpt) / entry["file"]
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open handles are not dicts)
+                    yield key, (lambda f=f, key=key: f.get_tensor(key))
+        except CheckpointError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types
+            raise CheckpointError(f"checkpoint file {str(path)!r} cannot be read: {exc}") from exc
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or a run directory (its latest complete checkpoint)."""
+    path = Path(path).expanduser().resolve()
+    if (path / META).is_file():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise CheckpointError(f"{str(path)!r} is neither a checkpoint (no {META}) nor a run directory with one")
+    return latest
+
+
+def scan_checkpoints(run_dir: str | Path) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """Every checkpoint under run_dir, checked: (valid ones newest first, [(corrupt one, why)]).
+
+    Newest means highest step; ``latest`` only breaks no ties (a step has one directory).
+    """
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
-        return None
-    candidates = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True)
-    pointer = root / LATEST
-    if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        candidates = [named] + [c for c in candidates if c != named]
-    for c in candidates:
+        return [], []
+    valid, corrupt = [], []
+    for c in sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True):
         try:
             read_meta(c)
-            return c
-        except CheckpointError:
-            continue
-    return None
+            valid.append(c)
+        except CheckpointError as exc:
+            corrupt.append((c, str(exc)))
+    return valid, corrupt
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete, uncorrupted checkpoint under run_dir (None if there is none)."""
+    valid, _ = scan_checkpoints(run_dir)
+    return valid[0] if valid else None
 
 
 def expert_key(param_name: str, expert: int) -> str:
@@ -269,9 +305,11 @@ def check_compatible(meta: Mapping[str, Any], config: Config, path: str | Path) 
     """Raise :class:`~ray_moe.config.ConfigError` naming the first key of
     :data:`COMPATIBLE_KEYS` on which ``config`` and the checkpoint's config differ."""
     saved = meta["config"]
+    defaults = Config()
     for dotted in COMPATIBLE_KEYS:
         section, key = dotted.split(".")
-        theirs = saved.get(section, {}).get(key)
+        # a key the saving version did not have was at its default (model.arch: byte)
+        theirs = saved.get(section, {}).get(key, defaults.get(dotted))
         ours = config.get(dotted)
         if theirs != ours:
             raise ConfigError(f"{dotted}={ours} but checkpoint {str(path)!r} has {theirs}")

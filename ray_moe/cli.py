@@ -1,6 +1,7 @@
-"""Command line: ``ray-moe train | bench | smoke``.
+"""Command line: ``ray-moe train | export | bench | smoke``.
 
     ray-moe train --config jobs/tiny.yaml [--address ADDR] [section.key=value ...]
+    ray-moe export CHECKPOINT --format hf --out DIR  (a checkpoint or run directory → an HF model directory)
     ray-moe bench comm|layer|balance|precision [options]     (see ``ray-moe bench NAME --help``)
     ray-moe smoke --address ADDR                    (validate a cluster before a run)
 
@@ -24,19 +25,56 @@ def _train(args: argparse.Namespace) -> int:
     from ray_moe.driver.trainer import Trainer
 
     config = Config.from_yaml(args.config, args.overrides)
-    print("# resolved config")
-    print(config.to_yaml(), flush=True)
+    print("# config (whole: RUN_DIR/config.yaml)")
+    print(compact_config(config), flush=True)
     with Trainer(config, address=args.address, progress=not args.no_progress) as trainer:
+        print(f"# run_dir {trainer.run_dir} (step {trainer.step_count} of {config.train.steps})", flush=True)
         trainer.train()
         summary = trainer.summary()
     print("\n# summary")
     print(tabulate([(k, _fmt(v)) for k, v in summary.items()], tablefmt="github",
                    headers=["metric", "value"]))
+    print(f"# results in {summary['run_dir']}", flush=True)
     return 0
+
+
+def compact_config(config) -> str:
+    """One line per section: the keys that differ from the defaults (``section: (defaults)`` when none)."""
+    from ray_moe.config import Config
+
+    default, lines = Config().to_dict(), []
+    for section, values in config.to_dict().items():
+        changed = [f"{k}={v}" for k, v in values.items() if default[section][k] != v]
+        lines.append(f"{section}: " + (" ".join(changed) if changed else "(defaults)"))
+    return "\n".join(lines)
 
 
 def _fmt(v):
     return f"{v:.4g}" if isinstance(v, float) else v
+
+
+def _export(args: argparse.Namespace) -> int:
+    from ray_moe.checkpoint import CheckpointError, iter_tensors, read_meta, resolve_checkpoint
+    from ray_moe.config import Config, torch_dtype
+    from ray_moe.model.hf import write_hf_dir
+
+    path = resolve_checkpoint(args.checkpoint)
+    meta = read_meta(path)
+    config = Config.from_plain(meta["config"])
+    if config.model.arch == "byte":
+        raise CheckpointError(f"checkpoint {str(path)!r} is of model.arch=byte, which has no Hugging Face "
+                              "equivalent; --format hf exports qwen3_moe, mixtral and glm4_moe runs")
+    from ray_moe.arch import ArchSpec
+
+    hf_config = meta.get("hf_config") or config.model.resolve_hf()[1]
+    spec = ArchSpec.from_hf(hf_config)
+    dtype = torch_dtype(args.dtype or config.model.dtype)
+    report = write_hf_dir(args.out, spec, hf_config, iter_tensors(path, meta), dtype,
+                          max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
+                          tokenizer_dir=getattr(config.data, "tokenizer", "") or None)
+    print(f"exported {str(path)!r} (step {meta['step']}) to {args.out}: {report['tensors']} tensors, "
+          f"{report['bytes'] / 1e6:.1f} MB {str(dtype).removeprefix('torch.')}, files: {', '.join(report['files'])}")
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -61,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
     p.set_defaults(fn=_train)
+    e = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
+    e.add_argument("checkpoint", help="a checkpoint directory (step_*) or a run directory (its latest)")
+    e.add_argument("--format", choices=("hf",), required=True, help="hf: config.json + safetensors shards")
+    e.add_argument("--out", required=True, help="output directory (created; files in it are replaced)")
+    e.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="tensor dtype (default: the run's model.dtype)")
+    e.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard (GiB)")
+    e.set_defaults(fn=_export)
     b = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES))
     b.add_argument("name", choices=BENCHES)
     b.add_argument("rest", nargs=argparse.REMAINDER)
@@ -87,15 +133,20 @@ def main(argv: list[str] | None = None) -> int:
         args.rest = passthrough
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    from ray_moe.arch import ArchError
     from ray_moe.checkpoint import CheckpointError
     from ray_moe.config import ConfigError
     from ray_moe.driver.group import GroupError
-    from ray_moe.driver.trainer import TrainingError
+    from ray_moe.driver.trainer import TrainingError, TrainingInterrupted
+    from ray_moe.model.hf import WeightsError
     from ray_moe.worker.data import DataError
 
     try:
         return args.fn(args)
-    except (ConfigError, DataError, GroupError, TrainingError, CheckpointError) as exc:
+    except TrainingInterrupted as exc:
+        print(f"ray-moe {args.command}: {exc}", file=sys.stderr)
+        return 128 + exc.signum
+    except (ConfigError, DataError, GroupError, TrainingError, CheckpointError, WeightsError, ArchError) as exc:
         print(f"ray-moe {args.command}: error: {exc}".replace("\n", " "), file=sys.stderr)
         return 2
     except KeyboardInterrupt:

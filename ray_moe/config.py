@@ -17,8 +17,12 @@ from typing import Any, Iterable, get_origin, get_type_hints
 import torch
 import yaml
 
+from ray_moe import arch
+
 # The one table of model dtypes: config name → torch dtype (element sizes come from the dtype).
 DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16})
+# Where step metrics go besides run_dir/metrics.jsonl and Ray's metrics (always on).
+LOGGERS = ("tensorboard", "wandb")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -35,6 +39,16 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range; the message names the key."""
 
 
+# Keys that an HF architecture sets from its config.json: (ray_moe key, what it is in HF terms).
+HF_DERIVED = MappingProxyType({
+    "model.vocab_size": "vocab_size", "model.n_layers": "num_hidden_layers", "model.d_model": "hidden_size",
+    "model.n_heads": "num_attention_heads", "moe.num_experts": "the number of routed experts",
+    "moe.top_k": "num_experts_per_tok", "moe.expert_hidden": "the expert intermediate size",
+})
+ARCHS = ("byte",) + arch.FAMILIES
+CHECKPOINTING = ("none", "moe", "full")
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = 256
@@ -45,6 +59,11 @@ class ModelConfig:
     dense_first_layer: bool = False
     dense_hidden: int = 0  # hidden size of a dense first layer; 0 means 4 * d_model
     dtype: str = "float32"  # float32 | bfloat16
+    arch: str = "byte"  # byte | qwen3_moe | mixtral | glm4_moe (set from the HF config when one is given)
+    hf_config: str = ""  # HF config: a preset name, a config.json, or a model directory
+    hf: dict = field(default_factory=dict)  # HF config keys on top of hf_config's (or the whole config)
+    init_from: str = ""  # HF model directory whose weights the model starts from
+    activation_checkpointing: str = "none"  # none | moe | full (recompute per block in backward)
 
     def check(self) -> None:
         _positive("model.n_layers", self.n_layers)
@@ -52,13 +71,40 @@ class ModelConfig:
         _positive("model.n_heads", self.n_heads)
         _positive("model.seq_len", self.seq_len)
         _positive("model.vocab_size", self.vocab_size)
-        if self.d_model % self.n_heads:
+        _choice("model.arch", self.arch, ARCHS)
+        if self.arch == "byte" and self.d_model % self.n_heads:
             raise ConfigError(
                 f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}"
             )
         _choice("model.dtype", self.dtype, tuple(DTYPES))
+        _choice("model.activation_checkpointing", self.activation_checkpointing, CHECKPOINTING)
         if self.dense_hidden < 0:
             raise ConfigError(f"model.dense_hidden={self.dense_hidden} must be >= 0 (0 means 4*d_model)")
+        if self.arch != "byte" and self.dense_first_layer:
+            raise ConfigError(f"model.dense_first_layer is for model.arch=byte; model.arch={self.arch} takes "
+                              "its dense layers from the HF config")
+
+    def uses_hf(self) -> bool:
+        """True when the architecture comes from an HF config (not the byte-level model)."""
+        return bool(self.hf_config or self.hf or self.init_from) or self.arch != "byte"
+
+    def resolve_hf(self) -> tuple[arch.ArchSpec, dict]:
+        """(spec, HF config in effect) from ``hf_config`` (else ``init_from``'s config.json) with
+        ``hf`` on top; raises ConfigError naming the key."""
+        source = self.hf_config or self.init_from
+        if not source and not self.hf:
+            raise ConfigError(
+                f"model.arch={self.arch} needs model.hf_config (a preset: {', '.join(arch.PRESETS)}; a "
+                "config.json; or a model directory), model.init_from or an inline model.hf"
+            )
+        where = f"model.hf_config={source!r}" if source else "model.hf"
+        try:
+            spec, hf = arch.resolve(source, self.hf)
+        except arch.ArchError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        if self.arch != "byte" and spec.family != self.arch:
+            raise ConfigError(f"model.arch={self.arch} but {where} is a {spec.family} config")
+        return spec, hf
 
 
 @dataclass
@@ -68,6 +114,7 @@ class MoEConfig:
     expert_hidden: int = 128
     aux_loss_coef: float = 0.0
     expert_impl: str = "auto"  # auto | loop | grouped_mm | triton
+    bias_update_rate: float = 0.001  # aux-loss-free balancing (sigmoid routers): bias step per update
 
     def check(self) -> None:
         _positive("moe.num_experts", self.num_experts)
@@ -79,6 +126,8 @@ class MoEConfig:
         if not self.aux_loss_coef >= 0:
             raise ConfigError(f"moe.aux_loss_coef={self.aux_loss_coef} must be >= 0")
         _choice("moe.expert_impl", self.expert_impl, ("auto", "loop", "grouped_mm", "triton"))
+        if not self.bias_update_rate >= 0:
+            raise ConfigError(f"moe.bias_update_rate={self.bias_update_rate} must be >= 0")
 
 
 @dataclass
@@ -143,8 +192,13 @@ class TrainConfig:
     eval_batches: int = 4
     checkpoint_interval: int = 0  # 0 = only at the end (when run_dir is set)
     run_dir: str = "runs/latest"
-    resume: bool = True  # continue from run_dir's latest checkpoint if there is one
-    log_interval: int = 1
+    storage_path: str = ""  # base of a relative run_dir (shared storage on a multi-node cluster)
+    resume: str = "auto"  # auto (when run_dir has a valid checkpoint) | true (must) | false (fresh run)
+    overwrite: bool = False  # a fresh run moves an earlier run's results to run_dir/archive/
+    log_interval: int = 10  # steps between progress lines when the output is not a terminal
+    log_every_s: float = 30.0  # ... or seconds, whichever comes first
+    progress: str = "auto"  # auto (a bar on a terminal, lines otherwise) | bar | lines | off
+    loggers: list = field(default_factory=list)  # besides metrics.jsonl: tensorboard, wandb
     max_failures: int = 0
     step_timeout_s: float = 300.0
     health_check_interval_s: float = 10.0
@@ -176,6 +230,11 @@ class TrainConfig:
         _choice("train.nonfinite", self.nonfinite, ("skip", "stop"))
         if not self.run_dir:
             raise ConfigError("train.run_dir='' must name a directory")
+        _choice("train.resume", self.resume, ("auto", "true", "false"))
+        _positive("train.log_every_s", self.log_every_s)
+        _choice("train.progress", self.progress, ("auto", "bar", "lines", "off"))
+        for logger in self.loggers:
+            _choice("train.loggers", logger, LOGGERS)
         for key in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ConfigError(f"train.{key}={getattr(self, key)} must be in [0, 1)")
@@ -228,6 +287,7 @@ class Config:
             for key, value in values.items():
                 cfg.set(f"{section}.{key}", value)
         cfg.validate()
+        cfg._check_explicit({f"{s}.{k}": v for s, vals in (raw or {}).items() for k, v in (vals or {}).items()})
         return cfg
 
     @classmethod
@@ -247,6 +307,7 @@ class Config:
     def with_overrides(self, overrides: Iterable[str]) -> "Config":
         """A copy with ``section.key=value`` strings applied (values parsed as YAML)."""
         cfg = self.copy()
+        explicit = {}
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} must look like section.key=value")
@@ -256,7 +317,9 @@ class Config:
             except yaml.YAMLError as exc:
                 raise ConfigError(f"override {key.strip()}={text!r}: the value is not valid YAML ({exc})") from None
             cfg.set(key.strip(), value)
+            explicit[key.strip()] = value
         cfg.validate()
+        cfg._check_explicit(explicit)
         return cfg
 
     def copy(self) -> "Config":
@@ -284,6 +347,10 @@ class Config:
             raise ConfigError(_unknown(section, _sections()))
         obj = getattr(self, section)
         names = [f.name for f in fields(obj)]
+        head, dot, sub = key.partition(".")
+        if dot and head in names and isinstance(getattr(obj, head), dict):  # model.hf.num_hidden_layers=2
+            getattr(obj, head)[sub] = value
+            return
         if key not in names:
             raise ConfigError(_unknown(dotted, [f"{section}.{n}" for n in names]))
         hint = get_type_hints(type(obj))[key]
@@ -295,7 +362,15 @@ class Config:
 
     # ---------------------------------------------------------------- validation
     def validate(self) -> None:
-        """Each section checks its own keys; then the checks that span sections."""
+        """Resolve an HF architecture (its config sets the keys of :data:`HF_DERIVED`); each
+        section checks its own keys; then the checks that span sections."""
+        if self.model.uses_hf():
+            spec, _ = self.model.resolve_hf()
+            self.model.arch = spec.family
+            m, e = self.model, self.moe
+            m.vocab_size, m.n_layers, m.d_model, m.n_heads = (spec.vocab_size, spec.num_layers,
+                                                              spec.hidden_size, spec.num_heads)
+            e.num_experts, e.top_k, e.expert_hidden = spec.num_experts, spec.top_k, spec.expert_hidden
         for section in _sections():
             getattr(self, section).check()
         e, p, t = self.moe, self.parallel, self.train
@@ -308,6 +383,18 @@ class Config:
             raise ConfigError(
                 f"train.batch_size={t.batch_size} is not divisible by parallel.world_size={p.world_size}"
             )
+
+    def _check_explicit(self, explicit: dict[str, Any]) -> None:
+        """With an HF architecture, a key of :data:`HF_DERIVED` given explicitly must agree with
+        the HF config (it is set from it); the message says how to change it there."""
+        if self.model.arch == "byte":
+            return
+        for key, hf_name in HF_DERIVED.items():
+            if key in explicit and explicit[key] != self.get(key):
+                raise ConfigError(
+                    f"{key}={explicit[key]!r} but model.arch={self.model.arch} takes it from the HF config "
+                    f"({hf_name} = {self.get(key)!r}); change the HF config instead (model.hf.KEY=VALUE)"
+                )
 
 
 def _sections() -> list[str]:
@@ -358,9 +445,15 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             raise ConfigError(f"{key}={value!r} must be a number")
         return float(value)
     if origin is str:
+        if isinstance(value, bool):  # YAML reads true/false/yes/no as booleans
+            return "true" if value else "false"
         if not isinstance(value, str):
             raise ConfigError(f"{key}={value!r} must be a string")
         return value
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{key}={value!r} must be a mapping of names to values")
+        return dict(value)
     if origin is list:
         if isinstance(value, str):
             return [value]

@@ -32,3 +32,22 @@ def pytest_collection_finish(session):
 
     for module in {getattr(item, "module", None) for item in session.items} - {None}:
         cloudpickle.register_pickle_by_value(module)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory):
+    """tiny_hf(family) → the directory of a tiny random transformers model of that family
+    (qwen3_moe | mixtral | glm4_moe), saved once per test session (transformers, no download)."""
+    pytest.importorskip("transformers")
+    from ray_moe.validation.hf_model import save_tiny_model
+
+    made: dict[str, str] = {}
+
+    def get(family: str) -> str:
+        if family not in made:
+            path = tmp_path_factory.mktemp(f"hf_{family}")
+            save_tiny_model(family, path, seed=1)
+            made[family] = str(path)
+        return made[family]
+
+    return get

@@ -47,20 +47,77 @@ class GroupError(RuntimeError):
 class WorkerFailure(GroupError):
     """A worker died or did not answer in time.
 
-    Attributes: rank (or None if unknown) and cause ('died' | 'timeout' | 'error').
+    Attributes: rank (or None if unknown), cause ('died' | 'timeout' | 'error') and ``where``
+    (node id, host, pid of that rank; empty when unknown).
     """
 
-    def __init__(self, message: str, rank: int | None, cause: str):
+    def __init__(self, message: str, rank: int | None, cause: str, where: dict[str, Any] | None = None):
         super().__init__(message)
-        self.rank, self.cause = rank, cause
+        self.rank, self.cause, self.where = rank, cause, dict(where or {})
 
 
-def connect(address: str | None = None, **init_kwargs: Any) -> None:
-    """Attach to a running Ray cluster (``address``, or ``RAY_ADDRESS``) or start a local one."""
+def connect(address: str | None = None, timeout_s: float = 60.0, **init_kwargs: Any) -> None:
+    """Attach to a running Ray cluster (``address``, or ``RAY_ADDRESS``) or start a local one.
+
+    An explicit ``host:port`` (or ``ray://host:port``) is checked first, within ``timeout_s``: a
+    name that does not resolve or a port where nothing answers fails at once with a
+    :class:`GroupError` naming the address and the likely fix, instead of Ray's minutes of retries.
+    """
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
-    ray.init(address=address, log_to_driver=True, **init_kwargs)
+    if address and address not in ("auto", "local"):
+        _check_reachable(address, timeout_s)
+    try:
+        ray.init(address=address, log_to_driver=True, **init_kwargs)
+    except Exception as exc:  # noqa: BLE001 - auth, version mismatch, no cluster at "auto"
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise GroupError(f"cannot connect to Ray at {address or 'a new local cluster'!r}: "
+                         f"{type(exc).__name__}: {first}{_auth_hint(exc)}") from None
+
+
+def _check_reachable(address: str, timeout_s: float) -> None:
+    """Resolve the host and open a TCP connection to the port, both within ``timeout_s``."""
+    import concurrent.futures
+    import socket
+
+    target = address.split("://", 1)[-1].rstrip("/")
+    host, sep, port_text = target.rpartition(":")
+    if not sep or not port_text.isdigit():
+        raise GroupError(f"--address {address!r} is not HOST:PORT (e.g. 10.0.0.1:6379, the head's GCS "
+                         "port), ray://HOST:10001, auto or local")
+    host, port = host.strip("[]"), int(port_text)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    try:
+        pool.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM).result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        raise GroupError(f"cannot resolve the host of --address {address!r} within {timeout_s:g}s "
+                         "(parallel.startup_timeout_s); check the name and this machine's DNS") from None
+    except socket.gaierror as exc:
+        raise GroupError(f"the host of --address {address!r} does not resolve ({exc.strerror}); "
+                         "check the name, or use the head's IP address") from None
+    finally:
+        pool.shutdown(wait=False)
+    try:
+        with socket.create_connection((host, port), timeout=min(timeout_s, 10.0)):
+            pass
+    except ConnectionRefusedError:
+        raise GroupError(f"nothing listens at --address {address!r}: is the Ray head running there "
+                         "(`ray start --head`), and is this its GCS port (6379 by default)?") from None
+    except TimeoutError:
+        raise GroupError(f"no answer from --address {address!r} within {min(timeout_s, 10.0):g}s: a "
+                         "firewall, a wrong host, or a head that is down") from None
+    except OSError as exc:
+        raise GroupError(f"cannot reach --address {address!r}: {exc.strerror or exc}") from None
+
+
+def _auth_hint(exc: Exception) -> str:
+    """What to check when a connection fails and token auth may be the cause."""
+    text = f"{type(exc).__name__} {exc}".lower()
+    if "auth" in text or "token" in text or os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return ("; if the cluster uses token auth, export RAY_AUTH_MODE=token and make its token "
+                "available here (~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN)")
+    return ""
 
 
 def use_gpu_for(config: Config) -> bool:
@@ -81,7 +138,7 @@ class WorkerGroup:
         address: str | None = None,
         worker_env: dict[str, str] | None = None,
     ) -> None:
-        connect(address)
+        connect(address, timeout_s=config.parallel.startup_timeout_s)
         self.config = config
         p = config.parallel
         self.world_size = p.world_size
@@ -171,22 +228,46 @@ class WorkerGroup:
         results: list[Any] = []
         for i, ref in enumerate(refs):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            info = self.ranks[i] if len(refs) == len(self.ranks) else None
+            rank = info.rank if info is not None else None
+            where = ({"node_id": info.node_id, "hostname": info.hostname, "ip": info.ip, "pid": info.pid}
+                     if info is not None else {})
+            at = f" (node {info.node_id[:8]}, {info.hostname}, pid {info.pid})" if info is not None else ""
             try:
                 results.append(ray.get(ref, timeout=left))
             except GetTimeoutError:
-                rank = self.ranks[i].rank if len(refs) == len(self.ranks) else None
-                raise WorkerFailure(
-                    f"{what}: rank {rank} did not answer within {timeout:g}s", rank, "timeout"
-                ) from None
+                raise WorkerFailure(f"{what}: rank {rank}{at} did not answer within {timeout:g}s",
+                                    rank, "timeout", where) from None
             except RayActorError as exc:
-                rank = self.ranks[i].rank if len(refs) == len(self.ranks) else None
-                raise WorkerFailure(f"{what}: worker of rank {rank} died: {exc}", rank, "died") from exc
+                reason = " ".join(str(exc).split())[:400]
+                raise WorkerFailure(f"{what}: the worker of rank {rank}{at} died: {reason}",
+                                    rank, "died", where) from exc
             except RayTaskError as exc:
-                rank = self.ranks[i].rank if len(refs) == len(self.ranks) else None
                 cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-                raise WorkerFailure(f"{what}: rank {rank} raised {type(cause).__name__}: {cause}",
-                                    rank, "error") from exc
+                dead = self._dead_worker(what, f"rank {rank} then raised {type(cause).__name__}")
+                if dead is not None:  # a peer's collective failed because another worker died
+                    raise dead from exc
+                raise WorkerFailure(f"{what}: rank {rank}{at} raised {type(cause).__name__}: {cause}",
+                                    rank, "error", where) from exc
         return results
+
+    def _dead_worker(self, what: str, consequence: str, timeout: float = 10.0) -> WorkerFailure | None:
+        """The first rank whose actor is dead (a ping fails with RayActorError), as a failure that
+        names it; None when every worker answers (or does not in time: a hang, not a death)."""
+        refs = [a.ping.remote() for a in self.actors]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        for info, ref in zip(self.ranks, refs):
+            try:
+                ray.get(ref, timeout=0)
+            except RayActorError as exc:
+                reason = " ".join(str(exc).split())[:300]
+                return WorkerFailure(
+                    f"{what}: the worker of rank {info.rank} (node {info.node_id[:8]}, {info.hostname}, pid "
+                    f"{info.pid}) died ({consequence}): {reason}", info.rank, "died",
+                    {"node_id": info.node_id, "hostname": info.hostname, "ip": info.ip, "pid": info.pid})
+            except Exception:  # noqa: BLE001 - not answered yet, or answered: not dead
+                continue
+        return None
 
     def call(self, method: Callable[..., R], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[R]:
         """Call ``method`` (an :class:`EPWorker` method, e.g. ``EPWorker.step``) on every worker

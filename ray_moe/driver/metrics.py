@@ -8,6 +8,7 @@ to ``metrics.jsonl`` in the run directory: a step record has ``loss``; an event 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -48,21 +49,64 @@ def aggregate_step(results: list[dict[str, Any]], wall: float) -> dict[str, Any]
     }
 
 
-class MetricsLog:
-    """Records of one run, in memory and appended to ``path`` (JSON lines)."""
+# Events that stay in the history when the run goes back to an earlier step (recovery, resume):
+# they say what happened, and happened once.
+HISTORY_EVENTS = ("failure", "recovered", "resumed", "corrupt_checkpoint", "preempted", "resized")
 
-    def __init__(self, path: Path) -> None:
+
+class MetricsLog:
+    """Records of one run, in memory and appended to ``path`` (JSON lines), and handed to the
+    run's other sinks (:mod:`ray_moe.driver.loggers`).
+
+    Each step appears once: when the run goes back to step s (a resume or a recovery),
+    :meth:`rewind` drops the records of later steps before new ones are written.
+    """
+
+    def __init__(self, path: Path, sinks: list[Any] | None = None) -> None:
         self.path = path
+        self.sinks = list(sinks or [])
         self.records: list[dict[str, Any]] = []
 
-    def truncate(self) -> None:
-        """Start an empty file (a fresh run)."""
+    def start_fresh(self) -> None:
+        """An empty file (a fresh run; run_dir.plan_start made sure nothing is lost)."""
         self.path.write_text("")
+        self.records = []
+
+    def load(self) -> None:
+        """The records an earlier part of this run wrote (a resume): the summary covers the whole
+        run. A torn last line (a crash mid-write) is dropped."""
+        self.records = []
+        if self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                try:
+                    self.records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+
+    def rewind(self, step: int) -> int:
+        """Drop records of steps after ``step`` (history events stay); rewrite the file atomically.
+        Returns how many records were dropped."""
+        keep = [r for r in self.records
+                if r.get("event") in HISTORY_EVENTS or r.get("step", 0) <= step]
+        dropped = len(self.records) - len(keep)
+        self.records = keep
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        os.replace(tmp, self.path)
+        for sink in self.sinks:
+            sink.rewind(step)
+        return dropped
 
     def record(self, rec: dict[str, Any]) -> None:
         self.records.append(rec)
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
+        for sink in self.sinks:
+            sink.write(rec)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
 
     def event(self, event: str, **fields: Any) -> None:
         self.record({"event": event, **fields})

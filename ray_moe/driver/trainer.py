@@ -11,23 +11,29 @@ workers and checkpoints are written by the workers themselves.
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from ray_moe.checkpoint import (
     CheckpointError,
     check_compatible,
     clean_staging,
     commit,
-    latest_checkpoint,
     new_staging_dir,
     read_meta,
+    scan_checkpoints,
+    step_name,
 )
 from ray_moe.config import Config
 from ray_moe.driver.group import GroupError, WorkerFailure, WorkerGroup, connect
+from ray_moe.driver.loggers import make_sinks
 from ray_moe.driver.metrics import MetricsLog, aggregate_step
+from ray_moe.driver.progress import Progress
 from ray_moe.driver.rebalancer import Rebalancer
+from ray_moe.driver.run_dir import archive_results, plan_start, resolve_run_dir, scan
 from ray_moe.placement.placement import Placement
 from ray_moe.topology import node_of_rank
 from ray_moe.worker.actor import EPWorker
@@ -38,6 +44,16 @@ log = logging.getLogger(__name__)
 
 class TrainingError(RuntimeError):
     """Training cannot go on (bad data, too many failures, non-finite loss with nonfinite=stop)."""
+
+
+class TrainingInterrupted(TrainingError):
+    """SIGTERM or SIGINT stopped training after a checkpoint. Attributes: signum, step, checkpoint."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None) -> None:
+        name = signal.Signals(signum).name
+        where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint could be written"
+        super().__init__(f"stopped by {name} at step {step} ({where}); continue with train.resume=auto")
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
 
 
 class Trainer:
@@ -58,7 +74,6 @@ class Trainer:
         self.config = config
         self.address = address
         self.progress = progress
-        self.run_dir = Path(config.train.run_dir).expanduser().resolve()
         self.failures = 0
         self.group: WorkerGroup | None = None
         self._owns_group = group is None
@@ -66,20 +81,32 @@ class Trainer:
         self.rebalancer: Rebalancer | None = None
         self.step_count = 0
         self.last_load: list[list[float]] | None = None
-        # What a recovery restores: the last checkpoint this run saved or restored (never an
-        # earlier run's checkpoint that happens to sit in the same run_dir).
-        self.last_checkpoint: Path | None = None
+        self.last_checkpoint: Path | None = None  # the newest checkpoint this run saved or restored
         self._last_health = time.monotonic()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._stop_signal: int | None = None
+        self._progress: Progress | None = None
+        # The run directory first: a run that cannot keep its results does not start.
+        self.run_dir = resolve_run_dir(config.train)
+        state = scan(self.run_dir)
+        resume_from = plan_start(state, config.train.resume, config.train.overwrite)
+        if resume_from is None and state.has_results:
+            archived = archive_results(self.run_dir)
+            log.warning("train.overwrite=true: moved the earlier run in %s to %s", self.run_dir, archived)
         clean_staging(self.run_dir)
-        self.log = MetricsLog(self.run_dir / "metrics.jsonl")
-        self._start_group(group)
-        resumed = self.config.train.resume and latest_checkpoint(self.run_dir)
-        if resumed:
-            self.restore(resumed)
-            self.log.event("resumed", checkpoint=str(resumed), step=self.step_count)
+        self.log = MetricsLog(self.run_dir / "metrics.jsonl", make_sinks(config, self.run_dir))
+        if resume_from is not None:
+            self.log.load()
         else:
-            self.log.truncate()
+            self.log.start_fresh()
+        self._report_corrupt(state.corrupt)
+        try:
+            self._start_group(group)
+            if resume_from is not None:
+                self.restore(resume_from)
+                self.log.event("resumed", checkpoint=str(resume_from), step=self.step_count)
+        except BaseException:
+            self.close()
+            raise
         (self.run_dir / "config.yaml").write_text(self.config.to_yaml())
 
     @classmethod
@@ -100,7 +127,7 @@ class Trainer:
     # ------------------------------------------------------------------ group life cycle
     def _start_group(self, group: WorkerGroup | None = None) -> None:
         if group is None:
-            connect(self.address)
+            connect(self.address, timeout_s=self.config.parallel.startup_timeout_s)
             group = WorkerGroup(self.config)
             self._owns_group = True
         elif group.world_size != self.config.parallel.world_size:
@@ -121,10 +148,10 @@ class Trainer:
         )
 
     def _recover(self, failure: WorkerFailure) -> None:
-        """Tear the group down, start a new one, restore the latest checkpoint, go on."""
+        """Tear the group down, start a new one, restore this run's newest valid checkpoint, go on."""
         self.failures += 1
         self.log.event("failure", rank=failure.rank, cause=failure.cause, message=str(failure),
-                       step=self.step_count, failures=self.failures)
+                       step=self.step_count, failures=self.failures, **failure.where)
         log.warning("worker failure (%s) at step %d: %s", failure.cause, self.step_count, failure)
         if self.failures > self.config.train.max_failures:
             raise TrainingError(
@@ -135,19 +162,27 @@ class Trainer:
             self.group = None
         t0 = time.perf_counter()
         self._start_group_on_available()
-        ckpt = self.last_checkpoint
-        if ckpt is not None:
-            try:
-                read_meta(ckpt)
-            except CheckpointError as exc:
-                log.warning("cannot recover from %s (%s); restarting from step 0", ckpt, exc)
-                ckpt = None
-        if ckpt is not None:
-            self.restore(ckpt)
-        else:
+        # run_dir holds only this run's checkpoints (a fresh run never starts over another's)
+        valid, corrupt = scan_checkpoints(self.run_dir)
+        self._report_corrupt(corrupt)
+        if valid:
+            self.restore(valid[0])
+        elif corrupt:
+            raise TrainingError("no valid checkpoint to recover from: " + "; ".join(why for _, why in corrupt)
+                                ) from failure
+        else:  # the run had not checkpointed yet: it starts over, its records with it
             self.step_count = 0
-        self.log.event("recovered", step=self.step_count, checkpoint=str(ckpt) if ckpt else None,
+            self.log.rewind(0)
+        self.log.event("recovered", step=self.step_count, checkpoint=str(valid[0]) if valid else None,
                        world_size=self.world_size, seconds=time.perf_counter() - t0)
+
+    def _report_corrupt(self, corrupt: list[tuple[Path, str]]) -> None:
+        """One warning line and one metrics event per corrupt checkpoint (never used, never deleted)."""
+        for path, why in corrupt:
+            if any(r.get("event") == "corrupt_checkpoint" and r.get("path") == str(path) for r in self.log.records):
+                continue
+            log.warning("skipping corrupt checkpoint: %s", why)
+            self.log.event("corrupt_checkpoint", path=str(path), check=why, step=self.step_count)
 
     def _start_group_on_available(self) -> None:
         """Same world size when the cluster still fits it, else the largest one that fits
@@ -215,27 +250,47 @@ class Trainer:
 
     def train(self, steps: int | None = None) -> list[dict[str, Any]]:
         """Run until ``steps`` more steps are done (default: up to train.steps), then evaluate,
-        checkpoint and plot. Returns the metrics of the steps run."""
-        from tqdm.auto import tqdm
+        checkpoint and plot. Returns the metrics of the steps run.
 
-        target = self.step_count + steps if steps is not None else self.config.train.steps
+        SIGTERM or SIGINT (preemption, Ctrl-C) lets the step in flight finish, checkpoints, and
+        raises :class:`TrainingInterrupted`; a second SIGINT stops at once.
+        """
+        t = self.config.train
+        target = self.step_count + steps if steps is not None else t.steps
         done: list[dict[str, Any]] = []
-        bar = tqdm(total=max(0, target - self.step_count), disable=not self.progress, unit="step",
-                   dynamic_ncols=True)
+        bar = Progress(t.progress if self.progress else "off", self.step_count, target,
+                       t.log_interval, t.log_every_s)
+        self._progress = bar
         try:
-            while self.step_count < target:
-                m = self.step()
-                done.append(m)
-                bar.update(1)
-                bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{m['tokens_per_s']:.0f}",
-                                step_s=f"{m['step_time']:.2f}")
+            with _StopOnSignal(self):
+                while self.step_count < target:
+                    m = self.step()
+                    done.append(m)
+                    bar.update(m)
+                    if self._stop_signal is not None:
+                        self._stop_now()
+            self.evaluate()
+            if self.last_checkpoint is None or self.last_checkpoint.name != step_name(self.step_count):
+                self.save()
+            if t.plots:
+                self.plot()
         finally:
             bar.close()
-        self.evaluate()
-        self.save()
-        if self.config.train.plots:
-            self.plot()
+            self._progress = None
         return done
+
+    def _stop_now(self) -> None:
+        """A stop signal arrived: checkpoint the step just finished, record it, raise."""
+        signum = self._stop_signal
+        assert signum is not None
+        try:
+            path = self.save()
+        except Exception as exc:  # noqa: BLE001 - report it; the interruption is what matters
+            log.warning("checkpoint on %s failed: %s", signal.Signals(signum).name, exc)
+            path = None
+        self.log.event("preempted", signal=signal.Signals(signum).name, step=self.step_count,
+                       checkpoint=str(path) if path else None)
+        raise TrainingInterrupted(signum, self.step_count, path)
 
     def rebalance(self) -> dict[str, Any]:
         """Plan clone placements from the loads seen so far and apply the changed layers."""
@@ -257,7 +312,25 @@ class Trainer:
             lambda: self.group.call(EPWorker.evaluate, batches, timeout=self.config.train.step_timeout_s)[0]
         )
         self.log.event("eval", step=self.step_count, val_loss=val)
+        if self._progress is not None:
+            self._progress.message(f"eval at step {self.step_count}: val_loss {val:.4f}")
         return val
+
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 200, temperature: float = 0.8,
+                 seed: int | None = None) -> str | list[int]:
+        """Continue ``prompt`` with the model as trained so far: ``prompt`` and the result are text
+        (bytes for the byte-level model, ``data.tokenizer``'s tokens when the run has one) or
+        token ids. Returns the prompt followed by ``max_new_tokens`` sampled tokens (greedy at
+        ``temperature`` <= 0; ``seed``: the sampling seed, default ``train.seed``). The context is
+        the last ``model.seq_len`` tokens."""
+        assert self.group is not None
+        codec = _TextCodec(self.config)
+        ids = codec.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+        seed = self.config.train.seed if seed is None else seed
+        new = self._with_recovery(lambda: self.group.call(
+            EPWorker.generate, ids, max_new_tokens, float(temperature), seed,
+            timeout=self.config.train.step_timeout_s)[0])
+        return codec.decode(ids + new) if isinstance(prompt, str) else ids + new
 
     def expert_load(self) -> list[list[float]] | None:
         """Tokens per logical expert per MoE layer in the last step (summed over ranks)."""
@@ -277,6 +350,8 @@ class Trainer:
             "config": self.config.to_dict(),
             "placements": self.group.call(EPWorker.placements, timeout=timeout)[0],
             "balance": self.rebalancer.state_dict() if self.rebalancer is not None else None,
+            # the HF config in effect (for `ray-moe export`, whatever becomes of model.hf_config's file)
+            "hf_config": self.config.model.resolve_hf()[1] if self.config.model.arch != "byte" else None,
             "time": time.time(),
         }
         path = commit(staging, meta, files)
@@ -293,9 +368,11 @@ class Trainer:
         """
         assert self.group is not None
         if path is None:
-            path = latest_checkpoint(self.run_dir)
-            if path is None:
+            valid, corrupt = scan_checkpoints(self.run_dir)
+            self._report_corrupt(corrupt)
+            if not valid:
                 raise CheckpointError(f"no complete checkpoint under {str(self.run_dir)!r}")
+            path = valid[0]
         path = Path(path).expanduser().resolve()
         meta = read_meta(path)
         check_compatible(meta, self.config, path)
@@ -303,6 +380,7 @@ class Trainer:
         steps = self.group.call(EPWorker.load_checkpoint, str(path), timeout=timeout)
         self.step_count = steps[0]
         self.last_checkpoint = path
+        self.log.rewind(self.step_count)  # later steps will be run (and recorded) again
         same_layout = (meta["world_size"] == self.group.world_size
                        and meta["config"]["balance"]["clone_slots"] == self.config.balance.clone_slots)
         if same_layout and meta.get("placements"):
@@ -331,10 +409,14 @@ class Trainer:
         }
 
     def close(self) -> None:
-        """Stop the workers if this Trainer started them (a group passed in stays up)."""
+        """Stop the workers if this Trainer started them (a group passed in stays up); close the
+        metrics sinks. Idempotent."""
         if self.group is not None and self._owns_group:
             self.group.close()
         self.group = None
+        if getattr(self, "log", None) is not None:
+            self.log.close()
+            self.log.sinks = []
 
     def __enter__(self) -> "Trainer":
         return self
@@ -343,4 +425,55 @@ class Trainer:
         self.close()
 
 
-__all__ = ["Trainer", "TrainingError", "GroupError", "WorkerFailure"]
+class _StopOnSignal:
+    """While training: the first SIGTERM or SIGINT asks the Trainer to stop after the step in
+    flight (it checkpoints); a second SIGINT raises KeyboardInterrupt at once. Handlers are
+    installed only in the main thread and restored on exit."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer, self.previous = trainer, {}
+
+    def __enter__(self) -> "_StopOnSignal":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.trainer._stop_signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.trainer._stop_signal = signum
+        log.warning("%s: stopping after the step in flight and checkpointing (Ctrl-C again to stop now)",
+                    signal.Signals(signum).name)
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+class _TextCodec:
+    """Text ↔ token ids of a run: ``data.tokenizer``'s tokenizer.json when the config has one, else
+    UTF-8 bytes (ids >= 256, which a byte-level run never trains on, decode as U+FFFD)."""
+
+    def __init__(self, config: Config):
+        directory = getattr(config.data, "tokenizer", "") or ""
+        self.tokenizer = None
+        if directory:
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_file(str(Path(directory).expanduser() / "tokenizer.json"))
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is not None:
+            return list(self.tokenizer.encode(text).ids)
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is not None:
+            return self.tokenizer.decode(list(ids))
+        return b"".join(bytes([i]) if i < 256 else "\ufffd".encode() for i in ids).decode("utf-8", "replace")
+
+
+__all__ = ["Trainer", "TrainingError", "TrainingInterrupted", "GroupError", "WorkerFailure"]

@@ -13,6 +13,8 @@ pair layout; nothing else.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ray_moe.kernels.gather_sum import gather_sum
@@ -62,14 +64,17 @@ class _ExpertFFN(torch.autograd.Function):
             pos = layout.pair_pos.long()
             dweight = torch.where(pos < n_valid, dw_pos[pos], 0.0).reshape(weight.shape)
         mm = plan.wgrad == "grouped_mm"
+        wg13, wg2 = plan.wgrad13, plan.wgrad2
+        if plan.fused_dact:  # the fused epilogue leaves dh13/aw rows past offsets[S] unset: no TMA reads
+            wg13, wg2 = replace(wg13, tma=False), replace(wg2, tma=False)
         if ctx.needs_input_grad[3]:
             dw13 = (grouped_wgrad_mm(x, dh13, layout, K, gather_a=True, gather_b=False) if mm else
                     grouped_wgrad(x, dh13, layout, K, gather_a=True, gather_b=False, role="wgrad13",
-                                  cfg=plan.wgrad13, dual=plan.dual_wgrad13))
+                                  cfg=wg13, dual=plan.dual_wgrad13))
         if ctx.needs_input_grad[4]:
             dw2 = (grouped_wgrad_mm(aw, grad_out, layout, K, gather_a=False, gather_b=True) if mm else
                    grouped_wgrad(aw, grad_out, layout, K, gather_a=False, gather_b=True, role="wgrad2",
-                                 cfg=plan.wgrad2))
+                                 cfg=wg2))
         return dx, None, dweight, dw13, dw2, None
 
 

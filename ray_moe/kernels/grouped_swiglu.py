@@ -41,7 +41,13 @@ EPI_SWIGLU_BWD: tl.constexpr = tl.constexpr(3)
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """Tile shape and pipelining of one grouped GEMM launch."""
+    """Tile shape and pipelining of one grouped GEMM launch.
+
+    ``tma``: run the Hopper variant of :mod:`ray_moe.kernels.grouped_tma` (tensor descriptors
+    for the operands that are not gathered) where the shapes allow it, else the pointer kernel.
+    ``persistent``: (tma only) one program per SM walking the tiles; ``flatten``: let the
+    pipeliner overlap a tile's epilogue with the next tile's loads (persistent only).
+    """
 
     block_m: int = 128
     block_n: int = 128
@@ -49,24 +55,33 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 3
+    tma: bool = False
+    persistent: bool = False
+    flatten: bool = False
 
 
 def default_config(role: str, dtype: torch.dtype, device: torch.device) -> GemmConfig:
     """Tile choice per GEMM role (gate_up, down, dact, dx, wgrad13, wgrad2).
 
     Small tiles on the CPU interpreter and for float32 (tests); for bf16/fp16 the best of the
-    sweep on one H200 (docs/BENCHMARKS.md, T=32768 H=4096 I=1536 E=64 K=8).
+    sweeps (docs/BENCHMARKS.md): pointer kernels before Hopper, TMA / persistent ones on it.
     """
     if device.type != "cuda" or dtype == torch.float32:
         return GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=2)
+    # Hopper: the H100 sweep at T=32768, H=4096, I=1536, E=128, K=8 (docs/BENCHMARKS.md, session 3),
+    # among the variants that also passed the bf16 checks on the GPU (the persistent loop without
+    # flattening was fastest for gate_up / dact / dx by <= 0.3 ms but has not run on a GPU check yet).
+    # Older GPUs: the pointer kernels.
+    hopper = torch.cuda.get_device_capability(device)[0] >= 9
+    flat = dict(tma=hopper, persistent=hopper, flatten=hopper)
     return {
-        "gate_up": GemmConfig(128, 128, 64, 8, 8, 3),  # two 128x128 accumulators
-        "down": GemmConfig(128, 256, 64, 8, 8, 4),
-        "dact": GemmConfig(128, 256, 64, 8, 8, 3),  # split: plain GEMM, then the elementwise kernel
+        "gate_up": GemmConfig(128, 128, 64, 16 if hopper else 8, 8, 3),  # two 128x128 accumulators (pointer kernel)
+        "down": GemmConfig(128, 256, 64, 8, 8, 3 if hopper else 4, **flat),
+        "dact": GemmConfig(128, 256, 64, 8, 8, 3, tma=hopper),  # split: plain GEMM, then the elementwise kernel
         "dact_fused": GemmConfig(128, 128, 64, 8, 8, 4),
-        "dx": GemmConfig(128, 256, 64, 8, 8, 3),
-        "wgrad13": GemmConfig(128, 64, 64, 8, 4, 4),  # with dual accumulators (gate|up): 128x128 per program
-        "wgrad2": GemmConfig(128, 128, 64, 8, 8, 4),
+        "dx": GemmConfig(128, 256, 64, 8, 8, 3, **flat),
+        "wgrad13": GemmConfig(128, 64, 64, 8, 4, 4, tma=hopper),  # dual accumulators (gate|up): 128x128 per program
+        "wgrad2": GemmConfig(128, 128, 64, 8, 8, 5 if hopper else 4, tma=hopper),
     }[role]
 
 
@@ -267,7 +282,8 @@ def _swiglu_bwd_rows_kernel(
 ):
     """Per position p < n_valid, from G = grad_out[row] @ w2_s^T [P, I] and h13 = g|u [P, 2I]:
     dh13 = weight * (dG * u * silu'(g) | dG * silu(g)), aw = weight * a, dw[p] = <a, G>.
-    dw is written for every p (0 past n_valid); dh13 / aw only for valid rows."""
+    Every p < n_pos is written: rows past n_valid get zeros (their loads are masked to 0), so
+    the weight-gradient kernels may read them through TMA descriptors."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     n_valid = tl.load(n_valid_ptr)
     ok = rows < n_valid
@@ -278,6 +294,7 @@ def _swiglu_bwd_rows_kernel(
     for c0 in range(0, I, BLOCK_I):
         cols = c0 + tl.arange(0, BLOCK_I)
         m = ok[:, None] & (cols < I)[None, :]
+        st = (rows < n_pos)[:, None] & (cols < I)[None, :]
         g = tl.load(g_ptr + r64[:, None] * I + cols[None, :], mask=m, other=0.0).to(tl.float32)
         gate = tl.load(h13_ptr + r64[:, None] * (2 * I) + cols[None, :], mask=m, other=0.0).to(tl.float32)
         up = tl.load(h13_ptr + r64[:, None] * (2 * I) + I + cols[None, :], mask=m, other=0.0).to(tl.float32)
@@ -287,9 +304,9 @@ def _swiglu_bwd_rows_kernel(
         dw += tl.sum(act * g, axis=1)
         d_act = g * w[:, None]
         tl.store(dh13_ptr + r64[:, None] * (2 * I) + cols[None, :],
-                 (d_act * up * sig * (1.0 + gate * (1.0 - sig))).to(dh13_ptr.dtype.element_ty), mask=m)
-        tl.store(dh13_ptr + r64[:, None] * (2 * I) + I + cols[None, :], (d_act * silu).to(dh13_ptr.dtype.element_ty), mask=m)
-        tl.store(aw_ptr + r64[:, None] * I + cols[None, :], (act * w[:, None]).to(aw_ptr.dtype.element_ty), mask=m)
+                 (d_act * up * sig * (1.0 + gate * (1.0 - sig))).to(dh13_ptr.dtype.element_ty), mask=st)
+        tl.store(dh13_ptr + r64[:, None] * (2 * I) + I + cols[None, :], (d_act * silu).to(dh13_ptr.dtype.element_ty), mask=st)
+        tl.store(aw_ptr + r64[:, None] * I + cols[None, :], (act * w[:, None]).to(aw_ptr.dtype.element_ty), mask=st)
     tl.store(dw_ptr + rows, dw, mask=rows < n_pos)
 
 
@@ -330,6 +347,17 @@ def _launch_rows(
     n_groups = layout.offsets.numel() - 1
     if n_pos == 0 or n_cols == 0:
         return
+    if cfg.tma and epilogue != EPI_SWIGLU_BWD.value:
+        from ray_moe.kernels import grouped_tma
+
+        b_kmajor = b_strides[1] == 1 and b_strides[2] != 1
+        if grouped_tma.rows_tma_ok(a, b, b_kmajor, gather_a, kd, cfg):
+            grouped_tma.launch_rows_tma(
+                a=a, b=b, b_kmajor=b_kmajor, out=out, offsets=layout.offsets, sorted_pair=layout.sorted_pair,
+                top_k=top_k, gather_a=gather_a, epilogue=epilogue, n_cols=n_cols, kd=kd, half=half, cfg=cfg,
+                dot_precision=_dot_precision(a.dtype), aux=aux, weight=weight, save_aux=save_aux,
+            )
+            return
     max_m_tiles = triton.cdiv(n_pos, cfg.block_m) + n_groups
     grid = (max_m_tiles * triton.cdiv(n_cols, cfg.block_n),)
     dummy = out
@@ -431,7 +459,7 @@ def swiglu_backward_rows(
 
     Args: grad_out [R, H]; weight float32 [R, K]; w2 [S, I, H]; h13 [R*K, 2I] saved pre-activations.
     Returns: dh13 [R*K, 2I], aw [R*K, I] (grad_out.dtype), d_weight_pos float32 [R*K]
-        (0 past offsets[S]; dh13 / aw rows past it are unset).
+        (0 past offsets[S]; dh13 / aw rows past it are zero in the split form, unset when fused).
     """
     _check_matrix("grad_out", grad_out)
     _check_same("grad_out", grad_out, "w2", w2)
@@ -507,6 +535,8 @@ def grouped_wgrad(
     Args:
         a_src: [R or R*K, M]; b_src: [R or R*K, N]; same dtype, row-contiguous.
         dual: compute the two column halves of B in one program sharing the A tile (N even).
+        cfg.tma (one side gathered): the side taken by position goes through a TMA descriptor;
+            its rows outside the groups (positions >= offsets[S]) must then be finite.
     Returns:
         [S, M, N] in a_src.dtype; exactly zero for slots with no pairs.
     """
@@ -522,6 +552,16 @@ def grouped_wgrad(
     if M == 0 or N == 0:
         return out
     n_cols = N // 2 if dual else N
+    if cfg.tma and gather_a != gather_b and (gather_a or not dual):
+        from ray_moe.kernels import grouped_tma
+
+        if grouped_tma.tma_ok(b_src if gather_a else a_src):
+            grouped_tma.launch_wgrad_tma(
+                a_src=a_src, b_src=b_src, out=out, offsets=layout.offsets, sorted_pair=layout.sorted_pair,
+                top_k=top_k, gather_a=gather_a, dual=dual, n_cols=n_cols, cfg=cfg,
+                dot_precision=_dot_precision(a_src.dtype),
+            )
+            return out
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(n_cols, cfg.block_n), S)
     _grouped_wgrad_kernel[grid](
         a_src, b_src, out, layout.offsets, layout.sorted_pair, M, n_cols, n_cols,

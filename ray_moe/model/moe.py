@@ -17,7 +17,7 @@ from torch import nn
 from ray_moe.comm.base import Transport, combine, dispatch
 from ray_moe.model.expert_choice import ExpertChoice, ExpertImplChooser
 from ray_moe.model.experts import expert_ffn, resolve_impl
-from ray_moe.model.router import load_balancing_loss, route
+from ray_moe.model.router import SOFTMAX, Routing, balancing_bias_step, load_balancing_loss, route
 from ray_moe.placement.placement import ExpertShard, Placement
 
 
@@ -57,7 +57,10 @@ class MoELayer(nn.Module):
     Buffers (device-side load statistics, never read inside forward):
     ``expert_tokens`` float32 [E] tokens routed to each logical expert from this rank, and
     ``received_pairs`` float32 [1] (token, expert) pairs this rank's slots computed, both
-    accumulated since the last :meth:`pop_load`.
+    accumulated since the last :meth:`pop_load` (not while :attr:`recomputing`: a forward that
+    activation checkpointing replays in backward counts once). With a routing that has a
+    balancing bias: ``score_bias`` float32 [E], a persistent buffer (replicated, checkpointed)
+    that :meth:`update_score_bias` moves after each optimizer step.
     """
 
     def __init__(
@@ -76,9 +79,13 @@ class MoELayer(nn.Module):
         device: torch.device | str = "cpu",
         expert_chooser: ExpertImplChooser | None = None,
         clone_slots: int = 0,
+        routing: Routing = SOFTMAX,
+        reset: bool = True,
     ) -> None:
         """``placement``: the initial placement (default: native, with ``clone_slots`` free clone
-        slots per rank); the world size is the transport's."""
+        slots per rank); the world size is the transport's. ``routing``: the router variant.
+        ``reset=False`` leaves the expert weights zero for a caller that loads them (a checkpoint,
+        an HF model, a benchmark: drawing E large experts on the host takes minutes)."""
         super().__init__()
         if placement is None:
             placement = Placement.native(num_experts, transport.world_size, clone_slots)
@@ -87,22 +94,28 @@ class MoELayer(nn.Module):
         self.expert_hidden, self.layer_idx, self.seed = expert_hidden, layer_idx, seed
         self.transport, self.rank = transport, transport.rank
         self.expert_impl, self.aux_loss_coef = expert_impl, aux_loss_coef
+        self.routing = routing
+        self.recomputing = False  # set by activation checkpointing while it replays this forward
         # with expert_impl "auto" on a GPU that runs the Triton kernels: measured per shape, shared by
         # the model's layers (ray_moe.model.expert_choice)
         self.expert_chooser = expert_chooser or ExpertImplChooser()
         S = placement.slots_per_rank
         self.router = nn.Parameter(router_init(seed, layer_idx, d_model, num_experts).to(device))
-        self.w13 = nn.Parameter(torch.empty(S, d_model, 2 * expert_hidden, dtype=dtype, device=device))
-        self.w2 = nn.Parameter(torch.empty(S, expert_hidden, d_model, dtype=dtype, device=device))
+        # zeros, not empty: with reset=False the clone slots are never loaded until a placement uses them
+        self.w13 = nn.Parameter(torch.zeros(S, d_model, 2 * expert_hidden, dtype=dtype, device=device))
+        self.w2 = nn.Parameter(torch.zeros(S, expert_hidden, d_model, dtype=dtype, device=device))
         shard = ExpertShard(tuple(range(transport.rank * placement.experts_per_rank,
                                         (transport.rank + 1) * placement.experts_per_rank)))
         self.w13.expert_shard = shard
         self.w2.expert_shard = shard
         self.register_buffer("expert_tokens", torch.zeros(num_experts, device=device), persistent=False)
         self.register_buffer("received_pairs", torch.zeros(1, device=device), persistent=False)
+        self.register_buffer("score_bias", torch.zeros(num_experts, device=device) if routing.bias else None,
+                             persistent=routing.bias)
         self.placement = placement
         self.tables = placement.tables(device)
-        self.reset_parameters()
+        if reset:
+            self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -113,9 +126,12 @@ class MoELayer(nn.Module):
         self.w2.zero_()
         for slot, e in enumerate(self.placement.slot_experts()[self.rank].tolist()):
             if e >= 0:
-                self.load_expert(slot, *expert_init(self.seed, self.layer_idx, e, self.d_model, self.expert_hidden))
+                w13, w2 = expert_init(self.seed, self.layer_idx, e, self.d_model, self.expert_hidden)
+                self.load_expert(slot, w13, w2)
         self.expert_tokens.zero_()
         self.received_pairs.zero_()
+        if self.score_bias is not None:
+            self.score_bias.zero_()
 
     @staticmethod
     def _check_placement(placement: Placement, num_experts: int, world_size: int) -> None:
@@ -156,7 +172,8 @@ class MoELayer(nn.Module):
             raise TypeError(f"MoELayer expects x of dtype {self.w13.dtype}, got {x.dtype}")
         impl = resolve_impl(self.expert_impl, x)
         weights, ids, probs = route(
-            x, self.router, self.top_k, fused=impl == "triton", need_probs=self.aux_loss_coef > 0
+            x, self.router, self.top_k, fused=impl == "triton", need_probs=self.aux_loss_coef > 0,
+            routing=self.routing, score_bias=self.score_bias,
         )
         dest_rank, dest_slot = self.tables.route(ids, self.rank)
         recv_x, recv_slot, recv_w, layout = dispatch(self.transport, x, weights, dest_rank, dest_slot)
@@ -167,13 +184,21 @@ class MoELayer(nn.Module):
             choice = self.expert_chooser.choose(recv_x, recv_slot, recv_w, self.w13, self.w2, needs_grad)
         partial = expert_ffn(recv_x, recv_slot, recv_w, self.w13, self.w2, choice.impl, wgrad=choice.wgrad)
         out = combine(self.transport, partial, layout)
-        with torch.no_grad():
-            self.expert_tokens.scatter_add_(
-                0, ids.flatten(), torch.ones(ids.numel(), device=ids.device)
-            )
-            self.received_pairs += (recv_slot >= 0).sum()
+        if not self.recomputing:
+            with torch.no_grad():
+                self.expert_tokens.scatter_add_(
+                    0, ids.flatten(), torch.ones(ids.numel(), device=ids.device)
+                )
+                self.received_pairs += (recv_slot >= 0).sum()
         aux = load_balancing_loss(probs, ids) if self.aux_loss_coef > 0 else x.new_zeros((), dtype=torch.float32)
         return out, aux * self.aux_loss_coef
+
+    def update_score_bias(self, tokens: torch.Tensor, rate: float) -> None:
+        """One aux-loss-free balancing step of ``score_bias`` from ``tokens`` (float32 [E], the
+        global tokens per logical expert of the step: the same on every rank, so every rank's
+        bias stays the same). No-op without a balancing bias."""
+        if self.score_bias is not None and rate > 0:
+            balancing_bias_step(self.score_bias, tokens.to(self.score_bias), rate)
 
     def pop_load(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert_tokens [E], received_pairs [1]) since the last call, then reset (host copies)."""

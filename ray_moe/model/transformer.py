@@ -23,6 +23,7 @@ from ray_moe.comm.base import Transport
 from ray_moe.config import Config, torch_dtype
 from ray_moe.model.expert_choice import ExpertImplChooser
 from ray_moe.model.moe import MoELayer
+from ray_moe.model.recompute import check_mode, checkpointed
 
 
 class Attention(nn.Module):
@@ -53,19 +54,38 @@ class DenseMLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, ffn: nn.Module, device: torch.device | str = "cpu"):
+    """Pre-norm block; ``checkpointing``: none | moe (recompute the MoE FFN in backward) | full
+    (recompute the whole block)."""
+
+    def __init__(self, d_model: int, n_heads: int, ffn: nn.Module, device: torch.device | str = "cpu",
+                 checkpointing: str = "none"):
         super().__init__()
         self.norm1 = nn.RMSNorm(d_model, device=device)
         self.attn = Attention(d_model, n_heads, device)
         self.norm2 = nn.RMSNorm(d_model, device=device)
         self.ffn = ffn
+        self.checkpointing = check_mode(checkpointing)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [B, L, H] → ([B, L, H], auxiliary loss float32 scalar)."""
+        moe = (self.ffn,) if isinstance(self.ffn, MoELayer) else ()
+        if self.checkpointing == "full" and torch.is_grad_enabled():
+            return checkpointed(self._forward, x, moe_layers=moe)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + self.attn(self.norm1(x))
+        moe = (self.ffn,) if isinstance(self.ffn, MoELayer) else ()
+        if self.checkpointing == "moe" and moe and torch.is_grad_enabled():
+            y, aux = checkpointed(self._ffn, x, moe_layers=moe)
+        else:
+            y, aux = self._ffn(x)
+        return x + y, aux
+
+    def _ffn(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B, L, H = x.shape
         y, aux = self.ffn(self.norm2(x).reshape(B * L, H))
-        return x + y.view(B, L, H), aux
+        return y.view(B, L, H), aux
 
 
 class MoETransformer(nn.Module):
@@ -94,7 +114,7 @@ class MoETransformer(nn.Module):
                     aux_loss_coef=e.aux_loss_coef, device=device, expert_chooser=chooser,
                     clone_slots=config.balance.clone_slots,
                 )
-            blocks.append(Block(m.d_model, m.n_heads, ffn, device))
+            blocks.append(Block(m.d_model, m.n_heads, ffn, device, m.activation_checkpointing))
         self.blocks = nn.ModuleList(blocks)
         self.norm_f = nn.RMSNorm(m.d_model, device=device)
         self.lm_head = skip_init(nn.Linear, m.d_model, m.vocab_size, bias=False, device=device)

@@ -282,6 +282,9 @@ def check_transport(report: SmokeReport, group: Any, config: Any) -> None:
 def check_bandwidth(report: SmokeReport, group: Any, opts: SmokeOptions) -> None:
     from ray_moe.ops.bandwidth import pair_bandwidth
 
+    if group.world_size < 2:
+        report.add("bandwidth", SKIP, detail="skipped: one rank, no pair of ranks to measure")
+        return
     mib = opts.bandwidth_mib or (256.0 if group.use_gpu else 4.0)
     nbytes = int(mib * 2**20)
     rows = group.execute(pair_bandwidth, nbytes, opts.bandwidth_iters, timeout=report.info["timeout"] * 4)

@@ -131,6 +131,11 @@ class EPWorker:
         ``poison`` makes this rank's loss NaN (fault injection for tests and smoke checks)."""
         return self.engine.train_step(poison=poison)
 
+    def generate(self, prompt: list[int], max_new_tokens: int, temperature: float, seed: int) -> list[int]:
+        """Continue ``prompt`` (token ids) by ``max_new_tokens`` sampled tokens (collective: every
+        rank calls it with the same arguments); returns the new ids."""
+        return self.engine.generate(prompt, max_new_tokens, temperature, seed)
+
     def evaluate(self, batches: int | None = None) -> float:
         """Mean validation loss over ``batches`` fixed global batches (the same on every rank)."""
         return self.engine.evaluate(batches)

@@ -27,8 +27,8 @@ from ray_moe import checkpoint
 from ray_moe.comm.base import BufferSpec, Transport
 from ray_moe.config import Config, element_size
 from ray_moe.device import synchronize
+from ray_moe.model.build import build_model, persistent_buffers
 from ray_moe.model.loss import lm_loss, resolve_loss_impl
-from ray_moe.model.transformer import MoETransformer
 from ray_moe.placement.clones import push_clone_weights, reduce_clone_grads
 from ray_moe.placement.placement import Placement, expert_shard
 from ray_moe.topology import RankInfo
@@ -81,7 +81,7 @@ class Engine:
         self.distributed = self.world_size > 1 and dist.is_initialized()
         self.corpus = Corpus.load(config.data, min_bytes=config.model.seq_len + 2)
         transport.reserve(buffer_spec(config, self.world_size))
-        self.model = MoETransformer(config, transport, device)
+        self.model = build_model(config, transport, device)  # with model.init_from's weights
         self.sharded = [p for p in self.model.parameters() if expert_shard(p) is not None]
         self.replicated = [p for p in self.model.parameters() if expert_shard(p) is None]
         t = config.train
@@ -167,9 +167,11 @@ class Engine:
             self.optimizer.step(lr, clip / (grad_norm + 1e-6) if clip > 0 and grad_norm > clip else 1.0)
             self.opt_steps += 1
             self.push_clones()
-        else:  # weights and optimizer state untouched; the next step zeroes the gradients
+            self.update_routing_bias()
+        else:  # weights and optimizer state untouched
             skipped = True
             self.skipped += 1
+            self.optimizer.drop_grads()
         self.step += 1
         synchronize(self.device)
         self.transport.check()  # device-side timeouts become an error naming the cause
@@ -219,8 +221,56 @@ class Engine:
         total = float(_sum_of_squares(replicated, self.device) + exp_sq)
         return math.sqrt(total) if math.isfinite(total) else math.inf
 
+    def update_routing_bias(self) -> None:
+        """Aux-loss-free balancing (sigmoid routers with a balancing bias): one bias step per MoE
+        layer from the step's *global* tokens per expert (one all-reduce for all layers), so every
+        rank's bias stays the same. No-op for other routers or ``moe.bias_update_rate: 0``."""
+        rate = self.config.moe.bias_update_rate
+        layers = [layer for layer in self.model.moe_layers() if layer.score_bias is not None]
+        if not layers or rate <= 0:
+            return
+        tokens = torch.stack([layer.expert_tokens for layer in layers])
+        if self.distributed:
+            dist.all_reduce(tokens)
+        for layer, t in zip(layers, tokens):
+            layer.update_score_bias(t, rate)
+
     def push_clones(self) -> int:
         return sum(push_clone_weights(layer, layer.placement) for layer in self.model.moe_layers())
+
+    @torch.no_grad()
+    def generate(self, prompt: list[int], max_new_tokens: int, temperature: float, seed: int) -> list[int]:
+        """Continue ``prompt`` (token ids) by ``max_new_tokens`` tokens; returns the new ids.
+
+        Collective: every rank runs the same context through the model (the MoE layers need all
+        ranks); rank 0 samples (greedy at ``temperature`` <= 0, else from softmax(logits / T) with a
+        generator seeded by ``seed``) and broadcasts the token. The context is the last
+        ``model.seq_len`` tokens (no KV cache: each token reruns the context). Load statistics of
+        these forwards are dropped."""
+        if not prompt:
+            raise ValueError("generate needs a prompt of at least one token")
+        V = self.model.lm_head.weight.shape[0]
+        if min(prompt) < 0 or max(prompt) >= V:
+            raise ValueError(f"prompt token ids must be in [0, {V}), got min {min(prompt)}, max {max(prompt)}")
+        self.model.eval()
+        gen = torch.Generator().manual_seed(seed)
+        ids = list(prompt)
+        L = self.config.model.seq_len
+        for _ in range(max_new_tokens):
+            ctx = torch.tensor([ids[-L:]], dtype=torch.int64, device=self.device)
+            h, _ = self.model.hidden_states(ctx)
+            logits = (h[0, -1] @ self.model.lm_head.weight.t()).float().cpu()
+            if temperature <= 0:
+                token = logits.argmax().view(1)
+            else:
+                token = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=gen)
+            if self.distributed:
+                token = token.to(self.device)
+                dist.broadcast(token, 0)
+            ids.append(int(token))
+        for layer in self.model.moe_layers():
+            layer.pop_load()
+        return ids[len(prompt):]
 
     @torch.no_grad()
     def evaluate(self, batches: int | None = None) -> float:
@@ -274,8 +324,9 @@ class Engine:
     # ------------------------------------------------------------------ checkpoints
     def shard_state(self) -> dict[str, torch.Tensor]:
         """This rank's part of a checkpoint (schema: :mod:`ray_moe.checkpoint`): the float32 master
-        weights under the parameters' names, and their AdamW state."""
-        return checkpoint.shard_state(self.optimizer.named_masters(), self.optimizer.state, self.rank, self.device)
+        weights under the parameters' names, their AdamW state, and the persistent buffers."""
+        return checkpoint.shard_state(self.optimizer.named_masters(), self.optimizer.state, self.rank, self.device,
+                                      named_buffers=persistent_buffers(self.model))
 
     def load_state(self, tensors: dict[str, torch.Tensor], step: int, opt_steps: int) -> None:
         """Load a full checkpoint (all ranks' tensors merged) into this rank's shard; every layer
@@ -284,7 +335,7 @@ class Engine:
         for layer in self.model.moe_layers():
             layer.set_placement(Placement.native(layer.num_experts, self.world_size, layer.placement.clone_slots))
         checkpoint.load_shard_state(self.optimizer.named_masters(), self.optimizer.state, tensors, opt_steps,
-                                    self.rank, self.device)
+                                    self.rank, self.device, named_buffers=persistent_buffers(self.model))
         self.optimizer.loaded()
         self.step, self.opt_steps = step, opt_steps
         self.push_clones()

@@ -6,14 +6,20 @@ this optimizer keeps a float32 *master* copy (made once from the parameter), a f
 buffer and float32 AdamW moments; float32 parameters (all of them with ``model.dtype: float32``,
 the routers of a bf16 model) are their own masters, with no copy. One update:
 
-1. :meth:`MixedPrecisionAdamW.gather_grads`: the parameters' gradients are copied into the
-   master gradients (float32);
+1. :meth:`MixedPrecisionAdamW.gather_grads`: the parameters' gradients become float32 master
+   gradients (each bf16 gradient is freed as soon as it is copied);
 2. the caller reduces those across ranks, measures the global norm and applies its non-finite
    policy: a skipped step never calls :meth:`~MixedPrecisionAdamW.step`, so weights and state
    stay untouched;
 3. :meth:`~MixedPrecisionAdamW.step`: clipping folded into the update (the ``grad_scale`` input
    of torch's fused kernel, else one foreach multiply), AdamW on the masters (torch's fused
-   kernel on CUDA, foreach elsewhere), then the masters rounded into the compute parameters.
+   kernel on CUDA, foreach elsewhere), then the masters rounded into the compute parameters and
+   the master gradients freed.
+
+Memory per bf16 parameter: 2 bytes (weight) + 12 (float32 master and two moments), plus its
+gradient: 2 bytes (bf16) from backward until :meth:`~MixedPrecisionAdamW.gather_grads`, 4 bytes
+(float32) from there until the update ends, when the activations are gone: 16 bytes at the peak
+of backward, 18 during the update.
 
 Gradient reduction precision: float32. The cross-rank sums (replicated gradients all-reduced,
 clone gradients added onto their owners) run on the float32 master gradients. A bf16 reduction
@@ -119,7 +125,8 @@ class MixedPrecisionAdamW:
         return self.masters[self._index[id(param)]]
 
     def grad(self, param: torch.Tensor) -> torch.Tensor:
-        """The master gradient of ``param`` (float32 with masters), valid after :meth:`gather_grads`."""
+        """The master gradient of ``param`` (float32 with masters), from :meth:`gather_grads` until
+        the update."""
         return self.master(param).grad
 
     # ------------------------------------------------------------------ one update
@@ -131,14 +138,20 @@ class MixedPrecisionAdamW:
 
     @torch.no_grad()
     def gather_grads(self) -> None:
-        """Master gradients ← the compute parameters' gradients (zeros where backward left none)."""
+        """Master gradients ← the compute parameters' gradients (zeros where backward left none);
+        a compute-dtype gradient is freed once copied."""
         for p, m in zip(self.params, self.masters, strict=True):
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            if m is not p and m.grad is None:
-                m.grad = torch.empty_like(m)
-        if self._copies:
-            torch._foreach_copy_([m.grad for _, m in self._copies], [p.grad for p, _ in self._copies])
+            if m is p:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                continue
+            m.grad = torch.zeros_like(m) if p.grad is None else p.grad.to(torch.float32)
+            p.grad = None
+
+    def drop_grads(self) -> None:
+        """Free the float32 master gradients (after an update, or when a step is skipped)."""
+        for _, m in self._copies:
+            m.grad = None
 
     @torch.no_grad()
     def step(self, lr: float, clip_coef: float = 1.0) -> None:
@@ -156,6 +169,7 @@ class MixedPrecisionAdamW:
         finally:
             self.inner.grad_scale = None
         self.refresh_params()
+        self.drop_grads()
 
     @torch.no_grad()
     def refresh_params(self) -> None:
@@ -177,10 +191,9 @@ class MixedPrecisionAdamW:
 
 
 def _master(p: torch.Tensor) -> torch.Tensor:
-    """A float32 copy of ``p`` with its ``expert_shard`` mark and a float32 gradient buffer."""
+    """A float32 copy of ``p`` with its ``expert_shard`` mark."""
     m = torch.empty_like(p, dtype=torch.float32, requires_grad=False).copy_(p.detach())
     shard = expert_shard(p)
     if shard is not None:
         m.expert_shard = shard
-    m.grad = torch.zeros_like(m)
     return m

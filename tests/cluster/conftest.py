@@ -13,17 +13,38 @@ import pytest
 CPUS_PER_NODE = 8  # logical CPUs (idle actors cost memory, not cores); actors ask for fractions
 
 
+def pytest_collection_modifyitems(config, items):
+    """The README's `ray start --head` (test_jobs.py) takes Ray's default ports: run it before the
+    session cluster exists."""
+    first = [i for i in items if i.nodeid.startswith("tests/cluster/test_jobs.py")]
+    if first:
+        rest = [i for i in items if i not in first]
+        start = next((n for n, i in enumerate(rest) if i.nodeid.startswith("tests/cluster/")), len(rest))
+        items[:] = rest[:start] + first + rest[start:]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A two-node local Ray cluster; yields its address."""
     import ray
     from ray.cluster_utils import Cluster
 
+    # Ray's per-node agent port is fixed by default (52365): give each node a free one, so other
+    # Ray instances on this host (a user's, a concurrent test run) keep theirs.
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": CPUS_PER_NODE, "include_dashboard": False},
+        head_node_args={"num_cpus": CPUS_PER_NODE, "include_dashboard": False,
+                        "dashboard_agent_listen_port": free_port()},
     )
-    cluster.add_node(num_cpus=CPUS_PER_NODE)
+    cluster.add_node(num_cpus=CPUS_PER_NODE, dashboard_agent_listen_port=free_port())
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     yield cluster.address

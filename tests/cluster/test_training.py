@@ -61,7 +61,8 @@ def test_checkpoint_restores_onto_other_world_size(groups, tmp_path):
         saved = t.save()
         uninterrupted = t.step()["loss"]
     for world_size in (1, 4):
-        other = cfg.with_overrides([f"parallel.world_size={world_size}"])
+        other = cfg.with_overrides([f"parallel.world_size={world_size}",
+                                    f"train.run_dir={tmp_path / f'w{world_size}'}"])
         with Trainer(other, progress=False, group=groups(world_size, "SPREAD" if world_size == 4 else "PACK")) as t2:
             assert t2.restore(saved) == 3
             assert t2.step()["loss"] == pytest.approx(uninterrupted, rel=1e-5)
@@ -87,7 +88,7 @@ def test_interrupted_save_keeps_previous_checkpoint(groups, tmp_path, monkeypatc
 
 
 def test_notebook_session_reconnects_and_resumes(ray_cluster, groups, tmp_path):
-    cfg = small_config(tmp_path, **{"train.resume": True})
+    cfg = small_config(tmp_path, **{"train.resume": "auto"})
     t = Trainer(cfg, progress=False, group=groups(2))  # an earlier session's run
     for _ in range(2):
         t.step()
@@ -133,7 +134,8 @@ def test_fresh_run_never_recovers_into_an_earlier_runs_checkpoint(groups, tmp_pa
         for _ in range(3):
             t.step()
         t.save()
-    with Trainer(cfg, progress=False) as t:  # train.resume=false: a new run in the same run_dir
+    # train.resume=false: a new run in the same run_dir (the earlier one is moved to archive/)
+    with Trainer(cfg.with_overrides(["train.overwrite=true"]), progress=False) as t:
         assert t.step_count == 0
         t.step()
         os.kill(t.group.ranks[1].pid, signal.SIGKILL)

@@ -59,6 +59,33 @@ def test_expert_ffn_bf16_both_dact_variants(fused_dact):
         assert errs[name] <= TOL, f"{name}: relative error {errs[name]:.3g} > {TOL} ({errs})"
 
 
+def _variant_plan(variant: str):
+    """The default bf16 plan with every GEMM as the pointer kernel, the TMA kernel (grid), the
+    TMA kernel persistent, or persistent with the flattened loop."""
+    import dataclasses
+
+    from ray_moe.kernels.grouped_swiglu import default_plan
+
+    plan = default_plan(torch.bfloat16, torch.device("cuda"))
+    flags = {"pointer": dict(tma=False, persistent=False, flatten=False),
+             "tma": dict(tma=True, persistent=False, flatten=False),
+             "tma_persistent": dict(tma=True, persistent=True, flatten=False),
+             "tma_persistent_flat": dict(tma=True, persistent=True, flatten=True)}[variant]
+    roles = ("gate_up", "down", "dact", "dx", "wgrad13", "wgrad2")
+    return dataclasses.replace(plan, **{r: dataclasses.replace(getattr(plan, r), **flags) for r in roles})
+
+
+@pytest.mark.parametrize("variant", ["pointer", "tma", "tma_persistent", "tma_persistent_flat"])
+@pytest.mark.parametrize("R,K,S,H,I,pattern", [CASES[0], CASES[1], CASES[3], CASES[4], (2048, 8, 64, 512, 256, "random")])
+def test_expert_ffn_bf16_kernel_variants(variant, R, K, S, H, I, pattern):
+    """Pointer and Hopper (TMA, persistent) kernels, each on shapes where the descriptors apply and
+    where they fall back (H, I not multiples of the tiles), empty slots, 0/1-pair slots."""
+    errs = check_expert_ffn(random_case(R, K, S, H, I, pattern, torch.bfloat16, "cuda", 4), plan=_variant_plan(variant))
+    for name in ("out", "dx", "dweight", "dw13", "dw2"):
+        assert errs[name] <= TOL, f"{variant} {name}: relative error {errs[name]:.3g} > {TOL} ({errs})"
+    assert errs["empty_slot_grad"] == 0.0, errs
+
+
 def test_pair_layout_and_topk_match_references():
     from ray_moe.kernels.routing import (
         pair_layout,

@@ -15,22 +15,23 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "ray_moe"
 
 # What each part of the package may import (besides itself). Shared base modules first.
-BASE = {"config", "topology", "device"}
+BASE = {"arch", "config", "topology", "device"}
 ALLOWED = {
-    "config": set(),
+    "arch": set(),
+    "config": {"arch"},
     "topology": set(),
     "device": set(),
     "kernels": set(),
     "comm": {"topology"},
     "placement": set(),
-    "model": {"config", "comm", "kernels", "placement"},
+    "model": {"arch", "config", "comm", "kernels", "placement"},
     "checkpoint": {"config", "placement"},
     "validation": BASE | {"comm", "kernels", "model", "placement"},
     "worker": BASE | {"checkpoint", "comm", "model", "placement"},
     "driver": BASE | {"checkpoint", "comm", "placement", "worker"},
     "ops": BASE | {"driver", "validation"},
     "bench": BASE | {"comm", "driver", "kernels", "model", "placement", "validation", "worker"},
-    "cli": BASE | {"bench", "checkpoint", "driver", "ops", "worker"},
+    "cli": BASE | {"bench", "checkpoint", "driver", "model", "ops", "worker"},
     "__init__": set(),  # lazy re-exports by name only
 }
 

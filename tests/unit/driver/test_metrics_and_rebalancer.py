@@ -32,7 +32,7 @@ def test_aggregate_step_sums_loads_and_averages_losses():
 
 def test_metrics_log_appends_and_summarises(tmp_path):
     log = MetricsLog(tmp_path / "m.jsonl")
-    log.truncate()
+    log.start_fresh()
     log.record(aggregate_step([_result(0, 2.0, [1, 1], 2.0)], 1.0))
     log.event("eval", step=3, val_loss=1.5)
     s = log.summary()

@@ -25,6 +25,7 @@ INTERP_CASES = {
     "odd_shapes": (11, 2, 3, 37, 19, "random"),
     "all_one_expert": (9, 2, 4, 32, 16, "all_one_expert"),
     "k1_sparse": (6, 1, 8, 32, 16, "sparse"),
+    "tile_multiples": (21, 4, 6, 64, 48, "random"),  # H, I multiples of the 16-wide CPU tiles: every TMA form
 }
 
 
@@ -127,10 +128,33 @@ def run_interpreter_checks() -> dict:
 
     split = dataclasses.replace(gs.default_plan(torch.float32, torch.device("cpu")), fused_dact=False, dual_wgrad13=True)
     mm_wgrad = dataclasses.replace(gs.default_plan(torch.float32, torch.device("cpu")), wgrad="grouped_mm")
+    roles = ("gate_up", "down", "dact", "dx", "wgrad13", "wgrad2")
+    # the Hopper variants (TMA descriptors; persistent, flattened), emulated by the interpreter
+    hopper = {
+        "tma": dataclasses.replace(split, **{r: dataclasses.replace(getattr(split, r), tma=True) for r in roles}),
+        "tma_persistent": dataclasses.replace(split, dual_wgrad13=False, **{
+            r: dataclasses.replace(getattr(split, r), tma=True, persistent=True, flatten=r in ("down", "dx"))
+            for r in roles}),
+    }
+    from ray_moe.kernels import grouped_tma
+
+    launches: dict[str, int] = {}
+    for fn_name in ("launch_rows_tma", "launch_wgrad_tma"):  # count what really ran through descriptors
+        def counted(*a, _fn=getattr(grouped_tma, fn_name), _name=fn_name, **kw):
+            launches[_name] = launches.get(_name, 0) + 1
+            return _fn(*a, **kw)
+
+        setattr(grouped_tma, fn_name, counted)
     for name, args in INTERP_CASES.items():
         case = random_case(*args, torch.float32, "cpu", seed=11)
+        if name == "tile_multiples":
+            launches.clear()
+            check_expert_ffn(case, plan=hopper["tma"])
+            results["tma_launches/tile_multiples"] = dict(launches)
         results[f"expert_ffn/{name}"] = check_expert_ffn(case)
         results[f"expert_ffn_split_dact/{name}"] = check_expert_ffn(case, plan=split)
+        for variant, plan in hopper.items():
+            results[f"expert_ffn_{variant}/{name}"] = check_expert_ffn(case, plan=plan)
         try:
             results[f"expert_ffn_mm_wgrad/{name}"] = check_expert_ffn(case, plan=mm_wgrad)
         except ValueError as exc:  # rows that are not 16-byte multiples: torch._grouped_mm's rule
@@ -180,7 +204,7 @@ def interpreter_results() -> dict:
 
 @pytest.mark.parametrize("name", sorted(INTERP_CASES))
 def test_triton_expert_ffn_under_interpreter(interpreter_results, name):
-    for variant in ("expert_ffn", "expert_ffn_split_dact"):
+    for variant in ("expert_ffn", "expert_ffn_split_dact", "expert_ffn_tma", "expert_ffn_tma_persistent"):
         errs = interpreter_results[f"{variant}/{name}"]
         for key in ("out", "dx", "dweight", "dw13", "dw2"):
             assert errs[key] < 1e-5, (variant, key, errs)
@@ -194,6 +218,56 @@ def test_triton_expert_ffn_under_interpreter(interpreter_results, name):
         assert mm["empty_slot_grad"] == 0.0, mm
     assert interpreter_results[f"pair_layout/{name}"]
     assert all(v < 1e-5 for v in interpreter_results[f"kernels/{name}"].values()), interpreter_results[f"kernels/{name}"]
+
+
+def test_tma_variants_run_through_descriptors_under_interpreter(interpreter_results):
+    """With H and I multiples of the tiles every GEMM of a training step takes the descriptor
+    kernels (gate_up, down, dact, dx; dW13, dW2), not the pointer fallback."""
+    assert interpreter_results["tma_launches/tile_multiples"] == {"launch_rows_tma": 4, "launch_wgrad_tma": 2}
+
+
+def test_sonic_layout_round_trip_matches_the_oracle(monkeypatch):
+    """bench layer's SonicMoE adapter: weights converted to SonicMoE's layout (router [E, H], c_fc
+    [E, 2I, H] gate/up interleaved, c_proj [E, H, I]) and its gradients converted back give the
+    oracle's output and gradients, run here through a pure-torch stand-in of its layer function."""
+    import types
+
+    import torch.nn.functional as F
+
+    from ray_moe.bench.layer import LayerShape, SonicLayer, layer_problem
+    from ray_moe.model.experts import reference_moe
+
+    def stand_in(x, router_w, w1, b1, w2, b2, K, stream_id, activation_type, is_inference_mode_enabled=False):
+        logits = F.linear(x, router_w)
+        top, ids = torch.topk(logits, K, dim=-1)
+        w = torch.softmax(top, dim=-1)  # softmax over the top-k logits
+        out = torch.zeros_like(x)
+        for e in range(router_w.shape[0]):
+            tok, k = (ids == e).nonzero(as_tuple=True)
+            h = x[tok] @ w1[:, :, e].t()  # w1: [2I, H, E], rows interleaved gate, up
+            y = (F.silu(h[:, 0::2]) * h[:, 1::2]) @ w2[:, :, e].t()  # w2: [H, I, E]
+            out = out.index_add(0, tok, y * w[tok, k].unsqueeze(1))
+        return out, logits, None
+
+    enums = types.SimpleNamespace(ActivationType=types.SimpleNamespace(SWIGLU="swiglu"))
+    monkeypatch.setitem(sys.modules, "sonicmoe", types.ModuleType("sonicmoe"))
+    monkeypatch.setitem(sys.modules, "sonicmoe.enums", enums)
+    monkeypatch.setitem(sys.modules, "sonicmoe.functional", types.SimpleNamespace(moe_TC_softmax_topk_layer=stand_in))
+    shape = LayerShape(T=40, H=24, I=8, E=6, K=2)
+    prob = layer_problem(shape, torch.device("cpu"), torch.float64, seed=0)
+    prob["router"] = prob["router"].double()
+    sonic = SonicLayer(prob, shape.K)
+    x = prob["x"].clone().requires_grad_()
+    out = sonic(x)
+    got = (torch.autograd.grad(out, x, prob["grad"], retain_graph=True)[0],
+           *sonic.grads_in_ray_layout(*torch.autograd.grad(out, sonic.params, prob["grad"])))
+    leaves = [t.clone().requires_grad_() for t in (prob["x"], prob["router"], prob["w13"], prob["w2"])]
+    ref, _, _ = reference_moe(*leaves, shape.K)
+    want = torch.autograd.grad(ref, leaves, prob["grad"])
+    # the oracle routes with float32 logits (route()), the rest is float64 on both sides
+    assert rel_err(out, ref) < 1e-6
+    for a, b, name in zip(got, want, ("dx", "drouter", "dw13", "dw2")):
+        assert rel_err(a, b) < 1e-6, name
 
 
 def test_triton_topk_softmax_under_interpreter(interpreter_results):

@@ -84,10 +84,12 @@ def test_bf16_masters_follow_fp32_adamw_and_round_into_the_parameters(impl):
     assert expert_shard(opt.master(model.experts)) == ExpertShard((2, 3))
     for step, clip in enumerate((1.0, 0.25, 0.5)):  # Adam is nearly invariant to a constant scale
         _set_grads(model, step)
-        opt.gather_grads()
         for c, p in zip(copies, model.parameters(), strict=True):
             c.grad = p.grad.float() * clip
+        opt.gather_grads()
+        assert all(p.grad is None for p in model.parameters())  # bf16 gradients freed once copied
         opt.step(lr=HYPER["lr"], clip_coef=clip)
+        assert all(m.grad is None for m in opt.masters)  # and the float32 ones after the update
         ref.step()
     for (name, p), m, c in zip(model.named_parameters(), opt.masters, copies, strict=True):
         assert p.dtype == torch.bfloat16 and opt.state[m]["exp_avg"].dtype == torch.float32

@@ -1,0 +1,449 @@
+"""Architectures: a Hugging Face ``config.json`` (or a named preset) → :class:`ArchSpec`.
+
+Three families besides the embedded byte-level model (``model.arch: byte``):
+
+- ``qwen3_moe`` (``Qwen3MoeForCausalLM``): RMSNorm, RoPE, grouped-query attention with q/k norm,
+  softmax top-k (``norm_topk_prob``), routed SwiGLU experts, dense layers from
+  ``decoder_sparse_step`` / ``mlp_only_layers``.
+- ``mixtral`` (``MixtralForCausalLM``): softmax top-k renormalised, no sliding window.
+- ``glm4_moe`` (``Glm4MoeForCausalLM``, DeepSeek-V3-style MoE blocks with standard attention):
+  sigmoid scores with an ``e_score_correction_bias`` for the choice, group-limited top-k
+  (``n_group``, ``topk_group``), ``routed_scaling_factor``, shared experts, the first
+  ``first_k_dense_replace`` layers dense, partial rotary.
+
+Pure Python (no torch): the driver resolves the architecture while it validates the config, so a
+config.json that ray_moe cannot reproduce exactly is refused before any worker starts, with the
+key, its value and what is supported. Keys that do not change the computation (token ids, cache
+flags, ...) are ignored; keys that would (a sliding window, RoPE scaling, another activation,
+dropout, router jitter) must have their neutral value.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe")
+ARCHITECTURES = MappingProxyType({
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+})
+
+
+class ArchError(ValueError):
+    """An HF config is not one ray_moe can build; the message names the key and what is allowed."""
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Everything the model builder needs, in one family-independent form.
+
+    ``moe_layers[i]`` says whether block i has a routed-expert FFN (else a dense SwiGLU of
+    ``dense_hidden``). Routing: ``scoring`` softmax | sigmoid; ``norm_topk_prob`` renormalises
+    the chosen weights; ``n_group``/``topk_group`` limit the choice to the best groups;
+    ``routed_scaling_factor`` scales the weights; ``score_bias`` adds the aux-loss-free balancing
+    bias to the scores used for the choice (not to the weights). ``shared_hidden`` > 0 adds a
+    shared SwiGLU expert beside the routed ones.
+    """
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    qk_norm: bool
+    qkv_bias: bool
+    o_bias: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    init_std: float
+    num_experts: int
+    top_k: int
+    expert_hidden: int
+    dense_hidden: int
+    moe_layers: tuple[bool, ...]
+    scoring: str
+    norm_topk_prob: bool
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    score_bias: bool
+    shared_hidden: int
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> "ArchSpec":
+        """Parse an HF config dict (as in ``config.json``). Raises :class:`ArchError`."""
+        c = _Keys(hf)
+        family = family_of(hf)
+        H, heads = c.int("hidden_size"), c.int("num_attention_heads")
+        kv = c.int("num_key_value_heads", heads)
+        head_dim = c.int("head_dim", None) or 0
+        if not head_dim:
+            if H % heads:
+                raise ArchError(f"hidden_size={H} is not divisible by num_attention_heads={heads} "
+                                "(and no head_dim is given)")
+            head_dim = H // heads
+        if heads % kv:
+            raise ArchError(f"num_attention_heads={heads} is not divisible by num_key_value_heads={kv}")
+        c.require("hidden_act", "silu", ("silu",))
+        if c.num("attention_dropout", 0.0) != 0.0:
+            raise ArchError(f"attention_dropout={hf['attention_dropout']} is not supported; supported: 0.0")
+        theta, partial = _rope(c, family)
+        rotary_dim = int(head_dim * partial)
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ArchError(f"partial_rotary_factor={partial} gives a rotary dimension of {rotary_dim} of "
+                            f"head_dim={head_dim}; it must be even and in (0, head_dim]")
+        L = c.int("num_hidden_layers")
+        common = dict(
+            family=family, vocab_size=c.int("vocab_size"), hidden_size=H, num_layers=L, num_heads=heads,
+            num_kv_heads=kv, head_dim=head_dim, rotary_dim=rotary_dim, rope_theta=theta,
+            rms_norm_eps=c.num("rms_norm_eps", 1e-6 if family == "qwen3_moe" else 1e-5),
+            tie_word_embeddings=c.bool("tie_word_embeddings", False),
+            max_position_embeddings=c.int("max_position_embeddings", 32768),
+            init_std=c.num("initializer_range", 0.02),
+        )
+        if family == "qwen3_moe":
+            if c.bool("use_sliding_window", False):
+                raise ArchError("use_sliding_window=true is not supported; supported: false")
+            E = c.int("num_experts", None) or c.int("num_local_experts")
+            step = c.int("decoder_sparse_step", 1)
+            if step < 1:
+                raise ArchError(f"decoder_sparse_step={step} must be >= 1")
+            dense = set(c.get("mlp_only_layers", None) or [])
+            bias = c.bool("attention_bias", False)
+            spec = cls(**common, qk_norm=True, qkv_bias=bias, o_bias=bias,
+                       num_experts=E, top_k=c.int("num_experts_per_tok"),
+                       expert_hidden=c.int("moe_intermediate_size"), dense_hidden=c.int("intermediate_size"),
+                       moe_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(L)),
+                       scoring="softmax", norm_topk_prob=c.bool("norm_topk_prob", False), n_group=1,
+                       topk_group=1, routed_scaling_factor=1.0, score_bias=False, shared_hidden=0)
+        elif family == "mixtral":
+            if c.get("sliding_window", None) is not None:
+                raise ArchError(f"sliding_window={hf['sliding_window']} is not supported; supported: null (off)")
+            if c.num("router_jitter_noise", 0.0) != 0.0:
+                raise ArchError(f"router_jitter_noise={hf['router_jitter_noise']} is not supported; supported: 0.0")
+            I = c.int("intermediate_size")
+            spec = cls(**common, qk_norm=False, qkv_bias=False, o_bias=False,
+                       num_experts=c.int("num_local_experts"), top_k=c.int("num_experts_per_tok"),
+                       expert_hidden=I, dense_hidden=I, moe_layers=(True,) * L, scoring="softmax",
+                       norm_topk_prob=True, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                       score_bias=False, shared_hidden=0)
+        else:  # glm4_moe
+            I_moe = c.int("moe_intermediate_size")
+            first_dense = c.int("first_k_dense_replace", 1)
+            spec = cls(**common, qk_norm=c.bool("use_qk_norm", False), qkv_bias=c.bool("attention_bias", False),
+                       o_bias=False, num_experts=c.int("n_routed_experts"), top_k=c.int("num_experts_per_tok"),
+                       expert_hidden=I_moe, dense_hidden=c.int("intermediate_size"),
+                       moe_layers=tuple(i >= first_dense for i in range(L)), scoring="sigmoid",
+                       norm_topk_prob=c.bool("norm_topk_prob", True), n_group=c.int("n_group", 1),
+                       topk_group=c.int("topk_group", 1),
+                       routed_scaling_factor=c.num("routed_scaling_factor", 1.0), score_bias=True,
+                       shared_hidden=I_moe * c.int("n_shared_experts", 1))
+        spec.check()
+        return spec
+
+    def check(self) -> None:
+        """Ranges that every family shares; raises :class:`ArchError` naming the HF key."""
+        for key, v in (("vocab_size", self.vocab_size), ("hidden_size", self.hidden_size),
+                       ("num_hidden_layers", self.num_layers), ("num_attention_heads", self.num_heads),
+                       ("num_key_value_heads", self.num_kv_heads), ("head_dim", self.head_dim),
+                       ("experts", self.num_experts), ("num_experts_per_tok", self.top_k),
+                       ("expert intermediate size", self.expert_hidden)):
+            if v < 1:
+                raise ArchError(f"{key}={v} must be >= 1")
+        if not any(self.moe_layers):
+            raise ArchError("the config has no MoE layer (every layer is dense); ray_moe trains MoE models")
+        if any(not m for m in self.moe_layers) and self.dense_hidden < 1:
+            raise ArchError(f"intermediate_size={self.dense_hidden} must be >= 1 for the dense layers")
+        if not self.top_k <= self.num_experts:
+            raise ArchError(f"num_experts_per_tok={self.top_k} must be <= the number of experts {self.num_experts}")
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise ArchError(f"n_group={self.n_group} must be >= 1 and divide n_routed_experts={self.num_experts}")
+        per_group = self.num_experts // self.n_group
+        if self.n_group > 1 and per_group < 2:
+            raise ArchError(f"n_group={self.n_group} leaves {per_group} expert per group; group scores "
+                            "sum each group's best two")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ArchError(f"topk_group={self.topk_group} must be between 1 and n_group={self.n_group}")
+        if self.top_k > self.topk_group * per_group:
+            raise ArchError(f"num_experts_per_tok={self.top_k} exceeds the experts of topk_group="
+                            f"{self.topk_group} groups ({self.topk_group * per_group})")
+
+    # ------------------------------------------------------------------ sizes
+    def param_counts(self) -> dict[str, int]:
+        """Parameters by kind: ``replicated`` (attention, norms, embeddings, head, routers, dense
+        and shared MLPs: on every rank), ``per_expert`` (one routed expert's w13 + w2) and
+        ``experts`` (all routed experts of all layers); ``total``."""
+        H, D = self.hidden_size, self.head_dim
+        q, kv = self.num_heads * D, self.num_kv_heads * D
+        attn = H * (q + 2 * kv) + q * H
+        attn += (q + 2 * kv) * self.qkv_bias + H * self.o_bias + 2 * D * self.qk_norm
+        n_moe = sum(self.moe_layers)
+        n_dense = self.num_layers - n_moe
+        per_expert = 3 * H * self.expert_hidden
+        replicated = (
+            self.num_layers * (attn + 2 * H)  # attention + its two norms
+            + n_dense * 3 * H * self.dense_hidden
+            + n_moe * (H * self.num_experts + 3 * H * self.shared_hidden)  # routers, shared experts
+            + self.vocab_size * H * (1 if self.tie_word_embeddings else 2) + H  # embeddings, head, final norm
+        )
+        experts = n_moe * self.num_experts * per_expert
+        return {"replicated": replicated, "per_expert": per_expert, "experts": experts,
+                "total": replicated + experts}
+
+    def memory_per_rank(self, world_size: int, clone_slots: int = 0, bytes_per_param: int = 16) -> dict[str, float]:
+        """Training state of one rank of ``world_size`` (expert parallel over all ranks, the rest
+        replicated): its parameters (replicated + E/W + ``clone_slots`` experts per MoE layer) and
+        their bytes at ``bytes_per_param`` (16 = bf16 weight + bf16 gradient + fp32 master +
+        fp32 Adam moments). Activations are separate (:meth:`activation_bytes_per_token`)."""
+        if self.num_experts % world_size:
+            raise ArchError(f"{self.num_experts} experts do not divide over {world_size} ranks")
+        c = self.param_counts()
+        n_moe = sum(self.moe_layers)
+        params = c["replicated"] + n_moe * (self.num_experts // world_size + clone_slots) * c["per_expert"]
+        return {"params": params, "state_bytes": params * bytes_per_param,
+                "replicated_bytes": c["replicated"] * bytes_per_param}
+
+    def activation_bytes_per_token(self, checkpointing: str, world_size: int, elem: int = 2) -> float:
+        """An estimate of the activation bytes one token keeps for backward over the whole model
+        (bf16: ``elem`` = 2), by counting what the layers save: attention (norm in float32, q/k/v
+        after norm and RoPE, the attention output), the MoE FFN (norm, router scores, the token
+        rows received by ~min(K, W) ranks, gate|up and SwiGLU output per chosen expert, the shared
+        expert) and, for ``full``, one layer being recomputed. Not counted: the logits (the loss's
+        business) and allocator slack."""
+        H, q, kv, I, K = (self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                          self.expert_hidden, self.top_k)
+        norm = (2 * 2 + elem) * H  # float32 copy + its normalised cast
+        attn = norm + elem * (3 * q + 4 * kv) + elem * (q + kv) * 2 * self.qk_norm + elem * 2 * q
+        ranks = min(K, world_size) if world_size > 1 else 1
+        moe = norm + 12 * self.num_experts + elem * H * ranks + K * 3 * elem * I + 4 * elem * self.shared_hidden
+        dense = norm + 4 * elem * self.dense_hidden
+        layers = [attn + (moe if m else dense) for m in self.moe_layers]
+        if checkpointing == "none":
+            return float(sum(layers))
+        if checkpointing == "moe":
+            return float(sum(attn + elem * H + (0 if m else dense) for m in self.moe_layers) + max(layers))
+        return float(self.num_layers * elem * H + max(layers))  # full: block inputs + one replay
+
+    def active_params_per_token(self) -> int:
+        """Parameters a token passes through (the 'A3B' of Qwen3-30B-A3B): replicated minus the
+        unused embedding rows, plus top_k experts per MoE layer."""
+        c = self.param_counts()
+        n_moe = sum(self.moe_layers)
+        return c["replicated"] - (self.vocab_size - 1) * self.hidden_size + n_moe * self.top_k * c["per_expert"]
+
+
+def family_of(hf: Mapping[str, Any]) -> str:
+    """The family of an HF config from ``model_type`` (or ``architectures``)."""
+    model_type = hf.get("model_type")
+    if model_type is None:
+        archs = hf.get("architectures") or []
+        by_class = {v: k for k, v in ARCHITECTURES.items()}
+        model_type = next((by_class[a] for a in archs if a in by_class), None)
+        if model_type is None:
+            raise ArchError(f"the HF config has no model_type and architectures={archs} names none of "
+                            f"{', '.join(ARCHITECTURES.values())}")
+    if model_type not in FAMILIES:
+        raise ArchError(f"model_type={model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
+    return model_type
+
+
+def _rope(c: "_Keys", family: str) -> tuple[float, float]:
+    """(rope_theta, partial_rotary_factor) from ``rope_parameters`` (transformers 5) or the
+    top-level ``rope_theta`` / ``rope_scaling`` / ``partial_rotary_factor`` (older configs)."""
+    params = c.get("rope_parameters", None) or {}
+    scaling = c.get("rope_scaling", None) or {}
+    for where, d in (("rope_parameters", params), ("rope_scaling", scaling)):
+        kind = d.get("rope_type", d.get("type", "default"))
+        if kind != "default":
+            raise ArchError(f"{where}.rope_type={kind!r} is not supported; supported: default")
+    theta = float(params.get("rope_theta", c.get("rope_theta", 1e6 if family == "mixtral" else 10000.0)))
+    partial = 1.0
+    if family == "glm4_moe":  # the only family whose transformers code reads it (default 0.5)
+        partial = float(params.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.5)))
+    return theta, partial
+
+
+class _Keys:
+    """Typed reads of an HF config dict; errors name the key."""
+
+    _MISSING = object()
+
+    def __init__(self, hf: Mapping[str, Any]):
+        self.hf = hf
+
+    def get(self, key: str, default: Any = _MISSING) -> Any:
+        if key in self.hf:
+            return self.hf[key]
+        if default is self._MISSING:
+            raise ArchError(f"the HF config has no {key!r}")
+        return default
+
+    def int(self, key: str, default: Any = _MISSING) -> Any:
+        v = self.get(key, default)
+        if v is None and default is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ArchError(f"{key}={v!r} must be an integer")
+        return v
+
+    def num(self, key: str, default: Any = _MISSING) -> float:
+        v = self.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ArchError(f"{key}={v!r} must be a number")
+        return float(v)
+
+    def bool(self, key: str, default: Any = _MISSING) -> bool:
+        v = self.get(key, default)
+        if not isinstance(v, bool):
+            raise ArchError(f"{key}={v!r} must be true or false")
+        return v
+
+    def require(self, key: str, default: Any, allowed: tuple) -> None:
+        v = self.get(key, default)
+        if v not in allowed:
+            raise ArchError(f"{key}={v!r} is not supported; supported: {', '.join(map(str, allowed))}")
+
+
+# ---------------------------------------------------------------------------------- presets
+# HF config dicts by name (what ``model.hf_config: NAME`` loads). The real shapes are those of the
+# published config.json files; the tiny ones train on CPU in minutes (vocab >= 256: the byte corpus).
+_PRESETS = MappingProxyType({
+    "qwen3-30b-a3b": MappingProxyType({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "hidden_act": "silu", "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0,
+        "use_sliding_window": False, "sliding_window": None, "tie_word_embeddings": False,
+        "router_aux_loss_coef": 0.001, "initializer_range": 0.02, "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    }),
+    "mixtral-8x7b": MappingProxyType({
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000,
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+        "num_experts_per_tok": 2, "hidden_act": "silu", "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "sliding_window": None, "attention_dropout": 0.0,
+        "router_aux_loss_coef": 0.02, "tie_word_embeddings": False, "initializer_range": 0.02,
+        "bos_token_id": 1, "eos_token_id": 2,
+    }),
+    "glm-4.5-air": MappingProxyType({
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": 151552,
+        "hidden_size": 4096, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+        "num_hidden_layers": 46, "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
+        "n_routed_experts": 128, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1,
+        "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True, "first_k_dense_replace": 1,
+        "partial_rotary_factor": 0.5, "rope_theta": 1000000.0, "rope_scaling": None, "attention_bias": True,
+        "use_qk_norm": False, "hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "attention_dropout": 0.0, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
+        "initializer_range": 0.02, "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338],
+    }),
+    "qwen3_moe-tiny": MappingProxyType({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 256,
+        "hidden_size": 96, "intermediate_size": 256, "moe_intermediate_size": 128, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24, "num_experts": 8,
+        "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [0],
+        "hidden_act": "silu", "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False,
+        "tie_word_embeddings": False, "initializer_range": 0.02,
+    }),
+    "mixtral-tiny": MappingProxyType({
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 256,
+        "hidden_size": 96, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2, "hidden_act": "silu",
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+        "sliding_window": None, "attention_dropout": 0.0, "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+    }),
+    "glm4_moe-tiny": MappingProxyType({
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": 256,
+        "hidden_size": 96, "intermediate_size": 256, "moe_intermediate_size": 96, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24, "n_routed_experts": 8,
+        "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+        "routed_scaling_factor": 1.0, "norm_topk_prob": True, "first_k_dense_replace": 1,
+        "partial_rotary_factor": 0.5, "rope_theta": 10000.0, "attention_bias": True, "use_qk_norm": False,
+        "hidden_act": "silu", "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "attention_dropout": 0.0,
+        "num_nextn_predict_layers": 0, "tie_word_embeddings": False, "initializer_range": 0.02,
+    }),
+})
+PRESETS = tuple(_PRESETS)
+
+
+def preset(name: str) -> dict[str, Any]:
+    """A fresh copy of preset ``name``'s HF config dict."""
+    if name not in _PRESETS:
+        raise ArchError(f"no preset {name!r}; presets: {', '.join(PRESETS)}")
+    return json.loads(json.dumps(dict(_PRESETS[name])))
+
+
+def load_hf_config(source: str) -> dict[str, Any]:
+    """The HF config dict of ``source``: a preset name, a ``config.json`` file, or a directory
+    holding one (a Hugging Face model directory)."""
+    if source in _PRESETS:
+        return preset(source)
+    path = Path(source).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ArchError(f"{source!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json "
+                        "file or a directory holding one")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ArchError(f"{str(path)!r} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ArchError(f"{str(path)!r} must hold a JSON object")
+    return raw
+
+
+def resolve(source: str, overrides: Mapping[str, Any]) -> tuple[ArchSpec, dict[str, Any]]:
+    """(spec, the HF config in effect) for ``source`` (preset, file or directory; '' = none) with
+    ``overrides`` (HF keys) on top."""
+    hf = load_hf_config(source) if source else {}
+    hf.update(overrides)
+    return ArchSpec.from_hf(hf), hf
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ray_moe.arch SOURCE [--world-sizes 8,16] [--tokens 16384]``: parameters, training
+    state per rank and estimated activations for an HF config (preset, config.json or directory)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m ray_moe.arch", description=main.__doc__)
+    p.add_argument("source", help=f"a preset ({', '.join(PRESETS)}), a config.json or a model directory")
+    p.add_argument("--world-sizes", default="4,8,16", help="comma-separated ranks (GPUs)")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per rank per step")
+    p.add_argument("--clone-slots", type=int, default=0)
+    args = p.parse_args(argv)
+    spec = ArchSpec.from_hf(load_hf_config(args.source))
+    c = spec.param_counts()
+    print(f"{args.source}: {c['total'] / 1e9:.2f}B parameters ({c['replicated'] / 1e9:.2f}B replicated, "
+          f"{c['experts'] / 1e9:.2f}B in {spec.num_experts} experts x {sum(spec.moe_layers)} layers), "
+          f"{spec.active_params_per_token() / 1e9:.2f}B active per token")
+    print("| GPUs | params/rank | state/rank (16 B/param) | activations, none / moe / full "
+          f"({args.tokens} tokens/rank, bf16, estimate) |")
+    print("| --- | --- | --- | --- |")
+    for w in (int(x) for x in args.world_sizes.split(",")):
+        if spec.num_experts % w:
+            continue
+        m = spec.memory_per_rank(w, args.clone_slots)
+        acts = " / ".join(f"{spec.activation_bytes_per_token(mode, w) * args.tokens / 2**30:.1f}"
+                          for mode in ("none", "moe", "full"))
+        print(f"| {w} | {m['params'] / 1e9:.2f}B | {m['state_bytes'] / 2**30:.1f} GiB | {acts} GiB |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

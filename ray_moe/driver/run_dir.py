@@ -1,0 +1,160 @@
+"""The run directory: where a run's results live, and the rule that no run destroys another's.
+
+A run directory holds ``metrics.jsonl``, ``config.yaml``, plots, ``checkpoints/`` and the loggers'
+files. When a Trainer starts, :func:`plan_start` decides from ``train.resume`` and what the
+directory holds:
+
+- ``resume: auto`` (the default) continues from the newest valid checkpoint; a directory that holds
+  an earlier run's results but no valid checkpoint is refused (it would be overwritten);
+- ``resume: true`` must continue: no valid checkpoint is an error naming the files found;
+- ``resume: false`` starts fresh: an empty or new directory only, unless ``train.overwrite: true``,
+  which moves the earlier results into ``archive/<time>/`` first (nothing is deleted).
+
+Every refusal is one :class:`RunDirError` line naming the directory and how to go on. A corrupt
+checkpoint is never used and never deleted; it is named in a warning and the previous valid one
+is used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ray_moe.checkpoint import scan_checkpoints
+from ray_moe.config import ConfigError, TrainConfig
+
+METRICS = "metrics.jsonl"
+ARCHIVE = "archive"
+# What a run writes into its directory (moved aside together by train.overwrite).
+RESULTS = (METRICS, "config.yaml", "checkpoints", "loss.png", "imbalance.png", "expert_load.png",
+           "tensorboard", "wandb")
+
+
+class RunDirError(ConfigError):
+    """The run directory cannot be used as asked; the message says why and how to go on."""
+
+
+def in_ray_job_working_dir() -> bool:
+    """True when this driver runs as a Ray job with a ``working_dir``: its current directory is a
+    temporary copy that Ray deletes, so relative outputs there would be lost."""
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not raw:
+        return False
+    try:
+        return bool(json.loads(raw).get("runtime_env", {}).get("working_dir"))
+    except (ValueError, AttributeError):
+        return False
+
+
+def resolve_run_dir(train: TrainConfig) -> Path:
+    """``train.run_dir`` as an absolute path (under ``train.storage_path`` when relative), created
+    and checked writable. Raises :class:`RunDirError` naming the path and the reason."""
+    path = Path(train.run_dir).expanduser()
+    if not path.is_absolute():
+        if train.storage_path:
+            path = Path(train.storage_path).expanduser() / path
+        elif in_ray_job_working_dir():
+            raise RunDirError(
+                f"train.run_dir={train.run_dir} is relative and this driver runs as a Ray job in a "
+                "temporary copy of the working directory that Ray deletes: give an absolute "
+                "train.run_dir or train.storage_path=DIR (shared storage on a multi-node cluster)")
+    path = path.resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise RunDirError(f"train.run_dir={path} is not a writable directory ({exc.strerror or exc}); "
+                          "choose another train.run_dir or fix its permissions") from None
+    return path
+
+
+@dataclass
+class RunDirState:
+    """What a run directory holds: valid checkpoints (newest first), corrupt ones with the check
+    that failed, the step records in metrics.jsonl, and the other results present."""
+
+    path: Path
+    valid: list[Path] = field(default_factory=list)
+    corrupt: list[tuple[Path, str]] = field(default_factory=list)
+    metric_steps: int = 0
+    results: list[str] = field(default_factory=list)
+
+    @property
+    def has_results(self) -> bool:
+        return bool(self.valid or self.corrupt or self.metric_steps or self.results)
+
+    def describe(self) -> str:
+        parts = []
+        if self.metric_steps:
+            parts.append(f"{METRICS} with {self.metric_steps} step records")
+        if self.valid or self.corrupt:
+            parts.append(f"{len(self.valid)} valid and {len(self.corrupt)} corrupt checkpoint(s)")
+        rest = [r for r in self.results if r not in (METRICS, "checkpoints")]
+        if rest:
+            parts.append(", ".join(rest))
+        return "; ".join(parts) or "nothing"
+
+
+def scan(path: Path) -> RunDirState:
+    valid, corrupt = scan_checkpoints(path)
+    metrics = path / METRICS
+    steps = 0
+    if metrics.is_file():
+        with open(metrics) as f:
+            steps = sum('"loss"' in line for line in f)
+    results = [name for name in RESULTS if (path / name).exists()
+               and not (name == METRICS and steps == 0) and not (name == "checkpoints" and not (valid or corrupt))]
+    return RunDirState(path, valid, corrupt, steps, results)
+
+
+def plan_start(state: RunDirState, resume: str, overwrite: bool) -> Path | None:
+    """The checkpoint to continue from (None: a fresh run). Raises :class:`RunDirError` when the
+    directory cannot be used as asked (see the module docstring)."""
+    where = f"train.run_dir={state.path}"
+    corrupt = "; ".join(f"{p.name}: {why}" for p, why in state.corrupt)
+    if resume in ("auto", "true") and state.valid:
+        return state.valid[0]
+    if resume == "true":
+        if state.corrupt:
+            raise RunDirError(f"{where}: train.resume=true but no checkpoint is valid ({corrupt}); the "
+                              "files are left as they are: repair or remove them, or start a fresh run elsewhere")
+        raise RunDirError(f"{where} holds no checkpoint to resume from (it holds {state.describe()}); "
+                          "use train.resume=auto or false to start a fresh run")
+    if not state.has_results:
+        return None
+    if overwrite:
+        return None
+    how = (f"continue it with train.resume=auto, choose another train.run_dir, or set "
+           f"train.overwrite=true to move it to {ARCHIVE}/ and start afresh")
+    if state.corrupt and not state.valid:
+        raise RunDirError(f"{where} holds an earlier run whose checkpoints are all corrupt ({corrupt}); "
+                          f"nothing was changed: choose another train.run_dir, or set train.overwrite=true "
+                          f"to move it to {ARCHIVE}/ and start afresh")
+    if resume == "auto":
+        raise RunDirError(f"{where} holds an earlier run with no checkpoint to continue from "
+                          f"({state.describe()}); choose another train.run_dir or set train.overwrite=true "
+                          f"to move it to {ARCHIVE}/ and start afresh")
+    raise RunDirError(f"{where} holds an earlier run ({state.describe()}); {how}")
+
+
+def archive_results(path: Path) -> Path | None:
+    """Move an earlier run's results into ``archive/<YYYYmmdd-HHMMSS>/``; returns that directory
+    (None when there was nothing to move). Nothing is deleted."""
+    present = [name for name in RESULTS if (path / name).exists()]
+    if not present:
+        return None
+    dest = path / ARCHIVE / time.strftime("%Y%m%d-%H%M%S")
+    n = 1
+    while dest.exists():
+        dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
+        n += 1
+    dest.mkdir(parents=True)
+    for name in present:
+        shutil.move(str(path / name), str(dest / name))
+    return dest

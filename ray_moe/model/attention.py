@@ -1,0 +1,43 @@
+"""Causal grouped-query attention with RoPE (optionally partial) and optional per-head q/k
+RMSNorm and q/k/v (and o) biases: the attention of Qwen3-MoE, Mixtral and GLM-4.5.
+Replicated (data parallel): each rank attends over its own sequences."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import skip_init
+
+from ray_moe.arch import ArchSpec
+from ray_moe.model.norm import RMSNorm
+from ray_moe.model.rope import apply_rope
+
+
+class Attention(nn.Module):
+    """x [B, L, H] → [B, L, H]; ``num_heads`` query heads share ``num_kv_heads`` key/value heads."""
+
+    def __init__(self, spec: ArchSpec, device: torch.device | str = "cpu"):
+        super().__init__()
+        H, D = spec.hidden_size, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, D
+        self.q_proj = skip_init(nn.Linear, H, spec.num_heads * D, bias=spec.qkv_bias, device=device)
+        self.k_proj = skip_init(nn.Linear, H, spec.num_kv_heads * D, bias=spec.qkv_bias, device=device)
+        self.v_proj = skip_init(nn.Linear, H, spec.num_kv_heads * D, bias=spec.qkv_bias, device=device)
+        self.o_proj = skip_init(nn.Linear, spec.num_heads * D, H, bias=spec.o_bias, device=device)
+        self.q_norm = RMSNorm(D, spec.rms_norm_eps, device) if spec.qk_norm else None
+        self.k_norm = RMSNorm(D, spec.rms_norm_eps, device) if spec.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [B, L, H]; cos/sin: [L, rotary_dim] (:func:`ray_moe.model.rope.rope_tables`)."""
+        B, L, _ = x.shape
+        q = self.q_proj(x).view(B, L, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, L, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, L, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim ** -0.5,
+                                           enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim))

@@ -1,0 +1,174 @@
+"""The decoder of the Hugging Face MoE families (Qwen3-MoE, Mixtral, GLM-4.5 / DeepSeek-V3-style
+blocks), built from an :class:`~ray_moe.arch.ArchSpec`.
+
+Embeddings, attention, norms, dense layers and shared experts are replicated (data parallel);
+every routed-expert FFN is an expert-parallel :class:`~ray_moe.model.moe.MoELayer` (dispatch,
+experts, combine over any transport; clones and re-cloning as for the byte-level model). Module
+names follow transformers' (``layers.3.self_attn.q_proj``, ``layers.3.mlp.shared_experts``) so the
+weight map to HF checkpoints (:mod:`ray_moe.model.hf`) is short; the routed experts of block i
+are ``layers.i.mlp.routed`` (router [H, E] float32, ``w13``/``w2`` by slot, ``score_bias``).
+
+Initial weights (without ``model.init_from``) come from the model's own generator seeded by
+``train.seed``: linear and embedding weights N(0, initializer_range²), biases 0, norms 1; experts
+and routers from the MoE layer's per-expert generators (independent of the world size).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.utils import skip_init
+
+from ray_moe.arch import ArchSpec
+from ray_moe.comm.base import Transport
+from ray_moe.config import Config, torch_dtype
+from ray_moe.model.attention import Attention
+from ray_moe.model.expert_choice import ExpertImplChooser
+from ray_moe.model.mlp import GatedMLP
+from ray_moe.model.moe import MoELayer
+from ray_moe.model.norm import RMSNorm
+from ray_moe.model.recompute import check_mode, checkpointed
+from ray_moe.model.rope import rope_tables
+from ray_moe.model.router import Routing
+
+
+class MoEBlock(nn.Module):
+    """Routed experts (expert parallel) plus, optionally, a shared expert (replicated) that every
+    token passes through: x [T, H] → (routed(x) + shared(x) [T, H], aux loss float32 scalar)."""
+
+    def __init__(self, routed: MoELayer, shared: GatedMLP | None):
+        super().__init__()
+        self.routed = routed
+        self.shared_experts = shared
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y, aux = self.routed(x)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y, aux
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(x)); the FFN is an :class:`MoEBlock` or
+    a dense :class:`GatedMLP`. ``checkpointing``: none | moe (recompute the MoE FFN in backward) |
+    full (recompute the whole block)."""
+
+    def __init__(self, spec: ArchSpec, mlp: nn.Module, checkpointing: str, device: torch.device | str):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device)
+        self.self_attn = Attention(spec, device)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device)
+        self.mlp = mlp
+        self.checkpointing = check_mode(checkpointing)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, L, H] → ([B, L, H], aux loss float32 scalar)."""
+        if self.checkpointing == "full" and torch.is_grad_enabled():
+            return checkpointed(self._forward, x, cos, sin, moe_layers=self._moe())
+        return self._forward(x, cos, sin)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        if self.checkpointing == "moe" and self._moe() and torch.is_grad_enabled():
+            y, aux = checkpointed(self._ffn, x, moe_layers=self._moe())
+        else:
+            y, aux = self._ffn(x)
+        return x + y, aux
+
+    def _ffn(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, L, H = x.shape
+        h = self.post_attention_layernorm(x).reshape(B * L, H)
+        if isinstance(self.mlp, MoEBlock):
+            y, aux = self.mlp(h)
+        else:
+            y, aux = self.mlp(h), h.new_zeros((), dtype=torch.float32)
+        return y.view(B, L, H), aux
+
+    def _moe(self) -> tuple[MoELayer, ...]:
+        return (self.mlp.routed,) if isinstance(self.mlp, MoEBlock) else ()
+
+
+class Decoder(nn.Module):
+    """Decoder-only MoE LM of an HF family; ``forward(idx [B, L]) -> (logits [B, L, V] float32,
+    aux loss)``, ``hidden_states(idx) -> (final-norm hidden [B, L, H], aux)``, ``lm_head``
+    ([V, H]; the embedding's weight when ``tie_word_embeddings``).
+
+    ``init=False`` leaves the weights uninitialised (``model.init_from`` fills them).
+    """
+
+    def __init__(self, spec: ArchSpec, config: Config, transport: Transport,
+                 device: torch.device | str = "cpu", init: bool = True):
+        super().__init__()
+        self.spec = spec
+        m, e = config.model, config.moe
+        dtype = torch_dtype(m.dtype)
+        self.seed = config.train.seed
+        H = spec.hidden_size
+        routing = Routing(scoring=spec.scoring, normalize=spec.norm_topk_prob, n_group=spec.n_group,
+                          topk_group=spec.topk_group, scale=spec.routed_scaling_factor, bias=spec.score_bias)
+        chooser = ExpertImplChooser()  # one per model: layers of one shape share the measurement
+        self.embed_tokens = skip_init(nn.Embedding, spec.vocab_size, H, device=device)
+        layers = []
+        for i in range(spec.num_layers):
+            if spec.moe_layers[i]:
+                routed = MoELayer(
+                    H, spec.num_experts, spec.top_k, spec.expert_hidden, transport, layer_idx=i,
+                    seed=self.seed, dtype=dtype, expert_impl=e.expert_impl, aux_loss_coef=e.aux_loss_coef,
+                    device=device, expert_chooser=chooser, clone_slots=config.balance.clone_slots,
+                    routing=routing, reset=init,
+                )
+                shared = GatedMLP(H, spec.shared_hidden, device) if spec.shared_hidden else None
+                mlp: nn.Module = MoEBlock(routed, shared)
+            else:
+                mlp = GatedMLP(H, spec.dense_hidden, device)
+            layers.append(DecoderLayer(spec, mlp, m.activation_checkpointing, device))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(H, spec.rms_norm_eps, device)
+        self.lm_head = skip_init(nn.Linear, H, spec.vocab_size, bias=False, device=device)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        if init:
+            self.init_weights(torch.Generator().manual_seed(self.seed))
+        for name, p in self.named_parameters():  # experts are built in dtype; routers stay float32
+            if getattr(p, "expert_shard", None) is None and not name.endswith(".router"):
+                p.data = p.data.to(dtype=dtype)
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator) -> None:
+        """Replicated weights from ``generator`` (CPU: the same values on every rank and device) in
+        module order; MoE layers reset from their own per-expert generators."""
+        std = self.spec.init_std
+        for module in self.modules():
+            if isinstance(module, MoELayer):
+                module.reset_parameters()
+            elif isinstance(module, (nn.Embedding, nn.Linear)):
+                module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+    def moe_layers(self) -> list[MoELayer]:
+        return [layer.mlp.routed for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
+
+    def hidden_states(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """idx: int64/int32 [B, L] token ids → (final-norm hidden states [B, L, H] in the model
+        dtype, aux loss float32 scalar)."""
+        if idx.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"token ids must be int64 or int32, got {idx.dtype}")
+        if idx.device.type == "cpu" and idx.numel():  # on GPUs the engine checks ids before the copy
+            lo, hi, V = int(idx.min()), int(idx.max()), self.spec.vocab_size
+            if lo < 0 or hi >= V:
+                raise ValueError(f"token ids must be in [0, {V}) (the HF config's vocab_size), got min {lo}, max {hi}")
+        x = self.embed_tokens(idx)
+        cos, sin = rope_tables(idx.shape[1], self.spec.rotary_dim, self.spec.rope_theta, x.device, x.dtype)
+        aux = x.new_zeros((), dtype=torch.float32)
+        for layer in self.layers:
+            x, a = layer(x, cos, sin)
+            aux = aux + a
+        return self.norm(x), aux
+
+    def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """idx: int64/int32 [B, L] → (logits float32 [B, L, V], aux loss float32 scalar)."""
+        h, aux = self.hidden_states(idx)
+        return self.lm_head(h).float(), aux

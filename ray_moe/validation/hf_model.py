@@ -1,0 +1,229 @@
+"""A model of an HF family on a live group against Hugging Face transformers' own implementation.
+
+The driver builds a tiny random model with transformers (``from_config``, no download), saves it
+(:func:`save_tiny_model`), and computes the reference once (:func:`reference`): logits and the
+gradients of the mean next-token cross-entropy for the routers, every routed expert and the shared
+expert of one MoE layer, a dense layer, one layer's attention and the embedding, converted to
+ray_moe's layouts. Every rank then (:func:`model_parity`) loads the directory through
+``model.init_from`` (its own tensors only), runs its slice of the batch forward and backward over
+the group's transport, reduces gradients as the engine does (clones onto owners, replicated ones
+averaged, experts divided by W), and reports relative errors of its logits and of the gradients
+it holds: first at the native placement, then with clones of other ranks' experts.
+
+transformers is needed on the driver only (the test extra); the ranks run ray_moe alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ray_moe.comm.base import BufferSpec
+from ray_moe.config import Config, element_size
+from ray_moe.model.build import build_model
+from ray_moe.model.decoder import MoEBlock
+from ray_moe.model.hf import DictSource, expert_tensors, replicated_tensor
+from ray_moe.model.loss import lm_loss
+from ray_moe.placement.clones import push_clone_weights, reduce_clone_grads
+from ray_moe.placement.placement import Placement, Replica, expert_shard
+from ray_moe.validation.errors import rel_err
+
+# Tiny configs of each family: 2-3 layers, hidden 32, 8 experts, vocab >= 256 (byte corpora).
+TINY = MappingProxyType({
+    "qwen3_moe": MappingProxyType(dict(model_type="qwen3_moe", vocab_size=272, hidden_size=32, intermediate_size=48,
+                      moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                      norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[0],
+                      max_position_embeddings=128, rope_theta=10000.0)),
+    "mixtral": MappingProxyType(dict(model_type="mixtral", vocab_size=272, hidden_size=32, intermediate_size=16,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                    num_experts_per_tok=2, max_position_embeddings=128, rope_theta=1e6,
+                    sliding_window=None)),
+    "glm4_moe": MappingProxyType(dict(model_type="glm4_moe", vocab_size=272, hidden_size=32, intermediate_size=48,
+                     moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=3,
+                     n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+                     routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True, use_qk_norm=True,
+                     partial_rotary_factor=0.5, max_position_embeddings=128, num_nextn_predict_layers=0)),
+})
+
+
+def save_tiny_model(family: str, path: str | Path, seed: int = 0, **overrides: Any) -> dict[str, Any]:
+    """Build a random transformers model of ``family`` (:data:`TINY` + ``overrides``), save it to
+    ``path`` (safetensors, ``save_pretrained``) and return its config.json as a dict.
+
+    Weights are drawn with a larger spread than transformers' default (std 0.02 makes a tiny model
+    nearly linear and its routing nearly uniform); a sigmoid router gets a random balancing bias."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = {**TINY[family], **overrides}
+    model_type = kw.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, **kw)
+    gen = torch.Generator().manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if p.dim() == 1 else p.shape[-1] ** -0.5))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
+    model.save_pretrained(str(path))
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def probe_names(config: Config) -> dict[str, Any]:
+    """What the comparison covers: replicated ray_moe parameter names, and the MoE layer whose
+    experts (all of them) are compared."""
+    spec, _ = config.model.resolve_hf()
+    moe = next(i for i, m in enumerate(spec.moe_layers) if m)
+    names = ["embed_tokens.weight", f"layers.{moe}.mlp.routed.router"]
+    names += [f"layers.{moe}.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    if spec.qk_norm:
+        names.append(f"layers.{moe}.self_attn.q_norm.weight")
+    if spec.qkv_bias:
+        names.append(f"layers.{moe}.self_attn.q_proj.bias")
+    if spec.shared_hidden:
+        names += [f"layers.{moe}.mlp.shared_experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+    dense = next((i for i, m in enumerate(spec.moe_layers) if not m), None)
+    if dense is not None:
+        names += [f"layers.{dense}.mlp.{p}.weight" for p in ("gate_proj", "down_proj")]
+    return {"replicated": names, "moe_layer": moe}
+
+
+def parity_config(path: str | Path, world_size: int, batch: int, seq_len: int, dtype: str = "float32",
+                  device: str = "cpu", clone_slots: int = 1, expert_impl: str = "auto",
+                  checkpointing: str = "none") -> Config:
+    """The ray_moe config that loads ``path`` for the comparison."""
+    return Config.from_dict({
+        "model": {"init_from": str(path), "seq_len": seq_len, "dtype": dtype,
+                  "activation_checkpointing": checkpointing},
+        "moe": {"aux_loss_coef": 0.0, "expert_impl": expert_impl, "bias_update_rate": 0.0},
+        "parallel": {"world_size": world_size, "device": device},
+        "train": {"batch_size": batch},
+        "balance": {"clone_slots": clone_slots},
+    })
+
+
+def reference(config: Config, ids: torch.Tensor, dtype: torch.dtype = torch.float32, device: str = "cpu",
+              attn_implementation: str = "eager") -> dict[str, torch.Tensor]:
+    """transformers' logits [B, L, V] (float32) and loss gradients in ray_moe layouts (CPU float32)
+    for the model directory ``config.model.init_from`` on ``ids`` [B, L + 1] (inputs ids[:, :-1],
+    targets ids[:, 1:]). Keys: ``logits``, the :func:`probe_names` replicated names, and
+    ``expert.{e}.w13`` / ``expert.{e}.w2`` for every expert of the probed MoE layer."""
+    from transformers import AutoModelForCausalLM
+
+    spec, _ = config.model.resolve_hf()
+    model = AutoModelForCausalLM.from_pretrained(config.model.init_from, dtype=dtype,
+                                                 attn_implementation=attn_implementation).to(device)
+    model.train()
+    x, y = ids[:, :-1].to(device), ids[:, 1:].to(device)
+    logits = model(input_ids=x).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    loss.backward()
+    grads = DictSource({n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None})
+    probes = probe_names(config)
+    out = {"logits": logits.detach().cpu()}
+    for name in probes["replicated"]:
+        out[name] = replicated_tensor(spec, grads, name).clone()
+    for e in range(spec.num_experts):
+        w13, w2 = expert_tensors(spec, grads, probes["moe_layer"], e)
+        out[f"expert.{e}.w13"], out[f"expert.{e}.w2"] = w13.clone(), w2.clone()
+    return out
+
+
+def clone_placement(num_experts: int, world_size: int, clone_slots: int) -> Placement:
+    """Native placement plus, on every rank, clones of the next rank's first experts in its clone
+    slots (its own at W=1), with per-source shares of 1/4, 1/2 or 3/4 for the clone."""
+    n = num_experts // world_size
+    replicas = [[Replica(e // n, e % n)] for e in range(num_experts)]
+    for r in range(world_size):
+        for c in range(min(clone_slots, n)):
+            replicas[((r + 1) % world_size) * n + c].append(Replica(r, n + c))
+    R = max(len(reps) for reps in replicas)
+    shares = torch.zeros(world_size, num_experts, R, dtype=torch.float64)
+    for e, reps in enumerate(replicas):
+        for s in range(world_size):
+            if len(reps) == 1:
+                shares[s, e, 0] = 1.0
+            else:
+                clone = ((s + e) % 3 + 1) / 4
+                shares[s, e, 0] = 1.0 - clone
+                shares[s, e, 1] = clone
+    p = Placement(num_experts, world_size, clone_slots, replicas, shares, version=1)
+    p.validate()
+    return p
+
+
+def model_parity(worker: Any, config: Config, ids: torch.Tensor, expected: dict[str, torch.Tensor],
+                 with_clones: bool = True) -> dict[str, dict[str, float]]:
+    """Run on every rank (``group.execute(model_parity, config, ids, expected)``; at W=1 any object
+    with ``rank_info``, ``transport`` and ``device``): ray_moe's model loaded from
+    ``config.model.init_from`` vs :func:`reference`. Returns {"native": errors, "clones": errors}
+    (relative errors by name for this rank's logits and gradients; also ``source_tensors``, the
+    HF tensor names this rank opened, under ``"opened"``)."""
+    rank, W = worker.rank_info.rank, worker.rank_info.world_size
+    device = torch.device(worker.device)
+    B, L = ids.shape[0], ids.shape[1] - 1
+    if B % W:
+        raise ValueError(f"batch {B} does not split over {W} ranks")
+    spec, _ = config.model.resolve_hf()
+    worker.transport.reserve(BufferSpec(max_tokens=B // W * L, hidden=spec.hidden_size,
+                                        elem_bytes=element_size(config.model.dtype), max_top_k=spec.top_k))
+    model = build_model(config, worker.transport, device)
+    mine = slice(rank * B // W, (rank + 1) * B // W)
+    x, y = ids[mine, :-1].to(device), ids[mine, 1:].to(device)
+    probes = probe_names(config)
+    params = dict(model.named_parameters())
+    results: dict[str, Any] = {"opened": list(model.source_tensors)}
+    placements = [None] + ([clone_placement(spec.num_experts, W, config.balance.clone_slots)]
+                           if with_clones and config.balance.clone_slots else [])
+    for placement in placements:
+        if placement is not None:
+            for layer in model.moe_layers():
+                layer.set_placement(Placement.from_dict(placement.to_dict()))
+                push_clone_weights(layer, layer.placement)
+        model.zero_grad(set_to_none=False)
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        h, _ = model.hidden_states(x)
+        logits = model.lm_head(h).float()
+        lm_loss(h.reshape(-1, h.shape[-1]), model.lm_head.weight, y.reshape(-1)).backward()
+        _reduce_like_engine(model, W)
+        errs = {"logits": rel_err(logits, expected["logits"][mine])}
+        for name in probes["replicated"]:
+            errs[name] = rel_err(params[name].grad, expected[name])
+        layer = _moe_layer(model, probes["moe_layer"])
+        for slot, e in enumerate(layer.native_experts):
+            errs[f"expert.{e}.w13"] = rel_err(layer.w13.grad[slot], expected[f"expert.{e}.w13"])
+            errs[f"expert.{e}.w2"] = rel_err(layer.w2.grad[slot], expected[f"expert.{e}.w2"])
+        results["native" if placement is None else "clones"] = errs
+    return results
+
+
+def _moe_layer(model: torch.nn.Module, index: int):
+    mlp = model.layers[index].mlp
+    assert isinstance(mlp, MoEBlock)
+    return mlp.routed
+
+
+def _reduce_like_engine(model: torch.nn.Module, world_size: int) -> None:
+    """The engine's gradient semantics: clone gradients onto their owners; replicated gradients
+    averaged over ranks; expert gradients (already summed over every rank's tokens) divided by W."""
+    for layer in model.moe_layers():
+        reduce_clone_grads(layer, layer.placement)
+    if world_size == 1:
+        return
+    for p in model.parameters():
+        if expert_shard(p) is None:
+            dist.all_reduce(p.grad)
+        p.grad.div_(world_size)

@@ -1,0 +1,158 @@
+"""Nothing lost, nothing hangs: reruns keep earlier results, corrupt checkpoints are named, all
+corrupt + resume stops with the history intact, SIGTERM checkpoints before stopping, and a run
+that loses workers three times ends with the weights of one that lost none."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ray_moe.driver.run_dir import RunDirError
+from ray_moe.driver.trainer import Trainer, TrainingInterrupted
+from tests.support import small_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [r["step"] for r in _rows(run_dir) if "loss" in r]
+
+
+def test_rerun_keeps_the_earlier_run_and_continues_it(groups, tmp_path):
+    cfg = small_config(tmp_path, **{"train.steps": 3, "train.resume": "auto"})
+    run = Path(cfg.train.run_dir)
+    with Trainer(cfg, progress=False, group=groups(2)) as t:
+        t.train()
+        first_loss = t.summary()["first_loss"]
+    before = (run / "metrics.jsonl").read_text()
+    with pytest.raises(RunDirError, match="holds an earlier run.*train.resume=auto"):
+        Trainer(cfg.with_overrides(["train.resume=false"]), progress=False, group=groups(2))
+    assert (run / "metrics.jsonl").read_text() == before  # refused: nothing touched
+    # The same command again (resume: auto) continues the run to its new end.
+    with Trainer(cfg.with_overrides(["train.steps=5"]), progress=False, group=groups(2)) as t:
+        assert t.step_count == 3
+        t.train()
+        summary = t.summary()
+    assert (run / "metrics.jsonl").read_text().startswith(before)  # appended, not rewritten
+    assert _steps(run) == [1, 2, 3, 4, 5]
+    assert summary["first_loss"] == first_loss  # the whole run, not the part after resuming
+
+
+def _corrupt(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_corrupt_checkpoint_is_named_and_the_previous_one_used(groups, tmp_path, caplog):
+    cfg = small_config(tmp_path, **{"train.steps": 4, "train.checkpoint_interval": 2})
+    run = Path(cfg.train.run_dir)
+    with Trainer(cfg, progress=False, group=groups(2)) as t:
+        t.train()
+    _corrupt(run / "checkpoints" / "step_00000004" / "rank00001.safetensors")
+    with Trainer(cfg.with_overrides(["train.resume=auto", "train.steps=6"]), progress=False,
+                 group=groups(2)) as t:
+        assert t.step_count == 2  # step 4's checkpoint is corrupt: step 2's is used
+        t.train()
+    warned = [r.getMessage() for r in caplog.records if "corrupt checkpoint" in r.getMessage()]
+    assert len(warned) == 1 and "step_00000004/rank00001.safetensors" in warned[0] and "sha256" in warned[0]
+    events = [r for r in _rows(run) if r.get("event") == "corrupt_checkpoint"]
+    assert len(events) == 1 and events[0]["path"].endswith("step_00000004") and "sha256" in events[0]["check"]
+    assert _steps(run) == [1, 2, 3, 4, 5, 6]  # steps 3-4 replayed once, not twice
+    assert (run / "checkpoints" / "step_00000006").is_dir()
+
+
+def test_all_corrupt_with_resume_exits_2_naming_the_files(groups, tmp_path):
+    cfg = small_config(tmp_path, **{"train.steps": 2})
+    run = Path(cfg.train.run_dir)
+    with Trainer(cfg, progress=False, group=groups(2)) as t:
+        t.train()
+    _corrupt(run / "checkpoints" / "step_00000002" / "rank00000.safetensors")
+    history = (run / "metrics.jsonl").read_text()
+    (tmp_path / "cfg.yaml").write_text(cfg.with_overrides(["train.resume=true"]).to_yaml())
+    r = subprocess.run([sys.executable, "-m", "ray_moe.cli", "train", "--config", str(tmp_path / "cfg.yaml")],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and "no checkpoint is valid" in err[0] and "step_00000002" in err[0], err
+    assert (run / "metrics.jsonl").read_text() == history  # nothing restarted, nothing wiped
+
+
+def test_sigterm_checkpoints_then_stops(groups, tmp_path):
+    cfg = small_config(tmp_path, **{"train.steps": 50})
+    run = Path(cfg.train.run_dir)
+    before = signal.getsignal(signal.SIGTERM)
+    with Trainer(cfg, progress=False, group=groups(2)) as t:
+        timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
+        timer.start()
+        with pytest.raises(TrainingInterrupted) as info:
+            t.train()
+        timer.join()
+        stopped = t.step_count
+    assert info.value.signum == signal.SIGTERM and 0 < stopped < 50
+    assert info.value.checkpoint == run / "checkpoints" / f"step_{stopped:08d}"
+    assert [r for r in _rows(run) if r.get("event") == "preempted"][0]["step"] == stopped
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler was put back
+    with Trainer(cfg.with_overrides(["train.resume=auto"]), progress=False, group=groups(2)) as t:
+        assert t.step_count == stopped
+
+
+def _state(worker):
+    return {k: v for k, v in worker.engine.shard_state().items() if not k.startswith("rng.")}
+
+
+def _kill_at(trainer: Trainer, steps: list[int], timeout: float = 180) -> threading.Thread:
+    """Kill one worker (rank alternating) when the run first reaches each of ``steps``."""
+    def run():
+        deadline = time.monotonic() + timeout
+        for i, step in enumerate(steps):
+            while trainer.step_count < step and time.monotonic() < deadline:
+                time.sleep(0.01)
+            group = trainer.group
+            if group is None:
+                continue
+            os.kill(group.ranks[i % group.world_size].pid, signal.SIGKILL)
+            while trainer.step_count >= step and time.monotonic() < deadline:  # wait for the rewind
+                time.sleep(0.01)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th
+
+
+def test_soak_three_worker_kills_end_with_the_uninterrupted_weights(groups, ray_cluster, tmp_path):
+    common = {"train.steps": 9, "train.checkpoint_interval": 2, "train.max_failures": 3}
+    with Trainer(small_config(tmp_path / "calm", **common), progress=False, group=groups(2)) as t:
+        t.train()
+        calm = {}
+        for shard in t.group.execute(_state):
+            calm.update(shard)
+        calm_losses = [m["loss"] for m in t.metrics if "loss" in m]
+    stormy_cfg = small_config(tmp_path / "stormy", **common)
+    with Trainer(stormy_cfg, progress=False) as t:  # its own group: this one gets killed
+        killer = _kill_at(t, [3, 5, 8])
+        t.train()
+        killer.join()
+        stormy = {}
+        for shard in t.group.execute(_state):
+            stormy.update(shard)
+        failures = [m for m in t.metrics if m.get("event") == "failure"]
+        losses = [m["loss"] for m in t.metrics if "loss" in m]
+    assert len(failures) == 3 and {f["cause"] for f in failures} == {"died"}
+    assert losses == calm_losses  # each step once, bit-identical
+    assert set(stormy) == set(calm)
+    for k in calm:
+        assert torch.equal(stormy[k], calm[k]), k

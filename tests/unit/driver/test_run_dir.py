@@ -1,0 +1,109 @@
+"""The run directory rules: nothing an earlier run wrote is lost, every refusal is one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ray_moe.config import TrainConfig
+from ray_moe.driver.run_dir import (
+    RunDirError,
+    archive_results,
+    plan_start,
+    resolve_run_dir,
+    scan,
+)
+
+
+def _checkpoint(run_dir, step, corrupt=False):
+    d = run_dir / "checkpoints" / f"step_{step:08d}"
+    d.mkdir(parents=True)
+    (d / "rank00000.safetensors").write_bytes(b"x" * 8)
+    import hashlib
+
+    sha = hashlib.sha256(b"x" * 8).hexdigest()
+    meta = {"step": step, "files": [{"file": "rank00000.safetensors", "bytes": 8, "sha256": sha}]}
+    (d / "meta.json").write_text(json.dumps(meta))
+    if corrupt:
+        (d / "rank00000.safetensors").write_bytes(b"y" * 8)
+    return d
+
+
+def _metrics(run_dir, steps):
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in steps))
+
+
+def test_an_empty_or_new_directory_starts_fresh(tmp_path):
+    for resume in ("auto", "false"):
+        assert plan_start(scan(tmp_path), resume, overwrite=False) is None
+    with pytest.raises(RunDirError, match="holds no checkpoint to resume from"):
+        plan_start(scan(tmp_path), "true", overwrite=False)
+
+
+def test_an_earlier_run_is_continued_or_refused_never_overwritten(tmp_path):
+    _metrics(tmp_path, [1, 2, 3])
+    good = _checkpoint(tmp_path, 2)
+    assert plan_start(scan(tmp_path), "auto", False) == good
+    assert plan_start(scan(tmp_path), "true", False) == good
+    with pytest.raises(RunDirError) as info:
+        plan_start(scan(tmp_path), "false", False)
+    msg = str(info.value)
+    assert "holds an earlier run" in msg and "3 step records" in msg and "train.resume=auto" in msg
+    assert "train.overwrite=true" in msg and "\n" not in msg
+    assert plan_start(scan(tmp_path), "false", True) is None  # the caller archives first
+
+
+def test_corrupt_checkpoints_are_named_and_skipped(tmp_path):
+    _metrics(tmp_path, [1, 2, 3, 4])
+    good = _checkpoint(tmp_path, 2)
+    bad = _checkpoint(tmp_path, 4, corrupt=True)
+    state = scan(tmp_path)
+    assert state.valid == [good] and [p for p, _ in state.corrupt] == [bad]
+    assert "sha256" in state.corrupt[0][1] and "rank00000.safetensors" in state.corrupt[0][1]
+    assert plan_start(state, "auto", False) == good
+
+
+def test_all_corrupt_and_resume_asked_names_the_files_and_changes_nothing(tmp_path):
+    _metrics(tmp_path, [1, 2])
+    _checkpoint(tmp_path, 2, corrupt=True)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for resume in ("true", "auto"):
+        with pytest.raises(RunDirError, match="step_00000002.*sha256"):
+            plan_start(scan(tmp_path), resume, False)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_metrics_without_a_checkpoint_are_not_overwritten(tmp_path):
+    _metrics(tmp_path, [1])
+    with pytest.raises(RunDirError, match="no checkpoint to continue from"):
+        plan_start(scan(tmp_path), "auto", False)
+
+
+def test_overwrite_moves_results_to_the_archive(tmp_path):
+    _metrics(tmp_path, [1, 2])
+    _checkpoint(tmp_path, 2)
+    (tmp_path / "loss.png").write_bytes(b"png")
+    (tmp_path / "notes.txt").write_text("the user's own file")
+    dest = archive_results(tmp_path)
+    assert dest.parent == tmp_path / "archive"
+    assert (dest / "metrics.jsonl").is_file() and (dest / "checkpoints" / "step_00000002").is_dir()
+    assert (dest / "loss.png").is_file() and (tmp_path / "notes.txt").is_file()
+    assert not scan(tmp_path).has_results
+
+
+def test_run_dir_resolution(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    assert resolve_run_dir(TrainConfig(run_dir="runs/a")) == tmp_path / "runs" / "a"
+    assert resolve_run_dir(TrainConfig(run_dir="a", storage_path=str(tmp_path / "shared"))) == tmp_path / "shared" / "a"
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {"working_dir": "."}}))
+    with pytest.raises(RunDirError, match="relative and this driver runs as a Ray job"):
+        resolve_run_dir(TrainConfig(run_dir="runs/a"))
+    assert resolve_run_dir(TrainConfig(run_dir=str(tmp_path / "abs"))) == tmp_path / "abs"
+
+
+def test_run_dir_that_is_a_file_is_one_line(tmp_path):
+    (tmp_path / "taken").write_text("a file")
+    with pytest.raises(RunDirError, match="train.run_dir=.*taken/run is not a writable directory"):
+        resolve_run_dir(TrainConfig(run_dir=str(tmp_path / "taken" / "run")))

@@ -1,0 +1,128 @@
+"""HF architectures in the config: presets and config.json files resolve to the ray_moe keys they
+set; an unsupported architecture or option is refused with the key and what is supported;
+explicit ray_moe keys that disagree with the HF config are named; parameter counts match a built
+model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ray_moe.arch import PRESETS, ArchSpec, preset
+from ray_moe.config import Config, ConfigError
+
+
+def hf_cfg(name: str = "qwen3_moe-tiny", **extra) -> Config:
+    return Config.from_dict({"model": {"hf_config": name, **extra}, "parallel": {"world_size": 1}})
+
+
+def refuse(raw: dict, *fragments: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Config.from_dict(raw)
+    for frag in fragments:
+        assert frag in str(info.value), f"{frag!r} not in {str(info.value)!r}"
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_presets_resolve_and_round_trip(name):
+    cfg = Config.from_dict({"model": {"hf_config": name}, "parallel": {"world_size": 1}})
+    spec = ArchSpec.from_hf(preset(name))
+    assert cfg.model.arch == spec.family
+    assert (cfg.model.d_model, cfg.model.n_layers, cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.expert_hidden) == (
+        spec.hidden_size, spec.num_layers, spec.num_experts, spec.top_k, spec.expert_hidden)
+    assert Config.from_dict(cfg.to_dict()) == cfg
+
+
+def test_published_sizes():
+    """The presets' parameter counts are the published ones (30.5B/3.3B, 46.7B/12.9B, 106B/12B)."""
+    q = ArchSpec.from_hf(preset("qwen3-30b-a3b")).param_counts()["total"]
+    m = ArchSpec.from_hf(preset("mixtral-8x7b")).param_counts()["total"]
+    g = ArchSpec.from_hf(preset("glm-4.5-air")).param_counts()["total"]
+    assert 30.4e9 < q < 30.6e9 and 46.6e9 < m < 46.8e9 and 106e9 < g < 107e9
+
+
+def test_config_json_file_and_directory(tmp_path):
+    hf = preset("mixtral-tiny")
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    by_dir = Config.from_dict({"model": {"hf_config": str(tmp_path)}, "parallel": {"world_size": 1}})
+    by_file = by_dir.with_overrides([f"model.hf_config={tmp_path / 'config.json'}"])
+    assert by_dir.model.arch == by_file.model.arch == "mixtral" and by_dir.moe.num_experts == 8
+    # the HF keys can be changed from the config (the whole HF config inline works too)
+    two = by_dir.with_overrides(["model.hf.num_local_experts=4"])
+    assert two.moe.num_experts == 4
+    inline = Config.from_dict({"model": {"hf": hf}, "parallel": {"world_size": 1}})
+    assert inline.model.arch == "mixtral" and inline.model.d_model == hf["hidden_size"]
+
+
+@pytest.mark.parametrize("hf,fragments", [
+    ({"model_type": "llama"}, ["model_type='llama'", "qwen3_moe, mixtral, glm4_moe"]),
+    ({"model_type": None, "architectures": ["LlamaForCausalLM"]},
+     ["LlamaForCausalLM", "Qwen3MoeForCausalLM, MixtralForCausalLM, Glm4MoeForCausalLM"]),
+    ({"sliding_window": 4096}, ["sliding_window=4096", "supported: null"]),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["rope_scaling.rope_type='yarn'", "supported: default"]),
+    ({"hidden_act": "gelu"}, ["hidden_act='gelu'", "supported: silu"]),
+    ({"router_jitter_noise": 0.1}, ["router_jitter_noise=0.1", "supported: 0.0"]),
+    ({"num_local_experts": "8"}, ["num_local_experts='8' must be an integer"]),
+])
+def test_unsupported_hf_configs_name_the_key(hf, fragments):
+    refuse({"model": {"hf_config": "mixtral-tiny", "hf": hf}, "parallel": {"world_size": 1}},
+           "model.hf_config='mixtral-tiny'", *fragments)
+
+
+def test_unsupported_options_of_the_other_families():
+    refuse({"model": {"hf_config": "qwen3_moe-tiny", "hf": {"use_sliding_window": True}}},
+           "use_sliding_window=true is not supported; supported: false")
+    refuse({"model": {"hf_config": "glm4_moe-tiny", "hf": {"n_group": 3}}}, "n_group=3", "n_routed_experts=8")
+    refuse({"model": {"hf_config": "glm4_moe-tiny", "hf": {"rope_parameters": {"rope_type": "dynamic"}}}},
+           "rope_parameters.rope_type='dynamic'")
+
+
+def test_sources_and_conflicts_are_named(tmp_path):
+    refuse({"model": {"hf_config": "qwen3-30b"}}, "'qwen3-30b' is neither a preset", "qwen3-30b-a3b")
+    (tmp_path / "config.json").write_text("{not json")
+    refuse({"model": {"hf_config": str(tmp_path)}}, "is not valid JSON")
+    refuse({"model": {"arch": "glm4_moe"}}, "model.arch=glm4_moe needs model.hf_config")
+    refuse({"model": {"arch": "mixtral", "hf_config": "qwen3_moe-tiny"}}, "model.arch=mixtral", "qwen3_moe config")
+    refuse({"model": {"hf_config": "qwen3_moe-tiny", "d_model": 64}, "parallel": {"world_size": 1}},
+           "model.d_model=64", "hidden_size = 96", "model.hf.KEY=VALUE")
+    with pytest.raises(ConfigError, match="moe.top_k=4 but model.arch=qwen3_moe"):
+        hf_cfg().with_overrides(["moe.top_k=4"])
+    with pytest.raises(ConfigError, match="model.activation_checkpointing='some'"):
+        hf_cfg().with_overrides(["model.activation_checkpointing=some"])
+    refuse({"model": {"hf_config": "qwen3_moe-tiny"}, "moe": {"bias_update_rate": -1}}, "moe.bias_update_rate=-1")
+    # the ray_moe world-size checks see the HF config's experts
+    refuse({"model": {"hf_config": "mixtral-tiny"}, "parallel": {"world_size": 3}}, "moe.num_experts=8", "world_size=3")
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe-tiny", "mixtral-tiny", "glm4_moe-tiny"])
+def test_param_counts_match_a_built_model(name):
+    from ray_moe.comm.local import LocalTransport
+    from ray_moe.model.build import build_model
+
+    cfg = hf_cfg(name)
+    model = build_model(cfg, LocalTransport())
+    counts = ArchSpec.from_hf(preset(name)).param_counts()
+    assert sum(p.numel() for p in model.parameters()) == counts["total"]
+
+
+def test_memory_plan_of_the_readme():
+    """The README's real-size table comes from these numbers (16 B per parameter)."""
+    q = ArchSpec.from_hf(preset("qwen3-30b-a3b"))
+    assert round(q.memory_per_rank(8)["state_bytes"] / 2**30, 1) == 77.0
+    assert round(q.memory_per_rank(16)["state_bytes"] / 2**30, 1) == 50.0
+    m = ArchSpec.from_hf(preset("mixtral-8x7b"))
+    assert round(m.memory_per_rank(8)["state_bytes"] / 2**30, 1) == 107.9
+    assert q.activation_bytes_per_token("full", 8) < q.activation_bytes_per_token("moe", 8) \
+        < q.activation_bytes_per_token("none", 8)
+
+
+def test_checkpoint_compatibility_names_the_architecture(tmp_path):
+    from ray_moe.checkpoint import check_compatible
+
+    byte = Config.from_dict({"parallel": {"world_size": 1}})
+    old = byte.to_dict()
+    del old["model"]["arch"]  # a checkpoint written before model.arch existed: the byte model
+    check_compatible({"config": old}, byte, tmp_path)
+    with pytest.raises(ConfigError, match="model.arch=qwen3_moe but checkpoint"):
+        check_compatible({"config": old}, hf_cfg(), tmp_path)
