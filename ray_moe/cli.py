@@ -2,7 +2,7 @@
 
     ray-moe train --config jobs/tiny.yaml [--address ADDR] [section.key=value ...]
     ray-moe export CHECKPOINT --format hf --out DIR  (a checkpoint or run directory → an HF model directory)
-    ray-moe bench comm|layer|balance [options]     (see ``ray-moe bench NAME --help``)
+    ray-moe bench comm|layer|balance|precision [options]     (see ``ray-moe bench NAME --help``)
     ray-moe smoke --address ADDR                    (validate a cluster before a run)
 
 Exit code 0 on success; on failure a one-line reason on stderr and a non-zero code.
@@ -15,7 +15,7 @@ import importlib
 import logging
 import sys
 
-BENCHES = ("comm", "layer", "balance")
+BENCHES = ("comm", "layer", "balance", "precision")
 
 
 def _train(args: argparse.Namespace) -> int:

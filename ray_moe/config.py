@@ -204,6 +204,14 @@ class TrainConfig:
     health_check_interval_s: float = 10.0
     nonfinite: str = "skip"  # skip | stop
     plots: bool = True
+    # precision, optimizer and loss (worker/optim.py, model/loss.py)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    master_weights: bool = True  # fp32 masters + fp32 AdamW state; false: update compute-dtype params
+    optimizer_impl: str = "auto"  # auto (fused on CUDA, foreach elsewhere) | fused | foreach | for_loop
+    loss_impl: str = "auto"  # auto (liger on CUDA when it imports, else chunked) | chunked | liger
+    loss_chunk: int = 0  # rows per chunk of the chunked LM loss; 0 = automatic
 
     def check(self) -> None:
         _positive("train.steps", self.steps, allow_zero=True)
@@ -227,6 +235,14 @@ class TrainConfig:
         _choice("train.progress", self.progress, ("auto", "bar", "lines", "off"))
         for logger in self.loggers:
             _choice("train.loggers", logger, LOGGERS)
+        for key in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ConfigError(f"train.{key}={getattr(self, key)} must be in [0, 1)")
+        if not self.eps > 0:
+            raise ConfigError(f"train.eps={self.eps} must be > 0")
+        _choice("train.optimizer_impl", self.optimizer_impl, ("auto", "fused", "foreach", "for_loop"))
+        _choice("train.loss_impl", self.loss_impl, ("auto", "chunked", "liger"))
+        _positive("train.loss_chunk", self.loss_chunk, allow_zero=True)
 
 
 @dataclass

@@ -64,12 +64,16 @@ def _exchange(
 
 
 @torch.no_grad()
-def reduce_clone_grads(layer, placement: Placement) -> None:
-    """Add every clone slot's gradient onto its owner's native slot, then zero the clone's."""
+def reduce_clone_grads(layer, placement: Placement, grads: list[torch.Tensor] | None = None) -> None:
+    """Add every clone slot's gradient onto its owner's native slot, then zero the clone's.
+
+    ``grads``: the gradients to reduce, shaped like ``[layer.w13, layer.w2]`` (default their
+    ``.grad``; the engine passes its float32 master gradients).
+    """
     if not placement.clones():
         return
     rank, n = layer.rank, placement.experts_per_rank
-    grads = [layer.w13.grad, layer.w2.grad]
+    grads = [layer.w13.grad, layer.w2.grad] if grads is None else grads
     if any(g is None for g in grads):
         raise RuntimeError("reduce_clone_grads needs gradients: run backward first")
     received = _exchange(grads, placement, rank, to_owner=True)

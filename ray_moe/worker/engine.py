@@ -7,6 +7,10 @@ expert-parallel training is compared with.
 Loss scaling: each rank's loss is the mean over its tokens and the global loss is the mean of
 the ranks' losses, so replicated gradients are all-reduced with an average, while an expert's
 gradient (already summed over every rank's tokens by combine's backward) is divided by W.
+
+Precision: parameters in ``model.dtype``; float32 master weights, gradients and AdamW state in
+:class:`~ray_moe.worker.optim.MixedPrecisionAdamW`, which is where the gradients are reduced
+across ranks (in float32) and where checkpoints read and write weights.
 """
 
 from __future__ import annotations
@@ -24,11 +28,12 @@ from ray_moe.comm.base import BufferSpec, Transport
 from ray_moe.config import Config, element_size
 from ray_moe.device import synchronize
 from ray_moe.model.build import build_model, persistent_buffers
-from ray_moe.model.loss import lm_loss
+from ray_moe.model.loss import lm_loss, resolve_loss_impl
 from ray_moe.placement.clones import push_clone_weights, reduce_clone_grads
 from ray_moe.placement.placement import Placement, expert_shard
 from ray_moe.topology import RankInfo
 from ray_moe.worker.data import Corpus
+from ray_moe.worker.optim import MixedPrecisionAdamW
 
 
 def buffer_spec(config: Config, world_size: int) -> BufferSpec:
@@ -80,10 +85,11 @@ class Engine:
         self.sharded = [p for p in self.model.parameters() if expert_shard(p) is not None]
         self.replicated = [p for p in self.model.parameters() if expert_shard(p) is None]
         t = config.train
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95),
-            foreach=False,
+        self.optimizer = MixedPrecisionAdamW(
+            self.model, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay,
+            impl=t.optimizer_impl, master_weights=t.master_weights,
         )
+        self.loss_impl = resolve_loss_impl(t.loss_impl, device)
         self.transport.timer.enabled = True  # communication time in the step breakdown
         self.step = 0  # steps taken (skipped ones included) == the data position
         self.opt_steps = 0  # optimizer updates applied (Adam's bias-correction counter)
@@ -127,7 +133,8 @@ class Engine:
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x, y: int64 [B, L] inputs and next-token targets → (mean cross-entropy, aux loss)."""
         h, aux = self.model.hidden_states(x)
-        ce = lm_loss(h.reshape(-1, h.shape[-1]), self.model.lm_head.weight, y.reshape(-1))
+        ce = lm_loss(h.reshape(-1, h.shape[-1]), self.model.lm_head.weight, y.reshape(-1),
+                     impl=self.loss_impl, chunk=self.config.train.loss_chunk)
         return ce, aux
 
     # ------------------------------------------------------------------ training
@@ -146,29 +153,25 @@ class Engine:
         loss = ce + aux
         synchronize(self.device)
         t1 = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=False)
+        self.optimizer.zero_grad()
         loss.backward()
         synchronize(self.device)
         t2 = time.perf_counter()
         grad_norm = self.sync_grads()
         finite = math.isfinite(grad_norm) and math.isfinite(self._all_max(ce.detach().float()))
+        t_sync = time.perf_counter()  # the norm and the loss were read on the host: the device is idle
         lr = self.lr_at(self.step)
         skipped = False
         if finite:
             clip = self.config.train.grad_clip
-            if clip > 0 and grad_norm > clip:
-                for p in self.model.parameters():
-                    p.grad.mul_(clip / (grad_norm + 1e-6))
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
+            self.optimizer.step(lr, clip / (grad_norm + 1e-6) if clip > 0 and grad_norm > clip else 1.0)
             self.opt_steps += 1
             self.push_clones()
             self.update_routing_bias()
-        else:
+        else:  # weights and optimizer state untouched
             skipped = True
             self.skipped += 1
-            self.optimizer.zero_grad(set_to_none=False)
+            self.optimizer.drop_grads()
         self.step += 1
         synchronize(self.device)
         self.transport.check()  # device-side timeouts become an error naming the cause
@@ -178,6 +181,7 @@ class Engine:
             "tokens": x.numel(), "grad_norm": grad_norm, "lr": lr, "skipped": skipped,
             "nonfinite": not finite, "load": self.expert_load(),
             "time": {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2,
+                     "grad_sync": t_sync - t2, "update": t3 - t_sync,
                      "step": t3 - t0, "comm": self.transport.timer.pop()},
         }
 
@@ -192,26 +196,29 @@ class Engine:
         return float(v)
 
     def sync_grads(self) -> float:
-        """Reduce gradients across ranks; return the global gradient norm (inf if non-finite)."""
+        """Reduce gradients across ranks into the optimizer's (float32) master gradients; return
+        the global gradient norm (inf if non-finite)."""
+        opt = self.optimizer
+        opt.gather_grads()
         for layer in self.model.moe_layers():
-            reduce_clone_grads(layer, layer.placement)
+            reduce_clone_grads(layer, layer.placement, grads=[opt.grad(layer.w13), opt.grad(layer.w2)])
+        replicated = [opt.grad(p) for p in self.replicated]
+        sharded = [opt.grad(p) for p in self.sharded]
         if self.distributed:
-            flat = torch.cat([p.grad.reshape(-1).float() for p in self.replicated])
+            flat = torch.cat([g.reshape(-1).float() for g in replicated])
             dist.all_reduce(flat)
             flat /= self.world_size
             offset = 0
-            for p in self.replicated:
-                n = p.numel()
-                p.grad.copy_(flat[offset: offset + n].view_as(p.grad))
+            for g in replicated:
+                n = g.numel()
+                g.copy_(flat[offset: offset + n].view_as(g))
                 offset += n
-            for p in self.sharded:
-                p.grad.div_(self.world_size)
-        rep_sq = sum(p.grad.float().pow(2).sum() for p in self.replicated)
-        exp_sq = sum(p.grad.float().pow(2).sum() for p in self.sharded)
-        exp_sq = torch.as_tensor(exp_sq, device=self.device, dtype=torch.float32)
+            if sharded:
+                torch._foreach_div_(sharded, self.world_size)
+        exp_sq = _sum_of_squares(sharded, self.device)
         if self.distributed:
             dist.all_reduce(exp_sq)
-        total = float(rep_sq + exp_sq)
+        total = float(_sum_of_squares(replicated, self.device) + exp_sq)
         return math.sqrt(total) if math.isfinite(total) else math.inf
 
     def update_routing_bias(self) -> None:
@@ -316,16 +323,27 @@ class Engine:
 
     # ------------------------------------------------------------------ checkpoints
     def shard_state(self) -> dict[str, torch.Tensor]:
-        """This rank's part of a checkpoint (schema: :mod:`ray_moe.checkpoint`)."""
-        return checkpoint.shard_state(self.model.named_parameters(), self.optimizer.state, self.rank, self.device,
+        """This rank's part of a checkpoint (schema: :mod:`ray_moe.checkpoint`): the float32 master
+        weights under the parameters' names, their AdamW state, and the persistent buffers."""
+        return checkpoint.shard_state(self.optimizer.named_masters(), self.optimizer.state, self.rank, self.device,
                                       named_buffers=persistent_buffers(self.model))
 
     def load_state(self, tensors: dict[str, torch.Tensor], step: int, opt_steps: int) -> None:
         """Load a full checkpoint (all ranks' tensors merged) into this rank's shard; every layer
-        goes back to its native placement (checkpoints hold native experts only)."""
+        goes back to its native placement (checkpoints hold native experts only). Fills the master
+        weights (a checkpoint of compute-dtype weights is upcast) and refreshes the parameters."""
         for layer in self.model.moe_layers():
             layer.set_placement(Placement.native(layer.num_experts, self.world_size, layer.placement.clone_slots))
-        checkpoint.load_shard_state(self.model.named_parameters(), self.optimizer.state, tensors, opt_steps,
+        checkpoint.load_shard_state(self.optimizer.named_masters(), self.optimizer.state, tensors, opt_steps,
                                     self.rank, self.device, named_buffers=persistent_buffers(self.model))
+        self.optimizer.loaded()
         self.step, self.opt_steps = step, opt_steps
         self.push_clones()
+
+
+def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Σ‖t‖² over ``tensors`` as a float32 scalar on ``device`` (one foreach norm; 0 for none)."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    return torch.stack(norms).square().sum()

@@ -58,11 +58,14 @@ def _plan_fields(event):
     return {k: event[k] for k in ("step", "layers_changed", "imbalance_before", "imbalance_after", "versions")}
 
 
-def test_resume_with_recloning_continues_exactly(groups, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_resume_with_recloning_continues_exactly(groups, tmp_path, dtype):
     """Stopped at step 5 (between two re-plans, loads pending in the window) and resumed by a new
-    Trainer: the next steps' losses, the re-plans and the final weights are bit-identical."""
+    Trainer: the next steps' losses, the re-plans and the final weights are bit-identical (bf16:
+    the checkpoint holds the float32 masters, from which the bf16 parameters are rebuilt)."""
     common = {"moe.num_experts": 4, "train.steps": 9, "balance.enabled": True, "balance.interval": 2,
-              "balance.clone_slots": 1, "balance.ema": 0.5, "parallel.placement_strategy": "SPREAD"}
+              "balance.clone_slots": 1, "balance.ema": 0.5, "parallel.placement_strategy": "SPREAD",
+              "model.dtype": dtype}
     group = groups(2, "STRICT_SPREAD")
     whole = small_config(tmp_path / "whole", **common)
     with Trainer(whole, progress=False, group=group) as t:

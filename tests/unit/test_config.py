@@ -523,3 +523,20 @@ def test_job_files_load(path):
     cfg = Config.from_yaml(path)
     cfg.validate()
     assert Config.from_dict(cfg.to_dict()) == cfg
+
+
+# ------------------------------------------------------------- precision, optimizer, loss
+@pytest.mark.parametrize("key,value,fragment", [
+    ("train.beta1", 1.0, "[0, 1)"), ("train.beta2", -0.1, "[0, 1)"), ("train.eps", 0.0, "> 0"),
+    ("train.eps", math.nan, "> 0"), ("train.loss_chunk", -1, ">= 0"),
+    ("train.optimizer_impl", "adam", "auto, fused, foreach, for_loop"),
+    ("train.loss_impl", "full", "auto, chunked, liger"),
+])
+def test_precision_keys_rejected(key, value, fragment):
+    reject({key: value}, f"{key}=", fragment)
+
+
+def test_precision_keys_accepted():
+    cfg = build({"train.beta1": 0.0, "train.beta2": 0.999, "train.eps": 1e-6, "train.loss_chunk": 0,
+                 "train.optimizer_impl": "for_loop", "train.loss_impl": "liger", "train.master_weights": False})
+    assert (cfg.train.beta2, cfg.train.optimizer_impl, cfg.train.master_weights) == (0.999, "for_loop", False)

@@ -1,0 +1,128 @@
+"""MixedPrecisionAdamW against torch's AdamW (the oracle) on masters, weight-decay groups, masters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ray_moe.placement.placement import ExpertShard, expert_shard
+from ray_moe.worker.optim import MixedPrecisionAdamW, no_weight_decay
+
+HYPER = dict(lr=3e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+class Tiny(nn.Module):
+    """Every kind of tensor the decay rule must sort: embedding, bare positional table, norm,
+    biased linear, an expert-sharded 3-D weight, and an LM head tied to the embedding."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.tok_emb = nn.Embedding(11, 6)
+        self.pos_emb = nn.Parameter(torch.randn(5, 6, generator=g))
+        self.norm = nn.RMSNorm(6)
+        self.proj = nn.Linear(6, 6, bias=True)
+        self.experts = nn.Parameter(torch.randn(2, 6, 4, generator=g))
+        self.experts.expert_shard = ExpertShard((2, 3))
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.tok_emb.weight
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        self.to(dtype)
+
+
+def _set_grads(model: nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+def _reference(model: nn.Module) -> tuple[list[torch.Tensor], torch.optim.AdamW]:
+    """float32 copies of the parameters and torch's one-tensor-at-a-time AdamW over them, with the
+    decay groups written out by hand."""
+    exempt = {"tok_emb.weight", "pos_emb", "norm.weight", "proj.bias"}
+    copies = [p.detach().float().clone() for p in model.parameters()]
+    names = [n for n, _ in model.named_parameters()]
+    groups = [{"params": [c for n, c in zip(names, copies, strict=True) if n not in exempt]},
+              {"params": [c for n, c in zip(names, copies, strict=True) if n in exempt], "weight_decay": 0.0}]
+    return copies, torch.optim.AdamW(groups, foreach=False, **HYPER)
+
+
+def test_no_weight_decay_by_rank_module_type_and_name():
+    assert no_weight_decay(Tiny()) == {"tok_emb.weight", "pos_emb", "norm.weight", "proj.bias"}
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach", "for_loop"])
+def test_fp32_step_equals_torch_adamw_and_masters_are_the_parameters(impl):
+    model = Tiny()
+    opt = MixedPrecisionAdamW(model, impl=impl, **HYPER)
+    assert all(m is p for m, p in zip(opt.masters, model.parameters(), strict=True))
+    copies, ref = _reference(model)
+    for step, clip in enumerate((1.0, 0.25, 1.0)):
+        _set_grads(model, step)
+        opt.gather_grads()
+        for c, p in zip(copies, model.parameters(), strict=True):
+            c.grad = p.grad.clone() * clip
+        opt.step(lr=HYPER["lr"] / (step + 1), clip_coef=clip)
+        for group in ref.param_groups:
+            group["lr"] = HYPER["lr"] / (step + 1)
+        ref.step()
+    for (name, p), c in zip(model.named_parameters(), copies, strict=True):
+        torch.testing.assert_close(p, c, rtol=1e-6, atol=1e-6, msg=name)
+        torch.testing.assert_close(opt.state[p]["exp_avg_sq"], ref.state[c]["exp_avg_sq"], rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+def test_bf16_masters_follow_fp32_adamw_and_round_into_the_parameters(impl):
+    model = Tiny(torch.bfloat16)
+    opt = MixedPrecisionAdamW(model, impl=impl, **HYPER)
+    copies, ref = _reference(model)
+    for m, p in zip(opt.masters, model.parameters(), strict=True):
+        assert m is not p and m.dtype == torch.float32 and torch.equal(m, p.float())
+    assert expert_shard(opt.master(model.experts)) == ExpertShard((2, 3))
+    for step, clip in enumerate((1.0, 0.25, 0.5)):  # Adam is nearly invariant to a constant scale
+        _set_grads(model, step)
+        for c, p in zip(copies, model.parameters(), strict=True):
+            c.grad = p.grad.float() * clip
+        opt.gather_grads()
+        assert all(p.grad is None for p in model.parameters())  # bf16 gradients freed once copied
+        opt.step(lr=HYPER["lr"], clip_coef=clip)
+        assert all(m.grad is None for m in opt.masters)  # and the float32 ones after the update
+        ref.step()
+    for (name, p), m, c in zip(model.named_parameters(), opt.masters, copies, strict=True):
+        assert p.dtype == torch.bfloat16 and opt.state[m]["exp_avg"].dtype == torch.float32
+        torch.testing.assert_close(m, c, rtol=1e-6, atol=1e-6, msg=name)
+        assert torch.equal(p, m.to(torch.bfloat16)), name
+        assert not torch.equal(m, p.float()), name  # the masters keep what bf16 cannot hold
+
+
+def test_small_updates_survive_in_masters_and_are_lost_in_pure_bf16():
+    """An update of 1e-4 on weights near 1 is below half a bf16 ulp (2^-8): pure bf16 AdamW drops
+    it every step; the masters accumulate it and the parameters move once it adds up."""
+    moved = {}
+    for master_weights in (True, False):
+        model = nn.Linear(8, 8, bias=False).to(torch.bfloat16)
+        with torch.no_grad():
+            model.weight.fill_(1.0)
+        opt = MixedPrecisionAdamW(model, lr=1e-4, weight_decay=0.0, impl="foreach", master_weights=master_weights)
+        for _ in range(50):
+            model.weight.grad = torch.ones_like(model.weight)
+            opt.gather_grads()
+            opt.step(lr=1e-4)
+        moved[master_weights] = float(1.0 - model.weight.detach().float().mean())
+    assert moved[False] == 0.0
+    assert 0.003 < moved[True] < 0.006  # ≈ 50 · 1e-4, rounded to bf16 steps of 2^-8
+
+
+def test_gather_grads_fills_missing_gradients_with_zeros():
+    model = Tiny(torch.bfloat16)
+    opt = MixedPrecisionAdamW(model, **HYPER)
+    opt.gather_grads()
+    assert all(torch.count_nonzero(opt.grad(p)) == 0 for p in model.parameters())
+
+
+def test_unknown_impl_is_named():
+    with pytest.raises(ValueError, match="train.optimizer_impl='adam'"):
+        MixedPrecisionAdamW(Tiny(), impl="adam", **HYPER)
