@@ -18,6 +18,7 @@ import json
 import platform
 import sys
 from dataclasses import asdict, dataclass
+from types import MappingProxyType
 from typing import Any, Callable
 
 import torch
@@ -468,7 +469,7 @@ def sonic_import_error() -> str | None:
     return None
 
 
-SONIC_PRECOMPILE_ENV = {"QUACK_ARCH": "90", "CUTE_DSL_ARCH": "sm_90a"}
+SONIC_PRECOMPILE_ENV = MappingProxyType({"QUACK_ARCH": "90", "CUTE_DSL_ARCH": "sm_90a"})
 
 
 def sonic_precompile(shape: LayerShape, cache_dir: str, limit: int | None = None) -> dict[str, dict[str, int]]:
