@@ -109,7 +109,10 @@ class ExpertImplChooser:
             return hit
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return DEFAULT
-        timings = self._measure(x, slot, weight, w13, w2, needs_grad)
+        # The candidates' own forward+backward must not use the saved-tensor hooks of an enclosing
+        # activation-checkpointed block: its nested backward would replay the block.
+        with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+            timings = self._measure(x, slot, weight, w13, w2, needs_grad)
         ok = {n: t for n, t in timings.items() if isinstance(t, float)}
         best = min(ok, key=ok.get) if ok else DEFAULT.name
         choice = next(c for c in self.candidates if c.name == best) if ok else DEFAULT
@@ -145,3 +148,9 @@ class ExpertImplChooser:
                 if x.is_cuda:
                     torch.cuda.empty_cache()
         return out
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    """An identity saved-tensor hook: save and restore tensors as autograd would without hooks."""
+    return t
+

@@ -95,3 +95,28 @@ def test_candidate_names_and_quack_only_on_request_where_installed(monkeypatch):
     assert ec.candidates_with_quack() == ec.CANDIDATES
     monkeypatch.setattr(quack_wgrad, "quack_available", lambda: True)
     assert ec.candidates_with_quack() == ec.CANDIDATES + (ec.QUACK_WGRAD,)
+
+
+def test_chooser_measures_inside_an_activation_checkpointed_block():
+    """The first forward of a checkpointed block measures (a nested forward+backward); its saved
+    tensors must not go through the checkpoint's hooks, or the nested backward replays the block
+    (seen on the GPU: the replay's context manager entered twice)."""
+    from ray_moe.model.experts import expert_ffn
+    from ray_moe.model.recompute import checkpointed
+
+    x, slot, weight, w13, w2 = _case()
+    leaves = [t.clone().requires_grad_() for t in (x, weight, w13, w2)]
+    timer = FakeTimer({"triton": 3.0, "triton+mm_wgrad": 2.0, "grouped_mm": 1.0})
+    chooser = ExpertImplChooser(candidates=(ExpertChoice("grouped_mm"),), timer=timer)
+
+    def block(x, weight, w13, w2):
+        choice = chooser.choose(x, slot, weight, w13, w2, needs_grad=True)
+        return expert_ffn(x, slot, weight, w13, w2, impl="loop" if choice.impl == "grouped_mm" else choice.impl)
+
+    out = checkpointed(block, *leaves)
+    out.square().sum().backward()
+    assert timer.calls == ["grouped_mm"]  # measured once, in the first forward, not in the replay
+    ref = [t.clone().requires_grad_() for t in (x, weight, w13, w2)]
+    expert_ffn(ref[0], slot, ref[1], ref[2], ref[3], impl="loop").square().sum().backward()
+    for a, b in zip(leaves, ref):
+        torch.testing.assert_close(a.grad, b.grad)
