@@ -209,7 +209,7 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     master_weights: bool = True  # fp32 masters + fp32 AdamW state; false: update compute-dtype params
-    optimizer_impl: str = "auto"  # auto (fused on CUDA, foreach elsewhere) | fused | foreach | for_loop
+    optimizer_impl: str = "auto"  # auto (onepass on CUDA, foreach elsewhere) | onepass | fused | foreach | for_loop
     loss_impl: str = "auto"  # auto (liger on CUDA when it imports, else chunked) | chunked | liger
     loss_chunk: int = 0  # rows per chunk of the chunked LM loss; 0 = automatic
 
@@ -240,7 +240,7 @@ class TrainConfig:
                 raise ConfigError(f"train.{key}={getattr(self, key)} must be in [0, 1)")
         if not self.eps > 0:
             raise ConfigError(f"train.eps={self.eps} must be > 0")
-        _choice("train.optimizer_impl", self.optimizer_impl, ("auto", "fused", "foreach", "for_loop"))
+        _choice("train.optimizer_impl", self.optimizer_impl, ("auto", "onepass", "fused", "foreach", "for_loop"))
         _choice("train.loss_impl", self.loss_impl, ("auto", "chunked", "liger"))
         _positive("train.loss_chunk", self.loss_chunk, allow_zero=True)
 

@@ -43,7 +43,7 @@ from torch import nn
 
 from ray_moe.placement.placement import expert_shard
 
-OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for_loop")
+OPTIMIZER_IMPLS = ("auto", "onepass", "fused", "foreach", "for_loop")
 
 
 def no_weight_decay(model: nn.Module) -> frozenset[str]:
@@ -60,8 +60,17 @@ def _resolve_impl(impl: str, tensors: Iterable[torch.Tensor]) -> str:
     if impl not in OPTIMIZER_IMPLS:
         raise ValueError(f"train.optimizer_impl={impl!r} is not allowed; choose one of {', '.join(OPTIMIZER_IMPLS)}")
     if impl == "auto":
-        return "fused" if all(t.is_cuda for t in tensors) else "foreach"
+        return "onepass" if all(t.is_cuda for t in tensors) else "foreach"
     return impl
+
+
+def _one_pass_eligible(p: torch.Tensor, master: torch.Tensor) -> bool:
+    """Expert weights with a separate float32 master and no clone slots: their gradient is summed on
+    the expert's rank by the weight-gradient GEMM (float32 accumulation) and never reduced again,
+    so the one-pass kernel can read it in the compute dtype. Layers with clone slots keep the
+    float32 path (clone gradients are added onto the owners in float32)."""
+    shard = expert_shard(p)
+    return master is not p and shard is not None and p.shape[0] == len(shard.native_experts)
 
 
 class MixedPrecisionAdamW:
@@ -71,7 +80,9 @@ class MixedPrecisionAdamW:
         model: the model; its parameters (any dtype) are the compute parameters.
         lr, betas, eps, weight_decay: AdamW's hyper-parameters (decoupled weight decay, applied
             to the parameters :func:`no_weight_decay` does not name).
-        impl: ``auto`` (torch's fused kernel when every parameter is on CUDA, else foreach),
+        impl: ``auto`` (``onepass`` when every parameter is on CUDA, else foreach), ``onepass``
+            (expert weights through :func:`ray_moe.worker.adamw_kernel.adamw_step`: their bf16
+            gradients read once, no float32 copy; the rest through torch's fused kernel),
             ``fused``, ``foreach`` or ``for_loop`` (one tensor at a time).
         master_weights: False updates the compute parameters directly (pure bf16 AdamW when
             ``model.dtype`` is bfloat16: updates smaller than half a bf16 ulp are lost). For
@@ -101,14 +112,22 @@ class MixedPrecisionAdamW:
         self._copies = tuple((p, m) for p, m in zip(self.params, self.masters, strict=True) if m is not p)
         self.impl = _resolve_impl(impl, self.masters)
         exempt = no_weight_decay(model)
+        self.betas, self.eps = betas, eps
+        # (parameter, master, weight decay) updated by the one-pass kernel; the rest by torch's AdamW
+        self._one_pass = tuple(
+            (p, m, 0.0 if n in exempt else weight_decay)
+            for n, p, m in zip(self.names, self.params, self.masters, strict=True)
+            if self.impl == "onepass" and _one_pass_eligible(p, m))
+        one_pass = {id(m) for _, m, _ in self._one_pass}
+        rest = [(n, m) for n, m in zip(self.names, self.masters, strict=True) if id(m) not in one_pass]
         groups = [
-            {"params": [m for n, m in zip(self.names, self.masters, strict=True) if n not in exempt],
-             "weight_decay": weight_decay},
-            {"params": [m for n, m in zip(self.names, self.masters, strict=True) if n in exempt],
-             "weight_decay": 0.0},
+            {"params": [m for n, m in rest if n not in exempt], "weight_decay": weight_decay},
+            {"params": [m for n, m in rest if n in exempt], "weight_decay": 0.0},
         ]
-        kind = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}[self.impl]
-        self.inner = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps, **kind)
+        inner = "fused" if self.impl == "onepass" else self.impl
+        kind = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}[inner]
+        self.inner = torch.optim.AdamW([g for g in groups if g["params"]] or [{"params": []}], lr=lr,
+                                       betas=betas, eps=eps, **kind)
 
     # ------------------------------------------------------------------ access
     @property
@@ -125,9 +144,15 @@ class MixedPrecisionAdamW:
         return self.masters[self._index[id(param)]]
 
     def grad(self, param: torch.Tensor) -> torch.Tensor:
-        """The master gradient of ``param`` (float32 with masters), from :meth:`gather_grads` until
-        the update."""
+        """The gradient the update will read for ``param``, from :meth:`gather_grads` until the
+        update: the float32 master gradient, or, for a one-pass parameter, its own (compute-dtype)
+        gradient."""
+        if self._is_one_pass(param):
+            return param.grad
         return self.master(param).grad
+
+    def _is_one_pass(self, param: torch.Tensor) -> bool:
+        return any(p is param for p, _, _ in self._one_pass)
 
     # ------------------------------------------------------------------ one update
     def zero_grad(self) -> None:
@@ -140,8 +165,9 @@ class MixedPrecisionAdamW:
     def gather_grads(self) -> None:
         """Master gradients ← the compute parameters' gradients (zeros where backward left none);
         a compute-dtype gradient is freed once copied."""
+        one_pass = {id(p) for p, _, _ in self._one_pass}
         for p, m in zip(self.params, self.masters, strict=True):
-            if m is p:
+            if m is p or id(p) in one_pass:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 continue
@@ -149,9 +175,12 @@ class MixedPrecisionAdamW:
             p.grad = None
 
     def drop_grads(self) -> None:
-        """Free the float32 master gradients (after an update, or when a step is skipped)."""
+        """Free the float32 master gradients and the one-pass parameters' gradients (after an
+        update, or when a step is skipped)."""
         for _, m in self._copies:
             m.grad = None
+        for p, _, _ in self._one_pass:
+            p.grad = None
 
     @torch.no_grad()
     def step(self, lr: float, clip_coef: float = 1.0) -> None:
@@ -159,34 +188,53 @@ class MixedPrecisionAdamW:
         norm clipping), then the compute parameters ← the masters (rounded to their dtype)."""
         for group in self.inner.param_groups:
             group["lr"] = lr
-        if clip_coef != 1.0:
-            if self.impl == "fused":  # the kernel divides the gradients by grad_scale: no extra pass
+        if clip_coef != 1.0:  # (the one-pass kernel scales its own gradients as it reads them)
+            if self.impl in ("fused", "onepass"):  # the kernel divides the gradients by grad_scale
                 self.inner.grad_scale = torch.full((), 1.0 / clip_coef, device=self.masters[0].device)
             else:
-                torch._foreach_mul_([m.grad for m in self.masters], clip_coef)
+                torch._foreach_mul_([m.grad for g in self.inner.param_groups for m in g["params"]], clip_coef)
         try:
             self.inner.step()
         finally:
             self.inner.grad_scale = None
+        self._one_pass_step(lr, clip_coef)
         self.refresh_params()
         self.drop_grads()
+
+    def _one_pass_step(self, lr: float, clip_coef: float) -> None:
+        from ray_moe.worker.adamw_kernel import adamw_step
+
+        b1, b2 = self.betas
+        for p, m, decay in self._one_pass:
+            state = self.state[m]
+            if not state:
+                state.update(exp_avg=torch.zeros_like(m), exp_avg_sq=torch.zeros_like(m),
+                             step=torch.zeros((), dtype=torch.float32))
+            state["step"] = state["step"].cpu() + 1  # a host counter: the bias corrections are host floats
+            adamw_step(p.grad, m, state["exp_avg"], state["exp_avg_sq"], p, lr=lr, beta1=b1, beta2=b2,
+                       eps=self.eps, weight_decay=decay, step=int(state["step"]), grad_scale=clip_coef)
 
     @torch.no_grad()
     def refresh_params(self) -> None:
         """Compute parameters ← masters (after an update, or after a checkpoint filled the masters)."""
-        if self._copies:
-            torch._foreach_copy_([p for p, _ in self._copies], [m for _, m in self._copies])
+        one_pass = {id(p) for p, _, _ in self._one_pass}
+        copies = [(p, m) for p, m in self._copies if id(p) not in one_pass or not self.state.get(m)]
+        if copies:  # the one-pass kernel wrote its parameters already (after their first update)
+            torch._foreach_copy_([p for p, _ in copies], [m for _, m in copies])
 
+    @torch.no_grad()
     def loaded(self) -> None:
         """After a checkpoint filled the masters and :attr:`state`: refresh the compute parameters
         and put the step counters where this update kernel keeps them (fused: float32 on the
         masters' device)."""
-        self.refresh_params()
-        if self.impl != "fused":
+        if self._copies:  # compute parameters from the loaded masters, all of them
+            torch._foreach_copy_([p for p, _ in self._copies], [m for _, m in self._copies])
+        if self.impl not in ("fused", "onepass"):
             return
+        one_pass = {id(m) for _, m, _ in self._one_pass}
         for m in self.masters:
             state = self.state.get(m)
-            if state and "step" in state:
+            if state and "step" in state and id(m) not in one_pass:
                 state["step"] = state["step"].to(device=m.device, dtype=torch.float32)
 
 

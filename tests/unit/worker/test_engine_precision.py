@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from ray_moe.comm.local import LocalTransport
@@ -33,8 +34,9 @@ def _rounded_masters(e: Engine) -> bool:
     return all(torch.equal(p, m.to(p.dtype)) for p, m in zip(e.model.parameters(), e.optimizer.masters, strict=True))
 
 
-def test_skipped_step_leaves_parameters_masters_and_state_untouched(tmp_path):
-    e = _engine(tmp_path)
+@pytest.mark.parametrize("impl", ["auto", "onepass"])
+def test_skipped_step_leaves_parameters_masters_and_state_untouched(tmp_path, impl):
+    e = _engine(tmp_path, **{"train.optimizer_impl": impl})
     e.train_step()
     before = _snapshot(e)
     m = e.train_step(poison=True)
@@ -47,8 +49,9 @@ def test_skipped_step_leaves_parameters_masters_and_state_untouched(tmp_path):
     assert not torch.equal(before["master.lm_head.weight"], e.optimizer.master(e.model.lm_head.weight))
 
 
-def test_bf16_parameters_are_rounded_masters_and_resume_is_exact(tmp_path):
-    e = _engine(tmp_path)
+@pytest.mark.parametrize("impl", ["auto", "onepass"])
+def test_bf16_parameters_are_rounded_masters_and_resume_is_exact(tmp_path, impl):
+    e = _engine(tmp_path, **{"train.optimizer_impl": impl})
     assert e.model.lm_head.weight.dtype == torch.bfloat16
     assert e.optimizer.master(e.model.lm_head.weight).dtype == torch.float32
     for _ in range(3):
@@ -57,7 +60,7 @@ def test_bf16_parameters_are_rounded_masters_and_resume_is_exact(tmp_path):
     saved = e.shard_state()
     assert saved["lm_head.weight"].dtype == torch.float32  # the checkpoint holds the masters
     uninterrupted = [e.train_step()["loss"] for _ in range(2)]
-    resumed = _engine(tmp_path)
+    resumed = _engine(tmp_path, **{"train.optimizer_impl": impl})
     resumed.load_state(saved, step=3, opt_steps=3)
     assert _rounded_masters(resumed)
     assert [resumed.train_step()["loss"] for _ in range(2)] == uninterrupted  # bit-identical
