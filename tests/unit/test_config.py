@@ -523,3 +523,17 @@ def test_job_files_load(path):
     cfg = Config.from_yaml(path)
     cfg.validate()
     assert Config.from_dict(cfg.to_dict()) == cfg
+
+
+def test_data_datasets_take_paths_and_weights():
+    cfg = Config().with_overrides(["data.datasets=[{path: /d/a, weight: 3}, /d/b]", "data.tokenizer=/tok"])
+    assert cfg.data.mixture() == [("/d/a", 3.0), ("/d/b", 1.0)]
+    assert cfg.copy().data.datasets == cfg.data.datasets
+    for bad, message in [("data.datasets=[{path: /d/a, wieght: 1}]", r"unknown key\(s\) \['wieght'\]"),
+                         ("data.datasets=[{path: /d/a, weight: 0}]", "weight=0 must be a number > 0"),
+                         ("data.datasets=[{weight: 1}]", "needs a path"),
+                         ("data.tokenizer=/tok", "needs data.datasets")]:
+        with pytest.raises(ConfigError, match=message):
+            Config().with_overrides([bad])
+    with pytest.raises(ConfigError, match="data.paths and data.datasets are exclusive"):
+        cfg.with_overrides(["data.paths=[x.txt]"])

@@ -25,12 +25,13 @@ ALLOWED = {
     "placement": set(),
     "model": {"config", "comm", "kernels", "placement"},
     "checkpoint": {"config", "placement"},
+    "data": {"config"},
     "validation": BASE | {"comm", "kernels", "model", "placement"},
-    "worker": BASE | {"checkpoint", "comm", "model", "placement"},
+    "worker": BASE | {"checkpoint", "comm", "data", "model", "placement"},
     "driver": BASE | {"checkpoint", "comm", "placement", "worker"},
     "ops": BASE | {"driver", "validation"},
-    "bench": BASE | {"comm", "driver", "kernels", "model", "placement", "validation", "worker"},
-    "cli": BASE | {"bench", "checkpoint", "driver", "ops", "worker"},
+    "bench": BASE | {"comm", "data", "driver", "kernels", "model", "placement", "validation", "worker"},
+    "cli": BASE | {"bench", "checkpoint", "data", "driver", "ops", "worker"},
     "__init__": set(),  # lazy re-exports by name only
 }
 
