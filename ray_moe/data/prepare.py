@@ -209,7 +209,9 @@ def _dataset(kind: str, files: list[InputFile], tok: TextTokenizer, text_field: 
     import ray.data
 
     paths = [f.path for f in files]
-    read_args = {"include_paths": True, "num_cpus": 0}  # reading is I/O: the CPUs go to the tokenizers
+    # Reading is I/O: its tasks take no CPU slot (the CPUs go to the tokenizers), and at most one
+    # runs per tokenizer at a time (each new task may start a worker process).
+    read_args = {"include_paths": True, "num_cpus": 0, "concurrency": max(1, min(len(files), workers))}
     if kind == TEXT:
         ds = ray.data.read_binary_files(paths, **read_args)
     elif kind == JSONL:
