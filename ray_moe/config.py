@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
@@ -344,6 +345,15 @@ def _choice(key: str, value: Any, allowed: tuple) -> None:
         raise ConfigError(f"{key}={value!r} is not allowed; choose one of {', '.join(allowed)}")
 
 
+# Paths the workers open, made absolute where the config is read (the driver's directory), so a
+# worker started elsewhere finds the same files (data.datasets' paths too).
+_DRIVER_RELATIVE_PATHS = ("data.tokenizer",)
+
+
+def _absolute(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
+
+
 def _coerce(key: str, value: Any, hint: Any) -> Any:
     origin = get_origin(hint) or hint
     if origin is bool:
@@ -366,12 +376,14 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     if origin is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key}={value!r} must be a string")
-        return value
+        return _absolute(value) if key in _DRIVER_RELATIVE_PATHS and value else value
     if origin is list and get_args(hint) == (dict,):  # entries: mappings, or a string for {"path": ...}
         items = value if isinstance(value, (list, tuple)) else [value]
         if not all(isinstance(v, (str, dict)) for v in items):
             raise ConfigError(f"{key}={value!r} must be a list of {{path, weight}} mappings")
-        return [{"path": v} if isinstance(v, str) else dict(v) for v in items]
+        entries = [{"path": v} if isinstance(v, str) else dict(v) for v in items]
+        return [{**e, "path": _absolute(e["path"])} if isinstance(e.get("path"), str) and e["path"] else e
+                for e in entries]
     if origin is list:
         if isinstance(value, str):
             return [value]

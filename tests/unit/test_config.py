@@ -4,6 +4,7 @@ suggestion; YAML loading, ``key=value`` overrides, round trips and the shipped j
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -526,8 +527,9 @@ def test_job_files_load(path):
 
 
 def test_data_datasets_take_paths_and_weights():
-    cfg = Config().with_overrides(["data.datasets=[{path: /d/a, weight: 3}, /d/b]", "data.tokenizer=/tok"])
-    assert cfg.data.mixture() == [("/d/a", 3.0), ("/d/b", 1.0)]
+    cfg = Config().with_overrides(["data.datasets=[{path: /d/a, weight: 3}, d/b]", "data.tokenizer=tok"])
+    assert cfg.data.mixture() == [("/d/a", 3.0), (os.path.abspath("d/b"), 1.0)]  # workers open the same paths
+    assert cfg.data.tokenizer == os.path.abspath("tok")
     assert cfg.copy().data.datasets == cfg.data.datasets
     for bad, message in [("data.datasets=[{path: /d/a, wieght: 1}]", r"unknown key\(s\) \['wieght'\]"),
                          ("data.datasets=[{path: /d/a, weight: 0}]", "weight=0 must be a number > 0"),
