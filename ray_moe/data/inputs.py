@@ -5,8 +5,8 @@ Kinds, in the order a prepared dataset's document stream visits them (sorted by 
 a kind):
 
 * ``text``: any file that is not one of the two below; the whole file is one document, decoded
-  as UTF-8 (invalid bytes replaced, and counted). A file with a NUL byte, or with more than
-  ``MAX_INVALID_FRACTION`` of its bytes not UTF-8, is binary and refused.
+  as UTF-8 (invalid bytes replaced by U+FFFD, counted and reported). A file with a NUL byte
+  or many control characters is binary and refused (see :func:`binary_reason`).
 * ``jsonl`` (``.jsonl``, ``.ndjson``, ``.json``: JSON lines): one document per line, its text
   in a string field (``text`` by default).
 * ``parquet``: one document per row, its text in a string column.
@@ -30,7 +30,8 @@ TEXT, JSONL, PARQUET = "text", "jsonl", "parquet"
 KINDS = (TEXT, JSONL, PARQUET)  # the stream order of a prepared dataset
 SUFFIX_KIND = MappingProxyType({".jsonl": JSONL, ".ndjson": JSONL, ".json": JSONL, ".parquet": PARQUET})
 SNIFF_BYTES = 1 << 16  # what the driver reads of each input before starting any work
-MAX_INVALID_FRACTION = 0.1  # above this share of non-UTF-8 bytes a file is binary, not text
+MAX_CONTROL_FRACTION = 0.1  # above this share of control characters a file is binary
+CONTROL_BYTES = bytes(b for b in range(32) if chr(b) not in "\t\n\r\f\v\b\x1b") + b"\x7f"
 
 
 @dataclass(frozen=True)
@@ -79,17 +80,17 @@ def invalid_utf8_bytes(data: bytes) -> int:
     return len(data) - len(data.decode("utf-8", "ignore").encode("utf-8"))
 
 
-def binary_reason(data: bytes, complete: bool = True) -> str | None:
-    """Why ``data`` (a file's bytes, or its first bytes when ``complete`` is false) is not
-    text, or None when it is text."""
+def binary_reason(data: bytes) -> str | None:
+    """Why ``data`` (a file's bytes, or its first ones) is not text, or None when it is text:
+    a NUL byte, or more than ``MAX_CONTROL_FRACTION`` control characters (other than whitespace,
+    backspace and escape). Bytes that are not UTF-8 (a file in Latin-1 or KOI8-R) do not make a
+    file binary: they are replaced by U+FFFD and counted."""
     nul = data.find(b"\x00")
     if nul >= 0:
         return f"binary content (a NUL byte at offset {nul})"
-    if not complete:  # the sample may end inside a multi-byte character
-        data = data[: max(0, len(data) - 3)]
-    bad = invalid_utf8_bytes(data)
-    if data and bad > MAX_INVALID_FRACTION * len(data):
-        return f"binary content ({bad} of {len(data)} bytes are not UTF-8)"
+    control = len(data) - len(data.translate(None, CONTROL_BYTES))
+    if data and control > MAX_CONTROL_FRACTION * len(data):
+        return f"binary content ({control} of {len(data)} bytes are control characters)"
     return None
 
 
@@ -125,7 +126,7 @@ def check_inputs(files: Sequence[InputFile], text_field: str) -> None:
             continue
         with open(f.path, "rb") as fh:
             head = fh.read(SNIFF_BYTES)
-        reason = binary_reason(head, complete=len(head) == f.size)
+        reason = binary_reason(head)
         if reason:
             what = "UTF-8 text" if f.kind == TEXT else "JSON lines (UTF-8)"
             raise DataError(f"{f.path}: {reason}; expected {what}")

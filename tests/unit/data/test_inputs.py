@@ -48,9 +48,10 @@ def test_binary_content_is_told_from_text():
     rng = np.random.default_rng(0)
     assert binary_reason("plain text, ünïcode ✓\n".encode()) is None
     assert binary_reason("caf\xe9 au lait\n".encode("latin-1")) is None  # a few bad bytes: text, replaced
+    assert binary_reason("# -*- coding: latin-1 -*-\nu'\xe4\xf6\xfc\xdf\xe9\xe8'\n".encode("latin-1")) is None
     assert "NUL byte at offset 3" in binary_reason(b"ELF\x00\x01")
-    assert "not UTF-8" in binary_reason(bytes(rng.integers(128, 256, 4000, dtype=np.uint8)))
-    assert binary_reason("✓".encode()[:2], complete=False) is None  # a sample cut inside a character
+    assert "control characters" in binary_reason(bytes(rng.integers(1, 256, 4000, dtype=np.uint8)))  # no NUL
+    assert binary_reason(bytes(rng.integers(128, 256, 4000, dtype=np.uint8))) is None  # not UTF-8: replaced
 
 
 def test_structured_inputs_without_the_text_field_are_named(tmp_path):
