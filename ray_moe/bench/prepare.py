@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -93,6 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     files = pick_files(args.input, int(args.max_mb * 1e6))
     paths = [f.path for f in files]
+    base_files = [f.path for f in pick_files(paths, int(args.baseline_mb * 1e6))] if args.baseline_mb else paths
     with tempfile.TemporaryDirectory(prefix="bench-prepare-") as tmp:
         tokenizer = args.tokenizer
         if not tokenizer:
@@ -101,39 +104,58 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             train_bpe(sample, args.vocab_size, tokenizer)
         for f in files:  # into the page cache
             Path(f.path).read_bytes()
-        baseline_files = [f.path for f in pick_files(paths, int(args.baseline_mb * 1e6))] if args.baseline_mb else paths
-        rows = {}
-        if ray.is_initialized():
-            started = False
-        else:
-            started = True
-            if args.address:
-                ray.init(address=args.address, log_to_driver=False)
-            else:  # a cluster of this machine's cores, never someone else's
-                ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+
+        def ours(round_: int) -> dict[str, Any]:
+            t0 = time.perf_counter()
+            report = prepare(paths, tokenizer, str(Path(tmp) / f"ds{round_}"), workers=args.workers,
+                             text_field=args.text_field, val_fraction=0.01, shard_tokens=args.shard_tokens,
+                             progress=False)
+            wall = time.perf_counter() - t0
+            shutil.rmtree(Path(tmp) / f"ds{round_}")
+            steady = (report.tokens - report.first_output_tokens) / (report.seconds - report.first_output_s)
+            return {"tokens": report.tokens, "documents": report.meta["documents"], "seconds": wall,
+                    "tokens_per_s": report.tokens / wall, "workers": report.workers,
+                    "first_output_s": report.first_output_s, "steady_tokens_per_s": steady}
+
+        variants = {
+            "ray-moe prepare": ours,
+            "one process, default threads": lambda _r: _baseline_in_subprocess(base_files, tokenizer,
+                                                                                args.text_field, None),
+            "one process, 1 thread": lambda _r: _baseline_in_subprocess(base_files, tokenizer, args.text_field, 1),
+        }
+        started = not ray.is_initialized()
+        if started and args.address:
+            ray.init(address=args.address, log_to_driver=False)
+        elif started:  # a cluster of this machine's cores, never someone else's
+            ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
         try:
             cpus, nodes = ray.cluster_resources().get("CPU", 0), sum(1 for n in ray.nodes() if n["Alive"])
-            t0 = time.perf_counter()
-            report = prepare(paths, tokenizer, str(Path(tmp) / "ds"), workers=args.workers, text_field=args.text_field,
-                             val_fraction=0.01, shard_tokens=args.shard_tokens, progress=False)
-            wall = time.perf_counter() - t0
+            runs: dict[str, list[dict]] = {name: [] for name in variants}
+            names = list(variants)
+            for r in range(args.repeats):  # the order rotates, so no variant always runs on a warmer machine
+                for name in names[r % len(names):] + names[: r % len(names)]:
+                    runs[name].append(variants[name](r))
         finally:
             if started:
                 ray.shutdown()
-        rows["ray-moe prepare"] = {"tokens": report.tokens, "documents": report.meta["documents"], "seconds": wall,
-                                   "tokens_per_s": report.tokens / wall, "workers": report.workers}
-        rows["one process, default threads"] = _baseline_in_subprocess(baseline_files, tokenizer, args.text_field, None)
-        rows["one process, 1 thread"] = _baseline_in_subprocess(baseline_files, tokenizer, args.text_field, 1)
         vocab = TextTokenizer(tokenizer).vocab_size
+    rows = {}
+    for name, results in runs.items():
+        seconds = sorted(x["seconds"] for x in results)
+        rows[name] = {**results[0], "seconds": statistics.median(seconds), "all_seconds": seconds,
+                      "tokens_per_s": results[0]["tokens"] / statistics.median(seconds)}
+        for key in ("first_output_s", "steady_tokens_per_s"):
+            if key in results[0]:
+                rows[name][key] = statistics.median(x[key] for x in results)
     if not args.baseline_mb:
-        counts = {name: r["tokens"] for name, r in rows.items()}
-        if len(set(counts.values())) != 1:
+        counts = {name: {x["tokens"] for x in results} for name, results in runs.items()}
+        if len(set().union(*counts.values())) != 1:
             raise RuntimeError(f"the variants disagree on the token count: {counts}")
-    ours = rows["ray-moe prepare"]["tokens_per_s"]
+    mine = rows["ray-moe prepare"]["tokens_per_s"]
     for r in rows.values():
-        r["prepare_speedup"] = ours / r["tokens_per_s"]
+        r["prepare_speedup"] = mine / r["tokens_per_s"]
     return {"files": len(files), "bytes": sum(f.size for f in files), "vocab_size": vocab, "cluster_cpus": cpus,
-            "nodes": nodes, "machine_cpus": os.cpu_count(), "rows": rows}
+            "nodes": nodes, "machine_cpus": os.cpu_count(), "repeats": args.repeats, "rows": rows}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -150,6 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--vocab-size", type=int, default=4096, help="of the BPE trained when --tokenizer is not given")
     p.add_argument("--text-field", default="text")
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="rounds (order rotated); the median is reported")
     p.add_argument("--shard-tokens", type=int, default=1 << 24)
     p.add_argument("--address", default=None, help="Ray address (default: a new local cluster of this machine)")
     p.add_argument("--json", default=None, help="write the result here")
@@ -160,11 +183,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(single_process(files, args.tokenizer, args.text_field)))
         return 0
     result = run(args)
-    table = [(name, r["tokens"], f"{r['seconds']:.2f}", f"{r['tokens_per_s']:,.0f}", f"{r['prepare_speedup']:.2f}x")
-             for name, r in result["rows"].items()]
+    table = [(name, r["tokens"], f"{r['seconds']:.2f}", " ".join(f"{x:.1f}" for x in r["all_seconds"]),
+              f"{r['tokens_per_s']:,.0f}", f"{r['prepare_speedup']:.2f}x") for name, r in result["rows"].items()]
     print(f"# {result['files']} files, {result['bytes'] / 1e6:.1f} MB, vocab {result['vocab_size']}, "
           f"{result['machine_cpus']} CPUs here, cluster: {result['nodes']} node(s), {result['cluster_cpus']:g} CPUs")
-    print(tabulate(table, headers=["variant", "tokens", "seconds", "tokens/s", "prepare vs this"], tablefmt="github"))
+    print(tabulate(table, headers=["variant", "tokens", "median s", "all s", "tokens/s", "prepare vs this"], tablefmt="github"))
+    ours = result["rows"]["ray-moe prepare"]
+    print(f"ray-moe prepare (medians): first tokens {ours['first_output_s']:.1f} s after the pipeline started "
+          f"(actor start-up); after the first batch {ours['steady_tokens_per_s']:,.0f} tokens/s")
     print(json.dumps(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -66,6 +66,8 @@ class PrepareReport:
     tokens: int  # tokens written by this run (EOS included)
     documents: int  # documents read by this run (empty ones included)
     seconds: float  # the pipeline's wall time in this run
+    first_output_s: float  # of which before the first tokens came back (actor start-up, first batch)
+    first_output_tokens: int  # the tokens of that first batch
     workers: int
     skipped_files: int  # input files not read again (resumed run)
     up_to_date: bool  # the dataset was already complete
@@ -122,7 +124,7 @@ def prepare(
     }
     writer = ShardWriter(out, plan)
     if writer.complete:
-        return PrepareReport(str(writer.out), 0, 0, 0.0, 0, len(files), True, writer.finish())
+        return PrepareReport(str(writer.out), 0, 0, 0.0, 0.0, 0, 0, len(files), True, writer.finish())
     start = writer.resume()
     todo = files[start.skip_files:]
     started_ray = _connect(address)
@@ -132,14 +134,17 @@ def prepare(
         n_workers = workers or max(1, int(ray.cluster_resources().get("CPU", 1) // cpus_per_worker))
         stream = _Stream(writer, files, start.skip_files, start.first_doc)
         bar = _Progress(sum(f.size for f in files), sum(f.size for f in files[:start.skip_files]), progress)
-        t0 = time.perf_counter()
+        t0, first_output, first_tokens = time.perf_counter(), 0.0, 0
         try:
             for kind in KINDS:
                 group = [f for f in todo if f.kind == kind]
                 if group:
                     ds = _dataset(kind, group, tok, text_field, n_workers, cpus_per_worker)
                     for batch in _batches(ds, stall_timeout_s):
-                        bar.update(stream.add(batch), stream.bytes_done)
+                        first_output = first_output or time.perf_counter() - t0
+                        tokens = stream.add(batch)
+                        first_tokens = first_tokens or tokens
+                        bar.update(tokens, stream.bytes_done)
             stream.end()
             bar.update(0, stream.bytes_done)
             meta = writer.finish()
@@ -159,7 +164,8 @@ def prepare(
     if meta["splits"]["val"]["tokens"] == 0 and val_fraction > 0:
         log.warning("the validation split is empty (%d documents at --val-fraction %g); training on this "
                     "dataset cannot evaluate", meta["documents"], val_fraction)
-    return PrepareReport(str(writer.out), stream.tokens, stream.doc - start.first_doc, seconds, n_workers,
+    return PrepareReport(str(writer.out), stream.tokens, stream.doc - start.first_doc, seconds, first_output, first_tokens,
+                         n_workers,
                          start.skip_files, False, meta, dict(stream.invalid))
 
 
@@ -220,7 +226,10 @@ def _dataset(kind: str, files: list[InputFile], tok: TextTokenizer, text_field: 
         ds = ray.data.read_parquet(paths, columns=[text_field], **read_args)
     ctx = ds.context
     ctx.execution_options.preserve_order = True  # the document stream's order is the inputs' order
-    ctx.enable_progress_bars = False
+    ctx.enable_progress_bars = False  # ours shows tokens/s; Ray's would print per operator
+    from ray.util.debug import log_once
+
+    log_once("ray_data_progress_manager_disabled")  # Ray's "progress bars disabled" notice: not for our users
     ctx.print_on_execution_start = False
     ctx.enable_auto_log_stats = False
     ctx.target_max_block_size = BLOCK_BYTES
