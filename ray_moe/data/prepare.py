@@ -148,8 +148,11 @@ def prepare(
             stream.end()
             bar.update(0, stream.bytes_done)
             meta = writer.finish()
+        except DataError:
+            writer.discard()  # bad input: what this run wrote cannot be resumed with other inputs
+            raise
         except BaseException:
-            writer.close()
+            writer.close()  # interrupted: the same command resumes from here
             raise
         finally:
             bar.close()
@@ -171,10 +174,11 @@ def prepare(
 
 # ============================================================================ the Ray side
 class Tokenize:
-    """Ray Data ``map_batches`` class: a batch of rows → (path, ids list<uint32>, invalid).
+    """Ray Data ``map_batches`` class: a batch of rows → (path, ids list<uint32>, invalid, error).
 
     Built once per actor: the tokenizer comes as ``tokenizer.json`` text (no shared file system
-    needed for it), and its Rust thread pool is sized to the actor's CPUs.
+    needed for it), and its Rust thread pool is sized to the actor's CPUs. Bad input comes back
+    as data (``error``: the DataError's message, per row), so the driver raises it as itself.
     """
 
     def __init__(self, tokenizer_json: str, kind: str, text_field: str, threads: int):
@@ -188,18 +192,23 @@ class Tokenize:
         import pyarrow as pa
 
         paths = batch.column("path").to_pylist()
-        invalid = [0] * len(paths)
+        invalid, errors, texts = [0] * len(paths), [None] * len(paths), [""] * len(paths)
         if self.kind == TEXT:
-            texts = []
-            for i, (path, data) in enumerate(zip(paths, batch.column("bytes").to_pylist())):
-                text, invalid[i] = decode_text(path, data)
-                texts.append(text)
+            values = batch.column("bytes").to_pylist()
+        elif self.text_field in batch.column_names:
+            values = batch.column(self.text_field).to_pylist()
         else:
-            if self.text_field not in batch.column_names:
-                raise DataError(f"{paths[0]}: no {self.text_field!r} field (it has "
-                                f"{[c for c in batch.column_names if c != 'path']}); pass it with --text-field")
-            texts = [field_text(p, v, self.text_field)
-                     for p, v in zip(paths, batch.column(self.text_field).to_pylist())]
+            values = [None] * len(paths)
+            errors[0] = (f"{paths[0]}: no {self.text_field!r} field (it has "
+                         f"{[c for c in batch.column_names if c != 'path']}); pass it with --text-field")
+        for i, (path, value) in enumerate(zip(paths, values)):
+            try:
+                if self.kind == TEXT:
+                    texts[i], invalid[i] = decode_text(path, value)
+                else:
+                    texts[i] = field_text(path, value, self.text_field)
+            except DataError as exc:
+                errors[i] = str(exc)
         ids, lengths = encode_documents(self.tokenizer, texts)
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
@@ -207,6 +216,7 @@ class Tokenize:
             "path": pa.array(paths, pa.string()),
             "ids": pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(ids, pa.uint32())),
             "invalid": pa.array(invalid, pa.int64()),
+            "error": pa.array(errors, pa.string()),
         })
 
 
@@ -244,7 +254,7 @@ def _dataset(kind: str, files: list[InputFile], tok: TextTokenizer, text_field: 
 
 def _batches(ds: Any, stall_timeout_s: float) -> Iterator[Any]:
     """The dataset's output tables in order; PrepareError when none arrives for
-    ``stall_timeout_s``; a DataError raised in a worker comes back as itself."""
+    ``stall_timeout_s``."""
     q: queue.Queue = queue.Queue(maxsize=4)
     stop = threading.Event()
     end = object()
@@ -276,7 +286,7 @@ def _batches(ds: Any, stall_timeout_s: float) -> Iterator[Any]:
             if item is end:
                 return
             if isinstance(item, BaseException):
-                raise _data_error_in(item) or item
+                raise item
             yield item
     finally:
         stop.set()
@@ -286,24 +296,6 @@ def _batches(ds: Any, stall_timeout_s: float) -> Iterator[Any]:
             except queue.Empty:
                 pass
             thread.join(timeout=0.1)
-
-
-def _data_error_in(exc: BaseException) -> DataError | None:
-    """The DataError a worker raised, unwrapped from Ray's exception chain (None if none)."""
-    seen: set[int] = set()
-    todo = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, DataError) and type(e) is DataError:
-            return e
-        cause = getattr(e, "cause", None)  # ray.exceptions.RayTaskError keeps the original here
-        todo.extend([e.__cause__, e.__context__, cause if isinstance(cause, BaseException) else None])
-        if isinstance(e, DataError):  # Ray's dual-class wrapper: its first line is the message
-            return DataError(str(e).strip().splitlines()[-1].split("DataError: ", 1)[-1])
-    return None
 
 
 def _connect(address: str | None) -> bool:
@@ -340,6 +332,9 @@ class _Stream:
 
     def add(self, table: Any) -> int:
         """One output table; returns the tokens it carried (EOS included)."""
+        errors = table.column("error")
+        if errors.null_count < len(errors):
+            raise DataError(next(e for e in errors.to_pylist() if e is not None))
         paths = table.column("path").to_pylist()
         ids = table.column("ids").combine_chunks()
         offsets = np.asarray(ids.offsets)

@@ -71,6 +71,7 @@ class ShardWriter:
         self.files: list[list] = []  # [path, documents] per finished input file, stream order
         self.complete = False
         self._created = False
+        self._new = False  # this run created the directory
         index_path = self.out / INDEX_FILE
         if index_path.exists():
             self._load(read_json(index_path, "rerun prepare into a new directory"))
@@ -168,6 +169,7 @@ class ShardWriter:
         st = self.state[split]
         if st.handle is None:
             if not self._created:  # the index comes first, so a rerun knows the directory as its own
+                self._new = not self.out.exists()
                 self.out.mkdir(parents=True, exist_ok=True)
                 self._created = True
                 write_json_atomic(self.out / INDEX_FILE, self._index())
@@ -265,6 +267,23 @@ class ShardWriter:
                 if st.handle is not None:
                     st.handle.close()
                     st.handle = None
+
+    def discard(self) -> None:
+        """After bad input: remove what this run wrote when this run created the directory
+        (its plan names the bad input, so nothing in it could be resumed); a directory that an
+        earlier run made is kept, made durable, as ``close`` leaves it."""
+        if not self._new:
+            self.close()
+            return
+        for st in self.state.values():
+            if st.handle is not None:
+                st.handle.close()
+                st.handle = None
+        names = [x["file"] for x in self.shards] + [INDEX_FILE, META_FILE, f".{INDEX_FILE}.tmp"]
+        names += [shard_name(split, st.index) + ".partial" for split, st in self.state.items()]
+        for name in names:
+            (self.out / name).unlink(missing_ok=True)
+        self._remove_empty_dir()
 
     def _remove_empty_dir(self) -> None:
         if self._created and self.out.is_dir() and not any(self.out.iterdir()):

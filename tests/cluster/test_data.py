@@ -137,6 +137,17 @@ def test_a_mismatched_dataset_stops_the_trainer_before_any_step(groups, dataset,
     assert latest_checkpoint(tmp_path / "run") is None
 
 
+def test_binary_content_found_by_a_worker_is_named_and_nothing_is_kept(tokenizer_dir, ray_cluster, tmp_path):
+    """Past the part the driver checks first: the worker's DataError reaches the caller as one."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("text " * 1000)
+    (tmp_path / "in" / "b.txt").write_bytes(b"x" * 70_000 + b"\x00\x01")
+    with pytest.raises(DataError, match=r"b.txt: binary content \(a NUL byte at offset 70000\); expected UTF-8"):
+        prepare([str(tmp_path / "in")], str(tokenizer_dir), str(tmp_path / "out"), address=ray_cluster,
+                **{**PREPARE, "workers": 1})
+    assert not (tmp_path / "out").exists()
+
+
 def test_bad_input_is_named_and_nothing_is_written(tokenizer_dir, tmp_path, capsys):
     """Each is caught before the pipeline starts: one line, exit code 2 from the CLI, no output."""
     binary = Path(sys.executable).resolve()  # an ELF executable given as text

@@ -110,3 +110,20 @@ def test_no_text_writes_nothing(tmp_path):
     with pytest.raises(DataError, match="hold no text"):
         writer.finish()
     assert not (tmp_path / "out").exists()
+
+
+def test_discard_removes_only_what_this_run_created(tmp_path):
+    files = random_files(np.random.default_rng(5), 6)
+    writer = ShardWriter(tmp_path / "new", make_plan(6, shard_tokens=30))
+    feed(writer, files, stop_after_docs=8)
+    writer.discard()
+    assert not (tmp_path / "new").exists()
+
+    writer = ShardWriter(tmp_path / "old", make_plan(6, shard_tokens=30))
+    feed(writer, files, stop_after_docs=8)
+    writer.close()
+    kept = sorted(p.name for p in (tmp_path / "old").iterdir())
+    again = ShardWriter(tmp_path / "old", make_plan(6, shard_tokens=30))
+    again.resume()
+    again.discard()  # an earlier run's directory: kept
+    assert sorted(p.name for p in (tmp_path / "old").iterdir()) == kept
