@@ -289,8 +289,9 @@ def _batches(ds: Any, stall_timeout_s: float) -> Iterator[Any]:
                 raise item
             yield item
     finally:
-        stop.set()
-        while thread.is_alive():
+        stop.set()  # the reader stops at its next table; one stuck in Ray is left behind (a daemon)
+        deadline = time.monotonic() + 30
+        while thread.is_alive() and time.monotonic() < deadline:
             try:
                 q.get(timeout=0.1)
             except queue.Empty:
