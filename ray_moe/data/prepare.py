@@ -47,7 +47,7 @@ from ray_moe.data.inputs import (
     resolve_inputs,
 )
 from ray_moe.data.shards import DEFAULT_SHARD_TOKENS, FORMAT, token_dtype
-from ray_moe.data.tokenizer import TextTokenizer, encode_documents
+from ray_moe.data.tokenizer import TextTokenizer, encode_documents, load_for_documents
 from ray_moe.data.writer import ShardWriter
 
 log = logging.getLogger(__name__)
@@ -99,8 +99,13 @@ def prepare(
     ``workers`` tokenizer actors of ``cpus_per_worker`` CPUs each (default: as many as the
     cluster's CPUs hold); ``val_fraction`` of the documents go to the validation split;
     ``progress``: tokens and tokens/s (a bar on a terminal, else a line every 10 s; False: none).
-    ``stall_timeout_s``: give up when the workers deliver nothing for that long. Raises
-    DataError (bad input, named) before anything is written, or PrepareError.
+    ``stall_timeout_s``: give up when the workers deliver nothing for that long.
+
+    Raises DataError naming bad input: before anything is written for what the driver can see
+    (paths, the first 64 KiB of each file, the tokenizer, the output directory); for what only
+    the workers see (binary content further in, a later row without text), removing what this
+    run wrote. Raises PrepareError when the job cannot run. Documents are encoded with special
+    tokens in their text taken as plain text: EOS only ever separates documents.
     """
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"--val-fraction {val_fraction}: must be in [0, 1)")
@@ -124,7 +129,9 @@ def prepare(
     }
     writer = ShardWriter(out, plan)
     if writer.complete:
-        return PrepareReport(str(writer.out), 0, 0, 0.0, 0.0, 0, 0, len(files), True, writer.finish())
+        return PrepareReport(out=str(writer.out), tokens=0, documents=0, seconds=0.0, first_output_s=0.0,
+                             first_output_tokens=0, workers=0, skipped_files=len(files), up_to_date=True,
+                             meta=writer.finish())
     start = writer.resume()
     todo = files[start.skip_files:]
     started_ray = _connect(address)
@@ -167,9 +174,10 @@ def prepare(
     if meta["splits"]["val"]["tokens"] == 0 and val_fraction > 0:
         log.warning("the validation split is empty (%d documents at --val-fraction %g); training on this "
                     "dataset cannot evaluate", meta["documents"], val_fraction)
-    return PrepareReport(str(writer.out), stream.tokens, stream.doc - start.first_doc, seconds, first_output, first_tokens,
-                         n_workers,
-                         start.skip_files, False, meta, dict(stream.invalid))
+    return PrepareReport(out=str(writer.out), tokens=stream.tokens, documents=stream.doc - start.first_doc,
+                         seconds=seconds, first_output_s=first_output, first_output_tokens=first_tokens,
+                         workers=n_workers, skipped_files=start.skip_files, up_to_date=False, meta=meta,
+                         invalid_utf8=dict(stream.invalid))
 
 
 # ============================================================================ the Ray side
@@ -183,9 +191,7 @@ class Tokenize:
 
     def __init__(self, tokenizer_json: str, kind: str, text_field: str, threads: int):
         os.environ["RAYON_NUM_THREADS"] = str(threads)  # read when the pool first starts
-        from tokenizers import Tokenizer
-
-        self.tokenizer = Tokenizer.from_str(tokenizer_json)
+        self.tokenizer = load_for_documents(tokenizer_json)
         self.kind, self.text_field = kind, text_field
 
     def __call__(self, batch: Any) -> Any:

@@ -42,16 +42,25 @@ def tokenizer_hash(directory: str | Path) -> str:
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
+def load_for_documents(tokenizer_json: str) -> Any:
+    """A ``tokenizers.Tokenizer`` from ``tokenizer.json`` text, set to encode special-token text
+    inside documents as plain text: a document that contains "<|endoftext|>" must not end there
+    (only the preparation job puts EOS between documents)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(tokenizer_json)
+    tok.encode_special_tokens = True
+    return tok
+
+
 class TextTokenizer:
     """A loaded tokenizer: ``vocab_size`` (one more than its largest id), ``eos_id``, ``hash``."""
 
     def __init__(self, directory: str | Path):
-        from tokenizers import Tokenizer
-
         self.directory = str(Path(directory).expanduser().resolve())
         self.hash = tokenizer_hash(self.directory)
         try:
-            self.tokenizer = Tokenizer.from_file(str(Path(self.directory) / TOKENIZER_FILE))
+            self.tokenizer = load_for_documents((Path(self.directory) / TOKENIZER_FILE).read_text(encoding="utf-8"))
         except Exception as exc:  # noqa: BLE001 - the Rust side raises plain Exception
             raise DataError(f"{self.directory}/{TOKENIZER_FILE}: the tokenizers library cannot load it ({exc})") from None
         vocab = self.tokenizer.get_vocab(with_added_tokens=True)
@@ -74,7 +83,8 @@ class TextTokenizer:
 
 
 def encode_documents(tokenizer: Any, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Batch-encode documents with a ``tokenizers.Tokenizer`` (no special tokens added, no EOS).
+    """Batch-encode documents with a ``tokenizers.Tokenizer`` (no special tokens added, no EOS;
+    the tokenizer should have ``encode_special_tokens`` set, see :func:`load_for_documents`).
 
     Returns (ids uint32 [sum of lengths], lengths int64 [len(texts)]): the documents' ids back
     to back.

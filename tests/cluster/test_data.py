@@ -78,6 +78,7 @@ def test_prepare_writes_what_tokenizers_gives(dataset, tokenizer_dir, ray_cluste
     """The resumed dataset is, token for token, the EOS-joined documents as tokenizers encodes
     them, cut into fixed-size shards (so any rerun writes the same bytes); a rerun does nothing."""
     oracle = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    oracle.encode_special_tokens = True  # special-token text inside a document is text
     docs = [oracle.encode(t, add_special_tokens=False).ids + [0] for t in _documents()]  # EOS = id 0
     is_val = val_mask(np.arange(len(docs)), PREPARE["val_fraction"])
     for split in ("train", "val"):

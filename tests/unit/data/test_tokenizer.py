@@ -17,11 +17,13 @@ def test_trained_bpe_encodes_like_the_library(bpe_dir, sample_texts):
     tok = TextTokenizer(bpe_dir)
     assert tok.vocab_size == 320 and tok.eos_token == "<|endoftext|>" and tok.eos_id == 0
     oracle = Tokenizer.from_file(str(bpe_dir / "tokenizer.json"))
+    oracle.encode_special_tokens = True  # "<|endoftext|>" in a document is text, not its end
     texts = [*sample_texts, "", "héllo wörld ✓\n\ttabs", "<|endoftext|> inside"]
     ids, lengths = tok.encode_documents(texts)
     want = [oracle.encode(t, add_special_tokens=False).ids for t in texts]
     assert lengths.tolist() == [len(w) for w in want]
     assert ids.tolist() == [i for w in want for i in w]
+    assert tok.eos_id not in want[-1] and oracle.decode(want[-1]) == texts[-1]
     assert oracle.decode(want[0]) == texts[0]  # byte-level: lossless
     assert sum(len(w) for w in want[:6]) < 0.75 * sum(len(t.encode()) for t in texts[:6])  # it merges
 
