@@ -182,17 +182,17 @@ def prepare(
 
 # ============================================================================ the Ray side
 class Tokenize:
-    """Ray Data ``map_batches`` class: a batch of rows → (path, ids list<uint32>, invalid, error).
+    """Ray Data ``map_batches`` class: a batch of rows → (path, ids list<shard dtype>, invalid, error).
 
     Built once per actor: the tokenizer comes as ``tokenizer.json`` text (no shared file system
     needed for it), and its Rust thread pool is sized to the actor's CPUs. Bad input comes back
     as data (``error``: the DataError's message, per row), so the driver raises it as itself.
     """
 
-    def __init__(self, tokenizer_json: str, kind: str, text_field: str, threads: int):
+    def __init__(self, tokenizer_json: str, kind: str, text_field: str, threads: int, dtype: str):
         os.environ["RAYON_NUM_THREADS"] = str(threads)  # read when the pool first starts
         self.tokenizer = load_for_documents(tokenizer_json)
-        self.kind, self.text_field = kind, text_field
+        self.kind, self.text_field, self.dtype = kind, text_field, np.dtype(dtype)
 
     def __call__(self, batch: Any) -> Any:
         import pyarrow as pa
@@ -220,7 +220,7 @@ class Tokenize:
         np.cumsum(lengths, out=offsets[1:])
         return pa.table({
             "path": pa.array(paths, pa.string()),
-            "ids": pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(ids, pa.uint32())),
+            "ids": pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(ids.astype(self.dtype))),  # shard dtype
             "invalid": pa.array(invalid, pa.int64()),
             "error": pa.array(errors, pa.string()),
         })
@@ -252,7 +252,8 @@ def _dataset(kind: str, files: list[InputFile], tok: TextTokenizer, text_field: 
     # Few text files: small batches, so that every worker gets some.
     rows = DOCS_PER_BATCH[kind] if kind != TEXT else max(1, min(DOCS_PER_BATCH[kind], len(files) // (4 * workers)))
     return ds.map_batches(
-        Tokenize, fn_constructor_args=(tok.to_json(), kind, text_field, max(1, int(cpus_per_worker))),
+        Tokenize, fn_constructor_args=(tok.to_json(), kind, text_field, max(1, int(cpus_per_worker)),
+                                       token_dtype(tok.vocab_size).str),
         compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=cpus_per_worker,
         batch_format="pyarrow", batch_size=rows, zero_copy_batch=True,
     )
@@ -346,7 +347,7 @@ class _Stream:
         ids = table.column("ids").combine_chunks()
         offsets = np.asarray(ids.offsets)
         lengths = np.diff(offsets)
-        values = np.asarray(ids.values.to_numpy(zero_copy_only=False), dtype=np.uint32)[offsets[0]: offsets[-1]]
+        values = ids.values.to_numpy(zero_copy_only=False)[offsets[0]: offsets[-1]]
         for path, n in zip(paths, table.column("invalid").to_pylist()):
             if n:
                 self.invalid[path] = self.invalid.get(path, 0) + n

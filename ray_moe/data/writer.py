@@ -126,7 +126,7 @@ class ShardWriter:
 
     # ---------------------------------------------------------------- writing
     def add(self, first_doc: int, ids: np.ndarray, lengths: np.ndarray) -> None:
-        """Documents ``first_doc, first_doc+1, ...``: ids (uint32 [sum(lengths)], back to back)
+        """Documents ``first_doc, first_doc+1, ...``: ids (unsigned ints [sum(lengths)], back to back)
         and lengths (int64 [n]; 0 = an empty document, skipped). Tokens already durable (a
         resumed run re-reading a file) are dropped."""
         n = len(lengths)
