@@ -1,8 +1,10 @@
-"""Command line: ``ray-moe train | export | bench | smoke``.
+"""Command line: ``ray-moe train | prepare | tokenizer | export | bench | smoke``.
 
     ray-moe train --config jobs/tiny.yaml [--address ADDR] [section.key=value ...]
+    ray-moe prepare --input PATH... --tokenizer DIR --out DIR [--address ADDR]   (token shards)
+    ray-moe tokenizer train --vocab-size N --input PATH... --out DIR              (byte-level BPE)
     ray-moe export CHECKPOINT --format hf --out DIR  (a checkpoint or run directory → an HF model directory)
-    ray-moe bench comm|layer|balance|precision [options]     (see ``ray-moe bench NAME --help``)
+    ray-moe bench comm|layer|balance|precision|prepare [options]     (see ``ray-moe bench NAME --help``)
     ray-moe smoke --address ADDR                    (validate a cluster before a run)
 
 Exit code 0 on success; on failure a one-line reason on stderr and a non-zero code.
@@ -15,7 +17,7 @@ import importlib
 import logging
 import sys
 
-BENCHES = ("comm", "layer", "balance", "precision")
+BENCHES = ("comm", "layer", "balance", "precision", "prepare")
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -47,6 +49,43 @@ def compact_config(config) -> str:
         changed = [f"{k}={v}" for k, v in values.items() if default[section][k] != v]
         lines.append(f"{section}: " + (" ".join(changed) if changed else "(defaults)"))
     return "\n".join(lines)
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from tabulate import tabulate
+
+    from ray_moe.data.prepare import prepare
+
+    report = prepare(
+        args.input, args.tokenizer, args.out, address=args.address, workers=args.workers,
+        cpus_per_worker=args.cpus_per_worker, text_field=args.text_field, val_fraction=args.val_fraction,
+        shard_tokens=args.shard_tokens, progress=False if args.no_progress else None,
+        stall_timeout_s=args.stall_timeout_s,
+    )
+    meta = report.meta
+    rows = [("dataset", report.out), ("state", "already complete" if report.up_to_date else "written"),
+            ("documents", meta["documents"]), ("tokens", meta["tokens"]),
+            ("train / val tokens", f"{meta['splits']['train']['tokens']} / {meta['splits']['val']['tokens']}"),
+            ("shards", meta["splits"]["train"]["shards"] + meta["splits"]["val"]["shards"]),
+            ("dtype", meta["dtype"]), ("vocab_size", meta["vocab_size"])]
+    if not report.up_to_date:
+        rows += [("input files skipped (resumed)", report.skipped_files), ("workers", report.workers),
+                 ("seconds", f"{report.seconds:.1f}"), ("tokens/s", f"{report.tokens_per_s:,.0f}")]
+    print(tabulate(rows, tablefmt="github", headers=["prepare", "value"]))
+    return 0
+
+
+def _tokenizer_train(args: argparse.Namespace) -> int:
+    from ray_moe.data.inputs import check_inputs, iter_documents, resolve_inputs
+    from ray_moe.data.tokenizer import train_bpe
+
+    files = resolve_inputs(args.input)
+    check_inputs(files, args.text_field)
+    tok = train_bpe((text for _, text in iter_documents(files, args.text_field)), args.vocab_size, args.out,
+                    min_frequency=args.min_frequency)
+    print(f"tokenizer {tok.directory}: vocab_size {tok.vocab_size}, eos {tok.eos_token!r} (id {tok.eos_id}), "
+          f"sha256 {tok.hash[:12]}, trained on {len(files)} file(s)")
+    return 0
 
 
 def _fmt(v):
@@ -107,6 +146,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor dtype (default: the run's model.dtype)")
     e.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard (GiB)")
     e.set_defaults(fn=_export)
+    pp = sub.add_parser("prepare", help="tokenize text into memory-mapped token shards with Ray Data")
+    pp.add_argument("--input", nargs="+", required=True,
+                    help="files, directories or globs: text (a file is a document), .jsonl or .parquet")
+    pp.add_argument("--tokenizer", required=True, help="tokenizer directory (a Hugging Face tokenizer.json)")
+    pp.add_argument("--out", required=True, help="dataset directory (new, or this command's to resume)")
+    pp.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or a new local cluster)")
+    pp.add_argument("--text-field", default="text", help="the text field of .jsonl / column of .parquet")
+    pp.add_argument("--val-fraction", type=float, default=0.01, help="documents kept for validation")
+    pp.add_argument("--shard-tokens", type=int, default=1 << 26, help="tokens per shard")
+    pp.add_argument("--workers", type=int, default=None, help="tokenizer actors (default: the cluster's CPUs)")
+    pp.add_argument("--cpus-per-worker", type=float, default=1.0, help="CPUs per tokenizer actor")
+    pp.add_argument("--stall-timeout-s", type=float, default=600.0,
+                    help="give up when the workers deliver nothing for this long")
+    pp.add_argument("--no-progress", action="store_true", help="no progress output")
+    pp.set_defaults(fn=_prepare)
+    tk = sub.add_parser("tokenizer", help="tokenizers: train a byte-level BPE on local text")
+    tks = tk.add_subparsers(dest="action", required=True)
+    tt = tks.add_parser("train", help="train a byte-level BPE tokenizer")
+    tt.add_argument("--vocab-size", type=int, required=True, help="tokens (>= 257: 256 bytes + EOS + merges)")
+    tt.add_argument("--input", nargs="+", required=True, help="files, directories or globs (as for prepare)")
+    tt.add_argument("--out", required=True, help="directory for tokenizer.json (must not hold one)")
+    tt.add_argument("--text-field", default="text", help="the text field of .jsonl / column of .parquet")
+    tt.add_argument("--min-frequency", type=int, default=2, help="merges need at least this many occurrences")
+    tt.set_defaults(fn=_tokenizer_train)
     b = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES))
     b.add_argument("name", choices=BENCHES)
     b.add_argument("rest", nargs=argparse.REMAINDER)
@@ -136,17 +199,19 @@ def main(argv: list[str] | None = None) -> int:
     from ray_moe.arch import ArchError
     from ray_moe.checkpoint import CheckpointError
     from ray_moe.config import ConfigError
+    from ray_moe.data.errors import DataError
+    from ray_moe.data.prepare import PrepareError
     from ray_moe.driver.group import GroupError
     from ray_moe.driver.trainer import TrainingError, TrainingInterrupted
     from ray_moe.model.hf import WeightsError
-    from ray_moe.worker.data import DataError
 
     try:
         return args.fn(args)
     except TrainingInterrupted as exc:
         print(f"ray-moe {args.command}: {exc}", file=sys.stderr)
         return 128 + exc.signum
-    except (ConfigError, DataError, GroupError, TrainingError, CheckpointError, WeightsError, ArchError) as exc:
+    except (ConfigError, DataError, GroupError, TrainingError, CheckpointError, WeightsError, ArchError,
+            PrepareError) as exc:
         print(f"ray-moe {args.command}: error: {exc}".replace("\n", " "), file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Iterable, get_origin, get_type_hints
+from typing import Any, Iterable, get_args, get_origin, get_type_hints
 
 import torch
 import yaml
@@ -171,12 +172,34 @@ class DataConfig:
     paths: list = field(default_factory=list)  # files, directories or globs; [] = stdlib sources
     val_fraction: float = 0.05
     max_bytes: int = 0  # 0 = whole corpus
+    # Prepared token datasets (ray-moe prepare) [{path, weight}]; [] = the byte corpus above.
+    datasets: list[dict] = field(default_factory=list)
+    tokenizer: str = ""  # the run's tokenizer directory; the datasets must have been prepared with it
 
     def check(self) -> None:
         if not 0.0 <= self.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction={self.val_fraction} must be in [0, 1)")
         if self.max_bytes < 0:
             raise ConfigError(f"data.max_bytes={self.max_bytes} must be >= 0 (0 = whole corpus)")
+        for i, entry in enumerate(self.datasets):
+            unknown = sorted(set(entry) - {"path", "weight"})
+            if unknown:
+                raise ConfigError(f"data.datasets[{i}] has unknown key(s) {unknown}; allowed: path, weight")
+            if not isinstance(entry.get("path"), str) or not entry["path"]:
+                raise ConfigError(f"data.datasets[{i}]={entry!r} needs a path (a directory from ray-moe prepare)")
+            weight = entry.get("weight", 1.0)
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+                raise ConfigError(f"data.datasets[{i}].weight={weight!r} must be a number > 0")
+        if self.datasets and self.paths:
+            raise ConfigError("data.paths and data.datasets are exclusive: data.paths is the byte corpus, "
+                              "data.datasets are prepared token datasets; set one")
+        if self.tokenizer and not self.datasets:
+            raise ConfigError(f"data.tokenizer={self.tokenizer!r} needs data.datasets (prepared with it); "
+                              "the byte corpus has no tokenizer")
+
+    def mixture(self) -> list[tuple[str, float]]:
+        """(path, weight) of each prepared dataset, weights as given (unnormalised)."""
+        return [(d["path"], float(d.get("weight", 1.0))) for d in self.datasets]
 
 
 @dataclass
@@ -425,6 +448,15 @@ def _choice(key: str, value: Any, allowed: tuple) -> None:
         raise ConfigError(f"{key}={value!r} is not allowed; choose one of {', '.join(allowed)}")
 
 
+# Paths the workers open, made absolute where the config is read (the driver's directory), so a
+# worker started elsewhere finds the same files (data.datasets' paths too).
+_DRIVER_RELATIVE_PATHS = ("data.tokenizer",)
+
+
+def _absolute(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
+
+
 def _coerce(key: str, value: Any, hint: Any) -> Any:
     origin = get_origin(hint) or hint
     if origin is bool:
@@ -449,11 +481,18 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             return "true" if value else "false"
         if not isinstance(value, str):
             raise ConfigError(f"{key}={value!r} must be a string")
-        return value
+        return _absolute(value) if key in _DRIVER_RELATIVE_PATHS and value else value
     if origin is dict:
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise ConfigError(f"{key}={value!r} must be a mapping of names to values")
         return dict(value)
+    if origin is list and get_args(hint) == (dict,):  # entries: mappings, or a string for {"path": ...}
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if not all(isinstance(v, (str, dict)) for v in items):
+            raise ConfigError(f"{key}={value!r} must be a list of {{path, weight}} mappings")
+        entries = [{"path": v} if isinstance(v, str) else dict(v) for v in items]
+        return [{**e, "path": _absolute(e["path"])} if isinstance(e.get("path"), str) and e["path"] else e
+                for e in entries]
     if origin is list:
         if isinstance(value, str):
             return [value]

@@ -13,6 +13,7 @@ import pytest
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # throwaway clusters owned by this test session
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage reports (Ray Data queries Prometheus for them)
 
 
 def pytest_collection_modifyitems(config, items):

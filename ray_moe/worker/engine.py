@@ -32,7 +32,7 @@ from ray_moe.model.loss import lm_loss, resolve_loss_impl
 from ray_moe.placement.clones import push_clone_weights, reduce_clone_grads
 from ray_moe.placement.placement import Placement, expert_shard
 from ray_moe.topology import RankInfo
-from ray_moe.worker.data import Corpus
+from ray_moe.worker.data import open_corpus
 from ray_moe.worker.optim import MixedPrecisionAdamW
 
 
@@ -79,7 +79,7 @@ class Engine:
         self.config, self.rank_info, self.transport, self.device = config, rank_info, transport, device
         self.rank, self.world_size = rank_info.rank, rank_info.world_size
         self.distributed = self.world_size > 1 and dist.is_initialized()
-        self.corpus = Corpus.load(config.data, min_bytes=config.model.seq_len + 2)
+        self.corpus = open_corpus(config)  # byte corpus, or memory-mapped token datasets
         transport.reserve(buffer_spec(config, self.world_size))
         self.model = build_model(config, transport, device)  # with model.init_from's weights
         self.sharded = [p for p in self.model.parameters() if expert_shard(p) is not None]
@@ -108,7 +108,7 @@ class Engine:
                           + first.w2[0].numel() * first.w2.element_size()) if first else 0,
             replicated_params=sum(p.numel() for p in self.replicated),
             expert_params_local=sum(p.numel() for p in self.sharded),
-            corpus_train_bytes=len(self.corpus.train), corpus_files=self.corpus.files,
+            corpus_train_bytes=self.corpus.train_tokens, corpus_files=self.corpus.files,
         )
 
     # ------------------------------------------------------------------ helpers

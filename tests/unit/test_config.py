@@ -4,6 +4,7 @@ suggestion; YAML loading, ``key=value`` overrides, round trips and the shipped j
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -529,7 +530,7 @@ def test_job_files_load(path):
 @pytest.mark.parametrize("key,value,fragment", [
     ("train.beta1", 1.0, "[0, 1)"), ("train.beta2", -0.1, "[0, 1)"), ("train.eps", 0.0, "> 0"),
     ("train.eps", math.nan, "> 0"), ("train.loss_chunk", -1, ">= 0"),
-    ("train.optimizer_impl", "adam", "auto, fused, foreach, for_loop"),
+    ("train.optimizer_impl", "adam", "auto, onepass, fused, foreach, for_loop"),
     ("train.loss_impl", "full", "auto, chunked, liger"),
 ])
 def test_precision_keys_rejected(key, value, fragment):
@@ -540,3 +541,18 @@ def test_precision_keys_accepted():
     cfg = build({"train.beta1": 0.0, "train.beta2": 0.999, "train.eps": 1e-6, "train.loss_chunk": 0,
                  "train.optimizer_impl": "for_loop", "train.loss_impl": "liger", "train.master_weights": False})
     assert (cfg.train.beta2, cfg.train.optimizer_impl, cfg.train.master_weights) == (0.999, "for_loop", False)
+
+
+def test_data_datasets_take_paths_and_weights():
+    cfg = Config().with_overrides(["data.datasets=[{path: /d/a, weight: 3}, d/b]", "data.tokenizer=tok"])
+    assert cfg.data.mixture() == [("/d/a", 3.0), (os.path.abspath("d/b"), 1.0)]  # workers open the same paths
+    assert cfg.data.tokenizer == os.path.abspath("tok")
+    assert cfg.copy().data.datasets == cfg.data.datasets
+    for bad, message in [("data.datasets=[{path: /d/a, wieght: 1}]", r"unknown key\(s\) \['wieght'\]"),
+                         ("data.datasets=[{path: /d/a, weight: 0}]", "weight=0 must be a number > 0"),
+                         ("data.datasets=[{weight: 1}]", "needs a path"),
+                         ("data.tokenizer=/tok", "needs data.datasets")]:
+        with pytest.raises(ConfigError, match=message):
+            Config().with_overrides([bad])
+    with pytest.raises(ConfigError, match="data.paths and data.datasets are exclusive"):
+        cfg.with_overrides(["data.paths=[x.txt]"])

@@ -26,12 +26,13 @@ ALLOWED = {
     "placement": set(),
     "model": {"arch", "config", "comm", "kernels", "placement"},
     "checkpoint": {"config", "placement"},
+    "data": {"config"},
     "validation": BASE | {"comm", "kernels", "model", "placement"},
-    "worker": BASE | {"checkpoint", "comm", "model", "placement"},
+    "worker": BASE | {"checkpoint", "comm", "data", "model", "placement"},
     "driver": BASE | {"checkpoint", "comm", "placement", "worker"},
     "ops": BASE | {"driver", "validation"},
-    "bench": BASE | {"comm", "driver", "kernels", "model", "placement", "validation", "worker"},
-    "cli": BASE | {"bench", "checkpoint", "driver", "model", "ops", "worker"},
+    "bench": BASE | {"comm", "data", "driver", "kernels", "model", "placement", "validation", "worker"},
+    "cli": BASE | {"bench", "checkpoint", "data", "driver", "model", "ops", "worker"},
     "__init__": set(),  # lazy re-exports by name only
 }
 
