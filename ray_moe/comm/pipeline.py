@@ -151,16 +151,18 @@ class _Exchange(torch.autograd.Function):
 
         def work(i, sent):  # the experts' backward of chunk i
             g = graphs[i]
-            inputs = [g.recv_x, g.recv_w] + [g.params[j] for j in wanted]
-            if g.partial.requires_grad:
-                grads = torch.autograd.grad(g.partial, inputs, sent[0], allow_unused=True)
-            else:
-                grads = (None,) * len(inputs)
-            for j, gp in zip(wanted, grads[2:]):
+            inputs = [t for t, n in ((g.recv_x, ctx.needs_x), (g.recv_w, ctx.needs_w)) if n]
+            inputs += [g.params[j] for j in wanted]
+            grads = [None] * len(inputs)
+            if inputs and g.partial.requires_grad:
+                grads = list(torch.autograd.grad(g.partial, inputs, sent[0], allow_unused=True))
+            grx = grads.pop(0) if ctx.needs_x else None
+            grw = grads.pop(0) if ctx.needs_w else None
+            for j, gp in zip(wanted, grads):
                 if gp is not None:
                     acc[j] = gp.contiguous() if j not in acc else acc[j].add_(gp)  # expanded: copied
-            grx = grads[0] if grads[0] is not None else torch.zeros_like(g.recv_x)
-            grw = grads[1] if grads[1] is not None else torch.zeros_like(g.recv_w)
+            grx = grx if grx is not None else torch.zeros_like(g.recv_x)
+            grw = grw if grw is not None else torch.zeros_like(g.recv_w)
             g.release()
             return grx, grw
 

@@ -62,6 +62,18 @@ def test_pipelined_layer_equals_the_sequential_layer(T, C, E, K):
         assert rel_err(res[1][name], ref, floor=floor) <= TOL, (name, rel_err(res[1][name], ref))
 
 
+def test_pipelined_layer_with_tokens_that_need_no_gradient():
+    """The benchmark's case: x is data (no gradient); the router and the experts still get theirs."""
+    res = []
+    for chunks in (1, 3):
+        layer = MoELayer(16, 4, 2, 8, LocalTransport(), seed=2, pipeline_chunks=chunks)
+        x = torch.randn(11, 16, generator=torch.Generator().manual_seed(3))
+        layer(x)[0].square().sum().backward()
+        res.append((layer.router.grad, layer.w13.grad, layer.w2.grad))
+    for a, b in zip(*res):
+        assert rel_err(b, a) <= TOL
+
+
 def test_pipelined_layer_without_grad_and_with_frozen_experts():
     ref = MoELayer(16, 4, 2, 8, LocalTransport(), seed=1)
     pip = MoELayer(16, 4, 2, 8, LocalTransport(), seed=1, pipeline_chunks=3)
