@@ -23,6 +23,12 @@ the node's forward, on detached inputs; backward differentiates it with ``torch.
 and sums the weight gradients over chunks (C - 1 extra additions of each expert weight gradient).
 No host synchronisation and no data-dependent control flow: capturable in a CUDA graph.
 
+Activation checkpointing: its recomputation is keyed by autograd's graph task, and each
+``torch.autograd.grad`` above is a graph task of its own (it would recompute the layer again per
+chunk). Under saved-tensor hooks the chunks are therefore composed of the ordinary per-chunk
+autograd nodes (:func:`ray_moe.comm.base.dispatch` / ``combine``): the forward and its replay
+overlap as above, backward runs chunk by chunk.
+
 Streams: tensors made on one stream and used on the other are ``record_stream``-ed, so the
 caching allocator never hands their memory out while the other stream may still use it.
 """
@@ -128,15 +134,11 @@ class _Exchange(torch.autograd.Function):
                                               needs=needs)
         ctx.plan, ctx.graphs, ctx.leaves, ctx.T = plan, graphs, leaves, x.shape[0]
         ctx.needs_x, ctx.needs_w, ctx.needs_params = needs[0], needs[1], needs[4:]
-        # Saved through save_for_backward so that activation checkpointing's recomputation (which
-        # fills the chunks' graphs) starts when backward reads it, first thing, on every rank alike.
-        ctx.save_for_backward(dest_rank)
         ctx.mark_non_differentiable(pairs)
         return out, pairs
 
     @staticmethod
     def backward(ctx, grad_out, _grad_pairs):
-        ctx.saved_tensors  # noqa: B018  (see forward)
         plan, graphs = ctx.plan, ctx.graphs
         tr = plan.transport
         bounds = token_chunks(ctx.T, plan.chunks)
