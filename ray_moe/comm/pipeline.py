@@ -241,49 +241,37 @@ def _forward(plan: _Plan, x, weight, dest_rank, dest_slot, *params, mode: str,
 def _schedule(n: int, send: Callable, work: Callable, back: Callable, side: Any) -> list[tuple]:
     """Issue ``send(i)`` and ``back(i, work_result)`` on ``side`` and ``work(i, send_result)`` on
     the current stream, in the order send(0), send(1), work(0), back(0), send(2), work(1),
-    back(1), ...: send(i+1) overlaps work(i) and back(i) overlaps work(i+1). Returns the back
-    results in chunk order. ``side`` None (CPU): the same calls in the same order, no streams."""
-    sent: list[Any] = [None] * n
-    worked: list[Any] = [None] * n
-    done: list[Any] = [None] * n
-    if side is None:
-        if n:
-            sent[0] = send(0)
-        for i in range(n):
-            if i + 1 < n:
-                sent[i + 1] = send(i + 1)
-            worked[i] = work(i, sent[i])
-            done[i] = back(i, worked[i])
-            sent[i] = worked[i] = None
-        return done
-    main = torch.cuda.current_stream()
-    side.wait_stream(main)
-    sent_ev: list[Any] = [None] * n
-    worked_ev: list[Any] = [None] * n
+    back(1), ...: send(i+1) overlaps work(i) and back(i) overlaps work(i+1); events order each
+    stage after the one it consumes. Returns the back results in chunk order. ``side`` None (the
+    CPU): the same calls in the same order, no streams."""
+    main = torch.cuda.current_stream() if side is not None else None
+    if side is not None:
+        side.wait_stream(main)  # the inputs (routing, tokens) are made on the current stream
 
-    def on_side(fn, i, arg, wait):
-        with torch.cuda.stream(side):
-            if wait is not None:
-                side.wait_event(wait)
-            r = fn(i) if arg is None else fn(i, arg)
-        _used_on(r, main)
-        ev = torch.cuda.Event()
-        ev.record(side)
+    def stage(stream, other, fn, *args, after=None):
+        if stream is None:
+            return fn(*args), None
+        with torch.cuda.stream(stream):
+            if after is not None:
+                stream.wait_event(after)
+            r = fn(*args)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        _used_on(r, other)
         return r, ev
 
+    sent: list[Any] = [None] * n
+    done: list[Any] = [None] * n
     if n:
-        sent[0], sent_ev[0] = on_side(send, 0, None, None)
+        sent[0] = stage(side, main, send, 0)
     for i in range(n):
         if i + 1 < n:
-            sent[i + 1], sent_ev[i + 1] = on_side(send, i + 1, None, None)
-        main.wait_event(sent_ev[i])
-        worked[i] = work(i, sent[i])
-        _used_on(worked[i], side)
-        worked_ev[i] = torch.cuda.Event()
-        worked_ev[i].record(main)
-        done[i], _ = on_side(back, i, worked[i], worked_ev[i])
-        sent[i] = worked[i] = None
-    main.wait_stream(side)
+            sent[i + 1] = stage(side, main, send, i + 1)
+        worked = stage(main if side is not None else None, side, work, i, sent[i][0], after=sent[i][1])
+        done[i] = stage(side, main, back, i, worked[0], after=worked[1])[0]
+        sent[i] = None
+    if side is not None:
+        main.wait_stream(side)
     return done
 
 

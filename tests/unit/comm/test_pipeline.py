@@ -39,6 +39,52 @@ def test_schedule_issues_the_next_dispatch_before_the_combine():
     assert out == [(0,), (1,), (2,), (3,)]
 
 
+def test_schedule_puts_communication_on_the_side_stream_behind_events(monkeypatch):
+    """The GPU issue path with stand-in streams and events: sends and backs on the side stream,
+    work on the current one, each stage waits for the event recorded after the stage it
+    consumes, the side stream first waits for the current one and is joined at the end."""
+    import contextlib
+
+    log, current = [], []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(f"{self.name} waits {other.name}")
+
+        def wait_event(self, ev):
+            log.append(f"{self.name} waits {ev.name}")
+
+    class Event:
+        def record(self, stream):
+            assert stream is current[-1]
+            self.name = f"ev({log[-1]})"
+
+    @contextlib.contextmanager
+    def on(stream):
+        current.append(stream)
+        yield
+        current.pop()
+
+    main, side = Stream("main"), Stream("side")
+    current.append(main)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+
+    def stage(name):
+        return lambda i, *a: log.append(f"{name}{i}@{current[-1].name}") or (i,)
+
+    pipeline._schedule(3, stage("D"), stage("E"), stage("C"), side)
+    assert log == ["side waits main", "D0@side", "D1@side",
+                   "main waits ev(D0@side)", "E0@main", "side waits ev(E0@main)", "C0@side",
+                   "D2@side", "main waits ev(D1@side)", "E1@main", "side waits ev(E1@main)", "C1@side",
+                   "main waits ev(D2@side)", "E2@main", "side waits ev(E2@main)", "C2@side",
+                   "main waits side"]
+
+
 def _run(layer, x, go):
     out, aux = layer(x)
     out.backward(go)
