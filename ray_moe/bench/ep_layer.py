@@ -1,6 +1,7 @@
 """Timing one MoE layer step (forward, backward, clone coherence) on every rank of a live group.
 
-Shared by ``ray-moe bench layer --world-size W`` (EP rows: per-rank time against the
+Shared by ``ray-moe bench layer --world-size W`` (EP rows: per-rank time of the sequential and
+the pipelined layer, ``moe.pipeline_chunks``, and of the exchange on fewer SMs, against the
 single-GPU layer) and ``ray-moe bench balance --mode train`` (skewed routing, cloning off vs
 on). The step is what training does per MoE layer: route → dispatch → experts → combine,
 backward, clone gradients onto owners, owners' weights into clones.
