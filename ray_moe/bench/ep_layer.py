@@ -66,7 +66,7 @@ def time_layer_step(worker: Any, spec: StepSpec | dict) -> dict[str, Any]:
         transport, W, rank = LocalTransport(), 1, 0
     else:
         transport, W, rank = worker.transport, worker.rank_info.world_size, worker.rank_info.rank
-    E, H, I = spec.num_experts, spec.d_model, spec.hidden
+    E, H = spec.num_experts, spec.d_model
     placement = (
         Placement.from_dict(spec.placement) if spec.placement else Placement.native(E, W, spec.clone_slots)
     )
