@@ -116,6 +116,7 @@ class MoEConfig:
     aux_loss_coef: float = 0.0
     expert_impl: str = "auto"  # auto | loop | grouped_mm | triton
     bias_update_rate: float = 0.001  # aux-loss-free balancing (sigmoid routers): bias step per update
+    pipeline_chunks: int = 1  # 1: sequential layer; C > 1: exchange of each chunk overlaps experts
 
     def check(self) -> None:
         _positive("moe.num_experts", self.num_experts)
@@ -129,6 +130,7 @@ class MoEConfig:
         _choice("moe.expert_impl", self.expert_impl, ("auto", "loop", "grouped_mm", "triton"))
         if not self.bias_update_rate >= 0:
             raise ConfigError(f"moe.bias_update_rate={self.bias_update_rate} must be >= 0")
+        _positive("moe.pipeline_chunks", self.pipeline_chunks)
 
 
 @dataclass
@@ -141,6 +143,7 @@ class ParallelConfig:
     startup_timeout_s: float = 60.0
     collective_timeout_s: float = 120.0
     force_remote_path: bool = False
+    comm_programs: int = 0  # NVSHMEM: SMs the exchange kernels run on (0: all)
 
     def check(self) -> None:
         _positive("parallel.world_size", self.world_size)
@@ -153,6 +156,7 @@ class ParallelConfig:
         )
         if not self.cpu_per_worker > 0:
             raise ConfigError(f"parallel.cpu_per_worker={self.cpu_per_worker} must be > 0")
+        _positive("parallel.comm_programs", self.comm_programs, allow_zero=True)
         if self.transport in ("nvshmem", "nccl") and self.device == "cpu":
             raise ConfigError(
                 f"parallel.transport={self.transport} needs GPUs but parallel.device=cpu; "

@@ -100,6 +100,8 @@ VARIANTS = MappingProxyType({
     "r2h4096w8": dict(block_r=2, block_h=4096, num_warps=8),
     "r1h4096w8": dict(block_r=1, block_h=4096, num_warps=8),
     "r8h4096w16": dict(block_r=8, block_h=4096, num_warps=16),
+    # the combine's sends in ring order (Tuning.rotate_peers): for W >= 4, where the combine lagged
+    "r8h4096w16rot": dict(block_r=8, block_h=4096, num_warps=16, rotate_peers=True),
 })
 
 
@@ -228,6 +230,67 @@ def bench_worker(worker: Any, params: dict) -> list[dict]:
     return out
 
 
+def host_cost_worker(worker: Any, params: dict) -> list[dict]:
+    """Runs on every rank (any W, also 1): dispatch+combine per call at each T_local, eager with
+    the Launcher's direct launches off (every call through Triton's JIT, the launch path before
+    the launch cache) and on, and replayed from a CUDA graph. ``host_us``: wall time of issuing
+    ``iters`` pairs without synchronising, per pair (the host cost where it exceeds the GPU's)."""
+    import time
+
+    import torch.distributed as dist
+
+    from ray_moe.comm.nvshmem_kernels import Launcher, Tuning
+
+    tr = worker.transport
+    me, W, dev = tr.rank, tr.world_size, worker.device
+    H, K, E = params["hidden"], params["top_k"], params["experts"]
+    out = []
+    for T in params["tokens"]:
+        iters = params["iters"] * (5 if T < 4096 else 1)
+        buf = tr.new_buffer(capacity=T, hidden=H, elem_bytes=2, kmax=max(8, K))
+        buf.tuning = Tuning.for_hidden(H)
+        x = torch.randn(T, H, dtype=torch.bfloat16, device=dev)
+        dr, ds, w = _routing(T, E, K, W, 1000 * me + T, dev)
+
+        def pair():
+            r = buf.dispatch(x, w, dr, ds)
+            return buf.combine(r[0], r[3])
+
+        rec: dict[str, Any] = {"rank": me, "W": W, "T": T, "fast_launch_works": bool(tr.fast_launch)}
+        for name, fast in (("jit", False), ("fast", True)):
+            if fast and not tr.fast_launch:
+                continue
+            buf.launcher = Launcher(fast=fast)
+            rec[f"{name}_pair_us"] = _time(pair, iters) * 1e6
+            torch.cuda.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                pair()
+            rec[f"{name}_host_us"] = (time.perf_counter() - t0) / iters * 1e6
+            torch.cuda.synchronize()
+            rec[f"{name}_launches"] = dict(buf.launcher.calls)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                pair()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = pair()
+        rec["graph_pair_us"] = _time(g.replay, iters) * 1e6
+        to_rank = torch.zeros(T, W, dtype=torch.bool, device=dev).scatter_(1, dr.long(), True)
+        rec["round_trip_rel_err"] = _round_trip_error(buf, x, w, dr, ds, to_rank)
+        del g, y
+        buf.check()
+        dist.barrier()
+        torch.cuda.synchronize()
+        buf.close()
+        out.append(rec)
+    return out
+
+
 def _summarise(per_rank: list[list[dict]]) -> list[dict]:
     rows = []
     for i, rec0 in enumerate(per_rank[0]):
@@ -268,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force-remote", action="store_true", help="every peer through NVSHMEM puts")
     p.add_argument("--programs", default="", help="also time the best variant with these G (SMs), e.g. 16,32,64")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or a local cluster)")
+    p.add_argument("--host-cost", action="store_true",
+                   help="only the host cost per call: eager dispatch+combine through Triton's JIT and through the"
+                        " launch cache, and a CUDA-graph replay (any world size, also 1)")
     p.add_argument("--json", default=None, help="write results here")
     a = p.parse_args(argv)
 
@@ -279,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
 
     connect(a.address)
     W = a.world_size or int(ray.cluster_resources().get("GPU", 0))
+    if a.host_cost:
+        return _host_cost_main(a, W)
     if W < 2:
         print(f"bench comm needs at least 2 GPUs in the Ray cluster, found {W}")
         return 2
@@ -328,6 +396,40 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"world_size": W, "device": devices[0], "force_remote": a.force_remote,
                        "summary": rows, "per_rank": per_rank}, f, indent=1)
     return 1 if bad else 0
+
+
+def _host_cost_main(a: argparse.Namespace, W: int) -> int:
+    from tabulate import tabulate
+
+    from ray_moe.config import Config
+    from ray_moe.driver.group import WorkerGroup
+
+    if W < 1:
+        print("bench comm --host-cost needs a GPU in the Ray cluster")
+        return 2
+    tokens = [int(t) for t in a.tokens.split(",")]
+    cfg = Config.from_dict({
+        "model": {"d_model": a.hidden, "n_heads": 1, "seq_len": max(tokens), "dtype": "bfloat16"},
+        "moe": {"num_experts": a.experts, "top_k": a.top_k},
+        "train": {"batch_size": W},
+        "parallel": {"world_size": W, "device": "cuda", "transport": "nvshmem",
+                     "force_remote_path": a.force_remote, "startup_timeout_s": 180},
+    })
+    params = {"tokens": tokens, "hidden": a.hidden, "top_k": a.top_k, "experts": a.experts, "iters": a.iters}
+    with WorkerGroup(cfg) as group:
+        device = group.execute(lambda w: torch.cuda.get_device_name(w.device))[0]
+        per_rank = group.execute(host_cost_worker, params, timeout=900)
+    cols = ["T", "jit_pair_us", "jit_host_us", "fast_pair_us", "fast_host_us", "graph_pair_us", "round_trip_rel_err"]
+    rows = []
+    for i, rec0 in enumerate(per_rank[0]):
+        rows.append({c: max(r[i].get(c, float("nan")) for r in per_rank) if c != "T" else rec0["T"] for c in cols})
+    print(f"W={W} on {device}, H={a.hidden} K={a.top_k} E={a.experts} bf16; direct launch works: "
+          f"{per_rank[0][0]['fast_launch_works'] if per_rank[0] else '?'} (slowest rank shown, microseconds per call)")
+    print(tabulate([[r[c] for c in cols] for r in rows], headers=cols, floatfmt=".1f"))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"world_size": W, "device": device, "summary": rows, "per_rank": per_rank}, f, indent=1)
+    return 0 if all(r["round_trip_rel_err"] <= 1e-2 for r in rows) else 1
 
 
 if __name__ == "__main__":

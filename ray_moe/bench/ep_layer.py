@@ -1,6 +1,7 @@
 """Timing one MoE layer step (forward, backward, clone coherence) on every rank of a live group.
 
-Shared by ``ray-moe bench layer --world-size W`` (EP rows: per-rank time against the
+Shared by ``ray-moe bench layer --world-size W`` (EP rows: per-rank time of the sequential and
+the pipelined layer, ``moe.pipeline_chunks``, and of the exchange on fewer SMs, against the
 single-GPU layer) and ``ray-moe bench balance --mode train`` (skewed routing, cloning off vs
 on). The step is what training does per MoE layer: route → dispatch → experts → combine,
 backward, clone gradients onto owners, owners' weights into clones.
@@ -42,6 +43,8 @@ class StepSpec:
     clone_slots: int = 0
     local: bool = False  # run on this rank alone through the identity transport (W = 1)
     seed: int = 0
+    pipeline_chunks: int = 1  # moe.pipeline_chunks: 1 sequential, C > 1 exchange overlapped in C chunks
+    comm_programs: int = 0  # NVSHMEM: a buffer with this many programs (SMs) for the run (0: the transport's)
 
     def fwd_flops(self) -> float:
         return 6.0 * self.tokens * self.top_k * self.d_model * self.hidden
@@ -63,14 +66,35 @@ def time_layer_step(worker: Any, spec: StepSpec | dict) -> dict[str, Any]:
         transport, W, rank = LocalTransport(), 1, 0
     else:
         transport, W, rank = worker.transport, worker.rank_info.world_size, worker.rank_info.rank
-    E, H, I = spec.num_experts, spec.d_model, spec.hidden
+    E, H = spec.num_experts, spec.d_model
     placement = (
         Placement.from_dict(spec.placement) if spec.placement else Placement.native(E, W, spec.clone_slots)
     )
     dtype = torch_dtype(spec.dtype)
     transport.reserve(BufferSpec(max_tokens=spec.tokens, hidden=H, elem_bytes=dtype.itemsize, max_top_k=spec.top_k))
+    kept = own = None
+    if spec.comm_programs and hasattr(transport, "new_buffer"):  # collective: every rank runs the same spec
+        kept = transport.buffer
+        own = transport.new_buffer(capacity=kept.capacity, hidden=H, elem_bytes=dtype.itemsize, kmax=kept.geo.kmax,
+                                   num_programs=min(spec.comm_programs, transport.num_programs))
+        transport.buffer = own
+    try:
+        return _time_layer_step(worker, spec, transport, W, rank, placement, dtype)
+    finally:
+        if own is not None:
+            synchronize(device)
+            if dist.is_initialized():
+                dist.barrier()
+            transport.buffer = kept
+            own.close()
+
+
+def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: int, placement: Placement,
+                     dtype: torch.dtype) -> dict[str, Any]:
+    device = worker.device
+    E, H, I = spec.num_experts, spec.d_model, spec.hidden
     layer = MoELayer(H, E, spec.top_k, I, transport, placement, dtype=dtype,
-                     expert_impl=spec.impl, device=device, seed=spec.seed)
+                     expert_impl=spec.impl, device=device, seed=spec.seed, pipeline_chunks=spec.pipeline_chunks)
     g = torch.Generator().manual_seed(spec.seed * 7919 + rank)
     x = torch.randn(spec.tokens, H, generator=g).to(device=device, dtype=dtype)
     if spec.zipf_s > 0:
@@ -112,6 +136,7 @@ def time_layer_step(worker: Any, spec: StepSpec | dict) -> dict[str, Any]:
     }
     if device.type == "cuda":
         out["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    transport.check()
     return out
 
 
@@ -123,10 +148,16 @@ def tflops(spec: StepSpec, ms: float, backward: bool = False) -> float:
 def ep_layer_rows(
     T: int, H: int, I: int, E: int, K: int, world_size: int, transport: str = "auto",
     address: str | None = None, dtype: str = "bfloat16", impl: str = "auto", iters: int = 10,
-    device: str = "auto", force_remote_path: bool = False,
+    device: str = "auto", force_remote_path: bool = False, chunks: tuple[int, ...] = (1,),
+    comm_programs: tuple[int, ...] = (0,), group: Any = None,
 ) -> list[dict]:
-    """Expert-parallel rows: per-rank layer time at T/W tokens per rank against one GPU running
-    T/W tokens (exposed communication) and all T tokens (scaling efficiency)."""
+    """Expert-parallel rows: per-rank layer time at T/W tokens per rank, for every pipeline chunk
+    count C (1: the sequential layer) and NVSHMEM program count G (0: the transport's), against one
+    GPU running T/W tokens (exposed communication: EP minus that, also as a fraction of it) and
+    all T tokens (scaling efficiency: one GPU's time / (W x EP time)). ``group``: an existing
+    worker group of ``world_size`` ranks to run on (else one is started and closed here)."""
+    import contextlib
+
     import ray
 
     from ray_moe.config import Config
@@ -134,44 +165,58 @@ def ep_layer_rows(
 
     if T % world_size:
         raise ValueError(f"T={T} is not divisible by world_size={world_size}")
-    cfg = Config.from_dict({
-        # seq_len x batch_size/W sizes the NVSHMEM buffer: T/W tokens per rank.
-        "model": {"d_model": H, "n_heads": 1, "dtype": dtype, "seq_len": T // world_size},
-        "moe": {"num_experts": E, "top_k": K, "expert_hidden": I, "expert_impl": impl},
-        "parallel": {"world_size": world_size, "transport": transport, "device": device,
-                     "cpu_per_worker": 1 if device != "cpu" else 0.5,
-                     "force_remote_path": force_remote_path},
-        "train": {"batch_size": world_size},
-    })
     base = dict(d_model=H, hidden=I, num_experts=E, top_k=K, dtype=dtype, impl=impl, iters=iters)
-    with WorkerGroup(cfg) as group:
-        ep = group.execute(time_layer_step, asdict(StepSpec(tokens=T // world_size, **base)))
-        local = ray.get(group.actors[0].execute.remote(
-            time_layer_step, asdict(StepSpec(tokens=T // world_size, local=True, **base))))
-        full = ray.get(group.actors[0].execute.remote(
-            time_layer_step, asdict(StepSpec(tokens=T, local=True, **base))))
-        transport_name = group.transport_name
+    if group is None:
+        cfg = Config.from_dict({
+            # seq_len x batch_size/W sizes the NVSHMEM buffer: T/W tokens per rank.
+            "model": {"d_model": H, "n_heads": 1, "dtype": dtype, "seq_len": T // world_size},
+            "moe": {"num_experts": E, "top_k": K, "expert_hidden": I, "expert_impl": impl},
+            "parallel": {"world_size": world_size, "transport": transport, "device": device,
+                         "cpu_per_worker": 1 if device != "cpu" else 0.5,
+                         "force_remote_path": force_remote_path},
+            "train": {"batch_size": world_size},
+        })
+        ctx: Any = WorkerGroup(cfg)
+    else:
+        if group.world_size != world_size:
+            raise ValueError(f"the group has {group.world_size} ranks, not {world_size}")
+        ctx = contextlib.nullcontext(group)
     spec_ep, spec_full = StepSpec(tokens=T // world_size, **base), StepSpec(tokens=T, **base)
+    with ctx as g:
+        ep = {}
+        for c in chunks:
+            for p in comm_programs:
+                ep[c, p] = g.execute(time_layer_step, asdict(StepSpec(tokens=T // world_size, pipeline_chunks=c,
+                                                                      comm_programs=p, **base)))
+        local = ray.get(g.actors[0].execute.remote(
+            time_layer_step, asdict(StepSpec(tokens=T // world_size, local=True, **base))))
+        full = ray.get(g.actors[0].execute.remote(
+            time_layer_step, asdict(StepSpec(tokens=T, local=True, **base))))
+        transport_name = g.transport_name
     rows = []
-    for name, res, spec in (("EP per rank (max over ranks)", None, spec_ep),
-                            ("one GPU, T/W tokens", local, spec_ep),
-                            ("one GPU, all T tokens", full, spec_full)):
-        if res is None:
-            f = max(r["forward_ms"] for r in ep)
-            b = max(r["backward_ms"] for r in ep)
-        else:
-            f, b = res["forward_ms"], res["backward_ms"]
-        rows.append({"section": "ep", "what": name, "transport": transport_name if res is None else "local",
-                     "tokens": spec.tokens, "fwd_ms": f, "fwd_TFLOPs": tflops(spec, f),
-                     "fwd+bwd_ms": f + b, "fwd+bwd_TFLOPs": tflops(spec, f + b, backward=True)})
-    ep_f, ep_fb = rows[0]["fwd_ms"], rows[0]["fwd+bwd_ms"]
-    rows.append({
-        "section": "ep", "what": "derived", "world_size": world_size,
-        "scaling_eff_fwd": full["forward_ms"] / (world_size * ep_f),
-        "scaling_eff_fwd+bwd": (full["forward_ms"] + full["backward_ms"]) / (world_size * ep_fb),
-        "exposed_comm_fwd_ms": ep_f - local["forward_ms"],
-        "exposed_comm_fwd+bwd_ms": ep_fb - (local["forward_ms"] + local["backward_ms"]),
-        "exposed_comm_frac_fwd+bwd": (ep_fb - (local["forward_ms"] + local["backward_ms"]))
-        / (local["forward_ms"] + local["backward_ms"]),
-    })
+    for (c, p), res in ep.items():
+        f, b = max(r["forward_ms"] for r in res), max(r["backward_ms"] for r in res)
+        what = "EP per rank (max over ranks), " + (f"pipelined, {c} chunks" if c > 1 else "sequential")
+        rows.append({"section": "ep", "what": what + (f", {p} programs" if p else ""), "transport": transport_name,
+                     "chunks": c, "comm_programs": p, "tokens": spec_ep.tokens, "fwd_ms": f,
+                     "fwd_TFLOPs": tflops(spec_ep, f), "fwd+bwd_ms": f + b,
+                     "fwd+bwd_TFLOPs": tflops(spec_ep, f + b, backward=True)})
+    for name, res, spec in (("one GPU, T/W tokens", local, spec_ep), ("one GPU, all T tokens", full, spec_full)):
+        f, b = res["forward_ms"], res["backward_ms"]
+        rows.append({"section": "ep", "what": name, "transport": "local", "tokens": spec.tokens, "fwd_ms": f,
+                     "fwd_TFLOPs": tflops(spec, f), "fwd+bwd_ms": f + b,
+                     "fwd+bwd_TFLOPs": tflops(spec, f + b, backward=True)})
+    lf, lfb = local["forward_ms"], local["forward_ms"] + local["backward_ms"]
+    ff, ffb = full["forward_ms"], full["forward_ms"] + full["backward_ms"]
+    for r in rows[:len(ep)]:
+        rows.append({
+            "section": "ep", "what": "derived", "world_size": world_size, "chunks": r["chunks"],
+            "comm_programs": r["comm_programs"],
+            "scaling_eff_fwd": ff / (world_size * r["fwd_ms"]),
+            "scaling_eff_fwd+bwd": ffb / (world_size * r["fwd+bwd_ms"]),
+            "exposed_comm_fwd_ms": r["fwd_ms"] - lf,
+            "exposed_comm_fwd+bwd_ms": r["fwd+bwd_ms"] - lfb,
+            "exposed_comm_frac_fwd": (r["fwd_ms"] - lf) / lf,
+            "exposed_comm_frac_fwd+bwd": (r["fwd+bwd_ms"] - lfb) / lfb,
+        })
     return rows

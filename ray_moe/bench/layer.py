@@ -1054,7 +1054,9 @@ def ep_rows(shape: LayerShape, args: argparse.Namespace) -> list[dict]:
     return ep_layer_rows(shape.T, shape.H, shape.I, shape.E, shape.K, args.world_size,
                          transport=args.transport, address=args.address, dtype=args.dtype,
                          impl=args.impl, iters=args.ep_iters, device=args.device,
-                         force_remote_path=args.force_remote_path)
+                         force_remote_path=args.force_remote_path,
+                         chunks=tuple(int(c) for c in args.ep_chunks.split(",")),
+                         comm_programs=tuple(int(g) for g in args.ep_programs.split(",")))
 
 
 def _print_table(rows: list[dict]) -> None:
@@ -1100,6 +1102,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--impl", default="auto", help="ep: expert impl (auto, triton, grouped_mm, loop)")
     p.add_argument("--device", default="auto", help="ep: auto, cuda, cpu")
     p.add_argument("--ep-iters", type=int, default=10)
+    p.add_argument("--ep-chunks", default="1,4",
+                   help="ep: comma list of moe.pipeline_chunks (1: sequential layer; C > 1: pipelined, side by side)")
+    p.add_argument("--ep-programs", default="0",
+                   help="ep/nvshmem: comma list of programs (SMs) for the exchange kernels (0: every SM)")
     p.add_argument("--force-remote-path", action="store_true", help="ep/nvshmem: use the inter-node path")
     return p.parse_args(argv)
 

@@ -56,8 +56,10 @@ def make_transport(
     spec: BufferSpec,
     bootstrap_id: bytes | None = None,
     force_remote_path: bool = False,
+    comm_programs: int = 0,
 ) -> Transport:
-    """Build transport ``name`` (gloo | nccl | nvshmem) for this rank, its buffers sized by ``spec``."""
+    """Build transport ``name`` (gloo | nccl | nvshmem) for this rank, its buffers sized by ``spec``;
+    NVSHMEM's exchange kernels on ``comm_programs`` SMs (0: all)."""
     if name in ("gloo", "nccl"):
         from ray_moe.comm.torch_a2a import TorchA2ATransport
 
@@ -65,5 +67,6 @@ def make_transport(
     if name == "nvshmem":
         from ray_moe.comm.nvshmem import NVSHMEMTransport
 
-        return NVSHMEMTransport(rank_info, device, bootstrap_id, spec, force_remote_path=force_remote_path)
+        return NVSHMEMTransport(rank_info, device, bootstrap_id, spec, force_remote_path=force_remote_path,
+                                comm_programs=comm_programs)
     raise ValueError(f"unknown transport {name!r}; choose one of gloo, nccl, nvshmem")

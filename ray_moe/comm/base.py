@@ -67,6 +67,7 @@ class Transport(ABC):
         self.rank = rank
         self.world_size = world_size
         self.timer = CommTimer()
+        self._comm_streams: dict[int, Any] = {}
 
     @abstractmethod
     def dispatch_forward(
@@ -75,6 +76,7 @@ class Transport(ABC):
         weight: torch.Tensor,
         dest_rank: torch.Tensor,
         dest_slot: torch.Tensor,
+        capacity: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Layout]:
         """Send rows to the ranks that hold their experts.
 
@@ -83,6 +85,10 @@ class Transport(ABC):
             weight: float32 [T, K] routing weights.
             dest_rank: int32 [T, K] destination rank per (token, k).
             dest_slot: int32 [T, K] expert slot on that rank.
+            capacity: the most tokens any rank passes to this call, the same on every rank
+                (:meth:`chunk_capacity`); a transport with fixed-size receive buffers sizes R from
+                it. None: the reserved ``BufferSpec.max_tokens``. Transports that size R from
+                the real traffic ignore it.
         Returns:
             recv_x [R, H], recv_slot int32 [R, K] (-1 = not for this rank), recv_weight float32
             [R, K] (0 where recv_slot is -1), and the layout. R may be a fixed capacity with
@@ -106,6 +112,24 @@ class Transport(ABC):
     def reserve(self, spec: BufferSpec) -> None:
         """Make the transport's buffers hold ``spec`` (collective where buffers are symmetric:
         every rank calls it with the same spec). Transports without fixed buffers ignore it."""
+
+    def chunk_capacity(self, chunks: int) -> int | None:
+        """The ``capacity`` to pass to each of ``chunks`` dispatches that split every rank's tokens
+        into ``chunks`` equal parts (:func:`ray_moe.comm.pipeline.token_chunks`): the same on every
+        rank. None where the transport does not size R from a capacity (the default)."""
+        return None
+
+    def comm_stream(self, device: torch.device) -> Any:
+        """The side stream communication runs on while expert compute runs on the current one
+        (:mod:`ray_moe.comm.pipeline`): one per transport and device, created on first use with
+        high priority (its blocks are scheduled first when SMs free up). None on the CPU."""
+        if device.type != "cuda":
+            return None
+        streams = self._comm_streams
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx not in streams:
+            streams[idx] = torch.cuda.Stream(device=idx, priority=-1)  # lower is higher; -1 is always valid
+        return streams[idx]
 
     def check(self) -> None:
         """Raise if a device-side wait timed out since the last check (a host sync: call it
@@ -168,11 +192,13 @@ class _LayoutBox:
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, transport, box, x, weight, dest_rank, dest_slot):
+    def forward(ctx, transport, box, capacity, x, weight, dest_rank, dest_slot):
         mark = transport.timer.start(x)
-        recv_x, recv_slot, recv_w, layout = transport.dispatch_forward(
-            x, weight, dest_rank, dest_slot
-        )
+        if capacity is None:
+            recv_x, recv_slot, recv_w, layout = transport.dispatch_forward(x, weight, dest_rank, dest_slot)
+        else:
+            recv_x, recv_slot, recv_w, layout = transport.dispatch_forward(
+                x, weight, dest_rank, dest_slot, capacity=capacity)
         transport.timer.stop(mark)
         ctx.transport, ctx.layout = transport, layout
         box.layout = layout
@@ -192,7 +218,7 @@ class _Dispatch(torch.autograd.Function):
             grad_recv_x.contiguous(), grad_recv_w.contiguous(), ctx.layout
         )
         ctx.transport.timer.stop(mark)
-        return None, None, gx, gw, None, None
+        return None, None, None, gx, gw, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -218,11 +244,12 @@ def dispatch(
     weight: torch.Tensor,
     dest_rank: torch.Tensor,
     dest_slot: torch.Tensor,
+    capacity: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Layout]:
-    """Differentiable dispatch (see :meth:`Transport.dispatch_forward` for shapes)."""
+    """Differentiable dispatch (see :meth:`Transport.dispatch_forward` for shapes and ``capacity``)."""
     box = _LayoutBox()
     recv_x, recv_slot, recv_w = _Dispatch.apply(
-        transport, box, x, weight, dest_rank.to(torch.int32), dest_slot.to(torch.int32)
+        transport, box, capacity, x, weight, dest_rank.to(torch.int32), dest_slot.to(torch.int32)
     )
     assert box.layout is not None
     return recv_x, recv_slot, recv_w, box.layout

@@ -47,10 +47,13 @@ from ray_moe.comm.base import BufferSpec, Layout, Transport
 from ray_moe.comm.nvshmem_kernels import (
     ChannelAddrs,
     Geometry,
+    Launcher,
     Tuning,
+    fast_launch_works,
     launch_combine,
     launch_dispatch,
 )
+from ray_moe.comm.pipeline import chunk_size
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +175,8 @@ class NVSHMEMLayout(Layout):
     """Routing state of one dispatch.
 
     pos int32 [T, W] (row of each token at each destination, -1 none), smeta int32 [G, W, 4]
-    (send chunk meta), rmeta int32 [W, G, 4] (received chunk meta), dest_rank int32 [T, K].
+    (send chunk meta), rmeta int32 [W, G, 4] (received chunk meta), dest_rank int32 [T, K];
+    capacity: C, the rows per source of this exchange (the received rows are [W*C, H]).
     """
 
     num_tokens: int
@@ -181,6 +185,7 @@ class NVSHMEMLayout(Layout):
     smeta: torch.Tensor
     rmeta: torch.Tensor
     dest_rank: torch.Tensor
+    capacity: int
 
 
 class _Channel:
@@ -254,13 +259,21 @@ class SymmetricBuffer:
         num_programs: G, equal on every rank (≤ SMs).
         remote: per peer, True to use host-issued NVSHMEM puts instead of peer pointers.
         spin_limit: polls before a device-side wait gives up and raises the error flag.
+        fast_launch: launch repeated calls of a shape through Triton's compiled kernel directly
+            (:class:`~ray_moe.comm.nvshmem_kernels.Launcher`); None: where
+            :func:`~ray_moe.comm.nvshmem_kernels.fast_launch_works` says this Triton allows it.
 
     Creating and closing a buffer are collective (symmetric allocation).
+
+    Host cost per call: each operation allocates its outputs (they go to autograd or the caller
+    and must outlive later calls, so they cannot be reused) and nothing else (combine_grad's
+    unused received meta is a buffer-owned scratch); argument checks and Triton's argument binding
+    run once per call shape (the Launcher's key).
     """
 
     def __init__(self, runtime: NVSHMEMRuntime, capacity: int, hidden: int, elem_bytes: int, kmax: int,
                  num_programs: int, remote: list[bool], spin_limit: int = 1 << 25,
-                 tuning: Tuning | None = None) -> None:
+                 tuning: Tuning | None = None, fast_launch: bool | None = None) -> None:
         self.rt = runtime
         W, me = runtime.world_size, runtime.rank
         self.geo = Geometry(W, me, max(16, capacity), hidden, elem_bytes, kmax, num_programs)
@@ -273,11 +286,15 @@ class SymmetricBuffer:
         self.scratch = (torch.zeros(G, W, dtype=torch.int32, device=dev),
                         torch.zeros(G, dtype=torch.int32, device=dev))
         self.err = torch.zeros(2, dtype=torch.int32, device=dev)
+        # combine_grad's received chunk meta: written by the kernel, never read (the layout's is)
+        self.rmeta_scratch = torch.empty(W, G, 4, dtype=torch.int32, device=dev)
         self.spin_limit = spin_limit
         self.tuning = tuning or Tuning.for_hidden(hidden)
         self.any_remote = any(self.remote)
+        self.launcher = Launcher(fast=fast_launch_works(dev) if fast_launch is None else fast_launch)
         runtime.barrier()
-        torch.cuda.synchronize(dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
     @property
     def capacity(self) -> int:
@@ -288,72 +305,93 @@ class SymmetricBuffer:
         return sum(t.numel() * t.element_size() for ch in (self.dch, self.cch) for t in ch.tensors())
 
     # ---------------------------------------------------------------- the four operations
-    def dispatch(self, x: torch.Tensor, weight: torch.Tensor, dest_rank: torch.Tensor, dest_slot: torch.Tensor):
+    def dispatch(self, x: torch.Tensor, weight: torch.Tensor, dest_rank: torch.Tensor, dest_slot: torch.Tensor,
+                 capacity: int | None = None):
         """x [T, H]; weight float32, dest_rank/dest_slot int32 [T, K] →
-        recv_x [W*T_cap, H], recv_slot int32 [W*T_cap, K], recv_w float32 [W*T_cap, K], layout."""
-        geo, dev = self.geo, x.device
+        recv_x [W*C, H], recv_slot int32 [W*C, K], recv_w float32 [W*C, K], layout; C = ``capacity``
+        (rows per source, the same on every rank; default and at most the buffer's T_cap)."""
+        geo = self.geo
         T, K = dest_rank.shape
-        W, G, R = geo.world_size, geo.num_programs, geo.world_size * geo.capacity
+        W, G = geo.world_size, geo.num_programs
+        cap = capacity or geo.capacity
+        R = W * cap
         x = x.contiguous()
         dest_rank = dest_rank.to(torch.int32).contiguous()
+        dest_slot = dest_slot.to(torch.int32).contiguous()
+        weight = weight.float().contiguous()
+        dev = x.device
         pos = torch.empty(T, W, dtype=torch.int32, device=dev)
         smeta = torch.empty(G, W, 4, dtype=torch.int32, device=dev)
         rmeta = torch.empty(W, G, 4, dtype=torch.int32, device=dev)
         recv_x = torch.empty(R, geo.hidden, dtype=x.dtype, device=dev)
         recv_slot = torch.empty(R, K, dtype=torch.int32, device=dev)
         recv_w = torch.empty(R, K, dtype=torch.float32, device=dev)
-        kw = dict(dest_rank=dest_rank, dest_slot=dest_slot.to(torch.int32).contiguous(),
-                  weight=weight.float().contiguous(), out_slot=recv_slot, out_w=recv_w,
-                  scratch=self.scratch, compute_layout=True,
-                  spin_limit=self.spin_limit, tuning=self.tuning)
-        self._dispatch_like(x, pos, smeta, recv_x, rmeta, kw)
-        return recv_x, recv_slot, recv_w, NVSHMEMLayout(T, K, pos, smeta, rmeta, dest_rank)
+        key = self._key("dispatch", cap, x, dest_rank, dest_slot, weight)
+        kw = dict(dest_rank=dest_rank, dest_slot=dest_slot, weight=weight, out_slot=recv_slot, out_w=recv_w,
+                  scratch=self.scratch, compute_layout=True)
+        self._dispatch_like(x, pos, smeta, recv_x, rmeta, cap, key, kw)
+        return recv_x, recv_slot, recv_w, NVSHMEMLayout(T, K, pos, smeta, rmeta, dest_rank, cap)
 
     def combine(self, partial: torch.Tensor, layout: NVSHMEMLayout) -> torch.Tensor:
-        """partial [W*T_cap, H] → [T, H]: per token, the sum of its partial rows from every rank."""
+        """partial [W*C, H] → [T, H]: per token, the sum of its partial rows from every rank."""
+        partial = partial.contiguous()
         out = torch.empty(layout.num_tokens, self.geo.hidden, dtype=partial.dtype, device=partial.device)
-        self._combine_like(partial.contiguous(), layout, out, {})
+        self._combine_like(partial, layout, out, self._key("combine", layout.capacity, partial, layout.pos), {})
         return out
 
     def dispatch_grad(self, grad_recv_x: torch.Tensor, grad_recv_w: torch.Tensor, layout: NVSHMEMLayout):
-        """Backward of dispatch: [W*T_cap, H], float32 [W*T_cap, K] → gx [T, H], gw float32 [T, K]."""
+        """Backward of dispatch: [W*C, H], float32 [W*C, K] → gx [T, H], gw float32 [T, K]."""
         T, K = layout.num_tokens, layout.top_k
+        grad_recv_x, side = grad_recv_x.contiguous(), grad_recv_w.float().contiguous()
         gx = torch.empty(T, self.geo.hidden, dtype=grad_recv_x.dtype, device=grad_recv_x.device)
         gw = torch.empty(T, K, dtype=torch.float32, device=grad_recv_x.device)
-        self._combine_like(grad_recv_x.contiguous(), layout, gx,
-                           dict(side=grad_recv_w.float().contiguous(), dest_rank=layout.dest_rank, gw=gw))
+        key = self._key("dispatch_grad", layout.capacity, grad_recv_x, side, layout.pos, layout.dest_rank)
+        self._combine_like(grad_recv_x, layout, gx, key, dict(side=side, dest_rank=layout.dest_rank, gw=gw))
         return gx, gw
 
     def combine_grad(self, grad_out: torch.Tensor, layout: NVSHMEMLayout) -> torch.Tensor:
-        """Backward of combine: grad_out [T, H] → [W*T_cap, H] (zero on padding rows)."""
+        """Backward of combine: grad_out [T, H] → [W*C, H] (zero on padding rows)."""
         geo = self.geo
-        out = torch.empty(geo.world_size * geo.capacity, geo.hidden, dtype=grad_out.dtype, device=grad_out.device)
-        rmeta = torch.empty_like(layout.rmeta)
-        kw = dict(spin_limit=self.spin_limit, tuning=self.tuning)
-        self._dispatch_like(grad_out.contiguous(), layout.pos, layout.smeta, out, rmeta, kw)
+        grad_out = grad_out.contiguous()
+        out = torch.empty(geo.world_size * layout.capacity, geo.hidden, dtype=grad_out.dtype, device=grad_out.device)
+        key = self._key("combine_grad", layout.capacity, grad_out, layout.pos)
+        self._dispatch_like(grad_out, layout.pos, layout.smeta, out, self.rmeta_scratch, layout.capacity, key, {})
         return out
 
     # ---------------------------------------------------------------- plumbing
-    def _dispatch_like(self, x, pos, smeta, out_x, rmeta, kw) -> None:
+    def _key(self, op: str, capacity: int, *tensors: torch.Tensor) -> tuple | None:
+        """The Launcher's key of one call: what its checks and Triton's specialisation depend on
+        besides the buffer itself. None (check and bind every time) when a tensor is empty or not
+        16-byte aligned (then Triton would specialise differently)."""
+        for t in tensors:
+            if t.numel() == 0 or t.data_ptr() % 16:
+                return None
+        return (op, capacity, self.spin_limit, self.tuning.key(),
+                *[(t.shape, t.dtype, t.is_cuda) for t in tensors])
+
+    def _dispatch_like(self, x, pos, smeta, out_x, rmeta, capacity, key, kw) -> None:
         ch = self.dch
+        kw = dict(kw, spin_limit=self.spin_limit, tuning=self.tuning, capacity=capacity, launcher=self.launcher)
+        args = (self.geo, ch.addrs, x, pos, smeta, out_x, rmeta, self.err)
         if not self.any_remote:
-            launch_dispatch(self.geo, ch.addrs, x, pos, smeta, out_x, rmeta, self.err, phase=3, **kw)
+            launch_dispatch(*args, phase=3, key=_with(key, 3), **kw)
             return
-        launch_dispatch(self.geo, ch.addrs, x, pos, smeta, out_x, rmeta, self.err, phase=1, **kw)
+        launch_dispatch(*args, phase=1, key=_with(key, 1), **kw)
         ch.post_send(self.rt)
-        launch_dispatch(self.geo, ch.addrs, x, pos, smeta, out_x, rmeta, self.err, phase=2, **kw)
+        launch_dispatch(*args, phase=2, key=_with(key, 2), **kw)
         ch.post_recv(self.rt)
 
-    def _combine_like(self, src, layout: NVSHMEMLayout, out, kw) -> None:
+    def _combine_like(self, src, layout: NVSHMEMLayout, out, key, kw) -> None:
         ch = self.cch
         args = (self.geo, ch.addrs, src, layout.rmeta, layout.pos, out, self.err)
-        kw = dict(kw, spin_limit=self.spin_limit, tuning=self.tuning)
+        kw = dict(kw, spin_limit=self.spin_limit, tuning=self.tuning, capacity=layout.capacity,
+                  launcher=self.launcher)
         if not self.any_remote:
-            launch_combine(*args, phase=3, **kw)
+            launch_combine(*args, phase=3, key=_with(key, 3), **kw)
             return
-        launch_combine(*args, phase=1, **kw)
+        launch_combine(*args, phase=1, key=_with(key, 1), **kw)
         ch.post_send(self.rt)
-        launch_combine(*args, phase=2, **kw)
+        launch_combine(*args, phase=2, key=_with(key, 2), **kw)
         ch.post_recv(self.rt)
 
     # ---------------------------------------------------------------- health
@@ -373,6 +411,10 @@ class SymmetricBuffer:
             for t in ch.tensors():
                 self.rt.free(t)
         self.dch = self.cch = None  # type: ignore[assignment]
+
+
+def _with(key: tuple | None, phase: int) -> tuple | None:
+    return None if key is None else key + (phase,)
 
 
 def _num_programs(device: torch.device) -> int:
@@ -399,12 +441,18 @@ def _gather_node_ranks(rank_info: Any, device: torch.device) -> list[int]:
 
 
 class NVSHMEMTransport(Transport):
-    """Transport over one :class:`SymmetricBuffer`; no host synchronisation in any primitive."""
+    """Transport over one :class:`SymmetricBuffer`; no host synchronisation in any primitive.
+
+    ``comm_programs``: G, the programs (SMs) the exchange kernels of the transport's buffer run on
+    (0: every SM); fewer leave SMs to expert compute that overlaps the exchange
+    (``moe.pipeline_chunks``). The same on every rank (it shapes the symmetric buffer).
+    ``RAY_MOE_FAST_LAUNCH=0`` turns the Launcher's direct launches off (every call through Triton's JIT).
+    """
 
     name = "nvshmem"
 
     def __init__(self, rank_info: Any, device: torch.device, bootstrap_id: bytes | None, spec: BufferSpec,
-                 force_remote_path: bool = False) -> None:
+                 force_remote_path: bool = False, comm_programs: int = 0) -> None:
         super().__init__(rank_info.rank, rank_info.world_size)
         if bootstrap_id is None:
             raise NVSHMEMError("the NVSHMEM transport needs rank 0's unique id (bootstrap_id is None)")
@@ -415,9 +463,13 @@ class NVSHMEMTransport(Transport):
         self.force_remote = bool(force_remote_path)
         self.node_of_rank = _gather_node_ranks(rank_info, device)
         self.num_programs = _num_programs(device)
+        if comm_programs < 0:
+            raise ValueError(f"comm_programs must be >= 0 (0: every SM), got {comm_programs}")
+        self.comm_programs = min(comm_programs, self.num_programs) or self.num_programs
         self.buffer: SymmetricBuffer | None = None
         self.spec: BufferSpec | None = None
         self.spin_limit = int(os.environ.get("RAY_MOE_NVSHMEM_SPIN_LIMIT", 1 << 25))
+        self.fast_launch = os.environ.get("RAY_MOE_FAST_LAUNCH", "1") != "0" and fast_launch_works(device)
         if self.force_remote:
             self.name = "nvshmem-remote"
         self.reserve(spec)
@@ -438,7 +490,8 @@ class NVSHMEMTransport(Transport):
             self.buffer.close()
             self.buffer = None
         self.buffer = self.new_buffer(capacity=spec.max_tokens, hidden=spec.hidden,
-                                      elem_bytes=spec.elem_bytes, kmax=max(8, spec.max_top_k))
+                                      elem_bytes=spec.elem_bytes, kmax=max(8, spec.max_top_k),
+                                      num_programs=self.comm_programs)
         self.spec = spec
         log.info("rank %d: NVSHMEM buffer of %.1f MiB (capacity %d rows/rank, remote peers %s)",
                  self.rank, self.buffer.symmetric_bytes / 2**20, self.buffer.capacity,
@@ -467,11 +520,20 @@ class NVSHMEMTransport(Transport):
             raise ValueError(f"num_programs must be in [1, {self.num_programs}] (SMs), got {G}")
         remote = self.remote_peers()
         return SymmetricBuffer(self.runtime, capacity, hidden, elem_bytes, kmax, G,
-                               remote, spin_limit=spin_limit or self.spin_limit, tuning=tuning)
+                               remote, spin_limit=spin_limit or self.spin_limit, tuning=tuning,
+                               fast_launch=self.fast_launch)
 
     # ---------------------------------------------------------------- Transport
-    def dispatch_forward(self, x, weight, dest_rank, dest_slot):
-        return self.buffer.dispatch(x, weight, dest_rank, dest_slot)
+    def dispatch_forward(self, x, weight, dest_rank, dest_slot, capacity=None):
+        return self.buffer.dispatch(x, weight, dest_rank, dest_slot, capacity=capacity)
+
+    def chunk_capacity(self, chunks: int) -> int | None:
+        """Rows per source of one of ``chunks`` dispatches that split each rank's tokens (at most
+        ``spec.max_tokens``) by :func:`ray_moe.comm.pipeline.token_chunks`: the received rows
+        shrink with the chunks instead of staying W * T_cap each."""
+        if chunks <= 1 or self.spec is None:
+            return None
+        return min(self.buffer.capacity, chunk_size(self.spec.max_tokens, chunks))
 
     def dispatch_backward(self, grad_recv_x, grad_recv_weight, layout):
         return self.buffer.dispatch_grad(grad_recv_x, grad_recv_weight, layout)
@@ -492,7 +554,8 @@ class NVSHMEMTransport(Transport):
         if self.buffer is not None:
             d.update(capacity=self.buffer.capacity, symmetric_mib=round(self.buffer.symmetric_bytes / 2**20, 1),
                      remote_peers=[i for i, r in enumerate(self.buffer.remote) if r],
-                     num_programs=self.num_programs)
+                     num_programs=self.buffer.geo.num_programs,
+                     fast_launch=self.buffer.launcher.fast)
         return d
 
     def close(self) -> None:

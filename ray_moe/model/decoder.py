@@ -115,7 +115,7 @@ class Decoder(nn.Module):
                     H, spec.num_experts, spec.top_k, spec.expert_hidden, transport, layer_idx=i,
                     seed=self.seed, dtype=dtype, expert_impl=e.expert_impl, aux_loss_coef=e.aux_loss_coef,
                     device=device, expert_chooser=chooser, clone_slots=config.balance.clone_slots,
-                    routing=routing, reset=init,
+                    routing=routing, reset=init, pipeline_chunks=e.pipeline_chunks,
                 )
                 shared = GatedMLP(H, spec.shared_hidden, device) if spec.shared_hidden else None
                 mlp: nn.Module = MoEBlock(routed, shared)

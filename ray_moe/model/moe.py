@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ray_moe.comm.base import Transport, combine, dispatch
+from ray_moe.comm.pipeline import pipelined_exchange
 from ray_moe.model.expert_choice import ExpertChoice, ExpertImplChooser
 from ray_moe.model.experts import expert_ffn, resolve_impl
 from ray_moe.model.router import SOFTMAX, Routing, balancing_bias_step, load_balancing_loss, route
@@ -81,12 +82,19 @@ class MoELayer(nn.Module):
         clone_slots: int = 0,
         routing: Routing = SOFTMAX,
         reset: bool = True,
+        pipeline_chunks: int = 1,
     ) -> None:
         """``placement``: the initial placement (default: native, with ``clone_slots`` free clone
         slots per rank); the world size is the transport's. ``routing``: the router variant.
         ``reset=False`` leaves the expert weights zero for a caller that loads them (a checkpoint,
-        an HF model, a benchmark: drawing E large experts on the host takes minutes)."""
+        an HF model, a benchmark: drawing E large experts on the host takes minutes).
+        ``pipeline_chunks``: C; 1 runs dispatch → experts → combine over all tokens, C > 1 splits
+        each rank's tokens into C chunks whose exchange overlaps the experts of the neighbouring
+        chunks (:mod:`ray_moe.comm.pipeline`; the same results). The same on every rank."""
         super().__init__()
+        if int(pipeline_chunks) < 1:
+            raise ValueError(f"pipeline_chunks must be >= 1, got {pipeline_chunks}")
+        self.pipeline_chunks = int(pipeline_chunks)
         if placement is None:
             placement = Placement.native(num_experts, transport.world_size, clone_slots)
         self._check_placement(placement, num_experts, transport.world_size)
@@ -175,21 +183,28 @@ class MoELayer(nn.Module):
             x, self.router, self.top_k, fused=impl == "triton", need_probs=self.aux_loss_coef > 0,
             routing=self.routing, score_bias=self.score_bias,
         )
-        dest_rank, dest_slot = self.tables.route(ids, self.rank)
-        recv_x, recv_slot, recv_w, layout = dispatch(self.transport, x, weights, dest_rank, dest_slot)
-        choice = ExpertChoice(impl)
-        if self.expert_impl == "auto" and impl == "triton":
-            needs_grad = torch.is_grad_enabled() and any(
-                t.requires_grad for t in (recv_x, recv_w, self.w13, self.w2))
-            choice = self.expert_chooser.choose(recv_x, recv_slot, recv_w, self.w13, self.w2, needs_grad)
-        partial = expert_ffn(recv_x, recv_slot, recv_w, self.w13, self.w2, choice.impl, wgrad=choice.wgrad)
-        out = combine(self.transport, partial, layout)
+        dest_rank, dest_slot = self.tables.route(ids, self.rank)  # replicas by global token index
+
+        def experts(recv_x, recv_slot, recv_w, w13, w2):
+            choice = ExpertChoice(impl)
+            if self.expert_impl == "auto" and impl == "triton":
+                needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (recv_x, recv_w, w13, w2))
+                choice = self.expert_chooser.choose(recv_x, recv_slot, recv_w, w13, w2, needs_grad)
+            return expert_ffn(recv_x, recv_slot, recv_w, w13, w2, choice.impl, wgrad=choice.wgrad)
+
+        if self.pipeline_chunks > 1:
+            out, pairs = pipelined_exchange(self.transport, x, weights, dest_rank, dest_slot, (self.w13, self.w2),
+                                            experts, self.pipeline_chunks)
+        else:
+            recv_x, recv_slot, recv_w, layout = dispatch(self.transport, x, weights, dest_rank, dest_slot)
+            out = combine(self.transport, experts(recv_x, recv_slot, recv_w, self.w13, self.w2), layout)
+            pairs = (recv_slot >= 0).sum()
         if not self.recomputing:
             with torch.no_grad():
                 self.expert_tokens.scatter_add_(
                     0, ids.flatten(), torch.ones(ids.numel(), device=ids.device)
                 )
-                self.received_pairs += (recv_slot >= 0).sum()
+                self.received_pairs += pairs
         aux = load_balancing_loss(probs, ids) if self.aux_loss_coef > 0 else x.new_zeros((), dtype=torch.float32)
         return out, aux * self.aux_loss_coef
 

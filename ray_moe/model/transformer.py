@@ -112,7 +112,7 @@ class MoETransformer(nn.Module):
                     m.d_model, e.num_experts, e.top_k, e.expert_hidden, transport,
                     layer_idx=i, seed=config.train.seed, dtype=dtype, expert_impl=e.expert_impl,
                     aux_loss_coef=e.aux_loss_coef, device=device, expert_chooser=chooser,
-                    clone_slots=config.balance.clone_slots,
+                    clone_slots=config.balance.clone_slots, pipeline_chunks=e.pipeline_chunks,
                 )
             blocks.append(Block(m.d_model, m.n_heads, ffn, device, m.activation_checkpointing))
         self.blocks = nn.ModuleList(blocks)

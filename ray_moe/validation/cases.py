@@ -23,7 +23,9 @@ class Case:
     """A seeded global problem every rank builds identically.
 
     tokens_per_rank is cycled over the ranks; placement is a ``Placement.to_dict()`` (None:
-    native); expert_impl is the layer's (``moe.expert_impl``).
+    native); expert_impl and pipeline_chunks are the layer's (``moe.expert_impl``,
+    ``moe.pipeline_chunks``: 1 sequential, C > 1 the exchange overlapped with the experts in C
+    chunks of each rank's tokens).
     """
 
     num_experts: int = 8
@@ -36,10 +38,13 @@ class Case:
     dtype: str = "float32"
     expert_impl: str = "auto"
     placement: dict | None = None
+    pipeline_chunks: int = 1
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing {self.routing!r} is not one of {', '.join(ROUTINGS)}")
+        if self.pipeline_chunks < 1:
+            raise ValueError(f"pipeline_chunks must be >= 1, got {self.pipeline_chunks}")
         object.__setattr__(self, "tokens_per_rank", tuple(self.tokens_per_rank))
 
     def tokens(self, rank: int) -> int:

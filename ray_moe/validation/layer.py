@@ -77,6 +77,7 @@ def layer_parity(worker: Any, case: Case) -> dict[str, float]:
     layer = MoELayer(
         case.hidden, case.num_experts, case.top_k, case.expert_hidden, worker.transport,
         placement, dtype=dtype, expert_impl=case.expert_impl, device=device,
+        pipeline_chunks=case.pipeline_chunks,
     )
     with torch.no_grad():
         layer.router.copy_(P["router"])
@@ -104,6 +105,13 @@ def layer_parity(worker: Any, case: Case) -> dict[str, float]:
         "grad_w13": rel_err(layer.w13.grad[:n], w13_ref.grad[natives]),
         "grad_w2": rel_err(layer.w2.grad[:n], w2_ref.grad[natives]),
     }
+    # Load statistics: tokens per logical expert from this rank, pairs computed over all ranks.
+    want_tokens = torch.bincount(ids_ref[mine].flatten(), minlength=case.num_experts).float()
+    errors["expert_tokens"] = 0.0 if torch.equal(layer.expert_tokens.cpu(), want_tokens) else math.inf
+    pairs = layer.received_pairs.detach().clone()
+    if W > 1:
+        dist.all_reduce(pairs)
+    errors["received_pairs"] = 0.0 if int(pairs.item()) == ids_ref.numel() else math.inf
     # Experts that got no tokens must have exactly zero gradients.
     routed = torch.zeros(case.num_experts, dtype=torch.bool)
     routed[ids_ref.flatten().unique()] = True

@@ -96,7 +96,8 @@ class EPWorker:
         config, rank_info = self._setup_done()
         spec = buffer_spec(config, rank_info.world_size)
         self.transport = make_transport(name, rank_info, self.device, spec, bootstrap_id,
-                                        force_remote_path=config.parallel.force_remote_path)
+                                        force_remote_path=config.parallel.force_remote_path,
+                                        comm_programs=config.parallel.comm_programs)
         return self.transport.name
 
     # ------------------------------------------------------------------ generic

@@ -29,3 +29,22 @@ def test_bench_balance_train_mode_on_cpu(ray_cluster, tmp_path):
     row = json.loads(out.read_text())["train"][0]
     assert row["clones"] >= 1
     assert row["imbalance_on"] < row["imbalance_off"]
+
+
+def test_ep_rows_pipelined_beside_sequential_on_a_shared_group(groups):
+    """`bench layer --sections ep` rows on an existing CPU group: the sequential and the pipelined
+    layer side by side, the single-rank layer at T/W and at T, and per variant the exposed
+    communication and the scaling efficiency (tiny shapes; only their presence is checked)."""
+    from ray_moe.bench.ep_layer import ep_layer_rows
+
+    rows = ep_layer_rows(64, 16, 24, 8, 2, 2, dtype="float32", device="cpu", iters=2, chunks=(1, 3),
+                         group=groups(2))
+    ep = [r for r in rows if r["what"].startswith("EP")]
+    assert [r["chunks"] for r in ep] == [1, 3] and all(r["transport"] == "gloo" for r in ep)
+    assert "pipelined, 3 chunks" in ep[1]["what"] and "sequential" in ep[0]["what"]
+    assert {r["what"] for r in rows} >= {"one GPU, T/W tokens", "one GPU, all T tokens"}
+    derived = [r for r in rows if r["what"] == "derived"]
+    assert [d["chunks"] for d in derived] == [1, 3]
+    for d in derived:
+        assert d["scaling_eff_fwd"] > 0 and d["scaling_eff_fwd+bwd"] > 0
+        assert {"exposed_comm_frac_fwd", "exposed_comm_frac_fwd+bwd", "exposed_comm_fwd_ms"} <= d.keys()

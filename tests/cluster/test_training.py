@@ -34,9 +34,12 @@ def _shards(worker):
     return {k: v for k, v in worker.engine.shard_state().items() if not k.startswith("rng.")}
 
 
-def test_ep_training_equals_single_process(groups, tmp_path):
+@pytest.mark.parametrize("chunks", [1, 3], ids=["sequential", "pipelined"])
+def test_ep_training_equals_single_process(groups, tmp_path, chunks):
+    """W=2 training (with moe.pipeline_chunks=3: every MoE layer's exchange overlapped in chunks)
+    equals the sequential single-process run: losses and every weight after 4 steps."""
     cfg = small_config(tmp_path, **{"train.steps": 4})
-    with Trainer(cfg, progress=False, group=groups(2)) as t:
+    with Trainer(cfg.with_overrides([f"moe.pipeline_chunks={chunks}"]), progress=False, group=groups(2)) as t:
         ep_losses = [t.step()["loss"] for _ in range(4)]
         ep_state = {}
         for shard in t.group.execute(_shards):

@@ -2,8 +2,9 @@
 
 Covers: UID bootstrap across Ray actors, the kernels' layout against ``layout_reference``, the
 transport validators (fp32 and bf16), the full layer's parity with the single-process oracle in
-bf16 (every gradient), a larger buffer reserved on a live transport, the ``force_remote_path``
-variant, CUDA-graph capture and replay of a layer's forward+backward, and (with
+bf16 (every gradient), sequential and pipelined (``moe.pipeline_chunks``), a larger buffer
+reserved on a live transport, the ``force_remote_path`` variant, CUDA-graph capture and replay of
+a layer's forward+backward (sequential and pipelined), and (with
 ``RAY_MOE_TWO_NODE_ADDRESS`` pointing at a cluster of two Ray nodes on one host, see
 ``scripts/nvshmem_device.sh``) two Ray nodes treated as two nodes.
 
@@ -148,6 +149,28 @@ def test_cuda_graph_replay(group):
         assert all(v <= BF16_TOL for v in errs.values()), (rank, errs)  # index_add order varies
 
 
+def test_pipelined_layer_parity(group):
+    """moe.pipeline_chunks=3 over NVSHMEM (per-chunk capacity, comm on the side stream) equals the
+    oracle in bf16 on the parity cases."""
+    for extra in PARITY_CASES:
+        if Case(**extra).applies_to(group.world_size) is not None:
+            continue
+        case = Case(seed=_seed_without_near_ties(extra, group.world_size), dtype="bfloat16", hidden=64,
+                    pipeline_chunks=3, **extra)
+        for rank, errs in enumerate(group.execute(layer_parity, case, timeout=300)):
+            bad = {k: v for k, v in errs.items() if not v <= BF16_TOL}
+            assert not bad, f"pipelined rank {rank} case {extra}: {bad}"
+    group.execute(lambda w: w.transport.check())
+
+
+def test_pipelined_cuda_graph_replay(group):
+    """The pipelined layer's forward+backward captured in a CUDA graph (side-stream fork and join
+    inside the capture) replays equal to eager, and eager equals the sequential layer."""
+    res = group.execute(_graph_vs_eager, 3, timeout=300)
+    for rank, errs in enumerate(res):
+        assert all(v <= BF16_TOL for v in errs.values()), (rank, errs)
+
+
 def test_force_remote_path(remote_group):
     desc = remote_group.execute(lambda w: w.transport.describe())
     assert desc[0]["remote_peers"] == [1] and desc[1]["remote_peers"] == [0]
@@ -171,13 +194,14 @@ def test_two_ray_nodes_on_one_host():
 
 
 # --------------------------------------------------------------------------- worker functions
-def _layer(worker, seed: int, idx: int = 0):
+def _layer(worker, seed: int, idx: int = 0, chunks: int = 1):
     from ray_moe.comm.base import BufferSpec
     from ray_moe.model.moe import MoELayer
 
     worker.transport.reserve(BufferSpec(max_tokens=64, hidden=64, elem_bytes=2, max_top_k=2))
     return MoELayer(64, 8, 2, 96, worker.transport, layer_idx=idx, seed=seed,
-                    dtype=torch.bfloat16, expert_impl="grouped_mm", device=worker.device)
+                    dtype=torch.bfloat16, expert_impl="grouped_mm", device=worker.device,
+                    pipeline_chunks=chunks)
 
 
 def _layout_vs_reference(worker) -> list[str]:
@@ -240,11 +264,12 @@ def _stacked_layers(worker) -> dict:
     return out
 
 
-def _graph_vs_eager(worker) -> dict:
+def _graph_vs_eager(worker, chunks: int = 1) -> dict:
     dev = worker.device
     torch.manual_seed(10 + worker.rank_info.rank)
-    layer = _layer(worker, 7)
-    eager = _layer(worker, 7)
+    layer = _layer(worker, 7, chunks=chunks)
+    eager = _layer(worker, 7, chunks=chunks)
+    sequential = _layer(worker, 7)
     sx = torch.randn(40, 64, dtype=torch.bfloat16, device=dev, requires_grad=True)
     sg = torch.randn(40, 64, dtype=torch.bfloat16, device=dev)
     s = torch.cuda.Stream()
@@ -277,5 +302,13 @@ def _graph_vs_eager(worker) -> dict:
         errs[f"grad_x{trial}"] = rel_err(sx.grad, ex.grad)
         errs[f"grad_w13_{trial}"] = rel_err(layer.w13.grad, eager.w13.grad)
         errs[f"grad_router{trial}"] = rel_err(layer.router.grad, eager.router.grad)
+        if chunks > 1:
+            sequential.zero_grad(set_to_none=True)
+            sx = nx.clone().requires_grad_()
+            so, _ = sequential(sx)
+            so.backward(ng)
+            errs[f"sequential_out{trial}"] = rel_err(eo, so)
+            errs[f"sequential_grad_x{trial}"] = rel_err(ex.grad, sx.grad)
+            errs[f"sequential_grad_w13_{trial}"] = rel_err(eager.w13.grad, sequential.w13.grad)
     worker.transport.check()
     return errs
