@@ -35,7 +35,8 @@ import torch.nn.functional as F
 
 VARIANTS = MappingProxyType({  # step variant → config overrides
     "old": ("train.master_weights=false", "train.optimizer_impl=for_loop"),
-    "new": (),
+    "new": (),  # optimizer_impl auto: onepass on CUDA
+    "new_fused": ("train.optimizer_impl=fused",),
     "new_foreach": ("train.optimizer_impl=foreach",),
 })
 TIME_KEYS = ("forward", "backward", "optimizer", "grad_sync", "update", "step")
@@ -188,7 +189,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sections", default="step,loss", help="comma-separated: step, loss")
     p.add_argument("--device", default="auto", help="auto, cuda, cpu")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--variants", default="old,new,new_foreach", help=f"step variants: {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default="old,new,new_fused", help=f"step variants: {', '.join(VARIANTS)}")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--d-model", type=int, default=4096, help="H (also the loss section's hidden size)")
     p.add_argument("--heads", type=int, default=32)

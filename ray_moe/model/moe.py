@@ -23,15 +23,17 @@ from ray_moe.placement.placement import ExpertShard, Placement
 
 
 def expert_init(
-    seed: int, layer: int, expert: int, d_model: int, hidden: int
+    seed: int, layer: int, expert: int, d_model: int, hidden: int, device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deterministic float32 weights of one logical expert, independent of world size.
+    """Deterministic float32 weights of one logical expert, independent of world size, drawn on
+    ``device`` from the expert's own generator (on a GPU: the host would take minutes for E large
+    experts; a CUDA generator draws other values than a CPU one, the same on every rank).
 
     Returns w13 [H, 2I] (gate|up) and w2 [I, H].
     """
-    g = torch.Generator().manual_seed(_mix(seed, layer, expert, 1))
-    w13 = torch.randn(d_model, 2 * hidden, generator=g) / math.sqrt(d_model)
-    w2 = torch.randn(hidden, d_model, generator=g) / math.sqrt(hidden)
+    g = torch.Generator(device=device).manual_seed(_mix(seed, layer, expert, 1))
+    w13 = torch.randn(d_model, 2 * hidden, generator=g, device=device) / math.sqrt(d_model)
+    w2 = torch.randn(hidden, d_model, generator=g, device=device) / math.sqrt(hidden)
     return w13, w2
 
 
@@ -134,7 +136,8 @@ class MoELayer(nn.Module):
         self.w2.zero_()
         for slot, e in enumerate(self.placement.slot_experts()[self.rank].tolist()):
             if e >= 0:
-                w13, w2 = expert_init(self.seed, self.layer_idx, e, self.d_model, self.expert_hidden)
+                w13, w2 = expert_init(self.seed, self.layer_idx, e, self.d_model, self.expert_hidden,
+                                      device=self.w13.device)
                 self.load_expert(slot, w13, w2)
         self.expert_tokens.zero_()
         self.received_pairs.zero_()

@@ -116,7 +116,7 @@ def test_training_on_the_prepared_dataset_learns_and_resumes_at_any_world_size(g
     assert abs(initial - np.log(VOCAB)) < 0.3, initial  # untrained ≈ uniform over the vocabulary
     assert final < initial - 1.0, (initial, final)
     for world_size, strategy in ((1, "PACK"), (4, "SPREAD")):
-        other = cfg.with_overrides([f"parallel.world_size={world_size}"])
+        other = cfg.with_overrides([f"parallel.world_size={world_size}", f"train.run_dir={tmp_path / f'w{world_size}'}"])
         with Trainer(other, progress=False, group=groups(world_size, strategy)) as t2:
             assert t2.restore(saved) == 50
             assert t2.step()["loss"] == pytest.approx(uninterrupted, rel=1e-5)

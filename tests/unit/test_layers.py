@@ -10,8 +10,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parents[2] / "ray_moe"
 
 # What each part of the package may import (besides itself). Shared base modules first.
@@ -63,24 +61,30 @@ def _imports(path: Path) -> set[str]:
 MODULES = sorted(PACKAGE.rglob("*.py"))
 
 
-@pytest.mark.parametrize("path", MODULES, ids=[str(p.relative_to(PACKAGE)) for p in MODULES])
-def test_imports_run_down_the_layers(path):
-    part = _part(path)
-    assert part in ALLOWED, f"{part} is not in the layer table of this test: add it"
-    upward = _imports(path) - ALLOWED[part] - {part}
-    assert not upward, f"ray_moe/{path.relative_to(PACKAGE)} ({part}) imports {sorted(upward)}"
+def test_imports_run_down_the_layers():
+    upward = []
+    for path in MODULES:
+        part = _part(path)
+        assert part in ALLOWED, f"{part} is not in the layer table of this test: add it"
+        bad = _imports(path) - ALLOWED[part] - {part}
+        if bad:
+            upward.append(f"ray_moe/{path.relative_to(PACKAGE)} ({part}) imports {sorted(bad)}")
+    assert not upward, "\n".join(upward)
 
 
-@pytest.mark.parametrize("path", MODULES, ids=[str(p.relative_to(PACKAGE)) for p in MODULES])
-def test_no_mutable_module_state(path):
+def test_no_mutable_module_state():
     """Module-level assignments hold constants: no lists, dicts or sets (tables are tuples or
     MappingProxyType), and no ``global`` statements anywhere."""
-    tree = ast.parse(path.read_text())
-    for node in tree.body:
-        if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, (ast.List, ast.Dict, ast.Set,
-                                                                                     ast.ListComp, ast.DictComp,
-                                                                                     ast.SetComp)):
-            target = node.targets[0] if isinstance(node, ast.Assign) else node.target
-            name = getattr(target, "id", "?")
-            assert name == "__all__", f"{path.name}: module-level mutable {name} (line {node.lineno})"
-    assert not [n for n in ast.walk(tree) if isinstance(n, ast.Global)], f"{path.name} uses global"
+    mutable = (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)
+    found = []
+    for path in MODULES:
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, mutable):
+                target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+                name = getattr(target, "id", "?")
+                if name != "__all__":
+                    found.append(f"ray_moe/{path.relative_to(PACKAGE)}:{node.lineno} {name}")
+        if [n for n in ast.walk(tree) if isinstance(n, ast.Global)]:
+            found.append(f"ray_moe/{path.relative_to(PACKAGE)} uses global")
+    assert not found, "module-level mutable state: " + "; ".join(found)
