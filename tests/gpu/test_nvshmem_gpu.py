@@ -304,11 +304,11 @@ def _graph_vs_eager(worker, chunks: int = 1) -> dict:
         errs[f"grad_router{trial}"] = rel_err(layer.router.grad, eager.router.grad)
         if chunks > 1:
             sequential.zero_grad(set_to_none=True)
-            sx = nx.clone().requires_grad_()
-            so, _ = sequential(sx)
+            qx = nx.clone().requires_grad_()  # not sx: that is the graph's captured input
+            so, _ = sequential(qx)
             so.backward(ng)
             errs[f"sequential_out{trial}"] = rel_err(eo, so)
-            errs[f"sequential_grad_x{trial}"] = rel_err(ex.grad, sx.grad)
+            errs[f"sequential_grad_x{trial}"] = rel_err(ex.grad, qx.grad)
             errs[f"sequential_grad_w13_{trial}"] = rel_err(eager.w13.grad, sequential.w13.grad)
     worker.transport.check()
     return errs
