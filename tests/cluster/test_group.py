@@ -218,7 +218,6 @@ def test_bundle_bigger_than_any_node_times_out_clearly(ray_cluster):
     from ray_moe.driver.group import GroupError, WorkerGroup
 
     per_node = max(n["Resources"].get("CPU", 0) for n in cluster_nodes().values())
-    cpu0 = available_cpu()
     before = live_pg_ids()
     cpus = per_node + 1  # less than the cluster total, more than any one node has
     t0 = time.monotonic()

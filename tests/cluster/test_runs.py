@@ -143,6 +143,7 @@ def test_soak_three_worker_kills_end_with_the_uninterrupted_weights(groups, ray_
         calm_losses = [m["loss"] for m in t.metrics if "loss" in m]
     stormy_cfg = small_config(tmp_path / "stormy", **common)
     with Trainer(stormy_cfg, progress=False) as t:  # its own group: this one gets killed
+        first_victim = t.group.ranks[0]
         killer = _kill_at(t, [3, 5, 8])
         t.train()
         killer.join()
@@ -150,9 +151,15 @@ def test_soak_three_worker_kills_end_with_the_uninterrupted_weights(groups, ray_
         for shard in t.group.execute(_state):
             stormy.update(shard)
         failures = [m for m in t.metrics if m.get("event") == "failure"]
+        recovered = [m for m in t.metrics if m.get("event") == "recovered"]
         losses = [m["loss"] for m in t.metrics if "loss" in m]
+    # each dead worker is named (rank, node, pid), not a peer's collective error
     assert len(failures) == 3 and {f["cause"] for f in failures} == {"died"}
-    assert losses == calm_losses  # each step once, bit-identical
+    assert failures[0]["rank"] == 0 and failures[0]["pid"] == first_victim.pid
+    assert failures[0]["node_id"] == first_victim.node_id and f"pid {first_victim.pid}" in failures[0]["message"]
+    assert [r["step"] for r in recovered] == [2, 4, 6]  # the run's last checkpoint before each kill
+    assert losses == calm_losses  # each step once (in memory and in the file), bit-identical
+    assert _steps(tmp_path / "stormy" / "run") == list(range(1, 10))
     assert set(stormy) == set(calm)
     for k in calm:
         assert torch.equal(stormy[k], calm[k]), k

@@ -129,20 +129,20 @@ def test_config_that_does_not_fit_fails_fast(ray_cluster, tmp_path):
 
 
 def test_fresh_run_never_recovers_into_an_earlier_runs_checkpoint(groups, tmp_path):
-    import os
-    import signal
+    """train.overwrite moves the earlier run aside: what a recovery would restore from (the run
+    directory's checkpoints, see Trainer._recover) holds only the new run's."""
+    from ray_moe.checkpoint import scan_checkpoints
 
     cfg = small_config(tmp_path, **{"train.max_failures": 1})
     with Trainer(cfg, progress=False, group=groups(2)) as t:
         for _ in range(3):
             t.step()
         t.save()
-    # train.resume=false: a new run in the same run_dir (the earlier one is moved to archive/)
-    with Trainer(cfg.with_overrides(["train.overwrite=true"]), progress=False) as t:
+    with Trainer(cfg.with_overrides(["train.overwrite=true"]), progress=False, group=groups(2)) as t:
         assert t.step_count == 0
+        assert scan_checkpoints(t.run_dir) == ([], [])  # nothing of the earlier run to recover into
+        archived = list((t.run_dir / "archive").glob("*/checkpoints/step_00000003"))
+        assert len(archived) == 1  # kept, not deleted
         t.step()
-        os.kill(t.group.ranks[1].pid, signal.SIGKILL)
-        m = t.step()
-        recovered = [e for e in t.metrics if e.get("event") == "recovered"]
-        assert recovered and recovered[0]["checkpoint"] is None  # not the earlier run's step 3
-        assert m["step"] == 1
+        saved = t.save()
+        assert scan_checkpoints(t.run_dir)[0] == [saved]

@@ -44,7 +44,12 @@ def test_bf16_equal_to_transformers_on_gpu(tmp_path, family):
     pytest.importorskip("transformers")
     from ray_moe.comm.local import LocalTransport
     from ray_moe.validation.errors import rel_err
-    from ray_moe.validation.hf_model import model_parity, parity_config, reference, save_tiny_model
+    from ray_moe.validation.hf_model import (
+        model_parity,
+        parity_config,
+        reference,
+        save_tiny_model,
+    )
     from tests.support import single_rank
 
     save_tiny_model(family, tmp_path, seed=2, **GPU_SIZE, **PER_FAMILY[family])
