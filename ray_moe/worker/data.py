@@ -16,11 +16,15 @@ windows touch, straight from the dataset directory (nothing goes through the dri
 
 from __future__ import annotations
 
+import fnmatch
 import glob
+import heapq
+import itertools
 import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -39,23 +43,70 @@ def default_paths() -> list[str]:
     return [os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py")]
 
 
+def _walk_sorted(root: Path, name_pattern: str | None) -> Iterator[Path]:
+    """Files below ``root`` in sorted path order, lazily: a depth-first walk over each
+    directory's sorted entries gives exactly the order of ``sorted()`` over the paths, so a
+    reader that stops early (``data.max_bytes``) never lists the rest of the tree.
+
+    ``name_pattern`` set: glob's ``root/**/name_pattern`` (hidden names skipped, as glob does);
+    None: every file below ``root`` (as ``Path.rglob("*")``)."""
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except OSError:
+        return
+    for e in entries:
+        if name_pattern is not None and e.name.startswith(".") and not name_pattern.startswith("."):
+            continue
+        if e.is_dir():
+            yield from _walk_sorted(Path(e.path), name_pattern)
+        elif e.is_file() and (name_pattern is None or fnmatch.fnmatchcase(e.name, name_pattern)):
+            yield Path(e.path)
+
+
+def _files_of(pat: str) -> Iterator[Path]:
+    """The files one ``data.paths`` entry names, in sorted order (lazily where it can be)."""
+    p = Path(pat).expanduser()
+    if p.is_file():
+        yield p
+        return
+    if p.is_dir():
+        yield from _walk_sorted(p, None)
+        return
+    if not any(ch in pat for ch in "*?["):
+        raise DataError(f"data.paths: {pat!r} does not exist")
+    base, _, name = str(p).rpartition("/**/")
+    if base and not any(ch in base for ch in "*?[") and "/" not in name and Path(base).is_dir():
+        found = _walk_sorted(Path(base), name)
+    else:
+        found = iter(sorted(Path(f) for f in glob.glob(str(p), recursive=True) if os.path.isfile(f)))
+    first = next(found, None)
+    if first is None:
+        raise DataError(f"data.paths: the pattern {pat!r} matches no file")
+    yield first
+    yield from found
+
+
+def iter_files(patterns: list[str]) -> Iterator[Path]:
+    """Files named by paths, directories (every file below) or globs: resolved, in sorted order,
+    each once. Lazy, so a corpus capped by ``data.max_bytes`` reads only the first few files of a
+    large tree; a pattern that matches nothing raises before the first file is yielded."""
+    streams = [_files_of(pat) for pat in patterns]
+    heads = []
+    for stream in streams:  # pull each stream's first file now, so bad entries fail up front
+        first = next(stream, None)
+        if first is not None:
+            heads.append(itertools.chain([first], stream))
+    seen: set[Path] = set()
+    for f in heapq.merge(*heads):
+        r = f.resolve()
+        if r not in seen:
+            seen.add(r)
+            yield r
+
+
 def resolve_files(patterns: list[str]) -> list[Path]:
-    """Files named by paths, directories (every file below) or globs, sorted, deduplicated."""
-    files: set[Path] = set()
-    for pat in patterns:
-        p = Path(pat).expanduser()
-        if p.is_file():
-            files.add(p.resolve())
-        elif p.is_dir():
-            files.update(f.resolve() for f in p.rglob("*") if f.is_file())
-        elif any(ch in pat for ch in "*?["):
-            matched = [Path(f).resolve() for f in glob.glob(str(p), recursive=True) if os.path.isfile(f)]
-            if not matched:
-                raise DataError(f"data.paths: the pattern {pat!r} matches no file")
-            files.update(matched)
-        else:
-            raise DataError(f"data.paths: {pat!r} does not exist")
-    return sorted(files)
+    """Every file :func:`iter_files` names, as a list."""
+    return list(iter_files(patterns))
 
 
 @dataclass
@@ -70,9 +121,9 @@ class Corpus:
 
     @classmethod
     def load(cls, cfg: DataConfig, min_bytes: int = 2) -> "Corpus":
-        files = resolve_files(cfg.paths or default_paths())
-        chunks, total = [], 0
-        for f in files:
+        chunks, total, files = [], 0, 0
+        for f in iter_files(cfg.paths or default_paths()):
+            files += 1
             try:
                 b = f.read_bytes()
             except OSError as exc:
@@ -91,12 +142,12 @@ class Corpus:
         n_train = len(data) - n_val
         if n_train < min_bytes or (cfg.val_fraction > 0 and n_val < min_bytes):
             raise DataError(
-                f"data.paths: the corpus from {len(files)} file(s) has {len(data)} bytes; it needs "
+                f"data.paths: the corpus from {files} file(s) has {len(data)} bytes; it needs "
                 f"at least {min_bytes} training bytes and {min_bytes} validation bytes "
                 f"(data.val_fraction={cfg.val_fraction}) for windows of model.seq_len+1"
             )
         t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        return cls(train=t[:n_train].clone(), val=t[n_train:].clone(), files=len(files))
+        return cls(train=t[:n_train].clone(), val=t[n_train:].clone(), files=files)
 
     def batch(
         self, split: str, seed: int, step: int, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1
