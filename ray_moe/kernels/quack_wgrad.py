@@ -7,9 +7,9 @@ autotuned per shape by quack itself (two consumer warpgroups per tile, TMA for B
 and groups with no rows store exact zeros (its sm_90 kernel zero-fills the accumulator when a
 group has no k tiles). On an H100 at T=32768, H=4096, I=1536, K=8, E=128, timed alone under the
 same sustained load: dW13 11.0 ms and dW2 5.8 ms against 14.9 and 7.6 ms for the Triton
-kernels, same error against float32 (docs/BENCHMARKS.md, issue 16 session 4). The expert
-chooser considers it only on request (``expert_choice.candidates_with_quack()``): its GPU tests'
-verdict was lost in that session (cut off by the command's own limit), so it is not a default.
+kernels, same error against float32 (docs/BENCHMARKS.md, issue 16). Where quack is installed the
+expert chooser (``moe.expert_impl: auto``) measures it beside the Triton weight gradients and keeps
+whichever is faster for the shape; without quack nothing changes.
 
 Mapping (the gathered side must be A, the position-indexed side B):
     dW13 [S, H, 2I] = Σ x[row(p)]ᵀ dh13[p]      → gemm(xᵀ, dh13, out=dW13, cu_seqlens_k=offsets, A_idx=rows)

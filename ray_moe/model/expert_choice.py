@@ -7,16 +7,15 @@ Candidates (each correct; which is fastest depends on the shape and the GPU):
 - ``triton+mm_wgrad``: the same forward and activation gradients, with the two weight-gradient
   GEMMs through ``torch._grouped_mm`` on gathered rows (cuBLAS/CUTLASS speed for dW13/dW2,
   at the cost of materialising the gathered rows);
-- ``triton+quack_wgrad`` (opt-in: :func:`candidates_with_quack`, needs quack, the GEMM library
-  under SonicMoE): the weight gradients through quack's varlen-K CUTLASS GEMM, which gathers the
-  rows itself (see :mod:`ray_moe.kernels.quack_wgrad`; not offered by default until its GPU
-  tests have been seen passing on the device);
+- ``triton+quack_wgrad`` (where quack, the GEMM library under SonicMoE, is installed): the
+  weight gradients through quack's varlen-K CUTLASS GEMM, which gathers the rows itself (see
+  :mod:`ray_moe.kernels.quack_wgrad`);
 - ``grouped_mm``: the torch path (argsort, ``x[rows]``, ``_grouped_mm``, ``index_add``).
 
 :class:`ExpertImplChooser` times every candidate once per shape key (rows rounded up to a power
-of two, top-k, slots, H, I, dtype, device, whether gradients are needed) on the call's own inputs, forward and, for training,
-backward, and keeps the fastest, like Triton's autotuner: a host synchronisation once per
-shape, never inside a CUDA-graph capture (there the default, ``triton``, is used and nothing is
+of two, top-k, slots, H, I, dtype, device, whether gradients are needed) on the call's own
+inputs, forward and, for training, backward, in interleaved rounds, and keeps the fastest median,
+like Triton's autotuner: host synchronisations on a shape's first call only, never inside a CUDA-graph capture (there the default, ``triton``, is used and nothing is
 recorded). A candidate that fails (unsupported shape or dtype, out of memory) is skipped with
 its reason kept in :attr:`ExpertImplChooser.timings`.
 """
@@ -24,6 +23,7 @@ its reason kept in :attr:`ExpertImplChooser.timings`.
 from __future__ import annotations
 
 import logging
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,10 +52,9 @@ QUACK_WGRAD = ExpertChoice("triton", "quack")
 DEFAULT = CANDIDATES[0]
 
 
-def candidates_with_quack() -> tuple[ExpertChoice, ...]:
+def default_candidates() -> tuple[ExpertChoice, ...]:
     """:data:`CANDIDATES` plus ``triton+quack_wgrad`` where quack is installed (checked without
-    importing it); pass to ``ExpertImplChooser(candidates=...)`` (and that chooser to
-    ``MoELayer(expert_chooser=...)``) to let the measurement consider it."""
+    importing it): what ``ExpertImplChooser()`` measures."""
     from ray_moe.kernels.quack_wgrad import quack_available
 
     return CANDIDATES + ((QUACK_WGRAD,) if quack_available() else ())
@@ -80,12 +79,18 @@ class ExpertImplChooser:
 
     Attributes:
         choices: shape key → the chosen :class:`ExpertChoice`.
-        timings: shape key → {candidate name: milliseconds, or the error that ruled it out}.
+        timings: shape key → {candidate name: median milliseconds, or the error that ruled it out}.
     """
 
-    def __init__(self, candidates: tuple[ExpertChoice, ...] = CANDIDATES, timer: Timer | None = None) -> None:
-        """timer(fn, candidate name) → milliseconds per call of fn (default :func:`bench_timer`)."""
-        self.candidates, self.timer = candidates, timer or bench_timer()
+    def __init__(self, candidates: tuple[ExpertChoice, ...] | None = None, timer: Timer | None = None,
+                 rounds: int = 3) -> None:
+        """candidates: what to measure (default :func:`default_candidates`); timer(fn, candidate
+        name) → milliseconds per call of fn (default :func:`bench_timer`); rounds: how many times
+        each candidate is timed, interleaved with the others (the median is kept)."""
+        if rounds < 1:
+            raise ValueError(f"rounds must be at least 1, got {rounds}")
+        self.candidates = default_candidates() if candidates is None else candidates
+        self.timer, self.rounds = timer or bench_timer(), rounds
         self.choices: dict[tuple, ExpertChoice] = {}
         self.timings: dict[tuple, dict[str, float | str]] = {}
 
@@ -131,23 +136,30 @@ class ExpertImplChooser:
         # a private generator: measuring must not advance the training RNG (exact resume)
         gen = torch.Generator(device=x.device).manual_seed(0)
         grad_out = torch.randn(x.shape, generator=gen, device=x.device, dtype=x.dtype) if needs_grad else None
-        out: dict[str, float | str] = {}
-        for cand in self.candidates:
-            def step(cand=cand):
-                with torch.enable_grad() if needs_grad else torch.no_grad():
-                    y = expert_ffn(leaves[0], slot, leaves[1], leaves[2], leaves[3], impl=cand.impl,
-                                   wgrad=cand.wgrad)
-                    if needs_grad:
-                        torch.autograd.grad(y, leaves, grad_out)
 
-            try:
-                out[cand.name] = float(self.timer(step, cand.name))
-            except Exception as exc:  # any failure rules the candidate out (OOM, Triton compile errors, ...)
-                out[cand.name] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
-                log.warning("expert impl candidate %s failed and is skipped: %s", cand.name, out[cand.name])
-                if x.is_cuda:
-                    torch.cuda.empty_cache()
-        return out
+        def step(cand: ExpertChoice) -> None:
+            with torch.enable_grad() if needs_grad else torch.no_grad():
+                y = expert_ffn(leaves[0], slot, leaves[1], leaves[2], leaves[3], impl=cand.impl, wgrad=cand.wgrad)
+                if needs_grad:
+                    torch.autograd.grad(y, leaves, grad_out)
+
+        # Rounds interleave the candidates so that a drift of the clock (a GPU at its power cap
+        # slows down over a second of load) does not favour whichever ran first; the median of a
+        # candidate's rounds is kept. A candidate that fails once is out (with its reason).
+        samples: dict[str, list[float]] = {c.name: [] for c in self.candidates}
+        failed: dict[str, str] = {}
+        for _ in range(self.rounds):
+            for cand in self.candidates:
+                if cand.name in failed:
+                    continue
+                try:
+                    samples[cand.name].append(float(self.timer(lambda cand=cand: step(cand), cand.name)))
+                except Exception as exc:  # any failure rules the candidate out (OOM, Triton compile errors, ...)
+                    failed[cand.name] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+                    log.warning("expert impl candidate %s failed and is skipped: %s", cand.name, failed[cand.name])
+                    if x.is_cuda:
+                        torch.cuda.empty_cache()
+        return {c.name: failed.get(c.name) or statistics.median(samples[c.name]) for c in self.candidates}
 
 
 def _keep(t: torch.Tensor) -> torch.Tensor:

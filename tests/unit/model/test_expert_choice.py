@@ -36,12 +36,32 @@ def test_chooser_keeps_the_fastest_working_candidate_per_shape():
     (timings,) = ch.timings.values()
     assert timings["loop"] == 2.0 and timings["grouped_mm"] == 1.0
     assert "no_such_impl" in timings["no_such_impl"]  # the error that ruled it out, not a time
-    assert timer.calls == ["loop", "grouped_mm"]
+    # three interleaved rounds; the failed candidate is tried once
+    assert timer.calls == ["loop", "grouped_mm"] * 3
     # same shape: remembered, nothing re-measured; a new shape is measured again
     assert ch.choose(*_case(seed=1), needs_grad=True).impl == "grouped_mm"
-    assert len(timer.calls) == 2
+    assert len(timer.calls) == 6
     ch.choose(*_case(R=20), needs_grad=True)
-    assert len(timer.calls) == 4 and len(ch.choices) == 2
+    assert len(timer.calls) == 12 and len(ch.choices) == 2
+
+
+def test_chooser_keeps_each_candidates_median_over_interleaved_rounds():
+    """A clock that drifts (a GPU slowing at its power cap) must not decide: one slow sample of the
+    faster candidate loses to its median."""
+    seq = {"loop": iter([5.0, 1.0, 1.1]), "grouped_mm": iter([2.0, 2.1, 1.9])}
+    calls = []
+
+    def timer(fn, name):
+        calls.append(name)
+        return next(seq[name])
+
+    ch = ExpertImplChooser(candidates=(ExpertChoice("loop"), ExpertChoice("grouped_mm")), timer=timer, rounds=3)
+    assert ch.choose(*_case(), needs_grad=False) == ExpertChoice("loop")
+    assert calls == ["loop", "grouped_mm"] * 3
+    (timings,) = ch.timings.values()
+    assert timings == {"loop": 1.1, "grouped_mm": 2.0}
+    with pytest.raises(ValueError, match="rounds"):
+        ExpertImplChooser(rounds=0)
 
 
 def test_chooser_buckets_rows_leaves_weights_alone_and_survives_any_error():
@@ -82,19 +102,18 @@ def test_expert_ffn_rejects_an_unknown_wgrad_backend():
         expert_ffn(x, slot, weight, w13, w2, impl="loop", wgrad="cublas")
 
 
-
-
-def test_candidate_names_and_quack_only_on_request_where_installed(monkeypatch):
+def test_candidate_names_and_quack_measured_only_where_installed(monkeypatch):
     from ray_moe.kernels import quack_wgrad
     from ray_moe.model import expert_choice as ec
 
     assert [c.name for c in ec.CANDIDATES] == ["triton", "triton+mm_wgrad", "grouped_mm"]
     assert ec.QUACK_WGRAD.name == "triton+quack_wgrad"
-    assert ExpertImplChooser().candidates == ec.CANDIDATES  # never by default
     monkeypatch.setattr(quack_wgrad, "quack_available", lambda: False)
-    assert ec.candidates_with_quack() == ec.CANDIDATES
+    assert ec.default_candidates() == ec.CANDIDATES
+    assert ExpertImplChooser().candidates == ec.CANDIDATES
     monkeypatch.setattr(quack_wgrad, "quack_available", lambda: True)
-    assert ec.candidates_with_quack() == ec.CANDIDATES + (ec.QUACK_WGRAD,)
+    assert ec.default_candidates() == ec.CANDIDATES + (ec.QUACK_WGRAD,)
+    assert ExpertImplChooser().candidates == ec.CANDIDATES + (ec.QUACK_WGRAD,)
 
 
 def test_chooser_measures_inside_an_activation_checkpointed_block():
@@ -115,7 +134,7 @@ def test_chooser_measures_inside_an_activation_checkpointed_block():
 
     out = checkpointed(block, *leaves)
     out.square().sum().backward()
-    assert timer.calls == ["grouped_mm"]  # measured once, in the first forward, not in the replay
+    assert timer.calls == ["grouped_mm"] * chooser.rounds  # in the first forward, not in the replay
     ref = [t.clone().requires_grad_() for t in (x, weight, w13, w2)]
     expert_ffn(ref[0], slot, ref[1], ref[2], ref[3], impl="loop").square().sum().backward()
     for a, b in zip(leaves, ref):
