@@ -10,6 +10,8 @@ import os
 
 import pytest
 
+from tests.interpreter_scripts import InterpreterScripts
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # throwaway clusters owned by this test session
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -17,22 +19,41 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage reports (Ray D
 
 
 def pytest_collection_modifyitems(config, items):
+    """GPU tests are skipped without CUDA; tests that read a background interpreter script run
+    last, so their scripts have the rest of the session to finish."""
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA (run on the GPU machine)")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs CUDA (run on the GPU machine)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+    waits = [item for item in items if item.get_closest_marker("interpreter_script")]
+    items[:] = [item for item in items if not item.get_closest_marker("interpreter_script")] + waits
+
+
+INTERPRETER_SCRIPTS = pytest.StashKey[InterpreterScripts]()
+
+
+def pytest_configure(config):
+    config.stash[INTERPRETER_SCRIPTS] = InterpreterScripts()
 
 
 def pytest_collection_finish(session):
-    """Functions defined in test modules travel to workers by value (workers can't import tests)."""
+    """Functions defined in test modules travel to workers by value (workers can't import tests);
+    the selected tests' Triton-interpreter scripts start running in the background."""
     import ray.cloudpickle as cloudpickle
 
     for module in {getattr(item, "module", None) for item in session.items} - {None}:
         cloudpickle.register_pickle_by_value(module)
+    scripts = [tuple(m.args) for item in session.items for m in item.iter_markers("interpreter_script")]
+    session.config.stash[INTERPRETER_SCRIPTS].start(scripts)
+
+
+@pytest.fixture(scope="session")
+def interpreter_scripts(request) -> InterpreterScripts:
+    """The session's :class:`tests.interpreter_scripts.InterpreterScripts`: ``.result(*argv)`` waits for a script."""
+    return request.config.stash[INTERPRETER_SCRIPTS]
 
 
 @pytest.fixture(scope="session")

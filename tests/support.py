@@ -22,3 +22,4 @@ def small_config(tmp_path, world_size=2, **over) -> Config:
 def single_rank(world_size: int = 1, rank: int = 0) -> RankInfo:
     """The RankInfo of a rank that runs without a group (the single-process reference)."""
     return RankInfo(rank, world_size, "local", 0, 1, rank, world_size, "127.0.0.1", "local", 0, -1)
+

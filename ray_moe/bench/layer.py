@@ -798,27 +798,36 @@ def small_t_rows(shape: LayerShape, tokens: list[int], dtype: torch.dtype, seed:
     return rows
 
 
+def layer_steps(shape: LayerShape, dtype: torch.dtype, seed: int,
+                impls: tuple[str, ...]) -> dict[str, tuple[Callable[[], torch.Tensor], Callable[[], None]]]:
+    """Per implementation in ``impls`` (ray_moe; SonicMoE where it imports), on one layer problem:
+    its training-mode forward (→ [T, H]) and one training step (forward, then backward to the
+    input and every weight with the problem's output gradient)."""
+    prob = layer_problem(shape, torch.device("cuda"), dtype, seed)
+    x = prob["x"].detach().requires_grad_()
+    layer = ray_moe_layer(shape, prob)
+    runs = {"ray_moe": (lambda: layer(x)[0], (x, layer.router, layer.w13, layer.w2))}
+    if "sonicmoe" in impls and sonic_import_error() is None:
+        sonic = SonicLayer(prob, shape.K)
+        runs["sonicmoe"] = (lambda: sonic(x), (x, *sonic.params))
+
+    def step_of(fwd: Callable[[], torch.Tensor], params: tuple[torch.Tensor, ...]) -> Callable[[], None]:
+        def step() -> None:
+            torch.autograd.grad(fwd(), params, prob["grad"])
+
+        return step
+
+    return {name: (fwd, step_of(fwd, params)) for name, (fwd, params) in runs.items() if name in impls}
+
+
 def profile_rows(shape: LayerShape, dtype: torch.dtype, seed: int, top: int = 22,
                  impls: tuple[str, ...] = ("ray_moe", "sonicmoe")) -> list[dict]:
     """Where one training step's GPU time goes (torch.profiler, CUDA kernels by total time):
     one forward+backward of ray_moe's layer and, when it imports, SonicMoE's, after warm-up."""
     from torch.profiler import ProfilerActivity, profile
 
-    device = torch.device("cuda")
-    prob = layer_problem(shape, device, dtype, seed)
-    x = prob["x"].detach().requires_grad_()
-    layer = ray_moe_layer(shape, prob)
-    steps = {"ray_moe": (lambda: layer(x)[0], (x, layer.router, layer.w13, layer.w2))}
-    if sonic_import_error() is None and "sonicmoe" in impls:
-        sonic = SonicLayer(prob, shape.K)
-        steps["sonicmoe"] = (lambda: sonic(x), (x, *sonic.params))
     rows: list[dict] = []
-    for name, (fwd, params) in steps.items():
-        if name not in impls:
-            continue
-        def step(fwd=fwd, params=params):
-            torch.autograd.grad(fwd(), params, prob["grad"])
-
+    for name, (_, step) in layer_steps(shape, dtype, seed, impls).items():
         for _ in range(2):
             step()
         walls = []
@@ -917,22 +926,8 @@ def steady_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms: int
     a synchronisation) and slower kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    device = torch.device("cuda")
-    prob = layer_problem(shape, device, dtype, seed)
-    x = prob["x"].detach().requires_grad_()
-    layer = ray_moe_layer(shape, prob)
-    steps = {"ray_moe": (lambda: layer(x)[0], (x, layer.router, layer.w13, layer.w2))}
-    if sonic_import_error() is None and "sonicmoe" in impls:
-        sonic = SonicLayer(prob, shape.K)
-        steps["sonicmoe"] = (lambda: sonic(x), (x, *sonic.params))
     rows: list[dict] = []
-    for name, (fwd, params) in steps.items():
-        if name not in impls:
-            continue
-
-        def step(fwd=fwd, params=params):
-            torch.autograd.grad(fwd(), params, prob["grad"])
-
+    for name, (fwd, step) in layer_steps(shape, dtype, seed, impls).items():
         step()
         t_step = _median_ms(step, warmup_ms, rep_ms)
         t_fwd = _median_ms(fwd, warmup_ms, rep_ms)

@@ -3,6 +3,8 @@ sm_90 compilation with 16-byte row accesses, the layout prefix under Triton's in
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -89,14 +91,7 @@ def test_kernels_compile_for_hopper_with_vector_row_access():
         assert not [op for op in ops if op.endswith(".b16")], f"{name}: 2-byte row accesses in the PTX"
 
 
-def test_exclusive_prefix_under_interpreter():
-    """The dispatch layout's per-destination row positions (a triangular sum standing in for
-    tl.cumsum, which Triton 3.6 fails to lower there) equal torch's exclusive cumsum."""
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    code = """
+_PREFIX_SCRIPT = """
 import torch, triton, triton.language as tl
 from ray_moe.comm.nvshmem_kernels import _exclusive_prefix
 
@@ -114,8 +109,14 @@ for R in (1, 2, 8, 16):
     assert torch.equal(o, (h.cumsum(0) - h).to(torch.int32)), (R, h, o)
 print("prefix ok")
 """
-    env = dict(__import__("os").environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.interpreter_script(sys.executable, "-c", _PREFIX_SCRIPT)
+def test_exclusive_prefix_under_interpreter(interpreter_scripts):
+    """The dispatch layout's per-destination row positions (a triangular sum standing in for
+    tl.cumsum, which Triton 3.6 fails to lower there) equal torch's exclusive cumsum."""
+    pytest.importorskip("triton")
+    proc = interpreter_scripts.result(sys.executable, "-c", _PREFIX_SCRIPT)
     assert "prefix ok" in proc.stdout, proc.stderr[-2000:]
 
 
@@ -243,15 +244,11 @@ print("BAD" if bad else "OK", bad)
 """
 
 
-def test_symmetric_buffer_on_one_pe_under_the_interpreter():
+@pytest.mark.interpreter_script(sys.executable, "-c", _W1_SCRIPT)
+def test_symmetric_buffer_on_one_pe_under_the_interpreter(interpreter_scripts):
     """The NVSHMEM buffer's host side with its real kernels (Triton's interpreter, one PE, one
     program): per-call capacity (rows, padding, all four operations), its bound, the launch keys,
     and the pipelined layer over it equal to the sequential layer over the local transport."""
-    import os
-    import subprocess
-    import sys
-
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", _W1_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    proc = interpreter_scripts.result(sys.executable, "-c", _W1_SCRIPT)
     assert proc.stdout.startswith("OK"), (proc.stdout + proc.stderr)[-3000:]

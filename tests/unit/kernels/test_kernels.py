@@ -2,7 +2,8 @@
 
 - The pure-torch references beside each kernel, composed, against ``expert_ffn(impl="loop")``.
 - The Triton kernels themselves under ``TRITON_INTERPRET=1`` at tiny sizes (float32), run in a
-  subprocess so the interpreter never leaks into other tests; skipped with the reason if the
+  process of its own (started in the background at collection: tests/interpreter_scripts.py) so
+  the interpreter never leaks into other tests; skipped with the reason if the
   installed Triton's interpreter cannot run them.
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -198,22 +198,23 @@ def run_interpreter_checks() -> dict:
     return results
 
 
+INTERPRETER_CHECKS = (sys.executable, os.path.abspath(__file__))  # this file as a script: run_interpreter_checks
+
+
 @pytest.fixture(scope="module")
-def interpreter_results() -> dict:
+def interpreter_results(interpreter_scripts) -> dict:
     try:
         import triton  # noqa: F401
     except ImportError as exc:
         pytest.skip(f"triton is not installed: {exc}")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=600
-    )
+    proc = interpreter_scripts.result(*INTERPRETER_CHECKS)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
         pytest.skip("the Triton interpreter could not run the kernels here: " + " | ".join(tail))
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.interpreter_script(*INTERPRETER_CHECKS)
 @pytest.mark.parametrize("name", sorted(INTERP_CASES))
 def test_triton_expert_ffn_under_interpreter(interpreter_results, name):
     variants = ["expert_ffn"] + [v for v, names in VARIANT_CASES.items() if name in names and v != "expert_ffn_mm_wgrad"]
@@ -234,6 +235,7 @@ def test_triton_expert_ffn_under_interpreter(interpreter_results, name):
     assert all(v < 1e-5 for v in interpreter_results[f"kernels/{name}"].values()), interpreter_results[f"kernels/{name}"]
 
 
+@pytest.mark.interpreter_script(*INTERPRETER_CHECKS)
 def test_tma_variants_run_through_descriptors_under_interpreter(interpreter_results):
     """With H and I multiples of the tiles every GEMM of a training step takes the descriptor
     kernels (gate_up, down, dact, dx; dW13, dW2), not the pointer fallback."""
@@ -325,6 +327,7 @@ def test_steady_analysis_splits_steps_and_finds_device_waits():
     assert wait["ms"] == 0.75 and wait["note"] == {"in op": "aten::item", "stack": ["ray_moe/x.py(3): f"]}
 
 
+@pytest.mark.interpreter_script(*INTERPRETER_CHECKS)
 def test_triton_topk_softmax_under_interpreter(interpreter_results):
     for case, r in interpreter_results["topk_softmax"].items():
         assert r["ids"] and r["w"] < 1e-6 and r["grad_abs"] < 1e-6, (case, r)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -131,15 +133,7 @@ def test_unknown_impl_is_named():
         MixedPrecisionAdamW(Tiny(), impl="adam", **HYPER)
 
 
-def test_one_pass_kernel_equals_its_reference_under_the_interpreter():
-    """The Triton kernel of the one-pass update (run by Triton's interpreter on the CPU) equals
-    the torch reference, for bf16 and float32 gradients, clipping, decay, odd sizes."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    code = """
+_ONE_PASS_SCRIPT = """
 import torch
 from ray_moe.worker.adamw_kernel import adamw_step, adamw_step_reference
 g = torch.Generator().manual_seed(0)
@@ -158,6 +152,12 @@ for n, gdtype, step in ((1, torch.bfloat16, 1), (4099, torch.bfloat16, 7), (300,
     torch.testing.assert_close(p.float(), state[0].to(gdtype).float(), rtol=2 ** -7, atol=1e-7)
 print("adamw kernel ok")
 """
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.interpreter_script(sys.executable, "-c", _ONE_PASS_SCRIPT)
+def test_one_pass_kernel_equals_its_reference_under_the_interpreter(interpreter_scripts):
+    """The Triton kernel of the one-pass update (run by Triton's interpreter on the CPU) equals
+    the torch reference, for bf16 and float32 gradients, clipping, decay, odd sizes."""
+    pytest.importorskip("triton")
+    r = interpreter_scripts.result(sys.executable, "-c", _ONE_PASS_SCRIPT)
     assert "adamw kernel ok" in r.stdout, r.stderr[-3000:]
