@@ -32,11 +32,14 @@ import triton
 import triton.language as tl
 
 from ray_moe.kernels.routing import PairLayout
-
-EPI_PLAIN: tl.constexpr = tl.constexpr(0)
-EPI_SCALE: tl.constexpr = tl.constexpr(1)
-EPI_SWIGLU: tl.constexpr = tl.constexpr(2)
-EPI_SWIGLU_BWD: tl.constexpr = tl.constexpr(3)
+from ray_moe.kernels.tiles import (
+    EPI_PLAIN,
+    EPI_SCALE,
+    EPI_SWIGLU,
+    EPI_SWIGLU_BWD,
+    store_forward_epilogue,
+    swizzle,
+)
 
 
 @dataclass(frozen=True)
@@ -133,17 +136,6 @@ def _tile_of_groups(offsets_ptr, n_groups, tile_m, BLOCK_M: tl.constexpr, GROUPS
 
 
 @triton.jit
-def _swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
-    """Grouped ordering: GROUP_M row tiles sweep all column tiles before the next rows (L2 reuse)."""
-    width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-    return pid_m, pid_n
-
-
-@triton.jit
 def _grouped_rows_kernel(
     a_ptr, b_ptr, out_ptr, out2_ptr, aux_ptr, weight_ptr, dw_ptr, offsets_ptr, sorted_pair_ptr,
     n_groups, max_m_tiles, N, KD, half, n_pos,
@@ -154,7 +146,7 @@ def _grouped_rows_kernel(
 ):
     """See the module docstring. ``half`` = I: column offset of the up half in w13 / h13 / dh13."""
     num_n = tl.cdiv(N, BLOCK_N)
-    tile_m, pid_n = _swizzle(tl.program_id(0), max_m_tiles, num_n, GROUP_M)
+    tile_m, pid_n = swizzle(tl.program_id(0), max_m_tiles, num_n, GROUP_M)
     group, row_start, row_end, total = _tile_of_groups(offsets_ptr, n_groups, tile_m, BLOCK_M, GROUPS_PAD)
     if tile_m >= total:
         return
@@ -165,6 +157,8 @@ def _grouped_rows_kernel(
     rk = tl.arange(0, BLOCK_K)
     if GATHER_A or EPILOGUE == EPI_SCALE or EPILOGUE == EPI_SWIGLU_BWD:
         pair = tl.load(sorted_pair_ptr + rm, mask=row_ok, other=0)
+    else:
+        pair = rm  # not read
     if GATHER_A:
         a_row = (pair // TOP_K).to(tl.int64)
     else:
@@ -195,21 +189,8 @@ def _grouped_rows_kernel(
     out_mask = row_ok[:, None] & col_ok[None, :]
     rm64 = rm.to(tl.int64)
     out_ptrs = out_ptr + rm64[:, None] * stride_om + rn[None, :]
-    if EPILOGUE == EPI_PLAIN:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    if EPILOGUE == EPI_SCALE:
-        w = tl.load(weight_ptr + pair, mask=row_ok, other=0.0)
-        tl.store(out_ptrs, (acc * w[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
-    if EPILOGUE == EPI_SWIGLU:
-        if SAVE_AUX:
-            aux_ptrs = aux_ptr + rm64[:, None] * stride_xm + rn[None, :]
-            tl.store(aux_ptrs, acc.to(aux_ptr.dtype.element_ty), mask=out_mask)
-            tl.store(aux_ptrs + half, acc_up.to(aux_ptr.dtype.element_ty), mask=out_mask)
-            # round like the saved pre-activations so that backward recomputes the same a
-            acc = acc.to(aux_ptr.dtype.element_ty).to(tl.float32)
-            acc_up = acc_up.to(aux_ptr.dtype.element_ty).to(tl.float32)
-        act = acc * tl.sigmoid(acc) * acc_up
-        tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=out_mask)
+    store_forward_epilogue(acc, acc_up, out_ptrs, out_mask, row_ok, rm64, rn, pair, weight_ptr, aux_ptr, stride_xm,
+                           half, EPILOGUE, SAVE_AUX)
     if EPILOGUE == EPI_SWIGLU_BWD:
         aux_ptrs = aux_ptr + rm64[:, None] * stride_xm + rn[None, :]
         gate = tl.load(aux_ptrs, mask=out_mask, other=0.0).to(tl.float32)
@@ -241,7 +222,7 @@ def _grouped_wgrad_kernel(
     DUAL: N is the width of one half; the program also computes columns ``half + n`` with a
     second accumulator that shares the A tile (dW13's gate and up halves)."""
     group = tl.program_id(1)
-    pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_m, pid_n = swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     start = tl.load(offsets_ptr + group)
     end = tl.load(offsets_ptr + group + 1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -38,9 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-EPI_PLAIN: tl.constexpr = tl.constexpr(0)
-EPI_SCALE: tl.constexpr = tl.constexpr(1)
-EPI_SWIGLU: tl.constexpr = tl.constexpr(2)
+from ray_moe.kernels.tiles import EPI_SCALE, EPI_SWIGLU, store_forward_epilogue, swizzle
 
 
 def _descriptor_cls():
@@ -109,17 +107,6 @@ def _group_of(tile_m, g, starts, ends, tiles, cum, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
-    """GROUP_M row tiles sweep all column tiles before the next rows (L2 reuse of the A rows)."""
-    width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-    return pid_m, pid_n
-
-
-@triton.jit
 def _rows_tile(
     tile_m, pid_n, g, starts, ends, tiles, cum,
     a_ptr, a_desc, b_desc, out_ptr, aux_ptr, weight_ptr, sorted_pair_ptr,
@@ -162,22 +149,12 @@ def _rows_tile(
     out_mask = row_ok[:, None] & (rn < N)[None, :]
     rm64 = rm.to(tl.int64)
     out_ptrs = out_ptr + rm64[:, None] * stride_om + rn[None, :]
-    if EPILOGUE == EPI_PLAIN:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     if EPILOGUE == EPI_SCALE:
         pair_e = tl.load(sorted_pair_ptr + rm, mask=row_ok, other=0)
-        w = tl.load(weight_ptr + pair_e, mask=row_ok, other=0.0)
-        tl.store(out_ptrs, (acc * w[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
-    if EPILOGUE == EPI_SWIGLU:
-        if SAVE_AUX:
-            aux_ptrs = aux_ptr + rm64[:, None] * stride_xm + rn[None, :]
-            tl.store(aux_ptrs, acc.to(aux_ptr.dtype.element_ty), mask=out_mask)
-            tl.store(aux_ptrs + half, acc_up.to(aux_ptr.dtype.element_ty), mask=out_mask)
-            # round like the saved pre-activations so that backward recomputes the same a
-            acc = acc.to(aux_ptr.dtype.element_ty).to(tl.float32)
-            acc_up = acc_up.to(aux_ptr.dtype.element_ty).to(tl.float32)
-        act = acc * tl.sigmoid(acc) * acc_up
-        tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        pair_e = rm  # not read
+    store_forward_epilogue(acc, acc_up, out_ptrs, out_mask, row_ok, rm64, rn, pair_e, weight_ptr, aux_ptr, stride_xm,
+                           half, EPILOGUE, SAVE_AUX)
 
 
 @triton.jit
@@ -197,12 +174,12 @@ def _rows_tma_kernel(
     num_n = tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
         for tile in tl.range(tl.program_id(0), total_m * num_n, NUM_PROGS, flatten=FLATTEN):
-            tile_m, pid_n = _swizzle(tile, total_m, num_n, GROUP_M)
+            tile_m, pid_n = swizzle(tile, total_m, num_n, GROUP_M)
             _rows_tile(tile_m, pid_n, g, starts, ends, tiles, cum, a_ptr, a_desc, b_desc, out_ptr, aux_ptr,
                        weight_ptr, sorted_pair_ptr, N, KD, half, b_group_rows, stride_am, stride_om, stride_xm,
                        TOP_K, GATHER_A, B_KMAJOR, EPILOGUE, SAVE_AUX, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
-        tile_m, pid_n = _swizzle(tl.program_id(0), max_m_tiles, num_n, GROUP_M)
+        tile_m, pid_n = swizzle(tl.program_id(0), max_m_tiles, num_n, GROUP_M)
         if tile_m < total_m:
             _rows_tile(tile_m, pid_n, g, starts, ends, tiles, cum, a_ptr, a_desc, b_desc, out_ptr, aux_ptr,
                        weight_ptr, sorted_pair_ptr, N, KD, half, b_group_rows, stride_am, stride_om, stride_xm,
@@ -265,7 +242,7 @@ def _wgrad_tma_kernel(
     (descriptor, tile [BLOCK_K, BLOCK_M], transposed) and B gathered. DUAL (GATHER_A only): also
     the columns ``half + n`` of B into a second accumulator sharing the A tile."""
     group = tl.program_id(1)
-    pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_m, pid_n = swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     start = tl.load(offsets_ptr + group)
     end = tl.load(offsets_ptr + group + 1)
     m0 = pid_m * BLOCK_M
