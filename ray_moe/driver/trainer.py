@@ -269,7 +269,8 @@ class Trainer:
                     bar.update(m)
                     if self._stop_signal is not None:
                         self._stop_now()
-            self.evaluate()
+            if not (done and t.eval_interval and self.step_count % t.eval_interval == 0):
+                self.evaluate()  # unless the last step just did (step() evaluates every eval_interval)
             if self.last_checkpoint is None or self.last_checkpoint.name != step_name(self.step_count):
                 self.save()
             if t.plots:

@@ -16,12 +16,15 @@ from tests.support import single_rank, small_config
 
 
 def test_learning_w2(groups, tmp_path):
-    cfg = small_config(tmp_path, **{"train.steps": 60, "train.batch_size": 16, "data.max_bytes": 1_000_000})
+    cfg = small_config(tmp_path, **{"train.steps": 60, "train.batch_size": 16, "data.max_bytes": 1_000_000,
+                                    "train.eval_interval": 30})
     with Trainer(cfg, progress=False, group=groups(2)) as t:
         initial = t.evaluate()
         t.train()
+        evals = [m["step"] for m in t.metrics if m.get("event") == "eval"]
         final = t.evaluate()
         summary = t.summary()
+    assert evals == [0, 30, 60]  # the end of train() does not repeat the eval its last step did
     assert math.isclose(initial, math.log(256), abs_tol=0.3), initial  # untrained ≈ uniform over bytes
     assert final < initial - 1.2, (initial, final)
     assert summary["last_loss"] < summary["first_loss"]
