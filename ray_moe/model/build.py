@@ -32,10 +32,3 @@ def build_model(config: Config, transport: Transport, device: torch.device | str
         model.source_tensors = tuple(load_pretrained(model, config.model.init_from, hf_config))
     return model
 
-
-def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) of the model's persistent buffers: state that training changes besides the
-    parameters (the balancing bias of sigmoid routers), replicated on every rank."""
-    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    buffers = dict(model.named_buffers())
-    return [(n, buffers[n]) for n in model.state_dict(keep_vars=True) if n not in params]

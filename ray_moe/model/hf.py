@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 
 from ray_moe.arch import ARCHITECTURES, ArchSpec
+from ray_moe.model.state import persistent_buffers
 from ray_moe.placement.placement import expert_shard
 
 INDEX = "model.safetensors.index.json"
@@ -252,8 +253,6 @@ def _ignorable(spec: ArchSpec, name: str, extra_layers: int) -> bool:
 
 def _replicated(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of every replicated parameter and persistent buffer."""
-    from ray_moe.model.build import persistent_buffers
-
     params = [(n, p) for n, p in model.named_parameters() if expert_shard(p) is None]
     return params + persistent_buffers(model)
 

@@ -27,8 +27,9 @@ from ray_moe import checkpoint
 from ray_moe.comm.base import BufferSpec, Transport
 from ray_moe.config import Config, element_size
 from ray_moe.device import synchronize
-from ray_moe.model.build import build_model, persistent_buffers
+from ray_moe.model.build import build_model
 from ray_moe.model.loss import lm_loss, resolve_loss_impl
+from ray_moe.model.state import persistent_buffers
 from ray_moe.placement.clones import push_clone_weights, reduce_clone_grads
 from ray_moe.placement.placement import Placement, expert_shard
 from ray_moe.topology import RankInfo
