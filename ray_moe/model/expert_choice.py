@@ -15,9 +15,10 @@ Candidates (each correct; which is fastest depends on the shape and the GPU):
 :class:`ExpertImplChooser` times every candidate once per shape key (rows rounded up to a power
 of two, top-k, slots, H, I, dtype, device, whether gradients are needed) on the call's own
 inputs, forward and, for training, backward, in interleaved rounds, and keeps the fastest median,
-like Triton's autotuner: host synchronisations on a shape's first call only, never inside a CUDA-graph capture (there the default, ``triton``, is used and nothing is
-recorded). A candidate that fails (unsupported shape or dtype, out of memory) is skipped with
-its reason kept in :attr:`ExpertImplChooser.timings`.
+like Triton's autotuner: host synchronisations on a shape's first call only, never inside a
+CUDA-graph capture (there the default, ``triton``, is used and nothing is recorded). A candidate
+that fails (unsupported shape or dtype, out of memory) is skipped with its reason kept in
+:attr:`ExpertImplChooser.timings`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ExpertChoice:
     """What ``expert_ffn`` runs: ``impl`` (triton | grouped_mm | loop) and, for triton, who
-    computes the weight gradients (``wgrad``: triton | grouped_mm)."""
+    computes the weight gradients (``wgrad``: triton | grouped_mm | quack)."""
 
     impl: str
     wgrad: str = "triton"

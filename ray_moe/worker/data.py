@@ -22,9 +22,9 @@ import heapq
 import itertools
 import os
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -43,22 +43,30 @@ def default_paths() -> list[str]:
     return [os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py")]
 
 
-def _walk_sorted(root: Path, name_pattern: str | None) -> Iterator[Path]:
+def _walk_sorted(root: Path, name_pattern: str | None, _visited: set[tuple[int, int]] | None = None,
+                 ) -> Iterator[Path]:
     """Files below ``root`` in sorted path order, lazily: a depth-first walk over each
     directory's sorted entries gives exactly the order of ``sorted()`` over the paths, so a
     reader that stops early (``data.max_bytes``) never lists the rest of the tree.
 
-    ``name_pattern`` set: glob's ``root/**/name_pattern`` (hidden names skipped, as glob does);
-    None: every file below ``root`` (as ``Path.rglob("*")``)."""
+    ``name_pattern`` set: glob's ``root/**/name_pattern`` (hidden names skipped and symbolic links
+    to directories followed, as glob does, but each directory walked once, so a link back up the
+    tree ends); None: every file below ``root`` as ``Path.rglob("*")`` gives them (links to
+    directories not followed)."""
+    visited = set() if _visited is None else _visited
     try:
+        st = root.stat()
+        if (st.st_dev, st.st_ino) in visited:
+            return
+        visited.add((st.st_dev, st.st_ino))
         entries = sorted(os.scandir(root), key=lambda e: e.name)
     except OSError:
         return
     for e in entries:
         if name_pattern is not None and e.name.startswith(".") and not name_pattern.startswith("."):
             continue
-        if e.is_dir():
-            yield from _walk_sorted(Path(e.path), name_pattern)
+        if e.is_dir(follow_symlinks=name_pattern is not None):
+            yield from _walk_sorted(Path(e.path), name_pattern, visited)
         elif e.is_file() and (name_pattern is None or fnmatch.fnmatchcase(e.name, name_pattern)):
             yield Path(e.path)
 
@@ -120,7 +128,7 @@ class Corpus:
         return len(self.train)
 
     @classmethod
-    def load(cls, cfg: DataConfig, min_bytes: int = 2) -> "Corpus":
+    def load(cls, cfg: DataConfig, min_bytes: int = 2) -> Corpus:
         chunks, total, files = [], 0, 0
         for f in iter_files(cfg.paths or default_paths()):
             files += 1
