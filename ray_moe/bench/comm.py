@@ -120,6 +120,7 @@ def bench_worker(worker: Any, params: dict) -> list[dict]:
     import torch.distributed as dist
 
     from ray_moe.comm.nvshmem_kernels import Tuning
+    from ray_moe.device import capture_graph
 
     tr = worker.transport
     me, W, dev = tr.rank, tr.world_size, worker.device
@@ -164,19 +165,13 @@ def bench_worker(worker: Any, params: dict) -> list[dict]:
         buf.tuning = Tuning(**VARIANTS[best])
         # CUDA graph of one dispatch + combine
         try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    r = buf.dispatch(x, w, dr, ds)
-                    buf.combine(r[0], r[3])
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
+            def round_trip():
                 r = buf.dispatch(x, w, dr, ds)
-                y = buf.combine(r[0], r[3])
+                return buf.combine(r[0], r[3])
+
+            g, y = capture_graph(round_trip)
             rec["graph_pair_s"] = _time(g.replay, iters)
-            del g, r, y
+            del g, y
         except Exception as exc:  # report, keep benchmarking
             rec["graph_error"] = f"{type(exc).__name__}: {exc}"
         buf.check()
@@ -240,6 +235,7 @@ def host_cost_worker(worker: Any, params: dict) -> list[dict]:
     import torch.distributed as dist
 
     from ray_moe.comm.nvshmem_kernels import Launcher, Tuning
+    from ray_moe.device import capture_graph
 
     tr = worker.transport
     me, W, dev = tr.rank, tr.world_size, worker.device
@@ -270,15 +266,7 @@ def host_cost_worker(worker: Any, params: dict) -> list[dict]:
             rec[f"{name}_host_us"] = (time.perf_counter() - t0) / iters * 1e6
             torch.cuda.synchronize()
             rec[f"{name}_launches"] = dict(buf.launcher.calls)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                pair()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            y = pair()
+        g, y = capture_graph(pair)
         rec["graph_pair_us"] = _time(g.replay, iters) * 1e6
         to_rank = torch.zeros(T, W, dtype=torch.bool, device=dev).scatter_(1, dr.long(), True)
         rec["round_trip_rel_err"] = _round_trip_error(buf, x, w, dr, ds, to_rank)

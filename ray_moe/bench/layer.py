@@ -743,15 +743,9 @@ def copy_bandwidth_gbs(n_bytes: int = 1 << 31, warmup_ms: int = 25, rep_ms: int 
 
 def _graph_ms(fn: Callable[[], Any], warmup_ms: int, rep_ms: int) -> float:
     """Median replay time of ``fn`` captured in a CUDA graph (warmed up on a side stream first)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    from ray_moe.device import capture_graph
+
+    graph, _ = capture_graph(fn, warmup=3)
     return _median_ms(graph.replay, warmup_ms, rep_ms)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ray_moe.device import capture_graph
 from ray_moe.validation import rel_err
 from ray_moe.validation.kernels import check_expert_ffn, random_case
 
@@ -130,14 +131,7 @@ def test_cuda_graph_capture_and_replay():
         out = expert_ffn_triton(leaves["x"], slot, leaves["weight"], leaves["w13"], leaves["w2"])
         return (out, *torch.autograd.grad(out, list(leaves.values()), grad_out))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = capture_graph(step, warmup=1)  # compiled and warmed up outside the capture
     for seed in (10, 11):  # new values (slots included) into the static inputs, replay, compare
         fresh = random_case(R, K, S, H, I, "random", torch.bfloat16, "cuda", seed)
         with torch.no_grad():

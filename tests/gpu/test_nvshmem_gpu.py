@@ -19,6 +19,7 @@ import os
 import pytest
 import torch
 
+from ray_moe.device import capture_graph
 from ray_moe.validation import Case, rel_err
 from ray_moe.validation.layer import layer_parity, make_problem
 from ray_moe.validation.transport import run_all
@@ -272,19 +273,16 @@ def _graph_vs_eager(worker, chunks: int = 1) -> dict:
     sequential = _layer(worker, 7)
     sx = torch.randn(40, 64, dtype=torch.bfloat16, device=dev, requires_grad=True)
     sg = torch.randn(40, 64, dtype=torch.bfloat16, device=dev)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            out, _ = layer(sx)
-            out.backward(sg)
-    torch.cuda.current_stream().wait_stream(s)
-    layer.zero_grad(set_to_none=True)
-    sx.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    def train_step():
         out, _ = layer(sx)
         out.backward(sg)
+        return out
+
+    def clear_grads():
+        layer.zero_grad(set_to_none=True)
+        sx.grad = None
+
+    graph, out = capture_graph(train_step, before_capture=clear_grads)
     errs = {}
     for trial in range(3):
         nx = torch.randn(40, 64, dtype=torch.bfloat16, device=dev)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ray_moe.comm.local import LocalTransport
+from ray_moe.device import capture_graph
 from ray_moe.model.moe import MoELayer
 from ray_moe.validation import Case, rel_err
 from ray_moe.validation.layer import layer_parity
@@ -54,6 +55,17 @@ def _seed_without_near_ties(case: Case) -> int:
     raise AssertionError(f"no seed without near ties for {case}")
 
 
+def _train_step(layer, x, grad):
+    out, _ = layer(x)
+    out.backward(grad)
+    return out
+
+
+def _clear_grads(layer, x):
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+
+
 def _layers(chunks: int):
     torch.manual_seed(0)
     return [MoELayer(256, 8, 2, 128, LocalTransport(), seed=4, dtype=torch.bfloat16, device="cuda",
@@ -65,19 +77,8 @@ def test_pipelined_layer_equals_sequential_and_replays_from_a_cuda_graph():
     T, H = 200, 256
     sx = torch.randn(T, H, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     sg = torch.randn(T, H, dtype=torch.bfloat16, device="cuda")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):  # warm up (Triton compiles, the expert chooser measures) off the capture
-            out, _ = graphed(sx)
-            out.backward(sg)
-    torch.cuda.current_stream().wait_stream(s)
-    graphed.zero_grad(set_to_none=True)
-    sx.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, _ = graphed(sx)
-        out.backward(sg)
+    graph, out = capture_graph(lambda: _train_step(graphed, sx, sg),
+                               before_capture=lambda: _clear_grads(graphed, sx))
     for trial in range(3):
         nx = torch.randn(T, H, dtype=torch.bfloat16, device="cuda")
         ng = torch.randn(T, H, dtype=torch.bfloat16, device="cuda")
