@@ -130,7 +130,7 @@ def test_readme_job_submit_succeeds_and_outputs_land_where_configured(readme_job
     repo, env, rc, out, _ = readme_job
     assert rc == 0, out[-4000:]
     assert "succeeded" in out.lower() and "# summary" in out, out[-3000:]
-    run = repo / "runs" / "tiny"  # train.storage_path="$PWD" + jobs/tiny.yaml's run_dir
+    run = repo / "runs" / "tiny-job"  # train.storage_path="$PWD" + train.run_dir=runs/tiny-job
     assert f"# run_dir {run}" in out and f"# results in {run}" in out
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
              if '"loss"' in line]
@@ -142,7 +142,7 @@ def test_readme_job_submit_succeeds_and_outputs_land_where_configured(readme_job
 def test_ray_metrics_endpoint_shows_the_training_gauges(readme_job):
     *_, sample = readme_job
     assert sample is not None, "no ray_moe_train_loss on the cluster's Prometheus endpoint"
-    assert 'run="tiny"' in sample and float(sample.rsplit(" ", 1)[1]) > 0
+    assert 'run="tiny-job"' in sample and float(sample.rsplit(" ", 1)[1]) > 0
 
 
 def test_smoke_passes_with_its_defaults_on_the_one_node_cluster(readme_job):
