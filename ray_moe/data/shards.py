@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ray_moe.data.errors import DataError
+from ray_moe.data.errors import DataError, load_json
 
 FORMAT = "ray-moe-tokens/1"
 INDEX_FILE = "index.json"
@@ -77,12 +77,7 @@ def fsync_dir(path: Path) -> None:
 
 
 def read_json(path: Path, what: str) -> dict:
-    try:
-        obj = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise DataError(f"{path} is missing; {what}") from None
-    except ValueError as exc:
-        raise DataError(f"{path} is not valid JSON ({exc}); the file is truncated or damaged") from None
+    obj = load_json(path, f"is missing; {what}")
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise DataError(f"{path}: not a {FORMAT} file (format {obj.get('format') if isinstance(obj, dict) else None!r})")
     return obj

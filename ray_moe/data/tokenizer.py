@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ray_moe.data.errors import DataError
+from ray_moe.data.errors import DataError, load_json
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -32,12 +32,7 @@ EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 def tokenizer_hash(directory: str | Path) -> str:
     """sha256 (hex) of ``directory/tokenizer.json`` in canonical JSON form."""
     path = Path(directory) / TOKENIZER_FILE
-    try:
-        obj = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise DataError(f"{path} does not exist; a tokenizer directory holds a Hugging Face tokenizer.json") from None
-    except ValueError as exc:
-        raise DataError(f"{path} is not valid JSON ({exc}); the file may be truncated") from None
+    obj = load_json(path, "does not exist; a tokenizer directory holds a Hugging Face tokenizer.json")
     canonical = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
