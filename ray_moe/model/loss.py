@@ -164,7 +164,8 @@ def _add_mm_t(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc (float32 [V, H]) += aᵀ @ b for a [c, V], b [c, H] in the model dtype (float32 sums)."""
     if acc.dtype == a.dtype:
         acc.addmm_(a.t(), b)
-    elif acc.is_cuda and torch.__version__ >= "2.8" and torch.cuda.get_device_capability(acc.device)[0] >= 8:
+    elif (acc.is_cuda and hasattr(torch.ops.aten.addmm, "dtype_out")  # a feature test, not a version string
+          and torch.cuda.get_device_capability(acc.device)[0] >= 8):
         torch.addmm(acc, a.t(), b, out_dtype=torch.float32, out=acc)
     else:  # no float32-output GEMM here: upcast the chunk rather than round each partial sum
         acc.addmm_(a.t().float(), b.float())
