@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from tests import lanes
 from tests.interpreter_scripts import InterpreterScripts
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # throwaway clusters owned by this test session
@@ -32,6 +33,16 @@ def pytest_collection_modifyitems(config, items):
     items[:] = [item for item in items if not item.get_closest_marker("interpreter_script")] + waits
 
 
+def pytest_runtest_setup(item):
+    lanes.check_lane(item)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``pytest -n 2``: the session cluster's tests in one lane, the rest in the other (tests/lanes.py)."""
+    return lanes.make_scheduler(config, log)
+
+
 INTERPRETER_SCRIPTS = pytest.StashKey[InterpreterScripts]()
 
 
@@ -41,13 +52,15 @@ def pytest_configure(config):
 
 def pytest_collection_finish(session):
     """Functions defined in test modules travel to workers by value (workers can't import tests);
-    the selected tests' Triton-interpreter scripts start running in the background."""
+    the selected tests' Triton-interpreter scripts start running in the background (in an xdist
+    worker, which does not know yet which tests it will get, each starts when a test first asks)."""
     import ray.cloudpickle as cloudpickle
 
     for module in {getattr(item, "module", None) for item in session.items} - {None}:
         cloudpickle.register_pickle_by_value(module)
     scripts = [tuple(m.args) for item in session.items for m in item.iter_markers("interpreter_script")]
-    session.config.stash[INTERPRETER_SCRIPTS].start(scripts)
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        session.config.stash[INTERPRETER_SCRIPTS].start(scripts)
 
 
 @pytest.fixture(scope="session")

@@ -15,8 +15,10 @@ class InterpreterScripts:
     process of its own. They are queued as soon as the session's tests are collected (tests
     carrying ``@pytest.mark.interpreter_script(*argv)``) and run one after another on a
     background thread, beside the rest of the suite instead of in front of it (the CI machine has
-    two cores and the suite's own process mostly uses one). A test asks for its script's result
-    and waits for it, bounded by ``timeout_s``.
+    two cores and the suite's own process mostly uses one). Under ``pytest -n`` an xdist worker
+    does not know at collection which tests it will get, so there each script starts when a test
+    first asks for it. A test asks for its script's result and waits for it, bounded by
+    ``timeout_s``.
     """
 
     def __init__(self, timeout_s: float = 600.0) -> None:

@@ -13,16 +13,6 @@ import pytest
 CPUS_PER_NODE = 8  # logical CPUs (idle actors cost memory, not cores); actors ask for fractions
 
 
-def pytest_collection_modifyitems(config, items):
-    """The README's `ray start --head` (test_jobs.py) takes Ray's default ports: run it before the
-    session cluster exists."""
-    first = [i for i in items if i.nodeid.startswith("tests/cluster/test_jobs.py")]
-    if first:
-        rest = [i for i in items if i not in first]
-        start = next((n for n, i in enumerate(rest) if i.nodeid.startswith("tests/cluster/")), len(rest))
-        items[:] = rest[:start] + first + rest[start:]
-
-
 def free_port() -> int:
     import socket
 
@@ -38,7 +28,8 @@ def ray_cluster():
     from ray.cluster_utils import Cluster
 
     # Ray's per-node agent port is fixed by default (52365): give each node a free one, so other
-    # Ray instances on this host (a user's, a concurrent test run) keep theirs.
+    # Ray instances on this host keep theirs (a user's, a concurrent test run, and the README's
+    # `ray start --head` of test_jobs.py, which may run beside this cluster).
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": CPUS_PER_NODE, "include_dashboard": False,

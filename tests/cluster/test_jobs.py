@@ -2,8 +2,8 @@
 start (token auth on), from a fresh copy of the repository; then, on that one-node cluster, Ray's
 metrics endpoint shows the training gauges and `ray-moe smoke` passes with its defaults.
 
-These tests run before every other cluster test (tests/cluster/conftest.py orders them first):
-the README's head takes Ray's default ports, which the session's own cluster would otherwise hold.
+The README's head takes Ray's default ports; the session's own cluster (tests/cluster/conftest.py)
+takes free ones, so under ``pytest -n 2`` this module runs beside it (tests/lanes.py).
 """
 
 from __future__ import annotations
