@@ -15,7 +15,8 @@ token; and the documents counted per finished input file. It is rewritten atomic
 finished shard. ``meta.json`` (tokenizer, vocabulary, documents, tokens, inputs and their sizes)
 is written last: a directory without it is an unfinished preparation, which the same command
 resumes and which training refuses. A finished shard only ever appears by renaming a complete,
-fsynced ``.partial`` file, so no shard is half-written.
+fsynced ``.partial`` file, so no shard is half-written. ``.prepare.lock`` is the lock the one
+prepare writing the directory holds (``fcntl.flock``; its text names that process).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ray_moe.data.errors import DataError, load_json
 FORMAT = "ray-moe-tokens/1"
 INDEX_FILE = "index.json"
 META_FILE = "meta.json"
+LOCK_FILE = ".prepare.lock"  # held by the one prepare writing the directory (data/writer.py)
 SPLITS = ("train", "val")
 DEFAULT_SHARD_TOKENS = 1 << 26  # 128 MiB of uint16 per shard
 PPM = 1_000_000

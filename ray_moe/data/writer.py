@@ -9,8 +9,10 @@ shard; the same command resumes from there and writes the same bytes.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from ray_moe.data.errors import DataError
 from ray_moe.data.shards import (
     FORMAT,
     INDEX_FILE,
+    LOCK_FILE,
     META_FILE,
     PPM,
     SPLITS,
@@ -56,6 +59,11 @@ class ShardWriter:
     refused; one holding this plan resumes from its index (``resume()`` says which inputs to
     skip); a finished one is left as it is (``complete``). A directory that exists and holds
     anything else is refused. Nothing is created before the first token is written.
+
+    A writer holds an exclusive lock on the directory (``LOCK_FILE``, taken before anything in
+    it is read or changed, released by ``finish``, ``close`` and ``discard`` or when the process
+    ends): a second prepare into the same directory is refused instead of interleaving its
+    shards with this one's.
     """
 
     def __init__(self, out_dir: str | Path, plan: dict):
@@ -72,7 +80,10 @@ class ShardWriter:
         self.complete = False
         self._created = False
         self._new = False  # this run created the directory
+        self._lock: Any = None  # the open LOCK_FILE while this writer holds it
         index_path = self.out / INDEX_FILE
+        if (self.out / LOCK_FILE).exists() or index_path.exists():
+            self._take_lock()
         if index_path.exists():
             self._load(read_json(index_path, "rerun prepare into a new directory"))
         elif self.out.exists() and (not self.out.is_dir() or any(self.out.iterdir())):
@@ -89,6 +100,8 @@ class ShardWriter:
         self.files = [list(f) for f in index["progress"]["files"]]
         self.complete = bool(index.get("complete"))
         self._created = True
+        if not self.complete:
+            self._announce()
         for split, p in index["progress"]["splits"].items():
             st = self.state[split]
             st.index, st.fill, st.documents = p["index"], p["fill"], p["documents"]
@@ -171,10 +184,41 @@ class ShardWriter:
             if not self._created:  # the index comes first, so a rerun knows the directory as its own
                 self._new = not self.out.exists()
                 self.out.mkdir(parents=True, exist_ok=True)
+                if self._lock is None:
+                    self._take_lock()
+                self._announce()
+                if (self.out / INDEX_FILE).exists():  # another run began here since this one looked
+                    raise DataError(f"{self.out} was started by another prepare after this one began; "
+                                    "rerun this command to resume it (nothing was changed by this run)")
                 self._created = True
                 write_json_atomic(self.out / INDEX_FILE, self._index())
             st.handle = open(self.out / (shard_name(split, st.index) + ".partial"), "ab")  # noqa: SIM115 - kept open across calls
         return st.handle
+
+    def _take_lock(self) -> None:
+        fh = open(self.out / LOCK_FILE, "a+")  # noqa: SIM115 - held for the writer's life
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "a process that did not say which"
+            fh.close()
+            raise DataError(f"{self.out} is being written by another prepare ({holder}); wait for it to end, "
+                            "then rerun to resume or confirm it (nothing was changed)") from None
+        self._lock = fh
+
+    def _announce(self) -> None:
+        """Name this process in the lock file, for a second prepare's message (only a writer that
+        will write does: confirming a finished dataset changes nothing in it)."""
+        self._lock.seek(0)
+        self._lock.truncate()
+        self._lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        self._lock.flush()
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     def _finish_shard(self, split: str) -> None:
         st = self.state[split]
@@ -241,6 +285,7 @@ class ShardWriter:
             write_json_atomic(self.out / INDEX_FILE, self._index())
         meta = self.meta()
         write_json_atomic(self.out / META_FILE, meta)
+        self._release_lock()
         return meta
 
     def meta(self) -> dict:
@@ -267,6 +312,7 @@ class ShardWriter:
                 if st.handle is not None:
                     st.handle.close()
                     st.handle = None
+            self._release_lock()
 
     def discard(self) -> None:
         """After bad input: remove what this run wrote when this run created the directory
@@ -286,6 +332,9 @@ class ShardWriter:
         self._remove_empty_dir()
 
     def _remove_empty_dir(self) -> None:
+        if self._new and self._lock is not None:  # a directory this run made: its lock goes with it
+            (self.out / LOCK_FILE).unlink(missing_ok=True)
+            self._release_lock()
         if self._created and self.out.is_dir() and not any(self.out.iterdir()):
             self.out.rmdir()
 

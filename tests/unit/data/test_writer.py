@@ -4,12 +4,13 @@ the same bytes however the stream is batched or interrupted, and nothing written
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
 
 from ray_moe.data.errors import DataError
-from ray_moe.data.shards import INDEX_FILE, META_FILE, val_mask
+from ray_moe.data.shards import INDEX_FILE, LOCK_FILE, META_FILE, val_mask
 from ray_moe.data.writer import ShardWriter
 from tests.unit.data.shard_helpers import feed, make_plan, random_files, write_dataset
 
@@ -66,7 +67,8 @@ def test_an_interrupted_run_resumes_to_the_same_bytes(tmp_path, stop_after_docs)
 
     out = tmp_path / "resumed"
     writer = ShardWriter(out, make_plan(12, shard_tokens=100))
-    feed(writer, files, stop_after_docs=stop_after_docs)  # the process dies here: no close, no finish
+    feed(writer, files, stop_after_docs=stop_after_docs)
+    del writer  # the process dies here: no close, no finish (its lock goes with it)
     for f in out.glob("*.bin"):  # only whole shards carry a shard name
         assert f.stat().st_size == 100 * 2, f.name
     assert not (out / META_FILE).exists()
@@ -88,6 +90,7 @@ def test_resume_skips_the_files_already_written(tmp_path):
     files = [[np.arange(1, 30, dtype=np.uint32)] * 2 for _ in range(10)]  # 60 tokens per file
     writer = ShardWriter(tmp_path, make_plan(10, shard_tokens=100, val_fraction=0.0))
     feed(writer, files, stop_after_docs=14)
+    del writer  # the process dies
     point = ShardWriter(tmp_path, make_plan(10, shard_tokens=100, val_fraction=0.0)).resume()
     assert point.skip_files >= 4 and point.first_doc == 2 * point.skip_files
 
@@ -127,3 +130,45 @@ def test_discard_removes_only_what_this_run_created(tmp_path):
     again.resume()
     again.discard()  # an earlier run's directory: kept
     assert sorted(p.name for p in (tmp_path / "old").iterdir()) == kept
+
+
+def _snapshot(path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def test_a_second_prepare_into_the_same_directory_is_refused(tmp_path):
+    files = random_files(np.random.default_rng(6), 8)
+    write_dataset(tmp_path / "whole", files, shard_tokens=40)
+    out = tmp_path / "ds"
+    late = ShardWriter(out, make_plan(8, shard_tokens=40))  # looked before the first run made anything
+    first = ShardWriter(out, make_plan(8, shard_tokens=40))
+    feed(first, files, stop_after_docs=10)
+    first.checkpoint()
+    before = _snapshot(out)
+    assert f"pid {os.getpid()}" in (out / LOCK_FILE).read_text()
+    with pytest.raises(DataError, match=rf"being written by another prepare \(pid {os.getpid()} on .*nothing was changed"):
+        ShardWriter(out, make_plan(8, shard_tokens=40))  # a rerun while it runs
+    with pytest.raises(DataError, match="being written by another prepare"):
+        feed(late, files)  # a run that started beside it
+    late.discard()
+    assert _snapshot(out) == before
+
+    first.close()  # interrupted: the lock is released, and the rerun resumes
+    again = ShardWriter(out, make_plan(8, shard_tokens=40))
+    point = again.resume()
+    feed(again, files, first_file=point.skip_files, first_doc=point.first_doc)
+    again.finish()
+    whole = _snapshot(tmp_path / "whole")
+    assert _snapshot(out) == whole  # the same bytes as one uninterrupted run (both lock files name this process)
+
+
+def test_a_run_that_looked_before_another_finished_is_refused(tmp_path):
+    files = random_files(np.random.default_rng(7), 5)
+    late = ShardWriter(tmp_path / "ds", make_plan(5))
+    write_dataset(tmp_path / "ds", files)
+    before = _snapshot(tmp_path / "ds")
+    with pytest.raises(DataError, match="started by another prepare after this one began"):
+        feed(late, files)
+    late.discard()
+    assert _snapshot(tmp_path / "ds") == before
+    assert ShardWriter(tmp_path / "ds", make_plan(5)).complete
