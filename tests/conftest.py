@@ -39,8 +39,9 @@ def pytest_runtest_setup(item):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """``pytest -n 2``: the session cluster's tests in one lane, the rest in the other (tests/lanes.py)."""
-    return lanes.make_scheduler(config, log)
+    """``pytest -n 2``: the session cluster's tests in one lane, the rest in the other (tests/lanes.py);
+    an explicit ``--dist`` other than xdist's default ``load`` is left to xdist."""
+    return lanes.make_scheduler(config, log) if config.getvalue("dist") == "load" else None
 
 
 INTERPRETER_SCRIPTS = pytest.StashKey[InterpreterScripts]()
