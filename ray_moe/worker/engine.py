@@ -158,9 +158,9 @@ class Engine:
         loss.backward()
         synchronize(self.device)
         t2 = time.perf_counter()
-        grad_norm = self.sync_grads()
-        finite = math.isfinite(grad_norm) and math.isfinite(self._all_max(ce.detach().float()))
-        t_sync = time.perf_counter()  # the norm and the loss were read on the host: the device is idle
+        grad_norm, loss_finite = self.sync_grads(ce.detach())
+        finite = math.isfinite(grad_norm) and loss_finite
+        t_sync = time.perf_counter()  # the norm and the loss check were read on the host: the device is idle
         lr = self.lr_at(self.step)
         skipped = False
         if finite:
@@ -189,16 +189,11 @@ class Engine:
     def counters(self) -> dict[str, int]:
         return {"step": self.step, "opt_steps": self.opt_steps, "skipped": self.skipped}
 
-    def _all_max(self, value: torch.Tensor) -> float:
-        v = torch.where(torch.isfinite(value), value, torch.full_like(value, float("inf")))
-        if self.distributed:
-            v = v.to(self.device)
-            dist.all_reduce(v, op=dist.ReduceOp.MAX)
-        return float(v)
-
-    def sync_grads(self) -> float:
+    def sync_grads(self, loss: torch.Tensor) -> tuple[float, bool]:
         """Reduce gradients across ranks into the optimizer's (float32) master gradients; return
-        the global gradient norm (inf if non-finite)."""
+        the global gradient norm (inf if non-finite) and whether every rank's ``loss`` (a scalar
+        tensor on this rank's device) is finite. The loss check rides on the norm's all-reduce and
+        host read: one of each per step."""
         opt = self.optimizer
         opt.gather_grads()
         for layer in self.model.moe_layers():
@@ -216,11 +211,14 @@ class Engine:
                 offset += n
             if sharded:
                 torch._foreach_div_(sharded, self.world_size)
-        exp_sq = _sum_of_squares(sharded, self.device)
+        # [Σ expert-shard grad², ranks whose loss is not finite]: summed over ranks in one all-reduce
+        reduced = torch.stack([_sum_of_squares(sharded, self.device),
+                               (~torch.isfinite(loss.float())).float().to(self.device)])
         if self.distributed:
-            dist.all_reduce(exp_sq)
-        total = float(_sum_of_squares(replicated, self.device) + exp_sq)
-        return math.sqrt(total) if math.isfinite(total) else math.inf
+            dist.all_reduce(reduced)
+        reduced[0] += _sum_of_squares(replicated, self.device)
+        total, bad_losses = reduced.tolist()
+        return (math.sqrt(total) if math.isfinite(total) else math.inf), bad_losses == 0
 
     def update_routing_bias(self) -> None:
         """Aux-loss-free balancing (sigmoid routers with a balancing bias): one bias step per MoE

@@ -118,6 +118,10 @@ class MixedPrecisionAdamW:
             (p, m, 0.0 if n in exempt else weight_decay)
             for n, p, m in zip(self.names, self.params, self.masters, strict=True)
             if self.impl == "onepass" and _one_pass_eligible(p, m))
+        self._one_pass_ids = frozenset(id(p) for p, _, _ in self._one_pass)  # compute parameters
+        # (parameter, master) pairs whose parameter the update refreshes from its master (the
+        # one-pass kernel writes its parameters itself)
+        self._refreshed = tuple((p, m) for p, m in self._copies if id(p) not in self._one_pass_ids)
         one_pass = {id(m) for _, m, _ in self._one_pass}
         rest = [(n, m) for n, m in zip(self.names, self.masters, strict=True) if id(m) not in one_pass]
         groups = [
@@ -147,12 +151,9 @@ class MixedPrecisionAdamW:
         """The gradient the update will read for ``param``, from :meth:`gather_grads` until the
         update: the float32 master gradient, or, for a one-pass parameter, its own (compute-dtype)
         gradient."""
-        if self._is_one_pass(param):
+        if id(param) in self._one_pass_ids:
             return param.grad
         return self.master(param).grad
-
-    def _is_one_pass(self, param: torch.Tensor) -> bool:
-        return any(p is param for p, _, _ in self._one_pass)
 
     # ------------------------------------------------------------------ one update
     def zero_grad(self) -> None:
@@ -165,9 +166,8 @@ class MixedPrecisionAdamW:
     def gather_grads(self) -> None:
         """Master gradients ← the compute parameters' gradients (zeros where backward left none);
         a compute-dtype gradient is freed once copied."""
-        one_pass = {id(p) for p, _, _ in self._one_pass}
         for p, m in zip(self.params, self.masters, strict=True):
-            if m is p or id(p) in one_pass:
+            if m is p or id(p) in self._one_pass_ids:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 continue
@@ -198,7 +198,8 @@ class MixedPrecisionAdamW:
         finally:
             self.inner.grad_scale = None
         self._one_pass_step(lr, clip_coef)
-        self.refresh_params()
+        if self._refreshed:  # compute parameters ← the updated masters, rounded to their dtype
+            torch._foreach_copy_([p for p, _ in self._refreshed], [m for _, m in self._refreshed])
         self.drop_grads()
 
     def _one_pass_step(self, lr: float, clip_coef: float) -> None:
@@ -213,14 +214,6 @@ class MixedPrecisionAdamW:
             state["step"] = state["step"].cpu() + 1  # a host counter: the bias corrections are host floats
             adamw_step(p.grad, m, state["exp_avg"], state["exp_avg_sq"], p, lr=lr, beta1=b1, beta2=b2,
                        eps=self.eps, weight_decay=decay, step=int(state["step"]), grad_scale=clip_coef)
-
-    @torch.no_grad()
-    def refresh_params(self) -> None:
-        """Compute parameters ← masters (after an update, or after a checkpoint filled the masters)."""
-        one_pass = {id(p) for p, _, _ in self._one_pass}
-        copies = [(p, m) for p, m in self._copies if id(p) not in one_pass or not self.state.get(m)]
-        if copies:  # the one-pass kernel wrote its parameters already (after their first update)
-            torch._foreach_copy_([p for p, _ in copies], [m for _, m in copies])
 
     @torch.no_grad()
     def loaded(self) -> None:
