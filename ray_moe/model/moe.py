@@ -10,6 +10,7 @@ oracle is :func:`ray_moe.model.experts.reference_moe`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -220,7 +221,21 @@ class MoELayer(nn.Module):
 
     def pop_load(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert_tokens [E], received_pairs [1]) since the last call, then reset (host copies)."""
-        out = self.expert_tokens.detach().cpu().clone(), self.received_pairs.detach().cpu().clone()
-        self.expert_tokens.zero_()
-        self.received_pairs.zero_()
-        return out
+        tokens, pairs = pop_loads([self])
+        return tokens[0], pairs
+
+
+def pop_loads(layers: Sequence[MoELayer]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The load counters of ``layers`` (same number of experts each) since their last pop, then
+    reset: (expert_tokens float32 [len(layers), E], received_pairs float32 [len(layers)]) on the
+    host, in one device-to-host copy (a training step reads every MoE layer's)."""
+    if not layers:
+        return torch.zeros(0, 0), torch.zeros(0)
+    E = layers[0].expert_tokens.numel()
+    if any(layer.expert_tokens.numel() != E for layer in layers):
+        raise ValueError(f"pop_loads needs layers of one expert count, got {[l.expert_tokens.numel() for l in layers]}")
+    counters = [layer.expert_tokens for layer in layers] + [layer.received_pairs for layer in layers]
+    host = torch.cat(counters).cpu()
+    torch._foreach_zero_(counters)
+    n = len(layers)
+    return host[: n * E].view(n, E), host[n * E:]

@@ -29,6 +29,7 @@ from ray_moe.config import Config, element_size
 from ray_moe.device import synchronize
 from ray_moe.model.build import build_model
 from ray_moe.model.loss import lm_loss, resolve_loss_impl
+from ray_moe.model.moe import pop_loads
 from ray_moe.model.state import persistent_buffers
 from ray_moe.placement.clones import push_clone_weights, reduce_clone_grads
 from ray_moe.placement.placement import Placement, expert_shard
@@ -267,8 +268,7 @@ class Engine:
                 token = token.to(self.device)
                 dist.broadcast(token, 0)
             ids.append(int(token))
-        for layer in self.model.moe_layers():
-            layer.pop_load()
+        pop_loads(self.model.moe_layers())
         return ids[len(prompt):]
 
     @torch.no_grad()
@@ -285,19 +285,13 @@ class Engine:
             total = total.to(self.device)
             dist.all_reduce(total)
             total = total.cpu() / self.world_size
-        # Evaluation must not count towards expert-load statistics.
-        for layer in self.model.moe_layers():
-            layer.pop_load()
+        pop_loads(self.model.moe_layers())  # evaluation does not count towards expert-load statistics
         return float(total) / n
 
     def expert_load(self) -> dict[str, Any]:
         """Tokens routed from this rank to each logical expert, per MoE layer, since the last call."""
-        per_layer, received = [], []
-        for layer in self.model.moe_layers():
-            tokens, pairs = layer.pop_load()
-            per_layer.append(tokens.tolist())
-            received.append(float(pairs))
-        return {"rank": self.rank, "expert_tokens": per_layer, "received_pairs": received}
+        tokens, pairs = pop_loads(self.model.moe_layers())
+        return {"rank": self.rank, "expert_tokens": tokens.tolist(), "received_pairs": pairs.tolist()}
 
     # ------------------------------------------------------------------ placement
     def set_placements(self, placements: list[dict | None]) -> int:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ray_moe.comm.local import LocalTransport
-from ray_moe.model.moe import MoELayer
+from ray_moe.model.moe import MoELayer, pop_loads
 from ray_moe.placement.placement import Placement, expert_shard
 
 
@@ -35,3 +35,23 @@ def test_initial_weights_do_not_touch_the_global_rng():
     assert torch.equal(torch.get_rng_state(), before)
     b = MoELayer(16, 4, 2, 8, LocalTransport(), seed=7)
     assert torch.equal(a.w13, b.w13) and torch.equal(a.router, b.router)
+
+
+def test_pop_loads_reads_every_layer_at_once_and_resets_them():
+    layers = [MoELayer(16, 4, 2, 8, LocalTransport(), seed=s) for s in range(3)]
+    x = torch.randn(2, 37, 16)
+    for i, layer in enumerate(layers):
+        for _ in range(i + 1):  # different counts per layer
+            layer(x[0])
+    want = [(layer.expert_tokens.clone(), layer.received_pairs.clone()) for layer in layers]
+    assert all(float(t.sum()) == 37 * 2 * (i + 1) for i, (t, _) in enumerate(want))  # top-2 of 37 tokens, i+1 times
+    tokens, pairs = pop_loads(layers)
+    assert tokens.shape == (3, 4) and pairs.shape == (3,) and tokens.device.type == "cpu"
+    assert torch.equal(tokens, torch.stack([t for t, _ in want]))
+    assert torch.equal(pairs, torch.cat([p for _, p in want]))
+    assert all(float(layer.expert_tokens.abs().sum() + layer.received_pairs.abs().sum()) == 0 for layer in layers)
+    t1, p1 = layers[1].pop_load()  # the one-layer form after a reset
+    assert t1.shape == (4,) and p1.shape == (1,) and float(t1.sum()) == 0
+    assert pop_loads([])[0].numel() == 0
+    with pytest.raises(ValueError, match="one expert count"):
+        pop_loads([layers[0], MoELayer(16, 8, 2, 8, LocalTransport())])
