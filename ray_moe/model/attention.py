@@ -10,6 +10,7 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from ray_moe.arch import ArchSpec
+from ray_moe.model.kv_cache import KVCache, causal_mask
 from ray_moe.model.norm import RMSNorm
 from ray_moe.model.rope import apply_rope
 
@@ -28,8 +29,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(D, spec.rms_norm_eps, device) if spec.qk_norm else None
         self.k_norm = RMSNorm(D, spec.rms_norm_eps, device) if spec.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [B, L, H]; cos/sin: [L, rotary_dim] (:func:`ray_moe.model.rope.rope_tables`)."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
+                layer: int = 0) -> torch.Tensor:
+        """x: [B, L, H]; cos/sin: [L, rotary_dim] of x's positions (:func:`ray_moe.model.rope.rope_tables`);
+        with ``cache``, x holds the positions after the cached ones (read and extended as ``layer``)."""
         B, L, _ = x.shape
         q = self.q_proj(x).view(B, L, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(B, L, self.num_kv_heads, self.head_dim)
@@ -38,6 +41,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim ** -0.5,
+        if cache is not None:
+            k, v = cache.update(layer, k, v)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal_mask(L, k.shape[2]), scale=self.head_dim ** -0.5,
                                            enable_gqa=self.num_kv_heads != self.num_heads)
         return self.o_proj(y.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim))

@@ -24,6 +24,7 @@ from ray_moe.comm.base import Transport
 from ray_moe.config import Config, torch_dtype
 from ray_moe.model.attention import Attention
 from ray_moe.model.expert_choice import ExpertImplChooser
+from ray_moe.model.kv_cache import KVCache
 from ray_moe.model.mlp import GatedMLP
 from ray_moe.model.moe import MoELayer
 from ray_moe.model.norm import RMSNorm
@@ -61,14 +62,17 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.checkpointing = check_mode(checkpointing)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [B, L, H] → ([B, L, H], aux loss float32 scalar)."""
-        if self.checkpointing == "full" and torch.is_grad_enabled():
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
+                layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, L, H] → ([B, L, H], aux loss float32 scalar); ``cache``: the attention reads and
+        extends it as layer ``layer`` (incremental decoding, no gradients)."""
+        if self.checkpointing == "full" and torch.is_grad_enabled() and cache is None:
             return checkpointed(self._forward, x, cos, sin, moe_layers=self._moe())
-        return self._forward(x, cos, sin)
+        return self._forward(x, cos, sin, cache, layer)
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
+                 layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
         if self.checkpointing == "moe" and self._moe() and torch.is_grad_enabled():
             y, aux = checkpointed(self._ffn, x, moe_layers=self._moe())
         else:
@@ -151,9 +155,10 @@ class Decoder(nn.Module):
     def moe_layers(self) -> list[MoELayer]:
         return [layer.mlp.routed for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
 
-    def hidden_states(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def hidden_states(self, idx: torch.Tensor, cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """idx: int64/int32 [B, L] token ids → (final-norm hidden states [B, L, H] in the model
-        dtype, aux loss float32 scalar)."""
+        dtype, aux loss float32 scalar). ``cache`` (:meth:`new_cache`): ``idx`` continues the
+        cached positions, and is added to them."""
         if idx.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"token ids must be int64 or int32, got {idx.dtype}")
         if idx.device.type == "cpu" and idx.numel():  # on GPUs the engine checks ids before the copy
@@ -161,12 +166,20 @@ class Decoder(nn.Module):
             if lo < 0 or hi >= V:
                 raise ValueError(f"token ids must be in [0, {V}) (the HF config's vocab_size), got min {lo}, max {hi}")
         x = self.embed_tokens(idx)
-        cos, sin = rope_tables(idx.shape[1], self.spec.rotary_dim, self.spec.rope_theta, x.device, x.dtype)
+        start, L = (cache.length if cache is not None else 0), idx.shape[1]
+        cos, sin = rope_tables(start + L, self.spec.rotary_dim, self.spec.rope_theta, x.device, x.dtype)
+        cos, sin = cos[start:], sin[start:]
         aux = x.new_zeros((), dtype=torch.float32)
-        for layer in self.layers:
-            x, a = layer(x, cos, sin)
+        for i, layer in enumerate(self.layers):
+            x, a = layer(x, cos, sin, cache, i)
             aux = aux + a
+        if cache is not None:
+            cache.advance(L)
         return self.norm(x), aux
+
+    def new_cache(self, capacity: int) -> KVCache:
+        """An empty KV cache for :meth:`hidden_states`, ``capacity`` positions long."""
+        return KVCache(len(self.layers), capacity)
 
     def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """idx: int64/int32 [B, L] → (logits float32 [B, L, V], aux loss float32 scalar)."""

@@ -22,6 +22,7 @@ from torch.nn.utils import skip_init
 from ray_moe.comm.base import Transport
 from ray_moe.config import Config, torch_dtype
 from ray_moe.model.expert_choice import ExpertImplChooser
+from ray_moe.model.kv_cache import KVCache, causal_mask
 from ray_moe.model.moe import MoELayer
 from ray_moe.model.recompute import check_mode, checkpointed
 
@@ -33,12 +34,16 @@ class Attention(nn.Module):
         self.qkv = skip_init(nn.Linear, d_model, 3 * d_model, bias=False, device=device)
         self.proj = skip_init(nn.Linear, d_model, d_model, bias=False, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, L, H] → [B, L, H], causal."""
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        """x: [B, L, H] → [B, L, H], causal; with ``cache``, x holds the positions after the cached
+        ones (all of them at once into an empty cache, then one at a time)."""
         B, L, H = x.shape
         q, k, v = self.qkv(x).view(B, L, 3, self.n_heads, H // self.n_heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal_mask(L, k.shape[2]))
         return self.proj(y.transpose(1, 2).reshape(B, L, H))
+
 
 
 class DenseMLP(nn.Module):
@@ -66,15 +71,18 @@ class Block(nn.Module):
         self.ffn = ffn
         self.checkpointing = check_mode(checkpointing)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [B, L, H] → ([B, L, H], auxiliary loss float32 scalar)."""
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None,
+                layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, L, H] → ([B, L, H], auxiliary loss float32 scalar); ``cache``: this block's
+        attention reads and extends it as block ``layer`` (incremental decoding, no gradients)."""
         moe = (self.ffn,) if isinstance(self.ffn, MoELayer) else ()
-        if self.checkpointing == "full" and torch.is_grad_enabled():
+        if self.checkpointing == "full" and torch.is_grad_enabled() and cache is None:
             return checkpointed(self._forward, x, moe_layers=moe)
-        return self._forward(x)
+        return self._forward(x, cache, layer)
 
-    def _forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x + self.attn(self.norm1(x))
+    def _forward(self, x: torch.Tensor, cache: KVCache | None = None,
+                 layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + self.attn(self.norm1(x), cache, layer)
         moe = (self.ffn,) if isinstance(self.ffn, MoELayer) else ()
         if self.checkpointing == "moe" and moe and torch.is_grad_enabled():
             y, aux = checkpointed(self._ffn, x, moe_layers=moe)
@@ -146,13 +154,15 @@ class MoETransformer(nn.Module):
     def moe_layers(self) -> list[MoELayer]:
         return [b.ffn for b in self.blocks if isinstance(b.ffn, MoELayer)]
 
-    def hidden_states(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def hidden_states(self, idx: torch.Tensor, cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """idx: int64/int32 [B, L] token ids → (final-norm hidden states [B, L, H] in the model
         dtype, aux loss float32 scalar). The LM head (``self.lm_head``) is applied by the caller
-        (``forward`` for logits, :func:`ray_moe.model.loss.lm_loss` for the training loss)."""
+        (``forward`` for logits, :func:`ray_moe.model.loss.lm_loss` for the training loss).
+        ``cache`` (:meth:`new_cache`): ``idx`` continues the cached positions, and is added to them."""
         B, L = idx.shape
-        if L > self.pos_emb.shape[0]:
-            raise ValueError(f"sequence length {L} exceeds model.seq_len={self.pos_emb.shape[0]}")
+        start = cache.length if cache is not None else 0
+        if start + L > self.pos_emb.shape[0]:
+            raise ValueError(f"sequence length {start + L} exceeds model.seq_len={self.pos_emb.shape[0]}")
         if idx.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"token ids must be int64 or int32, got {idx.dtype}")
         if idx.device.type == "cpu" and idx.numel():  # on GPUs the engine checks ids before the copy
@@ -160,12 +170,18 @@ class MoETransformer(nn.Module):
             V = self.tok_emb.num_embeddings
             if lo < 0 or hi >= V:
                 raise ValueError(f"token ids must be in [0, {V}) (model.vocab_size), got min {lo}, max {hi}")
-        x = self.tok_emb(idx) + self.pos_emb[:L]
+        x = self.tok_emb(idx) + self.pos_emb[start:start + L]
         aux = x.new_zeros((), dtype=torch.float32)
-        for block in self.blocks:
-            x, a = block(x)
+        for i, block in enumerate(self.blocks):
+            x, a = block(x, cache, i)
             aux = aux + a
+        if cache is not None:
+            cache.advance(L)
         return self.norm_f(x), aux
+
+    def new_cache(self, capacity: int) -> KVCache:
+        """An empty KV cache for :meth:`hidden_states`, ``capacity`` (≤ ``model.seq_len``) positions long."""
+        return KVCache(len(self.blocks), capacity)
 
     def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """idx: int64/int32 [B, L] token ids → (logits float32 [B, L, V], aux loss float32 scalar)."""

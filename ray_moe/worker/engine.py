@@ -245,8 +245,10 @@ class Engine:
         Collective: every rank runs the same context through the model (the MoE layers need all
         ranks); rank 0 samples (greedy at ``temperature`` <= 0, else from softmax(logits / T) with a
         generator seeded by ``seed``) and broadcasts the token. The context is the last
-        ``model.seq_len`` tokens (no KV cache: each token reruns the context). Load statistics of
-        these forwards are dropped."""
+        ``model.seq_len`` tokens: the prompt's forward fills a KV cache, then each new token is
+        one position's forward over it; once the context is longer than ``model.seq_len``, each
+        token re-reads the last ``model.seq_len`` (the positions move). Load statistics of these
+        forwards are dropped."""
         if not prompt:
             raise ValueError("generate needs a prompt of at least one token")
         V = self.model.lm_head.weight.shape[0]
@@ -256,9 +258,14 @@ class Engine:
         gen = torch.Generator().manual_seed(seed)
         ids = list(prompt)
         L = self.config.model.seq_len
+        cache = None
         for _ in range(max_new_tokens):
-            ctx = torch.tensor([ids[-L:]], dtype=torch.int64, device=self.device)
-            h, _ = self.model.hidden_states(ctx)
+            if cache is None or cache.length >= L:  # the first forward, or the window moved: refill
+                cache = self.model.new_cache(L)
+                ctx = ids[-L:]
+            else:
+                ctx = ids[-1:]
+            h, _ = self.model.hidden_states(torch.tensor([ctx], dtype=torch.int64, device=self.device), cache)
             logits = (h[0, -1] @ self.model.lm_head.weight.t()).float().cpu()
             if temperature <= 0:
                 token = logits.argmax().view(1)
