@@ -9,8 +9,10 @@ shard; the same command resumes from there and writes the same bytes.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -34,6 +36,8 @@ from ray_moe.data.shards import (
     val_mask,
     write_json_atomic,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -60,10 +64,11 @@ class ShardWriter:
     skip); a finished one is left as it is (``complete``). A directory that exists and holds
     anything else is refused. Nothing is created before the first token is written.
 
-    A writer holds an exclusive lock on the directory (``LOCK_FILE``, taken before anything in
-    it is read or changed, released by ``finish``, ``close`` and ``discard`` or when the process
-    ends): a second prepare into the same directory is refused instead of interleaving its
-    shards with this one's.
+    A writer that will write holds an exclusive lock on the directory (``LOCK_FILE``, taken
+    before anything in it is read for resuming or changed; released by ``finish``, ``close`` and
+    ``discard``, or when the process ends): a second prepare into the same directory is refused
+    instead of interleaving its shards with this one's. Confirming a finished dataset takes no
+    lock and changes nothing in it.
     """
 
     def __init__(self, out_dir: str | Path, plan: dict):
@@ -82,11 +87,14 @@ class ShardWriter:
         self._new = False  # this run created the directory
         self._lock: Any = None  # the open LOCK_FILE while this writer holds it
         index_path = self.out / INDEX_FILE
-        if (self.out / LOCK_FILE).exists() or index_path.exists():
-            self._take_lock()
-        if index_path.exists():
-            self._load(read_json(index_path, "rerun prepare into a new directory"))
-        elif self.out.exists() and (not self.out.is_dir() or any(self.out.iterdir())):
+        index = read_json(index_path, "rerun prepare into a new directory") if index_path.exists() else None
+        if not (index or {}).get("complete") and (index is not None or (self.out / LOCK_FILE).exists()):
+            self._take_lock()  # a run to resume, or one that was starting here: wait for no one
+            index = read_json(index_path, "rerun prepare into a new directory") if index_path.exists() else None
+        if index is not None:
+            self._load(index)
+        elif self.out.exists() and (not self.out.is_dir() or any(p.name != LOCK_FILE for p in self.out.iterdir())):
+            self._release_lock()
             raise DataError(f"{self.out} exists and is not a prepared dataset (no {INDEX_FILE}); "
                             "choose another --out (nothing was changed)")
 
@@ -182,30 +190,55 @@ class ShardWriter:
         st = self.state[split]
         if st.handle is None:
             if not self._created:  # the index comes first, so a rerun knows the directory as its own
-                self._new = not self.out.exists()
+                made = not self.out.exists()
                 self.out.mkdir(parents=True, exist_ok=True)
                 if self._lock is None:
                     self._take_lock()
-                self._announce()
                 if (self.out / INDEX_FILE).exists():  # another run began here since this one looked
                     raise DataError(f"{self.out} was started by another prepare after this one began; "
                                     "rerun this command to resume it (nothing was changed by this run)")
+                self._announce()
+                self._new = made  # only now: a run refused above must not discard the winner's files
                 self._created = True
                 write_json_atomic(self.out / INDEX_FILE, self._index())
             st.handle = open(self.out / (shard_name(split, st.index) + ".partial"), "ab")  # noqa: SIM115 - kept open across calls
         return st.handle
 
     def _take_lock(self) -> None:
-        fh = open(self.out / LOCK_FILE, "a+")  # noqa: SIM115 - held for the writer's life
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            holder = fh.read().strip() or "a process that did not say which"
-            fh.close()
-            raise DataError(f"{self.out} is being written by another prepare ({holder}); wait for it to end, "
-                            "then rerun to resume or confirm it (nothing was changed)") from None
-        self._lock = fh
+        path = self.out / LOCK_FILE
+        for _ in range(3):  # the file may be removed (by a run that made and discarded the directory) under us
+            try:
+                fh = open(path, "a+")  # noqa: SIM115 - held for the writer's life
+            except FileNotFoundError:
+                if self.out.exists():
+                    raise
+                return  # the directory is gone: nothing to lock until this run makes it again
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                fh.seek(0)
+                holder = fh.read().strip() or "a process that did not say which"
+                fh.close()
+                raise DataError(f"{self.out} is being written by another prepare ({holder}); wait for it to "
+                                "end, then rerun to resume or confirm it (nothing was changed)") from None
+            except OSError as exc:
+                if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    fh.close()
+                    raise
+                log.warning("%s: this file system does not support file locks (%s); nothing stops a second "
+                            "prepare from writing the directory at the same time", self.out, exc.strerror)
+                self._lock = fh
+                return
+            try:
+                same = os.fstat(fh.fileno()).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                self._lock = fh
+                return
+            fh.close()  # locked a file that is no longer the directory's lock file: take the new one
+        raise DataError(f"{self.out}: its lock file kept changing; another prepare is starting or ending "
+                        "there: rerun (nothing was changed)")
 
     def _announce(self) -> None:
         """Name this process in the lock file, for a second prepare's message (only a writer that
@@ -329,12 +362,11 @@ class ShardWriter:
         names += [shard_name(split, st.index) + ".partial" for split, st in self.state.items()]
         for name in names:
             (self.out / name).unlink(missing_ok=True)
+        (self.out / LOCK_FILE).unlink(missing_ok=True)  # still held: no one takes it before the end
         self._remove_empty_dir()
+        self._release_lock()
 
     def _remove_empty_dir(self) -> None:
-        if self._new and self._lock is not None:  # a directory this run made: its lock goes with it
-            (self.out / LOCK_FILE).unlink(missing_ok=True)
-            self._release_lock()
         if self._created and self.out.is_dir() and not any(self.out.iterdir()):
             self.out.rmdir()
 

@@ -45,7 +45,6 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, L, H))
 
 
-
 class DenseMLP(nn.Module):
     def __init__(self, d_model: int, hidden: int, device: torch.device | str = "cpu"):
         super().__init__()

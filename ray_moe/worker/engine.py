@@ -260,11 +260,12 @@ class Engine:
         L = self.config.model.seq_len
         cache = None
         for _ in range(max_new_tokens):
-            if cache is None or cache.length >= L:  # the first forward, or the window moved: refill
-                cache = self.model.new_cache(L)
-                ctx = ids[-L:]
-            else:
+            if cache is not None and cache.length < L:  # one new position over the cache
                 ctx = ids[-1:]
+            elif len(ids) <= L:  # the prompt fills a new cache
+                cache, ctx = self.model.new_cache(L), ids
+            else:  # the window has moved past seq_len: the positions shift, no cache is reusable
+                cache, ctx = None, ids[-L:]
             h, _ = self.model.hidden_states(torch.tensor([ctx], dtype=torch.int64, device=self.device), cache)
             logits = (h[0, -1] @ self.model.lm_head.weight.t()).float().cpu()
             if temperature <= 0:

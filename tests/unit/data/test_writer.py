@@ -172,3 +172,61 @@ def test_a_run_that_looked_before_another_finished_is_refused(tmp_path):
     late.discard()
     assert _snapshot(tmp_path / "ds") == before
     assert ShardWriter(tmp_path / "ds", make_plan(5)).complete
+
+
+def test_a_run_refused_in_a_directory_it_made_keeps_the_winners_files(tmp_path, monkeypatch):
+    """B makes the directory, A locks it before B does: B is refused and its discard removes
+    nothing of A's; A finishes the same bytes as an uninterrupted run."""
+    files = random_files(np.random.default_rng(8), 6)
+    write_dataset(tmp_path / "whole", files, shard_tokens=40)
+    out = tmp_path / "ds"
+    a = ShardWriter(out, make_plan(6, shard_tokens=40))
+    b = ShardWriter(out, make_plan(6, shard_tokens=40))
+    take = ShardWriter._take_lock
+
+    def a_first(self):
+        if self is b:
+            feed(a, files, stop_after_docs=5)  # A's first write: it finds B's directory and locks it
+        take(self)
+
+    monkeypatch.setattr(ShardWriter, "_take_lock", a_first)
+    with pytest.raises(DataError, match="being written by another prepare"):
+        feed(b, files)
+    monkeypatch.undo()
+    b.discard()
+    assert (out / INDEX_FILE).exists()  # A's index survived B's discard
+    a.close()  # A is interrupted here; its rerun resumes from what it wrote
+    again = ShardWriter(out, make_plan(6, shard_tokens=40))
+    point = again.resume()
+    feed(again, files, first_file=point.skip_files, first_doc=point.first_doc)
+    again.finish()
+    assert _snapshot(out) == _snapshot(tmp_path / "whole")
+
+
+def test_a_stale_lock_file_is_taken_over_and_confirming_takes_no_lock(tmp_path):
+    files = random_files(np.random.default_rng(9), 4)
+    out = tmp_path / "ds"
+    out.mkdir()
+    (out / LOCK_FILE).write_text("pid 1 on gone\n")  # a run killed between its lock and its index
+    write_dataset(out, files)
+    older = tmp_path / "older"
+    write_dataset(older, files)
+    (older / LOCK_FILE).unlink()  # a dataset finished before datasets carried a lock file
+    before = _snapshot(older)
+    assert ShardWriter(older, make_plan(4)).complete
+    assert _snapshot(older) == before
+
+
+def test_a_file_system_without_locks_is_written_with_a_warning(tmp_path, monkeypatch, caplog):
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    files = random_files(np.random.default_rng(10), 3)
+    with caplog.at_level("WARNING"):
+        write_dataset(tmp_path / "ds", files)
+    assert "does not support file locks" in caplog.text
+    assert (tmp_path / "ds" / META_FILE).exists()
