@@ -89,10 +89,14 @@ class ShardWriter:
         index_path = self.out / INDEX_FILE
         index = read_json(index_path, "rerun prepare into a new directory") if index_path.exists() else None
         if not (index or {}).get("complete") and (index is not None or (self.out / LOCK_FILE).exists()):
-            self._take_lock()  # a run to resume, or one that was starting here: wait for no one
+            self._take_lock()  # a run to resume, or one starting here: refused at once if it is alive
             index = read_json(index_path, "rerun prepare into a new directory") if index_path.exists() else None
         if index is not None:
-            self._load(index)
+            try:
+                self._load(index)
+            except BaseException:  # refused: the lock must not outlive this constructor (a notebook
+                self._release_lock()  # keeps the traceback, and with it this object)
+                raise
         elif self.out.exists() and (not self.out.is_dir() or any(p.name != LOCK_FILE for p in self.out.iterdir())):
             self._release_lock()
             raise DataError(f"{self.out} exists and is not a prepared dataset (no {INDEX_FILE}); "

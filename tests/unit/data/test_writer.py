@@ -230,3 +230,15 @@ def test_a_file_system_without_locks_is_written_with_a_warning(tmp_path, monkeyp
         write_dataset(tmp_path / "ds", files)
     assert "does not support file locks" in caplog.text
     assert (tmp_path / "ds" / META_FILE).exists()
+
+
+def test_a_refused_rerun_leaves_the_lock_free(tmp_path):
+    files = random_files(np.random.default_rng(11), 3)
+    writer = ShardWriter(tmp_path / "ds", make_plan(3))
+    feed(writer, files, stop_after_docs=4)
+    writer.close()
+    with pytest.raises(DataError, match="other settings") as refused:
+        ShardWriter(tmp_path / "ds", make_plan(3, shard_tokens=64))
+    again = ShardWriter(tmp_path / "ds", make_plan(3))  # while the refusal's traceback is still alive
+    assert refused.value is not None and not again.complete
+    again.close()
