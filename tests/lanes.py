@@ -49,7 +49,7 @@ def check_lane(item: pytest.Item) -> None:
     if uses != (lane_scope(item.nodeid) == SESSION_CLUSTER):
         pytest.fail(f"tests/lanes.py schedules {item.nodeid} in the wrong lane: it "
                     f"{'uses' if uses else 'does not use'} the session's ray_cluster"
-                    f"{'' if uses else ' (list it in OFF_SESSION_CLUSTER)'}", pytrace=False)
+                    f" ({'remove it from' if uses else 'list it in'} OFF_SESSION_CLUSTER)", pytrace=False)
 
 
 def make_scheduler(config: pytest.Config, log: Any) -> Any:

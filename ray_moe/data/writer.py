@@ -210,39 +210,35 @@ class ShardWriter:
 
     def _take_lock(self) -> None:
         path = self.out / LOCK_FILE
-        for _ in range(3):  # the file may be removed (by a run that made and discarded the directory) under us
-            try:
-                fh = open(path, "a+")  # noqa: SIM115 - held for the writer's life
-            except FileNotFoundError:
-                if self.out.exists():
-                    raise
-                return  # the directory is gone: nothing to lock until this run makes it again
-            try:
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                fh.seek(0)
-                holder = fh.read().strip() or "a process that did not say which"
+        try:
+            fh = open(path, "a+")  # noqa: SIM115 - held for the writer's life
+        except FileNotFoundError:
+            if self.out.exists():
+                raise
+            return  # a run that made the directory discarded it: nothing to lock until this run makes it again
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "a process that did not say which"
+            fh.close()
+            raise DataError(f"{self.out} is being written by another prepare ({holder}); wait for it to "
+                            "end, then rerun to resume or confirm it (nothing was changed)") from None
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 fh.close()
-                raise DataError(f"{self.out} is being written by another prepare ({holder}); wait for it to "
-                                "end, then rerun to resume or confirm it (nothing was changed)") from None
-            except OSError as exc:
-                if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                    fh.close()
-                    raise
-                log.warning("%s: this file system does not support file locks (%s); nothing stops a second "
-                            "prepare from writing the directory at the same time", self.out, exc.strerror)
-                self._lock = fh
-                return
-            try:
-                same = os.fstat(fh.fileno()).st_ino == os.stat(path).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                self._lock = fh
-                return
-            fh.close()  # locked a file that is no longer the directory's lock file: take the new one
-        raise DataError(f"{self.out}: its lock file kept changing; another prepare is starting or ending "
-                        "there: rerun (nothing was changed)")
+                raise
+            log.warning("%s: this file system does not support file locks (%s); nothing stops a second "
+                        "prepare from writing the directory at the same time", self.out, exc.strerror)
+        try:  # a run discarding the directory removes the lock file it holds: this lock is then no one's
+            replaced = os.fstat(fh.fileno()).st_ino != os.stat(path).st_ino
+        except FileNotFoundError:
+            replaced = True
+        if replaced:
+            fh.close()
+            raise DataError(f"{self.out}: another prepare was ending there as this one started; rerun "
+                            "(nothing was changed)")
+        self._lock = fh
 
     def _announce(self) -> None:
         """Name this process in the lock file, for a second prepare's message (only a writer that

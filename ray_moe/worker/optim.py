@@ -122,8 +122,8 @@ class MixedPrecisionAdamW:
         # (parameter, master) pairs whose parameter the update refreshes from its master (the
         # one-pass kernel writes its parameters itself)
         self._refreshed = tuple((p, m) for p, m in self._copies if id(p) not in self._one_pass_ids)
-        one_pass = {id(m) for _, m, _ in self._one_pass}
-        rest = [(n, m) for n, m in zip(self.names, self.masters, strict=True) if id(m) not in one_pass]
+        self._one_pass_master_ids = frozenset(id(m) for _, m, _ in self._one_pass)
+        rest = [(n, m) for n, m in zip(self.names, self.masters, strict=True) if id(m) not in self._one_pass_master_ids]
         groups = [
             {"params": [m for n, m in rest if n not in exempt], "weight_decay": weight_decay},
             {"params": [m for n, m in rest if n in exempt], "weight_decay": 0.0},
@@ -224,10 +224,9 @@ class MixedPrecisionAdamW:
             torch._foreach_copy_([p for p, _ in self._copies], [m for _, m in self._copies])
         if self.impl not in ("fused", "onepass"):
             return
-        one_pass = {id(m) for _, m, _ in self._one_pass}
         for m in self.masters:
             state = self.state.get(m)
-            if state and "step" in state and id(m) not in one_pass:
+            if state and "step" in state and id(m) not in self._one_pass_master_ids:
                 state["step"] = state["step"].to(device=m.device, dtype=torch.float32)
 
 

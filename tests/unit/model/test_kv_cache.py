@@ -9,22 +9,15 @@ import pytest
 import torch
 
 from ray_moe.comm.local import LocalTransport
-from ray_moe.config import Config
 from ray_moe.model.kv_cache import KVCache, causal_mask
 from ray_moe.model.transformer import MoETransformer
 from ray_moe.worker.engine import Engine
-from tests.support import single_rank
-from tests.unit.model.test_hf_models import FAMILIES
+from tests.support import single_rank, small_config
+from tests.unit.model.test_hf_models import FAMILIES, _engine
 
 
-def _engine(tmp_path, **raw) -> Engine:
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("".join(f"line {i}: value = {i * 7 % 13}\n" for i in range(500)))
-    base = {"model": {"seq_len": 16}, "parallel": {"world_size": 1, "device": "cpu"},
-            "data": {"paths": [str(corpus)]}, "train": {"batch_size": 2, "steps": 2, "run_dir": str(tmp_path / "run")}}
-    for section, values in raw.items():
-        base.setdefault(section, {}).update(values)
-    return Engine(Config.from_dict(base), single_rank(), LocalTransport(), torch.device("cpu"))
+def _byte_config(tmp_path):
+    return small_config(tmp_path, world_size=1, **{"model.seq_len": 16})
 
 
 def _check_incremental(model, vocab: int, prefill: int, L: int = 16, seed: int = 0) -> None:
@@ -43,14 +36,14 @@ def _check_incremental(model, vocab: int, prefill: int, L: int = 16, seed: int =
 
 @pytest.mark.parametrize("prefill", [1, 5])
 def test_byte_model_decodes_one_position_at_a_time_as_the_whole_forward(tmp_path, prefill):
-    cfg = _engine(tmp_path).config
+    cfg = _byte_config(tmp_path)
     model = MoETransformer(cfg, LocalTransport())
     _check_incremental(model, cfg.model.vocab_size, prefill)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_families_decode_one_position_at_a_time_as_the_whole_forward(tiny_hf, tmp_path, family):
-    e = _engine(tmp_path, model={"init_from": tiny_hf(family)})
+    e = _engine(tmp_path, tiny_hf(family))
     _check_incremental(e.model, e.model.lm_head.weight.shape[0], prefill=4)
 
 
@@ -58,7 +51,7 @@ def test_hf_families_decode_one_position_at_a_time_as_the_whole_forward(tiny_hf,
 def test_greedy_generate_is_transformers_greedy_generate(tiny_hf, tmp_path, family):
     transformers = pytest.importorskip("transformers")
     path = tiny_hf(family)
-    e = _engine(tmp_path, model={"init_from": path})
+    e = _engine(tmp_path, path)
     prompt = [5, 17, 42, 7]
     ours = e.generate(prompt, 12, temperature=0.0, seed=0)  # 16 positions: within model.seq_len
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
@@ -69,7 +62,7 @@ def test_greedy_generate_is_transformers_greedy_generate(tiny_hf, tmp_path, fami
 
 
 def test_past_the_window_generate_rereads_the_last_seq_len_tokens(tmp_path):
-    e = _engine(tmp_path)
+    e = Engine(_byte_config(tmp_path), single_rank(), LocalTransport(), torch.device("cpu"))
     prompt = list(b"line 3: value")
     got = e.generate(prompt, 10, temperature=0.0, seed=0)  # 13 + 10 > seq_len 16
     ids = list(prompt)
