@@ -144,6 +144,7 @@ class ParallelConfig:
     collective_timeout_s: float = 120.0
     force_remote_path: bool = False
     comm_programs: int = 0  # NVSHMEM: SMs the exchange kernels run on (0: all)
+    workers_per_gpu: int = 1  # ranks sharing one GPU (tests of multi-rank paths on one GPU; gloo process group)
 
     def check(self) -> None:
         _positive("parallel.world_size", self.world_size)
@@ -157,6 +158,7 @@ class ParallelConfig:
         if not self.cpu_per_worker > 0:
             raise ConfigError(f"parallel.cpu_per_worker={self.cpu_per_worker} must be > 0")
         _positive("parallel.comm_programs", self.comm_programs, allow_zero=True)
+        _positive("parallel.workers_per_gpu", self.workers_per_gpu)
         if self.transport in ("nvshmem", "nccl") and self.device == "cpu":
             raise ConfigError(
                 f"parallel.transport={self.transport} needs GPUs but parallel.device=cpu; "

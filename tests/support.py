@@ -23,3 +23,22 @@ def single_rank(world_size: int = 1, rank: int = 0) -> RankInfo:
     """The RankInfo of a rank that runs without a group (the single-process reference)."""
     return RankInfo(rank, world_size, "local", 0, 1, rank, world_size, "127.0.0.1", "local", 0, -1)
 
+
+
+def gpu_ranks(max_gpus: int = 2) -> tuple[int, int]:
+    """(world size, ranks per GPU) for a GPU test's group: ``min(max_gpus, GPUs in the Ray cluster)``
+    GPUs, each shared by ``RAY_MOE_PES_PER_GPU`` ranks (default 1; >1 runs several NVSHMEM PEs on
+    one GPU, best under CUDA MPS: ``scripts/device_ep.sh``). Skips the test without a GPU."""
+    import os
+
+    import pytest
+    import ray
+
+    from ray_moe.driver.group import connect
+
+    connect()
+    gpus = min(max_gpus, int(ray.cluster_resources().get("GPU", 0)))
+    if gpus < 1:
+        pytest.skip("needs a GPU in the Ray cluster")
+    per_gpu = int(os.environ.get("RAY_MOE_PES_PER_GPU", "1"))
+    return gpus * per_gpu, per_gpu

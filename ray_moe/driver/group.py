@@ -152,7 +152,7 @@ class WorkerGroup:
         self._pg = None
         self.actors: list[Any] = []
         self.ranks: list[RankInfo] = []
-        bundle = {"CPU": p.cpu_per_worker} | ({"GPU": 1} if self.use_gpu else {})
+        bundle = {"CPU": p.cpu_per_worker} | ({"GPU": 1 / p.workers_per_gpu} if self.use_gpu else {})
         self._check_fits(bundle)
         try:
             self._start(bundle, worker_env or {})

@@ -76,14 +76,17 @@ class EPWorker:
                 )
             self.device = torch.device("cuda", 0)  # Ray sets CUDA_VISIBLE_DEVICES per actor
             torch.cuda.set_device(self.device)
-        backend = "nccl" if use_gpu else "gloo"
+        # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"); ranks sharing a GPU
+        # (parallel.workers_per_gpu > 1, a test mode) join over gloo, which stages CUDA tensors on the host.
+        nccl = use_gpu and self.config.parallel.workers_per_gpu == 1
+        backend = "nccl" if nccl else "gloo"
         dist.init_process_group(
             backend=backend,
             init_method=init_method,
             rank=rank_info.rank,
             world_size=rank_info.world_size,
             timeout=datetime.timedelta(seconds=self.config.parallel.collective_timeout_s),
-            device_id=self.device if use_gpu else None,
+            device_id=self.device if nccl else None,
         )
         return rank_info.rank
 

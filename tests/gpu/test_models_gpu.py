@@ -22,6 +22,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.support import gpu_ranks
+
 pytestmark = pytest.mark.gpu
 
 FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe")
@@ -125,18 +127,13 @@ def test_incremental_decoding_on_gpu(tmp_path, family):
     ("glm4_moe", "jobs/deepseek_tiny.yaml", "full"),
 ])
 def test_short_training_run(tmp_path, family, job, checkpointing):
-    import ray
-
     from ray_moe.config import Config
-    from ray_moe.driver.group import connect
     from ray_moe.driver.trainer import Trainer
 
-    connect()
-    W = min(2, int(ray.cluster_resources().get("GPU", 0)))
-    if W < 1:
-        pytest.skip("needs a GPU in the Ray cluster")
+    W, per_gpu = gpu_ranks()
     cfg = Config.from_yaml(job, [
-        "parallel.device=cuda", f"parallel.world_size={W}", "model.dtype=bfloat16", "model.seq_len=256",
+        "parallel.device=cuda", f"parallel.world_size={W}", f"parallel.workers_per_gpu={per_gpu}",
+        "model.dtype=bfloat16", "model.seq_len=256",
         f"model.activation_checkpointing={checkpointing}", "train.steps=40", "train.batch_size=16",
         "train.eval_interval=0", "train.checkpoint_interval=0", "train.plots=false", f"train.run_dir={tmp_path}",
         "data.max_bytes=2000000",

@@ -23,6 +23,7 @@ from ray_moe.device import capture_graph
 from ray_moe.validation import Case, rel_err
 from ray_moe.validation.layer import layer_parity, make_problem
 from ray_moe.validation.transport import run_all
+from tests.support import gpu_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -50,14 +51,14 @@ def _make_group(force_remote: bool = False, address: str | None = None, strategy
     gpus = int(ray.cluster_resources().get("GPU", 0))
     if gpus < min_gpus:
         pytest.skip(f"needs {min_gpus} GPUs in the Ray cluster")
-    W = min(2, gpus)
+    W, per_gpu = gpu_ranks()
     cfg = Config.from_dict({
         "model": {"d_model": 64, "seq_len": 32, "n_heads": 4},
         "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 96},
         "train": {"batch_size": 2 * W},  # 2 sequences x 32 = 64 tokens per rank
         "parallel": {"world_size": W, "device": "cuda", "transport": "nvshmem",
                      "force_remote_path": force_remote, "placement_strategy": strategy,
-                     "startup_timeout_s": 180},
+                     "startup_timeout_s": 180, "workers_per_gpu": per_gpu},
     })
     return WorkerGroup(cfg)
 
@@ -114,6 +115,7 @@ def test_bootstrap(group):
     desc = group.execute(lambda w: w.transport.describe())
     assert [d["transport"] for d in desc] == ["nvshmem"] * group.world_size
     assert all(d["remote_peers"] == [] for d in desc)
+    assert group.world_size == gpu_ranks()[0]
 
 
 def test_kernel_layout_equals_layout_reference(group):

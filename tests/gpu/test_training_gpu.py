@@ -11,34 +11,24 @@ import math
 
 import pytest
 
+from tests.support import gpu_ranks
+
 pytestmark = pytest.mark.gpu
 
 BF16_TOL = 1e-2
 
 
-def _ray_world_size() -> int:
-    """Ranks for these tests: 2 where the Ray cluster has two GPUs, else 1 (skip without any)."""
-    import ray
-
-    from ray_moe.driver.group import connect
-
-    connect()
-    gpus = int(ray.cluster_resources().get("GPU", 0))
-    if gpus < 1:
-        pytest.skip("needs a GPU in the Ray cluster")
-    return min(2, gpus)
-
-
 @pytest.mark.parametrize("case", [dict(), dict(routing="empty_rank"), dict(routing="one_expert", top_k=1),
                                   dict(tokens_per_rank=[1, 33], top_k=4)])
 def test_nccl_layer_parity_bf16(case):
-    W = _ray_world_size()
+    W, per_gpu = gpu_ranks()
     from ray_moe.config import Config
     from ray_moe.driver.group import WorkerGroup
     from ray_moe.validation import Case
     from ray_moe.validation.layer import layer_parity
 
-    cfg = Config.from_dict({"parallel": {"world_size": W, "device": "cuda", "transport": "nccl"},
+    cfg = Config.from_dict({"parallel": {"world_size": W, "device": "cuda", "transport": "nccl",
+                                         "workers_per_gpu": per_gpu},
                             "moe": {"num_experts": 8}})
     if W == 1 and case.get("tokens_per_rank") == [1, 33]:
         case = dict(case, tokens_per_rank=[17])  # one rank: a single token's router gradient is bf16 noise
@@ -53,14 +43,15 @@ def test_nccl_layer_parity_bf16(case):
 
 @pytest.mark.parametrize("transport", ["nccl", "nvshmem"])
 def test_gpu_training_learns(tmp_path, transport):
-    W = _ray_world_size()
+    W, per_gpu = gpu_ranks()
     if transport == "nvshmem":
         pytest.importorskip("nvshmem.core")
     from ray_moe.config import Config
     from ray_moe.driver.trainer import Trainer
 
     cfg = Config.from_yaml("jobs/gpu_2x.yaml", [
-        f"parallel.transport={transport}", f"parallel.world_size={W}", "train.steps=30", "train.eval_interval=0",
+        f"parallel.transport={transport}", f"parallel.world_size={W}", f"parallel.workers_per_gpu={per_gpu}",
+        "train.steps=30", "train.eval_interval=0",
         "train.checkpoint_interval=0", "train.plots=false", f"train.run_dir={tmp_path}",
         "model.n_layers=2", "model.d_model=256", "model.n_heads=4", "model.seq_len=256",
         "moe.expert_hidden=256", "train.batch_size=16", "data.max_bytes=2000000",

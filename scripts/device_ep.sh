@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Expert parallelism on the device, one command (issue 23): the multi-PE GPU tests, the comm sweep
+# and the EP layer. Runs on one GPU (several NVSHMEM PEs per GPU under CUDA MPS) and on any
+# multi-GPU kind (W = all GPUs). Budget: under 9 minutes on nvidia-h200-x2.
+# Usage (device machine, repo root):  . .devbundle/setup.sh && bash scripts/device_ep.sh [steps]
+# steps (default: pes2,pes4,tests,comm,layer; a failing step does not stop the next one):
+#   pes2, pes4  2 / 4 ranks on EVERY GPU (RAY_MOE_PES_PER_GPU, under CUDA MPS): tests/gpu's
+#               NVSHMEM transport tests (layout, validators, parity, clones, graph replay, reserve),
+#               and with pes2 the HF families' short bf16 training runs and the training tests
+#   tests       one rank per GPU, W = all GPUs (2 at most in the tests): the same GPU tests
+#   comm        bench comm at W = all GPUs (skipped on one GPU): T_local 128, 4096, 16384
+#   layer       bench layer --sections ep at W = all GPUs (skipped on one GPU): sequential and
+#               pipelined, against one GPU running T_local and T tokens
+# Logs, JSON and a summary table (summary.md) go to $OUT; per-step timeouts T_* override defaults.
+set -u
+export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY_DEDUP_LOGS=0
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+STEPS=${1:-pes2,pes4,tests,comm,layer}
+has() { [[ ",$STEPS," == *",$1,"* ]]; }
+GPUS=$(nvidia-smi -L | wc -l)
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpus.txt"
+SUMMARY="$OUT/summary.md"; echo "| step | result | seconds |" > "$SUMMARY"; echo "| --- | --- | --- |" >> "$SUMMARY"
+quiet() { grep -v "^(" | grep -v "socket.cpp"; }
+record() { echo "| $1 | $2 | $3 |" >> "$SUMMARY"; }
+pytest_step() {  # name timeout files...: pytest with a per-test limit; the last line is the result
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" python3 -m pytest -q -p no:cacheprovider --timeout "${T_TEST:-240}" "$@" 2>&1 \
+    | tee "$OUT/$name.log" | quiet | grep -E "passed|failed|error|Error|FAILED|Timeout" | tail -25
+  record "$name" "$(grep -E '(passed|failed|error)' "$OUT/$name.log" | tail -1 | tr -d '=' | xargs)" $((SECONDS - t0))
+  ray_stop
+}
+ray_stop() { python3 -c 'import sys; from ray.scripts.scripts import main; sys.argv=["ray","stop","--force"]; main()' >/dev/null 2>&1; }
+mps_start() {  # CUDA MPS lets the spinning exchange kernels of several processes on one GPU run at once
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  PATH=$PATH:/usr/local/nvidia/bin nvidia-cuda-mps-control -d && echo "MPS on" || echo "MPS did not start"
+}
+mps_stop() { echo quit | PATH=$PATH:/usr/local/nvidia/bin nvidia-cuda-mps-control >/dev/null 2>&1; sleep 1; }
+
+for P in 2 4; do
+  has "pes$P" || continue
+  [ "${NO_MPS:-0}" = 1 ] || mps_start
+  files="tests/gpu/test_nvshmem_gpu.py"
+  [ "$P" = 2 ] && files="$files tests/gpu/test_training_gpu.py tests/gpu/test_models_gpu.py::test_short_training_run"
+  RAY_MOE_PES_PER_GPU=$P pytest_step "gpu_tests_pes$P" "${T_PES:-300}" $files
+  [ "${NO_MPS:-0}" = 1 ] || mps_stop
+done
+if has tests; then
+  pytest_step gpu_tests_w$GPUS "${T_TESTS:-300}" tests/gpu/test_nvshmem_gpu.py tests/gpu/test_training_gpu.py
+fi
+if [ "$GPUS" -ge 2 ] && has comm; then
+  t0=$SECONDS
+  timeout "${T_COMM:-150}" python3 -m ray_moe.bench.comm --tokens 128,4096,16384 --variants all \
+    --json "$OUT/bench_comm_w$GPUS.json" 2>&1 | quiet | tee "$OUT/bench_comm.log" | tail -20
+  record "bench comm W=$GPUS" "see bench_comm_w$GPUS.json" $((SECONDS - t0)); ray_stop
+fi
+if [ "$GPUS" -ge 2 ] && has layer; then
+  t0=$SECONDS
+  timeout "${T_LAYER:-200}" python3 -m ray_moe.cli bench layer --sections ep --world-size "$GPUS" \
+    --T $((16384 * GPUS)) --H 4096 --I 1536 --E 64 --K 8 --transport nvshmem --ep-chunks 1,2,4 \
+    --json "$OUT/bench_layer_ep_w$GPUS.json" 2>&1 | quiet | tee "$OUT/bench_layer.log" | tail -20
+  record "bench layer ep W=$GPUS" "see bench_layer_ep_w$GPUS.json" $((SECONDS - t0)); ray_stop
+fi
+cat "$SUMMARY"
