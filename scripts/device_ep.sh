@@ -13,7 +13,7 @@
 #               pipelined, against one GPU running T_local and T tokens
 # Logs, JSON and a summary table (summary.md) go to $OUT; per-step timeouts T_* override defaults.
 set -u
-export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY_DEDUP_LOGS=0
+export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY_DEDUP_LOGS=0 RAY_MOE_INSTAFAIL=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${1:-pes2,pes4,tests,comm,layer}
@@ -27,7 +27,7 @@ pytest_step() {  # name timeout files...: pytest with a per-test limit; the last
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
   timeout "$limit" python3 -m pytest -q -p no:cacheprovider --timeout "${T_TEST:-240}" "$@" 2>&1 \
-    | tee "$OUT/$name.log" | quiet | grep -E "passed|failed|error|Error|FAILED|Timeout" | tail -25
+    | tee "$OUT/$name.log" | quiet | grep -E "^FAILED|^E  |passed|failed|Timeout" | cut -c1-300 | tail -40
   record "$name" "$(grep -E '(passed|failed|error)' "$OUT/$name.log" | tail -1 | tr -d '=' | xargs)" $((SECONDS - t0))
   ray_stop
 }

@@ -37,6 +37,16 @@ def pytest_runtest_setup(item):
     lanes.check_lane(item)
 
 
+def pytest_runtest_logreport(report):
+    """``RAY_MOE_INSTAFAIL=1``: print a failure as it happens (a device command killed at its time
+    limit never reaches pytest's summary)."""
+    if report.failed and os.environ.get("RAY_MOE_INSTAFAIL"):
+        import sys
+
+        sys.__stderr__.write(f"\nFAILED {report.nodeid} ({report.when}):\n{report.longreprtext[-4000:]}\n")
+        sys.__stderr__.flush()
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """``pytest -n 2``: the session cluster's tests in one lane, the rest in the other (tests/lanes.py);

@@ -57,9 +57,11 @@ def make_transport(
     bootstrap_id: bytes | None = None,
     force_remote_path: bool = False,
     comm_programs: int = 0,
+    ranks_per_gpu: int = 1,
 ) -> Transport:
     """Build transport ``name`` (gloo | nccl | nvshmem) for this rank, its buffers sized by ``spec``;
-    NVSHMEM's exchange kernels on ``comm_programs`` SMs (0: all)."""
+    NVSHMEM's exchange kernels on ``comm_programs`` SMs (0: all of this rank's share of its GPU,
+    which ``ranks_per_gpu`` ranks share)."""
     if name in ("gloo", "nccl"):
         from ray_moe.comm.torch_a2a import TorchA2ATransport
 
@@ -68,5 +70,5 @@ def make_transport(
         from ray_moe.comm.nvshmem import NVSHMEMTransport
 
         return NVSHMEMTransport(rank_info, device, bootstrap_id, spec, force_remote_path=force_remote_path,
-                                comm_programs=comm_programs)
+                                comm_programs=comm_programs, ranks_per_gpu=ranks_per_gpu)
     raise ValueError(f"unknown transport {name!r}; choose one of gloo, nccl, nvshmem")

@@ -417,12 +417,14 @@ def _with(key: tuple | None, phase: int) -> tuple | None:
     return None if key is None else key + (phase,)
 
 
-def _num_programs(device: torch.device) -> int:
-    """G: SMs of the smallest GPU of the group (an all-reduce at start-up), at most 132."""
+def _num_programs(device: torch.device, ranks_per_gpu: int = 1) -> int:
+    """G: SMs of the smallest GPU of the group (an all-reduce at start-up), at most 132, divided
+    among the ``ranks_per_gpu`` ranks that share a GPU: every program of every rank's spinning
+    exchange kernel must be resident at once (under CUDA MPS the ranks' kernels share the SMs)."""
     import torch.distributed as dist
 
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    g = torch.tensor([min(sms, 132)], dtype=torch.int64, device=device)
+    g = torch.tensor([max(1, min(sms, 132) // ranks_per_gpu)], dtype=torch.int64, device=device)
     if dist.is_initialized():
         dist.all_reduce(g, op=dist.ReduceOp.MIN)
     return int(g.item())
@@ -446,13 +448,15 @@ class NVSHMEMTransport(Transport):
     ``comm_programs``: G, the programs (SMs) the exchange kernels of the transport's buffer run on
     (0: every SM); fewer leave SMs to expert compute that overlaps the exchange
     (``moe.pipeline_chunks``). The same on every rank (it shapes the symmetric buffer).
-    ``RAY_MOE_FAST_LAUNCH=0`` turns the Launcher's direct launches off (every call through Triton's JIT).
+    ``ranks_per_gpu``: the ranks sharing this GPU (``parallel.workers_per_gpu``, a test mode): the
+    SMs are divided among them. ``RAY_MOE_FAST_LAUNCH=0`` turns the Launcher's direct launches off
+    (every call through Triton's JIT).
     """
 
     name = "nvshmem"
 
     def __init__(self, rank_info: Any, device: torch.device, bootstrap_id: bytes | None, spec: BufferSpec,
-                 force_remote_path: bool = False, comm_programs: int = 0) -> None:
+                 force_remote_path: bool = False, comm_programs: int = 0, ranks_per_gpu: int = 1) -> None:
         super().__init__(rank_info.rank, rank_info.world_size)
         if bootstrap_id is None:
             raise NVSHMEMError("the NVSHMEM transport needs rank 0's unique id (bootstrap_id is None)")
@@ -462,7 +466,7 @@ class NVSHMEMTransport(Transport):
         self.runtime = NVSHMEMRuntime(device, bootstrap_id, rank_info.rank, rank_info.world_size)
         self.force_remote = bool(force_remote_path)
         self.node_of_rank = _gather_node_ranks(rank_info, device)
-        self.num_programs = _num_programs(device)
+        self.num_programs = _num_programs(device, ranks_per_gpu)
         if comm_programs < 0:
             raise ValueError(f"comm_programs must be >= 0 (0: every SM), got {comm_programs}")
         self.comm_programs = min(comm_programs, self.num_programs) or self.num_programs

@@ -100,7 +100,8 @@ class EPWorker:
         spec = buffer_spec(config, rank_info.world_size)
         self.transport = make_transport(name, rank_info, self.device, spec, bootstrap_id,
                                         force_remote_path=config.parallel.force_remote_path,
-                                        comm_programs=config.parallel.comm_programs)
+                                        comm_programs=config.parallel.comm_programs,
+                                        ranks_per_gpu=config.parallel.workers_per_gpu)
         return self.transport.name
 
     # ------------------------------------------------------------------ generic
