@@ -11,11 +11,15 @@ Layout under ``<run_dir>/checkpoints/``::
     latest                        name of the newest complete checkpoint (replaced atomically)
 
 Key schema (:func:`shard_state` writes it, :func:`load_shard_state` reads it): a replicated
-parameter under its module name (``blocks.0.attn.qkv.weight``); an expert-sharded parameter
-(marked with :class:`~ray_moe.placement.placement.ExpertShard`) once per *logical* expert,
-``blocks.1.ffn.experts.{e}.w13``, so any world size can load it; optimizer state under
+parameter under its module name (``layers.0.self_attn.q_proj.weight``); an expert-sharded
+parameter (marked with :class:`~ray_moe.placement.placement.ExpertShard`) once per *logical*
+expert, ``layers.1.mlp.routed.experts.{e}.w13``, so any world size can load it; optimizer state under
 ``optim.{key}.{exp_avg|exp_avg_sq}``; replicated buffers that training changes under
 ``buffer.{name}``; each rank's RNG under ``rng.rank{r}.{cpu|cuda}``.
+
+Byte-model checkpoints written before the byte model became an architecture of the one decoder
+(module names ``tok_emb``, ``blocks.i.attn.qkv``, ``blocks.i.ffn``, ...) are recognised by their
+keys and renamed on load (:func:`migrate_keys`).
 
 Each rank writes its own file straight into a temporary directory (data never passes through
 the driver; on a multi-node cluster ``run_dir`` must be shared storage). The driver then writes
@@ -32,6 +36,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
@@ -185,7 +190,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def expert_key(param_name: str, expert: int) -> str:
-    """``blocks.1.ffn.w13``, expert 5 → ``blocks.1.ffn.experts.5.w13`` (world-size independent)."""
+    """``layers.1.mlp.routed.w13``, expert 5 → ``layers.1.mlp.routed.experts.5.w13`` (world-size independent)."""
     prefix, kind = param_name.rsplit(".", 1)
     return f"{prefix}.experts.{expert}.{kind}"
 
@@ -264,7 +269,9 @@ def load_shard_state(
     caller, which refills them from the owners); the optimizer state is restored only when
     ``opt_steps > 0``; this rank's RNG is restored when the saved run had this rank.
     Raises :class:`CheckpointError` naming a missing tensor or a shape that does not match.
+    An old byte-model checkpoint is renamed first (:func:`migrate_keys`).
     """
+    tensors = migrate_keys(tensors)
     for name, buf in named_buffers:
         buf.copy_(_need(tensors, buffer_key(name), buf.shape))
     for name, p in named_params:
@@ -290,6 +297,65 @@ def load_shard_state(
         torch.set_rng_state(tensors[rng_key(rank, "cpu")])
     if device.type == "cuda" and rng_key(rank, "cuda") in tensors:
         torch.cuda.set_rng_state(tensors[rng_key(rank, "cuda")], device)
+
+
+# The byte model's module names before it became an architecture of the one decoder
+# (ray_moe.model.decoder): old name → new name, per block, with the fused tensors split.
+_OLD_TOP = MappingProxyType({"tok_emb.weight": "embed_tokens.weight", "pos_emb": "embed_positions",
+                             "norm_f.weight": "norm.weight"})
+_OLD_BLOCK = MappingProxyType({
+    "norm1.weight": ("input_layernorm.weight",), "norm2.weight": ("post_attention_layernorm.weight",),
+    "attn.qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "attn.proj.weight": ("self_attn.o_proj.weight",),
+    "ffn.w13.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),  # a dense first layer
+    "ffn.w2.weight": ("mlp.down_proj.weight",),
+})
+
+
+def is_old_byte_layout(keys: Iterable[str]) -> bool:
+    """True when a checkpoint's keys are the byte model's old module names (``tok_emb``, ``blocks.i``)."""
+    return any(k == "tok_emb.weight" or k.startswith("blocks.") for k in keys)
+
+
+def _migrate_name(name: str) -> list[str] | None:
+    """The new parameter name(s) of an old byte-model name (several: a fused tensor split along
+    dim 0 in that order); None when the name is not one of the old layout's."""
+    if name in _OLD_TOP:
+        return [_OLD_TOP[name]]
+    if not name.startswith("blocks."):
+        return None
+    _, i, rest = name.split(".", 2)
+    if rest in _OLD_BLOCK:
+        return [f"layers.{i}.{n}" for n in _OLD_BLOCK[rest]]
+    if rest.startswith("ffn."):  # the MoE layer: router, experts.{e}.w13 / w2, buffers
+        return [f"layers.{i}.mlp.routed.{rest[len('ffn.'):]}"]
+    return None
+
+
+def migrate_keys(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors under the current module names: an old byte-model checkpoint
+    (:func:`is_old_byte_layout`) renamed, its fused tensors (q|k|v [3H, H], a dense layer's
+    gate|up [2I, H]) split along dim 0, optimizer state and buffers with their parameter; any
+    other checkpoint unchanged. Expert keys stay per logical expert (any world size loads them)."""
+    if not is_old_byte_layout(tensors):
+        return dict(tensors)
+    out: dict[str, torch.Tensor] = {}
+    for key, t in tensors.items():
+        prefix, suffix, name = "", "", key
+        if key.startswith("optim."):
+            prefix = "optim."
+            name, _, state = key[len(prefix):].rpartition(".")
+            suffix = "." + state
+        elif key.startswith("buffer."):
+            prefix, name = "buffer.", key[len("buffer."):]
+        new = _migrate_name(name)
+        if new is None:
+            out[key] = t
+            continue
+        parts = t.chunk(len(new), dim=0) if len(new) > 1 else (t,)
+        for n, part in zip(new, parts):
+            out[prefix + n + suffix] = part.contiguous()
+    return out
 
 
 def _need(tensors: Mapping[str, torch.Tensor], key: str, shape: torch.Size) -> torch.Tensor:

@@ -411,6 +411,23 @@ class Config:
                 f"train.batch_size={t.batch_size} is not divisible by parallel.world_size={p.world_size}"
             )
 
+    def resolve_arch(self) -> arch.ResolvedArch:
+        """The architecture of this config, resolved: the byte model's spec from ``model.*`` and
+        ``moe.*``, or an HF family's from its config.json (and ``model.hf``). The driver calls
+        this once and sends the result to the workers (``build_model`` never re-resolves)."""
+        m, e = self.model, self.moe
+        if m.uses_hf():
+            spec, hf = m.resolve_hf()
+            return arch.ResolvedArch(spec, hf)
+        try:
+            spec = arch.ArchSpec.byte(vocab_size=m.vocab_size, d_model=m.d_model, n_heads=m.n_heads,
+                                      n_layers=m.n_layers, seq_len=m.seq_len, num_experts=e.num_experts,
+                                      top_k=e.top_k, expert_hidden=e.expert_hidden,
+                                      dense_first_layer=m.dense_first_layer, dense_hidden=m.dense_hidden)
+        except arch.ArchError as exc:
+            raise ConfigError(f"model.arch=byte: {exc}") from None
+        return arch.ResolvedArch(spec, None)
+
     def _check_explicit(self, explicit: dict[str, Any]) -> None:
         """With an HF architecture, a key of :data:`HF_DERIVED` given explicitly must agree with
         the HF config (it is set from it); the message says how to change it there."""

@@ -23,3 +23,21 @@ def single_rank(world_size: int = 1, rank: int = 0) -> RankInfo:
     """The RankInfo of a rank that runs without a group (the single-process reference)."""
     return RankInfo(rank, world_size, "local", 0, 1, rank, world_size, "127.0.0.1", "local", 0, -1)
 
+
+
+def build(cfg: Config, transport, device="cpu"):
+    """``cfg``'s model on one process: the architecture resolved here (the driver's job), then built."""
+    from ray_moe.model.build import build_model
+
+    return build_model(cfg, cfg.resolve_arch(), transport, device)
+
+
+def engine(cfg: Config, device="cpu", transport=None, rank_info=None):
+    """A one-process :class:`~ray_moe.worker.engine.Engine` of ``cfg`` (its architecture resolved here)."""
+    import torch
+
+    from ray_moe.comm.local import LocalTransport
+    from ray_moe.worker.engine import Engine
+
+    return Engine(cfg, rank_info or single_rank(), transport or LocalTransport(), torch.device(device),
+                  cfg.resolve_arch())

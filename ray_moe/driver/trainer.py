@@ -72,6 +72,7 @@ class Trainer:
                  group: WorkerGroup | None = None):
         config.validate()
         self.config = config
+        self.arch = config.resolve_arch()  # the one resolution; the workers build from it
         self.address = address
         self.progress = progress
         self.failures = 0
@@ -134,7 +135,7 @@ class Trainer:
             self.config = self.config.with_overrides([f"parallel.world_size={group.world_size}"])
         self.group = group
         try:
-            reports = group.call(EPWorker.build_engine, self.config.to_dict(),
+            reports = group.call(EPWorker.build_engine, self.config.to_dict(), self.arch,
                                  timeout=self.config.parallel.startup_timeout_s + 120)
         except WorkerFailure as exc:
             self.close()
@@ -352,7 +353,7 @@ class Trainer:
             "placements": self.group.call(EPWorker.placements, timeout=timeout)[0],
             "balance": self.rebalancer.state_dict() if self.rebalancer is not None else None,
             # the HF config in effect (for `ray-moe export`, whatever becomes of model.hf_config's file)
-            "hf_config": self.config.model.resolve_hf()[1] if self.config.model.arch != "byte" else None,
+            "hf_config": self.arch.hf_config,
             "time": time.time(),
         }
         path = commit(staging, meta, files)

@@ -24,10 +24,12 @@ import torch
 import torch.distributed as dist
 
 from ray_moe import checkpoint
+from ray_moe.arch import ResolvedArch
 from ray_moe.comm.base import BufferSpec, Transport
 from ray_moe.config import Config, element_size
 from ray_moe.device import synchronize
 from ray_moe.model.build import build_model
+from ray_moe.model.interface import LanguageModel
 from ray_moe.model.loss import lm_loss, resolve_loss_impl
 from ray_moe.model.moe import pop_loads
 from ray_moe.model.state import persistent_buffers
@@ -77,13 +79,19 @@ class ModelReport:
 
 
 class Engine:
-    def __init__(self, config: Config, rank_info: RankInfo, transport: Transport, device: torch.device):
+    """One rank's training state; ``arch``: the architecture the driver resolved
+    (:meth:`~ray_moe.config.Config.resolve_arch`), built here without re-resolving."""
+
+    model: LanguageModel
+
+    def __init__(self, config: Config, rank_info: RankInfo, transport: Transport, device: torch.device,
+                 arch: ResolvedArch):
         self.config, self.rank_info, self.transport, self.device = config, rank_info, transport, device
         self.rank, self.world_size = rank_info.rank, rank_info.world_size
         self.distributed = self.world_size > 1 and dist.is_initialized()
         self.corpus = open_corpus(config)  # byte corpus, or memory-mapped token datasets
         transport.reserve(buffer_spec(config, self.world_size))
-        self.model = build_model(config, transport, device)  # with model.init_from's weights
+        self.model = build_model(config, arch, transport, device)  # with model.init_from's weights
         self.sharded = [p for p in self.model.parameters() if expert_shard(p) is not None]
         self.replicated = [p for p in self.model.parameters() if expert_shard(p) is None]
         t = config.train

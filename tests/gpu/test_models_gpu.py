@@ -59,11 +59,11 @@ def test_bf16_equal_to_transformers_on_gpu(tmp_path, family):
     B, L = 8, 128
     ids = torch.randint(0, GPU_SIZE["vocab_size"], (B, L + 1), generator=torch.Generator().manual_seed(0))
     cfg = parity_config(tmp_path, world_size=1, batch=B, seq_len=L, dtype="bfloat16", device="cuda")
-    truth = reference(cfg, ids, dtype=torch.float32, device="cuda", attn_implementation="eager")
-    theirs = reference(cfg, ids, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
+    truth = reference(cfg, cfg.resolve_arch(), ids, dtype=torch.float32, device="cuda", attn_implementation="eager")
+    theirs = reference(cfg, cfg.resolve_arch(), ids, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
     hf_err = {k: rel_err(theirs[k], v) for k, v in truth.items()}
     worker = SimpleNamespace(rank_info=single_rank(), transport=LocalTransport(), device="cuda")
-    ours = model_parity(worker, cfg, ids, truth)
+    ours = model_parity(worker, cfg, cfg.resolve_arch(), ids, truth)
     report = {"transformers_bf16": hf_err, **{p: ours[p] for p in ("native", "clones")}}
     print(json.dumps({family: {k: max(v.values()) for k, v in report.items()}}))
     if _out(f"bf16_{family}.json"):
@@ -92,7 +92,7 @@ def test_incremental_decoding_on_gpu(tmp_path, family):
             "model": {"init_from": str(tmp_path / "hf"), "seq_len": 64, "dtype": dtype},
             "parallel": {"world_size": 1, "device": "cuda"}, "data": {"paths": [str(tmp_path / "corpus.txt")]},
             "train": {"batch_size": 2, "steps": 1, "run_dir": str(tmp_path / f"run-{dtype}")}})
-        return Engine(cfg, single_rank(), LocalTransport(), torch.device("cuda"))
+        return Engine(cfg, single_rank(), LocalTransport(), torch.device("cuda"), cfg.resolve_arch())
 
     ids = torch.randint(0, GPU_SIZE["vocab_size"], (2, 64), generator=torch.Generator().manual_seed(1)).cuda()
     truth = engine("float32")
@@ -166,7 +166,7 @@ def test_activation_memory_per_token():
     ids = torch.randint(0, 1024, (B, L), device="cuda")
     cfg = Config.from_dict({"model": {"hf": hf, "seq_len": L, "dtype": "bfloat16"},
                             "parallel": {"world_size": 1, "device": "cuda"}, "train": {"batch_size": B}})
-    model = build_model(cfg, LocalTransport(), torch.device("cuda"))
+    model = build_model(cfg, cfg.resolve_arch(), LocalTransport(), torch.device("cuda"))
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     rows = {}

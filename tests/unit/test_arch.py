@@ -98,10 +98,10 @@ def test_sources_and_conflicts_are_named(tmp_path):
 @pytest.mark.parametrize("name", ["qwen3_moe-tiny", "mixtral-tiny", "glm4_moe-tiny"])
 def test_param_counts_match_a_built_model(name):
     from ray_moe.comm.local import LocalTransport
-    from ray_moe.model.build import build_model
+    from tests.support import build
 
     cfg = hf_cfg(name)
-    model = build_model(cfg, LocalTransport())
+    model = build(cfg, LocalTransport())
     counts = ArchSpec.from_hf(preset(name)).param_counts()
     assert sum(p.numel() for p in model.parameters()) == counts["total"]
 

@@ -1,4 +1,5 @@
-"""The byte-level model on one process: bad token ids, deterministic init from its own generator."""
+"""The byte-level model (the one decoder with the byte ArchSpec) on one process: bad token ids,
+deterministic init from its own generator, the byte init scheme."""
 
 from __future__ import annotations
 
@@ -6,13 +7,12 @@ import pytest
 import torch
 
 from ray_moe.comm.local import LocalTransport
-from ray_moe.model.transformer import MoETransformer
-from tests.support import small_config
+from tests.support import build, small_config
 
 
 def test_model_rejects_tokens_outside_vocab(tmp_path):
     cfg = small_config(tmp_path, **{"parallel.world_size": 1})
-    model = MoETransformer(cfg, LocalTransport())
+    model = build(cfg, LocalTransport())
     with pytest.raises(ValueError, match=r"\[0, 256\)"):
         model(torch.tensor([[1, 2, 300]]))
     with pytest.raises(TypeError, match="int64 or int32"):
@@ -23,10 +23,10 @@ def test_model_builds_from_its_own_generator(tmp_path):
     cfg = small_config(tmp_path, **{"parallel.world_size": 1})
     torch.manual_seed(5)
     before = torch.get_rng_state()
-    a = MoETransformer(cfg, LocalTransport())
+    a = build(cfg, LocalTransport())
     assert torch.equal(torch.get_rng_state(), before)  # the global RNG is neither seeded nor advanced
-    b = MoETransformer(cfg, LocalTransport())
+    b = build(cfg, LocalTransport())
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p, q), name
-    c = MoETransformer(cfg.with_overrides(["train.seed=1"]), LocalTransport())
-    assert not torch.equal(a.tok_emb.weight, c.tok_emb.weight)
+    c = build(cfg.with_overrides(["train.seed=1"]), LocalTransport())
+    assert not torch.equal(a.embed_tokens.weight, c.embed_tokens.weight)
