@@ -3,7 +3,7 @@ implements for every architecture (the byte model and the HF families)."""
 
 from __future__ import annotations
 
-from typing import Iterator, Protocol, runtime_checkable
+from typing import Callable, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -13,43 +13,33 @@ from ray_moe.model.kv_cache import KVCache
 from ray_moe.model.moe import MoELayer
 
 
-@runtime_checkable
 class LanguageModel(Protocol):
-    """A decoder-only MoE language model shard on one rank.
+    """A decoder-only MoE language model shard on one rank (an ``nn.Module``).
 
-    ``spec``: the architecture it was built from; ``lm_head``: the output projection (its
-    ``weight`` [V, H], possibly the embedding's); ``source_tensors``: the names of the
-    ``model.init_from`` tensors this rank opened (empty without one).
+    - ``spec``: the architecture it was built from.
+    - ``lm_head``: the output projection (its ``weight`` [V, H], possibly the embedding's).
+    - ``source_tensors``: the names of the ``model.init_from`` tensors this rank opened (empty
+      without one).
+    - ``moe_layers()``: the expert-parallel layers in block order (load statistics, placements,
+      clones).
+    - ``hidden_states(idx, cache=None)``: idx int64/int32 [B, L] → (final-norm hidden states
+      [B, L, H] in the model dtype, aux loss float32 scalar); with ``cache`` (``new_cache``) idx
+      continues the cached positions and is added to them.
+    - ``new_cache(capacity)``: an empty KV cache of ``capacity`` positions.
+    - calling it: idx [B, L] → (logits float32 [B, L, V], aux loss float32 scalar).
+    - the ``nn.Module`` methods the engine and the optimizer use: ``parameters``,
+      ``named_parameters``, ``modules``, ``train``, ``eval``.
     """
 
     spec: ArchSpec
     lm_head: nn.Linear
     source_tensors: tuple[str, ...]
-
-    def moe_layers(self) -> list[MoELayer]:
-        """The expert-parallel layers in block order (load statistics, placements, clones)."""
-        ...
-
-    def hidden_states(self, idx: torch.Tensor, cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """idx: int64/int32 [B, L] → (final-norm hidden states [B, L, H] in the model dtype, aux
-        loss float32 scalar); with ``cache`` (:meth:`new_cache`) idx continues the cached positions."""
-        ...
-
-    def new_cache(self, capacity: int) -> KVCache:
-        """An empty KV cache of ``capacity`` positions for :meth:`hidden_states`."""
-        ...
-
-    def __call__(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """idx: [B, L] → (logits float32 [B, L, V], aux loss float32 scalar)."""
-        ...
-
-    # the nn.Module methods the engine and the optimizer use
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
-
-    def named_parameters(self, *args, **kwargs) -> Iterator[tuple[str, nn.Parameter]]: ...
-
-    def modules(self) -> Iterator[nn.Module]: ...
-
-    def train(self, mode: bool = True) -> "LanguageModel": ...
-
-    def eval(self) -> "LanguageModel": ...
+    moe_layers: Callable[[], list[MoELayer]]
+    hidden_states: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    new_cache: Callable[[int], KVCache]
+    __call__: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    parameters: Callable[..., Iterator[nn.Parameter]]
+    named_parameters: Callable[..., Iterator[tuple[str, nn.Parameter]]]
+    modules: Callable[[], Iterator[nn.Module]]
+    train: Callable[..., nn.Module]
+    eval: Callable[[], nn.Module]

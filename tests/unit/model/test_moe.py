@@ -18,6 +18,28 @@ def test_layer_rejects_bad_shapes_and_dtypes():
         layer(torch.randn(3, 16, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("change, match", [
+    ({"pipeline_chunks": 0}, "pipeline_chunks must be an integer >= 1, got 0"),
+    ({"top_k": 5}, "top_k=5 must be <= num_experts=4"),
+    ({"hidden": 0}, "hidden must be an integer >= 1"),
+    ({"clone_slots": -1}, "clone_slots must be an integer >= 0"),
+    ({"expert_impl": "fast"}, "expert_impl='fast' is not one of auto, loop"),
+    ({"aux_loss_coef": -0.1}, "aux_loss_coef=-0.1 must be >= 0"),
+])
+def test_layer_spec_owns_the_layer_shape_rules(change, match):
+    args = dict(hidden=16, num_experts=4, top_k=2, expert_hidden=8)
+    with pytest.raises(ValueError, match=match):
+        MoELayerSpec(**{**args, **change})
+
+
+def test_validation_cases_defer_to_the_layer_spec():
+    from ray_moe.validation.cases import Case
+
+    with pytest.raises(ValueError, match="pipeline_chunks must be an integer >= 1, got 0"):
+        Case(pipeline_chunks=0)
+    assert Case(pipeline_chunks=3).layer_spec().pipeline_chunks == 3
+
+
 def test_expert_weights_carry_the_shard_mark_and_the_router_does_not():
     layer = MoELayer(MoELayerSpec(16, 4, 2, 8, clone_slots=1), LocalTransport())
     assert expert_shard(layer.w13).native_experts == (0, 1, 2, 3) == layer.native_experts
