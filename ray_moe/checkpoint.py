@@ -30,6 +30,7 @@ checkpoint naming the file; tensors load through safetensors (no pickle).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -42,15 +43,22 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 from safetensors.torch import load_file, save_file
 
+from ray_moe.arch import ArchSpec, ResolvedArch
 from ray_moe.config import Config, ConfigError
 from ray_moe.placement.placement import expert_shard
 
 META = "meta.json"
 LATEST = "latest"
 OPTIM_STATES = ("exp_avg", "exp_avg_sq")
-# The config keys a checkpoint must agree on to be loaded (everything else may change on resume).
-COMPATIBLE_KEYS = ("model.arch", "model.n_layers", "model.d_model", "model.n_heads", "model.seq_len",
-                   "model.vocab_size", "model.dense_first_layer", "moe.num_experts", "moe.expert_hidden")
+# What a checkpoint must agree on to be loaded (everything else may change on resume): the
+# architecture's fields, named by the config key that sets them (an HF config sets them there) ...
+ARCH_FIELDS = MappingProxyType({
+    "model.arch": "family", "model.n_layers": "num_layers", "model.d_model": "hidden_size",
+    "model.n_heads": "num_heads", "model.vocab_size": "vocab_size", "model.dense_first_layer": "moe_layers",
+    "moe.num_experts": "num_experts", "moe.expert_hidden": "expert_hidden",
+})
+# ... and these config keys as they are.
+COMPATIBLE_KEYS = ("model.seq_len",)
 
 
 class CheckpointError(RuntimeError):
@@ -367,18 +375,47 @@ def _need(tensors: Mapping[str, torch.Tensor], key: str, shape: torch.Size) -> t
     return t
 
 
-def check_compatible(meta: Mapping[str, Any], config: Config, path: str | Path) -> None:
-    """Raise :class:`~ray_moe.config.ConfigError` naming the first key of
-    :data:`COMPATIBLE_KEYS` on which ``config`` and the checkpoint's config differ."""
-    saved = meta["config"]
-    defaults = Config()
+def saved_arch(meta: Mapping[str, Any]) -> ArchSpec:
+    """The architecture a checkpoint was written with: its HF config (``meta["hf_config"]``), else
+    the byte model of its config (a key the saving version did not have was at its default)."""
+    if meta.get("hf_config"):
+        return ArchSpec.from_hf(meta["hf_config"])
+    saved, defaults = meta["config"], Config()
+
+    def get(dotted: str) -> Any:
+        section, key = dotted.split(".")
+        return saved.get(section, {}).get(key, defaults.get(dotted))
+
+    spec = ArchSpec.byte(vocab_size=get("model.vocab_size"), d_model=get("model.d_model"),
+                         n_heads=get("model.n_heads"), n_layers=get("model.n_layers"),
+                         seq_len=get("model.seq_len"), num_experts=get("moe.num_experts"),
+                         top_k=get("moe.top_k"), expert_hidden=get("moe.expert_hidden"),
+                         dense_first_layer=get("model.dense_first_layer"), dense_hidden=get("model.dense_hidden"))
+    return dataclasses.replace(spec, family=get("model.arch"))  # an HF run saved before meta had hf_config
+
+
+def check_compatible(meta: Mapping[str, Any], config: Config, path: str | Path, arch: ResolvedArch) -> None:
+    """Raise :class:`~ray_moe.config.ConfigError` naming the first key on which ``config`` (of the
+    resolved architecture ``arch``) and the checkpoint differ: an architecture field of
+    :data:`ARCH_FIELDS` (the checkpoint's: :func:`saved_arch`), or a key of :data:`COMPATIBLE_KEYS`."""
+    theirs_spec = saved_arch(meta)
+    saved, defaults = meta["config"], Config()
+    differ = []
+    for dotted, field in ARCH_FIELDS.items():
+        ours, theirs = getattr(arch.spec, field), getattr(theirs_spec, field)
+        if field == "moe_layers":  # the dense layers: named by the byte model's key
+            ours, theirs = not ours[0], not theirs[0]
+        differ.append((dotted, ours, theirs) if ours != theirs else None)
     for dotted in COMPATIBLE_KEYS:
         section, key = dotted.split(".")
-        # a key the saving version did not have was at its default (model.arch: byte)
-        theirs = saved.get(section, {}).get(key, defaults.get(dotted))
-        ours = config.get(dotted)
-        if theirs != ours:
+        differ.append((dotted, config.get(dotted), saved.get(section, {}).get(key, defaults.get(dotted))))
+    for entry in differ:
+        if entry is not None and entry[1] != entry[2]:
+            dotted, ours, theirs = entry
             raise ConfigError(f"{dotted}={ours} but checkpoint {str(path)!r} has {theirs}")
+    if arch.spec.moe_layers != theirs_spec.moe_layers:
+        raise ConfigError(f"the dense layers differ: the model has MoE layers {arch.spec.moe_layers}, "
+                          f"checkpoint {str(path)!r} {theirs_spec.moe_layers}")
 
 
 def clean_staging(run_dir: str | Path) -> None:

@@ -70,9 +70,8 @@ class Trainer:
 
     def __init__(self, config: Config, address: str | None = None, progress: bool = True,
                  group: WorkerGroup | None = None):
-        config.validate()
+        self.arch = config.validate()  # the one resolution of the architecture; the workers build from it
         self.config = config
-        self.arch = config.resolve_arch()  # the one resolution; the workers build from it
         self.address = address
         self.progress = progress
         self.failures = 0
@@ -189,7 +188,7 @@ class Trainer:
         """Same world size when the cluster still fits it, else the largest one that fits
         (checkpoints reshard, so training continues with the same global batch)."""
         wanted = self.config.parallel.world_size
-        e, b = self.config.moe.num_experts, self.config.train.batch_size
+        e, b = self.arch.spec.num_experts, self.config.train.batch_size
         sizes = [w for w in range(wanted, 0, -1) if e % w == 0 and b % w == 0]
         last: Exception | None = None
         for w in sizes:
@@ -377,7 +376,7 @@ class Trainer:
             path = valid[0]
         path = Path(path).expanduser().resolve()
         meta = read_meta(path)
-        check_compatible(meta, self.config, path)
+        check_compatible(meta, self.config, path, self.arch)
         timeout = self.config.train.step_timeout_s
         steps = self.group.call(EPWorker.load_checkpoint, str(path), timeout=timeout)
         self.step_count = steps[0]

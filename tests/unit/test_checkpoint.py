@@ -83,6 +83,8 @@ def test_rng_state_comes_back(tmp_path):
 def test_compatibility_check_names_the_key(tmp_path):
     cfg = small_config(tmp_path)
     meta = {"config": cfg.to_dict()}
-    check_compatible(meta, cfg.with_overrides(["train.lr=0.1", "parallel.world_size=4"]), "ckpt")
+    other = cfg.with_overrides(["train.lr=0.1", "parallel.world_size=4"])
+    check_compatible(meta, other, "ckpt", other.resolve_arch())
+    wider = cfg.with_overrides(["moe.expert_hidden=64"])
     with pytest.raises(ConfigError, match="moe.expert_hidden=64 but checkpoint 'ckpt' has 48"):
-        check_compatible(meta, cfg.with_overrides(["moe.expert_hidden=64"]), "ckpt")
+        check_compatible(meta, wider, "ckpt", wider.resolve_arch())
