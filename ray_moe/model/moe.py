@@ -117,7 +117,7 @@ class MoELayer(nn.Module):
 
     def __init__(
         self,
-        spec: "MoELayerSpec",
+        spec: MoELayerSpec,
         transport: Transport,
         placement: Placement | None = None,
         layer_idx: int = 0,
@@ -134,16 +134,12 @@ class MoELayer(nn.Module):
         super().__init__()
         self.spec = spec
         num_experts, d_model, expert_hidden = spec.num_experts, spec.hidden, spec.expert_hidden
-        self.pipeline_chunks = spec.pipeline_chunks
+        dtype, seed, routing = spec.dtype, spec.seed, spec.routing
         if placement is None:
             placement = Placement.native(num_experts, transport.world_size, spec.clone_slots)
         self._check_placement(placement, num_experts, transport.world_size)
-        self.d_model, self.num_experts, self.top_k = d_model, num_experts, spec.top_k
-        self.expert_hidden, self.layer_idx, self.seed = expert_hidden, layer_idx, spec.seed
+        self.layer_idx = layer_idx
         self.transport, self.rank = transport, transport.rank
-        self.expert_impl, self.aux_loss_coef = spec.expert_impl, spec.aux_loss_coef
-        self.routing = routing = spec.routing
-        dtype, seed = spec.dtype, spec.seed
         self.recomputing = False  # set by activation checkpointing while it replays this forward
         # with expert_impl "auto" on a GPU that runs the Triton kernels: measured per shape, shared by
         # the model's layers (ray_moe.model.expert_choice)
@@ -165,6 +161,17 @@ class MoELayer(nn.Module):
         self.tables = placement.tables(device)
         if reset:
             self.reset_parameters()
+
+    # the spec's fields under the layer's names (one truth: the spec)
+    d_model = property(lambda self: self.spec.hidden)
+    num_experts = property(lambda self: self.spec.num_experts)
+    top_k = property(lambda self: self.spec.top_k)
+    expert_hidden = property(lambda self: self.spec.expert_hidden)
+    seed = property(lambda self: self.spec.seed)
+    expert_impl = property(lambda self: self.spec.expert_impl)
+    aux_loss_coef = property(lambda self: self.spec.aux_loss_coef)
+    routing = property(lambda self: self.spec.routing)
+    pipeline_chunks = property(lambda self: self.spec.pipeline_chunks)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
