@@ -54,7 +54,8 @@ class ArchSpec:
 
     ``positions``: ``rope`` (rotary, ``rotary_dim`` of each head) or ``learned`` (an absolute
     position table [max_position_embeddings, H] added to the embeddings; the byte model).
-    ``rms_norm_eps`` None: the dtype's machine epsilon (``torch.nn.RMSNorm``'s default).
+    ``rms_norm_eps`` None: ``torch.nn.RMSNorm``'s default (float32's machine epsilon, in which
+    it normalises bf16 inputs too).
     ``init``: the initial weights without a checkpoint: ``normal`` (the HF families: linear and
     embedding weights N(0, init_std²), biases 0, norms 1) or ``byte`` (embeddings N(0, 1),
     positions N(0, init_std²), linear weights U(±1/√fan_in), norms 1).

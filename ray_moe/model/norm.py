@@ -1,5 +1,6 @@
 """RMSNorm as the Hugging Face families compute it (so bf16 rounds where transformers rounds);
-``eps=None`` is the input dtype's machine epsilon, as ``torch.nn.RMSNorm``'s default (the byte model)."""
+``eps=None`` is float32's machine epsilon, what ``torch.nn.RMSNorm``'s default computes (it
+normalises in float32 for bf16 inputs too, with that type's epsilon): the byte model's norms."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        eps = self.eps if self.eps is not None else torch.finfo(torch.float32).eps  # h is float32
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         return self.weight * h.to(x.dtype)
 

@@ -190,3 +190,18 @@ def test_activation_memory_per_token():
             json.dump(rows, f, indent=1)
     assert rows["full"]["measured_bytes_per_token"] < rows["moe"]["measured_bytes_per_token"] \
         < rows["none"]["measured_bytes_per_token"]
+
+
+def test_byte_model_norm_is_torch_rmsnorm_on_gpu(tmp_path):
+    """The byte model (the one decoder with the byte spec) normalises as the old byte model's
+    ``torch.nn.RMSNorm`` (default eps) did, in bf16 on the GPU: its norms' outputs are torch's."""
+    from ray_moe.comm.local import LocalTransport
+    from tests.support import build, small_config
+
+    cfg = small_config(tmp_path, world_size=1, **{"model.dtype": "bfloat16", "parallel.device": "auto"})
+    model = build(cfg, LocalTransport(), "cuda")
+    x = (torch.randn(64, cfg.model.d_model, device="cuda") * 0.05).bfloat16()
+    for norm in (model.norm, model.layers[0].input_layernorm):
+        got = norm(x)
+        want = torch.nn.RMSNorm(cfg.model.d_model, device="cuda", dtype=torch.bfloat16)(x)
+        assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()

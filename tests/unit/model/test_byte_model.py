@@ -34,7 +34,7 @@ def test_model_builds_from_its_own_generator(tmp_path):
 
 def test_byte_model_is_the_one_decoder_with_the_byte_init(tmp_path):
     """Embeddings N(0, 1), positions N(0, 0.02²), linear weights U(±1/√fan_in), norms 1, the
-    norms' eps the dtype's (torch's RMSNorm default); learned positions, no RoPE."""
+    norms' eps torch's RMSNorm default; learned positions, no RoPE."""
     from ray_moe.model.decoder import Decoder
 
     cfg = small_config(tmp_path, world_size=1, **{"model.d_model": 64, "model.n_heads": 4,
@@ -52,6 +52,9 @@ def test_byte_model_is_the_one_decoder_with_the_byte_init(tmp_path):
     assert model.norm.eps is None and torch.equal(model.norm.weight, torch.ones(64))
     x = torch.randn(3, 64) * 1e-4  # eps = finfo(float32).eps: what torch.nn.RMSNorm computes
     assert torch.allclose(model.norm(x), torch.nn.functional.rms_norm(x, (64,)), rtol=1e-6, atol=1e-6)
+    # in bf16 too: torch normalises in float32 with float32's eps (not bf16's 2^-7)
+    xb, norm = (torch.randn(4, 64) * 0.05).bfloat16(), model.norm.to(torch.bfloat16)
+    assert torch.equal(norm(xb), torch.nn.functional.rms_norm(xb, (64,), norm.weight))
     assert model.spec.param_counts()["total"] == sum(p.numel() for p in model.parameters())
 
 
