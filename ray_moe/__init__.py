@@ -24,7 +24,8 @@ _PUBLIC = MappingProxyType({
     "WorkerFailure": "ray_moe.driver.group",
     "EPWorker": "ray_moe.worker.actor",
     "MoELayer": "ray_moe.model.moe",
-    "MoETransformer": "ray_moe.model.transformer",
+    "MoELayerSpec": "ray_moe.model.moe",
+    "Decoder": "ray_moe.model.decoder",
     "Placement": "ray_moe.placement.placement",
     "CheckpointError": "ray_moe.checkpoint",
 })

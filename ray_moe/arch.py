@@ -27,6 +27,9 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe")
+BYTE = "byte"  # the embedded byte-level model (``model.arch: byte``): :meth:`ArchSpec.byte`
+POSITIONS = ("rope", "learned")
+INITS = ("normal", "byte")
 ARCHITECTURES = MappingProxyType({
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
@@ -48,6 +51,14 @@ class ArchSpec:
     ``routed_scaling_factor`` scales the weights; ``score_bias`` adds the aux-loss-free balancing
     bias to the scores used for the choice (not to the weights). ``shared_hidden`` > 0 adds a
     shared SwiGLU expert beside the routed ones.
+
+    ``positions``: ``rope`` (rotary, ``rotary_dim`` of each head) or ``learned`` (an absolute
+    position table [max_position_embeddings, H] added to the embeddings; the byte model).
+    ``rms_norm_eps`` None: ``torch.nn.RMSNorm``'s default (float32's machine epsilon, in which
+    it normalises bf16 inputs too).
+    ``init``: the initial weights without a checkpoint: ``normal`` (the HF families: linear and
+    embedding weights N(0, init_std²), biases 0, norms 1) or ``byte`` (embeddings N(0, 1),
+    positions N(0, init_std²), linear weights U(±1/√fan_in), norms 1).
     """
 
     family: str
@@ -59,7 +70,7 @@ class ArchSpec:
     head_dim: int
     rotary_dim: int
     rope_theta: float
-    rms_norm_eps: float
+    rms_norm_eps: float | None
     qk_norm: bool
     qkv_bias: bool
     o_bias: bool
@@ -78,6 +89,28 @@ class ArchSpec:
     routed_scaling_factor: float
     score_bias: bool
     shared_hidden: int
+    positions: str = "rope"
+    init: str = "normal"
+
+    @classmethod
+    def byte(cls, *, vocab_size: int, d_model: int, n_heads: int, n_layers: int, seq_len: int,
+             num_experts: int, top_k: int, expert_hidden: int, dense_first_layer: bool = False,
+             dense_hidden: int = 0) -> "ArchSpec":
+        """The byte-level model (``model.arch: byte``) from its ray_moe keys: learned absolute
+        positions of ``seq_len``, multi-head attention without biases or q/k norm, softmax top-k
+        renormalised, every block an MoE block but (``dense_first_layer``) the first, a dense
+        SwiGLU of ``dense_hidden`` (0: 4 * d_model)."""
+        spec = cls(family=BYTE, vocab_size=vocab_size, hidden_size=d_model, num_layers=n_layers,
+                   num_heads=n_heads, num_kv_heads=n_heads, head_dim=d_model // n_heads if n_heads else 0,
+                   rotary_dim=0, rope_theta=0.0, rms_norm_eps=None, qk_norm=False, qkv_bias=False,
+                   o_bias=False, tie_word_embeddings=False, max_position_embeddings=seq_len, init_std=0.02,
+                   num_experts=num_experts, top_k=top_k, expert_hidden=expert_hidden,
+                   dense_hidden=dense_hidden or 4 * d_model,
+                   moe_layers=tuple(not (i == 0 and dense_first_layer) for i in range(n_layers)),
+                   scoring="softmax", norm_topk_prob=True, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                   score_bias=False, shared_hidden=0, positions="learned", init="byte")
+        spec.check()
+        return spec
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -161,6 +194,12 @@ class ArchSpec:
                        ("expert intermediate size", self.expert_hidden)):
             if v < 1:
                 raise ArchError(f"{key}={v} must be >= 1")
+        if self.positions not in POSITIONS:
+            raise ArchError(f"positions={self.positions!r} is not one of {', '.join(POSITIONS)}")
+        if self.init not in INITS:
+            raise ArchError(f"init={self.init!r} is not one of {', '.join(INITS)}")
+        if self.positions == "learned" and self.max_position_embeddings < 1:
+            raise ArchError(f"max_position_embeddings={self.max_position_embeddings} must be >= 1")
         if not any(self.moe_layers):
             raise ArchError("the config has no MoE layer (every layer is dense); ray_moe trains MoE models")
         if any(not m for m in self.moe_layers) and self.dense_hidden < 1:
@@ -196,6 +235,7 @@ class ArchSpec:
             + n_dense * 3 * H * self.dense_hidden
             + n_moe * (H * self.num_experts + 3 * H * self.shared_hidden)  # routers, shared experts
             + self.vocab_size * H * (1 if self.tie_word_embeddings else 2) + H  # embeddings, head, final norm
+            + (self.max_position_embeddings * H if self.positions == "learned" else 0)
         )
         experts = n_moe * self.num_experts * per_expert
         return {"replicated": replicated, "per_expert": per_expert, "experts": experts,
@@ -241,6 +281,16 @@ class ArchSpec:
         c = self.param_counts()
         n_moe = sum(self.moe_layers)
         return c["replicated"] - (self.vocab_size - 1) * self.hidden_size + n_moe * self.top_k * c["per_expert"]
+
+
+@dataclass(frozen=True)
+class ResolvedArch:
+    """An architecture resolved once, on the driver, and sent to every worker: the spec the model
+    is built from and the HF config in effect (None for the byte model), which
+    ``model.init_from``'s weight map and ``ray-moe export`` read."""
+
+    spec: ArchSpec
+    hf_config: dict[str, Any] | None = None
 
 
 def family_of(hf: Mapping[str, Any]) -> str:

@@ -11,11 +11,15 @@ Layout under ``<run_dir>/checkpoints/``::
     latest                        name of the newest complete checkpoint (replaced atomically)
 
 Key schema (:func:`shard_state` writes it, :func:`load_shard_state` reads it): a replicated
-parameter under its module name (``blocks.0.attn.qkv.weight``); an expert-sharded parameter
-(marked with :class:`~ray_moe.placement.placement.ExpertShard`) once per *logical* expert,
-``blocks.1.ffn.experts.{e}.w13``, so any world size can load it; optimizer state under
+parameter under its module name (``layers.0.self_attn.q_proj.weight``); an expert-sharded
+parameter (marked with :class:`~ray_moe.placement.placement.ExpertShard`) once per *logical*
+expert, ``layers.1.mlp.routed.experts.{e}.w13``, so any world size can load it; optimizer state under
 ``optim.{key}.{exp_avg|exp_avg_sq}``; replicated buffers that training changes under
 ``buffer.{name}``; each rank's RNG under ``rng.rank{r}.{cpu|cuda}``.
+
+Byte-model checkpoints written before the byte model became an architecture of the one decoder
+(module names ``tok_emb``, ``blocks.i.attn.qkv``, ``blocks.i.ffn``, ...) are recognised by their
+keys and renamed on load (:func:`migrate_keys`).
 
 Each rank writes its own file straight into a temporary directory (data never passes through
 the driver; on a multi-node cluster ``run_dir`` must be shared storage). The driver then writes
@@ -26,26 +30,35 @@ checkpoint naming the file; tensors load through safetensors (no pickle).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import shutil
 import uuid
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from ray_moe.arch import ArchSpec, ResolvedArch
 from ray_moe.config import Config, ConfigError
 from ray_moe.placement.placement import expert_shard
 
 META = "meta.json"
 LATEST = "latest"
 OPTIM_STATES = ("exp_avg", "exp_avg_sq")
-# The config keys a checkpoint must agree on to be loaded (everything else may change on resume).
-COMPATIBLE_KEYS = ("model.arch", "model.n_layers", "model.d_model", "model.n_heads", "model.seq_len",
-                   "model.vocab_size", "model.dense_first_layer", "moe.num_experts", "moe.expert_hidden")
+# What a checkpoint must agree on to be loaded (everything else may change on resume): the
+# architecture's fields, named by the config key that sets them (an HF config sets them there) ...
+ARCH_FIELDS = MappingProxyType({
+    "model.arch": "family", "model.n_layers": "num_layers", "model.d_model": "hidden_size",
+    "model.n_heads": "num_heads", "model.vocab_size": "vocab_size", "model.dense_first_layer": "moe_layers",
+    "moe.num_experts": "num_experts", "moe.expert_hidden": "expert_hidden",
+})
+# ... and these config keys as they are.
+COMPATIBLE_KEYS = ("model.seq_len",)
 
 
 class CheckpointError(RuntimeError):
@@ -185,7 +198,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def expert_key(param_name: str, expert: int) -> str:
-    """``blocks.1.ffn.w13``, expert 5 → ``blocks.1.ffn.experts.5.w13`` (world-size independent)."""
+    """``layers.1.mlp.routed.w13``, expert 5 → ``layers.1.mlp.routed.experts.5.w13`` (world-size independent)."""
     prefix, kind = param_name.rsplit(".", 1)
     return f"{prefix}.experts.{expert}.{kind}"
 
@@ -264,7 +277,9 @@ def load_shard_state(
     caller, which refills them from the owners); the optimizer state is restored only when
     ``opt_steps > 0``; this rank's RNG is restored when the saved run had this rank.
     Raises :class:`CheckpointError` naming a missing tensor or a shape that does not match.
+    An old byte-model checkpoint is renamed first (:func:`migrate_keys`).
     """
+    tensors = migrate_keys(tensors)
     for name, buf in named_buffers:
         buf.copy_(_need(tensors, buffer_key(name), buf.shape))
     for name, p in named_params:
@@ -292,6 +307,65 @@ def load_shard_state(
         torch.cuda.set_rng_state(tensors[rng_key(rank, "cuda")], device)
 
 
+# The byte model's module names before it became an architecture of the one decoder
+# (ray_moe.model.decoder): old name → new name, per block, with the fused tensors split.
+_OLD_TOP = MappingProxyType({"tok_emb.weight": "embed_tokens.weight", "pos_emb": "embed_positions",
+                             "norm_f.weight": "norm.weight"})
+_OLD_BLOCK = MappingProxyType({
+    "norm1.weight": ("input_layernorm.weight",), "norm2.weight": ("post_attention_layernorm.weight",),
+    "attn.qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "attn.proj.weight": ("self_attn.o_proj.weight",),
+    "ffn.w13.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),  # a dense first layer
+    "ffn.w2.weight": ("mlp.down_proj.weight",),
+})
+
+
+def is_old_byte_layout(keys: Iterable[str]) -> bool:
+    """True when a checkpoint's keys are the byte model's old module names (``tok_emb``, ``blocks.i``)."""
+    return any(k == "tok_emb.weight" or k.startswith("blocks.") for k in keys)
+
+
+def _migrate_name(name: str) -> list[str] | None:
+    """The new parameter name(s) of an old byte-model name (several: a fused tensor split along
+    dim 0 in that order); None when the name is not one of the old layout's."""
+    if name in _OLD_TOP:
+        return [_OLD_TOP[name]]
+    if not name.startswith("blocks."):
+        return None
+    _, i, rest = name.split(".", 2)
+    if rest in _OLD_BLOCK:
+        return [f"layers.{i}.{n}" for n in _OLD_BLOCK[rest]]
+    if rest.startswith("ffn."):  # the MoE layer: router, experts.{e}.w13 / w2, buffers
+        return [f"layers.{i}.mlp.routed.{rest[len('ffn.'):]}"]
+    return None
+
+
+def migrate_keys(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors under the current module names: an old byte-model checkpoint
+    (:func:`is_old_byte_layout`) renamed, its fused tensors (q|k|v [3H, H], a dense layer's
+    gate|up [2I, H]) split along dim 0, optimizer state and buffers with their parameter; any
+    other checkpoint unchanged. Expert keys stay per logical expert (any world size loads them)."""
+    if not is_old_byte_layout(tensors):
+        return dict(tensors)
+    out: dict[str, torch.Tensor] = {}
+    for key, t in tensors.items():
+        prefix, suffix, name = "", "", key
+        if key.startswith("optim."):
+            prefix = "optim."
+            name, _, state = key[len(prefix):].rpartition(".")
+            suffix = "." + state
+        elif key.startswith("buffer."):
+            prefix, name = "buffer.", key[len("buffer."):]
+        new = _migrate_name(name)
+        if new is None:
+            out[key] = t
+            continue
+        parts = t.chunk(len(new), dim=0) if len(new) > 1 else (t,)
+        for n, part in zip(new, parts):
+            out[prefix + n + suffix] = part.contiguous()
+    return out
+
+
 def _need(tensors: Mapping[str, torch.Tensor], key: str, shape: torch.Size) -> torch.Tensor:
     if key not in tensors:
         raise CheckpointError(f"checkpoint has no tensor {key!r}")
@@ -301,18 +375,47 @@ def _need(tensors: Mapping[str, torch.Tensor], key: str, shape: torch.Size) -> t
     return t
 
 
-def check_compatible(meta: Mapping[str, Any], config: Config, path: str | Path) -> None:
-    """Raise :class:`~ray_moe.config.ConfigError` naming the first key of
-    :data:`COMPATIBLE_KEYS` on which ``config`` and the checkpoint's config differ."""
-    saved = meta["config"]
-    defaults = Config()
+def saved_arch(meta: Mapping[str, Any]) -> ArchSpec:
+    """The architecture a checkpoint was written with: its HF config (``meta["hf_config"]``), else
+    the byte model of its config (a key the saving version did not have was at its default)."""
+    if meta.get("hf_config"):
+        return ArchSpec.from_hf(meta["hf_config"])
+    saved, defaults = meta["config"], Config()
+
+    def get(dotted: str) -> Any:
+        section, key = dotted.split(".")
+        return saved.get(section, {}).get(key, defaults.get(dotted))
+
+    spec = ArchSpec.byte(vocab_size=get("model.vocab_size"), d_model=get("model.d_model"),
+                         n_heads=get("model.n_heads"), n_layers=get("model.n_layers"),
+                         seq_len=get("model.seq_len"), num_experts=get("moe.num_experts"),
+                         top_k=get("moe.top_k"), expert_hidden=get("moe.expert_hidden"),
+                         dense_first_layer=get("model.dense_first_layer"), dense_hidden=get("model.dense_hidden"))
+    return dataclasses.replace(spec, family=get("model.arch"))  # an HF run saved before meta had hf_config
+
+
+def check_compatible(meta: Mapping[str, Any], config: Config, path: str | Path, arch: ResolvedArch) -> None:
+    """Raise :class:`~ray_moe.config.ConfigError` naming the first key on which ``config`` (of the
+    resolved architecture ``arch``) and the checkpoint differ: an architecture field of
+    :data:`ARCH_FIELDS` (the checkpoint's: :func:`saved_arch`), or a key of :data:`COMPATIBLE_KEYS`."""
+    theirs_spec = saved_arch(meta)
+    saved, defaults = meta["config"], Config()
+    differ = []
+    for dotted, field in ARCH_FIELDS.items():
+        ours, theirs = getattr(arch.spec, field), getattr(theirs_spec, field)
+        if field == "moe_layers":  # the dense layers: named by the byte model's key
+            ours, theirs = not ours[0], not theirs[0]
+        differ.append((dotted, ours, theirs) if ours != theirs else None)
     for dotted in COMPATIBLE_KEYS:
         section, key = dotted.split(".")
-        # a key the saving version did not have was at its default (model.arch: byte)
-        theirs = saved.get(section, {}).get(key, defaults.get(dotted))
-        ours = config.get(dotted)
-        if theirs != ours:
+        differ.append((dotted, config.get(dotted), saved.get(section, {}).get(key, defaults.get(dotted))))
+    for entry in differ:
+        if entry is not None and entry[1] != entry[2]:
+            dotted, ours, theirs = entry
             raise ConfigError(f"{dotted}={ours} but checkpoint {str(path)!r} has {theirs}")
+    if arch.spec.moe_layers != theirs_spec.moe_layers:
+        raise ConfigError(f"the dense layers differ: the model has MoE layers {arch.spec.moe_layers}, "
+                          f"checkpoint {str(path)!r} {theirs_spec.moe_layers}")
 
 
 def clean_staging(run_dir: str | Path) -> None:

@@ -100,12 +100,12 @@ def _export(args: argparse.Namespace) -> int:
     path = resolve_checkpoint(args.checkpoint)
     meta = read_meta(path)
     config = Config.from_plain(meta["config"])
-    if config.model.arch == "byte":
+    if not meta.get("hf_config") and not config.model.uses_hf():
         raise CheckpointError(f"checkpoint {str(path)!r} is of model.arch=byte, which has no Hugging Face "
                               "equivalent; --format hf exports qwen3_moe, mixtral and glm4_moe runs")
     from ray_moe.arch import ArchSpec
 
-    hf_config = meta.get("hf_config") or config.model.resolve_hf()[1]
+    hf_config = meta.get("hf_config") or config.resolve_arch().hf_config
     spec = ArchSpec.from_hf(hf_config)
     dtype = torch_dtype(args.dtype or config.model.dtype)
     report = write_hf_dir(args.out, spec, hf_config, iter_tensors(path, meta), dtype,

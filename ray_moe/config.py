@@ -40,11 +40,17 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range; the message names the key."""
 
 
-# Keys that an HF architecture sets from its config.json: (ray_moe key, what it is in HF terms).
+# Keys that an HF architecture takes from its config.json: (ray_moe key, what it is in HF terms).
+# They are not rewritten: the resolved ArchSpec holds the sizes (field names: SPEC_FIELDS).
 HF_DERIVED = MappingProxyType({
     "model.vocab_size": "vocab_size", "model.n_layers": "num_hidden_layers", "model.d_model": "hidden_size",
     "model.n_heads": "num_attention_heads", "moe.num_experts": "the number of routed experts",
     "moe.top_k": "num_experts_per_tok", "moe.expert_hidden": "the expert intermediate size",
+})
+SPEC_FIELDS = MappingProxyType({
+    "model.vocab_size": "vocab_size", "model.n_layers": "num_layers", "model.d_model": "hidden_size",
+    "model.n_heads": "num_heads", "moe.num_experts": "num_experts", "moe.top_k": "top_k",
+    "moe.expert_hidden": "expert_hidden",
 })
 ARCHS = ("byte",) + arch.FAMILIES
 CHECKPOINTING = ("none", "moe", "full")
@@ -60,7 +66,7 @@ class ModelConfig:
     dense_first_layer: bool = False
     dense_hidden: int = 0  # hidden size of a dense first layer; 0 means 4 * d_model
     dtype: str = "float32"  # float32 | bfloat16
-    arch: str = "byte"  # byte | qwen3_moe | mixtral | glm4_moe (set from the HF config when one is given)
+    arch: str = "byte"  # byte | qwen3_moe | mixtral | glm4_moe (optional with an HF config: it must agree)
     hf_config: str = ""  # HF config: a preset name, a config.json, or a model directory
     hf: dict = field(default_factory=dict)  # HF config keys on top of hf_config's (or the whole config)
     init_from: str = ""  # HF model directory whose weights the model starts from
@@ -81,8 +87,8 @@ class ModelConfig:
         _choice("model.activation_checkpointing", self.activation_checkpointing, CHECKPOINTING)
         if self.dense_hidden < 0:
             raise ConfigError(f"model.dense_hidden={self.dense_hidden} must be >= 0 (0 means 4*d_model)")
-        if self.arch != "byte" and self.dense_first_layer:
-            raise ConfigError(f"model.dense_first_layer is for model.arch=byte; model.arch={self.arch} takes "
+        if self.uses_hf() and self.dense_first_layer:
+            raise ConfigError("model.dense_first_layer is for model.arch=byte; an HF architecture takes "
                               "its dense layers from the HF config")
 
     def uses_hf(self) -> bool:
@@ -315,8 +321,9 @@ class Config:
                 raise ConfigError(f"{section} must be a mapping of keys to values, got {values!r}")
             for key, value in values.items():
                 cfg.set(f"{section}.{key}", value)
-        cfg.validate()
-        cfg._check_explicit({f"{s}.{k}": v for s, vals in (raw or {}).items() for k, v in (vals or {}).items()})
+        resolved = cfg.validate()
+        cfg._check_explicit({f"{s}.{k}": v for s, vals in (raw or {}).items() for k, v in (vals or {}).items()},
+                            resolved)
         return cfg
 
     @classmethod
@@ -347,8 +354,7 @@ class Config:
                 raise ConfigError(f"override {key.strip()}={text!r}: the value is not valid YAML ({exc})") from None
             cfg.set(key.strip(), value)
             explicit[key.strip()] = value
-        cfg.validate()
-        cfg._check_explicit(explicit)
+        cfg._check_explicit(explicit, cfg.validate())
         return cfg
 
     def copy(self) -> "Config":
@@ -364,7 +370,18 @@ class Config:
         return cfg
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The config as plain sections. With an HF architecture, the keys it takes from the HF
+        config (:data:`HF_DERIVED`) are left out where they hold their defaults: they are not this
+        config's to set (the resolved ArchSpec has the sizes), so ``from_dict(to_dict())`` loads
+        the same config and a saved ``config.yaml`` states no size the model does not have."""
+        out = dataclasses.asdict(self)
+        if self.model.uses_hf():
+            defaults = Config()
+            for dotted in HF_DERIVED:
+                section, key = dotted.split(".")
+                if out[section][key] == defaults.get(dotted):
+                    del out[section][key]
+        return out
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -390,39 +407,57 @@ class Config:
         return getattr(getattr(self, section), key)
 
     # ---------------------------------------------------------------- validation
-    def validate(self) -> None:
-        """Resolve an HF architecture (its config sets the keys of :data:`HF_DERIVED`); each
-        section checks its own keys; then the checks that span sections."""
-        if self.model.uses_hf():
-            spec, _ = self.model.resolve_hf()
-            self.model.arch = spec.family
-            m, e = self.model, self.moe
-            m.vocab_size, m.n_layers, m.d_model, m.n_heads = (spec.vocab_size, spec.num_layers,
-                                                              spec.hidden_size, spec.num_heads)
-            e.num_experts, e.top_k, e.expert_hidden = spec.num_experts, spec.top_k, spec.expert_hidden
+    def validate(self) -> arch.ResolvedArch:
+        """Each section checks its own keys; the architecture is resolved (:meth:`resolve_arch`:
+        an HF config is read and checked) without rewriting any key (an HF architecture's sizes,
+        :data:`HF_DERIVED`, live in the resolved ArchSpec); then the checks that span sections.
+        Returns the resolved architecture (what the driver sends to the workers)."""
         for section in _sections():
             getattr(self, section).check()
-        e, p, t = self.moe, self.parallel, self.train
-        if e.num_experts % p.world_size:
+        resolved = self.resolve_arch()
+        p, t = self.parallel, self.train
+        E = resolved.spec.num_experts
+        if E % p.world_size:
+            where = " (the HF config's)" if resolved.hf_config is not None else ""
             raise ConfigError(
-                f"moe.num_experts={e.num_experts} is not divisible by "
+                f"moe.num_experts={E}{where} is not divisible by "
                 f"parallel.world_size={p.world_size}"
             )
         if t.batch_size % p.world_size:
             raise ConfigError(
                 f"train.batch_size={t.batch_size} is not divisible by parallel.world_size={p.world_size}"
             )
+        return resolved
 
-    def _check_explicit(self, explicit: dict[str, Any]) -> None:
+    def resolve_arch(self) -> arch.ResolvedArch:
+        """The architecture of this config, resolved: the byte model's spec from ``model.*`` and
+        ``moe.*``, or an HF family's from its config.json (and ``model.hf``). The driver calls
+        this once and sends the result to the workers (``build_model`` never re-resolves)."""
+        m, e = self.model, self.moe
+        if m.uses_hf():
+            spec, hf = m.resolve_hf()
+            return arch.ResolvedArch(spec, hf)
+        try:
+            spec = arch.ArchSpec.byte(vocab_size=m.vocab_size, d_model=m.d_model, n_heads=m.n_heads,
+                                      n_layers=m.n_layers, seq_len=m.seq_len, num_experts=e.num_experts,
+                                      top_k=e.top_k, expert_hidden=e.expert_hidden,
+                                      dense_first_layer=m.dense_first_layer, dense_hidden=m.dense_hidden)
+        except arch.ArchError as exc:
+            raise ConfigError(f"model.arch=byte: {exc}") from None
+        return arch.ResolvedArch(spec, None)
+
+    def _check_explicit(self, explicit: dict[str, Any], resolved: arch.ResolvedArch) -> None:
         """With an HF architecture, a key of :data:`HF_DERIVED` given explicitly must agree with
-        the HF config (it is set from it); the message says how to change it there."""
-        if self.model.arch == "byte":
+        the HF config (the architecture takes it from there); the message says how to change it there."""
+        if resolved.hf_config is None:
             return
+        spec = resolved.spec
         for key, hf_name in HF_DERIVED.items():
-            if key in explicit and explicit[key] != self.get(key):
+            theirs = getattr(spec, SPEC_FIELDS[key])
+            if key in explicit and explicit[key] != theirs:
                 raise ConfigError(
-                    f"{key}={explicit[key]!r} but model.arch={self.model.arch} takes it from the HF config "
-                    f"({hf_name} = {self.get(key)!r}); change the HF config instead (model.hf.KEY=VALUE)"
+                    f"{key}={explicit[key]!r} but model.arch={spec.family} takes it from the HF config "
+                    f"({hf_name} = {theirs!r}); change the HF config instead (model.hf.KEY=VALUE)"
                 )
 
 

@@ -42,3 +42,21 @@ def gpu_ranks(max_gpus: int = 2) -> tuple[int, int]:
         pytest.skip("needs a GPU in the Ray cluster")
     per_gpu = int(os.environ.get("RAY_MOE_PES_PER_GPU", "1"))
     return gpus * per_gpu, per_gpu
+
+
+def build(cfg: Config, transport, device="cpu"):
+    """``cfg``'s model on one process: the architecture resolved here (the driver's job), then built."""
+    from ray_moe.model.build import build_model
+
+    return build_model(cfg, cfg.resolve_arch(), transport, device)
+
+
+def engine(cfg: Config, device="cpu", transport=None, rank_info=None):
+    """A one-process :class:`~ray_moe.worker.engine.Engine` of ``cfg`` (its architecture resolved here)."""
+    import torch
+
+    from ray_moe.comm.local import LocalTransport
+    from ray_moe.worker.engine import Engine
+
+    return Engine(cfg, rank_info or single_rank(), transport or LocalTransport(), torch.device(device),
+                  cfg.resolve_arch())

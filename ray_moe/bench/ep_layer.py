@@ -22,7 +22,7 @@ from ray_moe.comm.base import BufferSpec
 from ray_moe.comm.local import LocalTransport
 from ray_moe.config import torch_dtype
 from ray_moe.device import synchronize
-from ray_moe.model.moe import MoELayer
+from ray_moe.model.moe import MoELayer, MoELayerSpec
 from ray_moe.placement.clones import push_clone_weights, reduce_clone_grads
 from ray_moe.placement.placement import Placement
 
@@ -93,8 +93,8 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
                      dtype: torch.dtype) -> dict[str, Any]:
     device = worker.device
     E, H, I = spec.num_experts, spec.d_model, spec.hidden
-    layer = MoELayer(H, E, spec.top_k, I, transport, placement, dtype=dtype,
-                     expert_impl=spec.impl, device=device, seed=spec.seed, pipeline_chunks=spec.pipeline_chunks)
+    layer = MoELayer(MoELayerSpec(H, E, spec.top_k, I, dtype=dtype, expert_impl=spec.impl, seed=spec.seed,
+                                  pipeline_chunks=spec.pipeline_chunks), transport, placement, device=device)
     g = torch.Generator().manual_seed(spec.seed * 7919 + rank)
     x = torch.randn(spec.tokens, H, generator=g).to(device=device, dtype=dtype)
     if spec.zipf_s > 0:

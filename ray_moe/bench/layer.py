@@ -416,11 +416,11 @@ def ray_moe_layer(shape: LayerShape, prob: dict[str, torch.Tensor], impl: str = 
     """``MoELayer`` at W=1 over ``LocalTransport`` (route + experts + combine) holding ``prob``'s
     weights (the layer's own expert initialisation is skipped: the weights are copied in right after)."""
     from ray_moe.comm.local import LocalTransport
-    from ray_moe.model.moe import MoELayer
+    from ray_moe.model.moe import MoELayer, MoELayerSpec
 
     w13 = prob["w13"]
-    layer = MoELayer(shape.H, shape.E, shape.K, shape.I, LocalTransport(), dtype=w13.dtype, expert_impl=impl,
-                     device=w13.device, reset=False)
+    layer = MoELayer(MoELayerSpec(shape.H, shape.E, shape.K, shape.I, dtype=w13.dtype, expert_impl=impl),
+                     LocalTransport(), device=w13.device, reset=False)
     with torch.no_grad():
         layer.router.copy_(prob["router"])
         layer.w13.copy_(w13)

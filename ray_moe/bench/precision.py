@@ -101,7 +101,7 @@ def step_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     for variant in args.variants:
         cfg = step_config(args, variant)
         t0 = time.perf_counter()
-        engine = Engine(cfg, one_rank, LocalTransport(), device)
+        engine = Engine(cfg, one_rank, LocalTransport(), device, cfg.resolve_arch())
         built = time.perf_counter() - t0
         for _ in range(args.warmup):
             engine.train_step()

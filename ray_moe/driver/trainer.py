@@ -70,7 +70,7 @@ class Trainer:
 
     def __init__(self, config: Config, address: str | None = None, progress: bool = True,
                  group: WorkerGroup | None = None):
-        config.validate()
+        self.arch = config.validate()  # the one resolution of the architecture; the workers build from it
         self.config = config
         self.address = address
         self.progress = progress
@@ -134,7 +134,7 @@ class Trainer:
             self.config = self.config.with_overrides([f"parallel.world_size={group.world_size}"])
         self.group = group
         try:
-            reports = group.call(EPWorker.build_engine, self.config.to_dict(),
+            reports = group.call(EPWorker.build_engine, self.config.to_dict(), self.arch,
                                  timeout=self.config.parallel.startup_timeout_s + 120)
         except WorkerFailure as exc:
             self.close()
@@ -188,7 +188,7 @@ class Trainer:
         """Same world size when the cluster still fits it, else the largest one that fits
         (checkpoints reshard, so training continues with the same global batch)."""
         wanted = self.config.parallel.world_size
-        e, b = self.config.moe.num_experts, self.config.train.batch_size
+        e, b = self.arch.spec.num_experts, self.config.train.batch_size
         sizes = [w for w in range(wanted, 0, -1) if e % w == 0 and b % w == 0]
         last: Exception | None = None
         for w in sizes:
@@ -352,7 +352,7 @@ class Trainer:
             "placements": self.group.call(EPWorker.placements, timeout=timeout)[0],
             "balance": self.rebalancer.state_dict() if self.rebalancer is not None else None,
             # the HF config in effect (for `ray-moe export`, whatever becomes of model.hf_config's file)
-            "hf_config": self.config.model.resolve_hf()[1] if self.config.model.arch != "byte" else None,
+            "hf_config": self.arch.hf_config,
             "time": time.time(),
         }
         path = commit(staging, meta, files)
@@ -376,7 +376,7 @@ class Trainer:
             path = valid[0]
         path = Path(path).expanduser().resolve()
         meta = read_meta(path)
-        check_compatible(meta, self.config, path)
+        check_compatible(meta, self.config, path, self.arch)
         timeout = self.config.train.step_timeout_s
         steps = self.group.call(EPWorker.load_checkpoint, str(path), timeout=timeout)
         self.step_count = steps[0]

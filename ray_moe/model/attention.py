@@ -1,5 +1,6 @@
-"""Causal grouped-query attention with RoPE (optionally partial) and optional per-head q/k
-RMSNorm and q/k/v (and o) biases: the attention of Qwen3-MoE, Mixtral and GLM-4.5.
+"""Causal grouped-query attention with RoPE (optionally partial; none with learned positions) and
+optional per-head q/k RMSNorm and q/k/v (and o) biases: the attention of Qwen3-MoE, Mixtral,
+GLM-4.5 and the byte model (multi-head, learned positions added to the embeddings).
 Replicated (data parallel): each rank attends over its own sequences."""
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(D, spec.rms_norm_eps, device) if spec.qk_norm else None
         self.k_norm = RMSNorm(D, spec.rms_norm_eps, device) if spec.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
-                layer: int = 0) -> torch.Tensor:
-        """x: [B, L, H]; cos/sin: [L, rotary_dim] of x's positions (:func:`ray_moe.model.rope.rope_tables`);
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        """x: [B, L, H]; cos/sin: [L, rotary_dim] of x's positions (:func:`ray_moe.model.rope.rope_tables`;
+        None: no rotation, the positions are in x);
         with ``cache``, x holds the positions after the cached ones (read and extended as ``layer``)."""
         B, L, _ = x.shape
         q = self.q_proj(x).view(B, L, self.num_heads, self.head_dim)
@@ -40,7 +42,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cos is not None:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, k, v)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=causal_mask(L, k.shape[2]), scale=self.head_dim ** -0.5,

@@ -1,19 +1,24 @@
-"""The decoder of the Hugging Face MoE families (Qwen3-MoE, Mixtral, GLM-4.5 / DeepSeek-V3-style
-blocks), built from an :class:`~ray_moe.arch.ArchSpec`.
+"""The one decoder: the byte-level model and the Hugging Face MoE families (Qwen3-MoE, Mixtral,
+GLM-4.5 / DeepSeek-V3-style blocks), built from an :class:`~ray_moe.arch.ArchSpec`.
 
 Embeddings, attention, norms, dense layers and shared experts are replicated (data parallel);
 every routed-expert FFN is an expert-parallel :class:`~ray_moe.model.moe.MoELayer` (dispatch,
-experts, combine over any transport; clones and re-cloning as for the byte-level model). Module
-names follow transformers' (``layers.3.self_attn.q_proj``, ``layers.3.mlp.shared_experts``) so the
-weight map to HF checkpoints (:mod:`ray_moe.model.hf`) is short; the routed experts of block i
-are ``layers.i.mlp.routed`` (router [H, E] float32, ``w13``/``w2`` by slot, ``score_bias``).
+experts, combine over any transport; clones and re-cloning). Tokens flow DP → EP → DP: each rank
+attends over its own sequences, then the MoE layers move token rows to the experts and back.
+Module names follow transformers' (``layers.3.self_attn.q_proj``, ``layers.3.mlp.shared_experts``)
+so the weight map to HF checkpoints (:mod:`ray_moe.model.hf`) is short; the routed experts of
+block i are ``layers.i.mlp.routed`` (router [H, E] float32, ``w13``/``w2`` by slot,
+``score_bias``). The byte model (``positions: learned``) adds ``embed_positions`` [seq_len, H].
 
 Initial weights (without ``model.init_from``) come from the model's own generator seeded by
-``train.seed``: linear and embedding weights N(0, initializer_range²), biases 0, norms 1; experts
-and routers from the MoE layer's per-expert generators (independent of the world size).
+``train.seed`` in module order (the same on every rank; the global RNG is neither seeded nor
+advanced), by the spec's ``init`` scheme (:class:`~ray_moe.arch.ArchSpec`); experts and routers
+from the MoE layer's per-expert generators (independent of the world size).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -26,7 +31,7 @@ from ray_moe.model.attention import Attention
 from ray_moe.model.expert_choice import ExpertImplChooser
 from ray_moe.model.kv_cache import KVCache
 from ray_moe.model.mlp import GatedMLP
-from ray_moe.model.moe import MoELayer
+from ray_moe.model.moe import MoELayer, MoELayerSpec
 from ray_moe.model.norm import RMSNorm
 from ray_moe.model.recompute import check_mode, checkpointed
 from ray_moe.model.rope import rope_tables
@@ -62,16 +67,17 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.checkpointing = check_mode(checkpointing)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
-                layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [B, L, H] → ([B, L, H], aux loss float32 scalar); ``cache``: the attention reads and
-        extends it as layer ``layer`` (incremental decoding, no gradients)."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                cache: KVCache | None = None, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, L, H] → ([B, L, H], aux loss float32 scalar); cos/sin: the RoPE tables of x's
+        positions (None with learned positions); ``cache``: the attention reads and extends it as
+        layer ``layer`` (incremental decoding, no gradients)."""
         if self.checkpointing == "full" and torch.is_grad_enabled() and cache is None:
             return checkpointed(self._forward, x, cos, sin, moe_layers=self._moe())
         return self._forward(x, cos, sin, cache, layer)
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
-                 layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                 cache: KVCache | None = None, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
         if self.checkpointing == "moe" and self._moe() and torch.is_grad_enabled():
             y, aux = checkpointed(self._ffn, x, moe_layers=self._moe())
@@ -92,40 +98,51 @@ class DecoderLayer(nn.Module):
         return (self.mlp.routed,) if isinstance(self.mlp, MoEBlock) else ()
 
 
-class Decoder(nn.Module):
-    """Decoder-only MoE LM of an HF family; ``forward(idx [B, L]) -> (logits [B, L, V] float32,
-    aux loss)``, ``hidden_states(idx) -> (final-norm hidden [B, L, H], aux)``, ``lm_head``
-    ([V, H]; the embedding's weight when ``tie_word_embeddings``).
+def moe_layer_spec(spec: ArchSpec, config: Config) -> MoELayerSpec:
+    """The MoE layer of every routed block of ``spec`` under ``config`` (dtype, expert
+    implementation, aux loss, clone slots, pipelining, seed)."""
+    e = config.moe
+    routing = Routing(scoring=spec.scoring, normalize=spec.norm_topk_prob, n_group=spec.n_group,
+                      topk_group=spec.topk_group, scale=spec.routed_scaling_factor, bias=spec.score_bias)
+    return MoELayerSpec(spec.hidden_size, spec.num_experts, spec.top_k, spec.expert_hidden, routing=routing,
+                        dtype=torch_dtype(config.model.dtype), expert_impl=e.expert_impl,
+                        aux_loss_coef=e.aux_loss_coef, clone_slots=config.balance.clone_slots,
+                        pipeline_chunks=e.pipeline_chunks, seed=config.train.seed)
 
-    ``init=False`` leaves the weights uninitialised (``model.init_from`` fills them).
+
+class Decoder(nn.Module):
+    """Decoder-only MoE LM of ``spec`` (the byte model or an HF family); ``forward(idx [B, L]) ->
+    (logits [B, L, V] float32, aux loss)``, ``hidden_states(idx) -> (final-norm hidden [B, L, H],
+    aux)``, ``lm_head`` ([V, H]; the embedding's weight when ``tie_word_embeddings``). Implements
+    :class:`~ray_moe.model.interface.LanguageModel`.
+
+    Expert-parallel over ``transport`` (its world size is the group's); ``balance.clone_slots``
+    per rank and layer are reserved for clones of hot experts. ``init=False`` leaves the weights
+    uninitialised (``model.init_from`` or a checkpoint fills them).
     """
 
     def __init__(self, spec: ArchSpec, config: Config, transport: Transport,
                  device: torch.device | str = "cpu", init: bool = True):
         super().__init__()
         self.spec = spec
-        m, e = config.model, config.moe
-        dtype = torch_dtype(m.dtype)
+        dtype = torch_dtype(config.model.dtype)
         self.seed = config.train.seed
         H = spec.hidden_size
-        routing = Routing(scoring=spec.scoring, normalize=spec.norm_topk_prob, n_group=spec.n_group,
-                          topk_group=spec.topk_group, scale=spec.routed_scaling_factor, bias=spec.score_bias)
+        layer_spec = moe_layer_spec(spec, config)
         chooser = ExpertImplChooser()  # one per model: layers of one shape share the measurement
         self.embed_tokens = skip_init(nn.Embedding, spec.vocab_size, H, device=device)
+        self.embed_positions = (nn.Parameter(torch.empty(spec.max_position_embeddings, H, device=device))
+                                if spec.positions == "learned" else None)
         layers = []
         for i in range(spec.num_layers):
             if spec.moe_layers[i]:
-                routed = MoELayer(
-                    H, spec.num_experts, spec.top_k, spec.expert_hidden, transport, layer_idx=i,
-                    seed=self.seed, dtype=dtype, expert_impl=e.expert_impl, aux_loss_coef=e.aux_loss_coef,
-                    device=device, expert_chooser=chooser, clone_slots=config.balance.clone_slots,
-                    routing=routing, reset=init, pipeline_chunks=e.pipeline_chunks,
-                )
+                routed = MoELayer(layer_spec, transport, layer_idx=i, device=device, expert_chooser=chooser,
+                                  reset=init)
                 shared = GatedMLP(H, spec.shared_hidden, device) if spec.shared_hidden else None
                 mlp: nn.Module = MoEBlock(routed, shared)
             else:
                 mlp = GatedMLP(H, spec.dense_hidden, device)
-            layers.append(DecoderLayer(spec, mlp, m.activation_checkpointing, device))
+            layers.append(DecoderLayer(spec, mlp, config.model.activation_checkpointing, device))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(H, spec.rms_norm_eps, device)
         self.lm_head = skip_init(nn.Linear, H, spec.vocab_size, bias=False, device=device)
@@ -140,35 +157,55 @@ class Decoder(nn.Module):
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:
         """Replicated weights from ``generator`` (CPU: the same values on every rank and device) in
-        module order; MoE layers reset from their own per-expert generators."""
-        std = self.spec.init_std
+        module order, then the position table; MoE layers reset from their own per-expert
+        generators. ``init: normal``: linear and embedding weights N(0, init_std²), biases 0;
+        ``init: byte``: embeddings N(0, 1), linear weights U(±1/√fan_in), positions N(0, init_std²).
+        Norms 1."""
+        std, byte = self.spec.init_std, self.spec.init == "byte"
         for module in self.modules():
             if isinstance(module, MoELayer):
                 module.reset_parameters()
+            elif isinstance(module, nn.Linear) and byte:
+                bound = 1.0 / math.sqrt(module.in_features)
+                module.weight.copy_(torch.empty(module.weight.shape).uniform_(-bound, bound, generator=generator))
+                if module.bias is not None:
+                    module.bias.zero_()
             elif isinstance(module, (nn.Embedding, nn.Linear)):
-                module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
+                scale = 1.0 if byte else std
+                module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * scale)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+        if self.embed_positions is not None:
+            self.embed_positions.copy_(torch.randn(self.embed_positions.shape, generator=generator) * std)
 
     def moe_layers(self) -> list[MoELayer]:
+        """The routed-expert layers, in block order."""
         return [layer.mlp.routed for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
 
     def hidden_states(self, idx: torch.Tensor, cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """idx: int64/int32 [B, L] token ids → (final-norm hidden states [B, L, H] in the model
-        dtype, aux loss float32 scalar). ``cache`` (:meth:`new_cache`): ``idx`` continues the
-        cached positions, and is added to them."""
+        dtype, aux loss float32 scalar). The LM head (``self.lm_head``) is applied by the caller
+        (``forward`` for logits, :func:`ray_moe.model.loss.lm_loss` for the training loss).
+        ``cache`` (:meth:`new_cache`): ``idx`` continues the cached positions, and is added to them."""
         if idx.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"token ids must be int64 or int32, got {idx.dtype}")
+        start, L = (cache.length if cache is not None else 0), idx.shape[1]
+        if self.embed_positions is not None and start + L > self.embed_positions.shape[0]:
+            raise ValueError(f"sequence length {start + L} exceeds model.seq_len={self.embed_positions.shape[0]}")
         if idx.device.type == "cpu" and idx.numel():  # on GPUs the engine checks ids before the copy
             lo, hi, V = int(idx.min()), int(idx.max()), self.spec.vocab_size
             if lo < 0 or hi >= V:
-                raise ValueError(f"token ids must be in [0, {V}) (the HF config's vocab_size), got min {lo}, max {hi}")
+                where = "model.vocab_size" if self.spec.family == "byte" else "the HF config's vocab_size"
+                raise ValueError(f"token ids must be in [0, {V}) ({where}), got min {lo}, max {hi}")
         x = self.embed_tokens(idx)
-        start, L = (cache.length if cache is not None else 0), idx.shape[1]
-        cos, sin = rope_tables(start + L, self.spec.rotary_dim, self.spec.rope_theta, x.device, x.dtype)
-        cos, sin = cos[start:], sin[start:]
+        if self.embed_positions is not None:
+            x = x + self.embed_positions[start:start + L]
+            cos = sin = None
+        else:
+            cos, sin = rope_tables(start + L, self.spec.rotary_dim, self.spec.rope_theta, x.device, x.dtype)
+            cos, sin = cos[start:], sin[start:]
         aux = x.new_zeros((), dtype=torch.float32)
         for i, layer in enumerate(self.layers):
             x, a = layer(x, cos, sin, cache, i)

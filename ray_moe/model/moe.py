@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -51,6 +52,53 @@ def _mix(*xs: int) -> int:
     return h
 
 
+EXPERT_IMPLS = ("auto", "loop", "grouped_mm", "triton")
+
+
+@dataclass(frozen=True)
+class MoELayerSpec:
+    """The shape and behaviour of one MoE layer, the same on every rank (the one owner of the
+    layer-shape rules: :meth:`__post_init__` refuses a bad value naming the field).
+
+    hidden: H, the token width; num_experts: E logical experts; top_k: K experts per token;
+    expert_hidden: I, each expert's SwiGLU width (w13 [H, 2I], w2 [I, H]); routing: the router
+    variant; dtype: the expert weights' dtype (the router stays float32); expert_impl: auto |
+    loop | grouped_mm | triton; aux_loss_coef: the load-balancing loss's weight (0: off);
+    clone_slots: slots per rank for clones of hot experts; pipeline_chunks: C, 1 runs dispatch →
+    experts → combine over all tokens, C > 1 splits each rank's tokens into C chunks whose
+    exchange overlaps the experts of the neighbouring chunks (:mod:`ray_moe.comm.pipeline`; the
+    same results); seed: with the layer index, seeds the router and every logical expert.
+    """
+
+    hidden: int
+    num_experts: int
+    top_k: int
+    expert_hidden: int
+    routing: Routing = SOFTMAX
+    dtype: torch.dtype = torch.float32
+    expert_impl: str = "auto"
+    aux_loss_coef: float = 0.0
+    clone_slots: int = 0
+    pipeline_chunks: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "num_experts", "top_k", "expert_hidden", "pipeline_chunks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k} must be <= num_experts={self.num_experts}")
+        if isinstance(self.clone_slots, bool) or not isinstance(self.clone_slots, int) or self.clone_slots < 0:
+            raise ValueError(f"clone_slots must be an integer >= 0, got {self.clone_slots!r}")
+        if self.expert_impl not in EXPERT_IMPLS:
+            raise ValueError(f"expert_impl={self.expert_impl!r} is not one of {', '.join(EXPERT_IMPLS)}")
+        if not self.aux_loss_coef >= 0:
+            raise ValueError(f"aux_loss_coef={self.aux_loss_coef} must be >= 0")
+        if not isinstance(self.routing, Routing):
+            raise ValueError(f"routing must be a Routing, got {self.routing!r}")
+
+
 class MoELayer(nn.Module):
     """Expert-parallel SwiGLU MoE layer.
 
@@ -69,43 +117,29 @@ class MoELayer(nn.Module):
 
     def __init__(
         self,
-        d_model: int,
-        num_experts: int,
-        top_k: int,
-        expert_hidden: int,
+        spec: MoELayerSpec,
         transport: Transport,
         placement: Placement | None = None,
         layer_idx: int = 0,
-        seed: int = 0,
-        dtype: torch.dtype = torch.float32,
-        expert_impl: str = "auto",
-        aux_loss_coef: float = 0.0,
         device: torch.device | str = "cpu",
         expert_chooser: ExpertImplChooser | None = None,
-        clone_slots: int = 0,
-        routing: Routing = SOFTMAX,
         reset: bool = True,
-        pipeline_chunks: int = 1,
     ) -> None:
-        """``placement``: the initial placement (default: native, with ``clone_slots`` free clone
-        slots per rank); the world size is the transport's. ``routing``: the router variant.
-        ``reset=False`` leaves the expert weights zero for a caller that loads them (a checkpoint,
-        an HF model, a benchmark: drawing E large experts on the host takes minutes).
-        ``pipeline_chunks``: C; 1 runs dispatch → experts → combine over all tokens, C > 1 splits
-        each rank's tokens into C chunks whose exchange overlaps the experts of the neighbouring
-        chunks (:mod:`ray_moe.comm.pipeline`; the same results). The same on every rank."""
+        """``spec``: the layer's shape and behaviour (:class:`MoELayerSpec`, the same on every
+        rank). ``placement``: the initial placement (default: native, with ``spec.clone_slots``
+        free clone slots per rank); the world size is the transport's. ``layer_idx``: the block
+        index (it seeds the layer's weights with ``spec.seed``). ``reset=False`` leaves the expert
+        weights zero for a caller that loads them (a checkpoint, an HF model, a benchmark: drawing
+        E large experts on the host takes minutes)."""
         super().__init__()
-        if int(pipeline_chunks) < 1:
-            raise ValueError(f"pipeline_chunks must be >= 1, got {pipeline_chunks}")
-        self.pipeline_chunks = int(pipeline_chunks)
+        self.spec = spec
+        num_experts, d_model, expert_hidden = spec.num_experts, spec.hidden, spec.expert_hidden
+        dtype, seed, routing = spec.dtype, spec.seed, spec.routing
         if placement is None:
-            placement = Placement.native(num_experts, transport.world_size, clone_slots)
+            placement = Placement.native(num_experts, transport.world_size, spec.clone_slots)
         self._check_placement(placement, num_experts, transport.world_size)
-        self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
-        self.expert_hidden, self.layer_idx, self.seed = expert_hidden, layer_idx, seed
+        self.layer_idx = layer_idx
         self.transport, self.rank = transport, transport.rank
-        self.expert_impl, self.aux_loss_coef = expert_impl, aux_loss_coef
-        self.routing = routing
         self.recomputing = False  # set by activation checkpointing while it replays this forward
         # with expert_impl "auto" on a GPU that runs the Triton kernels: measured per shape, shared by
         # the model's layers (ray_moe.model.expert_choice)
@@ -127,6 +161,17 @@ class MoELayer(nn.Module):
         self.tables = placement.tables(device)
         if reset:
             self.reset_parameters()
+
+    # the spec's fields under the layer's names (one truth: the spec)
+    d_model = property(lambda self: self.spec.hidden)
+    num_experts = property(lambda self: self.spec.num_experts)
+    top_k = property(lambda self: self.spec.top_k)
+    expert_hidden = property(lambda self: self.spec.expert_hidden)
+    seed = property(lambda self: self.spec.seed)
+    expert_impl = property(lambda self: self.spec.expert_impl)
+    aux_loss_coef = property(lambda self: self.spec.aux_loss_coef)
+    routing = property(lambda self: self.spec.routing)
+    pipeline_chunks = property(lambda self: self.spec.pipeline_chunks)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -12,8 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
 from ray_moe.comm.base import BufferSpec
-from ray_moe.config import element_size
+from ray_moe.config import element_size, torch_dtype
+from ray_moe.model.moe import MoELayerSpec
 
 ROUTINGS = ("random", "one_expert", "empty_rank", "empty_expert")
 
@@ -43,9 +46,14 @@ class Case:
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing {self.routing!r} is not one of {', '.join(ROUTINGS)}")
-        if self.pipeline_chunks < 1:
-            raise ValueError(f"pipeline_chunks must be >= 1, got {self.pipeline_chunks}")
         object.__setattr__(self, "tokens_per_rank", tuple(self.tokens_per_rank))
+        self.layer_spec()  # the layer-shape rules (pipeline_chunks >= 1, ...) are the layer spec's
+
+    def layer_spec(self, dtype: torch.dtype | None = None) -> MoELayerSpec:
+        """The MoE layer this case runs (``dtype``: the case's by default)."""
+        return MoELayerSpec(self.hidden, self.num_experts, self.top_k, self.expert_hidden,
+                            dtype=dtype or torch_dtype(self.dtype), expert_impl=self.expert_impl,
+                            pipeline_chunks=self.pipeline_chunks)
 
     def tokens(self, rank: int) -> int:
         return self.tokens_per_rank[rank % len(self.tokens_per_rank)]

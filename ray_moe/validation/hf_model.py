@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ray_moe.arch import ArchSpec, ResolvedArch
 from ray_moe.comm.base import BufferSpec
 from ray_moe.config import Config, element_size
 from ray_moe.model.build import build_model
@@ -80,10 +81,9 @@ def save_tiny_model(family: str, path: str | Path, seed: int = 0, **overrides: A
     return json.loads((Path(path) / "config.json").read_text())
 
 
-def probe_names(config: Config) -> dict[str, Any]:
+def probe_names(spec: ArchSpec) -> dict[str, Any]:
     """What the comparison covers: replicated ray_moe parameter names, and the MoE layer whose
     experts (all of them) are compared."""
-    spec, _ = config.model.resolve_hf()
     moe = next(i for i, m in enumerate(spec.moe_layers) if m)
     names = ["embed_tokens.weight", f"layers.{moe}.mlp.routed.router"]
     names += [f"layers.{moe}.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
@@ -113,15 +113,16 @@ def parity_config(path: str | Path, world_size: int, batch: int, seq_len: int, d
     })
 
 
-def reference(config: Config, ids: torch.Tensor, dtype: torch.dtype = torch.float32, device: str = "cpu",
-              attn_implementation: str = "eager") -> dict[str, torch.Tensor]:
+def reference(config: Config, arch: ResolvedArch, ids: torch.Tensor, dtype: torch.dtype = torch.float32,
+              device: str = "cpu", attn_implementation: str = "eager") -> dict[str, torch.Tensor]:
     """transformers' logits [B, L, V] (float32) and loss gradients in ray_moe layouts (CPU float32)
-    for the model directory ``config.model.init_from`` on ``ids`` [B, L + 1] (inputs ids[:, :-1],
+    for the model directory ``config.model.init_from`` (of architecture ``arch``:
+    ``config.resolve_arch()``) on ``ids`` [B, L + 1] (inputs ids[:, :-1],
     targets ids[:, 1:]). Keys: ``logits``, the :func:`probe_names` replicated names, and
     ``expert.{e}.w13`` / ``expert.{e}.w2`` for every expert of the probed MoE layer."""
     from transformers import AutoModelForCausalLM
 
-    spec, _ = config.model.resolve_hf()
+    spec = arch.spec
     model = AutoModelForCausalLM.from_pretrained(config.model.init_from, dtype=dtype,
                                                  attn_implementation=attn_implementation).to(device)
     model.train()
@@ -130,7 +131,7 @@ def reference(config: Config, ids: torch.Tensor, dtype: torch.dtype = torch.floa
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
     loss.backward()
     grads = DictSource({n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None})
-    probes = probe_names(config)
+    probes = probe_names(spec)
     out = {"logits": logits.detach().cpu()}
     for name in probes["replicated"]:
         out[name] = replicated_tensor(spec, grads, name).clone()
@@ -163,9 +164,10 @@ def clone_placement(num_experts: int, world_size: int, clone_slots: int) -> Plac
     return p
 
 
-def model_parity(worker: Any, config: Config, ids: torch.Tensor, expected: dict[str, torch.Tensor],
-                 with_clones: bool = True) -> dict[str, dict[str, float]]:
-    """Run on every rank (``group.execute(model_parity, config, ids, expected)``; at W=1 any object
+def model_parity(worker: Any, config: Config, arch: ResolvedArch, ids: torch.Tensor,
+                 expected: dict[str, torch.Tensor], with_clones: bool = True) -> dict[str, dict[str, float]]:
+    """Run on every rank (``group.execute(model_parity, config, arch, ids, expected)``, ``arch``
+    resolved on the driver: ``config.resolve_arch()``; at W=1 any object
     with ``rank_info``, ``transport`` and ``device``): ray_moe's model loaded from
     ``config.model.init_from`` vs :func:`reference`. Returns {"native": errors, "clones": errors}
     (relative errors by name for this rank's logits and gradients; also ``source_tensors``, the
@@ -175,13 +177,13 @@ def model_parity(worker: Any, config: Config, ids: torch.Tensor, expected: dict[
     B, L = ids.shape[0], ids.shape[1] - 1
     if B % W:
         raise ValueError(f"batch {B} does not split over {W} ranks")
-    spec, _ = config.model.resolve_hf()
+    spec = arch.spec
     worker.transport.reserve(BufferSpec(max_tokens=B // W * L, hidden=spec.hidden_size,
                                         elem_bytes=element_size(config.model.dtype), max_top_k=spec.top_k))
-    model = build_model(config, worker.transport, device)
+    model = build_model(config, arch, worker.transport, device)
     mine = slice(rank * B // W, (rank + 1) * B // W)
     x, y = ids[mine, :-1].to(device), ids[mine, 1:].to(device)
-    probes = probe_names(config)
+    probes = probe_names(spec)
     params = dict(model.named_parameters())
     results: dict[str, Any] = {"opened": list(model.source_tensors)}
     placements = [None] + ([clone_placement(spec.num_experts, W, config.balance.clone_slots)]

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ray_moe.config import torch_dtype
 from ray_moe.model.experts import reference_moe
-from ray_moe.model.moe import MoELayer
+from ray_moe.model.moe import MoELayer, MoELayerSpec
 from ray_moe.placement.clones import reduce_clone_grads
 from ray_moe.placement.placement import Placement
 from ray_moe.validation.cases import Case
@@ -74,11 +74,7 @@ def layer_parity(worker: Any, case: Case) -> dict[str, float]:
         if case.placement
         else Placement.native(case.num_experts, W)
     )
-    layer = MoELayer(
-        case.hidden, case.num_experts, case.top_k, case.expert_hidden, worker.transport,
-        placement, dtype=dtype, expert_impl=case.expert_impl, device=device,
-        pipeline_chunks=case.pipeline_chunks,
-    )
+    layer = MoELayer(case.layer_spec(dtype), worker.transport, placement, device=device)
     with torch.no_grad():
         layer.router.copy_(P["router"])
         for slot, e in enumerate(placement.slot_experts()[rank].tolist()):

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ray_moe.comm import make_transport, transport_bootstrap_id
 from ray_moe.comm.base import Transport
+from ray_moe.arch import ResolvedArch
 from ray_moe.config import Config
 from ray_moe.topology import RankInfo, WorkerInfo
 from ray_moe.worker.engine import Engine, ModelReport, buffer_spec
@@ -114,15 +115,16 @@ class EPWorker:
         return -1 if self.rank_info is None else self.rank_info.rank
 
     # ------------------------------------------------------------------ training
-    def build_engine(self, config: dict | None = None) -> ModelReport:
-        """Build the model shard, optimizer and data for ``config`` (default: the group's), growing
-        the transport's buffers if this config needs more (collective). Returns what was built."""
+    def build_engine(self, config: dict | None, arch: ResolvedArch) -> ModelReport:
+        """Build the model shard, optimizer and data for ``config`` (None: the group's) and its
+        architecture ``arch`` (resolved once, on the driver), growing the transport's buffers if
+        this config needs more (collective). Returns what was built."""
         group_config, rank_info = self._setup_done()
         if self.transport is None:
             raise RuntimeError("the transport is not initialised; call init_transport first")
         cfg = Config.from_plain(config) if config is not None else group_config
         self._engine = None  # free the previous engine's memory before building the next one
-        self._engine = Engine(cfg, rank_info, self.transport, self.device)
+        self._engine = Engine(cfg, rank_info, self.transport, self.device, arch)
         return self._engine.describe()
 
     @property

@@ -245,9 +245,9 @@ class TokenShards:
         return t[:, :-1], t[:, 1:]
 
 
-def open_corpus(config: Config) -> Corpus | TokenShards:
-    """The engine's batch source for ``config``: token datasets when ``data.datasets`` is set,
-    else the byte corpus."""
+def open_corpus(config: Config, vocab_size: int) -> Corpus | TokenShards:
+    """The engine's batch source for ``config``: token datasets when ``data.datasets`` is set
+    (their tokens must fit ``vocab_size``, the resolved architecture's), else the byte corpus."""
     if config.data.datasets:
-        return TokenShards.open(config.data, config.model.vocab_size, config.model.seq_len)
+        return TokenShards.open(config.data, vocab_size, config.model.seq_len)
     return Corpus.load(config.data, min_bytes=config.model.seq_len + 2)

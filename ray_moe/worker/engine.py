@@ -24,10 +24,12 @@ import torch
 import torch.distributed as dist
 
 from ray_moe import checkpoint
+from ray_moe.arch import ArchSpec, ResolvedArch
 from ray_moe.comm.base import BufferSpec, Transport
 from ray_moe.config import Config, element_size
 from ray_moe.device import synchronize
 from ray_moe.model.build import build_model
+from ray_moe.model.interface import LanguageModel
 from ray_moe.model.loss import lm_loss, resolve_loss_impl
 from ray_moe.model.moe import pop_loads
 from ray_moe.model.state import persistent_buffers
@@ -38,16 +40,17 @@ from ray_moe.worker.data import open_corpus
 from ray_moe.worker.optim import MixedPrecisionAdamW
 
 
-def buffer_spec(config: Config, world_size: int) -> BufferSpec:
+def buffer_spec(config: Config, world_size: int, spec: ArchSpec | None = None) -> BufferSpec:
     """What the transport must hold for training with ``config`` on ``world_size`` ranks: each
-    rank passes ``ceil(train.batch_size / W) * model.seq_len`` token rows of ``model.d_model``
-    elements to one dispatch."""
+    rank passes ``ceil(train.batch_size / W) * model.seq_len`` token rows of the hidden size to
+    one dispatch. ``spec``: the resolved architecture (its hidden size and top-k); None: the
+    config's ``model.d_model`` / ``moe.top_k`` (before the engine is built; it grows the buffers)."""
     m = config.model
     return BufferSpec(
         max_tokens=max(1, -(-config.train.batch_size // world_size)) * m.seq_len,
-        hidden=m.d_model,
+        hidden=spec.hidden_size if spec is not None else m.d_model,
         elem_bytes=element_size(m.dtype),
-        max_top_k=config.moe.top_k,
+        max_top_k=spec.top_k if spec is not None else config.moe.top_k,
     )
 
 
@@ -77,13 +80,19 @@ class ModelReport:
 
 
 class Engine:
-    def __init__(self, config: Config, rank_info: RankInfo, transport: Transport, device: torch.device):
+    """One rank's training state; ``arch``: the architecture the driver resolved
+    (:meth:`~ray_moe.config.Config.resolve_arch`), built here without re-resolving."""
+
+    model: LanguageModel
+
+    def __init__(self, config: Config, rank_info: RankInfo, transport: Transport, device: torch.device,
+                 arch: ResolvedArch):
         self.config, self.rank_info, self.transport, self.device = config, rank_info, transport, device
         self.rank, self.world_size = rank_info.rank, rank_info.world_size
         self.distributed = self.world_size > 1 and dist.is_initialized()
-        self.corpus = open_corpus(config)  # byte corpus, or memory-mapped token datasets
-        transport.reserve(buffer_spec(config, self.world_size))
-        self.model = build_model(config, transport, device)  # with model.init_from's weights
+        self.corpus = open_corpus(config, arch.spec.vocab_size)  # byte corpus, or memory-mapped token datasets
+        transport.reserve(buffer_spec(config, self.world_size, arch.spec))
+        self.model = build_model(config, arch, transport, device)  # with model.init_from's weights
         self.sharded = [p for p in self.model.parameters() if expert_shard(p) is not None]
         self.replicated = [p for p in self.model.parameters() if expert_shard(p) is None]
         t = config.train
@@ -125,9 +134,10 @@ class Engine:
     def batch(self, split: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         t, m = self.config.train, self.config.model
         x, y = self.corpus.batch(split, t.seed, step, t.batch_size, m.seq_len, self.rank, self.world_size)
-        if int(x.max()) >= m.vocab_size:  # host tensors: no device sync
+        V = self.model.spec.vocab_size
+        if int(x.max()) >= V:  # host tensors: no device sync
             raise ValueError(
-                f"the corpus has byte values up to {int(x.max())} but model.vocab_size={m.vocab_size}; "
+                f"the corpus has byte values up to {int(x.max())} but model.vocab_size={V}; "
                 "byte-level data needs vocab_size 256"
             )
         return x.to(self.device), y.to(self.device)

@@ -96,12 +96,12 @@ def test_layer_parity_with_planned_clones(groups):
 def clone_coherence(worker, placement_dict: dict, d_model: int, hidden: int) -> dict:
     """On every rank: push_clone_weights copies owners' weights into clone slots, and
     reduce_clone_grads adds clone grads onto owners and zeroes them. Returns max errors."""
-    from ray_moe.model.moe import MoELayer
+    from ray_moe.model.moe import MoELayer, MoELayerSpec
     from ray_moe.placement.clones import push_clone_weights, reduce_clone_grads
 
     placement = Placement.from_dict(placement_dict)
     rank, n, E = worker.rank_info.rank, placement.experts_per_rank, placement.num_experts
-    layer = MoELayer(d_model, E, 2, hidden, worker.transport, placement, device=worker.device)
+    layer = MoELayer(MoELayerSpec(d_model, E, 2, hidden), worker.transport, placement, device=worker.device)
 
     def weights(e: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(100 + e)

@@ -33,7 +33,7 @@ def test_equal_to_transformers_on_a_group(groups, tiny_hf, family, world_size):
     path = tiny_hf(family)
     cfg = parity_config(path, world_size=world_size, batch=4, seq_len=12, checkpointing=CHECKPOINTING[family])
     ids = torch.randint(0, 272, (4, 13), generator=torch.Generator().manual_seed(world_size))
-    results = group_for(groups, world_size).execute(model_parity, cfg, ids, reference(cfg, ids), timeout=180)
+    results = group_for(groups, world_size).execute(model_parity, cfg, cfg.resolve_arch(), ids, reference(cfg, cfg.resolve_arch(), ids), timeout=180)
     experts_seen = set()
     for rank, res in enumerate(results):
         for placement in ("native", "clones"):

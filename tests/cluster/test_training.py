@@ -49,7 +49,7 @@ def test_ep_training_equals_single_process(groups, tmp_path, chunks):
             ep_state.update(shard)
 
     single_cfg = cfg.with_overrides(["parallel.world_size=1"])
-    engine = Engine(single_cfg, single_rank(), LocalTransport(), torch.device("cpu"))
+    engine = Engine(single_cfg, single_rank(), LocalTransport(), torch.device("cpu"), single_cfg.resolve_arch())
     single_losses = [engine.train_step()["loss"] for _ in range(4)]
     single_state = {k: v for k, v in engine.shard_state().items() if not k.startswith("rng.")}
 

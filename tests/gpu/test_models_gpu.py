@@ -61,11 +61,11 @@ def test_bf16_equal_to_transformers_on_gpu(tmp_path, family):
     B, L = 8, 128
     ids = torch.randint(0, GPU_SIZE["vocab_size"], (B, L + 1), generator=torch.Generator().manual_seed(0))
     cfg = parity_config(tmp_path, world_size=1, batch=B, seq_len=L, dtype="bfloat16", device="cuda")
-    truth = reference(cfg, ids, dtype=torch.float32, device="cuda", attn_implementation="eager")
-    theirs = reference(cfg, ids, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
+    truth = reference(cfg, cfg.resolve_arch(), ids, dtype=torch.float32, device="cuda", attn_implementation="eager")
+    theirs = reference(cfg, cfg.resolve_arch(), ids, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
     hf_err = {k: rel_err(theirs[k], v) for k, v in truth.items()}
     worker = SimpleNamespace(rank_info=single_rank(), transport=LocalTransport(), device="cuda")
-    ours = model_parity(worker, cfg, ids, truth)
+    ours = model_parity(worker, cfg, cfg.resolve_arch(), ids, truth)
     report = {"transformers_bf16": hf_err, **{p: ours[p] for p in ("native", "clones")}}
     print(json.dumps({family: {k: max(v.values()) for k, v in report.items()}}))
     if _out(f"bf16_{family}.json"):
@@ -94,7 +94,7 @@ def test_incremental_decoding_on_gpu(tmp_path, family):
             "model": {"init_from": str(tmp_path / "hf"), "seq_len": 64, "dtype": dtype},
             "parallel": {"world_size": 1, "device": "cuda"}, "data": {"paths": [str(tmp_path / "corpus.txt")]},
             "train": {"batch_size": 2, "steps": 1, "run_dir": str(tmp_path / f"run-{dtype}")}})
-        return Engine(cfg, single_rank(), LocalTransport(), torch.device("cuda"))
+        return Engine(cfg, single_rank(), LocalTransport(), torch.device("cuda"), cfg.resolve_arch())
 
     ids = torch.randint(0, GPU_SIZE["vocab_size"], (2, 64), generator=torch.Generator().manual_seed(1)).cuda()
     truth = engine("float32")
@@ -163,7 +163,7 @@ def test_activation_memory_per_token():
     ids = torch.randint(0, 1024, (B, L), device="cuda")
     cfg = Config.from_dict({"model": {"hf": hf, "seq_len": L, "dtype": "bfloat16"},
                             "parallel": {"world_size": 1, "device": "cuda"}, "train": {"batch_size": B}})
-    model = build_model(cfg, LocalTransport(), torch.device("cuda"))
+    model = build_model(cfg, cfg.resolve_arch(), LocalTransport(), torch.device("cuda"))
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     rows = {}
@@ -187,3 +187,18 @@ def test_activation_memory_per_token():
             json.dump(rows, f, indent=1)
     assert rows["full"]["measured_bytes_per_token"] < rows["moe"]["measured_bytes_per_token"] \
         < rows["none"]["measured_bytes_per_token"]
+
+
+def test_byte_model_norm_is_torch_rmsnorm_on_gpu(tmp_path):
+    """The byte model (the one decoder with the byte spec) normalises as the old byte model's
+    ``torch.nn.RMSNorm`` (default eps) did, in bf16 on the GPU: its norms' outputs are torch's."""
+    from ray_moe.comm.local import LocalTransport
+    from tests.support import build, small_config
+
+    cfg = small_config(tmp_path, world_size=1, **{"model.dtype": "bfloat16", "parallel.device": "auto"})
+    model = build(cfg, LocalTransport(), "cuda")
+    x = (torch.randn(64, cfg.model.d_model, device="cuda") * 0.05).bfloat16()
+    for norm in (model.norm, model.layers[0].input_layernorm):
+        got = norm(x)
+        want = torch.nn.RMSNorm(cfg.model.d_model, device="cuda", dtype=torch.bfloat16)(x)
+        assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()

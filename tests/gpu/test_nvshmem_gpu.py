@@ -199,12 +199,12 @@ def test_two_ray_nodes_on_one_host():
 # --------------------------------------------------------------------------- worker functions
 def _layer(worker, seed: int, idx: int = 0, chunks: int = 1):
     from ray_moe.comm.base import BufferSpec
-    from ray_moe.model.moe import MoELayer
+    from ray_moe.model.moe import MoELayer, MoELayerSpec
 
     worker.transport.reserve(BufferSpec(max_tokens=64, hidden=64, elem_bytes=2, max_top_k=2))
-    return MoELayer(64, 8, 2, 96, worker.transport, layer_idx=idx, seed=seed,
-                    dtype=torch.bfloat16, expert_impl="grouped_mm", device=worker.device,
-                    pipeline_chunks=chunks)
+    return MoELayer(MoELayerSpec(64, 8, 2, 96, seed=seed, dtype=torch.bfloat16, expert_impl="grouped_mm",
+                                 pipeline_chunks=chunks),
+                    worker.transport, layer_idx=idx, device=worker.device)
 
 
 def _layout_vs_reference(worker) -> list[str]:

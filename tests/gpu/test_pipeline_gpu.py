@@ -13,7 +13,7 @@ import torch
 
 from ray_moe.comm.local import LocalTransport
 from ray_moe.device import capture_graph
-from ray_moe.model.moe import MoELayer
+from ray_moe.model.moe import MoELayer, MoELayerSpec
 from ray_moe.validation import Case, rel_err
 from ray_moe.validation.layer import layer_parity
 from tests.support import single_rank
@@ -68,8 +68,8 @@ def _clear_grads(layer, x):
 
 def _layers(chunks: int):
     torch.manual_seed(0)
-    return [MoELayer(256, 8, 2, 128, LocalTransport(), seed=4, dtype=torch.bfloat16, device="cuda",
-                     pipeline_chunks=c) for c in (chunks, chunks, 1)]
+    return [MoELayer(MoELayerSpec(256, 8, 2, 128, seed=4, dtype=torch.bfloat16, pipeline_chunks=c),
+                     LocalTransport(), device="cuda") for c in (chunks, chunks, 1)]
 
 
 def test_pipelined_layer_equals_sequential_and_replays_from_a_cuda_graph():

@@ -109,7 +109,7 @@ def test_engine_bf16_resume_on_cuda_is_exact(tmp_path):
                                                   "parallel.device": "cuda", "moe.expert_impl": "loop"})
 
     def engine() -> Engine:
-        return Engine(cfg, single_rank(), LocalTransport(), CUDA)
+        return Engine(cfg, single_rank(), LocalTransport(), CUDA, cfg.resolve_arch())
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -28,9 +28,13 @@ def refuse(raw: dict, *fragments: str) -> None:
 def test_presets_resolve_and_round_trip(name):
     cfg = Config.from_dict({"model": {"hf_config": name}, "parallel": {"world_size": 1}})
     spec = ArchSpec.from_hf(preset(name))
-    assert cfg.model.arch == spec.family
-    assert (cfg.model.d_model, cfg.model.n_layers, cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.expert_hidden) == (
-        spec.hidden_size, spec.num_layers, spec.num_experts, spec.top_k, spec.expert_hidden)
+    resolved = cfg.resolve_arch()
+    assert resolved.spec == spec and resolved.hf_config == preset(name)
+    # validate() rewrites no key: the sizes live in the resolved spec, and the saved config states none
+    assert cfg.model == Config.from_dict({"model": {"hf_config": name}}).model
+    assert (cfg.model.arch, cfg.model.d_model, cfg.moe.num_experts) == ("byte", 64, 8)
+    assert "d_model" not in cfg.to_dict()["model"] and "top_k" not in cfg.to_dict()["moe"]
+    assert cfg.validate() == resolved
     assert Config.from_dict(cfg.to_dict()) == cfg
 
 
@@ -47,12 +51,16 @@ def test_config_json_file_and_directory(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf))
     by_dir = Config.from_dict({"model": {"hf_config": str(tmp_path)}, "parallel": {"world_size": 1}})
     by_file = by_dir.with_overrides([f"model.hf_config={tmp_path / 'config.json'}"])
-    assert by_dir.model.arch == by_file.model.arch == "mixtral" and by_dir.moe.num_experts == 8
+    assert by_dir.resolve_arch() == by_file.resolve_arch()
+    assert by_dir.resolve_arch().spec.family == "mixtral" and by_dir.resolve_arch().spec.num_experts == 8
     # the HF keys can be changed from the config (the whole HF config inline works too)
     two = by_dir.with_overrides(["model.hf.num_local_experts=4"])
-    assert two.moe.num_experts == 4
+    assert two.resolve_arch().spec.num_experts == 4
     inline = Config.from_dict({"model": {"hf": hf}, "parallel": {"world_size": 1}})
-    assert inline.model.arch == "mixtral" and inline.model.d_model == hf["hidden_size"]
+    assert inline.resolve_arch().spec == by_dir.resolve_arch().spec
+    # a key the HF config sets may be given with the HF config's value, and survives a round trip
+    same = Config.from_dict({"model": {"hf": hf, "d_model": hf["hidden_size"]}, "parallel": {"world_size": 1}})
+    assert Config.from_dict(same.to_dict()) == same
 
 
 @pytest.mark.parametrize("hf,fragments", [
@@ -98,10 +106,10 @@ def test_sources_and_conflicts_are_named(tmp_path):
 @pytest.mark.parametrize("name", ["qwen3_moe-tiny", "mixtral-tiny", "glm4_moe-tiny"])
 def test_param_counts_match_a_built_model(name):
     from ray_moe.comm.local import LocalTransport
-    from ray_moe.model.build import build_model
+    from tests.support import build
 
     cfg = hf_cfg(name)
-    model = build_model(cfg, LocalTransport())
+    model = build(cfg, LocalTransport())
     counts = ArchSpec.from_hf(preset(name)).param_counts()
     assert sum(p.numel() for p in model.parameters()) == counts["total"]
 
@@ -123,6 +131,13 @@ def test_checkpoint_compatibility_names_the_architecture(tmp_path):
     byte = Config.from_dict({"parallel": {"world_size": 1}})
     old = byte.to_dict()
     del old["model"]["arch"]  # a checkpoint written before model.arch existed: the byte model
-    check_compatible({"config": old}, byte, tmp_path)
+    check_compatible({"config": old}, byte, tmp_path, byte.resolve_arch())
     with pytest.raises(ConfigError, match="model.arch=qwen3_moe but checkpoint"):
-        check_compatible({"config": old}, hf_cfg(), tmp_path)
+        check_compatible({"config": old}, hf_cfg(), tmp_path, hf_cfg().resolve_arch())
+    # an HF run's checkpoint: compared by its HF config (meta hf_config), whatever its config says
+    hf = hf_cfg()
+    meta = {"config": hf.to_dict(), "hf_config": hf.resolve_arch().hf_config}
+    check_compatible(meta, hf, tmp_path, hf.resolve_arch())
+    wider = hf.with_overrides(["model.hf.moe_intermediate_size=64"])
+    with pytest.raises(ConfigError, match="moe.expert_hidden=64 but checkpoint .* has 128"):
+        check_compatible(meta, wider, tmp_path, wider.resolve_arch())

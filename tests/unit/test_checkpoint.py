@@ -11,8 +11,7 @@ from ray_moe.checkpoint import CheckpointError, check_compatible, expert_key
 from ray_moe.comm.base import Transport
 from ray_moe.comm.local import LocalTransport
 from ray_moe.config import ConfigError
-from ray_moe.model.transformer import MoETransformer
-from tests.support import small_config
+from tests.support import build, small_config
 
 
 class ShapeOnlyTransport(Transport):
@@ -28,7 +27,7 @@ class ShapeOnlyTransport(Transport):
 
 def _model(cfg, rank=0, world_size=1):
     transport = LocalTransport() if world_size == 1 else ShapeOnlyTransport(rank, world_size)
-    return MoETransformer(cfg, transport)
+    return build(cfg, transport)
 
 
 def _opt_state(model):
@@ -44,18 +43,18 @@ def test_two_rank_shards_load_into_one_rank(tmp_path):
     for r, m in enumerate(ranks):
         shards.update(checkpoint.shard_state(m.named_parameters(), _opt_state(m), r, torch.device("cpu")))
     # experts by logical id, once each; replicated tensors from rank 0 only
-    assert expert_key("blocks.1.ffn.w13", 3) in shards and "blocks.1.ffn.w13" not in shards
-    assert "tok_emb.weight" in shards and "optim.tok_emb.weight.exp_avg" in shards
+    assert expert_key("layers.1.mlp.routed.w13", 3) in shards and "layers.1.mlp.routed.w13" not in shards
+    assert "embed_tokens.weight" in shards and "optim.embed_tokens.weight.exp_avg" in shards
     one = _model(cfg.with_overrides(["parallel.world_size=1", "train.seed=9"]))
     state: dict = {}
     checkpoint.load_shard_state(one.named_parameters(), state, shards, opt_steps=3, rank=0,
                                 device=torch.device("cpu"))
     for e in range(4):
-        owner = ranks[e // 2].blocks[1].ffn
-        assert torch.equal(one.blocks[1].ffn.w13[e], owner.w13[e % 2]), e
-        assert torch.equal(one.blocks[1].ffn.w2[e], owner.w2[e % 2]), e
-    assert torch.equal(one.tok_emb.weight, ranks[0].tok_emb.weight)
-    p = one.blocks[1].ffn.w13
+        owner = ranks[e // 2].layers[1].mlp.routed
+        assert torch.equal(one.layers[1].mlp.routed.w13[e], owner.w13[e % 2]), e
+        assert torch.equal(one.layers[1].mlp.routed.w2[e], owner.w2[e % 2]), e
+    assert torch.equal(one.embed_tokens.weight, ranks[0].embed_tokens.weight)
+    p = one.layers[1].mlp.routed.w13
     assert state[p]["step"].item() == 3.0 and state[p]["exp_avg"].shape == p.shape
 
 
@@ -64,8 +63,8 @@ def test_load_names_a_missing_tensor_and_a_wrong_shape(tmp_path):
     m = _model(cfg)
     saved = checkpoint.shard_state(m.named_parameters(), {}, 0, torch.device("cpu"))
     bad = dict(saved)
-    del bad["norm_f.weight"]
-    with pytest.raises(CheckpointError, match="no tensor 'norm_f.weight'"):
+    del bad["norm.weight"]
+    with pytest.raises(CheckpointError, match="no tensor 'norm.weight'"):
         checkpoint.load_shard_state(m.named_parameters(), {}, bad, 0, 0, torch.device("cpu"))
     bad = dict(saved, **{"lm_head.weight": torch.zeros(3, 3)})
     with pytest.raises(CheckpointError, match=r"'lm_head.weight' has shape \(3, 3\)"):
@@ -84,6 +83,8 @@ def test_rng_state_comes_back(tmp_path):
 def test_compatibility_check_names_the_key(tmp_path):
     cfg = small_config(tmp_path)
     meta = {"config": cfg.to_dict()}
-    check_compatible(meta, cfg.with_overrides(["train.lr=0.1", "parallel.world_size=4"]), "ckpt")
+    other = cfg.with_overrides(["train.lr=0.1", "parallel.world_size=4"])
+    check_compatible(meta, other, "ckpt", other.resolve_arch())
+    wider = cfg.with_overrides(["moe.expert_hidden=64"])
     with pytest.raises(ConfigError, match="moe.expert_hidden=64 but checkpoint 'ckpt' has 48"):
-        check_compatible(meta, cfg.with_overrides(["moe.expert_hidden=64"]), "ckpt")
+        check_compatible(meta, wider, "ckpt", wider.resolve_arch())

@@ -23,7 +23,7 @@ ALLOWED = {
     "comm": {"topology"},
     "placement": set(),
     "model": {"arch", "config", "comm", "kernels", "placement"},
-    "checkpoint": {"config", "placement"},
+    "checkpoint": {"arch", "config", "placement"},
     "data": {"config"},
     "validation": BASE | {"comm", "kernels", "model", "placement"},
     "worker": BASE | {"checkpoint", "comm", "data", "model", "placement"},

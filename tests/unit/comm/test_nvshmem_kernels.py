@@ -172,7 +172,7 @@ import torch
 from ray_moe.comm.base import BufferSpec, Transport
 from ray_moe.comm.local import LocalTransport
 from ray_moe.comm.nvshmem import NVSHMEMTransport, SymmetricBuffer
-from ray_moe.model.moe import MoELayer
+from ray_moe.model.moe import MoELayer, MoELayerSpec
 from ray_moe.validation.errors import rel_err
 
 class Runtime:  # symmetric memory of one PE: ordinary, 256-byte aligned CPU memory
@@ -230,7 +230,7 @@ if buf._key("dispatch", 20, x[1:], dr[1:]) is not None:
 # the pipelined layer over this transport equals the sequential layer over the local transport
 res = []
 for transport, chunks in ((LocalTransport(), 1), (tr, 3)):
-    layer = MoELayer(32, 4, 2, 16, transport, seed=5, pipeline_chunks=chunks)
+    layer = MoELayer(MoELayerSpec(32, 4, 2, 16, seed=5, pipeline_chunks=chunks), transport)
     xi = x.clone().requires_grad_()
     out, _ = layer(xi)
     out.backward(torch.ones_like(out))

@@ -11,7 +11,7 @@ import torch
 from ray_moe.comm import pipeline
 from ray_moe.comm.local import LocalTransport
 from ray_moe.comm.pipeline import chunk_size, token_chunks
-from ray_moe.model.moe import MoELayer
+from ray_moe.model.moe import MoELayer, MoELayerSpec
 from ray_moe.validation.errors import rel_err
 
 TOL = 1e-6
@@ -98,7 +98,7 @@ def _run(layer, x, go):
 def test_pipelined_layer_equals_the_sequential_layer(T, C, E, K):
     res = []
     for chunks in (1, C):
-        layer = MoELayer(16, E, K, 8, LocalTransport(), seed=3, pipeline_chunks=chunks, clone_slots=1)
+        layer = MoELayer(MoELayerSpec(16, E, K, 8, seed=3, pipeline_chunks=chunks, clone_slots=1), LocalTransport())
         g = torch.Generator().manual_seed(T)
         x = torch.randn(T, 16, generator=g).requires_grad_()
         res.append(_run(layer, x, torch.randn(T, 16, generator=g)))
@@ -112,7 +112,7 @@ def test_pipelined_layer_with_tokens_that_need_no_gradient():
     """The benchmark's case: x is data (no gradient); the router and the experts still get theirs."""
     res = []
     for chunks in (1, 3):
-        layer = MoELayer(16, 4, 2, 8, LocalTransport(), seed=2, pipeline_chunks=chunks)
+        layer = MoELayer(MoELayerSpec(16, 4, 2, 8, seed=2, pipeline_chunks=chunks), LocalTransport())
         x = torch.randn(11, 16, generator=torch.Generator().manual_seed(3))
         layer(x)[0].square().sum().backward()
         res.append((layer.router.grad, layer.w13.grad, layer.w2.grad))
@@ -121,8 +121,8 @@ def test_pipelined_layer_with_tokens_that_need_no_gradient():
 
 
 def test_pipelined_layer_without_grad_and_with_frozen_experts():
-    ref = MoELayer(16, 4, 2, 8, LocalTransport(), seed=1)
-    pip = MoELayer(16, 4, 2, 8, LocalTransport(), seed=1, pipeline_chunks=3)
+    ref = MoELayer(MoELayerSpec(16, 4, 2, 8, seed=1), LocalTransport())
+    pip = MoELayer(MoELayerSpec(16, 4, 2, 8, seed=1, pipeline_chunks=3), LocalTransport())
     x = torch.randn(13, 16)
     with torch.no_grad():
         assert rel_err(pip(x)[0], ref(x)[0]) <= TOL
@@ -140,15 +140,14 @@ def test_pipelined_layer_without_grad_and_with_frozen_experts():
 def test_pipelined_model_with_activation_checkpointing(tmp_path, mode):
     """A byte model with the pipelined layer (and its MoE FFNs recomputed in backward) has the
     sequential model's gradients and counts each token's load once."""
-    from ray_moe.model.transformer import MoETransformer
-    from tests.support import small_config
+    from tests.support import build, small_config
 
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     grads, counts = [], []
     for chunks in (1, 3):
         cfg = small_config(tmp_path, world_size=1, **{"moe.pipeline_chunks": chunks,
                                                       "model.activation_checkpointing": mode})
-        model = MoETransformer(cfg, LocalTransport())
+        model = build(cfg, LocalTransport())
         h, _ = model.hidden_states(ids)
         h.float().square().mean().backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})

@@ -15,10 +15,9 @@ import torch
 
 from ray_moe.comm.local import LocalTransport
 from ray_moe.config import Config
-from ray_moe.model.build import build_model
 from ray_moe.model.hf import WeightsError
 from ray_moe.validation.hf_model import model_parity, parity_config, reference
-from tests.support import single_rank
+from tests.support import build, single_rank
 
 FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe")
 TOL = 1e-5
@@ -36,7 +35,7 @@ def batch(vocab: int = 272, B: int = 4, L: int = 12, seed: int = 0) -> torch.Ten
 def test_equal_to_transformers_at_one_rank(tiny_hf, family):
     cfg = parity_config(tiny_hf(family), world_size=1, batch=4, seq_len=12)
     ids = batch()
-    res = model_parity(local_worker(), cfg, ids, reference(cfg, ids))
+    res = model_parity(local_worker(), cfg, cfg.resolve_arch(), ids, reference(cfg, cfg.resolve_arch(), ids))
     for placement in ("native", "clones"):
         errs = res[placement]
         assert any(k.startswith("expert.") for k in errs) and any(k.endswith("routed.router") for k in errs)
@@ -49,9 +48,10 @@ def test_a_changed_routing_is_caught(tiny_hf):
     group limit differs from transformers' far beyond the tolerance."""
     cfg = parity_config(tiny_hf("glm4_moe"), world_size=1, batch=4, seq_len=12)
     ids = batch()
-    expected = reference(cfg, ids)
+    expected = reference(cfg, cfg.resolve_arch(), ids)
     for change in ("model.hf.routed_scaling_factor=1.0", "model.hf.topk_group=4"):
-        res = model_parity(local_worker(), cfg.with_overrides([change]), ids, expected, with_clones=False)
+        changed = cfg.with_overrides([change])
+        res = model_parity(local_worker(), changed, changed.resolve_arch(), ids, expected, with_clones=False)
         assert res["native"]["logits"] > 1e-2, change
 
 
@@ -61,7 +61,7 @@ def test_activation_checkpointing_changes_nothing(tiny_hf, mode):
     ids = batch()
     grads, counts = [], []
     for cfg in (base, base.with_overrides([f"model.activation_checkpointing={mode}"])):
-        model = build_model(cfg, LocalTransport())
+        model = build(cfg, LocalTransport())
         h, _ = model.hidden_states(ids[:, :-1])
         (h.float().square().mean()).backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
@@ -75,9 +75,9 @@ def test_init_from_names_a_misshapen_or_foreign_tensor(tiny_hf):
     path = tiny_hf("qwen3_moe")
     cfg = parity_config(path, world_size=1, batch=4, seq_len=12)
     with pytest.raises(WeightsError, match=r"model\.layers\.1\.mlp\.experts\.0\.gate_proj\.weight.*shape \(16, 32\)"):
-        build_model(cfg.with_overrides(["model.hf.moe_intermediate_size=24"]), LocalTransport())
+        build(cfg.with_overrides(["model.hf.moe_intermediate_size=24"]), LocalTransport())
     with pytest.raises(WeightsError, match=r"tensor 'model\.layers\.2\.[^']+' is not part of a qwen3_moe model"):
-        build_model(cfg.with_overrides(["model.hf.num_hidden_layers=2"]), LocalTransport())
+        build(cfg.with_overrides(["model.hf.num_hidden_layers=2"]), LocalTransport())
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -97,20 +97,20 @@ def test_export_loads_in_transformers_with_the_same_logits(tiny_hf, tmp_path, fa
         "parallel": {"world_size": 1, "device": "cpu"}, "data": {"paths": [str(corpus)]},
         "train": {"batch_size": 2, "steps": 2, "warmup_steps": 1, "run_dir": str(tmp_path / "run")},
     })
-    engine = Engine(cfg, single_rank(), LocalTransport(), torch.device("cpu"))
+    engine = Engine(cfg, single_rank(), LocalTransport(), torch.device("cpu"), cfg.resolve_arch())
     for _ in range(2):
         engine.train_step()
     staging = checkpoint.new_staging_dir(cfg.train.run_dir, 2)
     files = [checkpoint.write_shard(staging, 0, engine.shard_state())]
     checkpoint.commit(staging, {"step": 2, "opt_steps": 2, "world_size": 1, "config": cfg.to_dict(),
-                                "hf_config": cfg.model.resolve_hf()[1]}, files)
+                                "hf_config": cfg.resolve_arch().hf_config}, files)
     out = tmp_path / "export"
     assert main(["export", cfg.train.run_dir, "--format", "hf", "--out", str(out), "--max-shard-gb", "0.0001"]) == 0
     assert len(list(out.glob("model-*-of-*.safetensors"))) > 1  # sharded, with an index
     hf = AutoModelForCausalLM.from_pretrained(str(out))
     ids = batch(vocab=256, B=2, L=16)[:, :-1]
     engine.model.eval()
-    again = build_model(cfg.with_overrides([f"model.init_from={out}"]), LocalTransport())  # sharded + index
+    again = build(cfg.with_overrides([f"model.init_from={out}"]), LocalTransport())  # sharded + index
     with torch.no_grad():
         theirs = hf(input_ids=ids).logits.float()
         ours, _ = engine.model(ids)
@@ -141,7 +141,7 @@ def _engine(tmp_path, family_dir, **over):
            "parallel": {"world_size": 1, "device": "cpu"}, "data": {"paths": [str(corpus)]},
            "train": {"batch_size": 2, "steps": 4, "warmup_steps": 1, "run_dir": str(tmp_path / "run")}}
     cfg = Config.from_dict(raw).with_overrides([f"{k}={v}" for k, v in over.items()])
-    return Engine(cfg, single_rank(), LocalTransport(), torch.device("cpu"))
+    return Engine(cfg, single_rank(), LocalTransport(), torch.device("cpu"), cfg.resolve_arch())
 
 
 def test_balancing_bias_updates_deterministically_and_resumes(tiny_hf, tmp_path):
@@ -199,8 +199,8 @@ def test_tied_embeddings_equal_to_transformers(tmp_path):
     save_tiny_model("qwen3_moe", tmp_path, seed=4, tie_word_embeddings=True, norm_topk_prob=True)
     cfg = parity_config(tmp_path, world_size=1, batch=4, seq_len=12)
     ids = batch(seed=4)
-    res = model_parity(local_worker(), cfg, ids, reference(cfg, ids), with_clones=False)
-    model = build_model(cfg, LocalTransport())
+    res = model_parity(local_worker(), cfg, cfg.resolve_arch(), ids, reference(cfg, cfg.resolve_arch(), ids), with_clones=False)
+    model = build(cfg, LocalTransport())
     assert model.lm_head.weight is model.embed_tokens.weight
     bad = {k: v for k, v in res["native"].items() if not v <= TOL}
     assert not bad, bad
@@ -228,12 +228,12 @@ def test_fused_expert_layout_and_own_exports_load(tiny_hf, tmp_path):
     save_file(fused, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     shutil.copy(f"{src}/config.json", tmp_path / "config.json")
     ids = batch()[:, :-1]
-    ref = build_model(parity_config(src, 1, 4, 12), LocalTransport())
+    ref = build(parity_config(src, 1, 4, 12), LocalTransport())
     from tests.unit.test_checkpoint import ShapeOnlyTransport
 
-    rank1 = build_model(parity_config(tmp_path, 2, 4, 12), ShapeOnlyTransport(1, 2))
+    rank1 = build(parity_config(tmp_path, 2, 4, 12), ShapeOnlyTransport(1, 2))
     assert "model.layers.0.mlp.experts.gate_up_proj[4]" in rank1.source_tensors
     assert not any(n.endswith("[0]") for n in rank1.source_tensors)  # rank 1 owns experts 4..7
-    one = build_model(parity_config(tmp_path, 1, 4, 12), LocalTransport())
+    one = build(parity_config(tmp_path, 1, 4, 12), LocalTransport())
     with torch.no_grad():
         assert torch.equal(one(ids)[0], ref(ids)[0])

@@ -10,9 +10,7 @@ import torch
 
 from ray_moe.comm.local import LocalTransport
 from ray_moe.model.kv_cache import KVCache, causal_mask
-from ray_moe.model.transformer import MoETransformer
-from ray_moe.worker.engine import Engine
-from tests.support import single_rank, small_config
+from tests.support import build, engine, small_config
 from tests.unit.model.test_hf_models import FAMILIES, _engine
 
 
@@ -37,7 +35,7 @@ def _check_incremental(model, vocab: int, prefill: int, L: int = 16, seed: int =
 @pytest.mark.parametrize("prefill", [1, 5])
 def test_byte_model_decodes_one_position_at_a_time_as_the_whole_forward(tmp_path, prefill):
     cfg = _byte_config(tmp_path)
-    model = MoETransformer(cfg, LocalTransport())
+    model = build(cfg, LocalTransport())
     _check_incremental(model, cfg.model.vocab_size, prefill)
 
 
@@ -62,7 +60,7 @@ def test_greedy_generate_is_transformers_greedy_generate(tiny_hf, tmp_path, fami
 
 
 def test_past_the_window_generate_rereads_the_last_seq_len_tokens(tmp_path):
-    e = Engine(_byte_config(tmp_path), single_rank(), LocalTransport(), torch.device("cpu"))
+    e = engine(_byte_config(tmp_path))
     prompt = list(b"line 3: value")
     got = e.generate(prompt, 10, temperature=0.0, seed=0)  # 13 + 10 > seq_len 16
     ids = list(prompt)

@@ -19,7 +19,7 @@ def _engine(tmp_path: Path, **over) -> Engine:
         corpus.write_bytes(Path(__file__).read_bytes() * 4)
     cfg = small_config(tmp_path, world_size=1, **{"data.paths": str(corpus), "model.dtype": "bfloat16",
                                                   "train.batch_size": 4, **over})
-    return Engine(cfg, single_rank(), LocalTransport(), torch.device("cpu"))
+    return Engine(cfg, single_rank(), LocalTransport(), torch.device("cpu"), cfg.resolve_arch())
 
 
 def _snapshot(e: Engine) -> dict[str, torch.Tensor]:
