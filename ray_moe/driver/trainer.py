@@ -33,7 +33,15 @@ from ray_moe.driver.loggers import make_sinks
 from ray_moe.driver.metrics import MetricsLog, aggregate_step
 from ray_moe.driver.progress import Progress
 from ray_moe.driver.rebalancer import Rebalancer
-from ray_moe.driver.run_dir import archive_results, plan_start, resolve_run_dir, scan
+from ray_moe.driver.run_dir import (
+    archive_results,
+    checkpoint_step,
+    lock_run_dir,
+    plan_start,
+    resolve_run_dir,
+    scan,
+    set_aside,
+)
 from ray_moe.placement.placement import Placement
 from ray_moe.topology import node_of_rank
 from ray_moe.worker.actor import EPWorker
@@ -85,10 +93,16 @@ class Trainer:
         self._last_health = time.monotonic()
         self._stop_signal: int | None = None
         self._progress: Progress | None = None
-        # The run directory first: a run that cannot keep its results does not start.
+        # The run directory first: a run that cannot keep its results does not start, and a
+        # directory another run is writing is refused before anything in it is read or changed.
         self.run_dir = resolve_run_dir(config.train)
-        state = scan(self.run_dir)
-        resume_from = plan_start(state, config.train.resume, config.train.overwrite)
+        self._run_lock = lock_run_dir(self.run_dir)
+        try:
+            state = scan(self.run_dir)
+            resume_from = plan_start(state, config.train.resume, config.train.overwrite)
+        except BaseException:
+            self._release_run_dir()
+            raise
         if resume_from is None and state.has_results:
             archived = archive_results(self.run_dir)
             log.warning("train.overwrite=true: moved the earlier run in %s to %s", self.run_dir, archived)
@@ -177,12 +191,15 @@ class Trainer:
                        world_size=self.world_size, seconds=time.perf_counter() - t0)
 
     def _report_corrupt(self, corrupt: list[tuple[Path, str]]) -> None:
-        """One warning line and one metrics event per corrupt checkpoint (never used, never deleted)."""
+        """One warning line and one metrics event per corrupt checkpoint: never used, never deleted,
+        moved aside to ``checkpoints/corrupt-step_N`` so that no later save replaces it. The
+        event's ``step`` is the corrupt checkpoint's step."""
         for path, why in corrupt:
-            if any(r.get("event") == "corrupt_checkpoint" and r.get("path") == str(path) for r in self.log.records):
+            aside = set_aside(path)
+            if any(r.get("event") == "corrupt_checkpoint" and r.get("path") == str(aside) for r in self.log.records):
                 continue
-            log.warning("skipping corrupt checkpoint: %s", why)
-            self.log.event("corrupt_checkpoint", path=str(path), check=why, step=self.step_count)
+            log.warning("skipping corrupt checkpoint (kept as %s): %s", aside.name, why)
+            self.log.event("corrupt_checkpoint", path=str(aside), check=why, step=checkpoint_step(path))
 
     def _start_group_on_available(self) -> None:
         """Same world size when the cluster still fits it, else the largest one that fits
@@ -418,6 +435,12 @@ class Trainer:
         if getattr(self, "log", None) is not None:
             self.log.close()
             self.log.sinks = []
+        self._release_run_dir()
+
+    def _release_run_dir(self) -> None:
+        lock, self._run_lock = getattr(self, "_run_lock", None), None
+        if lock is not None:
+            lock.close()
 
     def __enter__(self) -> "Trainer":
         return self
