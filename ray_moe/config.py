@@ -320,6 +320,10 @@ class Config:
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: Iterable[str] = ()) -> "Config":
         path = Path(path)
+        if path.is_dir():
+            yamls = sorted(p.name for p in path.glob("*.yaml"))[:5]
+            raise ConfigError(f"config file {str(path)!r} is a directory; give a YAML file"
+                              + (f" (it holds {', '.join(yamls)})" if yamls else " (e.g. jobs/tiny.yaml)"))
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
@@ -457,6 +461,10 @@ def _choice(key: str, value: Any, allowed: tuple) -> None:
 _DRIVER_RELATIVE_PATHS = ("data.tokenizer",)
 
 
+# String keys whose documented values YAML reads as booleans: (what false means, what true means).
+_BOOL_WORDS = MappingProxyType({"train.progress": ("off", "true")})
+
+
 def _absolute(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
@@ -481,8 +489,8 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             raise ConfigError(f"{key}={value!r} must be a number")
         return float(value)
     if origin is str:
-        if isinstance(value, bool):  # YAML reads true/false/yes/no as booleans
-            return "true" if value else "false"
+        if isinstance(value, bool):  # YAML reads true/false/yes/no/on/off as booleans
+            return _BOOL_WORDS.get(key, ("false", "true"))[value]
         if not isinstance(value, str):
             raise ConfigError(f"{key}={value!r} must be a string")
         return _absolute(value) if key in _DRIVER_RELATIVE_PATHS and value else value
