@@ -367,11 +367,6 @@ def test_yaml_missing_file(tmp_path):
     assert str(missing) in str(info.value) and "does not exist" in str(info.value)
 
 
-def test_yaml_directory_is_not_a_file(tmp_path):
-    with pytest.raises(ConfigError, match="does not exist"):
-        Config.from_yaml(tmp_path)
-
-
 def test_yaml_invalid(tmp_path):
     path = write(tmp_path, "model: {d_model: 32\nmoe: [\n")
     with pytest.raises(ConfigError) as info:
