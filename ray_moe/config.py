@@ -226,7 +226,7 @@ class TrainConfig:
     log_every_s: float = 30.0  # ... or seconds, whichever comes first
     progress: str = "auto"  # auto (a bar on a terminal, lines otherwise) | bar | lines | off
     loggers: list = field(default_factory=list)  # besides metrics.jsonl: tensorboard, wandb
-    max_failures: int = 0
+    max_failures: int = 3  # dead or hung workers recovered from (errors no restart fixes are not retried)
     step_timeout_s: float = 300.0
     health_check_interval_s: float = 10.0
     nonfinite: str = "skip"  # skip | stop

@@ -10,7 +10,9 @@ workers and checkpoints are written by the workers themselves.
 
 from __future__ import annotations
 
+import errno
 import logging
+import shutil
 import signal
 import threading
 import time
@@ -62,6 +64,26 @@ class TrainingInterrupted(TrainingError):
         where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint could be written"
         super().__init__(f"stopped by {name} at step {step} ({where}); continue with train.resume=auto")
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
+
+
+# Errors a worker raises that a new worker group would meet again: not retried, whatever
+# train.max_failures says (bad data, bad config or checkpoint, a full or read-only disk).
+FATAL_ERRORS = ("DataError", "ConfigError", "CheckpointError", "WeightsError", "ArchError", "TrainingError")
+FATAL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def retryable(failure: WorkerFailure) -> bool:
+    """A dead or hung worker is retried on a new group; an error that a worker raised is not when
+    it is one that no restart fixes (see FATAL_ERRORS, FATAL_ERRNOS)."""
+    if failure.cause != "error":
+        return True
+    original = getattr(failure.__cause__, "cause", None) or failure.__cause__
+    if original is None:
+        return True
+    names = {c.__name__ for c in type(original).__mro__}
+    if names & set(FATAL_ERRORS):
+        return False
+    return not (isinstance(original, OSError) and original.errno in FATAL_ERRNOS)
 
 
 class Trainer:
@@ -167,6 +189,8 @@ class Trainer:
         self.log.event("failure", rank=failure.rank, cause=failure.cause, message=str(failure),
                        step=self.step_count, failures=self.failures, **failure.where)
         log.warning("worker failure (%s) at step %d: %s", failure.cause, self.step_count, failure)
+        if not retryable(failure):
+            raise TrainingError(f"{failure} (not retried: a new worker group would meet it again)") from failure
         if self.failures > self.config.train.max_failures:
             raise TrainingError(
                 f"{failure} (failure {self.failures}, train.max_failures={self.config.train.max_failures})"
@@ -360,6 +384,14 @@ class Trainer:
         assert self.group is not None
         timeout = self.config.train.step_timeout_s
         staging = new_staging_dir(self.run_dir, self.step_count)
+        try:
+            return self._save_into(staging, timeout)
+        except BaseException:  # the previous checkpoint stays the newest; no .tmp-step_* is left behind
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+    def _save_into(self, staging: Path, timeout: float) -> Path:
+        assert self.group is not None
         files = self.group.call(EPWorker.save_shard, str(staging), timeout=timeout)
         meta = {
             "step": self.step_count,
