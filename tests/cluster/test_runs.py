@@ -62,7 +62,9 @@ def test_corrupt_checkpoint_is_named_and_the_previous_one_used(groups, tmp_path,
     run = Path(cfg.train.run_dir)
     with Trainer(cfg, progress=False, group=groups(2)) as t:
         t.train()
-    _corrupt(run / "checkpoints" / "step_00000004" / "rank00001.safetensors")
+    bad = run / "checkpoints" / "step_00000004" / "rank00001.safetensors"
+    _corrupt(bad)
+    bad_bytes = bad.read_bytes()
     with Trainer(cfg.with_overrides(["train.resume=auto", "train.steps=6"]), progress=False,
                  group=groups(2)) as t:
         assert t.step_count == 2  # step 4's checkpoint is corrupt: step 2's is used
@@ -70,9 +72,13 @@ def test_corrupt_checkpoint_is_named_and_the_previous_one_used(groups, tmp_path,
     warned = [r.getMessage() for r in caplog.records if "corrupt checkpoint" in r.getMessage()]
     assert len(warned) == 1 and "step_00000004/rank00001.safetensors" in warned[0] and "sha256" in warned[0]
     events = [r for r in _rows(run) if r.get("event") == "corrupt_checkpoint"]
-    assert len(events) == 1 and events[0]["path"].endswith("step_00000004") and "sha256" in events[0]["check"]
+    assert len(events) == 1 and events[0]["path"].endswith("corrupt-step_00000004") and "sha256" in events[0]["check"]
+    assert events[0]["step"] == 4  # the corrupt checkpoint's step, not the run's at the time
     assert _steps(run) == [1, 2, 3, 4, 5, 6]  # steps 3-4 replayed once, not twice
     assert (run / "checkpoints" / "step_00000006").is_dir()
+    # kept aside under a name of its own: the resumed run's own step 4 did not replace it
+    assert (run / "checkpoints" / "corrupt-step_00000004" / "rank00001.safetensors").read_bytes() == bad_bytes
+    assert (run / "checkpoints" / "step_00000004").is_dir()
 
 
 def test_all_corrupt_with_resume_exits_2_naming_the_files(groups, tmp_path):
