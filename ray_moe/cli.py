@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 BENCHES = ("comm", "layer", "balance", "precision", "prepare")
@@ -212,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + exc.signum
     except (ConfigError, DataError, GroupError, TrainingError, CheckpointError, WeightsError, ArchError,
             PrepareError) as exc:
+        # Named here: Ray must not print the workers' copies of it ("Unhandled error" tracebacks of
+        # results dropped on the way out); Ray reads this variable each time it would.
+        os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"
         print(f"ray-moe {args.command}: error: {exc}".replace("\n", " "), file=sys.stderr)
         return 2
     except KeyboardInterrupt:

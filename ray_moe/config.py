@@ -98,7 +98,11 @@ class ModelConfig:
                 f"model.arch={self.arch} needs model.hf_config (a preset: {', '.join(arch.PRESETS)}; a "
                 "config.json; or a model directory), model.init_from or an inline model.hf"
             )
-        where = f"model.hf_config={source!r}" if source else "model.hf"
+        if not self.hf_config and self.init_from and not Path(self.init_from).expanduser().exists():
+            raise ConfigError(f"model.init_from={self.init_from!r} does not exist; expected a Hugging Face "
+                              "model directory (config.json and model.safetensors[.index.json])")
+        where = (f"model.hf_config={source!r}" if self.hf_config else f"model.init_from={source!r}") if source \
+            else "model.hf"
         try:
             spec, hf = arch.resolve(source, self.hf)
         except arch.ArchError as exc:

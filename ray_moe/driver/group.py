@@ -224,6 +224,16 @@ class WorkerGroup:
 
     # ------------------------------------------------------------------ calls
     def _get(self, refs: list, timeout: float | None, what: str) -> list:
+        """Every rank's result in order; the first failure raised as a :class:`WorkerFailure`
+        after the other ranks' results are settled (fetched and dropped), so that Ray does not
+        print their errors as "Unhandled error" tracebacks later."""
+        try:
+            return self._get_in_order(refs, timeout, what)
+        except WorkerFailure as exc:  # a hang is not waited for again; raised errors arrive together
+            _settle(refs, 0.0 if exc.cause == "timeout" else 5.0)
+            raise
+
+    def _get_in_order(self, refs: list, timeout: float | None, what: str) -> list:
         deadline = None if timeout is None else time.monotonic() + timeout
         results: list[Any] = []
         for i, ref in enumerate(refs):
@@ -323,6 +333,20 @@ class WorkerGroup:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _settle(refs: list, wait_s: float = 5.0) -> None:
+    """Fetch and drop the results of ``refs`` that arrive within ``wait_s`` (errors included): an
+    error left unfetched is printed by Ray with its traceback when its reference is dropped."""
+    try:
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
+    except Exception:  # noqa: BLE001 - Ray shutting down: nothing to settle
+        return
+    for ref in ready:
+        try:
+            ray.get(ref, timeout=0)
+        except Exception:  # noqa: BLE001 - the failure that matters is already being raised
+            pass
 
 
 def _worker_method(method: Callable[..., Any]) -> str:

@@ -33,6 +33,7 @@ from ray_moe.config import Config
 from ray_moe.driver.group import GroupError, WorkerFailure, WorkerGroup, connect
 from ray_moe.driver.loggers import make_sinks
 from ray_moe.driver.metrics import MetricsLog, aggregate_step
+from ray_moe.driver.preflight import preflight
 from ray_moe.driver.progress import Progress
 from ray_moe.driver.rebalancer import Rebalancer
 from ray_moe.driver.run_dir import (
@@ -162,6 +163,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ group life cycle
     def _start_group(self, group: WorkerGroup | None = None) -> None:
+        if self.group is None and self.model_report is None:  # the first start: inputs checked here first
+            preflight(self.config)  # ConfigError or DataError, before any worker starts
         if group is None:
             connect(self.address, timeout_s=self.config.parallel.startup_timeout_s)
             group = WorkerGroup(self.config)

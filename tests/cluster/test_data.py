@@ -24,7 +24,7 @@ from ray_moe.data.prepare import prepare
 from ray_moe.data.shards import META_FILE, val_mask
 from ray_moe.data.tokenizer import train_bpe
 from ray_moe.data.writer import ShardWriter
-from ray_moe.driver.trainer import Trainer, TrainingError
+from ray_moe.driver.trainer import Trainer
 from tests.support import small_config
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -132,7 +132,7 @@ def test_a_mismatched_dataset_stops_the_trainer_before_any_step(groups, dataset,
     else:
         cfg = _train_config(tmp_path, dataset, tokenizer_dir, **{"model.vocab_size": 300})
         message = "tokenizer of 512 tokens but model.vocab_size=300"
-    with pytest.raises(TrainingError, match=message) as err:
+    with pytest.raises(DataError, match=message) as err:
         Trainer(cfg, progress=False, group=groups(2))
     assert str(dataset) in str(err.value)
     assert latest_checkpoint(tmp_path / "run") is None
