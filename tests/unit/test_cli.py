@@ -1,0 +1,80 @@
+"""The CLI's answers to inputs users have: one line naming what was wrong and what is allowed,
+exit 2, nothing lost (commands that need no cluster)."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+import torch
+
+from ray_moe import checkpoint
+from ray_moe.cli import main
+from ray_moe.config import Config
+
+
+def _checkpoint(run_dir, step, config: Config):
+    staging = checkpoint.new_staging_dir(run_dir, step)
+    files = [checkpoint.write_shard(staging, 0, {"x": torch.zeros(1)})]
+    hf = config.model.resolve_hf()[1] if config.model.arch != "byte" else None
+    return checkpoint.commit(staging, {"step": step, "opt_steps": step, "world_size": 1,
+                                       "config": config.to_dict(), "hf_config": hf}, files)
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_export_to_an_existing_file_is_refused(tmp_path, capsys):
+    (tmp_path / "model.bin").write_text("mine")
+    assert main(["export", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "model.bin")]) == 2
+    line = _one_line(capsys)
+    assert line.startswith("ray-moe export: error: --out") and "is a file; give a directory" in line
+    assert (tmp_path / "model.bin").read_text() == "mine"
+
+
+def test_export_of_a_run_whose_checkpoints_are_corrupt_names_them(tmp_path, capsys):
+    cfg = Config().with_overrides(["model.hf_config=qwen3_moe-tiny"])
+    ckpt = _checkpoint(tmp_path / "run", 2, cfg)
+    (ckpt / "rank00000.safetensors").write_bytes(b"changed")
+    (tmp_path / "run" / "checkpoints" / "corrupt-step_00000001").mkdir()
+    assert main(["export", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "o")]) == 2
+    line = _one_line(capsys)
+    assert "holds no valid checkpoint (step_00000002: checkpoint file" in line and "corrupt-step_00000001" in line
+    assert main(["export", str(tmp_path / "gone"), "--format", "hf", "--out", str(tmp_path / "o")]) == 2
+    assert "'" + str(tmp_path / "gone") + "' does not exist" in _one_line(capsys)
+    assert not (tmp_path / "o").exists()
+
+
+def test_exported_files_are_readable_as_the_umask_allows(tmp_path, monkeypatch, capsys):
+    import ray_moe.model.hf as hf
+
+    def owner_only(out, *args, **kwargs):  # as safetensors writes its files
+        out.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(out / "model.safetensors", os.O_CREAT | os.O_WRONLY, 0o600))
+        return {"files": ["model.safetensors"], "tensors": 1, "bytes": 4}
+
+    monkeypatch.setattr(hf, "write_hf_dir", owner_only)
+    cfg = Config().with_overrides(["model.hf_config=qwen3_moe-tiny"])
+    _checkpoint(tmp_path / "run", 2, cfg)
+    old = os.umask(0o022)
+    try:
+        assert main(["export", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "o")]) == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "o" / "model.safetensors").stat().st_mode) == 0o644
+
+
+def test_train_with_a_directory_as_config_is_one_line(tmp_path, capsys):
+    assert main(["train", "--config", str(tmp_path)]) == 2
+    assert "is a directory; give a YAML file" in _one_line(capsys)
+
+
+@pytest.mark.parametrize("value", ["off", "lines"])
+def test_progress_values_documented_are_taken_by_the_cli(tmp_path, value):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"train:\n  progress: {value}\n")
+    assert Config.from_yaml(path, [f"train.progress={value}"]).train.progress == value
