@@ -16,7 +16,9 @@ import argparse
 import importlib
 import logging
 import os
+import signal
 import sys
+import threading
 
 BENCHES = ("comm", "layer", "balance", "precision", "prepare")
 
@@ -82,8 +84,18 @@ def _tokenizer_train(args: argparse.Namespace) -> int:
 
     files = resolve_inputs(args.input)
     check_inputs(files, args.text_field)
-    tok = train_bpe((text for _, text in iter_documents(files, args.text_field)), args.vocab_size, args.out,
-                    min_frequency=args.min_frequency)
+    try:
+        tok = train_bpe((text for _, text in iter_documents(files, args.text_field)), args.vocab_size, args.out,
+                        min_frequency=args.min_frequency)
+    except (ValueError, AttributeError) as exc:  # a malformed JSON line past the part checked first
+        from ray_moe.data.errors import DataError
+        from ray_moe.data.inputs import JSONL
+        from ray_moe.data.prepare import bad_row
+
+        bad = None if isinstance(exc, DataError) else bad_row(JSONL, [f for f in files if f.kind == JSONL])
+        if bad is None:
+            raise
+        raise DataError(bad) from None
     print(f"tokenizer {tok.directory}: vocab_size {tok.vocab_size}, eos {tok.eos_token!r} (id {tok.eos_id}), "
           f"sha256 {tok.hash[:12]}, trained on {len(files)} file(s)")
     return 0
@@ -247,6 +259,12 @@ def main(argv: list[str] | None = None) -> int:
     from ray_moe.driver.trainer import TrainingError, TrainingInterrupted
     from ray_moe.model.hf import WeightsError
 
+    # A command started in the background by a script inherits SIGINT ignored: `kill -INT` must
+    # still stop it as Ctrl-C does (train installs its own handlers, which checkpoint first).
+    interruptible = (signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+                     and threading.current_thread() is threading.main_thread())
+    if interruptible:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return args.fn(args)
     except TrainingInterrupted as exc:
@@ -262,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"ray-moe {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if interruptible:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

@@ -78,3 +78,41 @@ def test_progress_values_documented_are_taken_by_the_cli(tmp_path, value):
     path = tmp_path / "c.yaml"
     path.write_text(f"train:\n  progress: {value}\n")
     assert Config.from_yaml(path, [f"train.progress={value}"]).train.progress == value
+
+
+def test_a_command_started_with_sigint_ignored_is_still_stopped_by_it(tmp_path, monkeypatch, capsys):
+    """Scripts start background jobs with SIGINT ignored; `kill -INT` must stop prepare anyway."""
+    import signal
+
+    import ray_moe.cli as cli
+
+    def interrupted(args):
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.raise_signal(signal.SIGINT)
+        raise AssertionError("SIGINT did not stop the command")
+
+    monkeypatch.setattr(cli, "_prepare", interrupted)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert cli.main(["prepare", "--input", "x", "--tokenizer", "t", "--out", str(tmp_path / "o")]) == 130
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN  # put back as it was
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert "ray-moe prepare: interrupted" in capsys.readouterr().err
+
+
+def test_a_malformed_json_line_is_named_by_file_and_line(tmp_path, capsys):
+    import json
+
+    from ray_moe.data.inputs import JSONL, resolve_inputs
+    from ray_moe.data.prepare import bad_row
+
+    path = tmp_path / "a.jsonl"
+    rows = [json.dumps({"text": f"row {i} " * 20}) for i in range(2000)]  # past the first 64 KiB checked first
+    path.write_text("\n".join(rows[:1500] + ['{"text": broken'] + rows[1500:] + ["[1, 2]"]) + "\n")
+    assert bad_row(JSONL, resolve_inputs([str(path)])) == (
+        f"{path}:1501: not valid JSON (Expecting value); each line of a .jsonl file must be one JSON object")
+    assert main(["tokenizer", "train", "--vocab-size", "300", "--input", str(path), "--out", str(tmp_path / "t")]) == 2
+    assert f"{path}:1501: not valid JSON" in _one_line(capsys)
+    path.write_text("\n".join(rows + ["[1, 2]"]) + "\n")
+    assert bad_row(JSONL, resolve_inputs([str(path)])).startswith(f"{path}:2001: a JSON list, not an object")
