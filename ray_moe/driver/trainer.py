@@ -449,7 +449,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ records
     def plot(self) -> list[Path]:
-        return self.log.plot(self.run_dir)
+        unit = "nats/token" if self.config.data.datasets else "nats/byte"  # token datasets, else bytes
+        blocks = list(self.model_report.moe_layers) if self.model_report is not None else None
+        return self.log.plot(self.run_dir, unit, blocks)
 
     def summary(self) -> dict[str, Any]:
         return {

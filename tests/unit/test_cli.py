@@ -116,3 +116,37 @@ def test_a_malformed_json_line_is_named_by_file_and_line(tmp_path, capsys):
     assert f"{path}:1501: not valid JSON" in _one_line(capsys)
     path.write_text("\n".join(rows + ["[1, 2]"]) + "\n")
     assert bad_row(JSONL, resolve_inputs([str(path)])).startswith(f"{path}:2001: a JSON list, not an object")
+
+
+def test_a_run_past_train_steps_says_so(tmp_path, monkeypatch, capsys):
+    """``(step 50 of 20)``: the run is not trained further, and the user is told why."""
+    import contextlib
+
+    import ray_moe.driver.trainer as trainer_module
+
+    class Finished(contextlib.nullcontext):
+        run_dir, step_count = tmp_path, 50
+
+        def __init__(self, config, **kwargs):
+            super().__init__(self)
+
+        def train(self):
+            pass
+
+        def summary(self):
+            return {"steps": 50, "run_dir": str(tmp_path)}
+
+    monkeypatch.setattr(trainer_module, "Trainer", Finished)
+    (tmp_path / "c.yaml").write_text("train: {steps: 20}\n")
+    assert main(["train", "--config", str(tmp_path / "c.yaml")]) == 0
+    err = capsys.readouterr().err
+    assert "already at step 50, past train.steps=20: no step is trained (set train.steps above 50" in err
+
+
+def test_the_readme_data_block_outputs_are_not_left_untracked():
+    """The README's Data block writes tok/ and data/ at the repository root: ignored there only
+    (ray_moe/data/ is source)."""
+    from pathlib import Path
+
+    lines = (Path(__file__).resolve().parents[2] / ".gitignore").read_text().split()
+    assert "/tok/" in lines and "/data/" in lines and "data/" not in lines
