@@ -102,6 +102,7 @@ class Trainer:
     def __init__(self, config: Config, address: str | None = None, progress: bool = True,
                  group: WorkerGroup | None = None):
         config.validate()
+        preflight(config)  # what the workers would refuse (ConfigError, DataError): before anything starts
         self.config = config
         self.address = address
         self.progress = progress
@@ -163,8 +164,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ group life cycle
     def _start_group(self, group: WorkerGroup | None = None) -> None:
-        if self.group is None and self.model_report is None:  # the first start: inputs checked here first
-            preflight(self.config)  # ConfigError or DataError, before any worker starts
         if group is None:
             connect(self.address, timeout_s=self.config.parallel.startup_timeout_s)
             group = WorkerGroup(self.config)

@@ -81,3 +81,10 @@ def test_arch_of_an_unknown_source_is_one_line_and_exit_2():
     r = subprocess.run([sys.executable, "-m", "ray_moe.arch", "UNKNOWN"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "neither a preset" in r.stderr
+
+
+def test_a_refused_input_leaves_no_run_directory(tmp_path):
+    cfg = small_config(tmp_path, **{"data.paths": str(tmp_path / "nope.txt")})
+    with pytest.raises(DataError):
+        Trainer(cfg, address=NOWHERE, progress=False)
+    assert not (tmp_path / "run").exists()
