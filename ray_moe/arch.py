@@ -21,6 +21,7 @@ dropout, router jitter) must have their neutral value.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -477,7 +478,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=16384, help="tokens per rank per step")
     p.add_argument("--clone-slots", type=int, default=0)
     args = p.parse_args(argv)
-    spec = ArchSpec.from_hf(load_hf_config(args.source))
+    try:
+        spec = ArchSpec.from_hf(load_hf_config(args.source))
+    except ArchError as exc:
+        print(f"python -m ray_moe.arch: error: {exc}", file=sys.stderr)
+        return 2
     c = spec.param_counts()
     print(f"{args.source}: {c['total'] / 1e9:.2f}B parameters ({c['replicated'] / 1e9:.2f}B replicated, "
           f"{c['experts'] / 1e9:.2f}B in {spec.num_experts} experts x {sum(spec.moe_layers)} layers), "

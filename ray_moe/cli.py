@@ -15,7 +15,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
+import signal
 import sys
+import threading
 
 BENCHES = ("comm", "layer", "balance", "precision", "prepare")
 
@@ -31,6 +34,10 @@ def _train(args: argparse.Namespace) -> int:
     print(compact_config(config), flush=True)
     with Trainer(config, address=args.address, progress=not args.no_progress) as trainer:
         print(f"# run_dir {trainer.run_dir} (step {trainer.step_count} of {config.train.steps})", flush=True)
+        if trainer.step_count > config.train.steps:
+            print(f"ray-moe train: warning: the run is already at step {trainer.step_count}, past "
+                  f"train.steps={config.train.steps}: no step is trained (set train.steps above "
+                  f"{trainer.step_count} to continue it)", file=sys.stderr, flush=True)
         trainer.train()
         summary = trainer.summary()
     print("\n# summary")
@@ -81,8 +88,18 @@ def _tokenizer_train(args: argparse.Namespace) -> int:
 
     files = resolve_inputs(args.input)
     check_inputs(files, args.text_field)
-    tok = train_bpe((text for _, text in iter_documents(files, args.text_field)), args.vocab_size, args.out,
-                    min_frequency=args.min_frequency)
+    try:
+        tok = train_bpe((text for _, text in iter_documents(files, args.text_field)), args.vocab_size, args.out,
+                        min_frequency=args.min_frequency)
+    except (ValueError, AttributeError) as exc:  # a malformed JSON line past the part checked first
+        from ray_moe.data.errors import DataError
+        from ray_moe.data.inputs import JSONL
+        from ray_moe.data.prepare import bad_row
+
+        bad = None if isinstance(exc, DataError) else bad_row(JSONL, [f for f in files if f.kind == JSONL])
+        if bad is None:
+            raise
+        raise DataError(bad) from None
     print(f"tokenizer {tok.directory}: vocab_size {tok.vocab_size}, eos {tok.eos_token!r} (id {tok.eos_id}), "
           f"sha256 {tok.hash[:12]}, trained on {len(files)} file(s)")
     return 0
@@ -92,12 +109,45 @@ def _fmt(v):
     return f"{v:.4g}" if isinstance(v, float) else v
 
 
+class UsageError(ValueError):
+    """A command-line argument that cannot be used; the message names it and what is allowed."""
+
+
+def _export_source(given: str):
+    """The checkpoint to export: ``given`` itself, or a run directory's newest valid one; a run
+    directory without one is named with its corrupt checkpoints (and why each is corrupt)."""
+    from pathlib import Path
+
+    from ray_moe.checkpoint import CheckpointError, META, checkpoints_dir, resolve_checkpoint, scan_checkpoints
+
+    path = Path(given).expanduser().resolve()
+    if not path.exists():
+        raise CheckpointError(f"{given!r} does not exist; give a checkpoint (RUN_DIR/checkpoints/step_N) or a run "
+                              "directory")
+    if (path / META).is_file() or not checkpoints_dir(path).is_dir():
+        return resolve_checkpoint(path)
+    valid, corrupt = scan_checkpoints(path)
+    if valid:
+        return valid[0]
+    aside = sorted(p.name for p in checkpoints_dir(path).glob("corrupt-step_*"))
+    found = [f"{p.name}: {why}" for p, why in corrupt] + [f"{name} (set aside as corrupt)" for name in aside]
+    raise CheckpointError(f"run directory {str(path)!r} holds no valid checkpoint"
+                          + (f" ({'; '.join(found)})" if found else " (none was saved)")
+                          + "; export a valid checkpoint directory instead")
+
+
 def _export(args: argparse.Namespace) -> int:
-    from ray_moe.checkpoint import CheckpointError, iter_tensors, read_meta, resolve_checkpoint
+    from pathlib import Path
+
+    from ray_moe.checkpoint import CheckpointError, iter_tensors, read_meta
     from ray_moe.config import Config, torch_dtype
     from ray_moe.model.hf import write_hf_dir
 
-    path = resolve_checkpoint(args.checkpoint)
+    out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {args.out!r} is a file; give a directory (created if missing; the model's "
+                         "files in it are replaced)")
+    path = _export_source(args.checkpoint)
     meta = read_meta(path)
     config = Config.from_plain(meta["config"])
     if not meta.get("hf_config") and not config.model.uses_hf():
@@ -108,9 +158,17 @@ def _export(args: argparse.Namespace) -> int:
     hf_config = meta.get("hf_config") or config.resolve_arch().hf_config
     spec = ArchSpec.from_hf(hf_config)
     dtype = torch_dtype(args.dtype or config.model.dtype)
-    report = write_hf_dir(args.out, spec, hf_config, iter_tensors(path, meta), dtype,
-                          max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
-                          tokenizer_dir=getattr(config.data, "tokenizer", "") or None)
+    try:
+        report = write_hf_dir(out, spec, hf_config, iter_tensors(path, meta), dtype,
+                              max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
+                              tokenizer_dir=getattr(config.data, "tokenizer", "") or None)
+    except OSError as exc:
+        raise UsageError(f"--out {args.out!r}: cannot write the model there ({exc.strerror or exc}); choose "
+                         "another directory or free space") from None
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in report["files"]:  # safetensors writes owner-only files; a model is shared like the rest
+        os.chmod(out / name, 0o666 & ~umask)
     print(f"exported {str(path)!r} (step {meta['step']}) to {args.out}: {report['tensors']} tensors, "
           f"{report['bytes'] / 1e6:.1f} MB {str(dtype).removeprefix('torch.')}, files: {', '.join(report['files'])}")
     return 0
@@ -205,18 +263,30 @@ def main(argv: list[str] | None = None) -> int:
     from ray_moe.driver.trainer import TrainingError, TrainingInterrupted
     from ray_moe.model.hf import WeightsError
 
+    # A command started in the background by a script inherits SIGINT ignored: `kill -INT` must
+    # still stop it as Ctrl-C does (train installs its own handlers, which checkpoint first).
+    interruptible = (signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+                     and threading.current_thread() is threading.main_thread())
+    if interruptible:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return args.fn(args)
     except TrainingInterrupted as exc:
         print(f"ray-moe {args.command}: {exc}", file=sys.stderr)
         return 128 + exc.signum
     except (ConfigError, DataError, GroupError, TrainingError, CheckpointError, WeightsError, ArchError,
-            PrepareError) as exc:
+            PrepareError, UsageError) as exc:
+        # Named here: Ray must not print the workers' copies of it ("Unhandled error" tracebacks of
+        # results dropped on the way out); Ray reads this variable each time it would.
+        os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"
         print(f"ray-moe {args.command}: error: {exc}".replace("\n", " "), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"ray-moe {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if interruptible:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

@@ -104,7 +104,11 @@ class ModelConfig:
                 f"model.arch={self.arch} needs model.hf_config (a preset: {', '.join(arch.PRESETS)}; a "
                 "config.json; or a model directory), model.init_from or an inline model.hf"
             )
-        where = f"model.hf_config={source!r}" if source else "model.hf"
+        if not self.hf_config and self.init_from and not Path(self.init_from).expanduser().exists():
+            raise ConfigError(f"model.init_from={self.init_from!r} does not exist; expected a Hugging Face "
+                              "model directory (config.json and model.safetensors[.index.json])")
+        where = (f"model.hf_config={source!r}" if self.hf_config else f"model.init_from={source!r}") if source \
+            else "model.hf"
         try:
             spec, hf = arch.resolve(source, self.hf)
         except arch.ArchError as exc:
@@ -234,7 +238,7 @@ class TrainConfig:
     log_every_s: float = 30.0  # ... or seconds, whichever comes first
     progress: str = "auto"  # auto (a bar on a terminal, lines otherwise) | bar | lines | off
     loggers: list = field(default_factory=list)  # besides metrics.jsonl: tensorboard, wandb
-    max_failures: int = 0
+    max_failures: int = 3  # dead or hung workers recovered from (errors no restart fixes are not retried)
     step_timeout_s: float = 300.0
     health_check_interval_s: float = 10.0
     nonfinite: str = "skip"  # skip | stop
@@ -329,6 +333,10 @@ class Config:
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: Iterable[str] = ()) -> "Config":
         path = Path(path)
+        if path.is_dir():
+            yamls = sorted(p.name for p in path.glob("*.yaml"))[:5]
+            raise ConfigError(f"config file {str(path)!r} is a directory; give a YAML file"
+                              + (f" (it holds {', '.join(yamls)})" if yamls else " (e.g. jobs/tiny.yaml)"))
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
@@ -494,6 +502,10 @@ def _choice(key: str, value: Any, allowed: tuple) -> None:
 _DRIVER_RELATIVE_PATHS = ("data.tokenizer",)
 
 
+# String keys whose documented values YAML reads as booleans: (what false means, what true means).
+_BOOL_WORDS = MappingProxyType({"train.progress": ("off", "true")})
+
+
 def _absolute(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
@@ -518,8 +530,8 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             raise ConfigError(f"{key}={value!r} must be a number")
         return float(value)
     if origin is str:
-        if isinstance(value, bool):  # YAML reads true/false/yes/no as booleans
-            return "true" if value else "false"
+        if isinstance(value, bool):  # YAML reads true/false/yes/no/on/off as booleans
+            return _BOOL_WORDS.get(key, ("false", "true"))[value]
         if not isinstance(value, str):
             raise ConfigError(f"{key}={value!r} must be a string")
         return _absolute(value) if key in _DRIVER_RELATIVE_PATHS and value else value

@@ -20,6 +20,8 @@ and leaves a finished one as it is.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import queue
@@ -147,11 +149,18 @@ def prepare(
                 group = [f for f in todo if f.kind == kind]
                 if group:
                     ds = _dataset(kind, group, tok, text_field, n_workers, cpus_per_worker)
-                    for batch in _batches(ds, stall_timeout_s):
-                        first_output = first_output or time.perf_counter() - t0
-                        tokens = stream.add(batch)
-                        first_tokens = first_tokens or tokens
-                        bar.update(tokens, stream.bytes_done)
+                    with _ray_data_quiet():
+                        try:
+                            for batch in _batches(ds, stall_timeout_s):
+                                first_output = first_output or time.perf_counter() - t0
+                                tokens = stream.add(batch)
+                                first_tokens = first_tokens or tokens
+                                bar.update(tokens, stream.bytes_done)
+                        except Exception as exc:  # Ray Data's reader failed: a bad row it does not name?
+                            bad = None if isinstance(exc, (DataError, PrepareError)) else bad_row(kind, group)
+                            if bad is not None:
+                                raise DataError(bad) from None
+                            raise
             stream.end()
             bar.update(0, stream.bytes_done)
             meta = writer.finish()
@@ -178,6 +187,41 @@ def prepare(
                          seconds=seconds, first_output_s=first_output, first_output_tokens=first_tokens,
                          workers=n_workers, skipped_files=start.skip_files, up_to_date=False, meta=meta,
                          invalid_utf8=dict(stream.invalid))
+
+
+def bad_row(kind: str, files: Sequence[InputFile]) -> str | None:
+    """The first malformed row of ``files`` as "PATH:LINE: what is wrong; what is expected" (JSON
+    lines: a line that is not one JSON object), or None when none is found. Read on the driver
+    only after Ray Data's reader failed, whose error names neither the file nor the line."""
+    if kind != JSONL:
+        return None
+    for f in files:
+        with open(f.path, "rb") as fh:
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+                    why = getattr(exc, "msg", None) or str(exc)
+                    return f"{f.path}:{n}: not valid JSON ({why}); each line of a .jsonl file must be one JSON object"
+                if not isinstance(obj, dict):
+                    return (f"{f.path}:{n}: a JSON {type(obj).__name__}, not an object; each line of a .jsonl file "
+                            "must be one JSON object")
+    return None
+
+
+@contextlib.contextmanager
+def _ray_data_quiet() -> Iterator[None]:
+    """Ray Data logs a failed execution's traceback (hundreds of lines) before raising it; the
+    exception is raised here either way, named (:func:`bad_row`) where it can be."""
+    logger = logging.getLogger("ray.data")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 # ============================================================================ the Ray side

@@ -9,18 +9,16 @@ shard; the same command resumes from there and writes the same bytes.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import logging
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ray_moe import dirlock
 from ray_moe.data.errors import DataError
 from ray_moe.data.shards import (
     FORMAT,
@@ -209,44 +207,19 @@ class ShardWriter:
         return st.handle
 
     def _take_lock(self) -> None:
-        path = self.out / LOCK_FILE
         try:
-            fh = open(path, "a+")  # noqa: SIM115 - held for the writer's life
-        except FileNotFoundError:
-            if self.out.exists():
-                raise
-            return  # a run that made the directory discarded it: nothing to lock until this run makes it again
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            holder = fh.read().strip() or "a process that did not say which"
-            fh.close()
-            raise DataError(f"{self.out} is being written by another prepare ({holder}); wait for it to "
+            self._lock = dirlock.take(self.out / LOCK_FILE, "prepare")
+        except dirlock.LockHeld as exc:
+            raise DataError(f"{self.out} is being written by another prepare ({exc.holder}); wait for it to "
                             "end, then rerun to resume or confirm it (nothing was changed)") from None
-        except OSError as exc:
-            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                fh.close()
-                raise
-            log.warning("%s: this file system does not support file locks (%s); nothing stops a second "
-                        "prepare from writing the directory at the same time", self.out, exc.strerror)
-        try:  # a run discarding the directory removes the lock file it holds: this lock is then no one's
-            replaced = os.fstat(fh.fileno()).st_ino != os.stat(path).st_ino
-        except FileNotFoundError:
-            replaced = True
-        if replaced:
-            fh.close()
+        except dirlock.LockReplaced:
             raise DataError(f"{self.out}: another prepare was ending there as this one started; rerun "
-                            "(nothing was changed)")
-        self._lock = fh
+                            "(nothing was changed)") from None
 
     def _announce(self) -> None:
         """Name this process in the lock file, for a second prepare's message (only a writer that
         will write does: confirming a finished dataset changes nothing in it)."""
-        self._lock.seek(0)
-        self._lock.truncate()
-        self._lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        self._lock.flush()
+        dirlock.announce(self._lock)
 
     def _release_lock(self) -> None:
         if self._lock is not None:

@@ -68,6 +68,8 @@ def connect(address: str | None = None, timeout_s: float = 60.0, **init_kwargs: 
     address = address or os.environ.get("RAY_ADDRESS")
     if address and address not in ("auto", "local"):
         _check_reachable(address, timeout_s)
+        if not address.startswith("ray://"):
+            _check_auth(address, min(timeout_s, 15.0))
     try:
         ray.init(address=address, log_to_driver=True, **init_kwargs)
     except Exception as exc:  # noqa: BLE001 - auth, version mismatch, no cluster at "auto"
@@ -109,6 +111,57 @@ def _check_reachable(address: str, timeout_s: float) -> None:
                          "firewall, a wrong host, or a head that is down") from None
     except OSError as exc:
         raise GroupError(f"cannot reach --address {address!r}: {exc.strerror or exc}") from None
+
+
+def _check_auth(address: str, timeout_s: float) -> None:
+    """One request to the GCS at ``address``: a cluster that refuses this driver's auth token (or
+    its lack of one) fails here at once with one line naming the fix, instead of ray.init's 20
+    tries and 20 warnings. Anything else (no answer within ``timeout_s`` included) is left to ray.init."""
+    import tempfile
+    import threading
+
+    from ray._raylet import GcsClient
+
+    outcome: list[BaseException | None] = []
+
+    def probe() -> None:
+        try:
+            GcsClient(address=address, cluster_id=None).cluster_id  # noqa: B018 - the request is the point
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - classified below
+            outcome.append(exc)
+
+    with tempfile.TemporaryFile() as quiet:  # Ray's C++ client warns on stderr for a refused token
+        saved = os.dup(2)
+        os.dup2(quiet.fileno(), 2)
+        try:
+            thread = threading.Thread(target=probe, name="ray-auth-probe", daemon=True)
+            thread.start()
+            thread.join(timeout_s)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+    exc = outcome[0] if outcome else None
+    if exc is not None and type(exc).__name__ == "AuthenticationError":
+        raise GroupError(auth_refusal(address)) from None
+
+
+def auth_refusal(address: str) -> str:
+    """The line for a cluster that refused this driver's token: which token was sent (or that
+    none was) and how to get the cluster's."""
+    get = "get it on the head with `ray get-auth-token`"
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return (f"the Ray cluster at {address!r} requires token authentication and this driver sends no token: "
+                f"export RAY_AUTH_MODE=token and give it the cluster's token in ~/.ray/auth_token, "
+                f"RAY_AUTH_TOKEN_PATH=FILE or RAY_AUTH_TOKEN ({get})")
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        source = "RAY_AUTH_TOKEN"
+    elif os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        source = f"RAY_AUTH_TOKEN_PATH={os.environ['RAY_AUTH_TOKEN_PATH']}"
+    else:
+        source = "~/.ray/auth_token"
+    return (f"the Ray cluster at {address!r} refused this driver's auth token (from {source}): it is not the "
+            f"cluster's token (or is missing there); {get} and put it in {source}")
 
 
 def _auth_hint(exc: Exception) -> str:
@@ -224,6 +277,16 @@ class WorkerGroup:
 
     # ------------------------------------------------------------------ calls
     def _get(self, refs: list, timeout: float | None, what: str) -> list:
+        """Every rank's result in order; the first failure raised as a :class:`WorkerFailure`
+        after the other ranks' results are settled (fetched and dropped), so that Ray does not
+        print their errors as "Unhandled error" tracebacks later."""
+        try:
+            return self._get_in_order(refs, timeout, what)
+        except WorkerFailure as exc:  # a hang is not waited for again; raised errors arrive together
+            _settle(refs, 0.0 if exc.cause == "timeout" else 5.0)
+            raise
+
+    def _get_in_order(self, refs: list, timeout: float | None, what: str) -> list:
         deadline = None if timeout is None else time.monotonic() + timeout
         results: list[Any] = []
         for i, ref in enumerate(refs):
@@ -323,6 +386,20 @@ class WorkerGroup:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _settle(refs: list, wait_s: float = 5.0) -> None:
+    """Fetch and drop the results of ``refs`` that arrive within ``wait_s`` (errors included): an
+    error left unfetched is printed by Ray with its traceback when its reference is dropped."""
+    try:
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
+    except Exception:  # noqa: BLE001 - Ray shutting down: nothing to settle
+        return
+    for ref in ready:
+        try:
+            ray.get(ref, timeout=0)
+        except Exception:  # noqa: BLE001 - the failure that matters is already being raised
+            pass
 
 
 def _worker_method(method: Callable[..., Any]) -> str:

@@ -143,8 +143,9 @@ class MetricsLog:
         out["skipped_steps"] = sum(bool(m["skipped"]) for m in steps)
         return out
 
-    def plot(self, run_dir: Path) -> list[Path]:
-        """loss.png, imbalance.png and expert_load.png (tokens per expert over the whole run)."""
+    def plot(self, run_dir: Path, unit: str = "nats/byte", blocks: list[int] | None = None) -> list[Path]:
+        """loss.png (cross-entropy in ``unit``), imbalance.png and expert_load.png (tokens per expert
+        over the whole run; rows labelled with ``blocks``, each MoE layer's block index)."""
         from ray_moe.driver.plots import (
             expert_load_heatmap,
             imbalance_curve,
@@ -152,7 +153,7 @@ class MetricsLog:
         )
 
         curves = [m for m in self.records if "loss" in m or "val_loss" in m]
-        out = [loss_curve(curves, run_dir / "loss.png"),
+        out = [loss_curve(curves, run_dir / "loss.png", unit),
                imbalance_curve(self.records, run_dir / "imbalance.png")]
         totals: list[list[float]] | None = None
         for m in self.records:
@@ -162,5 +163,6 @@ class MetricsLog:
                 else:
                     totals = [[a + b for a, b in zip(r1, r2)] for r1, r2 in zip(totals, m["expert_tokens"])]
         if totals:
-            out.append(expert_load_heatmap(totals, run_dir / "expert_load.png", "tokens per expert (whole run)"))
+            out.append(expert_load_heatmap(totals, run_dir / "expert_load.png", "tokens per expert (whole run)",
+                                           blocks))
         return out

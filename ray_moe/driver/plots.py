@@ -10,7 +10,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def loss_curve(metrics: list[dict], path: str | Path) -> Path:
+def loss_curve(metrics: list[dict], path: str | Path, unit: str = "nats/byte") -> Path:
+    """Train and validation loss per step; ``unit``: nats/byte (a byte corpus) or nats/token (a
+    tokenized dataset)."""
     steps = [m["step"] for m in metrics if "loss" in m]
     loss = [m["loss"] for m in metrics if "loss" in m]
     evals = [(m["step"], m["val_loss"]) for m in metrics if "val_loss" in m]
@@ -19,7 +21,7 @@ def loss_curve(metrics: list[dict], path: str | Path) -> Path:
     if evals:
         ax.plot(*zip(*evals), "o-", label="validation")
     ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/byte)")
+    ax.set_ylabel(f"cross-entropy ({unit})")
     return _save(fig, ax, path)
 
 
@@ -32,13 +34,15 @@ def _save(fig, ax, path: str | Path) -> Path:
     return Path(path)
 
 
-def expert_load_heatmap(load: list[list[float]], path: str | Path, title: str = "") -> Path:
-    """load: [layers][experts] token counts."""
+def expert_load_heatmap(load: list[list[float]], path: str | Path, title: str = "",
+                        blocks: list[int] | None = None) -> Path:
+    """load: [MoE layers][experts] token counts; ``blocks``: the block index of each MoE layer
+    (the rows are labelled with it; default 0, 1, ...)."""
     fig, ax = plt.subplots(figsize=(max(4, 0.25 * len(load[0]) + 2), 0.5 * len(load) + 1.5))
     im = ax.imshow(load, aspect="auto", cmap="viridis")
     ax.set_xlabel("logical expert")
-    ax.set_ylabel("MoE layer")
-    ax.set_yticks(range(len(load)))
+    ax.set_ylabel("block (MoE layers)")
+    ax.set_yticks(range(len(load)), [str(b) for b in (blocks if blocks is not None else range(len(load)))])
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_title(title or "tokens per expert")
     fig.colorbar(im, ax=ax)
@@ -54,10 +58,10 @@ def imbalance_curve(metrics: list[dict], path: str | Path) -> Path:
     imb = [m["imbalance"] for m in metrics if "imbalance" in m]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, imb, label="measured (mean over MoE layers)")
-    for m in metrics:
-        if m.get("event") == "rebalance" and m.get("layers_changed"):
-            ax.axvline(m["step"], color="tab:red", alpha=0.4, lw=1)
+    changed = [m["step"] for m in metrics if m.get("event") == "rebalance" and m.get("layers_changed")]
+    for i, step in enumerate(changed):  # named in the legend only when drawn
+        ax.axvline(step, color="tab:red", alpha=0.4, lw=1, label="clone placement changed" if i == 0 else None)
     ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xlabel("step (red: clone placement changed)")
+    ax.set_xlabel("step")
     ax.set_ylabel("max / mean tokens per rank")
     return _save(fig, ax, path)

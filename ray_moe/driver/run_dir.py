@@ -11,8 +11,12 @@ directory holds:
   which moves the earlier results into ``archive/<time>/`` first (nothing is deleted).
 
 Every refusal is one :class:`RunDirError` line naming the directory and how to go on. A corrupt
-checkpoint is never used and never deleted; it is named in a warning and the previous valid one
-is used.
+checkpoint is never used and never deleted; it is named in a warning, moved aside to
+``checkpoints/corrupt-step_*`` (no later save can replace it) and the previous valid one is used.
+
+A run directory has one writer: a Trainer holds an exclusive lock on ``RUN_LOCK`` for its life
+(:func:`lock_run_dir`, the same lock ``ray-moe prepare`` holds on a dataset directory); a second
+run into the same directory is refused naming the first's pid and host, changing nothing.
 """
 
 from __future__ import annotations
@@ -24,11 +28,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ray_moe.checkpoint import scan_checkpoints
+from typing import IO
+
+from ray_moe import dirlock
+from ray_moe.checkpoint import checkpoints_dir, scan_checkpoints
 from ray_moe.config import ConfigError, TrainConfig
 
 METRICS = "metrics.jsonl"
 ARCHIVE = "archive"
+RUN_LOCK = ".run.lock"  # held by the one Trainer writing the directory (dirlock)
+CORRUPT_PREFIX = "corrupt-"  # checkpoints/corrupt-step_N: a corrupt checkpoint, kept aside
 # What a run writes into its directory (moved aside together by train.overwrite).
 RESULTS = (METRICS, "config.yaml", "checkpoints", "loss.png", "imbalance.png", "expert_load.png",
            "tensorboard", "wandb")
@@ -74,6 +83,49 @@ def resolve_run_dir(train: TrainConfig) -> Path:
     return path
 
 
+def lock_run_dir(path: Path) -> IO[str]:
+    """Take the run directory's writer lock (held until the returned file is closed) and name this
+    process in it. Raises :class:`RunDirError` naming the run that holds it."""
+    try:
+        fh = dirlock.take(path / RUN_LOCK, "training run")
+    except dirlock.LockHeld as exc:
+        raise RunDirError(f"train.run_dir={path} is in use by another run ({exc.holder}); wait for it to end "
+                          "or choose another train.run_dir (nothing was changed)") from None
+    except dirlock.LockReplaced:
+        raise RunDirError(f"train.run_dir={path}: its lock file was replaced as this run started; rerun "
+                          "(nothing was changed)") from None
+    if fh is None:
+        raise RunDirError(f"train.run_dir={path} disappeared as this run started; rerun")
+    dirlock.announce(fh)
+    return fh
+
+
+def set_aside(corrupt: Path) -> Path:
+    """Rename a corrupt checkpoint ``step_N`` to ``corrupt-step_N`` (``corrupt-step_N.K`` when that
+    exists): out of the way of saves, never deleted. Returns its new path (itself when it is
+    already aside or gone)."""
+    if corrupt.name.startswith(CORRUPT_PREFIX) or not corrupt.exists():
+        return corrupt
+    dest, n = corrupt.with_name(CORRUPT_PREFIX + corrupt.name), 1
+    while dest.exists():
+        dest = corrupt.with_name(f"{CORRUPT_PREFIX}{corrupt.name}.{n}")
+        n += 1
+    os.replace(corrupt, dest)
+    return dest
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The step of a checkpoint directory from its name (``[corrupt-]step_N[.K]``); None if not one."""
+    digits = path.name.removeprefix(CORRUPT_PREFIX).removeprefix("step_").split(".")[0]
+    return int(digits) if digits.isdigit() else None
+
+
+def corrupt_aside(path: Path) -> list[Path]:
+    """The corrupt checkpoints set aside in a run directory (``checkpoints/corrupt-step_*``)."""
+    root = checkpoints_dir(path)
+    return sorted(root.glob(CORRUPT_PREFIX + "step_*")) if root.is_dir() else []
+
+
 @dataclass
 class RunDirState:
     """What a run directory holds: valid checkpoints (newest first), corrupt ones with the check
@@ -109,7 +161,7 @@ def scan(path: Path) -> RunDirState:
         with open(metrics) as f:
             steps = sum('"loss"' in line for line in f)
     results = [name for name in RESULTS if (path / name).exists()
-               and not (name == METRICS and steps == 0) and not (name == "checkpoints" and not (valid or corrupt))]
+               and not (name == METRICS and steps == 0) and not (name == "checkpoints" and not (valid or corrupt or corrupt_aside(path)))]
     return RunDirState(path, valid, corrupt, steps, results)
 
 

@@ -10,7 +10,9 @@ workers and checkpoints are written by the workers themselves.
 
 from __future__ import annotations
 
+import errno
 import logging
+import shutil
 import signal
 import threading
 import time
@@ -31,9 +33,18 @@ from ray_moe.config import Config
 from ray_moe.driver.group import GroupError, WorkerFailure, WorkerGroup, connect
 from ray_moe.driver.loggers import make_sinks
 from ray_moe.driver.metrics import MetricsLog, aggregate_step
+from ray_moe.driver.preflight import preflight
 from ray_moe.driver.progress import Progress
 from ray_moe.driver.rebalancer import Rebalancer
-from ray_moe.driver.run_dir import archive_results, plan_start, resolve_run_dir, scan
+from ray_moe.driver.run_dir import (
+    archive_results,
+    checkpoint_step,
+    lock_run_dir,
+    plan_start,
+    resolve_run_dir,
+    scan,
+    set_aside,
+)
 from ray_moe.placement.placement import Placement
 from ray_moe.topology import node_of_rank
 from ray_moe.worker.actor import EPWorker
@@ -56,6 +67,26 @@ class TrainingInterrupted(TrainingError):
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
 
 
+# Errors a worker raises that a new worker group would meet again: not retried, whatever
+# train.max_failures says (bad data, bad config or checkpoint, a full or read-only disk).
+FATAL_ERRORS = ("DataError", "ConfigError", "CheckpointError", "WeightsError", "ArchError", "TrainingError")
+FATAL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def retryable(failure: WorkerFailure) -> bool:
+    """A dead or hung worker is retried on a new group; an error that a worker raised is not when
+    it is one that no restart fixes (see FATAL_ERRORS, FATAL_ERRNOS)."""
+    if failure.cause != "error":
+        return True
+    original = getattr(failure.__cause__, "cause", None) or failure.__cause__
+    if original is None:
+        return True
+    names = {c.__name__ for c in type(original).__mro__}
+    if names & set(FATAL_ERRORS):
+        return False
+    return not (isinstance(original, OSError) and original.errno in FATAL_ERRNOS)
+
+
 class Trainer:
     """Runs training steps of one run on a worker group.
 
@@ -71,6 +102,7 @@ class Trainer:
     def __init__(self, config: Config, address: str | None = None, progress: bool = True,
                  group: WorkerGroup | None = None):
         self.arch = config.validate()  # the one resolution of the architecture; the workers build from it
+        preflight(config, self.arch)  # what the workers would refuse (ConfigError, DataError): before anything starts
         self.config = config
         self.address = address
         self.progress = progress
@@ -85,10 +117,16 @@ class Trainer:
         self._last_health = time.monotonic()
         self._stop_signal: int | None = None
         self._progress: Progress | None = None
-        # The run directory first: a run that cannot keep its results does not start.
+        # The run directory first: a run that cannot keep its results does not start, and a
+        # directory another run is writing is refused before anything in it is read or changed.
         self.run_dir = resolve_run_dir(config.train)
-        state = scan(self.run_dir)
-        resume_from = plan_start(state, config.train.resume, config.train.overwrite)
+        self._run_lock = lock_run_dir(self.run_dir)
+        try:
+            state = scan(self.run_dir)
+            resume_from = plan_start(state, config.train.resume, config.train.overwrite)
+        except BaseException:
+            self._release_run_dir()
+            raise
         if resume_from is None and state.has_results:
             archived = archive_results(self.run_dir)
             log.warning("train.overwrite=true: moved the earlier run in %s to %s", self.run_dir, archived)
@@ -153,6 +191,8 @@ class Trainer:
         self.log.event("failure", rank=failure.rank, cause=failure.cause, message=str(failure),
                        step=self.step_count, failures=self.failures, **failure.where)
         log.warning("worker failure (%s) at step %d: %s", failure.cause, self.step_count, failure)
+        if not retryable(failure):
+            raise TrainingError(f"{failure} (not retried: a new worker group would meet it again)") from failure
         if self.failures > self.config.train.max_failures:
             raise TrainingError(
                 f"{failure} (failure {self.failures}, train.max_failures={self.config.train.max_failures})"
@@ -177,12 +217,15 @@ class Trainer:
                        world_size=self.world_size, seconds=time.perf_counter() - t0)
 
     def _report_corrupt(self, corrupt: list[tuple[Path, str]]) -> None:
-        """One warning line and one metrics event per corrupt checkpoint (never used, never deleted)."""
+        """One warning line and one metrics event per corrupt checkpoint: never used, never deleted,
+        moved aside to ``checkpoints/corrupt-step_N`` so that no later save replaces it. The
+        event's ``step`` is the corrupt checkpoint's step."""
         for path, why in corrupt:
-            if any(r.get("event") == "corrupt_checkpoint" and r.get("path") == str(path) for r in self.log.records):
+            aside = set_aside(path)
+            if any(r.get("event") == "corrupt_checkpoint" and r.get("path") == str(aside) for r in self.log.records):
                 continue
-            log.warning("skipping corrupt checkpoint: %s", why)
-            self.log.event("corrupt_checkpoint", path=str(path), check=why, step=self.step_count)
+            log.warning("skipping corrupt checkpoint (kept as %s): %s", aside.name, why)
+            self.log.event("corrupt_checkpoint", path=str(aside), check=why, step=checkpoint_step(path))
 
     def _start_group_on_available(self) -> None:
         """Same world size when the cluster still fits it, else the largest one that fits
@@ -343,6 +386,14 @@ class Trainer:
         assert self.group is not None
         timeout = self.config.train.step_timeout_s
         staging = new_staging_dir(self.run_dir, self.step_count)
+        try:
+            return self._save_into(staging, timeout)
+        except BaseException:  # the previous checkpoint stays the newest; no .tmp-step_* is left behind
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+    def _save_into(self, staging: Path, timeout: float) -> Path:
+        assert self.group is not None
         files = self.group.call(EPWorker.save_shard, str(staging), timeout=timeout)
         meta = {
             "step": self.step_count,
@@ -397,7 +448,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ records
     def plot(self) -> list[Path]:
-        return self.log.plot(self.run_dir)
+        unit = "nats/token" if self.config.data.datasets else "nats/byte"  # token datasets, else bytes
+        blocks = list(self.model_report.moe_layers) if self.model_report is not None else None
+        return self.log.plot(self.run_dir, unit, blocks)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -418,6 +471,12 @@ class Trainer:
         if getattr(self, "log", None) is not None:
             self.log.close()
             self.log.sinks = []
+        self._release_run_dir()
+
+    def _release_run_dir(self) -> None:
+        lock, self._run_lock = getattr(self, "_run_lock", None), None
+        if lock is not None:
+            lock.close()
 
     def __enter__(self) -> "Trainer":
         return self

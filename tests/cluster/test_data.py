@@ -24,7 +24,7 @@ from ray_moe.data.prepare import prepare
 from ray_moe.data.shards import META_FILE, val_mask
 from ray_moe.data.tokenizer import train_bpe
 from ray_moe.data.writer import ShardWriter
-from ray_moe.driver.trainer import Trainer, TrainingError
+from ray_moe.driver.trainer import Trainer
 from tests.support import small_config
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -132,7 +132,7 @@ def test_a_mismatched_dataset_stops_the_trainer_before_any_step(groups, dataset,
     else:
         cfg = _train_config(tmp_path, dataset, tokenizer_dir, **{"model.vocab_size": 300})
         message = "tokenizer of 512 tokens but model.vocab_size=300"
-    with pytest.raises(TrainingError, match=message) as err:
+    with pytest.raises(DataError, match=message) as err:
         Trainer(cfg, progress=False, group=groups(2))
     assert str(dataset) in str(err.value)
     assert latest_checkpoint(tmp_path / "run") is None
@@ -178,3 +178,15 @@ def test_bad_input_is_named_and_nothing_is_written(tokenizer_dir, tmp_path, caps
     assert cli.main(["tokenizer", "train", "--vocab-size", "300", "--input", INPUTS[1], "--out",
                      str(tmp_path / "t")]) == 0
     assert (tmp_path / "t" / "tokenizer.json").is_file()
+
+
+def test_a_malformed_json_line_found_by_ray_data_is_named_by_file_and_line(tokenizer_dir, ray_cluster, tmp_path):
+    """Past the first 64 KiB the driver checks, Ray Data's reader fails on a broken line without
+    naming it: prepare names the file and the line, and leaves nothing behind."""
+    path = tmp_path / "rows.jsonl"
+    rows = [json.dumps({"text": f"row {i} " * 20}) for i in range(2000)]
+    path.write_text("\n".join(rows[:1500] + ['{"text": broken'] + rows[1500:]) + "\n")
+    with pytest.raises(DataError, match=f"^{path}:1501: not valid JSON"):
+        prepare([str(path)], str(tokenizer_dir), str(tmp_path / "out"), address=ray_cluster,
+                **{**PREPARE, "workers": 1})
+    assert not (tmp_path / "out").exists()

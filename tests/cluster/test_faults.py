@@ -51,7 +51,7 @@ def _hang(worker):
 
 
 def test_hung_worker_is_detected_within_timeout(ray_cluster, tmp_path):
-    cfg = small_config(tmp_path, **{"train.step_timeout_s": 2})
+    cfg = small_config(tmp_path, **{"train.step_timeout_s": 2, "train.max_failures": 0})
     with Trainer(cfg, progress=False) as t:
         t.group.execute(_hang)
         t0 = time.monotonic()
@@ -107,3 +107,40 @@ def test_corrupt_checkpoint_is_refused_and_previous_kept(groups, tmp_path):
         assert t.restore() == 1
 
 
+
+
+def _full_disk(worker, on: bool):
+    import errno
+
+    import ray_moe.checkpoint as ckpt
+
+    if not on:
+        ckpt.write_shard = ckpt._real_write_shard
+        return
+    ckpt._real_write_shard = ckpt.write_shard
+
+    def full(staging, rank, tensors):
+        raise OSError(errno.ENOSPC, "No space left on device", str(staging))
+
+    ckpt.write_shard = full
+
+
+def test_a_full_disk_is_not_retried_and_leaves_no_temporary_checkpoint(groups, tmp_path):
+    """Recovery is on by default, but a new group would meet a full disk again: one failure, one
+    line naming it, the previous checkpoint kept and no .tmp-step_* directory left."""
+    cfg = small_config(tmp_path, **{"train.checkpoint_interval": 2})
+    assert cfg.train.max_failures > 0
+    group = groups(2)
+    with Trainer(cfg, progress=False, group=group) as t:
+        t.step()
+        t.step()  # step 2 checkpoints
+        group.execute(_full_disk, True)
+        try:
+            t.step()
+            with pytest.raises(TrainingError, match="No space left on device.*not retried"):
+                t.step()
+        finally:
+            group.execute(_full_disk, False)
+        assert t.failures == 1
+    root = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002"]

@@ -62,7 +62,9 @@ def test_corrupt_checkpoint_is_named_and_the_previous_one_used(groups, tmp_path,
     run = Path(cfg.train.run_dir)
     with Trainer(cfg, progress=False, group=groups(2)) as t:
         t.train()
-    _corrupt(run / "checkpoints" / "step_00000004" / "rank00001.safetensors")
+    bad = run / "checkpoints" / "step_00000004" / "rank00001.safetensors"
+    _corrupt(bad)
+    bad_bytes = bad.read_bytes()
     with Trainer(cfg.with_overrides(["train.resume=auto", "train.steps=6"]), progress=False,
                  group=groups(2)) as t:
         assert t.step_count == 2  # step 4's checkpoint is corrupt: step 2's is used
@@ -70,9 +72,13 @@ def test_corrupt_checkpoint_is_named_and_the_previous_one_used(groups, tmp_path,
     warned = [r.getMessage() for r in caplog.records if "corrupt checkpoint" in r.getMessage()]
     assert len(warned) == 1 and "step_00000004/rank00001.safetensors" in warned[0] and "sha256" in warned[0]
     events = [r for r in _rows(run) if r.get("event") == "corrupt_checkpoint"]
-    assert len(events) == 1 and events[0]["path"].endswith("step_00000004") and "sha256" in events[0]["check"]
+    assert len(events) == 1 and events[0]["path"].endswith("corrupt-step_00000004") and "sha256" in events[0]["check"]
+    assert events[0]["step"] == 4  # the corrupt checkpoint's step, not the run's at the time
     assert _steps(run) == [1, 2, 3, 4, 5, 6]  # steps 3-4 replayed once, not twice
     assert (run / "checkpoints" / "step_00000006").is_dir()
+    # kept aside under a name of its own: the resumed run's own step 4 did not replace it
+    assert (run / "checkpoints" / "corrupt-step_00000004" / "rank00001.safetensors").read_bytes() == bad_bytes
+    assert (run / "checkpoints" / "step_00000004").is_dir()
 
 
 def test_all_corrupt_with_resume_exits_2_naming_the_files(groups, tmp_path):
@@ -163,3 +169,38 @@ def test_soak_three_worker_kills_end_with_the_uninterrupted_weights(groups, ray_
     assert set(stormy) == set(calm)
     for k in calm:
         assert torch.equal(stormy[k], calm[k]), k
+
+
+def _train_cli(cfg, tmp_path, address: str) -> subprocess.CompletedProcess:
+    (tmp_path / "cfg.yaml").write_text(cfg.to_yaml())
+    return subprocess.run([sys.executable, "-m", "ray_moe.cli", "train", "--config", str(tmp_path / "cfg.yaml"),
+                           "--address", address], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+
+
+def _one_error_line(r: subprocess.CompletedProcess, start: str) -> str:
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    errors = [line for line in r.stderr.splitlines() if "\tINFO " not in line]  # Ray's connection notes
+    assert len(errors) == 1 and errors[0].startswith(start), r.stderr
+    assert "Traceback" not in r.stdout + r.stderr and "Unhandled error" not in r.stdout + r.stderr
+    return errors[0]
+
+
+@pytest.mark.parametrize("case", ["missing data", "unreadable weights"])
+def test_an_error_the_workers_would_raise_is_one_line(ray_cluster, tmp_path, case):
+    """A missing data path is refused on the driver before any worker starts; past the driver's
+    checks (weights that cannot be read), every rank raises and the user still sees the project's
+    one line, exit 2, and neither Ray's "Unhandled error" nor a traceback."""
+    from ray_moe import arch
+
+    if case == "missing data":
+        cfg = small_config(tmp_path, **{"data.paths": str(tmp_path / "nope.txt")})
+        line = _one_error_line(_train_cli(cfg, tmp_path, ray_cluster), "ray-moe train: error: data.paths: ")
+        assert "nope.txt' does not exist" in line
+        return
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(arch.preset("qwen3_moe-tiny")))
+    (model / "model.safetensors").write_bytes(b"not safetensors" * 10)
+    cfg = small_config(tmp_path, **{"model.init_from": str(model), "model.arch": "qwen3_moe",
+                                    "moe.num_experts": 8})
+    _one_error_line(_train_cli(cfg, tmp_path, ray_cluster), "ray-moe train: error: workers could not build")

@@ -9,6 +9,7 @@ import torch
 
 from ray_moe.checkpoint import latest_checkpoint
 from ray_moe.comm.local import LocalTransport
+from ray_moe.data.errors import DataError
 from ray_moe.driver.group import GroupError
 from ray_moe.driver.trainer import Trainer, TrainingError
 from ray_moe.worker.engine import Engine
@@ -112,7 +113,7 @@ def test_notebook_session_reconnects_and_resumes(ray_cluster, groups, tmp_path):
 
 def test_missing_corpus_path_fails_fast(groups, tmp_path):
     cfg = small_config(tmp_path, **{"data.paths": str(tmp_path / "nope.txt")})
-    with pytest.raises(TrainingError, match="nope.txt"):
+    with pytest.raises(DataError, match="nope.txt"):
         Trainer(cfg, progress=False, group=groups(2))
 
 
@@ -120,7 +121,7 @@ def test_empty_corpus_fails_fast(groups, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     cfg = small_config(tmp_path, **{"data.paths": str(empty)})
-    with pytest.raises(TrainingError, match="bytes"):
+    with pytest.raises(DataError, match="bytes"):
         Trainer(cfg, progress=False, group=groups(2))
 
 

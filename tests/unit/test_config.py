@@ -367,11 +367,6 @@ def test_yaml_missing_file(tmp_path):
     assert str(missing) in str(info.value) and "does not exist" in str(info.value)
 
 
-def test_yaml_directory_is_not_a_file(tmp_path):
-    with pytest.raises(ConfigError, match="does not exist"):
-        Config.from_yaml(tmp_path)
-
-
 def test_yaml_invalid(tmp_path):
     path = write(tmp_path, "model: {d_model: 32\nmoe: [\n")
     with pytest.raises(ConfigError) as info:
@@ -556,3 +551,19 @@ def test_data_datasets_take_paths_and_weights():
             Config().with_overrides([bad])
     with pytest.raises(ConfigError, match="data.paths and data.datasets are exclusive"):
         cfg.with_overrides(["data.paths=[x.txt]"])
+
+
+def test_progress_off_is_taken_on_the_command_line_and_in_a_file(tmp_path):
+    """YAML reads ``off`` as false: train.progress=off is the documented value, not a boolean."""
+    assert Config().with_overrides(["train.progress=off"]).train.progress == "off"
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  progress: off\n")
+    assert Config.from_yaml(path).train.progress == "off"
+    with pytest.raises(ConfigError, match="train.progress='true' is not allowed; choose one of auto, bar, lines, off"):
+        Config().with_overrides(["train.progress=on"])
+
+
+def test_config_directory_is_named_as_a_directory(tmp_path):
+    (tmp_path / "tiny.yaml").write_text("train: {steps: 1}\n")
+    with pytest.raises(ConfigError, match="is a directory; give a YAML file \\(it holds tiny.yaml\\)"):
+        Config.from_yaml(tmp_path)

@@ -13,18 +13,19 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "ray_moe"
 
 # What each part of the package may import (besides itself). Shared base modules first.
-BASE = {"arch", "config", "topology", "device"}
+BASE = {"arch", "config", "topology", "device", "dirlock"}
 ALLOWED = {
     "arch": set(),
     "config": {"arch"},
     "topology": set(),
     "device": set(),
+    "dirlock": set(),
     "kernels": set(),
     "comm": {"topology"},
     "placement": set(),
     "model": {"arch", "config", "comm", "kernels", "placement"},
     "checkpoint": {"arch", "config", "placement"},
-    "data": {"config"},
+    "data": {"config", "dirlock"},
     "validation": BASE | {"comm", "kernels", "model", "placement"},
     "worker": BASE | {"checkpoint", "comm", "data", "model", "placement"},
     "driver": BASE | {"checkpoint", "comm", "placement", "worker"},

@@ -107,3 +107,66 @@ def test_run_dir_that_is_a_file_is_one_line(tmp_path):
     (tmp_path / "taken").write_text("a file")
     with pytest.raises(RunDirError, match="train.run_dir=.*taken/run is not a writable directory"):
         resolve_run_dir(TrainConfig(run_dir=str(tmp_path / "taken" / "run")))
+
+
+def test_a_second_run_into_a_run_directory_is_refused_naming_the_first(tmp_path):
+    """One writer per run directory: while a run (here another process) holds the directory, a
+    Trainer into it is refused before it reads or changes anything, naming the holder's pid and
+    host; once that run ends, the directory is free again."""
+    import socket
+    import subprocess
+    import sys
+
+    from ray_moe.driver.trainer import Trainer
+    from tests.support import small_config
+
+    cfg = small_config(tmp_path, **{"train.resume": "auto"})
+    run = tmp_path / "run"
+    run.mkdir()
+    _metrics(run, [1, 2])
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, pathlib; from ray_moe.driver.run_dir import lock_run_dir; "
+         "fh = lock_run_dir(pathlib.Path(sys.argv[1])); print('held', flush=True); sys.stdin.read()", str(run)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = {p.name: p.read_bytes() for p in run.iterdir()}
+        with pytest.raises(RunDirError, match=f"in use by another run \\(pid {holder.pid} on "
+                                              f"{socket.gethostname()}\\).*nothing was changed"):
+            Trainer(cfg, progress=False)
+        assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    from ray_moe.driver.run_dir import lock_run_dir
+
+    lock_run_dir(run).close()  # the holder ended: its lock went with it
+
+
+def test_a_lock_is_one_per_open_file_even_in_one_process(tmp_path):
+    from ray_moe.driver.run_dir import lock_run_dir
+
+    first = lock_run_dir(tmp_path)
+    with pytest.raises(RunDirError, match="in use by another run"):
+        lock_run_dir(tmp_path)
+    first.close()
+    lock_run_dir(tmp_path).close()
+
+
+def test_corrupt_checkpoints_are_set_aside_under_a_name_of_their_own(tmp_path):
+    from ray_moe.driver.run_dir import checkpoint_step, corrupt_aside, set_aside
+
+    bad = _checkpoint(tmp_path, 4, corrupt=True)
+    good = _checkpoint(tmp_path, 2)
+    state = scan(tmp_path)
+    assert state.valid == [good] and [p for p, _ in state.corrupt] == [bad]
+    aside = set_aside(bad)
+    assert aside.name == "corrupt-step_00000004" and not bad.exists() and checkpoint_step(aside) == 4
+    again = _checkpoint(tmp_path, 4, corrupt=True)  # the same step corrupt twice: both kept
+    assert set_aside(again).name == "corrupt-step_00000004.1"
+    assert set_aside(aside) == aside  # already aside: left alone
+    state = scan(tmp_path)
+    assert state.valid == [good] and state.corrupt == []  # not a checkpoint any more, and not deleted
+    assert [p.name for p in corrupt_aside(tmp_path)] == ["corrupt-step_00000004", "corrupt-step_00000004.1"]
+    (tmp_path / "checkpoints" / "step_00000002").rename(tmp_path / "elsewhere")
+    assert scan(tmp_path).has_results  # only corrupt ones left aside: still an earlier run's results

@@ -1,0 +1,91 @@
+"""Checks on the driver before any worker starts: one line naming the key, the value and what is
+allowed, at once (the workers would refuse the same inputs after seconds of start-up)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ray_moe import arch
+from ray_moe.config import Config, ConfigError
+from ray_moe.data.errors import DataError
+from ray_moe.driver.preflight import check_init_from, preflight
+from ray_moe.driver.trainer import Trainer
+from tests.support import small_config
+
+NOWHERE = "127.0.0.1:9"  # a Trainer that got past its checks would fail here, not start Ray
+
+
+def test_a_missing_data_path_is_refused_before_any_worker(tmp_path):
+    cfg = small_config(tmp_path, **{"data.paths": str(tmp_path / "nope.txt")})
+    with pytest.raises(DataError, match="nope.txt' does not exist"):
+        Trainer(cfg, address=NOWHERE, progress=False)
+
+
+def test_a_binary_data_path_is_refused_before_any_worker(tmp_path):
+    (tmp_path / "blob.bin").write_bytes(b"\x00\x01\x02" * 1000)
+    cfg = small_config(tmp_path, **{"data.paths": str(tmp_path / "blob.bin")})
+    with pytest.raises(DataError, match="blob.bin' is not text"):
+        Trainer(cfg, address=NOWHERE, progress=False)
+
+
+def test_a_large_corpus_is_checked_on_its_first_part(tmp_path, monkeypatch):
+    import ray_moe.driver.preflight as pf
+
+    monkeypatch.setattr(pf, "DRIVER_READ_BYTES", 1000)
+    (tmp_path / "a.txt").write_text("text " * 1000)
+    (tmp_path / "b.txt").write_bytes(b"\x00" * 100)  # past the first part: left to the workers
+    cfg = small_config(tmp_path, **{"data.paths": str(tmp_path), "data.max_bytes": 0})
+    preflight(cfg, cfg.resolve_arch())
+
+
+def _model_dir(tmp_path, **changes):
+    hf = arch.preset("qwen3_moe-tiny") | changes
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(hf))
+    (d / "model.safetensors").write_bytes(b"")  # present: what is in it is the workers' to read
+    return d
+
+
+def test_init_from_that_does_not_exist_says_so(tmp_path):
+    with pytest.raises(ConfigError, match="model.init_from='.*/gone' does not exist; expected a Hugging Face"):
+        Config().with_overrides([f"model.init_from={tmp_path / 'gone'}"])
+    cfg = Config().with_overrides(["model.hf_config=qwen3_moe-tiny"])
+    cfg.model.init_from = str(tmp_path / "gone")  # with hf_config, config validation passes: the driver says it
+    with pytest.raises(ConfigError, match="model.init_from='.*/gone' does not exist"):
+        check_init_from(cfg, cfg.resolve_arch())
+    (tmp_path / "file").write_text("")
+    cfg.model.init_from = str(tmp_path / "file")
+    with pytest.raises(ConfigError, match="is a file; expected a Hugging Face model directory"):
+        check_init_from(cfg, cfg.resolve_arch())
+
+
+def test_init_from_whose_config_differs_from_hf_config_names_the_conflict_and_the_fix(tmp_path):
+    d = _model_dir(tmp_path, hidden_size=arch.preset("qwen3_moe-tiny")["hidden_size"] * 2)
+    cfg = Config().with_overrides(["model.hf_config=qwen3_moe-tiny"])
+    cfg.model.init_from = str(d)
+    with pytest.raises(ConfigError, match=r"differs from model.hf_config='qwen3_moe-tiny' \(hidden_size .* there, "
+                                          r".* in model.hf_config.*clear model.hf_config"):
+        check_init_from(cfg, cfg.resolve_arch())
+    (d / "config.json").write_text(json.dumps(arch.preset("qwen3_moe-tiny")))
+    check_init_from(cfg, cfg.resolve_arch())  # the same config: taken
+    (d / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match="holds no weights \\(neither model.safetensors nor model.safetensors.index.json"):
+        check_init_from(cfg, cfg.resolve_arch())
+
+
+def test_arch_of_an_unknown_source_is_one_line_and_exit_2():
+    r = subprocess.run([sys.executable, "-m", "ray_moe.arch", "UNKNOWN"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "neither a preset" in r.stderr
+
+
+def test_a_refused_input_leaves_no_run_directory(tmp_path):
+    cfg = small_config(tmp_path, **{"data.paths": str(tmp_path / "nope.txt")})
+    with pytest.raises(DataError):
+        Trainer(cfg, address=NOWHERE, progress=False)
+    assert not (tmp_path / "run").exists()
