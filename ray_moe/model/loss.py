@@ -4,7 +4,7 @@ At a real vocabulary the logits are the largest tensor of a step (V=151936, N=32
 20 GB in float32, and as much again for their gradient). :func:`lm_loss` computes the loss and
 both gradients chunk by chunk of rows instead:
 
-- ``chunked`` (the default, any device): a custom autograd function. Per chunk of ``c`` rows it
+- ``chunked`` (any device; ``auto``'s choice off CUDA): a custom autograd function. Per chunk of ``c`` rows it
   forms the chunk's logits in the model dtype (as ``hidden @ weightᵀ`` would), upcasts them to
   float32 for the log-sum-exp, and turns them in place into the logits' gradient (softmax − one
   hot, divided by the number of counted rows), from which it takes the chunk's hidden-state
