@@ -248,7 +248,8 @@ def titan_rows(args: argparse.Namespace, layers: int) -> dict[str, Any]:
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=device)
-    model.to(dtype)
+        for param in model.parameters():  # parameters only: the RoPE cache and the expert counters stay float32
+            param.data = param.data.to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device.type == "cuda")
     batch = max(1, args.tokens // args.seq_len)
@@ -293,6 +294,8 @@ def titan_rows(args: argparse.Namespace, layers: int) -> dict[str, Any]:
     row = _step_row("torchtitan", layers, _median_rows(phases), statistics.median(steps), args, spec)
     row.update(peak_gib=_peak_gib(device), in_use_gib=base / 2**30, loss_impl="full logits (float32)",
                optimizer_impl="torch fused AdamW, bf16 params")
+    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+        row["note"] = "every layer MoE here; the HF config has dense layers"
     del model, opt
     _free(device)
     return row
