@@ -238,7 +238,7 @@ class TrainConfig:
     master_weights: bool = True  # fp32 masters + fp32 AdamW state; false: update compute-dtype params
     optimizer_impl: str = "auto"  # auto (onepass on CUDA, foreach elsewhere) | onepass | fused | foreach | for_loop
     loss_impl: str = "auto"  # auto (fused on CUDA, else liger there, else chunked) | chunked | fused | liger
-    loss_chunk: int = 0  # rows per chunk of the chunked LM loss; 0 = automatic
+    loss_chunk: int = 0  # rows per chunk of the chunked and fused LM loss; 0 = automatic (per impl)
 
     def check(self) -> None:
         _positive("train.steps", self.steps, allow_zero=True)
