@@ -19,7 +19,8 @@ logits ``[N, V]`` never exist; rows go through in chunks of ``c`` rows:
 
 Chunk size (:func:`fused_chunk`): as many rows as make the chunk's logits no larger than the
 float32 weight-gradient accumulator ``[V, H]`` the loss holds anyway (``c = 4H / element
-size``, a power of two: 4096 rows for H = 2048 in bf16). Large chunks matter: every chunk reads
+size``, a power of two: 4096 rows for H = 2048 in bf16), or than 64 MiB where that is more
+(a small vocabulary: one chunk of many rows). Large chunks matter: every chunk reads
 and writes the whole float32 ``dW`` once (1.2 GB at V = 151,936, H = 2048), so Liger's and the
 chunked path's rule (chunks of ~N / ⌈V / H⌉ rows, 256 rows at 16k tokens there) turns the
 weight-gradient GEMMs memory-bound; with ``c = 2H`` that traffic is ``4·N·V`` bytes, about
@@ -42,6 +43,7 @@ import triton
 import triton.language as tl
 
 IGNORE_INDEX = -100
+SMALL_CHUNK_BYTES = 64 * 2**20  # logits chunks below this are never split further
 
 
 @triton.jit
@@ -107,10 +109,12 @@ def ce_rows_(
                           BLOCK_V=block, WRITE_GRAD=write_grad, num_warps=16 if block >= 4096 else 4)
 
 
-def fused_chunk(rows: int, hidden: int, elem_bytes: int) -> int:
-    """Rows per chunk: the largest power of two ≤ 4·H / elem_bytes (the chunk's logits then take
-    at most the float32 [V, H] weight-gradient accumulator's bytes), at least 16, at most N."""
-    cap = max(16, (4 * hidden) // max(1, elem_bytes))
+def fused_chunk(rows: int, vocab: int, hidden: int, elem_bytes: int) -> int:
+    """Rows per chunk: the largest power of two whose logits ``[c, V]`` take at most the float32
+    ``[V, H]`` weight-gradient accumulator's bytes (``c ≤ 4·H / elem_bytes``) or 64 MiB, whichever
+    is more (a small vocabulary then runs in few chunks), at least 16, at most N."""
+    budget = max(4 * vocab * hidden, SMALL_CHUNK_BYTES)
+    cap = max(16, budget // max(1, vocab * elem_bytes))
     return max(1, min(1 << (cap.bit_length() - 1), rows))
 
 
@@ -148,7 +152,7 @@ def linear_cross_entropy(
     """
     N, H = hidden.shape
     V = weight.shape[0]
-    rows = rows or fused_chunk(N, H, hidden.element_size())
+    rows = rows or fused_chunk(N, V, H, hidden.element_size())
     valid = targets != ignore_index
     scale = valid.sum(dtype=torch.float32).reciprocal().reshape(1)  # inf when no row counts
     loss_rows = torch.empty(N, dtype=torch.float32, device=hidden.device)

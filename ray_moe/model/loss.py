@@ -14,7 +14,7 @@ both gradients chunk by chunk of rows instead:
 - ``fused`` (CUDA; or the CPU under ``TRITON_INTERPRET=1``): :mod:`ray_moe.kernels.linear_ce` —
   the same three GEMMs (cuBLAS) around one Triton kernel per chunk that does the log-sum-exp, the
   loss and the logits' gradient in place in the model dtype (the chunked path's ~6 elementwise
-  kernels over float32 copies), and chunks of ``4·H / element size`` rows (4096 at H = 2048
+  kernels over float32 copies), and chunks of ``4·H / element size`` rows or 64 MiB (4096 at H = 2048
   bf16), so the float32 weight-gradient accumulator is read and written a few times per step
   instead of once per 256 rows. No host synchronisation.
 - ``liger``: Liger-Kernel's fused linear cross-entropy (Triton; the same chunking with the softmax

@@ -95,11 +95,14 @@ def test_fused_linear_ce_matches_full_logits_under_the_interpreter(interpreter_s
 def test_fused_chunk_keeps_logits_within_the_weight_gradient():
     from ray_moe.kernels.linear_ce import fused_chunk
 
-    assert fused_chunk(16384, 2048, 2) == 4096  # 4096 x V bf16 logits = V x 2048 float32 dW
-    assert fused_chunk(16384, 2048, 4) == 2048
-    assert fused_chunk(16384, 3000, 2) == 4096  # a power of two below 6000
-    assert fused_chunk(100, 2048, 2) == 100 and fused_chunk(1, 2, 4) == 1
-    assert fused_chunk(10**6, 2, 4) == 16  # never below 16 rows
+    V = 151936
+    assert fused_chunk(16384, V, 2048, 2) == 4096  # 4096 x V bf16 logits = V x 2048 float32 dW
+    assert fused_chunk(16384, V, 2048, 4) == 2048
+    assert fused_chunk(16384, V, 3000, 2) == 4096  # a power of two below 6000
+    assert fused_chunk(100, V, 2048, 2) == 100 and fused_chunk(1, V, 2, 4) == 1
+    assert fused_chunk(10**6, V, 2, 4) == 64  # 64 MiB of float32 logits: 110 rows → 64
+    assert fused_chunk(16384, 256, 64, 2) == 16384  # small vocabulary: one chunk (not 128-row ones)
+    assert fused_chunk(10**6, 10**7, 1, 4) == 16  # never below 16 rows
 
 
 def test_loss_impl_resolution_and_the_fallback_warning(monkeypatch, caplog):
