@@ -479,7 +479,7 @@ def main(argv: list[str]) -> int:
                     traceback.print_exc()
                     new = [{"model": name, "layers": layers, "note": f"failed: {type(exc).__name__}: "
                                                                      f"{(str(exc).splitlines() or [''])[0][:200]}"}]
-                    _free(device)
+                _free(device)  # here, not in the handler: the traceback's frames hold the failed model until it ends
                 _print_table(new)
                 rows += new
                 _write_json(args, device, titan_error, rows)
