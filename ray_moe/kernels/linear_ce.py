@@ -28,6 +28,8 @@ what the logits themselves cost. Memory: ``c·V`` logits + the float32 ``dW`` + 
 
 Rows whose target is ``ignore_index`` count neither in the sum nor in the mean and get a zero
 gradient; if every row is ignored the loss is NaN and the gradients 0, as ``F.cross_entropy``'s.
+A counted target outside ``[0, V)`` makes the loss NaN (no out-of-bounds read; the step's
+non-finite check then skips it) where ``F.cross_entropy`` raises a device-side assert.
 No host synchronisation (the count of rows stays on the device).
 
 :func:`linear_cross_entropy_reference` is the float32 full-logits oracle; :func:`benchmark`
@@ -57,7 +59,8 @@ def _ce_rows_kernel(
     base = logits_ptr + row * stride_row
     t = tl.load(targets_ptr + row)
     valid = t != ignore_index
-    safe_t = tl.where(valid, t, 0)
+    in_range = (t >= 0) & (t < V)
+    safe_t = tl.where(valid & in_range, t, 0)  # never read outside the row
     cols = tl.arange(0, BLOCK_V)
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)
@@ -69,7 +72,8 @@ def _ce_rows_kernel(
         m = m_new
     lse = m + tl.log(s)
     x_t = tl.load(base + safe_t).to(tl.float32)
-    tl.store(loss_ptr + row, tl.where(valid, lse - x_t, 0.0))
+    # a counted target outside [0, V) makes the loss NaN (F.cross_entropy raises a device assert)
+    tl.store(loss_ptr + row, tl.where(valid, tl.where(in_range, lse - x_t, float("nan")), 0.0))
     if WRITE_GRAD:
         # ignored rows get 0 (also when no row counts and scale is inf, as in F.cross_entropy)
         f = tl.where(valid, tl.load(scale_ptr), 0.0)

@@ -77,6 +77,9 @@ with torch.no_grad():
 hh = h.clone().requires_grad_()
 lm_loss(hh, w, t, impl="fused").backward()
 assert rel_err(hh.grad, rdh) < 1e-5
+# a counted target outside [0, V): NaN loss (not an out-of-bounds read)
+bad = t.clone(); bad[1] = 29
+assert torch.isnan(linear_cross_entropy(h, w, bad)[0])
 # every row ignored: NaN loss and zero gradients, as F.cross_entropy
 t[:] = -100
 loss, dh, dw = linear_cross_entropy(h, w, t)
