@@ -249,8 +249,8 @@ class TrainConfig:
     eps: float = 1e-8
     master_weights: bool = True  # fp32 masters + fp32 AdamW state; false: update compute-dtype params
     optimizer_impl: str = "auto"  # auto (onepass on CUDA, foreach elsewhere) | onepass | fused | foreach | for_loop
-    loss_impl: str = "auto"  # auto (liger on CUDA when it imports, else chunked) | chunked | liger
-    loss_chunk: int = 0  # rows per chunk of the chunked LM loss; 0 = automatic
+    loss_impl: str = "auto"  # auto (fused on CUDA, else liger there, else chunked) | chunked | fused | liger
+    loss_chunk: int = 0  # rows per chunk of the chunked and fused LM loss; 0 = automatic (per impl)
 
     def check(self) -> None:
         _positive("train.steps", self.steps, allow_zero=True)
@@ -280,7 +280,7 @@ class TrainConfig:
         if not self.eps > 0:
             raise ConfigError(f"train.eps={self.eps} must be > 0")
         _choice("train.optimizer_impl", self.optimizer_impl, ("auto", "onepass", "fused", "foreach", "for_loop"))
-        _choice("train.loss_impl", self.loss_impl, ("auto", "chunked", "liger"))
+        _choice("train.loss_impl", self.loss_impl, ("auto", "chunked", "fused", "liger"))
         _positive("train.loss_chunk", self.loss_chunk, allow_zero=True)
 
 

@@ -4,16 +4,27 @@ At a real vocabulary the logits are the largest tensor of a step (V=151936, N=32
 20 GB in float32, and as much again for their gradient). :func:`lm_loss` computes the loss and
 both gradients chunk by chunk of rows instead:
 
-- ``chunked`` (the default, any device): a custom autograd function. Per chunk of ``c`` rows it
+- ``chunked`` (any device; ``auto``'s choice off CUDA): a custom autograd function. Per chunk of ``c`` rows it
   forms the chunk's logits in the model dtype (as ``hidden @ weightᵀ`` would), upcasts them to
   float32 for the log-sum-exp, and turns them in place into the logits' gradient (softmax − one
   hot, divided by the number of counted rows), from which it takes the chunk's hidden-state
   gradient and adds its share of the head's weight gradient (accumulated in float32 across
   chunks). Only one chunk of logits ``[c, V]`` exists at a time; the gradients are kept for
   backward, which scales them by the incoming gradient. No host synchronisation.
+- ``fused`` (CUDA; or the CPU under ``TRITON_INTERPRET=1``): :mod:`ray_moe.kernels.linear_ce` —
+  the same three GEMMs (cuBLAS) around one Triton kernel per chunk that does the log-sum-exp, the
+  loss and the logits' gradient in place in the model dtype (the chunked path's ~6 elementwise
+  kernels over float32 copies), and chunks of ``4·H / element size`` rows or 64 MiB (4096 at H = 2048
+  bf16), so the float32 weight-gradient accumulator is read and written a few times per step
+  instead of once per 256 rows. No host synchronisation.
 - ``liger``: Liger-Kernel's fused linear cross-entropy (Triton; the same chunking with the softmax
   and its gradient in one kernel per chunk), weight gradient accumulated in float32. CUDA only; it
   reads two scalars on the host per call (the counted rows, and whether the incoming gradient is 1).
+
+``auto`` is a rule, not a measurement (timing three loss variants at a real vocabulary costs
+seconds of GEMMs and as much memory as the loss itself): on CUDA ``fused`` (Triton ships with
+torch there), else ``liger`` when it imports, else ``chunked`` — with a warning, once, when that
+fallback happens on CUDA. ``ray-moe bench train --loss-only`` times all of them at a shape.
 
 Rows whose target is ``ignore_index`` count neither in the sum nor in the mean (as in
 ``F.cross_entropy``); if every row is ignored the loss is NaN, as there.
@@ -21,11 +32,16 @@ Rows whose target is ``ignore_index`` count neither in the sum nor in the mean (
 
 from __future__ import annotations
 
+import functools
 import inspect
+import logging
+import os
 
 import torch
 
-LOSS_IMPLS = ("auto", "chunked", "liger")
+log = logging.getLogger(__name__)
+
+LOSS_IMPLS = ("auto", "chunked", "fused", "liger")
 IGNORE_INDEX = -100
 SMALL_LOGITS_BYTES = 64 * 2**20  # float32 logits chunks below this are never split further
 
@@ -40,13 +56,44 @@ def liger_available() -> bool:
     return "accum_dtype" in inspect.signature(liger_fused_linear_cross_entropy).parameters
 
 
+def fused_available(device: torch.device) -> bool:
+    """Whether :mod:`ray_moe.kernels.linear_ce` runs on ``device``: CUDA with Triton, or any
+    device under Triton's interpreter (``TRITON_INTERPRET=1``, for tests)."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        import ray_moe.kernels.linear_ce  # noqa: F401
+    except Exception:  # no triton, or a Triton/CUDA mismatch raised while importing
+        return False
+    return True
+
+
+@functools.cache
+def _warn_fallback(device_type: str) -> None:
+    """Warn once per process (per device type) that ``auto`` fell back to the slow chunked path."""
+    log.warning("train.loss_impl=auto on %s runs the chunked loss (several times slower at a large "
+                "vocabulary): Triton does not import here and neither does liger-kernel "
+                "(pip install 'liger-kernel>=0.6.2')", device_type)
+
+
 def resolve_loss_impl(name: str, device: torch.device) -> str:
-    """``train.loss_impl`` → the implementation to run on ``device``: ``auto`` is ``liger`` on CUDA
-    when it imports, else ``chunked``. Raises ValueError for ``liger`` where it cannot run."""
+    """``train.loss_impl`` → the implementation to run on ``device``: ``auto`` is ``fused`` on
+    CUDA, else ``liger`` there when it imports, else ``chunked`` (warned once on CUDA). Raises
+    ValueError for ``fused`` or ``liger`` where they cannot run."""
     if name not in LOSS_IMPLS:
         raise ValueError(f"train.loss_impl={name!r} is not allowed; choose one of {', '.join(LOSS_IMPLS)}")
     if name == "auto":
-        return "liger" if device.type == "cuda" and liger_available() else "chunked"
+        if device.type != "cuda":
+            return "chunked"
+        if fused_available(device):
+            return "fused"
+        if liger_available():
+            return "liger"
+        _warn_fallback(device.type)
+        return "chunked"
+    if name == "fused" and not fused_available(device):
+        raise ValueError(f"train.loss_impl=fused needs CUDA with Triton but the device is {device}; "
+                         "use chunked or auto")
     if name == "liger":
         if device.type != "cuda":
             raise ValueError(f"train.loss_impl=liger needs CUDA but the device is {device}; use chunked or auto")
@@ -82,9 +129,10 @@ def lm_loss(
         hidden: [N, H] final hidden states (model dtype: float32 or bfloat16).
         head_weight: [V, H] the LM head's weight, same dtype and device as ``hidden``.
         targets: int64 [N] token ids in [0, V), or ``ignore_index``.
-        impl: ``chunked``, ``liger`` or ``auto`` (see the module docstring and
+        impl: ``chunked``, ``fused``, ``liger`` or ``auto`` (see the module docstring and
             :func:`resolve_loss_impl`).
-        chunk: rows per chunk for ``chunked``; 0 = :func:`auto_chunk`.
+        chunk: rows per chunk for ``chunked`` and ``fused``; 0 = :func:`auto_chunk` (chunked),
+            :func:`ray_moe.kernels.linear_ce.fused_chunk` (fused).
         ignore_index: target value of rows that are not counted.
     Returns:
         float32 scalar: mean over the counted rows of -log softmax(hidden @ head_weightᵀ)[target].
@@ -97,13 +145,26 @@ def lm_loss(
 
         return liger_fused_linear_cross_entropy(hidden, head_weight, targets, ignore_index=ignore_index,
                                                 accum_dtype=torch.float32).float()
-    if impl != "chunked":
+    if impl not in ("chunked", "fused"):
         raise ValueError(f"lm_loss impl={impl!r} is not allowed; choose one of {', '.join(LOSS_IMPLS)}")
     N, H = hidden.shape
-    rows = chunk or auto_chunk(N, head_weight.shape[0], H)
+    rows = chunk or (0 if impl == "fused" else auto_chunk(N, head_weight.shape[0], H))
     if torch.is_grad_enabled() and (hidden.requires_grad or head_weight.requires_grad):
-        return _ChunkedLinearCrossEntropy.apply(hidden, head_weight, targets, rows, ignore_index)
-    return _chunked(hidden, head_weight, targets, rows, ignore_index, False, False)[0]
+        return _ChunkedLinearCrossEntropy.apply(hidden, head_weight, targets, rows, ignore_index, impl)
+    return _loss_and_grads(impl, hidden, head_weight, targets, rows, ignore_index, False, False)[0]
+
+
+def _loss_and_grads(
+    impl: str, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int,
+    ignore_index: int, grad_hidden: bool, grad_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(loss, d hidden or None, d weight float32 or None) by ``impl`` (chunked | fused)."""
+    if impl == "fused":
+        from ray_moe.kernels.linear_ce import linear_cross_entropy
+
+        return linear_cross_entropy(hidden, weight, targets, rows=rows, ignore_index=ignore_index,
+                                    grad_hidden=grad_hidden, grad_weight=grad_weight)
+    return _chunked(hidden, weight, targets, rows, ignore_index, grad_hidden, grad_weight)
 
 
 def _check(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> None:
@@ -172,13 +233,13 @@ def _add_mm_t(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Loss in forward with both gradients computed there (the logits never outlive a chunk);
+    """(chunked and fused) Loss in forward with both gradients computed there (the logits never outlive a chunk);
     backward scales them by the incoming gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, rows, ignore_index):
+    def forward(ctx, hidden, weight, targets, rows, ignore_index, impl):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        loss, dh, dw = _chunked(hidden, weight, targets, rows, ignore_index, need_h, need_w)
+        loss, dh, dw = _loss_and_grads(impl, hidden, weight, targets, rows, ignore_index, need_h, need_w)
         ctx.weight_dtype = weight.dtype
         ctx.save_for_backward(dh, dw)
         return loss
@@ -190,4 +251,4 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             dh = torch.mul(dh, grad_loss, out=torch.empty_like(dh))
         if dw is not None:
             dw = torch.mul(dw, grad_loss, out=torch.empty_like(dw, dtype=ctx.weight_dtype))
-        return dh, dw, None, None, None
+        return dh, dw, None, None, None, None

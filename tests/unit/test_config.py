@@ -526,7 +526,7 @@ def test_job_files_load(path):
     ("train.beta1", 1.0, "[0, 1)"), ("train.beta2", -0.1, "[0, 1)"), ("train.eps", 0.0, "> 0"),
     ("train.eps", math.nan, "> 0"), ("train.loss_chunk", -1, ">= 0"),
     ("train.optimizer_impl", "adam", "auto, onepass, fused, foreach, for_loop"),
-    ("train.loss_impl", "full", "auto, chunked, liger"),
+    ("train.loss_impl", "full", "auto, chunked, fused, liger"),
 ])
 def test_precision_keys_rejected(key, value, fragment):
     reject({key: value}, f"{key}=", fragment)

@@ -1,0 +1,500 @@
+"""``ray-moe bench train``: one GPU's training step of an HF family at N layers, phase by phase,
+beside torchtitan's model of the same config; or (``--loss-only``) the LM head + loss alone.
+
+Step mode (default). For each ``--layers`` count: ray_moe's :class:`~ray_moe.worker.engine.Engine`
+on one rank with a :class:`~ray_moe.comm.local.LocalTransport` (what ``ray-moe train`` runs on one
+GPU, without Ray's per-step actor call: the driver's cost is not in these numbers), ``--warmup``
+steps, then ``--iters`` instrumented steps (CUDA events between the phases, one host read of the
+gradient norm as in ``Engine.train_step``):
+
+  forward          embedding, decoder layers, final norm (``model.hidden_states``)
+  lm head + loss   :func:`~ray_moe.model.loss.lm_loss` forward; it also computes both gradients
+  backward         the loss's backward (scaling the saved gradients) and the decoder's backward
+  grad sync        master gradients, global norm (host read)
+  optimizer        AdamW on every parameter (expert and replicated; not split), masters → params
+
+and ``engine.train_step()`` itself for the ``step`` column. Then per layer count: peak memory,
+tokens/s and model TFLOP/s, ``model FLOPs = 6 · A · T + 6 · L · h · d · S · T`` (A: active
+parameters per token, :meth:`ray_moe.arch.ArchSpec.active_params_per_token`, the embedding table
+excluded; T tokens; L layers, h heads, d head dim, S sequence length: the causal attention's two
+GEMMs, forward and backward, half of the full square). With two or more layer counts a row
+``outside layers`` extrapolates the step to zero layers (the embedding, head, loss and the
+optimizer of the replicated non-layer parameters): ``(b·t_a − a·t_b) / (b − a)``.
+
+torchtitan (``--titan``, where it imports: ``scripts/make-titan-bundle.sh``): its ``Qwen3Model``
+built from the same HF config (qwen3_moe only), bf16 parameters, grouped-mm experts, SDPA causal
+attention, the loss as torchtitan's (``F.cross_entropy`` on the full float32 logits), torch's fused
+AdamW on the bf16 parameters (no float32 masters: fewer bytes than ray_moe's optimizer), no load
+balancing bias update. The same phases.
+
+Loss-only mode (``--loss-only``): ``lm_loss`` forward + backward at ``--tokens`` × ``--hidden`` ×
+``--vocab`` for each of chunked, fused (where Triton runs), liger (where it imports) and the full
+float32 logits (torch; skipped where they do not fit), with peak memory, the loss's and the
+gradients' error against the full-logits float32 oracle, and time ratios against ``fused`` (else
+the first). Runs on the CPU at tiny sizes (the fused kernel there only under
+``TRITON_INTERPRET=1``).
+
+Both modes print a table and (``--json``) write the rows with the setup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+PHASES = ("forward", "lm head + loss", "backward", "grad sync", "optimizer")
+
+
+# ============================================================================ helpers
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _reset_peak(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def _peak_gib(device: torch.device, base: int = 0) -> float | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**30
+
+
+class Marks:
+    """Named points in a step: CUDA events on a GPU (no sync until :meth:`ms`), host time on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.points: list[tuple[str, Any]] = []
+
+    def mark(self, name: str) -> None:
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.points.append((name, ev))
+        else:
+            self.points.append((name, time.perf_counter()))
+
+    def ms(self) -> dict[str, float]:
+        """Milliseconds from each point to the next, keyed by the later point's name."""
+        _sync(self.device)
+        out = {}
+        for (_, a), (name, b) in zip(self.points, self.points[1:]):
+            out[name] = a.elapsed_time(b) if self.device.type == "cuda" else 1e3 * (b - a)
+        return out
+
+
+def _median_rows(samples: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+
+
+def _print_table(rows: list[dict]) -> None:
+    from tabulate import tabulate
+
+    cols: list[str] = []
+    for r in rows:
+        cols += [k for k in r if k not in cols]
+    print(tabulate([[r.get(c, "") for c in cols] for r in rows], headers=cols, floatfmt=".3f"), flush=True)
+
+
+def model_flops(spec: Any, tokens: int, seq_len: int) -> float:
+    """Training FLOPs of one step: 6·A·T + 6·L·h·d·S·T (see the module docstring)."""
+    attn = 6.0 * spec.num_layers * spec.num_heads * spec.head_dim * seq_len
+    return (6.0 * spec.active_params_per_token() + attn) * tokens
+
+
+# ============================================================================ ray_moe step
+def engine_config(args: argparse.Namespace, layers: int):
+    """The HF preset at ``layers`` layers as a one-rank training config."""
+    from ray_moe.config import Config
+
+    batch = max(1, args.tokens // args.seq_len)
+    keys = [
+        f"model.hf_config={args.preset}", f"model.hf={json.dumps({'num_hidden_layers': layers})}",
+        f"model.seq_len={args.seq_len}", f"model.dtype={args.dtype}", "parallel.world_size=1",
+        f"parallel.device={args.device}", f"data.max_bytes={args.max_bytes}", f"train.batch_size={batch}",
+        "train.steps=1000", "train.warmup_steps=0", "train.lr=3e-4", "train.grad_clip=1.0", "train.plots=false",
+        *args.set,
+    ]
+    return Config().with_overrides(keys)
+
+
+def instrumented_step(engine: Any, step: int) -> dict[str, float]:
+    """One training step as ``Engine.train_step`` runs it (no poison, no load statistics), timed
+    per phase (:data:`PHASES`, milliseconds)."""
+    from ray_moe.model.loss import lm_loss
+
+    model, opt, device = engine.model, engine.optimizer, engine.device
+    model.train()
+    x, y = engine.batch("train", step)
+    m = Marks(device)
+    m.mark("start")
+    h, aux = model.hidden_states(x)
+    m.mark("forward")
+    ce = lm_loss(h.reshape(-1, h.shape[-1]), model.lm_head.weight, y.reshape(-1),
+                 impl=engine.loss_impl, chunk=engine.config.train.loss_chunk)
+    m.mark("lm head + loss")
+    opt.zero_grad()
+    (ce + aux).backward()
+    m.mark("backward")
+    grad_norm, _ = engine.sync_grads(ce.detach())
+    m.mark("grad sync")
+    clip = engine.config.train.grad_clip
+    opt.step(engine.lr_at(step), clip / (grad_norm + 1e-6) if clip > 0 and grad_norm > clip else 1.0)
+    engine.push_clones()
+    engine.update_routing_bias()
+    m.mark("optimizer")
+    return m.ms()
+
+
+def ray_moe_rows(args: argparse.Namespace, layers: int) -> dict[str, Any]:
+    from ray_moe.comm.local import LocalTransport
+    from ray_moe.topology import RankInfo
+    from ray_moe.worker.engine import Engine
+
+    device = _device(args.device)
+    cfg = engine_config(args, layers)
+    one_rank = RankInfo(0, 1, "local", 0, 1, 0, 1, "127.0.0.1", platform.node(), 0, 0 if device.type == "cuda" else -1)
+    engine = Engine(cfg, one_rank, LocalTransport(), device)
+    spec = cfg.model.resolve_hf()[0]
+    for _ in range(args.warmup):
+        engine.train_step()
+    base = _reset_peak(device)
+    phases = [instrumented_step(engine, engine.step + i) for i in range(args.iters)]
+    steps = [1e3 * engine.train_step()["time"]["step"] for _ in range(args.iters)]
+    row = _step_row("ray_moe", layers, _median_rows(phases), statistics.median(steps), args, spec)
+    row.update(peak_gib=_peak_gib(device), in_use_gib=base / 2**30, loss_impl=engine.loss_impl,
+               optimizer_impl=engine.optimizer.impl,
+               params_replicated=sum(p.numel() for p in engine.replicated),
+               params_expert=sum(p.numel() for p in engine.sharded))
+    del engine
+    _free(device)
+    return row
+
+
+def _step_row(name: str, layers: int, phases: dict[str, float], step_ms: float, args: argparse.Namespace,
+              spec: Any) -> dict[str, Any]:
+    tokens = max(1, args.tokens // args.seq_len) * args.seq_len
+    flops = model_flops(spec, tokens, args.seq_len)
+    return {"model": name, "layers": layers, **{f"{k} ms": v for k, v in phases.items()},
+            "phases ms": sum(phases.values()), "step ms": step_ms, "tokens": tokens,
+            "tokens/s": tokens / (step_ms / 1e3), "model TFLOP/s": flops / (step_ms / 1e3) / 1e12}
+
+
+# ============================================================================ torchtitan
+def titan_import_error() -> str | None:
+    try:
+        import torchtitan.models.qwen3  # noqa: F401
+    except Exception as exc:  # not installed, or an incompatible torch
+        return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
+    return None
+
+
+def titan_args(hf: dict, layers: int, seq_len: int) -> Any:
+    """torchtitan's ``Qwen3ModelArgs`` for a qwen3_moe HF config at ``layers`` layers."""
+    from torchtitan.models.moe import MoEArgs
+    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+
+    if hf.get("model_type") != "qwen3_moe":
+        raise ValueError(f"--titan compares qwen3_moe configs only, got model_type={hf.get('model_type')!r}")
+    return Qwen3ModelArgs(
+        vocab_size=hf["vocab_size"], max_seq_len=seq_len, head_dim=hf["head_dim"], dim=hf["hidden_size"],
+        n_layers=layers, n_heads=hf["num_attention_heads"], n_kv_heads=hf["num_key_value_heads"], qk_norm=True,
+        hidden_dim=hf["intermediate_size"], rope_theta=hf["rope_theta"], norm_eps=hf["rms_norm_eps"],
+        moe_enabled=True, moe_inter_dim=hf["moe_intermediate_size"],
+        moe_args=MoEArgs(num_experts=hf["num_experts"], num_shared_experts=0, top_k=hf["num_experts_per_tok"],
+                         score_func="softmax", route_norm=bool(hf.get("norm_topk_prob", True)), route_scale=1.0,
+                         score_before_experts=False),
+    )
+
+
+def titan_rows(args: argparse.Namespace, layers: int) -> dict[str, Any]:
+    from torchtitan.models.qwen3.model.model import Qwen3Model
+
+    from ray_moe.arch import resolve
+
+    device, dtype = _device(args.device), getattr(torch, args.dtype)
+    spec, hf = resolve(args.preset, {"num_hidden_layers": layers})
+    with torch.device("meta"):
+        model = Qwen3Model(titan_args(hf, layers, args.seq_len))
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)
+        for param in model.parameters():  # parameters only: the RoPE cache and the expert counters stay float32
+            param.data = param.data.to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                            fused=device.type == "cuda")
+    batch = max(1, args.tokens // args.seq_len)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (batch, args.seq_len), generator=g).to(device)  # the byte corpus' range
+    y = torch.randint(0, 256, (batch, args.seq_len), generator=g).to(device)
+
+    def step(m: Marks | None) -> None:
+        mark = m.mark if m else (lambda name: None)
+        mark("start")
+        h = model.tok_embeddings(x)
+        for layer in model.layers.values():
+            h = layer(h, model.rope_cache, None, None)
+        h = model.norm(h)
+        mark("forward")
+        loss = F.cross_entropy(model.output(h).flatten(0, 1).float(), y.flatten(), reduction="sum") / y.numel()
+        mark("lm head + loss")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        mark("backward")
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        float(norm)  # the host read ray_moe's step has too
+        mark("grad sync")
+        opt.step()
+        mark("optimizer")
+
+    for _ in range(args.warmup):
+        step(None)
+    base = _reset_peak(device)
+    phases = []
+    for _ in range(args.iters):
+        m = Marks(device)
+        step(m)
+        phases.append(m.ms())
+    steps = []
+    for _ in range(args.iters):
+        _sync(device)
+        t0 = time.perf_counter()
+        step(None)
+        _sync(device)
+        steps.append(1e3 * (time.perf_counter() - t0))
+    row = _step_row("torchtitan", layers, _median_rows(phases), statistics.median(steps), args, spec)
+    row.update(peak_gib=_peak_gib(device), in_use_gib=base / 2**30, loss_impl="full logits (float32)",
+               optimizer_impl="torch fused AdamW, bf16 params")
+    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+        row["note"] = "every layer MoE here; the HF config has dense layers"
+    del model, opt
+    _free(device)
+    return row
+
+
+def outside_layer_rows(rows: list[dict]) -> list[dict]:
+    """Per model with two or more layer counts a < b: each time column extrapolated to zero
+    layers, ``(b·t_a − a·t_b) / (b − a)`` (the smallest and the largest count)."""
+    out = []
+    for name in dict.fromkeys(r["model"] for r in rows):
+        mine = sorted((r for r in rows if r["model"] == name and "step ms" in r), key=lambda r: r["layers"])
+        if len(mine) < 2 or mine[0]["layers"] == mine[-1]["layers"]:
+            continue
+        lo, hi = mine[0], mine[-1]
+        a, b = lo["layers"], hi["layers"]
+        row: dict[str, Any] = {"model": name, "layers": f"0 (from {a} and {b})"}
+        for k in lo:
+            if k.endswith(" ms"):
+                row[k] = (b * lo[k] - a * hi[k]) / (b - a)
+        row["per layer step ms"] = (hi["step ms"] - lo["step ms"]) / (b - a)
+        out.append(row)
+    return out
+
+
+# ============================================================================ loss only
+def _full_logits(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy((h @ w.t()).float(), t)
+
+
+def loss_impls(device: torch.device) -> list[str]:
+    """The loss variants that run on ``device``: chunked, fused, liger (where they run), full."""
+    from ray_moe.model.loss import fused_available, liger_available
+
+    impls = ["chunked"]
+    if fused_available(device):
+        impls.append("fused")
+    if device.type == "cuda" and liger_available():
+        impls.append("liger")
+    return impls + ["full"]
+
+
+def _time_ms(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=max(100, 50 * iters), return_mode="median"))
+    fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def loss_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from ray_moe.model.loss import lm_loss, resolve_loss_impl
+    from ray_moe.validation import rel_err
+
+    device, dtype = _device(args.device), getattr(torch, args.dtype)
+    N, H, V = args.tokens, args.hidden, args.vocab
+    g = torch.Generator().manual_seed(args.seed)
+    h = torch.randn(N, H, generator=g).to(device, dtype).requires_grad_()
+    w = (torch.randn(V, H, generator=g) * 2 / H ** 0.5).to(device, dtype).requires_grad_()
+    t = torch.randint(0, V, (N,), generator=g).to(device)
+    t[:: max(2, N // 8)] = -100  # a few ignored rows (as padding would be)
+    oracle = None
+    if 4 * N * V * 4 + 8 * (N + V) * H < args.oracle_gib * 2**30:  # float32 logits, their gradient, inputs
+        hf, wf = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+        loss = F.cross_entropy(hf @ wf.t(), t)
+        oracle = (loss.detach(), *torch.autograd.grad(loss, (hf, wf)))
+        del hf, wf, loss
+    impls = [i for i in loss_impls(device) if i in args.impls.split(",")]
+    rows = []
+    for impl in impls:
+        def run(impl: str = impl) -> tuple[torch.Tensor, ...]:
+            h.grad = w.grad = None
+            loss = _full_logits(h, w, t) if impl == "full" else lm_loss(h, w, t, impl=impl, chunk=args.chunk)
+            loss.backward()
+            return loss
+
+        row: dict[str, Any] = {"impl": impl}
+        try:
+            base = _reset_peak(device)
+            loss = run()
+            row["peak GiB above inputs"] = _peak_gib(device, base)
+            if oracle is not None:
+                row["loss err"] = abs(float(loss.detach()) - float(oracle[0]))
+                row["rel err dH"] = rel_err(h.grad.float(), oracle[1])
+                row["rel err dW"] = rel_err(w.grad.float(), oracle[2])
+            row["ms"] = _time_ms(run, device, args.iters)
+        except torch.OutOfMemoryError:
+            row["note"] = "out of memory"
+        h.grad = w.grad = None
+        _free(device)
+        rows.append(row)
+    timed = [r for r in rows if "ms" in r]
+    ref = next((r for r in timed if r["impl"] == "fused"), timed[0] if timed else None)
+    gemm = 3 * 2.0 * N * H * V
+    for r in timed:
+        r["x fused" if ref["impl"] == "fused" else f"x {ref['impl']}"] = r["ms"] / ref["ms"]
+        r["GEMM TFLOP/s"] = gemm / (r["ms"] / 1e3) / 1e12
+    rows.append({"impl": f"auto → {resolve_loss_impl('auto', device)}"})
+    return rows
+
+
+# ============================================================================ CLI
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="ray-moe bench train", description=__doc__.splitlines()[0])
+    p.add_argument("--loss-only", action="store_true", help="the LM head + loss alone (see the module docstring)")
+    p.add_argument("--preset", default="qwen3-30b-a3b", help="model.hf_config: an HF preset, config.json or directory")
+    p.add_argument("--layers", default="2,4", help="comma list of num_hidden_layers")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per step (loss-only: rows N)")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=2048, help="loss-only: H")
+    p.add_argument("--vocab", type=int, default=151936, help="loss-only: V")
+    p.add_argument("--chunk", type=int, default=0, help="loss-only: rows per chunk (0: each impl's rule)")
+    p.add_argument("--impls", default="chunked,fused,liger,full", help="loss-only: which variants")
+    p.add_argument("--oracle-gib", type=float, default=48.0,
+                   help="loss-only: compare with the float32 full-logits oracle when it needs less memory than this")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--device", default="auto", help="auto, cuda, cpu")
+    p.add_argument("--max-bytes", type=int, default=4_000_000, help="corpus size cap (data.max_bytes)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--titan", choices=["auto", "yes", "no"], default="auto",
+                   help="torchtitan's Qwen3 beside ray_moe (auto: where it imports)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides for ray_moe")
+    p.add_argument("--json", default=None, help="write the rows and the setup here")
+    return p.parse_args(argv)
+
+
+def _setup(args: argparse.Namespace, device: torch.device, titan: str | None) -> dict[str, Any]:
+    setup = {"args": vars(args), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+             "torch": torch.__version__, "python": platform.python_version(), "torchtitan": titan or "imports"}
+    try:
+        import triton
+
+        setup["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return setup
+
+
+def main(argv: list[str]) -> int:
+    """CLI entry: ``ray-moe bench train [--loss-only] [...] [--json out.json]``. Returns the exit code."""
+    args = parse_args(argv)
+    device = _device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench train: --device cuda but CUDA is not available; use --device cpu or auto", file=sys.stderr)
+        return 2
+    try:
+        layer_counts = [int(n) for n in args.layers.split(",")]
+    except ValueError:
+        layer_counts = []
+    if not layer_counts or min(layer_counts) < 1:
+        print(f"bench train: --layers={args.layers!r} must be a comma list of positive integers", file=sys.stderr)
+        return 2
+    rows: list[dict] = []
+    titan_error = None
+    if args.loss_only:
+        rows = loss_rows(args)
+        _print_table(rows)
+    else:
+        titan_error = titan_import_error() if args.titan != "no" else "not asked for"
+        if args.titan == "yes" and titan_error:
+            print(f"bench train: --titan yes but torchtitan does not import ({titan_error}); "
+                  "build it with scripts/make-titan-bundle.sh", file=sys.stderr)
+            return 2
+        print(f"torchtitan: {titan_error or 'imports'}", flush=True)
+        for layers in layer_counts:
+            for name, fn in (("ray_moe", ray_moe_rows), ("torchtitan", titan_rows)):
+                if name == "torchtitan" and titan_error:
+                    continue
+                try:
+                    new = [fn(args, layers)]
+                except Exception as exc:  # one failing model must not lose the other's rows
+                    import traceback
+
+                    traceback.print_exc()
+                    new = [{"model": name, "layers": layers, "note": f"failed: {type(exc).__name__}: "
+                                                                     f"{(str(exc).splitlines() or [''])[0][:200]}"}]
+                _free(device)  # here, not in the handler: the traceback's frames hold the failed model until it ends
+                _print_table(new)
+                rows += new
+                _write_json(args, device, titan_error, rows)
+        rows += outside_layer_rows(rows)
+        print()
+        _print_table(rows)
+    _write_json(args, device, titan_error, rows)
+    return 0
+
+
+def _write_json(args: argparse.Namespace, device: torch.device, titan: str | None, rows: list[dict]) -> None:
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"setup": _setup(args, device, titan), "rows": rows}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
