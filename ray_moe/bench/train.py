@@ -183,8 +183,9 @@ def ray_moe_rows(args: argparse.Namespace, layers: int) -> dict[str, Any]:
     device = _device(args.device)
     cfg = engine_config(args, layers)
     one_rank = RankInfo(0, 1, "local", 0, 1, 0, 1, "127.0.0.1", platform.node(), 0, 0 if device.type == "cuda" else -1)
-    engine = Engine(cfg, one_rank, LocalTransport(), device)
-    spec = cfg.model.resolve_hf()[0]
+    resolved = cfg.resolve_arch()
+    engine = Engine(cfg, one_rank, LocalTransport(), device, resolved)
+    spec = resolved.spec
     for _ in range(args.warmup):
         engine.train_step()
     base = _reset_peak(device)

@@ -22,6 +22,8 @@ BF16_TOL = 1e-2
                                   dict(tokens_per_rank=[1, 33], top_k=4)])
 def test_nccl_layer_parity_bf16(case):
     W, per_gpu = gpu_ranks()
+    if per_gpu > 1:
+        pytest.skip("NCCL refuses two ranks on one GPU (RAY_MOE_PES_PER_GPU > 1)")
     from ray_moe.config import Config
     from ray_moe.driver.group import WorkerGroup
     from ray_moe.validation import Case
@@ -44,6 +46,8 @@ def test_nccl_layer_parity_bf16(case):
 @pytest.mark.parametrize("transport", ["nccl", "nvshmem"])
 def test_gpu_training_learns(tmp_path, transport):
     W, per_gpu = gpu_ranks()
+    if per_gpu > 1 and transport == "nccl":
+        pytest.skip("NCCL refuses two ranks on one GPU (RAY_MOE_PES_PER_GPU > 1)")
     if transport == "nvshmem":
         pytest.importorskip("nvshmem.core")
     from ray_moe.config import Config
