@@ -237,6 +237,7 @@ class TrainConfig:
     eps: float = 1e-8
     master_weights: bool = True  # fp32 masters + fp32 AdamW state; false: update compute-dtype params
     optimizer_impl: str = "auto"  # auto (onepass on CUDA, foreach elsewhere) | onepass | fused | foreach | for_loop
+    optimizer_state_dtype: str = "float32"  # AdamW moments: float32 | bfloat16 (DeepSeek-V3; needs master_weights)
     loss_impl: str = "auto"  # auto (liger on CUDA when it imports, else chunked) | chunked | liger
     loss_chunk: int = 0  # rows per chunk of the chunked LM loss; 0 = automatic
 
@@ -268,6 +269,10 @@ class TrainConfig:
         if not self.eps > 0:
             raise ConfigError(f"train.eps={self.eps} must be > 0")
         _choice("train.optimizer_impl", self.optimizer_impl, ("auto", "onepass", "fused", "foreach", "for_loop"))
+        _choice("train.optimizer_state_dtype", self.optimizer_state_dtype, ("float32", "bfloat16"))
+        if self.optimizer_state_dtype == "bfloat16" and not self.master_weights:
+            raise ConfigError("train.optimizer_state_dtype=bfloat16 needs train.master_weights=true "
+                              "(the moments are updated in float32 beside float32 masters)")
         _choice("train.loss_impl", self.loss_impl, ("auto", "chunked", "liger"))
         _positive("train.loss_chunk", self.loss_chunk, allow_zero=True)
 

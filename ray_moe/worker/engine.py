@@ -89,7 +89,7 @@ class Engine:
         t = config.train
         self.optimizer = MixedPrecisionAdamW(
             self.model, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay,
-            impl=t.optimizer_impl, master_weights=t.master_weights,
+            impl=t.optimizer_impl, master_weights=t.master_weights, state_dtype=t.optimizer_state_dtype,
         )
         self.loss_impl = resolve_loss_impl(t.loss_impl, device)
         self.transport.timer.enabled = True  # communication time in the step breakdown
