@@ -144,9 +144,14 @@ class ParallelConfig:
     collective_timeout_s: float = 120.0
     force_remote_path: bool = False
     comm_programs: int = 0  # NVSHMEM: SMs the exchange kernels run on (0: all)
+    # Megatron's distributed optimizer (ZeRO-1) for the replicated parameters: their float32 masters
+    # and moments sharded over the ranks, gradients reduce-scattered in buckets while backward runs
+    distributed_optimizer: bool = False
+    grad_bucket_size: int = 40_000_000  # elements per gradient bucket of the distributed optimizer
 
     def check(self) -> None:
         _positive("parallel.world_size", self.world_size)
+        _positive("parallel.grad_bucket_size", self.grad_bucket_size)
         _choice("parallel.transport", self.transport, ("auto", "nvshmem", "nccl", "gloo"))
         _choice("parallel.device", self.device, ("auto", "cpu", "cuda"))
         _choice(

@@ -37,7 +37,7 @@ one), and bare parameters whose name says they are an embedding table (``pos_emb
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from types import MappingProxyType
 
 import torch
@@ -95,6 +95,8 @@ class MixedPrecisionAdamW:
             bf16 moments every parameter goes through the one-pass update
             (:func:`ray_moe.worker.adamw_kernel.adamw_step`: the Triton kernel on CUDA, its torch
             reference elsewhere); it needs float32 masters.
+        exclude: names of parameters this optimizer leaves alone (the replicated ones when
+            :class:`ray_moe.worker.zero.ShardedReplicatedState` holds their state).
 
     Masters carry the parameters' ``expert_shard`` marks and are saved under the parameters'
     names (:meth:`named_masters`), with their AdamW state (:attr:`state`, keyed by master).
@@ -111,8 +113,9 @@ class MixedPrecisionAdamW:
         impl: str = "auto",
         master_weights: bool = True,
         state_dtype: str = "float32",
+        exclude: Collection[str] = (),
     ) -> None:
-        named = list(model.named_parameters())
+        named = [(n, p) for n, p in model.named_parameters() if n not in exclude]
         self.names = tuple(n for n, _ in named)
         self.params = tuple(p for _, p in named)
         self.masters = tuple(_master(p) if master_weights and p.dtype != torch.float32 else p for p in self.params)
