@@ -111,6 +111,7 @@ class ShardedReplicatedState:
                 self._close(open_.pop(p.dtype), no_decay)
         for members in open_.values():
             self._close(members, no_decay)
+        self.names = frozenset(name for name, _ in named_params)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named_params]
 
     @torch.no_grad()
