@@ -144,14 +144,18 @@ class ParallelConfig:
     collective_timeout_s: float = 120.0
     force_remote_path: bool = False
     comm_programs: int = 0  # NVSHMEM: SMs the exchange kernels run on (0: all)
-    # Megatron's distributed optimizer (ZeRO-1) for the replicated parameters: their float32 masters
-    # and moments sharded over the ranks, gradients reduce-scattered in buckets while backward runs
-    distributed_optimizer: bool = False
-    grad_bucket_size: int = 40_000_000  # elements per gradient bucket of the distributed optimizer
+    # ZeRO for the replicated parameters (experts are sharded by expert parallelism anyway):
+    # 0 = whole on every rank; 1 = float32 masters and moments sharded over the ranks (Megatron's
+    # distributed optimizer), gradients reduce-scattered in buckets while backward runs, from
+    # persistent float32 bucket buffers; 2 = also the gradients (a bucket's buffer is freed once reduced)
+    zero_stage: int = 0
+    grad_bucket_size: int = 40_000_000  # elements per gradient bucket (zero_stage 1, 2)
 
     def check(self) -> None:
         _positive("parallel.world_size", self.world_size)
         _positive("parallel.grad_bucket_size", self.grad_bucket_size)
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2):
+            raise ConfigError(f"parallel.zero_stage={self.zero_stage!r} is not allowed; choose one of 0, 1, 2")
         _choice("parallel.transport", self.transport, ("auto", "nvshmem", "nccl", "gloo"))
         _choice("parallel.device", self.device, ("auto", "cpu", "cuda"))
         _choice(

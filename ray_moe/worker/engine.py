@@ -6,7 +6,7 @@ expert-parallel training is compared with.
 
 Loss scaling: each rank's loss is the mean over its tokens and the global loss is the mean of
 the ranks' losses, so the gradient is the sum over ranks divided by W: replicated gradients are
-summed (all-reduced, or reduce-scattered by the distributed optimizer), an expert's is already
+summed (all-reduced, or reduce-scattered during backward at ``parallel.zero_stage`` 1 or 2), an expert's is already
 summed over every rank's tokens by combine's backward, and the 1/W rides on the update's gradient
 scale (no pass of its own).
 
@@ -90,8 +90,8 @@ class Engine:
         self.sharded = [p for p in self.model.parameters() if expert_shard(p) is not None]
         self.replicated = [p for p in self.model.parameters() if expert_shard(p) is None]
         t = config.train
-        # the replicated parameters' state sharded over the ranks (parallel.distributed_optimizer)
-        self.zero = self._sharded_replicated_state() if config.parallel.distributed_optimizer else None
+        # the replicated parameters' state sharded over the ranks (parallel.zero_stage 1, 2)
+        self.zero = self._sharded_replicated_state() if config.parallel.zero_stage else None
         self.optimizer = MixedPrecisionAdamW(
             self.model, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay,
             impl=t.optimizer_impl, master_weights=t.master_weights, state_dtype=t.optimizer_state_dtype,
@@ -106,8 +106,8 @@ class Engine:
         self.skipped = 0
 
     def _sharded_replicated_state(self) -> ShardedReplicatedState | None:
-        """The distributed optimizer's state for the replicated parameters (None on one rank),
-        reducing on a process group of its own (made by every rank, in the same order)."""
+        """ZeRO stage 1 or 2 for the replicated parameters (None on one rank), reducing on a
+        process group of its own (made by every rank, in the same order)."""
         if not self.distributed:
             return None
         t = self.config.train
@@ -116,7 +116,7 @@ class Engine:
             [(names[id(p)], p) for p in self.replicated], no_weight_decay(self.model),
             group=dist.new_group(list(range(self.world_size))), weight_decay=t.weight_decay,
             betas=(t.beta1, t.beta2), eps=t.eps, state_dtype=STATE_DTYPES[t.optimizer_state_dtype],
-            bucket_size=self.config.parallel.grad_bucket_size)
+            bucket_size=self.config.parallel.grad_bucket_size, shard_grads=self.config.parallel.zero_stage >= 2)
 
     def describe(self) -> ModelReport:
         layers = self.model.moe_layers()
@@ -223,7 +223,7 @@ class Engine:
         host read: one of each per step.
 
         The gradients are left as sums over ranks (replicated ones summed here, or reduce-scattered
-        during backward by the distributed optimizer; an expert's already summed by combine's
+        during backward at ZeRO stage 1 or 2; an expert's already summed by combine's
         backward): the mean's 1/W is folded into the update's gradient scale and into the norm."""
         opt = self.optimizer
         opt.gather_grads()

@@ -1,4 +1,4 @@
-"""Sharded replicated state: Megatron's distributed optimizer (ZeRO-1) for the replicated parameters.
+"""Sharded replicated state: ZeRO stage 1 (Megatron's distributed optimizer) and 2 for the replicated parameters.
 
 Expert weights are already sharded (expert parallelism); everything else (attention, embeddings,
 LM head, norms, routers, shared experts) is replicated, and without this class every rank holds
@@ -7,10 +7,13 @@ Here they are split over the W ranks:
 
 - **Buckets.** The replicated parameters, in reverse registration order (about the order backward
   produces their gradients), fill buckets of ``bucket_size`` elements, one dtype per bucket. A
-  bucket owns a persistent float32 gradient buffer (made once: no fresh flat buffer per step),
-  padded to a multiple of W; rank r owns the r-th of its W equal chunks, for which it keeps the
-  float32 master and the moments (``state_dtype``): 12/W (bf16 moments: 8/W) bytes per
-  replicated parameter instead of 12.
+  bucket's float32 gradient buffer is padded to a multiple of W; rank r owns the r-th of its W
+  equal chunks, for which it keeps the float32 master and the moments (``state_dtype``): 12/W
+  (bf16 moments: 8/W) bytes per replicated parameter instead of 12. Stage 1 keeps the gradient
+  buffers (made once: no fresh flat buffer per step; 4 bytes per replicated parameter); stage 2
+  (``shard_grads``) takes a bucket's buffer from the allocator when its first gradient arrives
+  and lets it go as soon as the bucket is reduced (the collective keeps it alive until it is
+  done), so only the reduced chunks (4/W bytes) and the buckets in flight stay.
 - **Overlap.** A ``post_accumulate_grad`` hook copies each gradient into its bucket (float32) as
   backward produces it and frees the compute-dtype gradient; a bucket whose gradients are all in
   is reduce-scattered at once (``async_op``: on NCCL the collective runs on the process group's
@@ -23,7 +26,8 @@ Here they are split over the W ranks:
   (:func:`ray_moe.worker.adamw_kernel.adamw_step`; at most two launches per bucket: within a
   bucket the decayed parameters come first), the reduced *sums* scaled by ``grad_scale``
   (clipping and the 1/W of the mean folded in), writes the rounded chunk and all-gathers it in the
-  parameters' dtype into the bucket's buffer (free by then), from which the parameters are copied.
+  parameters' dtype into the bucket's buffer (free by then; at stage 2 a transient one), from
+  which the parameters are copied.
 
 Why hand-written: FSDP2's ``fully_shard`` shards the parameters themselves (ZeRO-3: an all-gather
 in every forward and backward) and owns their mixed precision, where ray_moe keeps its own float32
@@ -59,7 +63,7 @@ class _Bucket:
     offsets: tuple[int, ...]
     decayed: int  # elements [0, decayed) decay, the rest does not
     chunk: int
-    flat: torch.Tensor
+    flat: torch.Tensor | None  # (None at stage 2 outside backward)
     grad: torch.Tensor
     master: torch.Tensor
     exp_avg: torch.Tensor
@@ -87,6 +91,7 @@ class ShardedReplicatedState:
         weight_decay, betas, eps: AdamW's hyper-parameters.
         state_dtype: the moments' dtype (float32 or bfloat16).
         bucket_size: elements per bucket (a parameter larger than it gets a bucket of its own).
+        shard_grads: ZeRO stage 2 (gradient buffers live only until their bucket is reduced).
 
     One step: :meth:`begin` before backward, :meth:`finish` after it (returns Σ g² of this rank's
     reduced chunks), :meth:`step` when the step is not skipped.
@@ -94,8 +99,9 @@ class ShardedReplicatedState:
 
     def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]], no_decay: Collection[str], *,
                  group: dist.ProcessGroup, weight_decay: float, betas: tuple[float, float], eps: float,
-                 state_dtype: torch.dtype, bucket_size: int) -> None:
+                 state_dtype: torch.dtype, bucket_size: int, shard_grads: bool = False) -> None:
         self.group = group
+        self.shard_grads = shard_grads
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.weight_decay, self.betas, self.eps, self.state_dtype = weight_decay, betas, eps, state_dtype
         self.steps = 0  # updates applied (the bias corrections' counter)
@@ -136,6 +142,8 @@ class ShardedReplicatedState:
             exp_avg_sq=torch.zeros(chunk, dtype=self.state_dtype, device=device),
             send=master if dtype == torch.float32 else torch.empty(chunk, dtype=dtype, device=device),
             got=[False] * len(members))
+        if self.shard_grads:
+            b.flat = None
         for i, p in enumerate(b.params):
             self._where[id(p)] = (b, i)
         self.buckets.append(b)
@@ -155,15 +163,25 @@ class ShardedReplicatedState:
             return
         b, i = self._where[id(p)]
         o = b.offsets[i]
-        b.flat[o: o + p.numel()].copy_(p.grad.reshape(-1))
+        self._buffer(b)[o: o + p.numel()].copy_(p.grad.reshape(-1))
         p.grad = None
         b.got[i] = True
         self._launch_ready()
 
+    def _buffer(self, b: _Bucket) -> torch.Tensor:
+        """The bucket's float32 gradient buffer (stage 2: taken now, the padding zeroed)."""
+        if b.flat is None:
+            b.flat = torch.empty(b.chunk * self.world_size, dtype=torch.float32, device=b.grad.device)
+            n = b.offsets[-1] + b.params[-1].numel()
+            b.flat[n:].zero_()
+        return b.flat
+
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and all(self.buckets[self._next].got):
             b = self.buckets[self._next]
-            b.work = dist.reduce_scatter_tensor(b.grad, b.flat, group=self.group, async_op=True)
+            b.work = dist.reduce_scatter_tensor(b.grad, self._buffer(b), group=self.group, async_op=True)
+            if self.shard_grads:  # the collective holds the buffer until it is done
+                b.flat = None
             self._next += 1
 
     @torch.no_grad()
@@ -176,7 +194,7 @@ class ShardedReplicatedState:
             for i, got in enumerate(b.got):
                 if not got:
                     o = b.offsets[i]
-                    b.flat[o: o + b.params[i].numel()].zero_()
+                    self._buffer(b)[o: o + b.params[i].numel()].zero_()
                     b.params[i].grad = None
                     b.got[i] = True
         self._launch_ready()
@@ -209,7 +227,7 @@ class ShardedReplicatedState:
     def _gather_params(self) -> None:
         works = []
         for b in self.buckets:  # the gradient buffer is free until the next backward
-            out = b.flat.view(b.dtype)[: b.chunk * self.world_size] if b.dtype != torch.float32 else b.flat
+            out = self._scratch(b, b.dtype)
             works.append((b, out, dist.all_gather_into_tensor(out, b.send, group=self.group, async_op=True)))
         for b, out, work in works:
             work.wait()
@@ -224,7 +242,7 @@ class ShardedReplicatedState:
         for b in self.buckets:
             for key in ("master", "exp_avg", "exp_avg_sq") if self.steps else ("master",):
                 mine = getattr(b, key)
-                whole = b.flat.view(mine.dtype)[: b.chunk * self.world_size]
+                whole = self._scratch(b, mine.dtype)
                 dist.all_gather_into_tensor(whole, mine, group=self.group)
                 if self.rank == 0:
                     for name, v in zip(b.names, b.views(whole), strict=True):
@@ -243,13 +261,21 @@ class ShardedReplicatedState:
                 if key != "master" and not steps:
                     getattr(b, key).zero_()
                     continue
-                b.flat.zero_()
-                for name, v in zip(b.names, b.views(b.flat), strict=True):
+                whole = self._scratch(b, torch.float32).zero_()
+                for name, v in zip(b.names, b.views(whole), strict=True):
                     v.copy_(masters[name] if key == "master" else moments[name][key])
-                getattr(b, key).copy_(b.flat[mine])
+                getattr(b, key).copy_(whole[mine])
                 if key == "master":
-                    torch._foreach_copy_(list(b.params), b.views(b.flat))
+                    torch._foreach_copy_(list(b.params), b.views(whole))
         self.steps = steps
+
+    def _scratch(self, b: _Bucket, dtype: torch.dtype) -> torch.Tensor:
+        """A whole bucket's worth of ``dtype`` outside backward: the gradient buffer (stage 1;
+        free between the reduction and the next backward), or a transient one (stage 2)."""
+        n = b.chunk * self.world_size
+        if b.flat is None:
+            return torch.empty(n, dtype=dtype, device=b.grad.device)
+        return b.flat.view(dtype)[:n]
 
     def close(self) -> None:
         """Remove the gradient hooks (the parameters then keep their gradients again)."""

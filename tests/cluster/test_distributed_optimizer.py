@@ -1,5 +1,5 @@
-"""The distributed optimizer (``parallel.distributed_optimizer``: the replicated parameters' masters
-and moments sharded over the ranks, gradients reduce-scattered in buckets during backward) equals
+"""ZeRO for the replicated parameters (``parallel.zero_stage`` 1: their masters and moments sharded
+over the ranks, gradients reduce-scattered in buckets during backward; 2: the gradients too) equals
 the unsharded optimizer, with clones and re-plans; its checkpoints move between world sizes and
 between sharded and unsharded runs."""
 
@@ -30,11 +30,11 @@ def _held(worker):
     return sum(b.master.numel() + b.exp_avg.numel() + b.exp_avg_sq.numel() for b in e.zero.buckets)
 
 
-def _config(tmp_path, name, world_size, sharded, **over):
+def _config(tmp_path, name, world_size, stage, **over):
     return small_config(tmp_path / name, world_size, **{
         "model.dtype": "float32", "moe.num_experts": 8, "train.batch_size": 8, "train.steps": STEPS,
         "train.weight_decay": 0.1, "balance.enabled": True, "balance.interval": 6, "balance.clone_slots": 1,
-        "balance.ema": 0.0, "parallel.distributed_optimizer": sharded, "parallel.grad_bucket_size": 3000, **over})
+        "balance.ema": 0.0, "parallel.zero_stage": stage, "parallel.grad_bucket_size": 3000, **over})
 
 
 def _run(cfg, group, steps=STEPS):
@@ -56,11 +56,11 @@ def _assert_same(state, ref):
         torch.testing.assert_close(state[k], v, rtol=TOL, atol=TOL * float(v.abs().max()), msg=k)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_sharded_equals_unsharded_with_clones_and_replans(groups, tmp_path, world_size):
+@pytest.mark.parametrize("world_size,stage", [(2, 1), (4, 2)])
+def test_sharded_equals_unsharded_with_clones_and_replans(groups, tmp_path, world_size, stage):
     group = groups(world_size, "SPREAD" if world_size == 4 else "PACK")
-    losses, state, held, replans = _run(_config(tmp_path, "plain", world_size, False), group)
-    z_losses, z_state, z_held, z_replans = _run(_config(tmp_path, "zero", world_size, True), group)
+    losses, state, held, replans = _run(_config(tmp_path, "plain", world_size, 0), group)
+    z_losses, z_state, z_held, z_replans = _run(_config(tmp_path, "zero", world_size, stage), group)
     assert replans and len(z_replans) == len(replans)  # clones moved during both runs
     assert z_losses == pytest.approx(losses, rel=TOL)
     assert losses[-1] < losses[0]
@@ -70,22 +70,22 @@ def test_sharded_equals_unsharded_with_clones_and_replans(groups, tmp_path, worl
 
 
 def test_checkpoints_move_between_world_sizes_and_sharding(groups, tmp_path):
-    """Sharded at W=2 → unsharded at W=4 and sharded at W=4 (and W=1, where nothing is sharded);
-    unsharded at W=2 → sharded at W=2: every restore continues like the uninterrupted run."""
-    cfg = _config(tmp_path, "a", 2, True, **{"balance.enabled": False, "balance.clone_slots": 0})
+    """Stage 1 at W=2 → unsharded at W=4, stage 2 at W=4 and W=1 (where nothing is sharded);
+    unsharded at W=2 → stage 1 at W=2: every restore continues like the uninterrupted run."""
+    cfg = _config(tmp_path, "a", 2, 1, **{"balance.enabled": False, "balance.clone_slots": 0})
     with Trainer(cfg, progress=False, group=groups(2)) as t:
         for _ in range(3):
             t.step()
         saved = t.save()
         uninterrupted = [t.step()["loss"] for _ in range(2)]
-    for world_size, sharded in ((4, False), (4, True), (1, True)):
-        other = cfg.with_overrides([f"parallel.world_size={world_size}", f"parallel.distributed_optimizer={sharded}",
-                                    f"train.run_dir={tmp_path / f'w{world_size}{sharded}'}"])
+    for world_size, stage in ((4, 0), (4, 2), (1, 1)):
+        other = cfg.with_overrides([f"parallel.world_size={world_size}", f"parallel.zero_stage={stage}",
+                                    f"train.run_dir={tmp_path / f'w{world_size}{stage}'}"])
         group = groups(world_size, "SPREAD" if world_size == 4 else "PACK")
         with Trainer(other, progress=False, group=group) as t2:
             assert t2.restore(saved) == 3
             assert [t2.step()["loss"] for _ in range(2)] == pytest.approx(uninterrupted, rel=1e-5)
-    plain = cfg.with_overrides(["parallel.distributed_optimizer=false", f"train.run_dir={tmp_path / 'plain'}"])
+    plain = cfg.with_overrides(["parallel.zero_stage=0", f"train.run_dir={tmp_path / 'plain'}"])
     with Trainer(plain, progress=False, group=groups(2)) as t:
         for _ in range(3):
             t.step()
@@ -115,7 +115,7 @@ def run(rank, world, port, out):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     kw = dict(weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
     results = {}
-    for dtype, moments in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)):
+    for dtype, moments, stage2 in ((torch.float32, torch.float32, False), (torch.bfloat16, torch.bfloat16, True)):
         ref, z = model(dtype), model(dtype)
         exempt = no_weight_decay(ref)
         masters = [p.detach().float().clone() for p in ref.parameters()]
@@ -124,7 +124,7 @@ def run(rank, world, port, out):
                                  {"params": [m for n, m in zip(names, masters) if n in exempt], "weight_decay": 0.0}],
                                 lr=1e-2, foreach=False, **kw)
         zero = ShardedReplicatedState(list(z.named_parameters()), exempt, group=dist.new_group([0, 1, 2]),
-                                      state_dtype=moments, bucket_size=300, **kw)
+                                      state_dtype=moments, bucket_size=300, shard_grads=stage2, **kw)
         assert len(zero.buckets) > 2
         for step in range(5):
             g = torch.Generator().manual_seed(100 * step + rank)
@@ -136,6 +136,7 @@ def run(rank, world, port, out):
                 m(x).float().square().mean().backward()
             sq = zero.finish()
             assert all(p.grad is None for p in z.parameters())
+            assert all((b.flat is None) == stage2 for b in zero.buckets)  # stage 2 keeps no gradient buffer
             dist.all_reduce(sq)
             flat = torch.cat([p.grad.reshape(-1).float() for p in ref.parameters()])
             dist.all_reduce(flat)
@@ -178,8 +179,9 @@ if __name__ == "__main__":
 
 
 def test_sharded_state_at_three_ranks_equals_allreduce_adamw(tmp_path):
-    """W=3 (uneven chunks, padding, several buckets of two dtypes) over gloo in three processes:
-    the sharded update equals all-reduce + torch's AdamW; bf16 parameters agree on every rank."""
+    """W=3 (uneven chunks, padding, several buckets) over gloo in three processes: stage 1 with
+    float32 parameters equals all-reduce + torch's AdamW; stage 2 with bf16 parameters and moments
+    leaves every rank with the same parameters, the rounded masters."""
     import subprocess
 
     from tests.cluster.conftest import free_port

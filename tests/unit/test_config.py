@@ -533,6 +533,7 @@ def test_job_files_load(path):
     ("train.optimizer_impl", "adam", "auto, onepass, fused, foreach, for_loop"),
     ("train.loss_impl", "full", "auto, chunked, liger"),
     ("train.optimizer_state_dtype", "float16", "float32, bfloat16"),
+    ("parallel.zero_stage", 3, "0, 1, 2"), ("parallel.grad_bucket_size", 0, "> 0"),
 ])
 def test_precision_keys_rejected(key, value, fragment):
     reject({key: value}, f"{key}=", fragment)
