@@ -4,7 +4,7 @@
     ray-moe prepare --input PATH... --tokenizer DIR --out DIR [--address ADDR]   (token shards)
     ray-moe tokenizer train --vocab-size N --input PATH... --out DIR              (byte-level BPE)
     ray-moe export CHECKPOINT --format hf --out DIR  (a checkpoint or run directory → an HF model directory)
-    ray-moe bench comm|layer|balance|precision|prepare [options]     (see ``ray-moe bench NAME --help``)
+    ray-moe bench comm|layer|balance|precision|prepare|grad_reduce [options]     (see ``ray-moe bench NAME --help``)
     ray-moe smoke --address ADDR                    (validate a cluster before a run)
 
 Exit code 0 on success; on failure a one-line reason on stderr and a non-zero code.
@@ -17,7 +17,7 @@ import importlib
 import logging
 import sys
 
-BENCHES = ("comm", "layer", "balance", "precision", "prepare")
+BENCHES = ("comm", "layer", "balance", "precision", "prepare", "grad_reduce")
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -182,7 +182,7 @@ class Engine:
         loss.backward()
         synchronize(self.device)
         t2 = time.perf_counter()
-        grad_norm, loss_finite = self.sync_grads(ce.detach())
+        grad_norm, loss_finite, t_reduce = self.sync_grads(ce.detach())
         finite = math.isfinite(grad_norm) and loss_finite
         t_sync = time.perf_counter()  # the norm and the loss check were read on the host: the device is idle
         lr = self.lr_at(self.step)
@@ -209,17 +209,19 @@ class Engine:
             "tokens": x.numel(), "grad_norm": grad_norm, "lr": lr, "skipped": skipped,
             "nonfinite": not finite, "load": self.expert_load(),
             "time": {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2,
-                     "grad_sync": t_sync - t2, "update": t3 - t_sync,
+                     "grad_sync": t_sync - t2, "grad_reduce": t_reduce, "update": t3 - t_sync,
                      "step": t3 - t0, "comm": self.transport.timer.pop()},
         }
 
     def counters(self) -> dict[str, int]:
         return {"step": self.step, "opt_steps": self.opt_steps, "skipped": self.skipped}
 
-    def sync_grads(self, loss: torch.Tensor) -> tuple[float, bool]:
+    def sync_grads(self, loss: torch.Tensor) -> tuple[float, bool, float]:
         """Reduce gradients across ranks into the optimizer's (float32) master gradients; return
-        the global gradient norm (inf if non-finite) and whether every rank's ``loss`` (a scalar
-        tensor on this rank's device) is finite. The loss check rides on the norm's all-reduce and
+        the global gradient norm (inf if non-finite), whether every rank's ``loss`` (a scalar
+        tensor on this rank's device) is finite, and the seconds the replicated gradients'
+        reduction was exposed after backward (stage 0: all of it; stages 1 and 2: the wait for the
+        buckets still in flight; 0 on one rank). The loss check rides on the norm's all-reduce and
         host read: one of each per step.
 
         The gradients are left as sums over ranks (replicated ones summed here, or reduce-scattered
@@ -232,6 +234,8 @@ class Engine:
         sharded = [opt.grad(p) for p in self.sharded]
         local = _sum_of_squares(sharded, self.device)  # Σ over ranks: the expert-shard grads' part
         replicated = []
+        synchronize(self.device)  # (the reduction's exposed time, measured alone)
+        t0 = time.perf_counter()
         if self.zero:
             local = local + self.zero.finish()  # this rank's chunks of the reduced replicated grads
         else:
@@ -244,6 +248,8 @@ class Engine:
                     n = g.numel()
                     g.copy_(flat[offset: offset + n].view_as(g))
                     offset += n
+        synchronize(self.device)
+        t_reduce = time.perf_counter() - t0 if self.distributed else 0.0
         # [Σ grad² of what ranks hold apart, ranks whose loss is not finite]: one all-reduce
         reduced = torch.stack([local, (~torch.isfinite(loss.float())).float().to(self.device)])
         if self.distributed:
@@ -251,7 +257,7 @@ class Engine:
         reduced[0] += _sum_of_squares(replicated, self.device)
         total, bad_losses = reduced.tolist()
         total /= self.grad_divisor ** 2
-        return (math.sqrt(total) if math.isfinite(total) else math.inf), bad_losses == 0
+        return (math.sqrt(total) if math.isfinite(total) else math.inf), bad_losses == 0, t_reduce
 
     def update_routing_bias(self) -> None:
         """Aux-loss-free balancing (sigmoid routers with a balancing bias): one bias step per MoE

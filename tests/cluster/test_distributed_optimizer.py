@@ -193,3 +193,21 @@ def test_sharded_state_at_three_ranks_equals_allreduce_adamw(tmp_path):
     r = subprocess.run([sys.executable, str(script), str(free_port()), str(out)], capture_output=True, text=True,
                        timeout=300, env=env)
     assert r.returncode == 0 and out.exists(), r.stderr[-4000:]
+
+
+def test_bench_grad_reduce_measures_the_exposed_reduction(groups, tmp_path):
+    """``ray-moe bench grad_reduce`` on the CPU at W=2 (numbers unchecked but for their sense)."""
+    import json
+
+    from ray_moe.bench import grad_reduce
+
+    out = tmp_path / "rows.json"
+    assert grad_reduce.main([
+        "--device", "cpu", "--dtype", "float32", "--hf-config", "", "--layers", "1", "--d-model", "32",
+        "--heads", "2", "--experts", "4", "--expert-hidden", "16", "--tokens", "64", "--seq-len", "32",
+        "--checkpointing", "none", "--stages", "0,2", "--bucket-size", "2000", "--warmup", "1", "--iters", "2",
+        "--max-bytes", "200000", "--json", str(out)], group=groups(2)) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["stage"] for r in rows] == [0, 2]
+    for r in rows:
+        assert 0 < r["grad_reduce_ms"] <= r["grad_sync_ms"] < r["step_ms"] and 0 < r["exposed_pct"] < 100
