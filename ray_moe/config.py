@@ -424,6 +424,9 @@ class Config:
             raise ConfigError(
                 f"train.batch_size={t.batch_size} is not divisible by parallel.world_size={p.world_size}"
             )
+        if p.zero_stage and not t.master_weights:
+            raise ConfigError(f"parallel.zero_stage={p.zero_stage} shards float32 masters and needs "
+                              "train.master_weights=true (or parallel.zero_stage=0)")
 
     def _check_explicit(self, explicit: dict[str, Any]) -> None:
         """With an HF architecture, a key of :data:`HF_DERIVED` given explicitly must agree with

@@ -12,8 +12,9 @@ Here they are split over the W ranks:
   (bf16 moments: 8/W) bytes per replicated parameter instead of 12. Stage 1 keeps the gradient
   buffers (made once: no fresh flat buffer per step; 4 bytes per replicated parameter); stage 2
   (``shard_grads``) takes a bucket's buffer from the allocator when its first gradient arrives
-  and lets it go as soon as the bucket is reduced (the collective keeps it alive until it is
-  done), so only the reduced chunks (4/W bytes) and the buckets in flight stay.
+  and lets it go once the bucket is reduced: a third bucket's launch waits for the oldest one in
+  flight (on NCCL the wait orders the compute stream after it, the host does not block), so only
+  the reduced chunks (4/W bytes) and two buckets stay.
 - **Overlap.** A ``post_accumulate_grad`` hook copies each gradient into its bucket (float32) as
   backward produces it and frees the compute-dtype gradient; a bucket whose gradients are all in
   is reduce-scattered at once (``async_op``: on NCCL the collective runs on the process group's
@@ -108,6 +109,7 @@ class ShardedReplicatedState:
         self.buckets: list[_Bucket] = []
         self._where: dict[int, tuple[_Bucket, int]] = {}  # id(param) → (bucket, index in it)
         self._next = 0  # the next bucket to launch
+        self._in_flight: list[_Bucket] = []  # stage 2: launched, not waited for
         self._armed = False
         open_: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
         for name, p in reversed(list(named_params)):
@@ -155,6 +157,7 @@ class ShardedReplicatedState:
             b.got = [False] * len(b.params)
             b.work = None
         self._next = 0
+        self._in_flight = []
         self._armed = True
 
     @torch.no_grad()
@@ -180,8 +183,13 @@ class ShardedReplicatedState:
         while self._next < len(self.buckets) and all(self.buckets[self._next].got):
             b = self.buckets[self._next]
             b.work = dist.reduce_scatter_tensor(b.grad, self._buffer(b), group=self.group, async_op=True)
-            if self.shard_grads:  # the collective holds the buffer until it is done
+            if self.shard_grads:  # the collective holds the buffer until it is waited for
                 b.flat = None
+                self._in_flight.append(b)
+                while len(self._in_flight) > 2:  # at most two buckets' buffers alive
+                    done = self._in_flight.pop(0)
+                    done.work.wait()
+                    done.work = None
             self._next += 1
 
     @torch.no_grad()
@@ -200,8 +208,10 @@ class ShardedReplicatedState:
         self._launch_ready()
         self._armed = False
         for b in self.buckets:
-            b.work.wait()
-            b.work = None
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
+        self._in_flight = []
         norms = torch._foreach_norm([b.grad for b in self.buckets], 2, dtype=torch.float32)
         return torch.stack(norms).square().sum()
 

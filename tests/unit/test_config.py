@@ -545,6 +545,12 @@ def test_precision_keys_accepted():
     assert (cfg.train.beta2, cfg.train.optimizer_impl, cfg.train.master_weights) == (0.999, "for_loop", False)
 
 
+def test_zero_stages_need_masters():
+    reject({"parallel.zero_stage": 2, "train.master_weights": False, "parallel.world_size": 1},
+           "parallel.zero_stage=2", "master_weights=true")
+    assert build({"parallel.zero_stage": 1}).parallel.zero_stage == 1
+
+
 def test_bf16_moments_accepted_with_masters_only():
     assert build({"train.optimizer_state_dtype": "bfloat16"}).train.optimizer_state_dtype == "bfloat16"
     reject({"train.optimizer_state_dtype": "bfloat16", "train.master_weights": False},
