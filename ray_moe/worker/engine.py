@@ -234,7 +234,8 @@ class Engine:
         sharded = [opt.grad(p) for p in self.sharded]
         local = _sum_of_squares(sharded, self.device)  # Σ over ranks: the expert-shard grads' part
         replicated = []
-        synchronize(self.device)  # (the reduction's exposed time, measured alone)
+        if self.distributed:
+            synchronize(self.device)  # (the reduction's exposed time, measured alone)
         t0 = time.perf_counter()
         if self.zero:
             local = local + self.zero.finish()  # this rank's chunks of the reduced replicated grads
@@ -248,8 +249,10 @@ class Engine:
                     n = g.numel()
                     g.copy_(flat[offset: offset + n].view_as(g))
                     offset += n
-        synchronize(self.device)
-        t_reduce = time.perf_counter() - t0 if self.distributed else 0.0
+        t_reduce = 0.0
+        if self.distributed:
+            synchronize(self.device)
+            t_reduce = time.perf_counter() - t0
         # [Σ grad² of what ranks hold apart, ranks whose loss is not finite]: one all-reduce
         reduced = torch.stack([local, (~torch.isfinite(loss.float())).float().to(self.device)])
         if self.distributed:
