@@ -97,13 +97,19 @@ def step_config(args: argparse.Namespace, variant: str):
     return Config().with_overrides([*base, *VARIANTS[variant]])
 
 
+def _one_rank(device: torch.device):
+    """The RankInfo of the one rank the step and curve sections run (no group)."""
+    from ray_moe.topology import RankInfo
+
+    return RankInfo(0, 1, "local", 0, 1, 0, 1, "127.0.0.1", platform.node(), 0, 0 if device.type == "cuda" else -1)
+
+
 def step_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     from ray_moe.comm.local import LocalTransport
-    from ray_moe.topology import RankInfo
     from ray_moe.worker.engine import Engine
 
     device = _device(args.device)
-    one_rank = RankInfo(0, 1, "local", 0, 1, 0, 1, "127.0.0.1", platform.node(), 0, 0 if device.type == "cuda" else -1)
+    one_rank = _one_rank(device)
     rows = []
     for variant in args.variants:
         cfg = step_config(args, variant)
@@ -134,11 +140,10 @@ def step_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 def curve_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One row per moment dtype: its losses over ``args.curve_steps`` steps (same seed and data)."""
     from ray_moe.comm.local import LocalTransport
-    from ray_moe.topology import RankInfo
     from ray_moe.worker.engine import Engine
 
     device = _device(args.device)
-    one_rank = RankInfo(0, 1, "local", 0, 1, 0, 1, "127.0.0.1", platform.node(), 0, 0 if device.type == "cuda" else -1)
+    one_rank = _one_rank(device)
     rows = []
     for variant in ("new", "bf16_moments"):
         cfg = step_config(args, variant).with_overrides([f"train.steps={args.curve_steps}"])
