@@ -242,26 +242,125 @@ class ArchSpec:
         return {"replicated": replicated, "per_expert": per_expert, "experts": experts,
                 "total": replicated + experts}
 
-    def memory_per_rank(self, world_size: int, clone_slots: int = 0, bytes_per_param: int = 16) -> dict[str, float]:
+    def memory_per_rank(self, world_size: int, clone_slots: int = 0, bytes_per_param: int = 16, *,
+                        moments: str = "float32", zero_stage: int = 0, elem: int = 2,
+                        bucket_size: int = 40_000_000) -> dict[str, float]:
         """Training state of one rank of ``world_size`` (expert parallel over all ranks, the rest
-        replicated): its parameters (replicated + E/W + ``clone_slots`` experts per MoE layer) and
-        their bytes at ``bytes_per_param`` (16 = bf16 weight + bf16 gradient + fp32 master +
-        fp32 Adam moments). Activations are separate (:meth:`activation_bytes_per_token`)."""
+        replicated): its parameters (replicated + E/W + ``clone_slots`` experts per MoE layer).
+
+        ``state_bytes`` (kept for the README's first table): params × ``bytes_per_param`` (16 =
+        bf16 weight + bf16 gradient + fp32 master + fp32 Adam moments). The rest follows what
+        the optimizer holds (``elem``-byte weights: 2 for bf16): ``weights``, ``masters``
+        (float32), ``moments`` (2 × 4 or, ``moments="bfloat16"``, 2 × 2 bytes), the gradients at
+        the end of backward (``grads_backward``: bf16 for the experts; for the replicated
+        parameters bf16 at ``zero_stage`` 0, the persistent float32 bucket buffers and the
+        reduced chunks at 1, the reduced chunks and two buckets in flight at 2) and while they are
+        reduced and applied (``grads_update``: float32 master gradients, plus the flat float32
+        all-reduce buffer at W ≥ 2 and stage 0), and the totals ``backward_bytes`` (what
+        activations come on top of) and ``update_bytes`` (activations freed). Stages 1 and 2
+        divide the replicated masters and moments by W. Activations are separate
+        (:meth:`activation_bytes_per_token`, :meth:`peak_bytes_per_rank`)."""
         if self.num_experts % world_size:
             raise ArchError(f"{self.num_experts} experts do not divide over {world_size} ranks")
+        if moments not in ("float32", "bfloat16"):
+            raise ArchError(f"moments={moments!r} is not allowed; choose float32 or bfloat16")
+        if zero_stage not in (0, 1, 2):
+            raise ArchError(f"zero_stage={zero_stage} is not allowed; choose 0, 1 or 2")
         c = self.param_counts()
         n_moe = sum(self.moe_layers)
-        params = c["replicated"] + n_moe * (self.num_experts // world_size + clone_slots) * c["per_expert"]
+        experts = n_moe * (self.num_experts // world_size + clone_slots) * c["per_expert"]
+        rep = c["replicated"]
+        params = rep + experts
+        W = world_size
+        shard = W if zero_stage and W > 1 else 1
+        moment_bytes = 8 if moments == "float32" else 4
+        weights = params * elem
+        masters = experts * 4 + rep * 4 / shard
+        moment_total = experts * moment_bytes + rep * moment_bytes / shard
+        if shard > 1:
+            buckets = rep * 4 if zero_stage == 1 else min(rep, 2 * bucket_size) * 4  # float32 buffers
+            grads_backward = experts * elem + buckets + rep * 4 / W  # + the reduced chunks
+            grads_update = grads_backward
+        else:
+            grads_backward = params * elem
+            grads_update = experts * elem + rep * (4 + (4 if W > 1 else 0))  # masters' + the flat buffer
+        fixed = weights + masters + moment_total
         return {"params": params, "state_bytes": params * bytes_per_param,
-                "replicated_bytes": c["replicated"] * bytes_per_param}
+                "replicated_bytes": rep * bytes_per_param, "weights": weights, "masters": masters,
+                "moments": moment_total, "grads_backward": grads_backward, "grads_update": grads_update,
+                "backward_bytes": fixed + grads_backward, "update_bytes": fixed + grads_update}
+
+    # The backward working set (a layer's gradients and temporaries, which the saved-tensor count
+    # misses) as a fraction of the largest layer's saved bytes, per checkpointing mode: measured on
+    # an H100 at Qwen3-30B-A3B's layer shape (2 layers, 8 x 1024 tokens, docs/BENCHMARKS.md:
+    # 404,785 / 371,725 / 308,984 bytes per token measured, 261,120 / 290,304 / 138,752 counted).
+    BACKWARD_WORKING_SET = MappingProxyType({"none": 1.10, "moe": 0.62, "full": 1.30})
+
+    def activation_peak_bytes_per_token(self, checkpointing: str, world_size: int, elem: int = 2) -> float:
+        """What the GPU holds per token at the peak of backward beside the training state: the
+        saved tensors (:meth:`activation_bytes_per_token`) plus the backward working set
+        (:data:`BACKWARD_WORKING_SET` × the largest layer's saved bytes; measured factors)."""
+        saved = self.activation_bytes_per_token(checkpointing, world_size, elem)
+        return saved + self.BACKWARD_WORKING_SET[checkpointing] * self._largest_layer_bytes(world_size, elem)
+
+    def loss_bytes(self, tokens: int, elem: int = 2, chunk: int = 0) -> dict[str, float]:
+        """The LM loss's memory at ``tokens`` rows per rank (``model/loss.py``, chunked; ``chunk``
+        0 = its automatic rule): ``forward`` at the end of the forward (the hidden-state gradient
+        [N, H], the head's float32 weight gradient [V, H], and one chunk's logits in the compute
+        dtype, in float32 and their gradient) and ``backward`` (both gradients kept, scaled into
+        new tensors)."""
+        V, H = self.vocab_size, self.hidden_size
+        rows = chunk or _auto_chunk(tokens, V, H)
+        dh, dw = tokens * H * elem, V * H * 4
+        return {"chunk_rows": rows, "forward": dh + dw + rows * V * (elem + 4 + elem),
+                "backward": 2 * dh + dw + V * H * elem}
+
+    def peak_bytes_per_rank(self, world_size: int, tokens: int, checkpointing: str, *, clone_slots: int = 0,
+                            moments: str = "float32", zero_stage: int = 0,
+                            elem: int = 2, loss_chunk: int = 0) -> dict[str, float]:
+        """One rank's peak memory for a training step (what ``torch.cuda.max_memory_allocated``
+        reports; allocator slack not counted): the state at the end of backward plus the largest
+        of the end of forward (saved activations + the loss's forward) and the peak of backward
+        (activations with the working set + the loss's kept gradients), or the update's state."""
+        state = self.memory_per_rank(world_size, clone_slots, moments=moments, zero_stage=zero_stage, elem=elem)
+        loss = self.loss_bytes(tokens, elem, loss_chunk)
+        saved = tokens * self.activation_bytes_per_token(checkpointing, world_size, elem)
+        backward = tokens * self.activation_peak_bytes_per_token(checkpointing, world_size, elem)
+        acts = max(saved + loss["forward"], backward + loss["backward"])
+        peak = max(state["backward_bytes"] + acts, state["update_bytes"])
+        return {**state, "activations": acts, "loss_forward": loss["forward"], "peak": peak}
+
+    def smallest_world_size(self, gpu_bytes: float, tokens: int, checkpointing: str = "full",
+                            **kw: Any) -> int | None:
+        """The smallest W (a divisor of the expert count) whose :meth:`peak_bytes_per_rank` fits
+        ``gpu_bytes``; None if none does."""
+        for w in (w for w in range(1, self.num_experts + 1) if self.num_experts % w == 0):
+            if self.peak_bytes_per_rank(w, tokens, checkpointing, **kw)["peak"] <= gpu_bytes:
+                return w
+        return None
+
+    def _largest_layer_bytes(self, world_size: int, elem: int) -> float:
+        return max(self._layer_bytes(world_size, elem))
 
     def activation_bytes_per_token(self, checkpointing: str, world_size: int, elem: int = 2) -> float:
         """An estimate of the activation bytes one token keeps for backward over the whole model
         (bf16: ``elem`` = 2), by counting what the layers save: attention (norm in float32, q/k/v
         after norm and RoPE, the attention output), the MoE FFN (norm, router scores, the token
         rows received by ~min(K, W) ranks, gate|up and SwiGLU output per chosen expert, the shared
-        expert) and, for ``full``, one layer being recomputed. Not counted: the logits (the loss's
-        business) and allocator slack."""
+        expert) and, for ``full``, one layer being recomputed. Not counted here: the backward
+        working set (:meth:`activation_peak_bytes_per_token`), the logits (:meth:`loss_bytes`)
+        and allocator slack."""
+        attn, _, dense = self._layer_parts(world_size, elem)
+        H = self.hidden_size
+        layers = self._layer_bytes(world_size, elem)
+        if checkpointing == "none":
+            return float(sum(layers))
+        if checkpointing == "moe":
+            return float(sum(attn + elem * H + (0 if m else dense) for m in self.moe_layers) + max(layers))
+        return float(self.num_layers * elem * H + max(layers))  # full: block inputs + one replay
+
+    def _layer_parts(self, world_size: int, elem: int) -> tuple[float, float, float]:
+        """Saved bytes per token of (attention, MoE FFN, dense FFN) of one block."""
         H, q, kv, I, K = (self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                           self.expert_hidden, self.top_k)
         norm = (2 * 2 + elem) * H  # float32 copy + its normalised cast
@@ -269,12 +368,11 @@ class ArchSpec:
         ranks = min(K, world_size) if world_size > 1 else 1
         moe = norm + 12 * self.num_experts + elem * H * ranks + K * 3 * elem * I + 4 * elem * self.shared_hidden
         dense = norm + 4 * elem * self.dense_hidden
-        layers = [attn + (moe if m else dense) for m in self.moe_layers]
-        if checkpointing == "none":
-            return float(sum(layers))
-        if checkpointing == "moe":
-            return float(sum(attn + elem * H + (0 if m else dense) for m in self.moe_layers) + max(layers))
-        return float(self.num_layers * elem * H + max(layers))  # full: block inputs + one replay
+        return attn, moe, dense
+
+    def _layer_bytes(self, world_size: int, elem: int) -> list[float]:
+        attn, moe, dense = self._layer_parts(world_size, elem)
+        return [attn + (moe if m else dense) for m in self.moe_layers]
 
     def active_params_per_token(self) -> int:
         """Parameters a token passes through (the 'A3B' of Qwen3-30B-A3B): replicated minus the
@@ -292,6 +390,14 @@ class ResolvedArch:
 
     spec: ArchSpec
     hf_config: dict[str, Any] | None = None
+
+
+def _auto_chunk(rows: int, vocab: int, hidden: int) -> int:
+    """``ray_moe.model.loss.auto_chunk`` (this module imports no torch): rows per logits chunk."""
+    per = -(-vocab // hidden)
+    c = 1 << max(0, (-(-rows // per) - 1).bit_length())
+    floor = 1 << max(0, ((64 * 2**20) // (4 * vocab)).bit_length() - 1)
+    return max(1, min(max(c, floor), rows))
 
 
 def family_of(hf: Mapping[str, Any]) -> str:
@@ -468,8 +574,12 @@ def resolve(source: str, overrides: Mapping[str, Any]) -> tuple[ArchSpec, dict[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ray_moe.arch SOURCE [--world-sizes 8,16] [--tokens 16384]``: parameters, training
-    state per rank and estimated activations for an HF config (preset, config.json or directory)."""
+    """``python -m ray_moe.arch SOURCE [--world-sizes 8,16] [--tokens 16384] [--gpu-gib 80]``:
+    parameters, then per world size the training state per rank (16 B/param unsharded; ZeRO
+    stages 1 and 2 of the replicated parameters with float32 / bf16 moments), the activations at
+    the peak of backward, the loss's logits and the peak per rank (full recompute) with both
+    moment dtypes; then the smallest world size that fits the GPU, for an HF config (preset,
+    config.json or directory)."""
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m ray_moe.arch", description=main.__doc__)
@@ -477,6 +587,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world-sizes", default="4,8,16", help="comma-separated ranks (GPUs)")
     p.add_argument("--tokens", type=int, default=16384, help="tokens per rank per step")
     p.add_argument("--clone-slots", type=int, default=0)
+    p.add_argument("--gpu-gib", type=float, default=80.0, help="GPU memory for the fit (GiB)")
+    p.add_argument("--headroom", type=float, default=0.9,
+                   help="fraction of --gpu-gib the peak may use (allocator slack, CUDA context, NCCL)")
     args = p.parse_args(argv)
     try:
         spec = ArchSpec.from_hf(load_hf_config(args.source))
@@ -484,19 +597,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m ray_moe.arch: error: {exc}", file=sys.stderr)
         return 2
     c = spec.param_counts()
+    gib = 2**30
+    budget = args.gpu_gib * gib * args.headroom
+    variants = {"stage 0, fp32 moments": {}, "stage 1, fp32": {"zero_stage": 1},
+                "stage 1, bf16": {"zero_stage": 1, "moments": "bfloat16"},
+                "stage 2, fp32": {"zero_stage": 2}, "stage 2, bf16": {"zero_stage": 2, "moments": "bfloat16"}}
     print(f"{args.source}: {c['total'] / 1e9:.2f}B parameters ({c['replicated'] / 1e9:.2f}B replicated, "
           f"{c['experts'] / 1e9:.2f}B in {spec.num_experts} experts x {sum(spec.moe_layers)} layers), "
-          f"{spec.active_params_per_token() / 1e9:.2f}B active per token")
-    print("| GPUs | params/rank | state/rank (16 B/param) | activations, none / moe / full "
-          f"({args.tokens} tokens/rank, bf16, estimate) |")
-    print("| --- | --- | --- | --- |")
+          f"{spec.active_params_per_token() / 1e9:.2f}B active per token; {args.tokens} tokens per rank, bf16")
+    print("| GPUs | params/rank | state/rank at the end of backward (GiB): " + " / ".join(variants)
+          + " | activations at the peak of backward (GiB): none / moe / full | loss (GiB) "
+          "| peak/rank with full recompute (GiB): " + " / ".join(variants) + " |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for w in (int(x) for x in args.world_sizes.split(",")):
         if spec.num_experts % w:
             continue
         m = spec.memory_per_rank(w, args.clone_slots)
-        acts = " / ".join(f"{spec.activation_bytes_per_token(mode, w) * args.tokens / 2**30:.1f}"
+        states = " / ".join(f"{spec.memory_per_rank(w, args.clone_slots, **kw)['backward_bytes'] / gib:.1f}"
+                            for kw in variants.values())
+        acts = " / ".join(f"{spec.activation_peak_bytes_per_token(mode, w) * args.tokens / gib:.1f}"
                           for mode in ("none", "moe", "full"))
-        print(f"| {w} | {m['params'] / 1e9:.2f}B | {m['state_bytes'] / 2**30:.1f} GiB | {acts} GiB |")
+        peaks = [spec.peak_bytes_per_rank(w, args.tokens, "full", clone_slots=args.clone_slots, **kw)["peak"]
+                 for kw in variants.values()]
+        print(f"| {w} | {m['params'] / 1e9:.2f}B | {states} | {acts} | {spec.loss_bytes(args.tokens)['forward'] / gib:.1f} | "
+              + " / ".join(f"{x / gib:.1f}{'' if x <= budget else '*'}" for x in peaks) + " |")
+    print(f"(* does not fit {args.gpu_gib:g} GiB x {args.headroom:.0%})")
+    for label, kw in variants.items():
+        w = spec.smallest_world_size(budget, args.tokens, "full", clone_slots=args.clone_slots, **kw)
+        print(f"smallest world size on {args.gpu_gib:g} GiB GPUs ({args.headroom:.0%} usable), full recompute, "
+              f"{label}: {w if w else 'none'}")
     return 0
 
 

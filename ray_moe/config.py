@@ -155,9 +155,18 @@ class ParallelConfig:
     force_remote_path: bool = False
     comm_programs: int = 0  # NVSHMEM: SMs the exchange kernels run on (0: all)
     workers_per_gpu: int = 1  # ranks sharing one GPU (tests of multi-rank paths on one GPU; gloo process group)
+    # ZeRO for the replicated parameters (experts are sharded by expert parallelism anyway):
+    # 0 = whole on every rank; 1 = float32 masters and moments sharded over the ranks (Megatron's
+    # distributed optimizer), gradients reduce-scattered in buckets while backward runs, from
+    # persistent float32 bucket buffers; 2 = also the gradients (a bucket's buffer is freed once reduced)
+    zero_stage: int = 0
+    grad_bucket_size: int = 40_000_000  # elements per gradient bucket (zero_stage 1, 2)
 
     def check(self) -> None:
         _positive("parallel.world_size", self.world_size)
+        _positive("parallel.grad_bucket_size", self.grad_bucket_size)
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2):
+            raise ConfigError(f"parallel.zero_stage={self.zero_stage!r} is not allowed; choose one of 0, 1, 2")
         _choice("parallel.transport", self.transport, ("auto", "nvshmem", "nccl", "gloo"))
         _choice("parallel.device", self.device, ("auto", "cpu", "cuda"))
         _choice(
@@ -249,6 +258,7 @@ class TrainConfig:
     eps: float = 1e-8
     master_weights: bool = True  # fp32 masters + fp32 AdamW state; false: update compute-dtype params
     optimizer_impl: str = "auto"  # auto (onepass on CUDA, foreach elsewhere) | onepass | fused | foreach | for_loop
+    optimizer_state_dtype: str = "float32"  # AdamW moments: float32 | bfloat16 (DeepSeek-V3; needs master_weights)
     loss_impl: str = "auto"  # auto (fused on CUDA, else liger there, else chunked) | chunked | fused | liger
     loss_chunk: int = 0  # rows per chunk of the chunked and fused LM loss; 0 = automatic (per impl)
 
@@ -280,6 +290,10 @@ class TrainConfig:
         if not self.eps > 0:
             raise ConfigError(f"train.eps={self.eps} must be > 0")
         _choice("train.optimizer_impl", self.optimizer_impl, ("auto", "onepass", "fused", "foreach", "for_loop"))
+        _choice("train.optimizer_state_dtype", self.optimizer_state_dtype, ("float32", "bfloat16"))
+        if self.optimizer_state_dtype == "bfloat16" and not self.master_weights:
+            raise ConfigError("train.optimizer_state_dtype=bfloat16 needs train.master_weights=true "
+                              "(the moments are updated in float32 beside float32 masters)")
         _choice("train.loss_impl", self.loss_impl, ("auto", "chunked", "fused", "liger"))
         _positive("train.loss_chunk", self.loss_chunk, allow_zero=True)
 
@@ -435,6 +449,9 @@ class Config:
             raise ConfigError(
                 f"train.batch_size={t.batch_size} is not divisible by parallel.world_size={p.world_size}"
             )
+        if p.zero_stage and not t.master_weights:
+            raise ConfigError(f"parallel.zero_stage={p.zero_stage} shards float32 masters and needs "
+                              "train.master_weights=true (or parallel.zero_stage=0)")
         return resolved
 
     def resolve_arch(self) -> arch.ResolvedArch:

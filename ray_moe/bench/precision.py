@@ -10,8 +10,14 @@ step   One rank (W = 1) through ``Engine.train_step`` with ``LocalTransport``: w
                       (``train.master_weights=false train.optimizer_impl=for_loop``): before this change
          new          float32 masters, gradients and AdamW state, torch's fused AdamW (the defaults)
          new_foreach  the same with foreach AdamW (what runs where the fused kernel does not)
+         bf16_moments float32 masters, bf16 AdamW moments (``train.optimizer_state_dtype=bfloat16``):
+                      every parameter through the one-pass kernel
        Columns: medians over ``--iters`` steps after ``--warmup``; optimizer = grad_sync (master
        gradients, cross-rank reduction, norm) + update (clipping, AdamW, masters → parameters).
+curve  ``--curve-steps`` training steps (default 300) of the same model and data with float32 and
+       with bf16 AdamW moments (variants ``new`` and ``bf16_moments``): every step's loss, and the
+       largest gap of their ``--curve-window``-step running means (the 300-step comparison
+       issue 27 asks for before bf16 moments can become a default).
 loss   ``lm_loss`` forward+backward at N tokens, vocabulary V, hidden H (bf16): the full fp32 logits
        (``F.cross_entropy``, the path before this change), chunked, and Liger-Kernel's fused kernel
        when it imports; peak memory above the inputs, and each one's loss and gradients against
@@ -38,6 +44,7 @@ VARIANTS = MappingProxyType({  # step variant → config overrides
     "new": (),  # optimizer_impl auto: onepass on CUDA
     "new_fused": ("train.optimizer_impl=fused",),
     "new_foreach": ("train.optimizer_impl=foreach",),
+    "bf16_moments": ("train.optimizer_state_dtype=bfloat16",),  # every parameter through the one-pass kernel
 })
 TIME_KEYS = ("forward", "backward", "optimizer", "grad_sync", "update", "step")
 
@@ -90,13 +97,19 @@ def step_config(args: argparse.Namespace, variant: str):
     return Config().with_overrides([*base, *VARIANTS[variant]])
 
 
+def _one_rank(device: torch.device):
+    """The RankInfo of the one rank the step and curve sections run (no group)."""
+    from ray_moe.topology import RankInfo
+
+    return RankInfo(0, 1, "local", 0, 1, 0, 1, "127.0.0.1", platform.node(), 0, 0 if device.type == "cuda" else -1)
+
+
 def step_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     from ray_moe.comm.local import LocalTransport
-    from ray_moe.topology import RankInfo
     from ray_moe.worker.engine import Engine
 
     device = _device(args.device)
-    one_rank = RankInfo(0, 1, "local", 0, 1, 0, 1, "127.0.0.1", platform.node(), 0, 0 if device.type == "cuda" else -1)
+    one_rank = _one_rank(device)
     rows = []
     for variant in args.variants:
         cfg = step_config(args, variant)
@@ -120,6 +133,33 @@ def step_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         print(f"  step {variant}: {med['step']:.1f} ms, optimizer {med['optimizer']:.1f} ms", flush=True)
         del engine, results
         _free(device)
+    return rows
+
+
+# ============================================================================ curve
+def curve_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One row per moment dtype: its losses over ``args.curve_steps`` steps (same seed and data)."""
+    from ray_moe.comm.local import LocalTransport
+    from ray_moe.worker.engine import Engine
+
+    device = _device(args.device)
+    one_rank = _one_rank(device)
+    rows = []
+    for variant in ("new", "bf16_moments"):
+        cfg = step_config(args, variant).with_overrides([f"train.steps={args.curve_steps}"])
+        torch.manual_seed(cfg.train.seed)
+        engine = Engine(cfg, one_rank, LocalTransport(), device, cfg.resolve_arch())
+        losses = [engine.train_step()["loss"] for _ in range(args.curve_steps)]
+        rows.append({"variant": variant, "moments": cfg.train.optimizer_state_dtype, "losses": losses,
+                     "first": losses[0], "last_window_mean": statistics.fmean(losses[-args.curve_window:])})
+        print(f"  curve {variant}: loss {losses[0]:.4f} -> {rows[-1]['last_window_mean']:.4f}", flush=True)
+        del engine
+        _free(device)
+    w = args.curve_window
+    means = [[statistics.fmean(r["losses"][i - w:i]) for i in range(w, len(r["losses"]) + 1)] for r in rows]
+    gap = max((abs(a - b) for a, b in zip(*means)), default=0.0)
+    for r in rows:
+        r["max_running_mean_gap"] = gap
     return rows
 
 
@@ -186,7 +226,7 @@ def loss_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ray-moe bench precision", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", default="step,loss", help="comma-separated: step, loss")
+    p.add_argument("--sections", default="step,loss", help="comma-separated: step, curve, loss")
     p.add_argument("--device", default="auto", help="auto, cuda, cpu")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--variants", default="old,new,new_fused", help=f"step variants: {', '.join(VARIANTS)}")
@@ -202,6 +242,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--data-paths", nargs="*", default=[], help="corpus files (default: the stdlib's sources)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--curve-steps", type=int, default=300, help="steps of the curve section")
+    p.add_argument("--curve-window", type=int, default=20, help="running-mean window of the curve section")
     p.add_argument("--loss-tokens", type=int, default=32768, help="N of the loss section")
     p.add_argument("--vocab", type=int, default=151936, help="V of the loss section")
     p.add_argument("--loss-chunk", type=int, default=0, help="rows per chunk (0 = automatic)")
@@ -215,10 +257,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]
     sections = [s for s in args.sections.split(",") if s]
-    for bad in [s for s in sections if s not in ("step", "loss")] + [v for v in args.variants if v not in VARIANTS]:
-        parser.error(f"unknown section or variant {bad!r}; sections: step, loss; variants: {', '.join(VARIANTS)}")
+    for bad in [s for s in sections if s not in ("step", "curve", "loss")] + [v for v in args.variants if v not in VARIANTS]:
+        parser.error(f"unknown section or variant {bad!r}; sections: step, curve, loss; variants: {', '.join(VARIANTS)}")
     for name in ("layers", "d_model", "heads", "experts", "top_k", "expert_hidden", "tokens", "seq_len",
-                 "iters", "loss_tokens", "vocab", "loss_iters"):
+                 "iters", "loss_tokens", "vocab", "loss_iters", "curve_steps", "curve_window"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     from tabulate import tabulate
@@ -234,6 +276,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"top-{args.top_k}, I={args.expert_hidden}, {args.tokens} tokens, {args.dtype} (medians, ms)")
         cols = ["variant"] + [f"{k}_ms" for k in TIME_KEYS] + ["optimizer_pct", "optimizer_impl", "peak_gib"]
         print(tabulate([[r[c] for c in cols] for r in out["step"]], headers=cols, floatfmt=".1f"))
+    if "curve" in sections:
+        out["curve"] = curve_rows(args)
+        print(f"\nloss curves, float32 vs bf16 moments, {args.curve_steps} steps: largest gap of "
+              f"{args.curve_window}-step running means {out['curve'][0]['max_running_mean_gap']:.4f}")
+        cols = ["variant", "moments", "first", "last_window_mean"]
+        print(tabulate([[r[c] for c in cols] for r in out["curve"]], headers=cols, floatfmt=".4f"))
     if "loss" in sections:
         out["loss"] = loss_rows(args)
         print(f"\nLM loss forward+backward: N={args.loss_tokens}, V={args.vocab}, H={args.d_model}, {args.dtype}")

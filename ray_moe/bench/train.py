@@ -147,31 +147,11 @@ def engine_config(args: argparse.Namespace, layers: int):
     return Config().with_overrides(keys)
 
 
-def instrumented_step(engine: Any, step: int) -> dict[str, float]:
-    """One training step as ``Engine.train_step`` runs it (no poison, no load statistics), timed
-    per phase (:data:`PHASES`, milliseconds)."""
-    from ray_moe.model.loss import lm_loss
-
-    model, opt, device = engine.model, engine.optimizer, engine.device
-    model.train()
-    x, y = engine.batch("train", step)
-    m = Marks(device)
-    m.mark("start")
-    h, aux = model.hidden_states(x)
-    m.mark("forward")
-    ce = lm_loss(h.reshape(-1, h.shape[-1]), model.lm_head.weight, y.reshape(-1),
-                 impl=engine.loss_impl, chunk=engine.config.train.loss_chunk)
-    m.mark("lm head + loss")
-    opt.zero_grad()
-    (ce + aux).backward()
-    m.mark("backward")
-    grad_norm, _ = engine.sync_grads(ce.detach())
-    m.mark("grad sync")
-    clip = engine.config.train.grad_clip
-    opt.step(engine.lr_at(step), clip / (grad_norm + 1e-6) if clip > 0 and grad_norm > clip else 1.0)
-    engine.push_clones()
-    engine.update_routing_bias()
-    m.mark("optimizer")
+def instrumented_step(engine: Any) -> dict[str, float]:
+    """One ``Engine.train_step``, timed per phase (:data:`PHASES`, milliseconds) at the markers
+    the engine calls."""
+    m = Marks(engine.device)
+    engine.train_step(mark=m.mark)
     return m.ms()
 
 
@@ -189,7 +169,7 @@ def ray_moe_rows(args: argparse.Namespace, layers: int) -> dict[str, Any]:
     for _ in range(args.warmup):
         engine.train_step()
     base = _reset_peak(device)
-    phases = [instrumented_step(engine, engine.step + i) for i in range(args.iters)]
+    phases = [instrumented_step(engine) for _ in range(args.iters)]
     steps = [1e3 * engine.train_step()["time"]["step"] for _ in range(args.iters)]
     row = _step_row("ray_moe", layers, _median_rows(phases), statistics.median(steps), args, spec)
     row.update(peak_gib=_peak_gib(device), in_use_gib=base / 2**30, loss_impl=engine.loss_impl,

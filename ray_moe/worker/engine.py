@@ -5,8 +5,10 @@ Usable inside an EPWorker (a Ray actor, over a real transport) or directly in on
 expert-parallel training is compared with.
 
 Loss scaling: each rank's loss is the mean over its tokens and the global loss is the mean of
-the ranks' losses, so replicated gradients are all-reduced with an average, while an expert's
-gradient (already summed over every rank's tokens by combine's backward) is divided by W.
+the ranks' losses, so the gradient is the sum over ranks divided by W: replicated gradients are
+summed (all-reduced, or reduce-scattered during backward at ``parallel.zero_stage`` 1 or 2), an expert's is already
+summed over every rank's tokens by combine's backward, and the 1/W rides on the update's gradient
+scale (no pass of its own).
 
 Precision: parameters in ``model.dtype``; float32 master weights, gradients and AdamW state in
 :class:`~ray_moe.worker.optim.MixedPrecisionAdamW`, which is where the gradients are reduced
@@ -18,7 +20,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -37,7 +39,8 @@ from ray_moe.placement.clones import push_clone_weights, reduce_clone_grads
 from ray_moe.placement.placement import Placement, expert_shard
 from ray_moe.topology import RankInfo
 from ray_moe.worker.data import open_corpus
-from ray_moe.worker.optim import MixedPrecisionAdamW
+from ray_moe.worker.optim import STATE_DTYPES, MixedPrecisionAdamW, no_weight_decay
+from ray_moe.worker.zero import ShardedReplicatedState
 
 
 def buffer_spec(config: Config, world_size: int, spec: ArchSpec | None = None) -> BufferSpec:
@@ -79,6 +82,10 @@ class ModelReport:
         return asdict(self)
 
 
+
+def _no_mark(phase: str) -> None:
+    """The default phase marker of :meth:`Engine.train_step`: nothing."""
+
 class Engine:
     """One rank's training state; ``arch``: the architecture the driver resolved
     (:meth:`~ray_moe.config.Config.resolve_arch`), built here without re-resolving."""
@@ -96,15 +103,33 @@ class Engine:
         self.sharded = [p for p in self.model.parameters() if expert_shard(p) is not None]
         self.replicated = [p for p in self.model.parameters() if expert_shard(p) is None]
         t = config.train
+        # the replicated parameters' state sharded over the ranks (parallel.zero_stage 1, 2)
+        self.zero = self._sharded_replicated_state() if config.parallel.zero_stage else None
         self.optimizer = MixedPrecisionAdamW(
             self.model, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay,
-            impl=t.optimizer_impl, master_weights=t.master_weights,
+            impl=t.optimizer_impl, master_weights=t.master_weights, state_dtype=t.optimizer_state_dtype,
+            exclude=frozenset(self.zero.names) if self.zero else frozenset(),
         )
+        # gradients are reduced as sums; the mean's 1/W is folded into the update's gradient scale
+        self.grad_divisor = self.world_size if self.distributed else 1
         self.loss_impl = resolve_loss_impl(t.loss_impl, device)
         self.transport.timer.enabled = True  # communication time in the step breakdown
         self.step = 0  # steps taken (skipped ones included) == the data position
         self.opt_steps = 0  # optimizer updates applied (Adam's bias-correction counter)
         self.skipped = 0
+
+    def _sharded_replicated_state(self) -> ShardedReplicatedState | None:
+        """ZeRO stage 1 or 2 for the replicated parameters (None on one rank), reducing on a
+        process group of its own (made by every rank, in the same order)."""
+        if not self.distributed:
+            return None
+        t = self.config.train
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return ShardedReplicatedState(
+            [(names[id(p)], p) for p in self.replicated], no_weight_decay(self.model),
+            group=dist.new_group(list(range(self.world_size))), weight_decay=t.weight_decay,
+            betas=(t.beta1, t.beta2), eps=t.eps, state_dtype=STATE_DTYPES[t.optimizer_state_dtype],
+            bucket_size=self.config.parallel.grad_bucket_size, shard_grads=self.config.parallel.zero_stage >= 2)
 
     def describe(self) -> ModelReport:
         layers = self.model.moe_layers()
@@ -142,41 +167,55 @@ class Engine:
             )
         return x.to(self.device), y.to(self.device)
 
-    def loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x, y: int64 [B, L] inputs and next-token targets → (mean cross-entropy, aux loss)."""
+    def loss(self, x: torch.Tensor, y: torch.Tensor,
+             mark: Callable[[str], None] = _no_mark) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, y: int64 [B, L] inputs and next-token targets → (mean cross-entropy, aux loss);
+        ``mark``: called after the decoder ("forward") and after the LM head + loss."""
         h, aux = self.model.hidden_states(x)
+        mark("forward")
         ce = lm_loss(h.reshape(-1, h.shape[-1]), self.model.lm_head.weight, y.reshape(-1),
                      impl=self.loss_impl, chunk=self.config.train.loss_chunk)
+        mark("lm head + loss")
         return ce, aux
 
     # ------------------------------------------------------------------ training
-    def train_step(self, poison: bool = False) -> dict[str, Any]:
+    def train_step(self, poison: bool = False, mark: Callable[[str], None] = _no_mark) -> dict[str, Any]:
         """One optimizer step on this rank's slice of global batch ``self.step``.
 
         ``poison`` injects a NaN into this rank's activations (to test the non-finite policy).
+        ``mark(phase)`` is called at the phase boundaries ("start", "forward", "lm head + loss",
+        "backward", "grad sync", "optimizer"; ``ray-moe bench train`` records CUDA events there).
         """
         self.model.train()
         self.transport.timer.pop()  # drop anything timed outside a training step
         t0 = time.perf_counter()
         x, y = self.batch("train", self.step)
-        ce, aux = self.loss(x, y)
+        mark("start")
+        ce, aux = self.loss(x, y, mark)
         if poison:
             ce = ce + float("nan")
         loss = ce + aux
         synchronize(self.device)
         t1 = time.perf_counter()
         self.optimizer.zero_grad()
+        if self.zero:
+            self.zero.begin()  # replicated gradients reduce-scattered as backward produces them
         loss.backward()
+        mark("backward")
         synchronize(self.device)
         t2 = time.perf_counter()
-        grad_norm, loss_finite = self.sync_grads(ce.detach())
+        grad_norm, loss_finite, t_reduce = self.sync_grads(ce.detach())
+        mark("grad sync")
         finite = math.isfinite(grad_norm) and loss_finite
         t_sync = time.perf_counter()  # the norm and the loss check were read on the host: the device is idle
         lr = self.lr_at(self.step)
         skipped = False
         if finite:
             clip = self.config.train.grad_clip
-            self.optimizer.step(lr, clip / (grad_norm + 1e-6) if clip > 0 and grad_norm > clip else 1.0)
+            scale = (clip / (grad_norm + 1e-6) if clip > 0 and grad_norm > clip else 1.0) / self.grad_divisor
+            self.optimizer.step(lr, scale)
+            if self.zero:
+                self.zero.step(lr, scale)
             self.opt_steps += 1
             self.push_clones()
             self.update_routing_bias()
@@ -185,6 +224,7 @@ class Engine:
             self.skipped += 1
             self.optimizer.drop_grads()
         self.step += 1
+        mark("optimizer")
         synchronize(self.device)
         self.transport.check()  # device-side timeouts become an error naming the cause
         t3 = time.perf_counter()
@@ -193,43 +233,58 @@ class Engine:
             "tokens": x.numel(), "grad_norm": grad_norm, "lr": lr, "skipped": skipped,
             "nonfinite": not finite, "load": self.expert_load(),
             "time": {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2,
-                     "grad_sync": t_sync - t2, "update": t3 - t_sync,
+                     "grad_sync": t_sync - t2, "grad_reduce": t_reduce, "update": t3 - t_sync,
                      "step": t3 - t0, "comm": self.transport.timer.pop()},
         }
 
     def counters(self) -> dict[str, int]:
         return {"step": self.step, "opt_steps": self.opt_steps, "skipped": self.skipped}
 
-    def sync_grads(self, loss: torch.Tensor) -> tuple[float, bool]:
+    def sync_grads(self, loss: torch.Tensor) -> tuple[float, bool, float]:
         """Reduce gradients across ranks into the optimizer's (float32) master gradients; return
-        the global gradient norm (inf if non-finite) and whether every rank's ``loss`` (a scalar
-        tensor on this rank's device) is finite. The loss check rides on the norm's all-reduce and
-        host read: one of each per step."""
+        the global gradient norm (inf if non-finite), whether every rank's ``loss`` (a scalar
+        tensor on this rank's device) is finite, and the seconds the replicated gradients'
+        reduction was exposed after backward (stage 0: all of it; stages 1 and 2: the wait for the
+        buckets still in flight; 0 on one rank). The loss check rides on the norm's all-reduce and
+        host read: one of each per step.
+
+        The gradients are left as sums over ranks (replicated ones summed here, or reduce-scattered
+        during backward at ZeRO stage 1 or 2; an expert's already summed by combine's
+        backward): the mean's 1/W is folded into the update's gradient scale and into the norm."""
         opt = self.optimizer
         opt.gather_grads()
         for layer in self.model.moe_layers():
             reduce_clone_grads(layer, layer.placement, grads=[opt.grad(layer.w13), opt.grad(layer.w2)])
-        replicated = [opt.grad(p) for p in self.replicated]
         sharded = [opt.grad(p) for p in self.sharded]
+        local = _sum_of_squares(sharded, self.device)  # Σ over ranks: the expert-shard grads' part
+        replicated = []
         if self.distributed:
-            flat = torch.cat([g.reshape(-1).float() for g in replicated])
-            dist.all_reduce(flat)
-            flat /= self.world_size
-            offset = 0
-            for g in replicated:
-                n = g.numel()
-                g.copy_(flat[offset: offset + n].view_as(g))
-                offset += n
-            if sharded:
-                torch._foreach_div_(sharded, self.world_size)
-        # [Σ expert-shard grad², ranks whose loss is not finite]: summed over ranks in one all-reduce
-        reduced = torch.stack([_sum_of_squares(sharded, self.device),
-                               (~torch.isfinite(loss.float())).float().to(self.device)])
+            synchronize(self.device)  # (the reduction's exposed time, measured alone)
+        t0 = time.perf_counter()
+        if self.zero:
+            local = local + self.zero.finish()  # this rank's chunks of the reduced replicated grads
+        else:
+            replicated = [opt.grad(p) for p in self.replicated]
+            if self.distributed:
+                flat = torch.cat([g.reshape(-1).float() for g in replicated])
+                dist.all_reduce(flat)
+                offset = 0
+                for g in replicated:
+                    n = g.numel()
+                    g.copy_(flat[offset: offset + n].view_as(g))
+                    offset += n
+        t_reduce = 0.0
+        if self.distributed:
+            synchronize(self.device)
+            t_reduce = time.perf_counter() - t0
+        # [Σ grad² of what ranks hold apart, ranks whose loss is not finite]: one all-reduce
+        reduced = torch.stack([local, (~torch.isfinite(loss.float())).float().to(self.device)])
         if self.distributed:
             dist.all_reduce(reduced)
         reduced[0] += _sum_of_squares(replicated, self.device)
         total, bad_losses = reduced.tolist()
-        return (math.sqrt(total) if math.isfinite(total) else math.inf), bad_losses == 0
+        total /= self.grad_divisor ** 2
+        return (math.sqrt(total) if math.isfinite(total) else math.inf), bad_losses == 0, t_reduce
 
     def update_routing_bias(self) -> None:
         """Aux-loss-free balancing (sigmoid routers with a balancing bias): one bias step per MoE
@@ -336,7 +391,12 @@ class Engine:
     def shard_state(self) -> dict[str, torch.Tensor]:
         """This rank's part of a checkpoint (schema: :mod:`ray_moe.checkpoint`): the float32 master
         weights under the parameters' names, their AdamW state, and the persistent buffers."""
-        return checkpoint.shard_state(self.optimizer.named_masters(), self.optimizer.state, self.rank, self.device,
+        named, state = self.optimizer.named_masters(), dict(self.optimizer.state)
+        if self.zero:  # the replicated masters and moments, whole on rank 0 (a collective)
+            for name, whole in self.zero.gather_state().items():
+                named.append((name, whole["master"]))
+                state[whole["master"]] = whole
+        return checkpoint.shard_state(named, state, self.rank, self.device,
                                       named_buffers=persistent_buffers(self.model))
 
     def load_state(self, tensors: dict[str, torch.Tensor], step: int, opt_steps: int) -> None:
@@ -345,8 +405,17 @@ class Engine:
         weights (a checkpoint of compute-dtype weights is upcast) and refreshes the parameters."""
         for layer in self.model.moe_layers():
             layer.set_placement(Placement.native(layer.num_experts, self.world_size, layer.placement.clone_slots))
-        checkpoint.load_shard_state(self.optimizer.named_masters(), self.optimizer.state, tensors, opt_steps,
-                                    self.rank, self.device, named_buffers=persistent_buffers(self.model))
+        named = self.optimizer.named_masters()
+        whole: dict[str, torch.Tensor] = {}
+        if self.zero:  # whole float32 host tensors, checked by the same code; this rank keeps its chunks
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            whole = {names[id(p)]: torch.empty(p.shape, dtype=torch.float32) for p in self.replicated}
+            named = named + list(whole.items())
+        state = self.optimizer.state
+        checkpoint.load_shard_state(named, state, tensors, opt_steps, self.rank, self.device,
+                                    named_buffers=persistent_buffers(self.model))
+        if self.zero:
+            self.zero.load(whole, {n: state.pop(w) for n, w in whole.items() if w in state}, opt_steps)
         self.optimizer.loaded()
         self.step, self.opt_steps = step, opt_steps
         self.push_clones()

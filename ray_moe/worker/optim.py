@@ -19,7 +19,8 @@ the routers of a bf16 model) are their own masters, with no copy. One update:
 Memory per bf16 parameter: 2 bytes (weight) + 12 (float32 master and two moments), plus its
 gradient: 2 bytes (bf16) from backward until :meth:`~MixedPrecisionAdamW.gather_grads`, 4 bytes
 (float32) from there until the update ends, when the activations are gone: 16 bytes at the peak
-of backward, 18 during the update.
+of backward, 18 during the update. With ``train.optimizer_state_dtype: bfloat16`` the moments
+take 2 bytes each (DeepSeek-V3's recipe; float32 masters and gradients kept): 12 and 14.
 
 Gradient reduction precision: float32. The cross-rank sums (replicated gradients all-reduced,
 clone gradients added onto their owners) run on the float32 master gradients. A bf16 reduction
@@ -36,7 +37,8 @@ one), and bare parameters whose name says they are an embedding table (``pos_emb
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
+from types import MappingProxyType
 
 import torch
 from torch import nn
@@ -44,6 +46,7 @@ from torch import nn
 from ray_moe.placement.placement import expert_shard
 
 OPTIMIZER_IMPLS = ("auto", "onepass", "fused", "foreach", "for_loop")
+STATE_DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16})
 
 
 def no_weight_decay(model: nn.Module) -> frozenset[str]:
@@ -87,6 +90,13 @@ class MixedPrecisionAdamW:
         master_weights: False updates the compute parameters directly (pure bf16 AdamW when
             ``model.dtype`` is bfloat16: updates smaller than half a bf16 ulp are lost). For
             comparison only.
+        state_dtype: the AdamW moments' storage, ``float32`` or ``bfloat16`` (DeepSeek-V3's
+            recipe: computed in float32, rounded when stored; 4 bytes less per parameter). With
+            bf16 moments every parameter goes through the one-pass update
+            (:func:`ray_moe.worker.adamw_kernel.adamw_step`: the Triton kernel on CUDA, its torch
+            reference elsewhere); it needs float32 masters.
+        exclude: names of parameters this optimizer leaves alone (the replicated ones when
+            :class:`ray_moe.worker.zero.ShardedReplicatedState` holds their state).
 
     Masters carry the parameters' ``expert_shard`` marks and are saved under the parameters'
     names (:meth:`named_masters`), with their AdamW state (:attr:`state`, keyed by master).
@@ -102,8 +112,10 @@ class MixedPrecisionAdamW:
         weight_decay: float = 0.0,
         impl: str = "auto",
         master_weights: bool = True,
+        state_dtype: str = "float32",
+        exclude: Collection[str] = (),
     ) -> None:
-        named = list(model.named_parameters())
+        named = [(n, p) for n, p in model.named_parameters() if n not in exclude]
         self.names = tuple(n for n, _ in named)
         self.params = tuple(p for _, p in named)
         self.masters = tuple(_master(p) if master_weights and p.dtype != torch.float32 else p for p in self.params)
@@ -111,17 +123,27 @@ class MixedPrecisionAdamW:
         # (compute parameter, master) pairs that are distinct tensors
         self._copies = tuple((p, m) for p, m in zip(self.params, self.masters, strict=True) if m is not p)
         self.impl = _resolve_impl(impl, self.masters)
+        self.state_dtype = _state_dtype(state_dtype)
         exempt = no_weight_decay(model)
         self.betas, self.eps = betas, eps
-        # (parameter, master, weight decay) updated by the one-pass kernel; the rest by torch's AdamW
+        bf16_state = self.state_dtype != torch.float32
+        if bf16_state and any(m.dtype != torch.float32 for m in self.masters):
+            raise ValueError("train.optimizer_state_dtype=bfloat16 needs float32 masters "
+                             "(train.master_weights=true, or model.dtype float32)")
+        # (parameter, master, weight decay) updated by the one-pass kernel: the expert weights
+        # (onepass), or every parameter (bf16 moments: torch's AdamW keeps its moments in the
+        # parameters' dtype); the rest by torch's AdamW
         self._one_pass = tuple(
             (p, m, 0.0 if n in exempt else weight_decay)
             for n, p, m in zip(self.names, self.params, self.masters, strict=True)
-            if self.impl == "onepass" and _one_pass_eligible(p, m))
-        self._one_pass_ids = frozenset(id(p) for p, _, _ in self._one_pass)  # compute parameters
+            if bf16_state or (self.impl == "onepass" and _one_pass_eligible(p, m)))
+        # compute parameters whose own (compute-dtype) gradient the kernel reads: no float32 copy
+        self._one_pass_ids = frozenset(
+            id(p) for p, m, _ in self._one_pass if self.impl == "onepass" and _one_pass_eligible(p, m))
         # (parameter, master) pairs whose parameter the update refreshes from its master (the
         # one-pass kernel writes its parameters itself)
-        self._refreshed = tuple((p, m) for p, m in self._copies if id(p) not in self._one_pass_ids)
+        kernel_params = frozenset(id(p) for p, _, _ in self._one_pass)
+        self._refreshed = tuple((p, m) for p, m in self._copies if id(p) not in kernel_params)
         self._one_pass_master_ids = frozenset(id(m) for _, m, _ in self._one_pass)
         rest = [(n, m) for n, m in zip(self.names, self.masters, strict=True) if id(m) not in self._one_pass_master_ids]
         groups = [
@@ -130,6 +152,8 @@ class MixedPrecisionAdamW:
         ]
         inner = "fused" if self.impl == "onepass" else self.impl
         kind = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}[inner]
+        if not rest:
+            kind = {"foreach": False}  # nothing for torch's AdamW to update (fused refuses no tensors)
         self.inner = torch.optim.AdamW([g for g in groups if g["params"]] or [{"params": []}], lr=lr,
                                        betas=betas, eps=eps, **kind)
 
@@ -180,7 +204,8 @@ class MixedPrecisionAdamW:
         for _, m in self._copies:
             m.grad = None
         for p, _, _ in self._one_pass:
-            p.grad = None
+            if id(p) in self._one_pass_ids:
+                p.grad = None
 
     @torch.no_grad()
     def step(self, lr: float, clip_coef: float = 1.0) -> None:
@@ -189,10 +214,12 @@ class MixedPrecisionAdamW:
         for group in self.inner.param_groups:
             group["lr"] = lr
         if clip_coef != 1.0:  # (the one-pass kernel scales its own gradients as it reads them)
-            if self.impl in ("fused", "onepass"):  # the kernel divides the gradients by grad_scale
+            if self.inner.defaults.get("fused"):  # the kernel divides the gradients by grad_scale
                 self.inner.grad_scale = torch.full((), 1.0 / clip_coef, device=self.masters[0].device)
             else:
-                torch._foreach_mul_([m.grad for g in self.inner.param_groups for m in g["params"]], clip_coef)
+                grads = [m.grad for g in self.inner.param_groups for m in g["params"]]
+                if grads:
+                    torch._foreach_mul_(grads, clip_coef)
         try:
             self.inner.step()
         finally:
@@ -209,10 +236,12 @@ class MixedPrecisionAdamW:
         for p, m, decay in self._one_pass:
             state = self.state[m]
             if not state:
-                state.update(exp_avg=torch.zeros_like(m), exp_avg_sq=torch.zeros_like(m),
+                state.update(exp_avg=torch.zeros_like(m, dtype=self.state_dtype),
+                             exp_avg_sq=torch.zeros_like(m, dtype=self.state_dtype),
                              step=torch.zeros((), dtype=torch.float32))
             state["step"] = state["step"].cpu() + 1  # a host counter: the bias corrections are host floats
-            adamw_step(p.grad, m, state["exp_avg"], state["exp_avg_sq"], p, lr=lr, beta1=b1, beta2=b2,
+            grad = p.grad if id(p) in self._one_pass_ids else m.grad
+            adamw_step(grad, m, state["exp_avg"], state["exp_avg_sq"], p, lr=lr, beta1=b1, beta2=b2,
                        eps=self.eps, weight_decay=decay, step=int(state["step"]), grad_scale=clip_coef)
 
     @torch.no_grad()
@@ -222,12 +251,26 @@ class MixedPrecisionAdamW:
         masters' device)."""
         if self._copies:  # compute parameters from the loaded masters, all of them
             torch._foreach_copy_([p for p, _ in self._copies], [m for _, m in self._copies])
+        for _, m, _ in self._one_pass:  # the kernel's moments in their storage dtype, a host step
+            state = self.state.get(m)
+            if state:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key in state:
+                        state[key] = state[key].to(dtype=self.state_dtype)
+                if "step" in state:
+                    state["step"] = state["step"].cpu().float()
         if self.impl not in ("fused", "onepass"):
             return
         for m in self.masters:
             state = self.state.get(m)
             if state and "step" in state and id(m) not in self._one_pass_master_ids:
                 state["step"] = state["step"].to(device=m.device, dtype=torch.float32)
+
+
+def _state_dtype(name: str) -> torch.dtype:
+    if name not in STATE_DTYPES:
+        raise ValueError(f"train.optimizer_state_dtype={name!r} is not allowed; choose one of {', '.join(STATE_DTYPES)}")
+    return STATE_DTYPES[name]
 
 
 def _master(p: torch.Tensor) -> torch.Tensor:

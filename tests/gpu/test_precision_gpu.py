@@ -148,3 +148,54 @@ def test_one_pass_adamw_kernel_equals_reference_on_gpu(n, step):
     for a, b in zip(state, ref):
         torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
     assert torch.equal(param, state[0].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("n,step,grad_dtype", [(1, 1, torch.bfloat16), (4099, 3, torch.float32),
+                                               (2 ** 22 + 7, 9, torch.bfloat16)])
+def test_one_pass_adamw_kernel_with_bf16_moments_on_gpu(n, step, grad_dtype):
+    """bf16 moments (train.optimizer_state_dtype=bfloat16): the kernel computes in float32 and
+    rounds the moments when it stores them; the master equals the reference's to float32 rounding,
+    the moments to one bf16 rounding, the parameter is exactly the rounded master."""
+    from ray_moe.worker.adamw_kernel import adamw_step, adamw_step_reference
+
+    torch.manual_seed(n)
+    grad = torch.randn(n, device="cuda").to(grad_dtype)
+    state = [torch.randn(n, device="cuda"), (torch.randn(n, device="cuda") * 0.1).to(torch.bfloat16),
+             torch.rand(n, device="cuda").to(torch.bfloat16)]
+    ref = [t.clone() for t in state]
+    param = torch.full((n,), float("nan"), device="cuda", dtype=torch.bfloat16)
+    param_ref = param.clone()
+    kw = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=step, grad_scale=0.37)
+    adamw_step(grad, *state, param, **kw)
+    adamw_step_reference(grad, *ref, param_ref, **kw)
+    torch.testing.assert_close(state[0], ref[0], rtol=2e-6, atol=1e-7)
+    for a, b in zip(state[1:], ref[1:]):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-30)
+    assert torch.equal(param, state[0].to(torch.bfloat16))
+
+
+def test_engine_with_bf16_moments_on_cuda_resumes_exactly(tmp_path):
+    """Every parameter through the one-pass kernel with bf16 moments; resume is bit-identical."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ray_moe.comm.local import LocalTransport
+    from ray_moe.worker.engine import Engine
+    from tests.support import single_rank, small_config
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(Path(__file__).read_bytes() * 4)
+    cfg = small_config(tmp_path, world_size=1, **{"data.paths": str(corpus), "model.dtype": "bfloat16",
+                                                  "parallel.device": "cuda", "moe.expert_impl": "loop",
+                                                  "train.optimizer_state_dtype": "bfloat16"})
+    with sdpa_kernel(SDPBackend.MATH):
+        e = Engine(cfg, single_rank(), LocalTransport(), CUDA)
+        for _ in range(3):
+            e.train_step()
+        assert {s["exp_avg"].dtype for s in e.optimizer.state.values()} == {torch.bfloat16}
+        assert len(e.optimizer._one_pass) == len(e.optimizer.masters)
+        saved = e.shard_state()
+        uninterrupted = [e.train_step()["loss"] for _ in range(3)]
+        resumed = Engine(cfg, single_rank(), LocalTransport(), CUDA)
+        resumed.load_state(saved, step=3, opt_steps=3)
+        assert [resumed.train_step()["loss"] for _ in range(3)] == uninterrupted

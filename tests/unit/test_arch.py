@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from ray_moe.arch import PRESETS, ArchSpec, preset
+from ray_moe.arch import PRESETS, ArchError, ArchSpec, preset
 from ray_moe.config import Config, ConfigError
 
 
@@ -123,6 +123,59 @@ def test_memory_plan_of_the_readme():
     assert round(m.memory_per_rank(8)["state_bytes"] / 2**30, 1) == 107.9
     assert q.activation_bytes_per_token("full", 8) < q.activation_bytes_per_token("moe", 8) \
         < q.activation_bytes_per_token("none", 8)
+
+
+def test_state_per_rank_by_zero_stage_and_moment_dtype():
+    """The parts add up by hand: bf16 weight 2 B, bf16 gradient 2 B, float32 master 4 B, moments
+    8 B (bf16: 4 B); stages 1 and 2 divide the replicated master and moments by W and hold float32
+    bucket gradients (stage 1: all; stage 2: two buckets) plus the reduced chunks."""
+    q = ArchSpec.from_hf(preset("qwen3-30b-a3b"))
+    W, c = 8, q.param_counts()
+    rep, exp = c["replicated"], sum(q.moe_layers) * q.num_experts // W * c["per_expert"]
+    base = q.memory_per_rank(W)
+    assert base["backward_bytes"] == base["state_bytes"] == 16 * (rep + exp)
+    bf16 = q.memory_per_rank(W, moments="bfloat16")
+    assert base["backward_bytes"] - bf16["backward_bytes"] == 4 * (rep + exp)
+    one = q.memory_per_rank(W, zero_stage=1)
+    assert one["backward_bytes"] == pytest.approx(exp * 16 + rep * (2 + 4 + 4 / W + 12 / W))
+    two = q.memory_per_rank(W, zero_stage=2, bucket_size=1000)
+    assert two["backward_bytes"] == pytest.approx(exp * 16 + rep * (2 + 4 / W + 12 / W) + 2 * 1000 * 4)
+    assert q.memory_per_rank(1, zero_stage=2)["backward_bytes"] == q.memory_per_rank(1)["backward_bytes"]
+    with pytest.raises(ArchError, match="zero_stage=3"):
+        q.memory_per_rank(W, zero_stage=3)
+
+
+@pytest.mark.parametrize("rows,vocab,hidden", [(16384, 151936, 2048), (8192, 32000, 4096), (100, 256, 96)])
+def test_loss_chunk_rule_is_the_loss_modules(rows, vocab, hidden):
+    from ray_moe.arch import _auto_chunk
+    from ray_moe.model.loss import auto_chunk
+
+    assert _auto_chunk(rows, vocab, hidden) == auto_chunk(rows, vocab, hidden)
+
+
+def test_peak_and_smallest_world_size_of_the_readme():
+    """Qwen3-30B-A3B on 8 x 80 GB with full recompute: not as before, but with ZeRO (stage 2, or
+    stage 1 with bf16 moments); GLM-4.5-Air needs stage 2 and W=32 with bf16 moments."""
+    q = ArchSpec.from_hf(preset("qwen3-30b-a3b"))
+    budget = 0.9 * 80 * 2**30
+    assert q.peak_bytes_per_rank(8, 16384, "full")["peak"] > budget
+    assert q.peak_bytes_per_rank(8, 16384, "full", zero_stage=1, moments="bfloat16")["peak"] < budget
+    assert q.smallest_world_size(budget, 16384) == 16
+    assert q.smallest_world_size(budget, 16384, zero_stage=2) == 8
+    g = ArchSpec.from_hf(preset("glm-4.5-air"))
+    assert g.smallest_world_size(budget, 16384) is None
+    assert g.smallest_world_size(budget, 16384, zero_stage=2, moments="bfloat16") == 32
+    # the backward working set and the loss come on top of the saved activations
+    assert q.activation_peak_bytes_per_token("full", 8) > q.activation_bytes_per_token("full", 8)
+    assert q.loss_bytes(16384)["forward"] > q.vocab_size * q.hidden_size * 4
+
+
+def test_arch_cli_prints_the_stages_and_the_fit(capsys):
+    from ray_moe.arch import main
+
+    assert main(["qwen3-30b-a3b", "--world-sizes", "8,16"]) == 0
+    out = capsys.readouterr().out
+    assert "stage 2, bf16" in out and "smallest world size on 80 GiB GPUs" in out and "| 8 | 5.16B |" in out
 
 
 def test_checkpoint_compatibility_names_the_architecture(tmp_path):

@@ -527,6 +527,8 @@ def test_job_files_load(path):
     ("train.eps", math.nan, "> 0"), ("train.loss_chunk", -1, ">= 0"),
     ("train.optimizer_impl", "adam", "auto, onepass, fused, foreach, for_loop"),
     ("train.loss_impl", "full", "auto, chunked, fused, liger"),
+    ("train.optimizer_state_dtype", "float16", "float32, bfloat16"),
+    ("parallel.zero_stage", 3, "0, 1, 2"), ("parallel.grad_bucket_size", 0, "> 0"),
 ])
 def test_precision_keys_rejected(key, value, fragment):
     reject({key: value}, f"{key}=", fragment)
@@ -536,6 +538,18 @@ def test_precision_keys_accepted():
     cfg = build({"train.beta1": 0.0, "train.beta2": 0.999, "train.eps": 1e-6, "train.loss_chunk": 0,
                  "train.optimizer_impl": "for_loop", "train.loss_impl": "liger", "train.master_weights": False})
     assert (cfg.train.beta2, cfg.train.optimizer_impl, cfg.train.master_weights) == (0.999, "for_loop", False)
+
+
+def test_zero_stages_need_masters():
+    reject({"parallel.zero_stage": 2, "train.master_weights": False, "parallel.world_size": 1},
+           "parallel.zero_stage=2", "master_weights=true")
+    assert build({"parallel.zero_stage": 1}).parallel.zero_stage == 1
+
+
+def test_bf16_moments_accepted_with_masters_only():
+    assert build({"train.optimizer_state_dtype": "bfloat16"}).train.optimizer_state_dtype == "bfloat16"
+    reject({"train.optimizer_state_dtype": "bfloat16", "train.master_weights": False},
+           "train.optimizer_state_dtype=bfloat16", "master_weights=true")
 
 
 def test_data_datasets_take_paths_and_weights():

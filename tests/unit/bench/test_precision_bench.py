@@ -28,3 +28,19 @@ def test_bench_precision_rows_on_cpu(tmp_path):
     full, chunked = rows["loss"]
     assert (full["impl"], chunked["impl"]) == ("full_logits", "chunked")
     assert chunked["loss_abs_diff"] < 1e-2 and chunked["rel_err_dh"] < 1e-2 and chunked["rel_err_dw"] < 1e-2
+
+
+def test_bench_precision_curve_compares_the_moment_dtypes(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(Path(precision.__file__).read_bytes() * 2)
+    out = tmp_path / "curve.json"
+    assert precision.main([
+        "--sections", "curve", "--device", "cpu", "--layers", "1", "--d-model", "16", "--heads", "2",
+        "--experts", "4", "--top-k", "2", "--expert-hidden", "8", "--tokens", "32", "--seq-len", "16",
+        "--data-paths", str(corpus), "--curve-steps", "6", "--curve-window", "3", "--json", str(out),
+    ]) == 0
+    fp32, bf16 = json.loads(out.read_text())["curve"]
+    assert (fp32["moments"], bf16["moments"]) == ("float32", "bfloat16")
+    assert len(fp32["losses"]) == len(bf16["losses"]) == 6
+    assert fp32["losses"][0] == bf16["losses"][0]  # same model, same data: the first loss precedes any update
+    assert fp32["losses"] != bf16["losses"] and 0 < fp32["max_running_mean_gap"] < 0.5

@@ -34,9 +34,9 @@ def _rounded_masters(e: Engine) -> bool:
     return all(torch.equal(p, m.to(p.dtype)) for p, m in zip(e.model.parameters(), e.optimizer.masters, strict=True))
 
 
-@pytest.mark.parametrize("impl", ["auto", "onepass"])
-def test_skipped_step_leaves_parameters_masters_and_state_untouched(tmp_path, impl):
-    e = _engine(tmp_path, **{"train.optimizer_impl": impl})
+@pytest.mark.parametrize("impl,moments", [("auto", "float32"), ("onepass", "float32"), ("auto", "bfloat16")])
+def test_skipped_step_leaves_parameters_masters_and_state_untouched(tmp_path, impl, moments):
+    e = _engine(tmp_path, **{"train.optimizer_impl": impl, "train.optimizer_state_dtype": moments})
     e.train_step()
     before = _snapshot(e)
     m = e.train_step(poison=True)
@@ -49,9 +49,10 @@ def test_skipped_step_leaves_parameters_masters_and_state_untouched(tmp_path, im
     assert not torch.equal(before["master.lm_head.weight"], e.optimizer.master(e.model.lm_head.weight))
 
 
-@pytest.mark.parametrize("impl", ["auto", "onepass"])
-def test_bf16_parameters_are_rounded_masters_and_resume_is_exact(tmp_path, impl):
-    e = _engine(tmp_path, **{"train.optimizer_impl": impl})
+@pytest.mark.parametrize("impl,moments", [("auto", "float32"), ("onepass", "float32"), ("auto", "bfloat16")])
+def test_bf16_parameters_are_rounded_masters_and_resume_is_exact(tmp_path, impl, moments):
+    over = {"train.optimizer_impl": impl, "train.optimizer_state_dtype": moments}
+    e = _engine(tmp_path, **over)
     assert e.model.lm_head.weight.dtype == torch.bfloat16
     assert e.optimizer.master(e.model.lm_head.weight).dtype == torch.float32
     for _ in range(3):
@@ -59,8 +60,9 @@ def test_bf16_parameters_are_rounded_masters_and_resume_is_exact(tmp_path, impl)
     assert _rounded_masters(e)
     saved = e.shard_state()
     assert saved["lm_head.weight"].dtype == torch.float32  # the checkpoint holds the masters
+    assert saved["optim.lm_head.weight.exp_avg"].dtype == getattr(torch, moments)  # and the moments as stored
     uninterrupted = [e.train_step()["loss"] for _ in range(2)]
-    resumed = _engine(tmp_path, **{"train.optimizer_impl": impl})
+    resumed = _engine(tmp_path, **over)
     resumed.load_state(saved, step=3, opt_steps=3)
     assert _rounded_masters(resumed)
     assert [resumed.train_step()["loss"] for _ in range(2)] == uninterrupted  # bit-identical
@@ -80,3 +82,21 @@ def test_checkpoint_of_compute_dtype_weights_loads_into_masters(tmp_path):
     assert torch.equal(new.model.lm_head.weight, saved["lm_head.weight"])
     m = new.train_step()
     assert not m["skipped"] and m["step"] == 3
+
+
+@pytest.mark.parametrize("saved_as,loaded_as", [("float32", "bfloat16"), ("bfloat16", "float32")])
+def test_moments_of_either_dtype_load_into_the_other(tmp_path, saved_as, loaded_as):
+    """A run may switch train.optimizer_state_dtype on resume: the moments are converted."""
+    old = _engine(tmp_path, **{"train.optimizer_state_dtype": saved_as})
+    for _ in range(2):
+        old.train_step()
+    saved = old.shard_state()
+    new = _engine(tmp_path, **{"train.optimizer_state_dtype": loaded_as})
+    new.load_state(saved, step=2, opt_steps=2)
+    m = new.optimizer.master(new.model.lm_head.weight)
+    state = new.optimizer.state[m]
+    assert state["exp_avg"].dtype == getattr(torch, loaded_as)
+    torch.testing.assert_close(state["exp_avg"].float(), saved["optim.lm_head.weight.exp_avg"].float(),
+                               rtol=2 ** -8, atol=0)
+    assert torch.isfinite(torch.tensor(new.train_step()["loss"]))
+    assert int(new.optimizer.state[m]["step"]) == 3

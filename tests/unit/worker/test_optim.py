@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 
 import pytest
@@ -128,6 +129,78 @@ def test_gather_grads_fills_missing_gradients_with_zeros():
     assert all(torch.count_nonzero(opt.grad(p)) == 0 for p in model.parameters())
 
 
+def _bf16_moment_reference(model: nn.Module, steps: int, clip: float) -> list[torch.Tensor]:
+    """float32 masters updated by hand-written AdamW whose moments are rounded to bf16 after every
+    update (computed in float32 from the rounded ones): what bf16 moments must give."""
+    exempt = {"tok_emb.weight", "pos_emb", "norm.weight", "proj.bias"}
+    masters = [p.detach().float().clone() for p in model.parameters()]
+    moments = [(torch.zeros_like(m, dtype=torch.bfloat16), torch.zeros_like(m, dtype=torch.bfloat16)) for m in masters]
+    lr, (b1, b2), eps = HYPER["lr"], HYPER["betas"], HYPER["eps"]
+    for step in range(1, steps + 1):
+        _set_grads(model, step)
+        for (name, p), m, (ea, eas) in zip(model.named_parameters(), masters, moments, strict=True):
+            g = p.grad.float() * clip
+            decay = 0.0 if name in exempt else HYPER["weight_decay"]
+            mu = ea.float().mul_(b1).add_(g, alpha=1 - b1)  # (torch's AdamW's operations: same roundings)
+            nu = eas.float().mul_(b2).addcmul_(g, g, value=1 - b2)
+            # (AdamW's bias corrections in the order torch's foreach AdamW applies them)
+            m.mul_(1 - lr * decay).sub_(lr / (1 - b1 ** step) * mu / (nu.sqrt() / math.sqrt(1 - b2 ** step) + eps))
+            ea.copy_(mu)
+            eas.copy_(nu)
+    return masters
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("impl", ["foreach", "fused", "onepass"])
+def test_bf16_moments_are_stored_in_bf16_and_computed_in_fp32(impl, dtype):
+    """``state_dtype='bfloat16'``: every parameter's moments are bf16 tensors, the masters stay
+    float32 and follow AdamW computed in float32 from the rounded moments (any impl: all of them
+    go through the one-pass update, on the CPU its torch reference)."""
+    model = Tiny(dtype)
+    opt = MixedPrecisionAdamW(model, impl=impl, state_dtype="bfloat16", **HYPER)
+    expected = _bf16_moment_reference(Tiny(dtype), 3, 0.5)
+    for step in range(1, 4):
+        _set_grads(model, step)
+        opt.gather_grads()
+        opt.step(lr=HYPER["lr"], clip_coef=0.5)
+        assert all(m.grad is None for m in opt.masters if m.dtype != dtype)
+    for (name, p), m, e in zip(model.named_parameters(), opt.masters, expected, strict=True):
+        assert m.dtype == torch.float32
+        assert opt.state[m]["exp_avg"].dtype == opt.state[m]["exp_avg_sq"].dtype == torch.bfloat16, name
+        torch.testing.assert_close(m, e, rtol=1e-5, atol=1e-6, msg=name)
+        assert torch.equal(p, m.to(dtype)), name
+    # float32 moments give other masters: the comparison above can tell the two apart
+    other = Tiny(dtype)
+    fp32 = MixedPrecisionAdamW(other, impl=impl, **HYPER)
+    for step in range(1, 4):
+        _set_grads(other, step)
+        fp32.gather_grads()
+        fp32.step(lr=HYPER["lr"], clip_coef=0.5)
+    assert not torch.equal(fp32.master(other.proj.weight), opt.master(model.proj.weight))
+
+
+def test_bf16_moments_survive_a_reload_through_the_state_dict_shape_of_a_checkpoint():
+    """loaded() puts float32 moments (an old checkpoint) into bf16 storage and the step on the host."""
+    model = Tiny(torch.bfloat16)
+    opt = MixedPrecisionAdamW(model, impl="foreach", state_dtype="bfloat16", **HYPER)
+    for m in opt.masters:
+        opt.state[m] = {"exp_avg": torch.ones_like(m), "exp_avg_sq": torch.ones_like(m), "step": torch.tensor(4.0)}
+    opt.loaded()
+    for m in opt.masters:
+        assert opt.state[m]["exp_avg"].dtype == torch.bfloat16 and opt.state[m]["step"].device.type == "cpu"
+    _set_grads(model, 0)
+    opt.gather_grads()
+    opt.step(lr=HYPER["lr"])
+    assert all(int(opt.state[m]["step"]) == 5 for m in opt.masters)
+
+
+def test_bf16_moments_need_float32_masters_and_a_known_dtype():
+    with pytest.raises(ValueError, match="needs float32 masters"):
+        MixedPrecisionAdamW(Tiny(torch.bfloat16), master_weights=False, state_dtype="bfloat16", **HYPER)
+    with pytest.raises(ValueError, match="train.optimizer_state_dtype='fp8'"):
+        MixedPrecisionAdamW(Tiny(), state_dtype="fp8", **HYPER)
+
+
 def test_unknown_impl_is_named():
     with pytest.raises(ValueError, match="train.optimizer_impl='adam'"):
         MixedPrecisionAdamW(Tiny(), impl="adam", **HYPER)
@@ -137,16 +210,22 @@ _ONE_PASS_SCRIPT = """
 import torch
 from ray_moe.worker.adamw_kernel import adamw_step, adamw_step_reference
 g = torch.Generator().manual_seed(0)
-for n, gdtype, step in ((1, torch.bfloat16, 1), (4099, torch.bfloat16, 7), (300, torch.float32, 2)):
+cases = ((1, torch.bfloat16, 1, torch.float32), (4099, torch.bfloat16, 7, torch.float32),
+         (300, torch.float32, 2, torch.float32), (4099, torch.bfloat16, 7, torch.bfloat16),
+         (5, torch.float32, 1, torch.bfloat16))
+for n, gdtype, step, sdtype in cases:
     grad = torch.randn(n, generator=g).to(gdtype)
-    state = [torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.1, torch.rand(n, generator=g)]
+    state = [torch.randn(n, generator=g), (torch.randn(n, generator=g) * 0.1).to(sdtype),
+             torch.rand(n, generator=g).to(sdtype)]
     ref = [t.clone() for t in state]
     p, p_ref = torch.empty(n, dtype=gdtype), torch.empty(n, dtype=gdtype)
     kw = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=step, grad_scale=0.5)
     adamw_step(grad, *state, p, block=1024, **kw)
     adamw_step_reference(grad, *ref, p_ref, **kw)
-    for a, b in zip(state, ref):
-        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(state[0], ref[0], rtol=2e-6, atol=1e-7)
+    for a, b in zip(state[1:], ref[1:]):  # bf16 moments: one rounding apart at most
+        assert a.dtype == sdtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-6 if sdtype == torch.float32 else 2 ** -7, atol=1e-7)
     # the parameter is the rounded master (the interpreter may round fp32 -> bf16 differently
     # from the GPU's round-to-nearest by one ulp; the GPU test checks it exactly)
     torch.testing.assert_close(p.float(), state[0].to(gdtype).float(), rtol=2 ** -7, atol=1e-7)
@@ -157,7 +236,8 @@ print("adamw kernel ok")
 @pytest.mark.interpreter_script(sys.executable, "-c", _ONE_PASS_SCRIPT)
 def test_one_pass_kernel_equals_its_reference_under_the_interpreter(interpreter_scripts):
     """The Triton kernel of the one-pass update (run by Triton's interpreter on the CPU) equals
-    the torch reference, for bf16 and float32 gradients, clipping, decay, odd sizes."""
+    the torch reference, for bf16 and float32 gradients, float32 and bf16 moments, clipping,
+    decay, odd sizes."""
     pytest.importorskip("triton")
     r = interpreter_scripts.result(sys.executable, "-c", _ONE_PASS_SCRIPT)
     assert "adamw kernel ok" in r.stdout, r.stderr[-3000:]

@@ -1,0 +1,61 @@
+"""ZeRO stages 1 and 2 of the replicated parameters over NCCL on two GPUs (skipped with fewer):
+they follow stage 0's bf16 run, and ``ray-moe bench grad_reduce`` measures the exposed reduction
+(issue 27's target: ≤ 2 % of the step at W=2; printed and written to $OUT, asserted only to
+shrink from stage 0)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def _two_gpus() -> None:
+    import ray
+
+    from ray_moe.driver.group import connect
+
+    connect()
+    if int(ray.cluster_resources().get("GPU", 0)) < 2:
+        pytest.skip("needs two GPUs in the Ray cluster")
+
+
+@pytest.mark.parametrize("moments", ["float32", "bfloat16"])
+def test_zero_stages_follow_stage_0_on_two_gpus(tmp_path, moments):
+    _two_gpus()
+    from ray_moe.config import Config
+    from ray_moe.driver.trainer import Trainer
+
+    losses = {}
+    for stage in (0, 1, 2):
+        cfg = Config.from_yaml("jobs/gpu_2x.yaml", [
+            "parallel.transport=nccl", "parallel.world_size=2", f"parallel.zero_stage={stage}",
+            "parallel.grad_bucket_size=200000", f"train.optimizer_state_dtype={moments}",
+            "train.steps=12", "train.eval_interval=0", "train.checkpoint_interval=0", "train.plots=false",
+            f"train.run_dir={tmp_path / str(stage)}", "model.n_layers=2", "model.d_model=256", "model.n_heads=4",
+            "model.seq_len=256", "moe.expert_hidden=256", "train.batch_size=16", "data.max_bytes=2000000",
+        ])
+        with Trainer(cfg, progress=False) as t:
+            losses[stage] = [t.step()["loss"] for _ in range(12)]
+    for stage in (1, 2):  # the same sums in another order: bf16 compute rounds them apart slowly
+        assert losses[stage] == pytest.approx(losses[0], rel=2e-2), (stage, losses)
+    assert losses[2][-1] < losses[2][0]
+
+
+def test_bench_grad_reduce_on_two_gpus(tmp_path):
+    _two_gpus()
+    from ray_moe.bench import grad_reduce
+
+    out = tmp_path / "grad_reduce.json"
+    assert grad_reduce.main(["--world-size", "2", "--device", "cuda", "--transport", "nccl", "--layers", "2",
+                             "--iters", "8", "--json", str(out)]) == 0
+    rows = {r["stage"]: r for r in json.loads(out.read_text())["rows"]}
+    print(json.dumps(rows))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "grad_reduce.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    assert rows[1]["grad_reduce_ms"] < rows[0]["grad_reduce_ms"]
+    assert rows[2]["peak_gib"] < rows[0]["peak_gib"]
