@@ -57,12 +57,13 @@ def tma_available() -> bool:
 
 
 def tma_ok(*tensors: torch.Tensor) -> bool:
-    """Every tensor can back a 2-D descriptor: row-contiguous, 16-byte aligned base and row
+    """Every tensor can back a 2-D descriptor: at least one row (a descriptor's dimensions are
+    positive: an empty pipeline chunk has none), row-contiguous, 16-byte aligned base and row
     stride, and (on CUDA) a Hopper or newer GPU. The CPU interpreter emulates descriptors."""
     if not tma_available():
         return False
     for t in tensors:
-        if t.dim() != 2 or t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+        if t.dim() != 2 or t.shape[0] == 0 or t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
             return False
         if t.shape[1] * t.element_size() < 16:
             return False

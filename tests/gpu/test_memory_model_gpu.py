@@ -40,7 +40,7 @@ def test_memory_model_within_ten_percent_of_the_gpu(tmp_path, layers, checkpoint
     })
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    engine = Engine(cfg, single_rank(), LocalTransport(), CUDA)
+    engine = Engine(cfg, single_rank(), LocalTransport(), CUDA, cfg.resolve_arch())
     engine.train_step()  # the first step makes the optimizer state
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

@@ -171,7 +171,7 @@ def test_one_pass_adamw_kernel_with_bf16_moments_on_gpu(n, step, grad_dtype):
     torch.testing.assert_close(state[0], ref[0], rtol=2e-6, atol=1e-7)
     for a, b in zip(state[1:], ref[1:]):
         assert a.dtype == torch.bfloat16
-        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-30)
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-7)  # atol: a few float32 ulps of the operands where m cancels to ~0
     assert torch.equal(param, state[0].to(torch.bfloat16))
 
 
@@ -189,13 +189,13 @@ def test_engine_with_bf16_moments_on_cuda_resumes_exactly(tmp_path):
                                                   "parallel.device": "cuda", "moe.expert_impl": "loop",
                                                   "train.optimizer_state_dtype": "bfloat16"})
     with sdpa_kernel(SDPBackend.MATH):
-        e = Engine(cfg, single_rank(), LocalTransport(), CUDA)
+        e = Engine(cfg, single_rank(), LocalTransport(), CUDA, cfg.resolve_arch())
         for _ in range(3):
             e.train_step()
         assert {s["exp_avg"].dtype for s in e.optimizer.state.values()} == {torch.bfloat16}
         assert len(e.optimizer._one_pass) == len(e.optimizer.masters)
         saved = e.shard_state()
         uninterrupted = [e.train_step()["loss"] for _ in range(3)]
-        resumed = Engine(cfg, single_rank(), LocalTransport(), CUDA)
+        resumed = Engine(cfg, single_rank(), LocalTransport(), CUDA, cfg.resolve_arch())
         resumed.load_state(saved, step=3, opt_steps=3)
         assert [resumed.train_step()["loss"] for _ in range(3)] == uninterrupted
