@@ -144,6 +144,8 @@ class ParallelConfig:
     collective_timeout_s: float = 120.0
     force_remote_path: bool = False
     comm_programs: int = 0  # NVSHMEM: SMs the exchange kernels run on (0: all)
+    nvshmem_spin_limit: int = 1 << 25  # NVSHMEM: polls of a flag before a device-side wait gives up
+    fast_launch: bool = True  # NVSHMEM: repeated exchange launches skip Triton's argument binding
 
     def check(self) -> None:
         _positive("parallel.world_size", self.world_size)
@@ -157,18 +159,25 @@ class ParallelConfig:
         if not self.cpu_per_worker > 0:
             raise ConfigError(f"parallel.cpu_per_worker={self.cpu_per_worker} must be > 0")
         _positive("parallel.comm_programs", self.comm_programs, allow_zero=True)
-        if self.transport in ("nvshmem", "nccl") and self.device == "cpu":
-            raise ConfigError(
-                f"parallel.transport={self.transport} needs GPUs but parallel.device=cpu; "
-                "use transport gloo or auto"
-            )
-        if self.transport == "gloo" and self.device == "cuda":
-            raise ConfigError(
-                "parallel.transport=gloo cannot move CUDA tensors but parallel.device=cuda; "
-                "use transport nccl, nvshmem or auto"
-            )
+        _positive("parallel.nvshmem_spin_limit", self.nvshmem_spin_limit)
+        error = transport_device_error(self.transport, self.device)
+        if error:
+            raise ConfigError(error)
         _positive("parallel.startup_timeout_s", self.startup_timeout_s)
         _positive("parallel.collective_timeout_s", self.collective_timeout_s)
+
+
+def transport_device_error(transport: str, device: str, why: str = "") -> str | None:
+    """Why ``parallel.transport`` cannot move tensors of ``device`` (cpu | cuda; auto fits any
+    transport), or None: the one owner of this rule, checked when the config is validated (the
+    device as configured) and when a group starts (the device ``parallel.device=auto`` resolved
+    to; ``why`` says how, default ``parallel.device=DEVICE``)."""
+    why = why or f"parallel.device={device}"
+    if transport in ("nvshmem", "nccl") and device == "cpu":
+        return f"parallel.transport={transport} needs GPUs but {why}; use transport gloo or auto"
+    if transport == "gloo" and device == "cuda":
+        return f"parallel.transport=gloo cannot move CUDA tensors but {why}; use transport nccl, nvshmem or auto"
+    return None
 
 
 @dataclass
@@ -400,16 +409,19 @@ class Config:
             e.num_experts, e.top_k, e.expert_hidden = spec.num_experts, spec.top_k, spec.expert_hidden
         for section in _sections():
             getattr(self, section).check()
-        e, p, t = self.moe, self.parallel, self.train
-        if e.num_experts % p.world_size:
-            raise ConfigError(
-                f"moe.num_experts={e.num_experts} is not divisible by "
-                f"parallel.world_size={p.world_size}"
-            )
-        if t.batch_size % p.world_size:
-            raise ConfigError(
-                f"train.batch_size={t.batch_size} is not divisible by parallel.world_size={p.world_size}"
-            )
+        error = self.world_size_error(self.parallel.world_size)
+        if error:
+            raise ConfigError(error)
+
+    def world_size_error(self, world_size: int, what: str = "parallel.world_size") -> str | None:
+        """Why this config cannot train on ``world_size`` ranks (``what`` names where that number
+        came from), or None: the experts and the global batch split evenly over the ranks."""
+        e, t = self.moe, self.train
+        if e.num_experts % world_size:
+            return f"moe.num_experts={e.num_experts} is not divisible by {what}={world_size}"
+        if t.batch_size % world_size:
+            return f"train.batch_size={t.batch_size} is not divisible by {what}={world_size}"
+        return None
 
     def _check_explicit(self, explicit: dict[str, Any]) -> None:
         """With an HF architecture, a key of :data:`HF_DERIVED` given explicitly must agree with
