@@ -9,8 +9,9 @@ rank r of W takes rows ``[r*B/W, (r+1)*B/W)``. So a run resumes exactly from its
 at W=2 continues identically at W=1 or W=4. Windows run across document boundaries (documents
 are packed, EOS-separated).
 
-The byte corpus (``data.paths``; default: the Python standard library's sources) is read whole
-into memory on every rank. Token datasets are memory-mapped: each rank maps only the shards its
+The byte corpus (``data.paths``: files, directories or globs, listed by
+:func:`ray_moe.data.inputs.iter_paths`, the walker ``ray-moe prepare`` uses too; default: the
+Python standard library's sources) is read whole into memory on every rank. Token datasets are memory-mapped: each rank maps only the shards its
 windows touch, straight from the dataset directory (nothing goes through the driver).
 """
 
