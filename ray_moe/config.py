@@ -161,6 +161,8 @@ class ParallelConfig:
     # persistent float32 bucket buffers; 2 = also the gradients (a bucket's buffer is freed once reduced)
     zero_stage: int = 0
     grad_bucket_size: int = 40_000_000  # elements per gradient bucket (zero_stage 1, 2)
+    nvshmem_spin_limit: int = 1 << 25  # NVSHMEM: polls of a flag before a device-side wait gives up
+    fast_launch: bool = True  # NVSHMEM: repeated exchange launches skip Triton's argument binding
 
     def check(self) -> None:
         _positive("parallel.world_size", self.world_size)
@@ -178,18 +180,25 @@ class ParallelConfig:
             raise ConfigError(f"parallel.cpu_per_worker={self.cpu_per_worker} must be > 0")
         _positive("parallel.comm_programs", self.comm_programs, allow_zero=True)
         _positive("parallel.workers_per_gpu", self.workers_per_gpu)
-        if self.transport in ("nvshmem", "nccl") and self.device == "cpu":
-            raise ConfigError(
-                f"parallel.transport={self.transport} needs GPUs but parallel.device=cpu; "
-                "use transport gloo or auto"
-            )
-        if self.transport == "gloo" and self.device == "cuda":
-            raise ConfigError(
-                "parallel.transport=gloo cannot move CUDA tensors but parallel.device=cuda; "
-                "use transport nccl, nvshmem or auto"
-            )
+        _positive("parallel.nvshmem_spin_limit", self.nvshmem_spin_limit)
+        error = transport_device_error(self.transport, self.device)
+        if error:
+            raise ConfigError(error)
         _positive("parallel.startup_timeout_s", self.startup_timeout_s)
         _positive("parallel.collective_timeout_s", self.collective_timeout_s)
+
+
+def transport_device_error(transport: str, device: str, why: str = "") -> str | None:
+    """Why ``parallel.transport`` cannot move tensors of ``device`` (cpu | cuda; auto fits any
+    transport), or None: the one owner of this rule, checked when the config is validated (the
+    device as configured) and when a group starts (the device ``parallel.device=auto`` resolved
+    to; ``why`` says how, default ``parallel.device=DEVICE``)."""
+    why = why or f"parallel.device={device}"
+    if transport in ("nvshmem", "nccl") and device == "cpu":
+        return f"parallel.transport={transport} needs GPUs but {why}; use transport gloo or auto"
+    if transport == "gloo" and device == "cuda":
+        return f"parallel.transport=gloo cannot move CUDA tensors but {why}; use transport nccl, nvshmem or auto"
+    return None
 
 
 @dataclass
@@ -438,21 +447,27 @@ class Config:
             getattr(self, section).check()
         resolved = self.resolve_arch()
         p, t = self.parallel, self.train
-        E = resolved.spec.num_experts
-        if E % p.world_size:
-            where = " (the HF config's)" if resolved.hf_config is not None else ""
-            raise ConfigError(
-                f"moe.num_experts={E}{where} is not divisible by "
-                f"parallel.world_size={p.world_size}"
-            )
-        if t.batch_size % p.world_size:
-            raise ConfigError(
-                f"train.batch_size={t.batch_size} is not divisible by parallel.world_size={p.world_size}"
-            )
+        error = self.world_size_error(p.world_size, num_experts=resolved.spec.num_experts)
+        if error:
+            raise ConfigError(error)
         if p.zero_stage and not t.master_weights:
             raise ConfigError(f"parallel.zero_stage={p.zero_stage} shards float32 masters and needs "
                               "train.master_weights=true (or parallel.zero_stage=0)")
         return resolved
+
+    def world_size_error(self, world_size: int, what: str = "parallel.world_size",
+                         num_experts: int | None = None) -> str | None:
+        """Why this config cannot train on ``world_size`` ranks (``what`` names where that number
+        came from), or None: the experts and the global batch split evenly over the ranks.
+        ``num_experts``: the resolved architecture's E (default: ``moe.num_experts`` for the byte
+        model; an HF architecture's E is checked only where it is passed)."""
+        E = num_experts if num_experts is not None else (None if self.model.uses_hf() else self.moe.num_experts)
+        if E is not None and E % world_size:
+            where = " (the HF config's)" if self.model.uses_hf() else ""
+            return f"moe.num_experts={E}{where} is not divisible by {what}={world_size}"
+        if self.train.batch_size % world_size:
+            return f"train.batch_size={self.train.batch_size} is not divisible by {what}={world_size}"
+        return None
 
     def resolve_arch(self) -> arch.ResolvedArch:
         """The architecture of this config, resolved: the byte model's spec from ``model.*`` and

@@ -14,7 +14,7 @@ import torch
 import triton.testing
 from torch.profiler import ProfilerActivity, profile
 
-from ray_moe.bench.layer import LayerShape, layer_problem
+from ray_moe.bench.layer.problem import LayerShape, layer_problem
 from ray_moe.model.experts import expert_ffn
 from ray_moe.model.router import route
 

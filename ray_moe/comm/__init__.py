@@ -1,8 +1,9 @@
 """Transports: how token rows move between the ranks of an expert-parallel group.
 
-``choose_transport`` resolves ``parallel.transport: auto``; ``make_transport`` builds one on a
-worker after torch.distributed is initialised, from the rank's place in the group and an
-explicit :class:`BufferSpec` (never from a training config).
+``choose_transport`` resolves ``parallel.transport: auto`` (on the driver, into a frozen
+:class:`TransportSpec`); ``make_transport`` builds one on a worker after torch.distributed is
+initialised, from that spec, the rank's place in the group and an explicit :class:`BufferSpec`
+(never from a training config).
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ import logging
 
 import torch
 
-from ray_moe.comm.base import BufferSpec, Layout, Transport, combine, dispatch
+from ray_moe.comm.base import BufferSpec, Layout, Transport, TransportSpec, combine, dispatch
 from ray_moe.topology import RankInfo
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BufferSpec", "Layout", "Transport", "combine", "dispatch", "choose_transport",
+__all__ = ["BufferSpec", "Layout", "Transport", "TransportSpec", "combine", "dispatch", "choose_transport",
            "make_transport", "transport_bootstrap_id"]
 
 
@@ -26,18 +27,16 @@ def nvshmem_available() -> bool:
 
 
 def choose_transport(requested: str, use_gpu: bool) -> tuple[str, str]:
-    """(transport name, why) for ``parallel.transport`` on a group with or without GPUs."""
-    if requested == "auto":
-        if not use_gpu:
-            return "gloo", "no GPUs in the group: torch.distributed over gloo"
-        if nvshmem_available():
-            return "nvshmem", "every worker has a GPU and nvshmem4py imports"
-        return "nccl", "GPUs present but nvshmem4py is not installed (pip install 'ray-moe[gpu]')"
-    if requested in ("nvshmem", "nccl") and not use_gpu:
-        raise ValueError(f"parallel.transport={requested} needs GPUs but the group runs on CPU")
-    if requested == "gloo" and use_gpu:
-        raise ValueError("parallel.transport=gloo cannot move CUDA tensors; use nccl, nvshmem or auto")
-    return requested, "requested in the config"
+    """(transport name, why) for ``parallel.transport`` on a group with or without GPUs. Whether
+    an explicit choice fits the device is ``ray_moe.config.transport_device_error``'s rule,
+    checked before (by the config and by the group)."""
+    if requested != "auto":
+        return requested, "requested in the config"
+    if not use_gpu:
+        return "gloo", "no GPUs in the group: torch.distributed over gloo"
+    if nvshmem_available():
+        return "nvshmem", "every worker has a GPU and nvshmem4py imports"
+    return "nccl", "GPUs present but nvshmem4py is not installed (pip install 'ray-moe[gpu]')"
 
 
 def transport_bootstrap_id(name: str, device: torch.device) -> bytes | None:
@@ -50,25 +49,18 @@ def transport_bootstrap_id(name: str, device: torch.device) -> bytes | None:
 
 
 def make_transport(
-    name: str,
+    spec: TransportSpec,
     rank_info: RankInfo,
     device: torch.device,
-    spec: BufferSpec,
+    buffers: BufferSpec,
     bootstrap_id: bytes | None = None,
-    force_remote_path: bool = False,
-    comm_programs: int = 0,
-    ranks_per_gpu: int = 1,
 ) -> Transport:
-    """Build transport ``name`` (gloo | nccl | nvshmem) for this rank, its buffers sized by ``spec``;
-    NVSHMEM's exchange kernels on ``comm_programs`` SMs (0: all of this rank's share of its GPU,
-    which ``ranks_per_gpu`` ranks share)."""
-    if name in ("gloo", "nccl"):
+    """Build the transport ``spec`` names (gloo | nccl | nvshmem) for this rank, its buffers sized
+    by ``buffers``."""
+    if spec.name in ("gloo", "nccl"):
         from ray_moe.comm.torch_a2a import TorchA2ATransport
 
         return TorchA2ATransport(rank_info.rank, rank_info.world_size)
-    if name == "nvshmem":
-        from ray_moe.comm.nvshmem import NVSHMEMTransport
+    from ray_moe.comm.nvshmem import NVSHMEMTransport
 
-        return NVSHMEMTransport(rank_info, device, bootstrap_id, spec, force_remote_path=force_remote_path,
-                                comm_programs=comm_programs, ranks_per_gpu=ranks_per_gpu)
-    raise ValueError(f"unknown transport {name!r}; choose one of gloo, nccl, nvshmem")
+    return NVSHMEMTransport(rank_info, device, bootstrap_id, buffers, spec)

@@ -48,6 +48,43 @@ class BufferSpec:
                 and self.elem_bytes >= other.elem_bytes and self.max_top_k >= other.max_top_k)
 
 
+TRANSPORTS = ("gloo", "nccl", "nvshmem")
+
+
+@dataclass(frozen=True)
+class TransportSpec:
+    """Which transport every rank of a group builds and how, resolved once on the driver (the
+    group, from ``parallel.*``) and handed to each worker, which derives nothing itself.
+
+    Attributes:
+        name: gloo | nccl | nvshmem (``parallel.transport: auto`` already resolved).
+        force_remote_path: NVSHMEM: reach every peer with puts, as if it were on another node.
+        comm_programs: NVSHMEM: G, the programs (SMs) the exchange kernels run on (0: every SM).
+        spin_limit: NVSHMEM: polls of a flag before a device-side wait gives up and reports.
+        fast_launch: NVSHMEM: repeated calls of a shape launch Triton's compiled kernel directly
+            where this Triton allows it (False: every call through Triton's JIT).
+        ranks_per_gpu: ranks sharing one GPU (``parallel.workers_per_gpu``): NVSHMEM divides the
+            SMs among them, since every program of every rank's exchange must be resident at once.
+    """
+
+    name: str
+    force_remote_path: bool = False
+    comm_programs: int = 0
+    spin_limit: int = 1 << 25
+    fast_launch: bool = True
+    ranks_per_gpu: int = 1
+
+    def __post_init__(self) -> None:
+        if self.name not in TRANSPORTS:
+            raise ValueError(f"unknown transport {self.name!r}; choose one of {', '.join(TRANSPORTS)}")
+        if self.comm_programs < 0:
+            raise ValueError(f"comm_programs must be >= 0 (0: every SM), got {self.comm_programs}")
+        if self.spin_limit < 1:
+            raise ValueError(f"spin_limit must be >= 1, got {self.spin_limit}")
+        if self.ranks_per_gpu < 1:
+            raise ValueError(f"ranks_per_gpu must be >= 1, got {self.ranks_per_gpu}")
+
+
 class Layout:
     """Routing state of one dispatch, reused by its combine and by both backwards.
 

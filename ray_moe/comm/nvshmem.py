@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from ray_moe.comm.base import BufferSpec, Layout, Transport
+from ray_moe.comm.base import BufferSpec, Layout, Transport, TransportSpec
 from ray_moe.comm.nvshmem_kernels import (
     ChannelAddrs,
     Geometry,
@@ -445,18 +445,21 @@ def _gather_node_ranks(rank_info: Any, device: torch.device) -> list[int]:
 class NVSHMEMTransport(Transport):
     """Transport over one :class:`SymmetricBuffer`; no host synchronisation in any primitive.
 
-    ``comm_programs``: G, the programs (SMs) the exchange kernels of the transport's buffer run on
-    (0: every SM); fewer leave SMs to expert compute that overlaps the exchange
-    (``moe.pipeline_chunks``). The same on every rank (it shapes the symmetric buffer).
-    ``ranks_per_gpu``: the ranks sharing this GPU (``parallel.workers_per_gpu``, a test mode): the
-    SMs are divided among them. ``RAY_MOE_FAST_LAUNCH=0`` turns the Launcher's direct launches off
-    (every call through Triton's JIT).
+    ``settings`` (:class:`~ray_moe.comm.base.TransportSpec`, the same on every rank):
+    ``comm_programs`` is G, the programs (SMs) the exchange kernels of the transport's buffer run
+    on (0: every SM); fewer leave SMs to expert compute that overlaps the exchange
+    (``moe.pipeline_chunks``); it shapes the symmetric buffer. ``fast_launch=False`` turns the
+    Launcher's direct launches off (every call through Triton's JIT); ``spin_limit`` bounds every
+    device-side wait.
+    ``ranks_per_gpu`` (``parallel.workers_per_gpu``, a test mode) ranks share this GPU: its SMs are
+    divided among them.
     """
 
     name = "nvshmem"
 
     def __init__(self, rank_info: Any, device: torch.device, bootstrap_id: bytes | None, spec: BufferSpec,
-                 force_remote_path: bool = False, comm_programs: int = 0, ranks_per_gpu: int = 1) -> None:
+                 settings: TransportSpec | None = None) -> None:
+        settings = settings or TransportSpec("nvshmem")
         super().__init__(rank_info.rank, rank_info.world_size)
         if bootstrap_id is None:
             raise NVSHMEMError("the NVSHMEM transport needs rank 0's unique id (bootstrap_id is None)")
@@ -464,16 +467,14 @@ class NVSHMEMTransport(Transport):
             raise NVSHMEMError(f"the NVSHMEM transport needs a CUDA device, got {device}")
         self.device = device
         self.runtime = NVSHMEMRuntime(device, bootstrap_id, rank_info.rank, rank_info.world_size)
-        self.force_remote = bool(force_remote_path)
+        self.force_remote = settings.force_remote_path
         self.node_of_rank = _gather_node_ranks(rank_info, device)
-        self.num_programs = _num_programs(device, ranks_per_gpu)
-        if comm_programs < 0:
-            raise ValueError(f"comm_programs must be >= 0 (0: every SM), got {comm_programs}")
-        self.comm_programs = min(comm_programs, self.num_programs) or self.num_programs
+        self.num_programs = _num_programs(device, settings.ranks_per_gpu)
+        self.comm_programs = min(settings.comm_programs, self.num_programs) or self.num_programs
         self.buffer: SymmetricBuffer | None = None
         self.spec: BufferSpec | None = None
-        self.spin_limit = int(os.environ.get("RAY_MOE_NVSHMEM_SPIN_LIMIT", 1 << 25))
-        self.fast_launch = os.environ.get("RAY_MOE_FAST_LAUNCH", "1") != "0" and fast_launch_works(device)
+        self.spin_limit = settings.spin_limit
+        self.fast_launch = settings.fast_launch and fast_launch_works(device)
         if self.force_remote:
             self.name = "nvshmem-remote"
         self.reserve(spec)

@@ -543,10 +543,6 @@ class Tuning:
             return cls(block_r=8, block_h=4096, num_warps=16)
         return cls()
 
-    def as_dict(self) -> dict:
-        return {"block_r": self.block_r, "block_h": self.block_h, "num_warps": self.num_warps,
-                "rotate_peers": self.rotate_peers}
-
     def key(self) -> tuple:
         return (self.block_r, self.block_h, self.num_warps, self.rotate_peers)
 

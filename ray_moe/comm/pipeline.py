@@ -50,9 +50,8 @@ def chunk_size(tokens: int, chunks: int) -> int:
     """Tokens per chunk when ``tokens`` are split into ``chunks``: ceil(tokens / chunks), rounded
     up to a multiple of 4 so every chunk's [T, K] metadata starts 16-byte aligned (the exchange
     kernels are specialised on it). Monotone in ``tokens``: a rank's chunks never exceed the
-    chunks of ``BufferSpec.max_tokens`` (:meth:`Transport.chunk_capacity`)."""
-    if chunks < 1:
-        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    chunks of ``BufferSpec.max_tokens`` (:meth:`Transport.chunk_capacity`). ``chunks`` >= 1 is
+    the MoE layer's rule (its spec checks ``pipeline_chunks``), not checked again here."""
     per = -(-tokens // chunks)
     return -(-per // ALIGN_TOKENS) * ALIGN_TOKENS
 

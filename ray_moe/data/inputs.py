@@ -1,6 +1,15 @@
 """Input files: which files a list of paths, directories and globs names, what kind each is,
 whether it is text, and its documents.
 
+Which files (:func:`iter_paths`, the one walker: ``ray-moe prepare``, ``ray-moe tokenizer train``
+and the byte corpus of ``data.paths`` all use it): a file is taken as named; a directory gives
+every file below it; a glob (``*``, ``?``, ``[``; ``**`` recursive) every file it matches. Below
+a named directory and for a wildcard, hidden names (a leading ``.``) and ``__pycache__``
+directories are skipped (a pattern whose last part starts with ``.``, e.g. ``dir/**/.*rc``, still
+matches hidden files); symbolic links to directories are followed by ``**`` (each directory once)
+but not in a directory walk. Files come in sorted path order, each once (by resolved path), as
+resolved paths.
+
 Kinds, in the order a prepared dataset's document stream visits them (sorted by path within
 a kind):
 
@@ -16,7 +25,10 @@ A document with no text (empty, or a null field) is skipped.
 
 from __future__ import annotations
 
+import fnmatch
 import glob
+import heapq
+import itertools
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -48,30 +60,95 @@ def kind_of(path: str) -> str:
     return SUFFIX_KIND.get(Path(path).suffix.lower(), TEXT)
 
 
+SKIPPED_DIRS = ("__pycache__",)  # besides hidden names: never walked into (see the module docstring)
+
+
+def _skipped(name: str, is_dir: bool, name_pattern: str | None = None) -> bool:
+    """The walker's one rule: a hidden name, or a directory of :data:`SKIPPED_DIRS`, is not taken
+    (a hidden file still is when ``name_pattern`` itself starts with ``.``)."""
+    if is_dir:
+        return name.startswith(".") or name in SKIPPED_DIRS
+    return name.startswith(".") and not (name_pattern or "").startswith(".")
+
+
+def _walk_sorted(root: Path, name_pattern: str | None, visited: set[tuple[int, int]] | None = None,
+                 ) -> Iterator[Path]:
+    """Files below ``root`` in sorted path order, lazily: a depth-first walk over each
+    directory's sorted entries gives exactly the order of ``sorted()`` over the paths, so a
+    reader that stops early (``data.max_bytes``) never lists the rest of the tree.
+
+    ``name_pattern`` set: ``root/**/name_pattern`` (links to directories followed, as glob's
+    ``**`` does, but each directory walked once, so a link back up the tree ends); None: every
+    file below ``root`` (links to directories not followed). :func:`_skipped` names are left out."""
+    visited = set() if visited is None else visited
+    try:
+        st = root.stat()
+        if (st.st_dev, st.st_ino) in visited:
+            return
+        visited.add((st.st_dev, st.st_ino))
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except OSError:
+        return
+    for e in entries:
+        is_dir = e.is_dir(follow_symlinks=name_pattern is not None)
+        if _skipped(e.name, is_dir, name_pattern):
+            continue
+        if is_dir:
+            yield from _walk_sorted(Path(e.path), name_pattern, visited)
+        elif e.is_file() and (name_pattern is None or fnmatch.fnmatchcase(e.name, name_pattern)):
+            yield Path(e.path)
+
+
+def _files_of(spec: str, what: str) -> Iterator[Path]:
+    """The files one entry names, in sorted order (lazily where it can be)."""
+    p = Path(spec).expanduser()
+    if p.is_file():
+        yield p
+        return
+    if p.is_dir():
+        found = _walk_sorted(p, None)
+        empty = f"{what}: the directory {spec!r} holds no files"
+    elif any(ch in spec for ch in "*?["):
+        base, _, name = str(p).rpartition("/**/")
+        if base and not any(ch in base for ch in "*?[") and "/" not in name and Path(base).is_dir():
+            found = _walk_sorted(Path(base), name)
+        else:  # any other glob: glob's own walk (hidden names skipped for wildcards), then the rule
+            literal = set(Path(spec).parts)
+            found = iter(sorted(Path(f) for f in glob.glob(str(p), recursive=True) if os.path.isfile(f)
+                                and not any(d in Path(f).parts and d not in literal for d in SKIPPED_DIRS)))
+        empty = f"{what}: the pattern {spec!r} matches no file"
+    else:
+        raise DataError(f"{what}: {spec!r} does not exist")
+    first = next(found, None)
+    if first is None:
+        raise DataError(empty)
+    yield first
+    yield from found
+
+
+def iter_paths(specs: Sequence[str], what: str = "--input") -> Iterator[Path]:
+    """Files named by paths, directories or globs (the rule: the module docstring): resolved, in
+    sorted order, each once. Lazy, so a reader that stops early (``data.max_bytes``) lists only
+    the start of a large tree; an entry that names nothing raises a DataError starting with
+    ``what`` before the first file is yielded."""
+    heads = []
+    for spec in specs:  # pull each entry's first file now, so bad entries fail up front
+        stream = _files_of(spec, what)
+        first = next(stream)
+        heads.append(itertools.chain([first], stream))
+    seen: set[Path] = set()
+    for f in heapq.merge(*heads):
+        r = f.resolve()
+        if r not in seen:
+            seen.add(r)
+            yield r
+
+
 def resolve_inputs(specs: Sequence[str], what: str = "--input") -> list[InputFile]:
-    """Files named by paths, directories (every file below, hidden ones skipped) or globs
-    (``**`` recursive), deduplicated, in stream order (kind, then path)."""
+    """The files of :func:`iter_paths`, in stream order (kind, then path)."""
     if not specs:
         raise DataError(f"{what}: no input given; name files, directories or globs of text, .jsonl or .parquet")
-    found: set[str] = set()
-    for spec in specs:
-        p = Path(spec).expanduser()
-        if p.is_file():
-            found.add(str(p.resolve()))
-        elif p.is_dir():
-            below = [f for f in p.rglob("*") if f.is_file()
-                     and not any(part.startswith(".") for part in f.relative_to(p).parts)]
-            if not below:
-                raise DataError(f"{what}: the directory {spec!r} holds no files")
-            found.update(str(f.resolve()) for f in below)
-        elif any(ch in spec for ch in "*?["):
-            matched = [f for f in glob.glob(str(p), recursive=True) if os.path.isfile(f)]
-            if not matched:
-                raise DataError(f"{what}: the pattern {spec!r} matches no file")
-            found.update(str(Path(f).resolve()) for f in matched)
-        else:
-            raise DataError(f"{what}: {spec!r} does not exist")
-    files = [InputFile(f, os.path.getsize(f), kind_of(f)) for f in found]
+    files = [InputFile(str(f), f.stat().st_size, kind_of(str(f))) for f in iter_paths(specs, what)]
     return sorted(files, key=lambda f: (KINDS.index(f.kind), f.path))
 
 

@@ -5,8 +5,11 @@
     group.execute(fn, *args)              # fn(worker, *args) on every rank
     group.close()
 
-The group owns the world size: ``parallel.world_size`` is what was asked for; ``group.world_size``
-is what runs, and every rank learns it from the :class:`~ray_moe.topology.RankInfo` the group hands out.
+The group owns the world size: ``parallel.world_size`` is what was asked for (the default of
+``WorkerGroup(config, world_size=...)``); ``group.world_size`` is what runs, and every rank learns it
+from the :class:`~ray_moe.topology.RankInfo` the group hands out. The config is never rewritten to
+match. Likewise the transport: the group resolves ``parallel.transport`` (``auto``) and its knobs
+once into a frozen :class:`~ray_moe.comm.base.TransportSpec` every rank builds from.
 
 Ranks are ordered by node, then GPU. Rendezvous: rank 0 creates the bootstrap id (a TCP store
 address for torch.distributed; NVSHMEM's unique id for the NVSHMEM transport), the driver
@@ -26,8 +29,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ray_moe.comm import choose_transport
-from ray_moe.config import Config
+from ray_moe.comm import TransportSpec, choose_transport
+from ray_moe.config import Config, ConfigError, transport_device_error
 from ray_moe.topology import RankInfo, assign_ranks
 from ray_moe.worker.actor import EPWorker
 
@@ -182,25 +185,50 @@ def use_gpu_for(config: Config) -> bool:
     return ray.cluster_resources().get("GPU", 0) >= 1
 
 
+def resolve_transport(config: Config, use_gpu: bool) -> tuple[TransportSpec, str]:
+    """(the transport every rank builds, why that one) for ``config.parallel`` on a group with or
+    without GPUs; raises GroupError when an explicit transport cannot move the group's tensors."""
+    p = config.parallel
+    device = "cuda" if use_gpu else "cpu"
+    how = f"parallel.device={p.device}" + (
+        f" and the cluster {'has' if use_gpu else 'has no'} GPUs" if p.device == "auto" else "")
+    error = transport_device_error(p.transport, device, how)
+    if error:
+        raise GroupError(error)
+    name, why = choose_transport(p.transport, use_gpu)
+    return TransportSpec(name, force_remote_path=p.force_remote_path, comm_programs=p.comm_programs,
+                         spin_limit=p.nvshmem_spin_limit, fast_launch=p.fast_launch,
+                         ranks_per_gpu=p.workers_per_gpu if use_gpu else 1), why
+
+
 class WorkerGroup:
-    """One EPWorker per bundle of a placement group, ranked by (node, GPU)."""
+    """One EPWorker per bundle of a placement group, ranked by (node, GPU).
+
+    Args:
+        config: the group's configuration (validated; never modified here).
+        address: Ray address to attach to (default: ``RAY_ADDRESS`` or a cluster started here).
+        worker_env: environment variables for the workers, besides :data:`MULTICAST_OFF`.
+        world_size: ranks to start (default ``parallel.world_size``); the config must divide over
+            them (a ConfigError says why not).
+    """
 
     def __init__(
         self,
         config: Config,
         address: str | None = None,
         worker_env: dict[str, str] | None = None,
+        world_size: int | None = None,
     ) -> None:
+        self.world_size = config.parallel.world_size if world_size is None else world_size
+        error = config.world_size_error(self.world_size, "the group's world_size")
+        if error:
+            raise ConfigError(error)
         connect(address, timeout_s=config.parallel.startup_timeout_s)
         self.config = config
         p = config.parallel
-        self.world_size = p.world_size
         self.use_gpu = use_gpu_for(config)
-        try:
-            self.transport_name, why = choose_transport(p.transport, self.use_gpu)
-        except ValueError as exc:
-            raise GroupError(str(exc)) from None
-        log.info("transport %s: %s", self.transport_name, why)
+        self.transport_spec, why = resolve_transport(config, self.use_gpu)
+        log.info("transport %s: %s", self.transport_spec.name, why)
         self.transport_reason = why
         self._pg = None
         self.actors: list[Any] = []
@@ -265,10 +293,10 @@ class WorkerGroup:
             "setup",
         )
         uid = self._get(
-            [self.actors[0].transport_bootstrap_id.remote(self.transport_name)], p.startup_timeout_s, "bootstrap"
+            [self.actors[0].transport_bootstrap_id.remote(self.transport_spec.name)], p.startup_timeout_s, "bootstrap"
         )[0]
         names = self._get(
-            [a.init_transport.remote(self.transport_name, uid) for a in self.actors],
+            [a.init_transport.remote(self.transport_spec, uid) for a in self.actors],
             p.startup_timeout_s + p.collective_timeout_s,
             "transport init",
         )
@@ -356,6 +384,11 @@ class WorkerGroup:
     def health_check(self, timeout: float = 10.0) -> None:
         """Raise WorkerFailure naming the first rank that is dead or does not answer in time."""
         self.call(EPWorker.ping, timeout=timeout)
+
+    @property
+    def transport_name(self) -> str:
+        """The transport every rank runs (gloo | nccl | nvshmem)."""
+        return self.transport_spec.name
 
     @property
     def num_nodes(self) -> int:

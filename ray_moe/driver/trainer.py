@@ -29,7 +29,7 @@ from ray_moe.checkpoint import (
     scan_checkpoints,
     step_name,
 )
-from ray_moe.config import Config
+from ray_moe.config import Config, ConfigError
 from ray_moe.driver.group import GroupError, WorkerFailure, WorkerGroup, connect
 from ray_moe.driver.loggers import make_sinks
 from ray_moe.driver.metrics import MetricsLog, aggregate_step
@@ -163,13 +163,18 @@ class Trainer:
         return self.group.world_size
 
     # ------------------------------------------------------------------ group life cycle
-    def _start_group(self, group: WorkerGroup | None = None) -> None:
+    def _start_group(self, group: WorkerGroup | None = None, world_size: int | None = None) -> None:
+        """Train on ``group``, or on a new one of ``world_size`` ranks (default
+        ``parallel.world_size``). The group owns the world size; the config stays as given."""
         if group is None:
             connect(self.address, timeout_s=self.config.parallel.startup_timeout_s)
-            group = WorkerGroup(self.config)
+            group = WorkerGroup(self.config, world_size=world_size)
             self._owns_group = True
-        elif group.world_size != self.config.parallel.world_size:
-            self.config = self.config.with_overrides([f"parallel.world_size={group.world_size}"])
+        else:
+            error = self.config.world_size_error(group.world_size, "the group's world_size",
+                                                 self.arch.spec.num_experts)
+            if error:
+                raise ConfigError(error)
         self.group = group
         try:
             reports = group.call(EPWorker.build_engine, self.config.to_dict(), self.arch,
@@ -231,14 +236,12 @@ class Trainer:
         """Same world size when the cluster still fits it, else the largest one that fits
         (checkpoints reshard, so training continues with the same global batch)."""
         wanted = self.config.parallel.world_size
-        e, b = self.arch.spec.num_experts, self.config.train.batch_size
-        sizes = [w for w in range(wanted, 0, -1) if e % w == 0 and b % w == 0]
+        E = self.arch.spec.num_experts
+        sizes = [w for w in range(wanted, 0, -1) if self.config.world_size_error(w, num_experts=E) is None]
         last: Exception | None = None
         for w in sizes:
-            if w != self.config.parallel.world_size:
-                self.config = self.config.with_overrides([f"parallel.world_size={w}"])
             try:
-                self._start_group()
+                self._start_group(world_size=w)
                 if w != wanted:
                     self.log.event("resized", world_size=w, wanted=wanted)
                 return
@@ -457,7 +460,7 @@ class Trainer:
             "steps": self.step_count,
             **self.log.summary(),
             "failures": self.failures,
-            "world_size": self.config.parallel.world_size,
+            "world_size": self.group.world_size if self.group else None,
             "transport": self.group.transport_name if self.group else None,
             "run_dir": str(self.run_dir),
         }

@@ -3,8 +3,12 @@
 Life cycle, driven by :class:`ray_moe.driver.group.WorkerGroup`:
 ``info()`` → (ranks assigned by the driver) → rank 0: ``bootstrap_address()`` → all:
 ``setup(config, rank_info, address)`` (torch.distributed) → rank 0: ``transport_bootstrap_id()``
-→ all: ``init_transport(bootstrap_id)`` → ``build_engine(config)`` → training calls (``step``,
-``evaluate``, ``set_placements``, ``save_shard``, ``load_checkpoint``, ...) → ``close()``.
+→ all: ``init_transport(transport_spec, bootstrap_id)`` → ``build_engine(config)`` → training calls
+(``step``, ``evaluate``, ``set_placements``, ``save_shard``, ``load_checkpoint``, ...) → ``close()``.
+
+What the driver resolved arrives frozen and is not derived again here: the rank and the world
+size in :class:`~ray_moe.topology.RankInfo` (the group's, whatever ``parallel.world_size`` asked
+for), the transport in :class:`~ray_moe.comm.base.TransportSpec`.
 
 The driver calls these methods by reference (``group.call(EPWorker.step, ...)``), never by name:
 a method that does not exist fails on the driver, before anything is sent.
@@ -21,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from ray_moe.comm import make_transport, transport_bootstrap_id
-from ray_moe.comm.base import Transport
 from ray_moe.arch import ResolvedArch
+from ray_moe.comm.base import Transport, TransportSpec
 from ray_moe.config import Config
 from ray_moe.topology import RankInfo, WorkerInfo
 from ray_moe.worker.engine import Engine, ModelReport, buffer_spec
@@ -95,14 +99,12 @@ class EPWorker:
         """rank 0: the id every rank needs to initialise transport ``name`` (NVSHMEM's UID)."""
         return transport_bootstrap_id(name, self.device)
 
-    def init_transport(self, name: str, bootstrap_id: bytes | None) -> str:
-        """Build transport ``name`` (collective), its buffers sized for the group's config."""
+    def init_transport(self, spec: TransportSpec, bootstrap_id: bytes | None) -> str:
+        """Build the transport the group resolved (collective), its buffers sized for the
+        group's config."""
         config, rank_info = self._setup_done()
-        spec = buffer_spec(config, rank_info.world_size)
-        self.transport = make_transport(name, rank_info, self.device, spec, bootstrap_id,
-                                        force_remote_path=config.parallel.force_remote_path,
-                                        comm_programs=config.parallel.comm_programs,
-                                        ranks_per_gpu=config.parallel.workers_per_gpu)
+        self.transport = make_transport(spec, rank_info, self.device, buffer_spec(config, rank_info.world_size),
+                                        bootstrap_id)
         return self.transport.name
 
     # ------------------------------------------------------------------ generic

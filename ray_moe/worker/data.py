@@ -9,20 +9,16 @@ rank r of W takes rows ``[r*B/W, (r+1)*B/W)``. So a run resumes exactly from its
 at W=2 continues identically at W=1 or W=4. Windows run across document boundaries (documents
 are packed, EOS-separated).
 
-The byte corpus (``data.paths``; default: the Python standard library's sources) is read whole
-into memory on every rank. Token datasets are memory-mapped: each rank maps only the shards its
+The byte corpus (``data.paths``: files, directories or globs, listed by
+:func:`ray_moe.data.inputs.iter_paths`, the walker ``ray-moe prepare`` uses too; default: the
+Python standard library's sources) is read whole into memory on every rank. Token datasets are memory-mapped: each rank maps only the shards its
 windows touch, straight from the dataset directory (nothing goes through the driver).
 """
 
 from __future__ import annotations
 
-import fnmatch
-import glob
-import heapq
-import itertools
 import os
 import sysconfig
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +27,7 @@ import torch
 
 from ray_moe.config import Config, DataConfig
 from ray_moe.data.errors import DataError
-from ray_moe.data.inputs import binary_reason
+from ray_moe.data.inputs import binary_reason, iter_paths
 from ray_moe.data.mixture import window_starts
 from ray_moe.data.shards import PreparedDataset
 from ray_moe.data.tokenizer import tokenizer_hash
@@ -41,80 +37,6 @@ __all__ = ["Corpus", "DataError", "TokenShards", "open_corpus"]
 
 def default_paths() -> list[str]:
     return [os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py")]
-
-
-def _walk_sorted(root: Path, name_pattern: str | None, _visited: set[tuple[int, int]] | None = None,
-                 ) -> Iterator[Path]:
-    """Files below ``root`` in sorted path order, lazily: a depth-first walk over each
-    directory's sorted entries gives exactly the order of ``sorted()`` over the paths, so a
-    reader that stops early (``data.max_bytes``) never lists the rest of the tree.
-
-    ``name_pattern`` set: glob's ``root/**/name_pattern`` (hidden names skipped and symbolic links
-    to directories followed, as glob does, but each directory walked once, so a link back up the
-    tree ends); None: every file below ``root`` as ``Path.rglob("*")`` gives them (links to
-    directories not followed)."""
-    visited = set() if _visited is None else _visited
-    try:
-        st = root.stat()
-        if (st.st_dev, st.st_ino) in visited:
-            return
-        visited.add((st.st_dev, st.st_ino))
-        entries = sorted(os.scandir(root), key=lambda e: e.name)
-    except OSError:
-        return
-    for e in entries:
-        if name_pattern is not None and e.name.startswith(".") and not name_pattern.startswith("."):
-            continue
-        if e.is_dir(follow_symlinks=name_pattern is not None):
-            yield from _walk_sorted(Path(e.path), name_pattern, visited)
-        elif e.is_file() and (name_pattern is None or fnmatch.fnmatchcase(e.name, name_pattern)):
-            yield Path(e.path)
-
-
-def _files_of(pat: str) -> Iterator[Path]:
-    """The files one ``data.paths`` entry names, in sorted order (lazily where it can be)."""
-    p = Path(pat).expanduser()
-    if p.is_file():
-        yield p
-        return
-    if p.is_dir():
-        yield from _walk_sorted(p, None)
-        return
-    if not any(ch in pat for ch in "*?["):
-        raise DataError(f"data.paths: {pat!r} does not exist")
-    base, _, name = str(p).rpartition("/**/")
-    if base and not any(ch in base for ch in "*?[") and "/" not in name and Path(base).is_dir():
-        found = _walk_sorted(Path(base), name)
-    else:
-        found = iter(sorted(Path(f) for f in glob.glob(str(p), recursive=True) if os.path.isfile(f)))
-    first = next(found, None)
-    if first is None:
-        raise DataError(f"data.paths: the pattern {pat!r} matches no file")
-    yield first
-    yield from found
-
-
-def iter_files(patterns: list[str]) -> Iterator[Path]:
-    """Files named by paths, directories (every file below) or globs: resolved, in sorted order,
-    each once. Lazy, so a corpus capped by ``data.max_bytes`` reads only the first few files of a
-    large tree; a pattern that matches nothing raises before the first file is yielded."""
-    streams = [_files_of(pat) for pat in patterns]
-    heads = []
-    for stream in streams:  # pull each stream's first file now, so bad entries fail up front
-        first = next(stream, None)
-        if first is not None:
-            heads.append(itertools.chain([first], stream))
-    seen: set[Path] = set()
-    for f in heapq.merge(*heads):
-        r = f.resolve()
-        if r not in seen:
-            seen.add(r)
-            yield r
-
-
-def resolve_files(patterns: list[str]) -> list[Path]:
-    """Every file :func:`iter_files` names, as a list."""
-    return list(iter_files(patterns))
 
 
 @dataclass
@@ -130,7 +52,7 @@ class Corpus:
     @classmethod
     def load(cls, cfg: DataConfig, min_bytes: int = 2) -> Corpus:
         chunks, total, files = [], 0, 0
-        for f in iter_files(cfg.paths or default_paths()):
+        for f in iter_paths(cfg.paths or default_paths(), "data.paths"):
             files += 1
             try:
                 b = f.read_bytes()

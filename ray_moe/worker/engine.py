@@ -384,9 +384,6 @@ class Engine:
         """The current placement of every MoE layer (``Placement.to_dict()``), for checkpoints."""
         return [layer.placement.to_dict() for layer in self.model.moe_layers()]
 
-    def placement_versions(self) -> list[int]:
-        return [layer.placement.version for layer in self.model.moe_layers()]
-
     # ------------------------------------------------------------------ checkpoints
     def shard_state(self) -> dict[str, torch.Tensor]:
         """This rank's part of a checkpoint (schema: :mod:`ray_moe.checkpoint`): the float32 master

@@ -15,7 +15,7 @@ def _state(worker):
 
 
 def _versions(worker):
-    return worker.engine.placement_versions()
+    return [layer.placement.version for layer in worker.engine.model.moe_layers()]
 
 
 def run(cfg, steps, group):

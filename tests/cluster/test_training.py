@@ -10,6 +10,7 @@ import torch
 from ray_moe.checkpoint import latest_checkpoint
 from ray_moe.comm.local import LocalTransport
 from ray_moe.data.errors import DataError
+from ray_moe.config import ConfigError
 from ray_moe.driver.group import GroupError
 from ray_moe.driver.trainer import Trainer, TrainingError
 from ray_moe.worker.engine import Engine
@@ -68,11 +69,17 @@ def test_checkpoint_restores_onto_other_world_size(groups, tmp_path):
         saved = t.save()
         uninterrupted = t.step()["loss"]
     for world_size in (1, 4):
-        other = cfg.with_overrides([f"parallel.world_size={world_size}",
+        # at W=1 the config still asks for 2: the group owns the world size, the config is not rewritten
+        other = cfg.with_overrides([f"parallel.world_size={2 if world_size == 1 else world_size}",
                                     f"train.run_dir={tmp_path / f'w{world_size}'}"])
         with Trainer(other, progress=False, group=groups(world_size, "SPREAD" if world_size == 4 else "PACK")) as t2:
             assert t2.restore(saved) == 3
             assert t2.step()["loss"] == pytest.approx(uninterrupted, rel=1e-5)
+            assert t2.world_size == t2.summary()["world_size"] == world_size
+            assert t2.config.to_dict() == other.to_dict()
+    few_experts = cfg.with_overrides(["moe.num_experts=2", f"train.run_dir={tmp_path / 'e2'}"])
+    with pytest.raises(ConfigError, match="moe.num_experts=2 is not divisible by the group's world_size=4"):
+        Trainer(few_experts, progress=False, group=groups(4, "SPREAD"))
 
 
 def test_interrupted_save_keeps_previous_checkpoint(groups, tmp_path, monkeypatch):

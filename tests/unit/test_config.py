@@ -74,6 +74,7 @@ POSITIVE = [
     ("train.step_timeout_s", 0),
     ("train.health_check_interval_s", 0),
     ("balance.interval", 0),
+    ("parallel.nvshmem_spin_limit", 0),
 ]
 
 
@@ -195,6 +196,33 @@ def test_gpu_transport_on_cpu_device(transport):
 def test_gpu_transport_on_cuda_or_auto_device_ok(transport):
     for device in ("cuda", "auto"):
         build({"parallel.transport": transport, "parallel.device": device})
+
+
+def test_transport_device_rule_is_one_function_for_the_configured_and_the_resolved_device():
+    """The config (device as configured) and the group (device that ``auto`` resolved to) ask the
+    same rule; ``auto`` fits every transport until it is resolved."""
+    from ray_moe.config import transport_device_error
+
+    assert transport_device_error("gloo", "auto") is None and transport_device_error("nvshmem", "auto") is None
+    assert transport_device_error("auto", "cpu") is None and transport_device_error("auto", "cuda") is None
+    msg = transport_device_error("nccl", "cpu", "parallel.device=auto and the cluster has no GPUs")
+    assert msg == ("parallel.transport=nccl needs GPUs but parallel.device=auto and the cluster has no GPUs; "
+                   "use transport gloo or auto")
+    reject({"parallel.transport": "gloo", "parallel.device": "cuda"},
+           "parallel.transport=gloo cannot move CUDA tensors but parallel.device=cuda")
+
+
+def test_world_size_rule_answers_for_any_world_size_without_changing_the_config():
+    """The group owns the world size: the rule that checks parallel.world_size also checks the
+    group's, and nothing in the config changes."""
+    cfg = build({"moe.num_experts": 8, "train.batch_size": 12, "parallel.world_size": 4})
+    before = cfg.to_dict()
+    assert cfg.world_size_error(4) is None and cfg.world_size_error(2) is None
+    assert cfg.world_size_error(8, "the group's world_size") == (
+        "train.batch_size=12 is not divisible by the group's world_size=8")
+    assert cfg.world_size_error(3) == "moe.num_experts=8 is not divisible by parallel.world_size=3"
+    cfg.validate()
+    assert cfg.to_dict() == before  # validation checks; it never rewrites (byte arch)
 
 
 def test_run_dir_must_not_be_empty():

@@ -250,7 +250,8 @@ def test_sonic_layout_round_trip_matches_the_oracle(monkeypatch):
 
     import torch.nn.functional as F
 
-    from ray_moe.bench.layer import LayerShape, SonicLayer, layer_problem
+    from ray_moe.bench.layer.problem import LayerShape, layer_problem
+    from ray_moe.bench.layer.sonic import SonicLayer
     from ray_moe.model.experts import reference_moe
 
     def stand_in(x, router_w, w1, b1, w2, b2, K, stream_id, activation_type, is_inference_mode_enabled=False):
@@ -292,7 +293,7 @@ def test_profile_timeline_orders_kernels_and_finds_idle_gaps():
 
     from torch.autograd import DeviceType
 
-    from ray_moe.bench.layer import _timeline_rows
+    from ray_moe.bench.layer.profiling import _timeline_rows
 
     spans = [(1000, 5000), (0, 500), (510, 530), (540, 560), (5001, 5002)]  # microseconds, out of order
     events = [NS(device_type=DeviceType.CUDA, name=f"k{s}", time_range=NS(start=s, end=e)) for s, e in spans]
@@ -310,7 +311,7 @@ def test_steady_analysis_splits_steps_and_finds_device_waits():
 
     from torch.autograd import DeviceType
 
-    from ray_moe.bench.layer import _steady_analysis
+    from ray_moe.bench.layer.profiling import _steady_analysis
 
     def ev(name, s, e, dev=DeviceType.CUDA, thread=1, stack=()):
         return NS(name=name, device_type=dev, time_range=NS(start=s, end=e), thread=thread, stack=list(stack))

@@ -1,0 +1,213 @@
+"""``ray-moe bench layer``: expert compute, routing/permutation, saved activations, the whole layer
+beside SonicMoE, profiles, and expert-parallel rows.
+
+The sections live in one module each; this one parses the flags and runs them in order:
+
+  - :mod:`.problem`: the shape, inputs, weights and timing helpers the sections share;
+  - :mod:`.expert`: single-GPU expert-side rows (``kernels``, ``expert``, ``ffn``, ``routing``, ``saved``);
+  - :mod:`.sonic`: the whole layer beside SonicMoE (``layer``, ``small``; ``--sonic-precompile``);
+  - :mod:`.profiling`: ``profile``, ``steady``, ``wgrad``;
+  - EP rows (several GPUs, or a CPU cluster) come from :mod:`ray_moe.bench.ep_layer` (``ep``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import traceback
+from dataclasses import asdict
+
+import torch
+
+from ray_moe.bench.layer.expert import (
+    expert_compute_rows,
+    expert_ffn_rows,
+    kernel_rows,
+    routing_rows,
+    saved_bytes_rows,
+)
+from ray_moe.bench.layer.problem import LayerShape, make_inputs
+from ray_moe.bench.layer.profiling import profile_rows, steady_rows, wgrad_backend_rows
+from ray_moe.bench.layer.sonic import (
+    SONIC_PRECOMPILE_ENV,
+    copy_bandwidth_gbs,
+    small_t_rows,
+    sonic_import_error,
+    sonic_layer_rows,
+    sonic_precompile,
+)
+
+
+def ep_rows(shape: LayerShape, args: argparse.Namespace) -> list[dict]:
+    """Expert-parallel rows over a Ray worker group (see :mod:`ray_moe.bench.ep_layer`)."""
+    from ray_moe.bench.ep_layer import ep_layer_rows
+
+    return ep_layer_rows(shape.T, shape.H, shape.I, shape.E, shape.K, args.world_size,
+                         transport=args.transport, address=args.address, dtype=args.dtype,
+                         impl=args.impl, iters=args.ep_iters, device=args.device,
+                         force_remote_path=args.force_remote_path,
+                         chunks=tuple(int(c) for c in args.ep_chunks.split(",")),
+                         comm_programs=tuple(int(g) for g in args.ep_programs.split(",")))
+
+
+def _print_table(rows: list[dict]) -> None:
+    from tabulate import tabulate
+
+    cols: list[str] = []
+    for r in rows:
+        cols += [k for k in r if k not in cols]
+    print(tabulate([[r.get(c, "") for c in cols] for r in rows], headers=cols, floatfmt=".3f"))
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="ray-moe bench layer", description=__doc__.splitlines()[0])
+    for name, default in asdict(LayerShape()).items():
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup-ms", type=int, default=100)
+    p.add_argument("--rep-ms", type=int, default=400)
+    p.add_argument("--sections", default="kernels,expert,ffn,routing,saved",
+                   help="comma list of kernels,expert,ffn,routing,saved,layer,small,profile (kernels runs first;"
+                   " with --sweep the fastest tiles it finds are used by expert and ffn). layer: the whole"
+                   " MoELayer (W=1) vs SonicMoE, training step; small: inference forward at --small-T vs SonicMoE"
+                   " as weight bytes/s against the copy bandwidth; profile: kernel time of one training step;"
+                   " steady: training steps back to back with the host side (device idle, waits, API calls);"
+                   " wgrad: the weight-gradient GEMMs alone per backend (triton, grouped_mm, quack)")
+    p.add_argument("--layer-E", default=None, help="layer/small/profile: comma list of E (default: --E)")
+    p.add_argument("--small-T", default="128,1024", help="small: comma list of token counts")
+    p.add_argument("--impls", default="ray_moe,sonicmoe", help="layer/small/profile: which layers to run")
+    p.add_argument("--sonic-mode", default="full", choices=["full", "forward"],
+                   help="layer: SonicMoE forward+backward, or its forward only (its backward GEMMs autotune"
+                        " for over ten minutes on a fresh machine)")
+    p.add_argument("--sweep", action="store_true", help="time alternative tile configs per kernel")
+    p.add_argument("--sonic-precompile", default=None, metavar="DIR",
+                   help="no GPU needed: compile every quack GEMM config SonicMoE's autotuner times on sm_90a"
+                        " into DIR (carry it as the device's QUACK_CACHE_DIR), then exit")
+    p.add_argument("--sonic-precompile-limit", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None, help="write the rows and the setup here")
+    p.add_argument("--world-size", type=int, default=0,
+                   help="with the 'ep' section: ranks of the expert-parallel group (T is global)")
+    p.add_argument("--transport", default="auto", help="ep: auto, nvshmem, nccl, gloo")
+    p.add_argument("--address", default=None, help="ep: Ray address (default: local cluster)")
+    p.add_argument("--impl", default="auto", help="ep: expert impl (auto, triton, grouped_mm, loop)")
+    p.add_argument("--device", default="auto", help="ep: auto, cuda, cpu")
+    p.add_argument("--ep-iters", type=int, default=10)
+    p.add_argument("--ep-chunks", default="1,4",
+                   help="ep: comma list of moe.pipeline_chunks (1: sequential layer; C > 1: pipelined, side by side)")
+    p.add_argument("--ep-programs", default="0",
+                   help="ep/nvshmem: comma list of programs (SMs) for the exchange kernels (0: every SM)")
+    p.add_argument("--force-remote-path", action="store_true", help="ep/nvshmem: use the inter-node path")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    """CLI entry: ``ray-moe bench layer [--T ...] [--json out.json]``. Returns the exit code."""
+    args = parse_args(argv)
+    shape = LayerShape(args.T, args.H, args.I, args.E, args.K)
+    if args.sonic_precompile:
+        for k, v in SONIC_PRECOMPILE_ENV.items():  # read when cutlass / quack are first imported
+            os.environ.setdefault(k, v)
+        counts = sonic_precompile(shape, args.sonic_precompile, args.sonic_precompile_limit)
+        print(json.dumps(counts, indent=1))
+        return 1 if any(c["failed"] or not c["configs"] for c in counts.values()) else 0
+    sections = set(args.sections.split(","))
+    if sections == {"ep"}:  # the EP rows alone also run on CPU clusters (gloo)
+        rows = ep_rows(shape, args)
+        _print_table(rows)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"setup": {"shape": asdict(shape), "world_size": args.world_size}, "rows": rows}, f, indent=1)
+        return 0
+    if not torch.cuda.is_available():
+        print("bench layer needs a CUDA GPU (only --sections ep runs without one)", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    needs_inp = sections & {"kernels", "expert", "ffn", "routing", "saved", "ep"}
+    inp = make_inputs(shape, device, getattr(torch, args.dtype), args.seed) if needs_inp else None
+    rows: list[dict] = []
+    plan = None
+    if "kernels" in sections:
+        new, plan = kernel_rows(shape, inp, args.warmup_ms, args.rep_ms, args.sweep)
+        _print_table(new)
+        print(f"plan used below: {plan}\n", flush=True)
+        rows += new
+        rows.append({"section": "plan", "what": repr(plan)})
+        _write_json(args.json, shape, args, rows)
+    steps = [
+        ("expert", lambda: expert_compute_rows(shape, inp, args.warmup_ms, args.rep_ms, plan)),
+        ("ffn", lambda: expert_ffn_rows(shape, inp, args.warmup_ms, args.rep_ms, plan)),
+        ("routing", lambda: routing_rows(shape, inp, args.warmup_ms, args.rep_ms)),
+        ("saved", lambda: saved_bytes_rows(shape, inp)),
+    ]
+    for name, step in steps:
+        if name in sections:
+            new = step()
+            _print_table(new)
+            print(flush=True)
+            rows += new
+            _write_json(args.json, shape, args, rows)
+            torch.cuda.empty_cache()
+    layer_es = [int(e) for e in (args.layer_E or str(shape.E)).split(",")]
+    impls = tuple(args.impls.split(","))
+    dtype = getattr(torch, args.dtype)
+    if sections & {"layer", "small", "profile", "steady", "wgrad"}:
+        inp = None
+        torch.cuda.empty_cache()
+        print(f"device: {torch.cuda.get_device_name()}; sonicmoe: {sonic_import_error() or 'imports'}", flush=True)
+    if "small" in sections:
+        copy_gbs = copy_bandwidth_gbs()
+        rows.append({"section": "small T", "what": "device copy bandwidth (read + write)", "GB/s": copy_gbs})
+        print(f"copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
+    for name_, E in [(n, e) for n in ("layer", "small", "profile", "steady", "wgrad") for e in layer_es]:
+        eshape = LayerShape(shape.T, shape.H, shape.I, E, shape.K)
+        for name, step in (
+            ("layer", lambda eshape=eshape: sonic_layer_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms, impls,
+                                               args.sonic_mode)),
+            ("small", lambda eshape=eshape: small_t_rows(eshape, [int(t) for t in args.small_T.split(",")], dtype, args.seed,
+                                           args.warmup_ms, args.rep_ms, copy_gbs, impls)),
+            ("profile", lambda eshape=eshape: profile_rows(eshape, dtype, args.seed, impls=impls)),
+            ("steady", lambda eshape=eshape: steady_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms, impls=impls)),
+            ("wgrad", lambda eshape=eshape: wgrad_backend_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms)),
+        ):
+            if name in sections and name == name_:
+                try:
+                    new = step()
+                except Exception as exc:  # one failing comparison must not lose the others' rows
+                    traceback.print_exc()
+                    new = [{"section": f"{name} E={E}", "what": "failed",
+                            "note": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"}]
+                _print_table(new)
+                print(flush=True)
+                rows += new
+                _write_json(args.json, shape, args, rows)
+                torch.cuda.empty_cache()
+    if "ep" in sections and args.world_size > 0:
+        inp = None
+        torch.cuda.empty_cache()
+        new = ep_rows(shape, args)
+        _print_table(new)
+        rows += new
+    _write_json(args.json, shape, args, rows)
+    return 0
+
+
+def _write_json(path: str | None, shape: LayerShape, args: argparse.Namespace, rows: list[dict]) -> None:
+    """The rows so far and the setup (rewritten after each section, so a cut-off run keeps them)."""
+    if not path:
+        return
+    setup = {
+        "shape": asdict(shape), "dtype": args.dtype, "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "python": platform.python_version(),
+    }
+    try:
+        import triton
+
+        setup["triton"] = triton.__version__
+    except ImportError:
+        pass
+    with open(path, "w") as f:
+        json.dump({"setup": setup, "rows": rows}, f, indent=1, default=str)
