@@ -77,6 +77,38 @@ def test_bf16_equal_to_transformers_on_gpu(tmp_path, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_equal_to_transformers_on_an_nvshmem_group(tmp_path, family):
+    """W ranks over NVSHMEM (two GPUs, or RAY_MOE_PES_PER_GPU ranks on one): each rank's share of the
+    batch, bf16, native placement and clones, as close to transformers' float32 model as
+    transformers' own bf16 model is (or 2e-2)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("nvshmem.core")
+    from ray_moe.driver.group import WorkerGroup
+    from ray_moe.validation.errors import rel_err
+    from ray_moe.validation.hf_model import model_parity, parity_config, reference, save_tiny_model
+
+    W, per_gpu = gpu_ranks()
+    if W < 2:
+        pytest.skip("needs two ranks (two GPUs, or RAY_MOE_PES_PER_GPU=2)")
+    save_tiny_model(family, tmp_path, seed=2, **GPU_SIZE, **PER_FAMILY[family])
+    B, L = 4 * W, 64
+    ids = torch.randint(0, GPU_SIZE["vocab_size"], (B, L + 1), generator=torch.Generator().manual_seed(1))
+    cfg = parity_config(tmp_path, world_size=W, batch=B, seq_len=L, dtype="bfloat16", device="cuda")
+    cfg = cfg.with_overrides(["parallel.transport=nvshmem", f"parallel.workers_per_gpu={per_gpu}"])
+    arch = cfg.resolve_arch()
+    truth = reference(cfg, arch, ids, dtype=torch.float32, device="cuda", attn_implementation="eager")
+    theirs = reference(cfg, arch, ids, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
+    hf_err = {k: rel_err(theirs[k], v) for k, v in truth.items()}
+    with WorkerGroup(cfg) as g:
+        results = g.execute(model_parity, cfg, arch, ids, truth, timeout=300)
+    for rank, ours in enumerate(results):
+        for placement in ("native", "clones"):
+            bad = {k: (v, hf_err.get(k)) for k, v in ours[placement].items()
+                   if not v <= max(2 * hf_err.get(k, 0.0), 2e-2)}
+            assert not bad, f"{family} W={W} rank {rank} {placement}: (ours, transformers bf16): {bad}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_incremental_decoding_on_gpu(tmp_path, family):
     transformers = pytest.importorskip("transformers")
     from ray_moe.comm.local import LocalTransport

@@ -15,6 +15,7 @@ layout and the graph capture still run; the peer paths need two).
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ PARITY_CASES = [
 
 
 def _make_group(force_remote: bool = False, address: str | None = None, strategy: str = "PACK",
-                min_gpus: int = 1):
+                min_gpus: int = 1, spin_limit: int = 1 << 25):
     pytest.importorskip("nvshmem.core")
     import ray
 
@@ -58,7 +59,8 @@ def _make_group(force_remote: bool = False, address: str | None = None, strategy
         "train": {"batch_size": 2 * W},  # 2 sequences x 32 = 64 tokens per rank
         "parallel": {"world_size": W, "device": "cuda", "transport": "nvshmem",
                      "force_remote_path": force_remote, "placement_strategy": strategy,
-                     "startup_timeout_s": 180, "workers_per_gpu": per_gpu},
+                     "startup_timeout_s": 180, "workers_per_gpu": per_gpu,
+                     "nvshmem_spin_limit": spin_limit},
     })
     return WorkerGroup(cfg)
 
@@ -174,10 +176,46 @@ def test_pipelined_cuda_graph_replay(group):
         assert all(v <= BF16_TOL for v in errs.values()), (rank, errs)
 
 
+def test_layer_parity_with_clones(group):
+    """Forced placements that clone experts across ranks (W=2: clones both ways; W=4: an expert
+    with two clones, clones on every rank; random per-source shares with exact zeros): the bf16
+    layer over NVSHMEM equals the single-process oracle, every gradient."""
+    from tests.cluster.test_clone_parity import placement_w2, placement_w4
+
+    if group.world_size not in (2, 4):
+        pytest.skip("the forced clone placements are for W=2 and W=4")
+    extra = {"placement": (placement_w2 if group.world_size == 2 else placement_w4)().to_dict()}
+    case = Case(seed=_seed_without_near_ties(extra, group.world_size), dtype="bfloat16", hidden=64, **extra)
+    for rank, errs in enumerate(group.execute(layer_parity, case, timeout=300)):
+        bad = {k: v for k, v in errs.items() if not v <= BF16_TOL}
+        assert not bad, f"clones rank {rank}: {bad}"
+    group.execute(lambda w: w.transport.check())
+
+
 def test_force_remote_path(remote_group):
     desc = remote_group.execute(lambda w: w.transport.describe())
     assert desc[0]["remote_peers"] == [1] and desc[1]["remote_peers"] == [0]
     _check_everything(remote_group, "force_remote_path")
+
+
+def test_a_killed_worker_ends_the_others_waits_with_a_named_error(group):
+    """The last rank dies (os._exit) where the others enter a dispatch: their bounded device-side
+    waits end (a small parallel.nvshmem_spin_limit keeps it short), the transport's check raises
+    its named error, and the driver's call names a rank and what happened to it, no hang."""
+    from ray_moe.driver.group import WorkerFailure
+
+    if group.world_size < 2:
+        pytest.skip("needs two ranks")
+    group.close()  # this group is broken by the test: one of its own
+    g = _make_group(spin_limit=1 << 20)
+    try:
+        with pytest.raises(WorkerFailure) as err:
+            g.execute(_dispatch_unless_last, timeout=120)
+        text = str(err.value)
+        assert re.search(r"rank \d", text), text
+        assert "died" in text or "did not arrive" in text or "NVSHMEM" in text, text
+    finally:
+        g.close()
 
 
 @pytest.mark.skipif(not os.environ.get("RAY_MOE_TWO_NODE_ADDRESS"), reason="set RAY_MOE_TWO_NODE_ADDRESS")
@@ -234,6 +272,21 @@ def _layout_vs_reference(worker) -> list[str]:
             bad.append(f"T={T} K={K} {mode}: rows per destination {totals.tolist()} != {counts.tolist()}")
     tr.check()
     return bad
+
+
+def _dispatch_unless_last(worker) -> None:
+    """The last rank exits at once; every other rank dispatches to it and checks the transport."""
+    tr = worker.transport
+    if tr.rank == tr.world_size - 1:
+        os._exit(1)
+    T, K = 64, 2
+    x = torch.randn(T, 64, device=worker.device, dtype=torch.bfloat16)
+    dest = torch.full((T, K), tr.world_size - 1, dtype=torch.int32, device=worker.device)
+    slot = torch.zeros(T, K, dtype=torch.int32, device=worker.device)
+    w = torch.rand(T, K, device=worker.device)
+    tr.dispatch_forward(x, w, dest, slot)
+    torch.cuda.synchronize()
+    tr.check()
 
 
 def _stacked_layers(worker) -> dict:
