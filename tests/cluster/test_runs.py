@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ray_moe.config import Config
 from ray_moe.driver.run_dir import RunDirError
 from ray_moe.driver.trainer import Trainer, TrainingInterrupted
 from tests.support import small_config
@@ -201,6 +202,8 @@ def test_an_error_the_workers_would_raise_is_one_line(ray_cluster, tmp_path, cas
     model.mkdir()
     (model / "config.json").write_text(json.dumps(arch.preset("qwen3_moe-tiny")))
     (model / "model.safetensors").write_bytes(b"not safetensors" * 10)
-    cfg = small_config(tmp_path, **{"model.init_from": str(model), "model.arch": "qwen3_moe",
-                                    "moe.num_experts": 8})
+    raw = small_config(tmp_path).to_dict()
+    raw["model"] = {"init_from": str(model), "seq_len": 32}  # the sizes are the HF config's
+    raw["moe"] = {"aux_loss_coef": 0.0}
+    cfg = Config.from_dict(raw)
     _one_error_line(_train_cli(cfg, tmp_path, ray_cluster), "ray-moe train: error: workers could not build")
