@@ -168,7 +168,7 @@ class Trainer:
         ``parallel.world_size``). The group owns the world size; the config stays as given."""
         if group is None:
             connect(self.address, timeout_s=self.config.parallel.startup_timeout_s)
-            group = WorkerGroup(self.config, world_size=world_size)
+            group = WorkerGroup(self.config, world_size=world_size, arch=self.arch)
             self._owns_group = True
         else:
             error = self.config.world_size_error(group.world_size, "the group's world_size",
