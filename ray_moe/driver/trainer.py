@@ -121,30 +121,31 @@ class Trainer:
         # directory another run is writing is refused before anything in it is read or changed.
         self.run_dir = resolve_run_dir(config.train)
         self._run_lock = lock_run_dir(self.run_dir)
-        try:
-            state = scan(self.run_dir)
-            resume_from = plan_start(state, config.train.resume, config.train.overwrite)
+        try:  # from here on, any failure closes what was started and releases the lock at once
+            self._open_run(group)
         except BaseException:
-            self._release_run_dir()
+            self.close()
             raise
+
+    def _open_run(self, group: WorkerGroup | None) -> None:
+        """With the run directory locked: plan the start (fresh, resumed or overwritten), open the
+        metrics log, start the workers (or build on ``group``), restore, write config.yaml."""
+        state = scan(self.run_dir)
+        resume_from = plan_start(state, self.config.train.resume, self.config.train.overwrite)
         if resume_from is None and state.has_results:
             archived = archive_results(self.run_dir)
             log.warning("train.overwrite=true: moved the earlier run in %s to %s", self.run_dir, archived)
         clean_staging(self.run_dir)
-        self.log = MetricsLog(self.run_dir / "metrics.jsonl", make_sinks(config, self.run_dir))
+        self.log = MetricsLog(self.run_dir / "metrics.jsonl", make_sinks(self.config, self.run_dir))
         if resume_from is not None:
             self.log.load()
         else:
             self.log.start_fresh()
         self._report_corrupt(state.corrupt)
-        try:
-            self._start_group(group)
-            if resume_from is not None:
-                self.restore(resume_from)
-                self.log.event("resumed", checkpoint=str(resume_from), step=self.step_count)
-        except BaseException:
-            self.close()
-            raise
+        self._start_group(group)
+        if resume_from is not None:
+            self.restore(resume_from)
+            self.log.event("resumed", checkpoint=str(resume_from), step=self.step_count)
         (self.run_dir / "config.yaml").write_text(self.config.to_yaml())
 
     @classmethod
