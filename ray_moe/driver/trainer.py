@@ -309,17 +309,19 @@ class Trainer:
                        t.log_interval, t.log_every_s)
         self._progress = bar
         try:
-            with _StopOnSignal(self):
+            with _StopOnSignal(self):  # over the final evaluation and save too: a stop waits for them
                 while self.step_count < target:
                     m = self.step()
                     done.append(m)
                     bar.update(m)
                     if self._stop_signal is not None:
                         self._stop_now()
-            if not (done and t.eval_interval and self.step_count % t.eval_interval == 0):
-                self.evaluate()  # unless the last step just did (step() evaluates every eval_interval)
-            if self.last_checkpoint is None or self.last_checkpoint.name != step_name(self.step_count):
-                self.save()
+                if not (done and t.eval_interval and self.step_count % t.eval_interval == 0):
+                    self.evaluate()  # unless the last step just did (step() evaluates every eval_interval)
+                if self.last_checkpoint is None or self.last_checkpoint.name != step_name(self.step_count):
+                    self.save()
+                if self._stop_signal is not None:
+                    self._stop_now()
             if t.plots:
                 self.plot()
         finally:
@@ -332,7 +334,8 @@ class Trainer:
         signum = self._stop_signal
         assert signum is not None
         try:
-            path = self.save()
+            saved = self.last_checkpoint is not None and self.last_checkpoint.name == step_name(self.step_count)
+            path = self.last_checkpoint if saved else self.save()
         except Exception as exc:  # noqa: BLE001 - report it; the interruption is what matters
             log.warning("checkpoint on %s failed: %s", signal.Signals(signum).name, exc)
             path = None
