@@ -124,7 +124,7 @@ class EPWorker:
         if self.transport is None:
             raise RuntimeError("the transport is not initialised; call init_transport first")
         cfg = Config.from_plain(config) if config is not None else group_config
-        self._engine = None  # free the previous engine's memory before building the next one
+        self._close_engine()  # free the previous engine's memory before building the next one
         self._engine = Engine(cfg, rank_info, self.transport, self.device, arch)
         return self._engine.describe()
 
@@ -179,12 +179,17 @@ class EPWorker:
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
         """Release the engine, the transport and the process group. Idempotent."""
-        self._engine = None
+        self._close_engine()
         if self.transport is not None:
             self.transport.close()
             self.transport = None
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def _close_engine(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+        self._engine = None
 
     def _setup_done(self) -> tuple[Config, RankInfo]:
         if self.config is None or self.rank_info is None:

@@ -236,6 +236,17 @@ class Engine:
                      "step": t3 - t0, "comm": self.transport.timer.pop()},
         }
 
+    def close(self) -> None:
+        """Release what outlives the engine's memory: the ZeRO state's gradient hooks and its
+        process group (a new engine on the same ranks makes its own; without this every engine
+        built on a group, e.g. one per Trainer on a kept group, would leave a communicator
+        behind). Every rank calls it (the group's destruction is local). Idempotent."""
+        if self.zero is not None:
+            self.zero.close()
+            if self.distributed and dist.is_initialized():
+                dist.destroy_process_group(self.zero.group)
+            self.zero = None
+
     def counters(self) -> dict[str, int]:
         return {"step": self.step, "opt_steps": self.opt_steps, "skipped": self.skipped}
 
