@@ -1,4 +1,4 @@
-"""Small device helpers shared by the engine, the benchmarks and the smoke test."""
+"""Small device helpers shared by the engine, the loss, the kernels, the benchmarks and the smoke test."""
 
 from __future__ import annotations
 
@@ -35,3 +35,16 @@ def capture_graph(fn: Callable[[], T], warmup: int = 2,
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
+
+
+def add_mm_t(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (float32 [V, H]) += aᵀ @ b for a [c, V], b [c, H] in the model dtype, summed in float32:
+    a float32-output GEMM where the device has one (CUDA, sm80+), else the chunk upcast (never a
+    partial sum rounded to the model dtype). The LM losses' weight-gradient accumulation."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a.t(), b)
+    elif (acc.is_cuda and hasattr(torch.ops.aten.addmm, "dtype_out")  # a feature test, not a version string
+          and torch.cuda.get_device_capability(acc.device)[0] >= 8):
+        torch.addmm(acc, a.t(), b, out_dtype=torch.float32, out=acc)
+    else:  # no float32-output GEMM here: upcast the chunk rather than round each partial sum
+        acc.addmm_(a.t().float(), b.float())

@@ -134,9 +134,13 @@ def prepare(
         return PrepareReport(out=str(writer.out), tokens=0, documents=0, seconds=0.0, first_output_s=0.0,
                              first_output_tokens=0, workers=0, skipped_files=len(files), up_to_date=True,
                              meta=writer.finish())
-    start = writer.resume()
+    try:  # the writer may hold the directory's lock already (a run to resume): never past a failure
+        start = writer.resume()
+        started_ray = _connect(address)
+    except BaseException:
+        writer.close()
+        raise
     todo = files[start.skip_files:]
-    started_ray = _connect(address)
     try:
         import ray
 

@@ -29,10 +29,12 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ray_moe.comm import TransportSpec, choose_transport
+from ray_moe.arch import ResolvedArch
+from ray_moe.comm import BufferSpec, TransportSpec, choose_transport
 from ray_moe.config import Config, ConfigError, transport_device_error
 from ray_moe.topology import RankInfo, assign_ranks
 from ray_moe.worker.actor import EPWorker
+from ray_moe.worker.engine import buffer_spec
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -201,6 +203,14 @@ def resolve_transport(config: Config, use_gpu: bool) -> tuple[TransportSpec, str
                          ranks_per_gpu=p.workers_per_gpu if use_gpu else 1), why
 
 
+def transport_buffers(config: Config, world_size: int, arch: ResolvedArch) -> BufferSpec:
+    """The transport's first buffers: what training ``config``'s architecture ``arch`` on
+    ``world_size`` ranks passes to one dispatch (the resolved hidden size and top-k, not the byte
+    model's ``model.d_model`` / ``moe.top_k``, which an HF architecture does not use), so that
+    building the engine does not replace them."""
+    return buffer_spec(config, world_size, arch.spec)
+
+
 class WorkerGroup:
     """One EPWorker per bundle of a placement group, ranked by (node, GPU).
 
@@ -210,6 +220,9 @@ class WorkerGroup:
         worker_env: environment variables for the workers, besides :data:`MULTICAST_OFF`.
         world_size: ranks to start (default ``parallel.world_size``); the config must divide over
             them (a ConfigError says why not).
+        arch: the architecture resolved on the driver (:meth:`Config.resolve_arch`; default: resolved
+            here, on the driver): its E is checked against the world size and its hidden size and
+            top-k size the transport's first buffers (:func:`transport_buffers`).
     """
 
     def __init__(
@@ -218,9 +231,11 @@ class WorkerGroup:
         address: str | None = None,
         worker_env: dict[str, str] | None = None,
         world_size: int | None = None,
+        arch: ResolvedArch | None = None,
     ) -> None:
         self.world_size = config.parallel.world_size if world_size is None else world_size
-        error = config.world_size_error(self.world_size, "the group's world_size")
+        self.arch = arch if arch is not None else config.resolve_arch()
+        error = config.world_size_error(self.world_size, "the group's world_size", self.arch.spec.num_experts)
         if error:
             raise ConfigError(error)
         connect(address, timeout_s=config.parallel.startup_timeout_s)
@@ -295,8 +310,9 @@ class WorkerGroup:
         uid = self._get(
             [self.actors[0].transport_bootstrap_id.remote(self.transport_spec.name)], p.startup_timeout_s, "bootstrap"
         )[0]
+        buffers = transport_buffers(self.config, self.world_size, self.arch)
         names = self._get(
-            [a.init_transport.remote(self.transport_spec, uid) for a in self.actors],
+            [a.init_transport.remote(self.transport_spec, uid, buffers) for a in self.actors],
             p.startup_timeout_s + p.collective_timeout_s,
             "transport init",
         )

@@ -121,30 +121,31 @@ class Trainer:
         # directory another run is writing is refused before anything in it is read or changed.
         self.run_dir = resolve_run_dir(config.train)
         self._run_lock = lock_run_dir(self.run_dir)
-        try:
-            state = scan(self.run_dir)
-            resume_from = plan_start(state, config.train.resume, config.train.overwrite)
+        try:  # from here on, any failure closes what was started and releases the lock at once
+            self._open_run(group)
         except BaseException:
-            self._release_run_dir()
+            self.close()
             raise
+
+    def _open_run(self, group: WorkerGroup | None) -> None:
+        """With the run directory locked: plan the start (fresh, resumed or overwritten), open the
+        metrics log, start the workers (or build on ``group``), restore, write config.yaml."""
+        state = scan(self.run_dir)
+        resume_from = plan_start(state, self.config.train.resume, self.config.train.overwrite)
         if resume_from is None and state.has_results:
             archived = archive_results(self.run_dir)
             log.warning("train.overwrite=true: moved the earlier run in %s to %s", self.run_dir, archived)
         clean_staging(self.run_dir)
-        self.log = MetricsLog(self.run_dir / "metrics.jsonl", make_sinks(config, self.run_dir))
+        self.log = MetricsLog(self.run_dir / "metrics.jsonl", make_sinks(self.config, self.run_dir))
         if resume_from is not None:
             self.log.load()
         else:
             self.log.start_fresh()
         self._report_corrupt(state.corrupt)
-        try:
-            self._start_group(group)
-            if resume_from is not None:
-                self.restore(resume_from)
-                self.log.event("resumed", checkpoint=str(resume_from), step=self.step_count)
-        except BaseException:
-            self.close()
-            raise
+        self._start_group(group)
+        if resume_from is not None:
+            self.restore(resume_from)
+            self.log.event("resumed", checkpoint=str(resume_from), step=self.step_count)
         (self.run_dir / "config.yaml").write_text(self.config.to_yaml())
 
     @classmethod
@@ -168,7 +169,7 @@ class Trainer:
         ``parallel.world_size``). The group owns the world size; the config stays as given."""
         if group is None:
             connect(self.address, timeout_s=self.config.parallel.startup_timeout_s)
-            group = WorkerGroup(self.config, world_size=world_size)
+            group = WorkerGroup(self.config, world_size=world_size, arch=self.arch)
             self._owns_group = True
         else:
             error = self.config.world_size_error(group.world_size, "the group's world_size",
@@ -308,17 +309,19 @@ class Trainer:
                        t.log_interval, t.log_every_s)
         self._progress = bar
         try:
-            with _StopOnSignal(self):
+            with _StopOnSignal(self):  # over the final evaluation and save too: a stop waits for them
                 while self.step_count < target:
                     m = self.step()
                     done.append(m)
                     bar.update(m)
                     if self._stop_signal is not None:
                         self._stop_now()
-            if not (done and t.eval_interval and self.step_count % t.eval_interval == 0):
-                self.evaluate()  # unless the last step just did (step() evaluates every eval_interval)
-            if self.last_checkpoint is None or self.last_checkpoint.name != step_name(self.step_count):
-                self.save()
+                if not (done and t.eval_interval and self.step_count % t.eval_interval == 0):
+                    self.evaluate()  # unless the last step just did (step() evaluates every eval_interval)
+                if self.last_checkpoint is None or self.last_checkpoint.name != step_name(self.step_count):
+                    self.save()
+                if self._stop_signal is not None:
+                    self._stop_now()
             if t.plots:
                 self.plot()
         finally:
@@ -331,7 +334,8 @@ class Trainer:
         signum = self._stop_signal
         assert signum is not None
         try:
-            path = self.save()
+            saved = self.last_checkpoint is not None and self.last_checkpoint.name == step_name(self.step_count)
+            path = self.last_checkpoint if saved else self.save()
         except Exception as exc:  # noqa: BLE001 - report it; the interruption is what matters
             log.warning("checkpoint on %s failed: %s", signal.Signals(signum).name, exc)
             path = None

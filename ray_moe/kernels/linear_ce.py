@@ -44,6 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ray_moe.device import add_mm_t
+
 IGNORE_INDEX = -100
 SMALL_CHUNK_BYTES = 64 * 2**20  # logits chunks below this are never split further
 
@@ -120,17 +122,6 @@ def fused_chunk(rows: int, vocab: int, hidden: int, elem_bytes: int) -> int:
     budget = max(4 * vocab * hidden, SMALL_CHUNK_BYTES)
     cap = max(16, budget // max(1, vocab * elem_bytes))
     return max(1, min(1 << (cap.bit_length() - 1), rows))
-
-
-def add_mm_t(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (float32 [V, H]) += aᵀ @ b for a [c, V], b [c, H] in the model dtype (float32 sums)."""
-    if acc.dtype == a.dtype:
-        acc.addmm_(a.t(), b)
-    elif (acc.is_cuda and hasattr(torch.ops.aten.addmm, "dtype_out")  # a feature test, not a version string
-          and torch.cuda.get_device_capability(acc.device)[0] >= 8):
-        torch.addmm(acc, a.t(), b, out_dtype=torch.float32, out=acc)
-    else:  # no float32-output GEMM here: upcast the chunk rather than round each partial sum
-        acc.addmm_(a.t().float(), b.float())
 
 
 def linear_cross_entropy(

@@ -39,6 +39,8 @@ import os
 
 import torch
 
+from ray_moe.device import add_mm_t
+
 log = logging.getLogger(__name__)
 
 LOSS_IMPLS = ("auto", "chunked", "fused", "liger")
@@ -210,7 +212,7 @@ def _chunked(
         if dh is not None:
             torch.mm(g, weight, out=dh[s:e])
         if dw is not None:
-            _add_mm_t(dw, g, h)
+            add_mm_t(dw, g, h)
     return total * scale, dh, dw
 
 
@@ -219,17 +221,6 @@ def _scaled(x: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.
     if x.dtype == dtype:
         return x.mul_(factor)
     return torch.mul(x, factor, out=torch.empty_like(x, dtype=dtype))
-
-
-def _add_mm_t(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (float32 [V, H]) += aᵀ @ b for a [c, V], b [c, H] in the model dtype (float32 sums)."""
-    if acc.dtype == a.dtype:
-        acc.addmm_(a.t(), b)
-    elif (acc.is_cuda and hasattr(torch.ops.aten.addmm, "dtype_out")  # a feature test, not a version string
-          and torch.cuda.get_device_capability(acc.device)[0] >= 8):
-        torch.addmm(acc, a.t(), b, out_dtype=torch.float32, out=acc)
-    else:  # no float32-output GEMM here: upcast the chunk rather than round each partial sum
-        acc.addmm_(a.t().float(), b.float())
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):

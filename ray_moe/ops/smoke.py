@@ -259,7 +259,7 @@ def check_layer_parity(report: SmokeReport, group: Any, config: Any) -> None:
     from ray_moe.validation.layer import layer_parity
 
     dtype = config.model.dtype
-    base = Case(num_experts=config.moe.num_experts, top_k=2, hidden=32, expert_hidden=48, dtype=dtype)
+    base = Case(num_experts=group.arch.spec.num_experts, top_k=2, hidden=32, expert_hidden=48, dtype=dtype)
     runs = [(routing, layer_parity, base.but(routing=routing)) for routing in ROUTINGS]
     runs.append(("random,uneven", layer_parity, base.but(routing="random", seed=1, tokens_per_rank=(3, 17))))
     per_rank_errors(report, "layer_parity", group, runs, LAYER_TOL[dtype], lambda res: res)
@@ -270,7 +270,7 @@ def check_transport(report: SmokeReport, group: Any, config: Any) -> None:
     from ray_moe.validation.transport import check_combine, check_dispatch
 
     dtype = config.model.dtype
-    base = Case(num_experts=config.moe.num_experts, dtype=dtype)
+    base = Case(num_experts=group.arch.spec.num_experts, dtype=dtype)
     runs = []
     for extra in EDGE_CASES:
         case = base.but(**extra)
@@ -316,7 +316,7 @@ def check_training(report: SmokeReport, config: Any, steps: int, group: Any) -> 
     elif not falls:
         detail = "the loss did not fall: " + detail
     report.add("training", PASS if finite and falls else FAIL, detail=detail,
-               data={"losses": losses, "val_loss": val, "world_size": config.parallel.world_size})
+               data={"losses": losses, "val_loss": val, "world_size": group.world_size})
 
 
 def run_group_checks(report: SmokeReport, group: Any, config: Any, opts: SmokeOptions) -> str | None:

@@ -3,7 +3,7 @@
 Life cycle, driven by :class:`ray_moe.driver.group.WorkerGroup`:
 ``info()`` → (ranks assigned by the driver) → rank 0: ``bootstrap_address()`` → all:
 ``setup(config, rank_info, address)`` (torch.distributed) → rank 0: ``transport_bootstrap_id()``
-→ all: ``init_transport(transport_spec, bootstrap_id)`` → ``build_engine(config)`` → training calls
+→ all: ``init_transport(transport_spec, bootstrap_id, buffers)`` → ``build_engine(config)`` → training calls
 (``step``, ``evaluate``, ``set_placements``, ``save_shard``, ``load_checkpoint``, ...) → ``close()``.
 
 What the driver resolved arrives frozen and is not derived again here: the rank and the world
@@ -26,10 +26,10 @@ import torch.distributed as dist
 
 from ray_moe.comm import make_transport, transport_bootstrap_id
 from ray_moe.arch import ResolvedArch
-from ray_moe.comm.base import Transport, TransportSpec
+from ray_moe.comm.base import BufferSpec, Transport, TransportSpec
 from ray_moe.config import Config
 from ray_moe.topology import RankInfo, WorkerInfo
-from ray_moe.worker.engine import Engine, ModelReport, buffer_spec
+from ray_moe.worker.engine import Engine, ModelReport
 
 
 class EPWorker:
@@ -99,12 +99,11 @@ class EPWorker:
         """rank 0: the id every rank needs to initialise transport ``name`` (NVSHMEM's UID)."""
         return transport_bootstrap_id(name, self.device)
 
-    def init_transport(self, spec: TransportSpec, bootstrap_id: bytes | None) -> str:
-        """Build the transport the group resolved (collective), its buffers sized for the
-        group's config."""
-        config, rank_info = self._setup_done()
-        self.transport = make_transport(spec, rank_info, self.device, buffer_spec(config, rank_info.world_size),
-                                        bootstrap_id)
+    def init_transport(self, spec: TransportSpec, bootstrap_id: bytes | None, buffers: BufferSpec) -> str:
+        """Build the transport the group resolved (collective), its buffers sized by ``buffers``
+        (the group's, from the architecture resolved on the driver)."""
+        _, rank_info = self._setup_done()
+        self.transport = make_transport(spec, rank_info, self.device, buffers, bootstrap_id)
         return self.transport.name
 
     # ------------------------------------------------------------------ generic
@@ -125,7 +124,7 @@ class EPWorker:
         if self.transport is None:
             raise RuntimeError("the transport is not initialised; call init_transport first")
         cfg = Config.from_plain(config) if config is not None else group_config
-        self._engine = None  # free the previous engine's memory before building the next one
+        self._close_engine()  # free the previous engine's memory before building the next one
         self._engine = Engine(cfg, rank_info, self.transport, self.device, arch)
         return self._engine.describe()
 
@@ -180,12 +179,17 @@ class EPWorker:
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
         """Release the engine, the transport and the process group. Idempotent."""
-        self._engine = None
+        self._close_engine()
         if self.transport is not None:
             self.transport.close()
             self.transport = None
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def _close_engine(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+        self._engine = None
 
     def _setup_done(self) -> tuple[Config, RankInfo]:
         if self.config is None or self.rank_info is None:

@@ -101,15 +101,18 @@ class TokenShards:
     Every row of a global batch comes from one dataset, chosen by :mod:`ray_moe.data.mixture`
     (each batch gives dataset k ⌊w_k·B⌋ or ⌈w_k·B⌉ rows), at a uniform window start in that
     dataset's split. Opening checks what training needs before any step: each dataset is
-    finished and whole, its vocabulary fits ``model.vocab_size``, its tokenizer is the run's
+    finished and whole, its vocabulary fits the architecture's V, its tokenizer is the run's
     (``data.tokenizer``) or at least the same for every dataset, and each split holds a window.
     """
 
-    def __init__(self, datasets: list[PreparedDataset], weights: list[float], vocab_size: int):
-        self.datasets, self.weights, self.vocab_size = datasets, weights, vocab_size
+    def __init__(self, datasets: list[PreparedDataset], weights: list[float], vocab_size: int,
+                 vocab_key: str = "model.vocab_size"):
+        self.datasets, self.weights, self.vocab_size, self.vocab_key = datasets, weights, vocab_size, vocab_key
 
     @classmethod
-    def open(cls, cfg: DataConfig, vocab_size: int, seq_len: int) -> TokenShards:
+    def open(cls, cfg: DataConfig, vocab_size: int, seq_len: int, vocab_key: str = "model.vocab_size") -> TokenShards:
+        """``vocab_size``: the architecture's V; ``vocab_key``: the key that sets it, for messages
+        (``model.vocab_size`` for the byte model, ``model.hf.vocab_size`` for an HF family)."""
         run_hash = tokenizer_hash(cfg.tokenizer) if cfg.tokenizer else None
         datasets, weights = [], []
         for path, weight in cfg.mixture():
@@ -117,7 +120,7 @@ class TokenShards:
             where = f"data.datasets: {ds.path}"
             if ds.vocab_size > vocab_size:
                 raise DataError(f"{where} was prepared with a tokenizer of {ds.vocab_size} tokens but "
-                                f"model.vocab_size={vocab_size}; set model.vocab_size >= {ds.vocab_size}")
+                                f"{vocab_key}={vocab_size}; set {vocab_key} >= {ds.vocab_size}")
             want = run_hash or (datasets[0].tokenizer_hash if datasets else ds.tokenizer_hash)
             if ds.tokenizer_hash != want:
                 other = f"data.tokenizer={cfg.tokenizer}" if run_hash else f"{datasets[0].path}"
@@ -127,7 +130,7 @@ class TokenShards:
             for name, split in ds.splits.items():
                 for file, top in zip(split.files, split.max_ids):
                     if top >= vocab_size:
-                        raise DataError(f"{ds.path / file} holds token id {top} but model.vocab_size={vocab_size}; "
+                        raise DataError(f"{ds.path / file} holds token id {top} but {vocab_key}={vocab_size}; "
                                         "expected ids below the vocabulary size")
                 if split.tokens < seq_len + 1:
                     raise DataError(f"{where} has {split.tokens} {name} tokens; a window of model.seq_len+1="
@@ -135,7 +138,7 @@ class TokenShards:
                                     f"{' or a larger --val-fraction' if name == 'val' else ''})")
             datasets.append(ds)
             weights.append(weight)
-        return cls(datasets, weights, vocab_size)
+        return cls(datasets, weights, vocab_size, vocab_key)
 
     @property
     def train_tokens(self) -> int:
@@ -162,7 +165,7 @@ class TokenShards:
             stream = streams[which[rows][r]]
             file, offset = stream.shard_of(int(starts[rows][r]) + int(j))
             raise DataError(f"{stream.root / file} holds token id {int(win[r, j])} at token {offset} but "
-                            f"model.vocab_size={self.vocab_size}; the shard is damaged or from another tokenizer")
+                            f"{self.vocab_key}={self.vocab_size}; the shard is damaged or from another tokenizer")
         t = torch.from_numpy(win)
         return t[:, :-1], t[:, 1:]
 
@@ -171,5 +174,6 @@ def open_corpus(config: Config, vocab_size: int) -> Corpus | TokenShards:
     """The engine's batch source for ``config``: token datasets when ``data.datasets`` is set
     (their tokens must fit ``vocab_size``, the resolved architecture's), else the byte corpus."""
     if config.data.datasets:
-        return TokenShards.open(config.data, vocab_size, config.model.seq_len)
+        vocab_key = "model.hf.vocab_size" if config.model.uses_hf() else "model.vocab_size"
+        return TokenShards.open(config.data, vocab_size, config.model.seq_len, vocab_key)
     return Corpus.load(config.data, min_bytes=config.model.seq_len + 2)

@@ -43,17 +43,16 @@ from ray_moe.worker.optim import STATE_DTYPES, MixedPrecisionAdamW, no_weight_de
 from ray_moe.worker.zero import ShardedReplicatedState
 
 
-def buffer_spec(config: Config, world_size: int, spec: ArchSpec | None = None) -> BufferSpec:
+def buffer_spec(config: Config, world_size: int, spec: ArchSpec) -> BufferSpec:
     """What the transport must hold for training with ``config`` on ``world_size`` ranks: each
-    rank passes ``ceil(train.batch_size / W) * model.seq_len`` token rows of the hidden size to
-    one dispatch. ``spec``: the resolved architecture (its hidden size and top-k); None: the
-    config's ``model.d_model`` / ``moe.top_k`` (before the engine is built; it grows the buffers)."""
+    rank passes ``ceil(train.batch_size / W) * model.seq_len`` token rows of the resolved
+    architecture ``spec``'s hidden size H, each routed to at most its top-k K experts."""
     m = config.model
     return BufferSpec(
         max_tokens=max(1, -(-config.train.batch_size // world_size)) * m.seq_len,
-        hidden=spec.hidden_size if spec is not None else m.d_model,
+        hidden=spec.hidden_size,
         elem_bytes=element_size(m.dtype),
-        max_top_k=spec.top_k if spec is not None else config.moe.top_k,
+        max_top_k=spec.top_k,
     )
 
 
@@ -236,6 +235,17 @@ class Engine:
                      "grad_sync": t_sync - t2, "grad_reduce": t_reduce, "update": t3 - t_sync,
                      "step": t3 - t0, "comm": self.transport.timer.pop()},
         }
+
+    def close(self) -> None:
+        """Release what outlives the engine's memory: the ZeRO state's gradient hooks and its
+        process group (a new engine on the same ranks makes its own; without this every engine
+        built on a group, e.g. one per Trainer on a kept group, would leave a communicator
+        behind). Every rank calls it (the group's destruction is local). Idempotent."""
+        if self.zero is not None:
+            self.zero.close()
+            if self.distributed and dist.is_initialized():
+                dist.destroy_process_group(self.zero.group)
+            self.zero = None
 
     def counters(self) -> dict[str, int]:
         return {"step": self.step, "opt_steps": self.opt_steps, "skipped": self.skipped}

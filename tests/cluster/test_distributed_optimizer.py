@@ -214,3 +214,21 @@ def test_bench_grad_reduce_measures_the_exposed_reduction(groups, tmp_path):
     assert [r["stage"] for r in rows] == [0, 2]
     for r in rows:
         assert 0 < r["grad_reduce_ms"] <= r["grad_sync_ms"] < r["step_ms"] and 0 < r["exposed_pct"] < 100
+
+
+def _process_groups(worker) -> int:
+    import torch.distributed.distributed_c10d as c10d
+
+    return len(c10d._world.pg_map)
+
+
+def test_engines_built_one_after_another_leave_no_process_group_behind(groups, tmp_path):
+    """Each ZeRO engine reduces on a process group of its own; the next engine built on the same
+    ranks (a Trainer per run on a kept group, a benchmark per stage) destroys the previous one's."""
+    group = groups(2)
+    counts = []
+    for i in range(3):
+        with Trainer(_config(tmp_path, f"run{i}", 2, 1, **{"train.steps": 1}), progress=False, group=group) as t:
+            t.step()
+            counts.append(t.group.execute(_process_groups))
+    assert counts[0] == counts[1] == counts[2], counts

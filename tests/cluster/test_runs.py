@@ -99,7 +99,7 @@ def test_all_corrupt_with_resume_exits_2_naming_the_files(groups, tmp_path):
 
 
 def test_sigterm_checkpoints_then_stops(groups, tmp_path):
-    cfg = small_config(tmp_path, **{"train.steps": 50})
+    cfg = small_config(tmp_path, **{"train.steps": 5000})  # the signal comes ~1 s in, long before the end
     run = Path(cfg.train.run_dir)
     before = signal.getsignal(signal.SIGTERM)
     with Trainer(cfg, progress=False, group=groups(2)) as t:
@@ -109,12 +109,34 @@ def test_sigterm_checkpoints_then_stops(groups, tmp_path):
             t.train()
         timer.join()
         stopped = t.step_count
-    assert info.value.signum == signal.SIGTERM and 0 < stopped < 50
+    assert info.value.signum == signal.SIGTERM and 0 < stopped < 5000
     assert info.value.checkpoint == run / "checkpoints" / f"step_{stopped:08d}"
     assert [r for r in _rows(run) if r.get("event") == "preempted"][0]["step"] == stopped
     assert signal.getsignal(signal.SIGTERM) is before  # the handler was put back
     with Trainer(cfg.with_overrides(["train.resume=auto"]), progress=False, group=groups(2)) as t:
         assert t.step_count == stopped
+
+
+def test_sigterm_during_the_final_evaluation_waits_for_it_and_the_save(groups, tmp_path):
+    """A stop that arrives after the last step, while the run evaluates and saves, is handled like
+    one during the steps (it was Ray's handler then: SystemExit in the middle of the final save)."""
+    cfg = small_config(tmp_path, **{"train.steps": 2, "train.eval_interval": 0})
+    run = Path(cfg.train.run_dir)
+    before = signal.getsignal(signal.SIGTERM)
+    with Trainer(cfg, progress=False, group=groups(2)) as t:
+        evaluate = t.evaluate
+
+        def evaluate_then_stop(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return evaluate(*args, **kwargs)
+
+        t.evaluate = evaluate_then_stop
+        with pytest.raises(TrainingInterrupted) as info:
+            t.train()
+    assert info.value.signum == signal.SIGTERM and info.value.step == 2
+    assert info.value.checkpoint == run / "checkpoints" / "step_00000002"
+    assert [r["step"] for r in _rows(run) if r.get("event") == "preempted"] == [2]
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def _state(worker):

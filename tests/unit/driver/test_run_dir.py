@@ -170,3 +170,23 @@ def test_corrupt_checkpoints_are_set_aside_under_a_name_of_their_own(tmp_path):
     assert [p.name for p in corrupt_aside(tmp_path)] == ["corrupt-step_00000004", "corrupt-step_00000004.1"]
     (tmp_path / "checkpoints" / "step_00000002").rename(tmp_path / "elsewhere")
     assert scan(tmp_path).has_results  # only corrupt ones left aside: still an earlier run's results
+
+
+def test_a_run_that_fails_after_taking_the_lock_releases_it(tmp_path, monkeypatch):
+    """Whatever fails after the run directory is locked (here the metrics sinks; likewise
+    archiving an earlier run, the metrics log, writing config.yaml) closes the Trainer and
+    releases the lock at once, not when the half-built Trainer is garbage (the traceback holds it)."""
+    import ray_moe.driver.trainer as trainer_mod
+    from ray_moe.driver.run_dir import lock_run_dir
+    from tests.support import small_config
+
+    cfg = small_config(tmp_path)
+
+    def no_sinks(*_a, **_k):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(trainer_mod, "make_sinks", no_sinks)
+    with pytest.raises(OSError, match="no space") as info:
+        trainer_mod.Trainer(cfg, progress=False)
+    assert info.value.__traceback__ is not None  # the failed Trainer's frame is still referenced
+    lock_run_dir(resolve_run_dir(cfg.train)).close()

@@ -45,3 +45,19 @@ def test_auto_resolves_by_the_groups_devices_and_explicit_choices_must_fit(tmp_p
 def test_a_bad_spec_is_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TransportSpec(**kwargs)
+
+
+def test_first_buffers_are_sized_by_the_resolved_architecture():
+    """An HF architecture's hidden size and top-k (not the unused byte keys model.d_model /
+    moe.top_k) size the transport's first buffers, so building the engine does not replace an
+    NVSHMEM buffer sized for the wrong model."""
+    from ray_moe.config import Config
+    from ray_moe.driver.group import transport_buffers
+
+    cfg = Config.from_dict({"model": {"hf_config": "qwen3_moe-tiny", "seq_len": 16},
+                            "train": {"batch_size": 4}, "parallel": {"world_size": 2}})
+    resolved = cfg.resolve_arch()
+    assert (resolved.spec.hidden_size, resolved.spec.top_k) != (cfg.model.d_model, cfg.moe.top_k)
+    buffers = transport_buffers(cfg, 2, resolved)
+    assert (buffers.hidden, buffers.max_top_k, buffers.max_tokens) == (resolved.spec.hidden_size,
+                                                                     resolved.spec.top_k, 2 * 16)

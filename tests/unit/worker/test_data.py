@@ -109,3 +109,17 @@ def test_token_ids_beyond_the_vocabulary_are_named(tmp_path):
     os.truncate(tmp_path / "ds" / "train-00000.bin", reader.datasets[0].split("train").tokens * 2)
     with pytest.raises(DataError, match=r"train-00000.bin holds token id 65535 at token \d+ but model.vocab_size=1000"):
         reader.batch("train", 0, 0, 4, 16)
+
+
+def test_an_hf_architecture_names_its_own_vocabulary_key(tmp_path):
+    """With an HF architecture V is the HF config's: a dataset that does not fit names
+    model.hf.vocab_size (model.vocab_size would be refused as a conflict with the HF config)."""
+    from ray_moe.config import Config
+    from ray_moe.worker.data import open_corpus
+
+    write_dataset(tmp_path / "ds", random_files(np.random.default_rng(3), 30), shard_tokens=1000)
+    cfg = Config.from_dict({"model": {"hf_config": "qwen3_moe-tiny", "seq_len": 16},
+                            "data": {"datasets": [{"path": str(tmp_path / "ds")}]}, "parallel": {"world_size": 1}})
+    with pytest.raises(DataError, match=r"tokenizer of 1000 tokens but model.hf.vocab_size=\d+; "
+                                        r"set model.hf.vocab_size >= 1000"):
+        open_corpus(cfg, 512)
