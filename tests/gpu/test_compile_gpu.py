@@ -6,7 +6,9 @@ parameter's gradient are as close to the float32 model's as the uncompiled bf16 
 criterion), with and without activation checkpointing; and a few training steps through the
 Engine follow the uncompiled ones.
 
-On the device: ``python3 -m pytest -q tests/gpu/test_compile_gpu.py``.
+On the device (one H100, ~3 min with cold compile caches): ``python3 -m pytest -q -s
+tests/gpu/test_compile_gpu.py``; beside ``ray-moe bench train --compile --titan-compile`` (the
+issue-26 timings).
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def test_compiled_bf16_as_close_to_fp32_as_eager_bf16(family, checkpointing):
     bad = {}
     for name, r in ref.items():
         e_err, c_err = rel_err(eager[name], r), rel_err(compiled[name], r)
-        if not c_err <= 1.5 * e_err + 2e-3:
+        if not c_err <= 2 * e_err + 5e-3:
             bad[name] = (c_err, e_err)
     assert not bad, f"compiled bf16 further from fp32 than eager bf16 (compiled, eager): {bad}"
     print(f"{family} {checkpointing}: logits rel err vs fp32: eager {rel_err(eager['logits'], ref['logits']):.2e}, "

@@ -124,9 +124,13 @@ def test_a_compiled_caller_leaves_the_moe_layer_eager(tmp_path):
     assert not any("topk" in o or "index" in o for o in ops), ops
 
 
-def test_the_uncompiled_model_runs_the_eager_regions(tmp_path):
-    model = build(small_config(tmp_path, world_size=1), LocalTransport())
+def test_the_uncompiled_model_runs_the_eager_regions_and_names_do_not_change(tmp_path):
+    cfg = small_config(tmp_path, world_size=1)
+    model = build(cfg, LocalTransport())
     assert all(layer.regions == BlockRegions.eager() for layer in model.layers)
+    compiled = build(cfg.with_overrides(["model.compile=blocks"]), LocalTransport())
+    assert all(layer.regions != BlockRegions.eager() for layer in compiled.layers)
+    assert list(compiled.state_dict()) == list(model.state_dict())  # checkpoints and HF export unchanged
 
 
 _INDUCTOR_SCRIPT = """
