@@ -4,9 +4,10 @@ and the HF families (a dense block, shared experts), without and with activation
 every block shares one graph per region; a KV-cache forward runs them eagerly and decodes as the
 whole forward; the MoE layers never enter a graph.
 
-The backend here is ``aot_eager`` (dynamo's graphs and AOTAutograd's forward/backward split, no
-code generation: about a second on the CPU); the inductor case (C++ code generation, ~15 s cold)
-runs in a background process (``interpreter_script``). The GPU test (``tests/gpu/test_compile_gpu.py``) runs inductor in bf16."""
+The backend is ``aot_eager`` (dynamo's graphs and AOTAutograd's forward/backward split, no code
+generation) and, once, inductor (C++ code on the CPU, ~15 s cold); all but the small cases run in
+a background process (``interpreter_script``) beside the suite. The GPU test
+(``tests/gpu/test_compile_gpu.py``) runs inductor in bf16."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ import torch
 from ray_moe.comm.local import LocalTransport
 from ray_moe.config import Config
 from ray_moe.model.decoder import BlockRegions, DecoderLayer
-from ray_moe.validation.hf_model import parity_config
 from tests.support import build, small_config
 
 TOL = 1e-5
@@ -69,29 +69,72 @@ def _assert_same(cfg: Config, ids: torch.Tensor, backend: object, steps: int = 1
     assert torch.equal(*counts)  # the MoE layers (eager) saw the same tokens, each once
 
 
-@pytest.mark.parametrize("mode", ["none", "full"])
-def test_byte_model_compiled_equals_eager(tmp_path, mode):
-    cfg = small_config(tmp_path, world_size=1, **{"model.n_layers": 4, "model.dense_first_layer": True,
-                                                 "model.activation_checkpointing": mode, "moe.aux_loss_coef": 0.01})
+def _byte_config(tmp_path, mode: str) -> Config:
+    return small_config(tmp_path, world_size=1, **{"model.n_layers": 4, "model.dense_first_layer": True,
+                                                  "model.activation_checkpointing": mode, "moe.aux_loss_coef": 0.01})
+
+
+def _hf_config(family: str, mode: str, compile_: str = "none") -> Config:
+    """The tiny ``family`` model (:data:`ray_moe.validation.hf_model.TINY`, weights from its own
+    generator: no transformers needed)."""
+    import json
+
+    from ray_moe.validation.hf_model import TINY
+
+    return Config().with_overrides([f"model.hf={json.dumps(dict(TINY[family]))}", "model.seq_len=12",
+                                    f"model.activation_checkpointing={mode}", f"model.compile={compile_}",
+                                    "parallel.world_size=1"])
+
+
+def test_byte_model_compiled_equals_eager(tmp_path):
     ids = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(0))
     backend = Counting()
-    _assert_same(cfg, ids, backend, steps=2)
-    # one graph per region (attention half, FFN input norm, dense MLP) for all four blocks and
-    # both steps; the checkpoint's replay reuses them
+    _assert_same(_byte_config(tmp_path, "none"), ids, backend, steps=2)
+    # one graph per region (attention half, FFN input norm, dense MLP) for all four blocks and both steps
     assert len(backend.graphs) == 3
     ops = {str(n.target) for g in backend.graphs for n in g.graph.nodes if n.op == "call_function"}
     assert not any("route" in o or "dispatch" in o or "combine" in o for o in ops), ops
 
 
-@pytest.mark.parametrize("family,mode", [("qwen3_moe", "none"), ("qwen3_moe", "moe"), ("glm4_moe", "full")])
-def test_hf_family_compiled_equals_eager(tiny_hf, family, mode):
-    """qwen3_moe: RoPE, q/k norm, a dense first block; glm4_moe: partial RoPE, shared experts."""
-    cfg = parity_config(tiny_hf(family), world_size=1, batch=2, seq_len=12, checkpointing=mode)
-    ids = torch.randint(0, 272, (2, 12), generator=torch.Generator().manual_seed(1))
+_CHECKS_SCRIPT = """
+import pathlib
+import tempfile
+import torch
+from ray_moe.comm.local import LocalTransport
+from tests.support import build
+from tests.unit.model.test_compile import Counting, _assert_same, _byte_config, _hf_config, _rel, _step
+
+# aot_eager: checkpointing replays the compiled regions; qwen3_moe: RoPE, q/k norm, a dense first block;
+# glm4_moe: partial RoPE, biases, shared experts (a second MLP shape: one more graph)
+cases = [("byte", "full", _byte_config(pathlib.Path(tempfile.mkdtemp()), "full"), 3)]
+cases += [(f, m, _hf_config(f, m), 4 if f == "glm4_moe" else 3)
+          for f, m in (("qwen3_moe", "none"), ("qwen3_moe", "moe"), ("glm4_moe", "full"))]
+for family, mode, cfg, graphs in cases:
+    torch._dynamo.reset()
     backend = Counting()
-    _assert_same(cfg, ids, backend)
-    # attention half, FFN input norm, dense MLP; GLM's shared expert is a second MLP shape
-    assert len(backend.graphs) == (4 if family == "glm4_moe" else 3)
+    ids = torch.randint(0, cfg.resolve_arch().spec.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    _assert_same(cfg, ids, backend, steps=2)
+    assert len(backend.graphs) == graphs, (family, mode, len(backend.graphs))
+    print("aot_eager ok", family, mode)
+# inductor, as training builds it (model.compile=blocks): C++ code on the CPU
+torch._dynamo.reset()
+cfg = _hf_config("qwen3_moe", "full")
+eager, compiled = build(cfg, LocalTransport()), build(cfg.with_overrides(["model.compile=blocks"]), LocalTransport())
+ids = torch.randint(0, 272, (2, 12), generator=torch.Generator().manual_seed(3))
+(le, ge), (lc, gc) = _step(eager, ids), _step(compiled, ids)
+errs = {"logits": _rel(lc, le), **{n: _rel(gc[n], g) for n, g in ge.items()}}
+assert ge.keys() == gc.keys() and all(e <= 1e-5 for e in errs.values()), errs
+print("inductor ok", max(errs.values()))
+"""
+
+
+@pytest.mark.interpreter_script(sys.executable, "-c", _CHECKS_SCRIPT)
+def test_compiled_equals_eager_with_checkpointing_hf_families_and_inductor(interpreter_scripts):
+    """In a background process (compiling takes ~20 s of CPU here): the byte model with full
+    checkpointing, qwen3_moe without and with MoE checkpointing, glm4_moe with full (aot_eager,
+    the graph counts per model), then qwen3_moe through inductor with full checkpointing."""
+    r = interpreter_scripts.result(sys.executable, "-c", _CHECKS_SCRIPT)
+    assert r.stdout.count("aot_eager ok") == 4 and "inductor ok" in r.stdout, r.stdout + r.stderr[-3000:]
 
 
 def test_kv_cache_decoding_bypasses_the_compiled_regions(tmp_path):
@@ -131,32 +174,3 @@ def test_the_uncompiled_model_runs_the_eager_regions_and_names_do_not_change(tmp
     compiled = build(cfg.with_overrides(["model.compile=blocks"]), LocalTransport())
     assert all(layer.regions != BlockRegions.eager() for layer in compiled.layers)
     assert list(compiled.state_dict()) == list(model.state_dict())  # checkpoints and HF export unchanged
-
-
-_INDUCTOR_SCRIPT = """
-import json
-import torch
-from ray_moe.comm.local import LocalTransport
-from ray_moe.config import Config
-from ray_moe.validation.hf_model import TINY
-from tests.support import build
-from tests.unit.model.test_compile import _rel, _step
-
-hf = json.dumps(dict(TINY["qwen3_moe"]))
-cfg = Config().with_overrides([f"model.hf={hf}", "model.seq_len=12", "model.activation_checkpointing=full",
-                               "parallel.world_size=1"])
-eager, compiled = build(cfg, LocalTransport()), build(cfg.with_overrides(["model.compile=blocks"]), LocalTransport())
-ids = torch.randint(0, 272, (2, 12), generator=torch.Generator().manual_seed(3))
-(le, ge), (lc, gc) = _step(eager, ids), _step(compiled, ids)
-errs = {"logits": _rel(lc, le), **{n: _rel(gc[n], g) for n, g in ge.items()}}
-assert ge.keys() == gc.keys() and all(e <= 1e-5 for e in errs.values()), errs
-print("inductor ok", max(errs.values()))
-"""
-
-
-@pytest.mark.interpreter_script(sys.executable, "-c", _INDUCTOR_SCRIPT)
-def test_inductor_compiled_equals_eager(interpreter_scripts):
-    """``model.compile=blocks`` as training builds it (inductor: C++ code on the CPU, ~15 s cold, so
-    in a background process): qwen3_moe, full checkpointing, the same logits and gradients."""
-    r = interpreter_scripts.result(sys.executable, "-c", _INDUCTOR_SCRIPT)
-    assert "inductor ok" in r.stdout, r.stderr[-3000:]
