@@ -54,6 +54,7 @@ SPEC_FIELDS = MappingProxyType({
 })
 ARCHS = ("byte",) + arch.FAMILIES
 CHECKPOINTING = ("none", "moe", "full")
+COMPILE = ("none", "blocks")
 
 
 @dataclass
@@ -71,6 +72,9 @@ class ModelConfig:
     hf: dict = field(default_factory=dict)  # HF config keys on top of hf_config's (or the whole config)
     init_from: str = ""  # HF model directory whose weights the model starts from
     activation_checkpointing: str = "none"  # none | moe | full (recompute per block in backward)
+    # none | blocks: torch.compile each block's dense parts (attention, norms, dense MLP, shared
+    # experts), the MoE layers eager (torchtitan's compile.enable, per block, for components "model")
+    compile: str = "none"
 
     def check(self) -> None:
         _positive("model.n_layers", self.n_layers)
@@ -85,6 +89,7 @@ class ModelConfig:
             )
         _choice("model.dtype", self.dtype, tuple(DTYPES))
         _choice("model.activation_checkpointing", self.activation_checkpointing, CHECKPOINTING)
+        _choice("model.compile", self.compile, COMPILE)
         if self.dense_hidden < 0:
             raise ConfigError(f"model.dense_hidden={self.dense_hidden} must be >= 0 (0 means 4*d_model)")
         if self.uses_hf() and self.dense_first_layer:

@@ -27,7 +27,6 @@ loss   ``lm_loss`` forward+backward at N tokens, vocabulary V, hidden H (bf16): 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import platform
 import statistics
@@ -39,6 +38,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ray_moe.bench.common import free, one_rank, peak_gib, pick_device, reset_peak
+
 VARIANTS = MappingProxyType({  # step variant → config overrides
     "old": ("train.master_weights=false", "train.optimizer_impl=for_loop"),
     "new": (),  # optimizer_impl auto: onepass on CUDA
@@ -47,35 +48,6 @@ VARIANTS = MappingProxyType({  # step variant → config overrides
     "bf16_moments": ("train.optimizer_state_dtype=bfloat16",),  # every parameter through the one-pass kernel
 })
 TIME_KEYS = ("forward", "backward", "optimizer", "grad_sync", "update", "step")
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
-
-
-def _reset_peak(device: torch.device) -> int:
-    """Start a peak-memory window; returns the bytes allocated now (0 on the CPU)."""
-    if device.type != "cuda":
-        return 0
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    return torch.cuda.memory_allocated(device)
-
-
-def _peak_gib(device: torch.device, base: int = 0) -> float | None:
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    return (torch.cuda.max_memory_allocated(device) - base) / 2**30
-
-
-def _free(device: torch.device) -> None:
-    """Give the last engine's or loss's memory back to the device before the next is built."""
-    if device.type == "cuda":
-        gc.collect()
-        torch.cuda.empty_cache()
 
 
 # ============================================================================ step
@@ -97,28 +69,21 @@ def step_config(args: argparse.Namespace, variant: str):
     return Config().with_overrides([*base, *VARIANTS[variant]])
 
 
-def _one_rank(device: torch.device):
-    """The RankInfo of the one rank the step and curve sections run (no group)."""
-    from ray_moe.topology import RankInfo
-
-    return RankInfo(0, 1, "local", 0, 1, 0, 1, "127.0.0.1", platform.node(), 0, 0 if device.type == "cuda" else -1)
-
-
 def step_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     from ray_moe.comm.local import LocalTransport
     from ray_moe.worker.engine import Engine
 
-    device = _device(args.device)
-    one_rank = _one_rank(device)
+    device = pick_device(args.device)
+    rank_info = one_rank(device)
     rows = []
     for variant in args.variants:
         cfg = step_config(args, variant)
         t0 = time.perf_counter()
-        engine = Engine(cfg, one_rank, LocalTransport(), device, cfg.resolve_arch())
+        engine = Engine(cfg, rank_info, LocalTransport(), device, cfg.resolve_arch())
         built = time.perf_counter() - t0
         for _ in range(args.warmup):
             engine.train_step()
-        base = _reset_peak(device)
+        base = reset_peak(device)
         results = [engine.train_step() for _ in range(args.iters)]
         med = {k: 1e3 * statistics.median(r["time"][k] for r in results) for k in TIME_KEYS}
         params = sum(p.numel() for p in engine.model.parameters())
@@ -127,12 +92,12 @@ def step_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
             "optimizer_pct": 100 * med["optimizer"] / med["step"],
             "tokens": results[-1]["tokens"], "params": params, "optimizer_impl": engine.optimizer.impl,
             "master_weights": cfg.train.master_weights, "loss_impl": engine.loss_impl,
-            "last_loss": results[-1]["loss"], "peak_gib": _peak_gib(device), "in_use_gib": base / 2**30,
+            "last_loss": results[-1]["loss"], "peak_gib": peak_gib(device), "in_use_gib": base / 2**30,
             "build_s": built,
         })
         print(f"  step {variant}: {med['step']:.1f} ms, optimizer {med['optimizer']:.1f} ms", flush=True)
         del engine, results
-        _free(device)
+        free(device)
     return rows
 
 
@@ -142,19 +107,19 @@ def curve_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     from ray_moe.comm.local import LocalTransport
     from ray_moe.worker.engine import Engine
 
-    device = _device(args.device)
-    one_rank = _one_rank(device)
+    device = pick_device(args.device)
+    rank_info = one_rank(device)
     rows = []
     for variant in ("new", "bf16_moments"):
         cfg = step_config(args, variant).with_overrides([f"train.steps={args.curve_steps}"])
         torch.manual_seed(cfg.train.seed)
-        engine = Engine(cfg, one_rank, LocalTransport(), device, cfg.resolve_arch())
+        engine = Engine(cfg, rank_info, LocalTransport(), device, cfg.resolve_arch())
         losses = [engine.train_step()["loss"] for _ in range(args.curve_steps)]
         rows.append({"variant": variant, "moments": cfg.train.optimizer_state_dtype, "losses": losses,
                      "first": losses[0], "last_window_mean": statistics.fmean(losses[-args.curve_window:])})
         print(f"  curve {variant}: loss {losses[0]:.4f} -> {rows[-1]['last_window_mean']:.4f}", flush=True)
         del engine
-        _free(device)
+        free(device)
     w = args.curve_window
     means = [[statistics.fmean(r["losses"][i - w:i]) for i in range(w, len(r["losses"]) + 1)] for r in rows]
     gap = max((abs(a - b) for a, b in zip(*means)), default=0.0)
@@ -172,7 +137,7 @@ def loss_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     from ray_moe.model.loss import auto_chunk, liger_available, lm_loss
     from ray_moe.validation import rel_err
 
-    device, dtype = _device(args.device), getattr(torch, args.dtype)
+    device, dtype = pick_device(args.device), getattr(torch, args.dtype)
     N, V, H = args.loss_tokens, args.vocab, args.d_model
     g = torch.Generator().manual_seed(0)
     h = torch.randn(N, H, generator=g).to(device, dtype).requires_grad_()
@@ -193,7 +158,7 @@ def loss_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
             times = []
             for i in range(args.loss_iters + 1):
                 h.grad = w.grad = None
-                base = _reset_peak(device)
+                base = reset_peak(device)
                 t0 = time.perf_counter()
                 loss = fn()
                 loss.backward()
@@ -201,7 +166,7 @@ def loss_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
                     torch.cuda.synchronize(device)
                 times.append(time.perf_counter() - t0)
                 if i == 0:
-                    row["peak_above_inputs_gib"] = _peak_gib(device, base)
+                    row["peak_above_inputs_gib"] = peak_gib(device, base)
             row["fwd_bwd_ms"] = 1e3 * statistics.median(times[1:] or times)
             row["loss"] = float(loss.detach())
             result = (loss.detach().float(), h.grad.clone(), w.grad.clone())
@@ -215,7 +180,7 @@ def loss_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         except torch.OutOfMemoryError as exc:
             row["error"] = f"out of memory: {str(exc).splitlines()[0][:160]}"
         loss = h.grad = w.grad = None  # the full path's graph holds 20 GB of saved softmax
-        _free(device)
+        free(device)
         rows.append(row)
         print(f"  loss {name}: {row.get('fwd_bwd_ms', float('nan')):.1f} ms, "
               f"peak {row.get('peak_above_inputs_gib')} GiB {row.get('error', '')}", flush=True)
@@ -265,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     from tabulate import tabulate
 
-    device = _device(args.device)
+    device = pick_device(args.device)
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     out: dict[str, Any] = {"env": env, "args": vars(args)}

@@ -27,6 +27,15 @@ attention, the loss as torchtitan's (``F.cross_entropy`` on the full float32 log
 AdamW on the bf16 parameters (no float32 masters: fewer bytes than ray_moe's optimizer), no load
 balancing bias update. The same phases.
 
+Compiled variants, each a row of its own beside the eager one: ``--compile`` (ray_moe with
+``model.compile=blocks``: each block's attention half, norms and dense MLPs compiled, the MoE layer
+eager) and ``--titan-compile`` (torchtitan's own ``apply_compile``: per block, ``fullgraph=True``,
+and its compiled loss, as ``compile.enable`` with components model and loss). At least one warmup
+step runs before anything is timed; ``first step s`` is the first warmup step's time (compilation
+included: compile time ≈ first step s − step ms / 1000). Every timed row gets ``x titan compiled``
+(its step over torchtitan compiled's at the same layer count) and ``x titan eager`` where those ran;
+the ``outside layers`` rows also the per-layer slopes' ratios.
+
 Loss-only mode (``--loss-only``): ``lm_loss`` forward + backward at ``--tokens`` × ``--hidden`` ×
 ``--vocab`` for each of chunked, fused (where Triton runs), liger (where it imports) and the full
 float32 logits (torch; skipped where they do not fit), with peak memory, the loss's and the
@@ -40,7 +49,6 @@ Both modes print a table and (``--json``) write the rows with the setup.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import platform
 import statistics
@@ -52,42 +60,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ray_moe.bench.common import free, one_rank, peak_gib, pick_device, reset_peak, sync
+
 PHASES = ("forward", "lm head + loss", "backward", "grad sync", "optimizer")
 
 
 # ============================================================================ helpers
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _reset_peak(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 0
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    return torch.cuda.memory_allocated(device)
-
-
-def _peak_gib(device: torch.device, base: int = 0) -> float | None:
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    return (torch.cuda.max_memory_allocated(device) - base) / 2**30
-
-
 class Marks:
     """Named points in a step: CUDA events on a GPU (no sync until :meth:`ms`), host time on the CPU."""
 
@@ -105,7 +83,7 @@ class Marks:
 
     def ms(self) -> dict[str, float]:
         """Milliseconds from each point to the next, keyed by the later point's name."""
-        _sync(self.device)
+        sync(self.device)
         out = {}
         for (_, a), (name, b) in zip(self.points, self.points[1:]):
             out[name] = a.elapsed_time(b) if self.device.type == "cuda" else 1e3 * (b - a)
@@ -155,30 +133,48 @@ def instrumented_step(engine: Any) -> dict[str, float]:
     return m.ms()
 
 
-def ray_moe_rows(args: argparse.Namespace, layers: int) -> dict[str, Any]:
+def ray_moe_rows(args: argparse.Namespace, layers: int, compiled: bool = False) -> dict[str, Any]:
+    """ray_moe's row at ``layers`` layers; ``compiled``: with ``model.compile=blocks``."""
     from ray_moe.comm.local import LocalTransport
-    from ray_moe.topology import RankInfo
     from ray_moe.worker.engine import Engine
 
-    device = _device(args.device)
+    device = pick_device(args.device)
     cfg = engine_config(args, layers)
-    one_rank = RankInfo(0, 1, "local", 0, 1, 0, 1, "127.0.0.1", platform.node(), 0, 0 if device.type == "cuda" else -1)
+    if compiled:
+        cfg = cfg.with_overrides(["model.compile=blocks"])
     resolved = cfg.resolve_arch()
-    engine = Engine(cfg, one_rank, LocalTransport(), device, resolved)
+    engine = Engine(cfg, one_rank(device), LocalTransport(), device, resolved)
     spec = resolved.spec
-    for _ in range(args.warmup):
-        engine.train_step()
-    base = _reset_peak(device)
+    first = warm_up(engine.train_step, device, args.warmup, compiled)
+    base = reset_peak(device)
     phases = [instrumented_step(engine) for _ in range(args.iters)]
     steps = [1e3 * engine.train_step()["time"]["step"] for _ in range(args.iters)]
-    row = _step_row("ray_moe", layers, _median_rows(phases), statistics.median(steps), args, spec)
-    row.update(peak_gib=_peak_gib(device), in_use_gib=base / 2**30, loss_impl=engine.loss_impl,
+    row = _step_row("ray_moe compiled" if compiled else "ray_moe", layers, _median_rows(phases),
+                    statistics.median(steps), args, spec)
+    row.update(peak_gib=peak_gib(device), in_use_gib=base / 2**30, loss_impl=engine.loss_impl,
                optimizer_impl=engine.optimizer.impl,
                params_replicated=sum(p.numel() for p in engine.replicated),
-               params_expert=sum(p.numel() for p in engine.sharded))
+               params_expert=sum(p.numel() for p in engine.sharded), **first)
     del engine
-    _free(device)
+    free(device)
     return row
+
+
+def warm_up(step: Callable[[], Any], device: torch.device, warmup: int, compiled: bool) -> dict[str, float]:
+    """``warmup`` calls of ``step`` (at least one when ``compiled``: the first step compiles, and is
+    never timed with the rest); returns ``{"first step s": seconds}`` of the first one (compilation,
+    the expert kernels' first launches and choice), empty without warmup."""
+    n = max(warmup, 1 if compiled else 0)
+    if n == 0:
+        return {}
+    sync(device)
+    t0 = time.perf_counter()
+    step()
+    sync(device)
+    first = time.perf_counter() - t0
+    for _ in range(n - 1):
+        step()
+    return {"first step s": first}
 
 
 def _step_row(name: str, layers: int, phases: dict[str, float], step_ms: float, args: argparse.Namespace,
@@ -217,12 +213,34 @@ def titan_args(hf: dict, layers: int, seq_len: int) -> Any:
     )
 
 
-def titan_rows(args: argparse.Namespace, layers: int) -> dict[str, Any]:
+def titan_compile(model: Any) -> Callable[[], None]:
+    """torchtitan's own per-block compile (``compile.enable``, components ``model``, inductor):
+    its ``apply_compile`` compiles each MoE block's attention, norms, router and token reorderer
+    (``fullgraph=True``; the grouped experts through its compiled ``_run_experts_grouped_mm``), a
+    dense block whole. That sets a module global of torchtitan's and a dynamo flag; the returned
+    function puts both back (the next eager torchtitan model runs eagerly)."""
+    from torchtitan.config.job_config import Compile
+    from torchtitan.models.llama4.infra.parallelize import apply_compile
+    from torchtitan.models.moe import moe as moe_module
+
+    saved = moe_module._run_experts_grouped_mm, torch._dynamo.config.capture_scalar_outputs
+    apply_compile(model, Compile(enable=True, components=["model", "loss"], backend="inductor"), ep_enabled=False)
+
+    def undo() -> None:
+        moe_module._run_experts_grouped_mm, torch._dynamo.config.capture_scalar_outputs = saved
+
+    return undo
+
+
+def titan_rows(args: argparse.Namespace, layers: int, compiled: bool = False) -> dict[str, Any]:
+    """torchtitan's row at ``layers`` layers; ``compiled``: its per-block compile
+    (:func:`titan_compile`) and its compiled loss (``build_cross_entropy_loss``'s rule)."""
+    from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.models.qwen3.model.model import Qwen3Model
 
     from ray_moe.arch import resolve
 
-    device, dtype = _device(args.device), getattr(torch, args.dtype)
+    device, dtype = pick_device(args.device), getattr(torch, args.dtype)
     spec, hf = resolve(args.preset, {"num_hidden_layers": layers})
     with torch.device("meta"):
         model = Qwen3Model(titan_args(hf, layers, args.seq_len))
@@ -231,6 +249,9 @@ def titan_rows(args: argparse.Namespace, layers: int) -> dict[str, Any]:
         model.init_weights(buffer_device=device)
         for param in model.parameters():  # parameters only: the RoPE cache and the expert counters stay float32
             param.data = param.data.to(dtype)
+    undo, loss_fn = None, cross_entropy_loss  # F.cross_entropy of the float32 logits, summed
+    if compiled:
+        undo, loss_fn = titan_compile(model), torch.compile(cross_entropy_loss, backend="inductor")
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device.type == "cuda")
     batch = max(1, args.tokens // args.seq_len)
@@ -238,7 +259,7 @@ def titan_rows(args: argparse.Namespace, layers: int) -> dict[str, Any]:
     x = torch.randint(0, 256, (batch, args.seq_len), generator=g).to(device)  # the byte corpus' range
     y = torch.randint(0, 256, (batch, args.seq_len), generator=g).to(device)
 
-    def step(m: Marks | None) -> None:
+    def step(m: Marks | None = None) -> None:
         mark = m.mark if m else (lambda name: None)
         mark("start")
         h = model.tok_embeddings(x)
@@ -246,7 +267,7 @@ def titan_rows(args: argparse.Namespace, layers: int) -> dict[str, Any]:
             h = layer(h, model.rope_cache, None, None)
         h = model.norm(h)
         mark("forward")
-        loss = F.cross_entropy(model.output(h).flatten(0, 1).float(), y.flatten(), reduction="sum") / y.numel()
+        loss = loss_fn(model.output(h), y) / y.numel()
         mark("lm head + loss")
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -257,28 +278,32 @@ def titan_rows(args: argparse.Namespace, layers: int) -> dict[str, Any]:
         opt.step()
         mark("optimizer")
 
-    for _ in range(args.warmup):
-        step(None)
-    base = _reset_peak(device)
-    phases = []
-    for _ in range(args.iters):
-        m = Marks(device)
-        step(m)
-        phases.append(m.ms())
-    steps = []
-    for _ in range(args.iters):
-        _sync(device)
-        t0 = time.perf_counter()
-        step(None)
-        _sync(device)
-        steps.append(1e3 * (time.perf_counter() - t0))
-    row = _step_row("torchtitan", layers, _median_rows(phases), statistics.median(steps), args, spec)
-    row.update(peak_gib=_peak_gib(device), in_use_gib=base / 2**30, loss_impl="full logits (float32)",
-               optimizer_impl="torch fused AdamW, bf16 params")
+    try:
+        first = warm_up(step, device, args.warmup, compiled)
+        base = reset_peak(device)
+        phases = []
+        for _ in range(args.iters):
+            m = Marks(device)
+            step(m)
+            phases.append(m.ms())
+        steps = []
+        for _ in range(args.iters):
+            sync(device)
+            t0 = time.perf_counter()
+            step()
+            sync(device)
+            steps.append(1e3 * (time.perf_counter() - t0))
+    finally:
+        if undo is not None:
+            undo()
+    row = _step_row("torchtitan compiled" if compiled else "torchtitan", layers, _median_rows(phases),
+                    statistics.median(steps), args, spec)
+    row.update(peak_gib=peak_gib(device), in_use_gib=base / 2**30, loss_impl="full logits (float32)",
+               optimizer_impl="torch fused AdamW, bf16 params", **first)
     if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
         row["note"] = "every layer MoE here; the HF config has dense layers"
     del model, opt
-    _free(device)
+    free(device)
     return row
 
 
@@ -299,6 +324,24 @@ def outside_layer_rows(rows: list[dict]) -> list[dict]:
         row["per layer step ms"] = (hi["step ms"] - lo["step ms"]) / (b - a)
         out.append(row)
     return out
+
+
+def ratio_columns(rows: list[dict]) -> None:
+    """Each timed row against torchtitan's of the same ``layers`` (a count, or the zero-layer
+    extrapolation of the same two counts), in place: ``x titan compiled`` = step ms / torchtitan
+    compiled's, ``x titan eager`` = step ms / torchtitan's; on the extrapolated rows also
+    ``per layer x titan compiled`` / ``per layer x titan eager`` (the per-layer slopes' ratio)."""
+    ref = {(r["model"], str(r["layers"])): r for r in rows if "step ms" in r}
+    for r in rows:
+        if "step ms" not in r:
+            continue
+        for name, col in (("torchtitan compiled", "x titan compiled"), ("torchtitan", "x titan eager")):
+            t = ref.get((name, str(r["layers"])))
+            if t is None:
+                continue
+            r[col] = r["step ms"] / t["step ms"]
+            if "per layer step ms" in r and "per layer step ms" in t:
+                r[f"per layer {col}"] = r["per layer step ms"] / t["per layer step ms"]
 
 
 # ============================================================================ loss only
@@ -336,7 +379,7 @@ def loss_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     from ray_moe.model.loss import lm_loss, resolve_loss_impl
     from ray_moe.validation import rel_err
 
-    device, dtype = _device(args.device), getattr(torch, args.dtype)
+    device, dtype = pick_device(args.device), getattr(torch, args.dtype)
     N, H, V = args.tokens, args.hidden, args.vocab
     g = torch.Generator().manual_seed(args.seed)
     h = torch.randn(N, H, generator=g).to(device, dtype).requires_grad_()
@@ -360,9 +403,9 @@ def loss_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
         row: dict[str, Any] = {"impl": impl}
         try:
-            base = _reset_peak(device)
+            base = reset_peak(device)
             loss = run()
-            row["peak GiB above inputs"] = _peak_gib(device, base)
+            row["peak GiB above inputs"] = peak_gib(device, base)
             if oracle is not None:
                 row["loss err"] = abs(float(loss.detach()) - float(oracle[0]))
                 row["rel err dH"] = rel_err(h.grad.float(), oracle[1])
@@ -371,7 +414,7 @@ def loss_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         except torch.OutOfMemoryError:
             row["note"] = "out of memory"
         h.grad = w.grad = None
-        _free(device)
+        free(device)
         rows.append(row)
     timed = [r for r in rows if "ms" in r]
     ref = next((r for r in timed if r["impl"] == "fused"), timed[0] if timed else None)
@@ -405,6 +448,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--titan", choices=["auto", "yes", "no"], default="auto",
                    help="torchtitan's Qwen3 beside ray_moe (auto: where it imports)")
+    p.add_argument("--compile", action="store_true",
+                   help="also ray_moe with model.compile=blocks (its blocks' dense parts compiled, the MoE eager)")
+    p.add_argument("--titan-compile", action="store_true",
+                   help="also torchtitan with its own per-block compile and compiled loss (apply_compile)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides for ray_moe")
     p.add_argument("--json", default=None, help="write the rows and the setup here")
     return p.parse_args(argv)
@@ -425,7 +472,7 @@ def _setup(args: argparse.Namespace, device: torch.device, titan: str | None) ->
 def main(argv: list[str]) -> int:
     """CLI entry: ``ray-moe bench train [--loss-only] [...] [--json out.json]``. Returns the exit code."""
     args = parse_args(argv)
-    device = _device(args.device)
+    device = pick_device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench train: --device cuda but CUDA is not available; use --device cpu or auto", file=sys.stderr)
         return 2
@@ -442,29 +489,37 @@ def main(argv: list[str]) -> int:
         rows = loss_rows(args)
         _print_table(rows)
     else:
+        if args.titan_compile and args.titan == "no":
+            print("bench train: --titan-compile compiles torchtitan's model; it needs --titan auto or yes",
+                  file=sys.stderr)
+            return 2
         titan_error = titan_import_error() if args.titan != "no" else "not asked for"
         if args.titan == "yes" and titan_error:
             print(f"bench train: --titan yes but torchtitan does not import ({titan_error}); "
                   "build it with scripts/make-titan-bundle.sh", file=sys.stderr)
             return 2
         print(f"torchtitan: {titan_error or 'imports'}", flush=True)
+        variants = [("ray_moe", ray_moe_rows, False)]
+        variants += [("ray_moe compiled", ray_moe_rows, True)] if args.compile else []
+        if not titan_error:
+            variants += [("torchtitan", titan_rows, False)]
+            variants += [("torchtitan compiled", titan_rows, True)] if args.titan_compile else []
         for layers in layer_counts:
-            for name, fn in (("ray_moe", ray_moe_rows), ("torchtitan", titan_rows)):
-                if name == "torchtitan" and titan_error:
-                    continue
+            for name, fn, compiled in variants:
                 try:
-                    new = [fn(args, layers)]
+                    new = [fn(args, layers, compiled)]
                 except Exception as exc:  # one failing model must not lose the other's rows
                     import traceback
 
                     traceback.print_exc()
                     new = [{"model": name, "layers": layers, "note": f"failed: {type(exc).__name__}: "
                                                                      f"{(str(exc).splitlines() or [''])[0][:200]}"}]
-                _free(device)  # here, not in the handler: the traceback's frames hold the failed model until it ends
+                free(device)  # here, not in the handler: the traceback's frames hold the failed model until it ends
                 _print_table(new)
                 rows += new
                 _write_json(args, device, titan_error, rows)
         rows += outside_layer_rows(rows)
+        ratio_columns(rows)
         print()
         _print_table(rows)
     _write_json(args, device, titan_error, rows)

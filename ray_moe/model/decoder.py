@@ -19,6 +19,8 @@ from the MoE layer's per-expert generators (independent of the world size).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -38,6 +40,10 @@ from ray_moe.model.rope import rope_tables
 from ray_moe.model.router import Routing
 
 
+def _dense(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:  # its own code object: its own compile cache
+    return mlp(h)
+
+
 class MoEBlock(nn.Module):
     """Routed experts (expert parallel) plus, optionally, a shared expert (replicated) that every
     token passes through: x [T, H] → (routed(x) + shared(x) [T, H], aux loss float32 scalar)."""
@@ -47,17 +53,51 @@ class MoEBlock(nn.Module):
         self.routed = routed
         self.shared_experts = shared
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, dense: Callable[[nn.Module, torch.Tensor], torch.Tensor] = _dense
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``dense(shared_experts, x)`` runs the shared expert (:attr:`BlockRegions.dense`: eager or
+        compiled)."""
         y, aux = self.routed(x)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
+            y = y + dense(self.shared_experts, x)
         return y, aux
+
+
+@dataclass(frozen=True)
+class BlockRegions:
+    """The dense parts of a decoder block, as functions of the block (or of its MLP), that
+    ``model.compile=blocks`` compiles (:meth:`compiled`; regional ``torch.compile``, as torchtitan
+    compiles per block) while the MoE layer (routing, dispatch and combine over the transport, the
+    Triton expert kernels) runs eagerly between them. One instance is shared by every block of a
+    model: each function's compiled graph serves every block of the same shapes (the parameters are
+    graph inputs), so a deep model compiles once per region, not once per block.
+
+    attention: (layer, x [B, L, H], cos, sin) → x + attn(input_layernorm(x)) [B, L, H];
+    ffn_input: (layer, x [B, L, H]) → post_attention_layernorm(x) [B·L, H];
+    dense: (mlp, h [T, H]) → mlp(h) [T, H], a dense block's MLP or a shared expert.
+    """
+
+    attention: Callable[..., torch.Tensor]
+    ffn_input: Callable[..., torch.Tensor]
+    dense: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+    @classmethod
+    def eager(cls) -> "BlockRegions":
+        return cls(DecoderLayer.attention_half, DecoderLayer.ffn_input, _dense)
+
+    def compiled(self, backend: str = "inductor") -> "BlockRegions":
+        """Each function through ``torch.compile(fullgraph=True)`` with ``backend`` (inductor; the
+        tests also take ``aot_eager``, which runs the same autograd graphs without code generation)."""
+        return BlockRegions(*(torch.compile(f, backend=backend, fullgraph=True)
+                              for f in (self.attention, self.ffn_input, self.dense)))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + ffn(norm(x)); the FFN is an :class:`MoEBlock` or
     a dense :class:`GatedMLP`. ``checkpointing``: none | moe (recompute the MoE FFN in backward) |
-    full (recompute the whole block)."""
+    full (recompute the whole block). ``regions``: the dense parts' functions (:class:`BlockRegions`,
+    eager or compiled; a forward with a KV cache always runs them eagerly: its shapes change every
+    token)."""
 
     def __init__(self, spec: ArchSpec, mlp: nn.Module, checkpointing: str, device: torch.device | str):
         super().__init__()
@@ -66,6 +106,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device)
         self.mlp = mlp
         self.checkpointing = check_mode(checkpointing)
+        self.regions = BlockRegions.eager()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                 cache: KVCache | None = None, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,21 +119,35 @@ class DecoderLayer(nn.Module):
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                  cache: KVCache | None = None, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
+        if cache is None:
+            regions = self.regions
+            x = regions.attention(self, x, cos, sin)
+        else:  # one position per forward: compiled regions would recompile for every cache length
+            regions = BlockRegions.eager()
+            x = self.attention_half(x, cos, sin, cache, layer)
         if self.checkpointing == "moe" and self._moe() and torch.is_grad_enabled():
-            y, aux = checkpointed(self._ffn, x, moe_layers=self._moe())
+            y, aux = checkpointed(self._ffn, x, regions, moe_layers=self._moe())
         else:
-            y, aux = self._ffn(x)
+            y, aux = self._ffn(x, regions)
         return x + y, aux
 
-    def _ffn(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def attention_half(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                       cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        """x [B, L, H] → x + attn(input_layernorm(x)) [B, L, H]."""
+        return x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
+
+    def ffn_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, L, H] → post_attention_layernorm(x) as token rows [B·L, H]."""
         B, L, H = x.shape
-        h = self.post_attention_layernorm(x).reshape(B * L, H)
+        return self.post_attention_layernorm(x).reshape(B * L, H)
+
+    def _ffn(self, x: torch.Tensor, regions: BlockRegions) -> tuple[torch.Tensor, torch.Tensor]:
+        h = regions.ffn_input(self, x)
         if isinstance(self.mlp, MoEBlock):
-            y, aux = self.mlp(h)
+            y, aux = self.mlp(h, regions.dense)
         else:
-            y, aux = self.mlp(h), h.new_zeros((), dtype=torch.float32)
-        return y.view(B, L, H), aux
+            y, aux = regions.dense(self.mlp, h), h.new_zeros((), dtype=torch.float32)
+        return y.view(x.shape), aux
 
     def _moe(self) -> tuple[MoELayer, ...]:
         return (self.mlp.routed,) if isinstance(self.mlp, MoEBlock) else ()
@@ -116,6 +171,7 @@ class Decoder(nn.Module):
     aux)``, ``lm_head`` ([V, H]; the embedding's weight when ``tie_word_embeddings``). Implements
     :class:`~ray_moe.model.interface.LanguageModel`.
 
+    ``model.compile=blocks`` compiles each block's dense parts (:meth:`compile_blocks`).
     Expert-parallel over ``transport`` (its world size is the group's); ``balance.clone_slots``
     per rank and layer are reserved for clones of hot experts. ``init=False`` leaves the weights
     uninitialised (``model.init_from`` or a checkpoint fills them).
@@ -148,6 +204,8 @@ class Decoder(nn.Module):
         self.lm_head = skip_init(nn.Linear, H, spec.vocab_size, bias=False, device=device)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        if config.model.compile == "blocks":
+            self.compile_blocks()
         if init:
             self.init_weights(torch.Generator().manual_seed(self.seed))
         for name, p in self.named_parameters():  # experts are built in dtype; routers stay float32
@@ -179,6 +237,14 @@ class Decoder(nn.Module):
                 module.weight.fill_(1.0)
         if self.embed_positions is not None:
             self.embed_positions.copy_(torch.randn(self.embed_positions.shape, generator=generator) * std)
+
+    def compile_blocks(self, backend: str = "inductor") -> None:
+        """``model.compile=blocks``: every block's dense parts through ``torch.compile`` (one
+        :class:`BlockRegions` shared by the blocks); the MoE layers, the embedding, the final norm
+        and the LM head stay eager. Parameter names and the state dict do not change."""
+        regions = BlockRegions.eager().compiled(backend)
+        for layer in self.layers:
+            layer.regions = regions
 
     def moe_layers(self) -> list[MoELayer]:
         """The routed-expert layers, in block order."""

@@ -221,8 +221,11 @@ class MoELayer(nn.Module):
         self.tables = placement.tables(self.w13.device)
 
     # ------------------------------------------------------------------ forward
+    @torch.compiler.disable  # never traced: collectives over the transport, Triton launches, data-dependent shapes
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, H] (model dtype) → (out [T, H], auxiliary loss float32 scalar)."""
+        """x: [T, H] (model dtype) → (out [T, H], auxiliary loss float32 scalar). Runs eagerly
+        inside a ``torch.compile``'d caller too (a graph break; ``model.compile=blocks`` compiles
+        the dense parts around it)."""
         if x.dim() != 2 or x.shape[1] != self.d_model:
             raise ValueError(f"MoELayer expects x of shape [T, {self.d_model}], got {tuple(x.shape)}")
         if x.dtype != self.w13.dtype:

@@ -605,6 +605,13 @@ def test_progress_off_is_taken_on_the_command_line_and_in_a_file(tmp_path):
         Config().with_overrides(["train.progress=on"])
 
 
+def test_model_compile_takes_none_or_blocks():
+    assert Config().model.compile == "none"
+    assert Config().with_overrides(["model.compile=blocks"]).model.compile == "blocks"
+    reject({"model.compile": True}, "model.compile='true' is not allowed; choose one of none, blocks")
+    reject({"model.compile": "full"}, "model.compile='full'")
+
+
 def test_config_directory_is_named_as_a_directory(tmp_path):
     (tmp_path / "tiny.yaml").write_text("train: {steps: 1}\n")
     with pytest.raises(ConfigError, match="is a directory; give a YAML file \\(it holds tiny.yaml\\)"):

@@ -35,6 +35,40 @@ def test_one_step_of_a_tiny_preset_on_cpu(tmp_path):
     assert row["params_expert"] > 0 and row["params_replicated"] > 0 and row["model TFLOP/s"] > 0
 
 
+def test_compiled_ray_moe_row_beside_the_eager_one(tmp_path, monkeypatch):
+    """``--compile``: a ``ray_moe compiled`` row (model.compile=blocks) after a timed first step;
+    the regions compile with aot_eager here (inductor's C++ build takes ~15 s on this CPU)."""
+    import torch
+
+    from ray_moe.model.decoder import BlockRegions
+
+    compiled = BlockRegions.compiled
+    monkeypatch.setattr(BlockRegions, "compiled", lambda self, backend="inductor": compiled(self, "aot_eager"))
+    torch._dynamo.reset()
+    out = tmp_path / "train.json"
+    assert train.main(["--device", "cpu", "--preset", "qwen3_moe-tiny", "--layers", "2", "--tokens", "32",
+                       "--seq-len", "16", "--dtype", "float32", "--warmup", "0", "--iters", "1", "--titan", "no",
+                       "--compile", "--max-bytes", "200000", "--json", str(out)]) == 0
+    torch._dynamo.reset()
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["model"] for r in rows] == ["ray_moe", "ray_moe compiled"], rows
+    assert "first step s" not in rows[0] and rows[1]["first step s"] > 0  # --warmup 0: one step anyway
+    assert rows[1]["step ms"] > 0 and all("note" not in r for r in rows), rows
+
+
+def test_ratios_against_torchtitan_of_the_same_layers():
+    rows = [{"model": "ray_moe", "layers": 2, "step ms": 30.0}, {"model": "torchtitan", "layers": 2, "step ms": 40.0},
+            {"model": "torchtitan compiled", "layers": 2, "step ms": 20.0},
+            {"model": "ray_moe", "layers": 4, "step ms": 50.0}, {"model": "torchtitan", "layers": 4, "note": "failed"},
+            {"model": "ray_moe", "layers": "0 (from 2 and 4)", "step ms": 10.0, "per layer step ms": 10.0},
+            {"model": "torchtitan compiled", "layers": "0 (from 2 and 4)", "step ms": 5.0, "per layer step ms": 8.0}]
+    train.ratio_columns(rows)
+    assert rows[0]["x titan compiled"] == 1.5 and rows[0]["x titan eager"] == 0.75
+    assert rows[2]["x titan compiled"] == 1.0 and "x titan compiled" not in rows[3]  # no torchtitan row at 4
+    assert rows[5]["x titan compiled"] == 2.0 and rows[5]["per layer x titan compiled"] == 1.25
+    assert "x titan eager" not in rows[5]
+
+
 def test_outside_layers_extrapolates_to_zero_layers():
     rows = [{"model": "m", "layers": 2, "step ms": 30.0, "forward ms": 12.0},
             {"model": "m", "layers": 4, "step ms": 50.0, "forward ms": 22.0},
@@ -56,3 +90,9 @@ def test_model_flops_formula():
 def test_bad_layers_exit_2(argv, capsys):
     assert train.main(argv) == 2
     assert "--layers" in capsys.readouterr().err
+
+
+def test_titan_compile_without_titan_exit_2(capsys):
+    assert train.main(["--device", "cpu", "--titan", "no", "--titan-compile"]) == 2
+    err = capsys.readouterr().err
+    assert "--titan-compile" in err and "--titan auto or yes" in err and len(err.strip().splitlines()) == 1
