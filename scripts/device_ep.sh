@@ -45,6 +45,7 @@ for P in 2 4; do
   files="tests/gpu/test_nvshmem_gpu.py"
   [ "$P" = 2 ] && files="$files tests/gpu/test_training_gpu.py tests/gpu/test_transport_spec_gpu.py
     tests/gpu/test_models_gpu.py::test_short_training_run tests/gpu/test_models_gpu.py::test_bf16_equal_to_transformers_on_an_nvshmem_group"
+  files=${PES_FILES:-$files}  # PES_FILES: other test files for the multi-PE steps
   RAY_MOE_PES_PER_GPU=$P pytest_step "gpu_tests_pes$P" "${T_PES:-300}" $files
   [ "${NO_MPS:-0}" = 1 ] || mps_stop
 done
