@@ -124,9 +124,13 @@ def test_a_second_run_into_a_run_directory_is_refused_naming_the_first(tmp_path)
     run = tmp_path / "run"
     run.mkdir()
     _metrics(run, [1, 2])
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, pathlib; from ray_moe.driver.run_dir import lock_run_dir; "
-         "fh = lock_run_dir(pathlib.Path(sys.argv[1])); print('held', flush=True); sys.stdin.read()", str(run)],
+    from ray_moe.driver.run_dir import RUN_LOCK
+
+    holder = subprocess.Popen(  # the run's lock as lock_run_dir takes it, in a process without torch (fast)
+        [sys.executable, "-c", "import sys, pathlib; from ray_moe import dirlock; "
+         "fh = dirlock.take(pathlib.Path(sys.argv[1]) / sys.argv[2], 'training run'); dirlock.announce(fh); "
+         "print('held', flush=True); "
+         "sys.stdin.read()", str(run), RUN_LOCK],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"

@@ -5,7 +5,7 @@ every block shares one graph per region; a KV-cache forward runs them eagerly an
 whole forward; the MoE layers never enter a graph.
 
 The backend is ``aot_eager`` (dynamo's graphs and AOTAutograd's forward/backward split, no code
-generation) and, once, inductor (C++ code on the CPU, ~15 s cold); all but the small cases run in
+generation); all but the small cases run in
 a background process (``interpreter_script``) beside the suite. The GPU test
 (``tests/gpu/test_compile_gpu.py``) runs inductor in bf16."""
 
@@ -104,11 +104,11 @@ from ray_moe.comm.local import LocalTransport
 from tests.support import build
 from tests.unit.model.test_compile import Counting, _assert_same, _byte_config, _hf_config, _rel, _step
 
-# aot_eager: checkpointing replays the compiled regions; qwen3_moe: RoPE, q/k norm, a dense first block;
-# glm4_moe: partial RoPE, biases, shared experts (a second MLP shape: one more graph)
+# aot_eager: full checkpointing replays the compiled regions (byte: learned positions, a dense first
+# block); glm4_moe with MoE checkpointing: partial RoPE, biases, shared experts (a second MLP shape:
+# one more graph). qwen3_moe (full RoPE, q/k norm) is checked with inductor on the GPU (tests/gpu/test_compile_gpu.py).
 cases = [("byte", "full", _byte_config(pathlib.Path(tempfile.mkdtemp()), "full"), 3)]
-cases += [(f, m, _hf_config(f, m), 4 if f == "glm4_moe" else 3)
-          for f, m in (("qwen3_moe", "none"), ("qwen3_moe", "moe"), ("glm4_moe", "full"))]
+cases += [(f, m, _hf_config(f, m), 4 if f == "glm4_moe" else 3) for f, m in (("glm4_moe", "moe"),)]
 for family, mode, cfg, graphs in cases:
     torch._dynamo.reset()
     backend = Counting()
@@ -116,25 +116,17 @@ for family, mode, cfg, graphs in cases:
     _assert_same(cfg, ids, backend, steps=2)
     assert len(backend.graphs) == graphs, (family, mode, len(backend.graphs))
     print("aot_eager ok", family, mode)
-# inductor, as training builds it (model.compile=blocks): C++ code on the CPU
-torch._dynamo.reset()
-cfg = _hf_config("qwen3_moe", "full")
-eager, compiled = build(cfg, LocalTransport()), build(cfg.with_overrides(["model.compile=blocks"]), LocalTransport())
-ids = torch.randint(0, 272, (2, 12), generator=torch.Generator().manual_seed(3))
-(le, ge), (lc, gc) = _step(eager, ids), _step(compiled, ids)
-errs = {"logits": _rel(lc, le), **{n: _rel(gc[n], g) for n, g in ge.items()}}
-assert ge.keys() == gc.keys() and all(e <= 1e-5 for e in errs.values()), errs
-print("inductor ok", max(errs.values()))
 """
 
 
 @pytest.mark.interpreter_script(sys.executable, "-c", _CHECKS_SCRIPT)
-def test_compiled_equals_eager_with_checkpointing_hf_families_and_inductor(interpreter_scripts):
-    """In a background process (compiling takes ~20 s of CPU here): the byte model with full
-    checkpointing, qwen3_moe without and with MoE checkpointing, glm4_moe with full (aot_eager,
-    the graph counts per model), then qwen3_moe through inductor with full checkpointing."""
+def test_compiled_equals_eager_with_checkpointing_and_hf_families(interpreter_scripts):
+    """In a background process: the byte model with full checkpointing, glm4_moe with MoE
+    checkpointing (aot_eager, the graph counts per model). Inductor's code
+    is checked on the GPU (tests/gpu/test_compile_gpu.py): its C++ build here cost the unit suite
+    ~12 s of its 2 cores."""
     r = interpreter_scripts.result(sys.executable, "-c", _CHECKS_SCRIPT)
-    assert r.stdout.count("aot_eager ok") == 4 and "inductor ok" in r.stdout, r.stdout + r.stderr[-3000:]
+    assert r.stdout.count("aot_eager ok") == 2, r.stdout + r.stderr[-3000:]
 
 
 def test_kv_cache_decoding_bypasses_the_compiled_regions(tmp_path):
