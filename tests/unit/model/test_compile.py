@@ -104,8 +104,8 @@ from ray_moe.comm.local import LocalTransport
 from tests.support import build
 from tests.unit.model.test_compile import Counting, _assert_same, _byte_config, _hf_config, _rel, _step
 
-# aot_eager: full checkpointing replays the compiled regions (byte: learned positions, a dense first
-# block); glm4_moe with MoE checkpointing: partial RoPE, biases, shared experts (a second MLP shape:
+# aot_eager: full checkpointing replays the compiled regions (byte: learned positions, its own
+# init); glm4_moe with MoE checkpointing: partial RoPE, biases, shared experts (a second MLP shape:
 # one more graph). qwen3_moe (full RoPE, q/k norm) is checked with inductor on the GPU (tests/gpu/test_compile_gpu.py).
 cases = [("byte", "full", _byte_config(pathlib.Path(tempfile.mkdtemp()), "full"), 3)]
 cases += [(f, m, _hf_config(f, m), 4 if f == "glm4_moe" else 3) for f, m in (("glm4_moe", "moe"),)]
