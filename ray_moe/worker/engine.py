@@ -81,9 +81,9 @@ class ModelReport:
         return asdict(self)
 
 
-
 def _no_mark(phase: str) -> None:
     """The default phase marker of :meth:`Engine.train_step`: nothing."""
+
 
 class Engine:
     """One rank's training state; ``arch``: the architecture the driver resolved
