@@ -153,6 +153,7 @@ def ray_moe_rows(args: argparse.Namespace, layers: int, compiled: bool = False) 
                     statistics.median(steps), args, spec)
     row.update(peak_gib=peak_gib(device), in_use_gib=base / 2**30, loss_impl=engine.loss_impl,
                optimizer_impl=engine.optimizer.impl,
+               activation_checkpointing=engine.config.model.activation_checkpointing,
                params_replicated=sum(p.numel() for p in engine.replicated),
                params_expert=sum(p.numel() for p in engine.sharded), **first)
     del engine
@@ -232,9 +233,25 @@ def titan_compile(model: Any) -> Callable[[], None]:
     return undo
 
 
+def titan_ac(model: Any, mode: str, compiled: bool) -> None:
+    """torchtitan's own activation checkpointing (``--titan-ac``: none | selective | full), applied
+    as its Qwen3 parallelize does, before the compile: ``full`` recomputes each block, as
+    ``model.activation_checkpointing=full`` does for ray_moe; ``selective`` is torchtitan's default
+    (every second block, saving its listed ops)."""
+    if mode == "none":
+        return
+    from torchtitan.config.job_config import ActivationCheckpoint
+    from torchtitan.distributed.activation_checkpoint import apply_ac
+    from torchtitan.models.qwen3.infra.parallelize import _op_sac_save_list
+
+    apply_ac(model, ActivationCheckpoint(mode=mode), model_compile_enabled=compiled,
+             op_sac_save_list=_op_sac_save_list)
+
+
 def titan_rows(args: argparse.Namespace, layers: int, compiled: bool = False) -> dict[str, Any]:
     """torchtitan's row at ``layers`` layers; ``compiled``: its per-block compile
-    (:func:`titan_compile`) and its compiled loss (``build_cross_entropy_loss``'s rule)."""
+    (:func:`titan_compile`) and its compiled loss (``build_cross_entropy_loss``'s rule), after its
+    activation checkpointing (``--titan-ac``, :func:`titan_ac`)."""
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.models.qwen3.model.model import Qwen3Model
 
@@ -250,6 +267,7 @@ def titan_rows(args: argparse.Namespace, layers: int, compiled: bool = False) ->
         for param in model.parameters():  # parameters only: the RoPE cache and the expert counters stay float32
             param.data = param.data.to(dtype)
     undo, loss_fn = None, cross_entropy_loss  # F.cross_entropy of the float32 logits, summed
+    titan_ac(model, args.titan_ac, compiled)
     if compiled:
         undo, loss_fn = titan_compile(model), torch.compile(cross_entropy_loss, backend="inductor")
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
@@ -299,7 +317,7 @@ def titan_rows(args: argparse.Namespace, layers: int, compiled: bool = False) ->
     row = _step_row("torchtitan compiled" if compiled else "torchtitan", layers, _median_rows(phases),
                     statistics.median(steps), args, spec)
     row.update(peak_gib=peak_gib(device), in_use_gib=base / 2**30, loss_impl="full logits (float32)",
-               optimizer_impl="torch fused AdamW, bf16 params", **first)
+               optimizer_impl="torch fused AdamW, bf16 params", activation_checkpointing=args.titan_ac, **first)
     if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
         row["note"] = "every layer MoE here; the HF config has dense layers"
     del model, opt
@@ -452,6 +470,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="also ray_moe with model.compile=blocks (its blocks' dense parts compiled, the MoE eager)")
     p.add_argument("--titan-compile", action="store_true",
                    help="also torchtitan with its own per-block compile and compiled loss (apply_compile)")
+    p.add_argument("--titan-ac", choices=["none", "selective", "full"], default="none",
+                   help="torchtitan's activation checkpointing (its apply_ac; selective is its default, "
+                        "full matches model.activation_checkpointing=full)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides for ray_moe")
     p.add_argument("--json", default=None, help="write the rows and the setup here")
     return p.parse_args(argv)

@@ -96,3 +96,14 @@ def test_titan_compile_without_titan_exit_2(capsys):
     assert train.main(["--device", "cpu", "--titan", "no", "--titan-compile"]) == 2
     err = capsys.readouterr().err
     assert "--titan-compile" in err and "--titan auto or yes" in err and len(err.strip().splitlines()) == 1
+
+
+def test_titan_ac_none_leaves_the_model_alone_and_the_flag_takes_torchtitans_modes():
+    """``--titan-ac none`` (the default) applies nothing and needs no torchtitan; the flag takes
+    torchtitan's none / selective (its default) / full, and refuses anything else."""
+    train.titan_ac(object(), "none", compiled=False)  # nothing imported, nothing applied
+    assert train.parse_args([]).titan_ac == "none"
+    assert train.parse_args(["--titan-ac", "full"]).titan_ac == "full"
+    with pytest.raises(SystemExit) as exc:
+        train.parse_args(["--titan-ac", "memory_budget"])
+    assert exc.value.code == 2
