@@ -239,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _split_passthrough(argv: list[str]) -> tuple[list[str], list[str] | None]:
-    """``ray-moe [-v] smoke ARGS...``: ARGS go to :mod:`ray_moe.smoke` untouched (argparse's
+    """``ray-moe [-v] smoke ARGS...``: ARGS go to :mod:`ray_moe.ops.smoke` untouched (argparse's
     REMAINDER would reject ARGS that start with an option, e.g. ``smoke --address X``)."""
     for i, arg in enumerate(argv):
         if not arg.startswith("-"):
