@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 
 
-def test_bench_layer_ep_rows_on_cpu(ray_cluster, tmp_path):
+def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
     from ray_moe.bench import layer
 
+    group_for_new(2)
     out = tmp_path / "layer.json"
     assert layer.main(["--sections", "ep", "--world-size", "2", "--T", "64", "--H", "16", "--I", "24",
                        "--E", "4", "--K", "2", "--dtype", "float32", "--device", "cpu",
@@ -18,9 +19,10 @@ def test_bench_layer_ep_rows_on_cpu(ray_cluster, tmp_path):
     assert derived["scaling_eff_fwd"] > 0 and rows[0]["transport"] == "gloo"
 
 
-def test_bench_balance_train_mode_on_cpu(ray_cluster, tmp_path):
+def test_bench_balance_train_mode_on_cpu(group_for_new, tmp_path):
     from ray_moe.bench import balance
 
+    group_for_new(2, "STRICT_SPREAD")  # the benchmark asks for SPREAD: ranks on both nodes
     out = tmp_path / "balance.json"
     assert balance.main(["--mode", "train", "--world-size", "2", "--experts", "8", "--top-k", "2",
                          "--tokens-per-rank", "256", "--d-model", "16", "--expert-hidden", "24",
