@@ -32,7 +32,6 @@ OFF_SESSION_CLUSTER = (  # tests under tests/cluster that start clusters of thei
     "tests/cluster/test_jobs.py",
     "tests/cluster/test_smoke.py::test_smoke_names_a_broken_node",
     "tests/cluster/test_smoke.py::test_local_cluster_rejects_a_bad_env_node",
-    "tests/cluster/test_worker_faults.py",
 )
 
 

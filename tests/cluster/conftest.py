@@ -43,26 +43,6 @@ def ray_cluster():
     cluster.shutdown()
 
 
-@pytest.fixture(scope="module")
-def module_cluster():
-    """A one-node Ray cluster for a module whose tests start (and kill) worker groups of their own
-    and so need none of the session's cached groups: under ``pytest -n`` it runs in the other lane
-    (tests/lanes.py), beside the session cluster's. If this process is already connected to a
-    cluster (a serial run, where the session cluster came first), the tests use that one."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        yield None
-        return
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": CPUS_PER_NODE, "include_dashboard": False, "dashboard_agent_listen_port": free_port()})
-    ray.init(address=cluster.address, log_to_driver=False)
-    yield cluster.address
-    ray.shutdown()
-    cluster.shutdown()
-
-
 @pytest.fixture(scope="session")
 def groups(ray_cluster):
     """groups(world_size, strategy="PACK") → a cached CPU WorkerGroup of that size (gloo transport).
