@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issues 26 and 27 on one GPU (H100 80GB or H200): what is still to be measured, in one call.
+# Usage (device machine, repo root), with the bundle each step needs:
+#   . .titanbundle/setup.sh && . .devbundle/setup.sh && bash scripts/device_step.sh train,moments
+#   . .sonicbundle/setup.sh && bash scripts/device_step.sh sonic     # a call of its own (bundle sizes)
+# steps (comma list; default train,moments); logs and JSON go to $OUT:
+#   train    bench train at 2 and 4 layers of Qwen3-30B-A3B's layer shape: ray_moe eager and with
+#            model.compile=blocks, torchtitan eager and compiled, both with full recompute
+#            (--titan-ac full matches model.activation_checkpointing=full); issue 26's step target
+#            (<= 0.8x torchtitan compiled), the rest outside the layers (<= 80 ms) and the layer
+#            (<= 38 ms) come from the 2- and 4-layer rows of one run
+#   moments  bench precision --sections step with fp32 and bf16 AdamW moments (issue 27: the
+#            optimizer <= 8 % of the step with bf16 moments)
+#   sonic    the MoE layer beside SonicMoE at E=128 and E=64 (issue 26: forward+backward <= 0.95x)
+# Budgets (seconds) per step: T_TRAIN, T_MOMENTS, T_SONIC; the whole must fit one 10-minute call.
+set -u
+export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+STEPS=${1:-train,moments}
+has() { [[ ",$STEPS," == *",$1,"* ]]; }
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/gpus.txt"
+python3 -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.__version__}')" | tee "$OUT/versions.txt"
+if has train; then
+  timeout ${T_TRAIN:-360} python3 -m ray_moe.cli bench train --layers 2,4 --titan yes --compile --titan-compile \
+    --titan-ac full --set model.activation_checkpointing=full --json "$OUT/bench_train.json" \
+    2>&1 | tee "$OUT/bench_train.log" | tail -20
+fi
+if has moments; then
+  timeout ${T_MOMENTS:-180} python3 -m ray_moe.cli bench precision --sections step --variants new,bf16_moments \
+    --json "$OUT/bench_moments.json" 2>&1 | tee "$OUT/bench_moments.log" | tail -8
+fi
+if has sonic; then
+  export QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/tmp/qcache}
+  timeout ${T_SONIC:-540} python3 -m ray_moe.bench.layer --warmup-ms 50 --rep-ms 400 --sections layer \
+    --layer-E 128,64 --json "$OUT/bench_layer_sonic.json" 2>&1 | tee "$OUT/bench_layer_sonic.log" | tail -20
+fi
