@@ -34,6 +34,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -41,6 +42,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ray_moe.arch import ArchSpec, ResolvedArch
@@ -84,7 +86,14 @@ def new_staging_dir(run_dir: str | Path, step: int) -> Path:
 def write_shard(staging: str | Path, rank: int, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Write one rank's tensors; returns {file, bytes, sha256} for the meta."""
     path = Path(staging) / f"rank{rank:05d}.safetensors"
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    except SafetensorError as exc:  # its I/O errors name the OS error only in their text
+        code = re.search(r"\(os error (\d+)\)", str(exc))
+        if code is None:
+            raise
+        # an OSError with its errno, so that a full or read-only disk is not retried as a dead worker
+        raise OSError(int(code.group(1)), f"{path}: {exc}") from exc
     with open(path, "rb") as f:
         os.fsync(f.fileno())
     return {"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path)}

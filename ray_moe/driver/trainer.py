@@ -68,8 +68,10 @@ class TrainingInterrupted(TrainingError):
 
 
 # Errors a worker raises that a new worker group would meet again: not retried, whatever
-# train.max_failures says (bad data, bad config or checkpoint, a full or read-only disk).
-FATAL_ERRORS = ("DataError", "ConfigError", "CheckpointError", "WeightsError", "ArchError", "TrainingError")
+# train.max_failures says (bad data, bad config or checkpoint, a full or read-only disk, a shape
+# that does not fit the device's memory: the new group has the same world size where it fits).
+FATAL_ERRORS = ("DataError", "ConfigError", "CheckpointError", "WeightsError", "ArchError", "TrainingError",
+                "OutOfMemoryError")
 FATAL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 
 
@@ -181,7 +183,11 @@ class Trainer:
             reports = group.call(EPWorker.build_engine, self.config.to_dict(), self.arch,
                                  timeout=self.config.parallel.startup_timeout_s + 120)
         except WorkerFailure as exc:
-            self.close()
+            # Only the group goes: the run (its lock, metrics sinks) is closed by whoever gives up
+            # on it, and a recovery that started this group may still go on with another.
+            if self._owns_group:
+                group.close()
+            self.group = None
             if exc.cause == "error":
                 raise TrainingError(f"workers could not build the model and data: {exc}") from None
             raise
@@ -207,7 +213,11 @@ class Trainer:
             self.group.close()
             self.group = None
         t0 = time.perf_counter()
-        self._start_group_on_available()
+        try:
+            self._start_group_on_available()
+        except WorkerFailure as again:  # a worker of the new group died or hung while building
+            self._recover(again)
+            return
         # run_dir holds only this run's checkpoints (a fresh run never starts over another's)
         valid, corrupt = scan_checkpoints(self.run_dir)
         self._report_corrupt(corrupt)
@@ -246,6 +256,8 @@ class Trainer:
                 if w != wanted:
                     self.log.event("resized", world_size=w, wanted=wanted)
                 return
+            except WorkerFailure:  # started, then a worker failed: another failure, not "does not fit"
+                raise
             except GroupError as exc:  # does not fit: try a smaller group
                 last = exc
         raise TrainingError(f"no worker group could be started after a failure: {last}")

@@ -88,3 +88,29 @@ def test_compatibility_check_names_the_key(tmp_path):
     wider = cfg.with_overrides(["moe.expert_hidden=64"])
     with pytest.raises(ConfigError, match="moe.expert_hidden=64 but checkpoint 'ckpt' has 48"):
         check_compatible(meta, wider, "ckpt", wider.resolve_arch())
+
+
+def test_a_disk_error_while_writing_a_shard_is_an_oserror_with_its_errno(tmp_path, monkeypatch):
+    """safetensors reports I/O errors as SafetensorError with the OS error in its text: write_shard
+    raises them as OSError with that errno, so that the driver does not retry a full disk."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    from ray_moe.driver.group import WorkerFailure
+    from ray_moe.driver.trainer import retryable
+
+    with pytest.raises(OSError) as missing:
+        checkpoint.write_shard(tmp_path / "gone", 0, {"w": torch.zeros(2)})
+    assert missing.value.errno == errno.ENOENT and "rank00000.safetensors" in str(missing.value)
+
+    def full(*_args, **_kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(checkpoint, "save_file", full)
+    with pytest.raises(OSError) as no_space:
+        checkpoint.write_shard(tmp_path, 0, {"w": torch.zeros(2)})
+    assert no_space.value.errno == errno.ENOSPC
+    failure = WorkerFailure("save_shard: rank 0 raised ...", 0, "error")
+    failure.__cause__ = no_space.value
+    assert not retryable(failure)
