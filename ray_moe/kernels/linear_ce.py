@@ -108,6 +108,9 @@ def ce_rows_(
     if targets.shape != (c,) or loss_rows.shape != (c,) or loss_rows.dtype != torch.float32:
         raise ValueError(f"ce_rows_ needs targets [{c}] and float32 loss_rows [{c}], got "
                          f"{tuple(targets.shape)} and {loss_rows.dtype} {tuple(loss_rows.shape)}")
+    if c > 1 and (targets.stride(0) != 1 or loss_rows.stride(0) != 1):  # the kernel indexes them by row
+        raise ValueError(f"ce_rows_ needs contiguous targets and loss_rows, got strides "
+                         f"{targets.stride()} and {loss_rows.stride()}")
     if c == 0:
         return
     block = block_v or min(8192, triton.next_power_of_2(V))
@@ -148,6 +151,7 @@ def linear_cross_entropy(
     N, H = hidden.shape
     V = weight.shape[0]
     rows = rows or fused_chunk(N, V, H, hidden.element_size())
+    targets = targets.contiguous()  # a view of a [B, S + 1] window, say: the kernel reads row by row
     valid = targets != ignore_index
     scale = valid.sum(dtype=torch.float32).reciprocal().reshape(1)  # inf when no row counts
     loss_rows = torch.empty(N, dtype=torch.float32, device=hidden.device)

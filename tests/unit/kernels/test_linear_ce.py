@@ -77,6 +77,14 @@ with torch.no_grad():
 hh = h.clone().requires_grad_()
 lm_loss(hh, w, t, impl="fused").backward()
 assert rel_err(hh.grad, rdh) < 1e-5
+# targets that are a strided view (every second column of a [N, 2] batch) give the same loss
+wide = torch.stack([t, t.flip(0)], 1)
+torch.testing.assert_close(linear_cross_entropy(h, w, wide[:, 0], rows=4)[0], rl)
+try:
+    ce_rows_(torch.randn(19, 29), wide[:, 0], torch.tensor([1.0]), torch.empty(19))
+    raise AssertionError("ce_rows_ took strided targets")
+except ValueError as exc:
+    assert "contiguous targets" in str(exc)
 # a counted target outside [0, V): NaN loss (not an out-of-bounds read)
 bad = t.clone(); bad[1] = 29
 assert torch.isnan(linear_cross_entropy(h, w, bad)[0])
