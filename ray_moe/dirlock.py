@@ -34,18 +34,26 @@ class LockReplaced(RuntimeError):
     """The lock file was removed or replaced while this process opened it (its holder was ending)."""
 
 
+class LockUnusable(RuntimeError):
+    """The lock file cannot be opened or locked (not writable, a directory, ...): the message names
+    the file and the operating system's reason."""
+
+
 def take(path: str | Path, what: str = "writer") -> IO[str] | None:
     """Open ``path`` (created if missing) and lock it exclusively without waiting; returns the open
     file, which holds the lock until closed. None when the directory holding ``path`` does not
-    exist. Raises :class:`LockHeld` (naming the holder) or :class:`LockReplaced`. ``what`` names
+    exist. Raises :class:`LockHeld` (naming the holder), :class:`LockReplaced` or
+    :class:`LockUnusable`. ``what`` names
     the writer in the warning given where the file system has no locks."""
     path = Path(path)
     try:
         fh = open(path, "a+")  # noqa: SIM115 - held for the writer's life
     except FileNotFoundError:
         if path.parent.exists():
-            raise
+            raise LockUnusable(f"{path} cannot be created") from None
         return None
+    except OSError as exc:
+        raise LockUnusable(f"{path} cannot be opened for writing: {exc.strerror or exc}") from None
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -56,7 +64,7 @@ def take(path: str | Path, what: str = "writer") -> IO[str] | None:
     except OSError as exc:
         if exc.errno not in _NO_FLOCK:
             fh.close()
-            raise
+            raise LockUnusable(f"{path} cannot be locked: {exc.strerror or exc}") from None
         log.warning("%s: this file system does not support file locks (%s); nothing stops a second "
                     "%s from writing the directory at the same time", path.parent, exc.strerror, what)
     try:  # a holder that was ending removed the file it held: this lock would then be no one's

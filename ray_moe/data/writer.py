@@ -215,6 +215,9 @@ class ShardWriter:
         except dirlock.LockReplaced:
             raise DataError(f"{self.out}: another prepare was ending there as this one started; rerun "
                             "(nothing was changed)") from None
+        except dirlock.LockUnusable as exc:
+            raise DataError(f"{exc}; prepare must be able to lock its --out directory (remove or fix "
+                            f"{LOCK_FILE} if no prepare is using it)") from None
 
     def _announce(self) -> None:
         """Name this process in the lock file, for a second prepare's message (only a writer that

@@ -94,6 +94,9 @@ def lock_run_dir(path: Path) -> IO[str]:
     except dirlock.LockReplaced:
         raise RunDirError(f"train.run_dir={path}: its lock file was replaced as this run started; rerun "
                           "(nothing was changed)") from None
+    except dirlock.LockUnusable as exc:
+        raise RunDirError(f"train.run_dir={path}: {exc}; this run must be able to lock it (remove or fix "
+                          f"{RUN_LOCK} if no run is using the directory)") from None
     if fh is None:
         raise RunDirError(f"train.run_dir={path} disappeared as this run started; rerun")
     dirlock.announce(fh)

@@ -242,3 +242,17 @@ def test_a_refused_rerun_leaves_the_lock_free(tmp_path):
     again = ShardWriter(tmp_path / "ds", make_plan(3))  # while the refusal's traceback is still alive
     assert refused.value is not None and not again.complete
     again.close()
+
+
+def test_a_lock_file_that_cannot_be_locked_is_one_line_naming_it(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def refused(fd, op):
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    monkeypatch.setattr(fcntl, "flock", refused)
+    (tmp_path / "ds").mkdir()  # a run that started here: its lock is taken before anything is read
+    (tmp_path / "ds" / LOCK_FILE).write_text("")
+    with pytest.raises(DataError, match=rf"{LOCK_FILE} cannot be locked: Bad file descriptor; prepare must"):
+        ShardWriter(tmp_path / "ds", make_plan(3))

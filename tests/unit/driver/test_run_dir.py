@@ -157,6 +157,16 @@ def test_a_lock_is_one_per_open_file_even_in_one_process(tmp_path):
     lock_run_dir(tmp_path).close()
 
 
+def test_a_lock_file_that_cannot_be_opened_is_one_line_naming_it(tmp_path):
+    """A .run.lock this process cannot open (here a directory; on shared storage, another user's
+    file) is a RunDirError naming the file and the reason, not a traceback."""
+    from ray_moe.driver.run_dir import RUN_LOCK, lock_run_dir
+
+    (tmp_path / RUN_LOCK).mkdir()
+    with pytest.raises(RunDirError, match=rf"{RUN_LOCK} cannot be opened for writing: Is a directory.*remove or fix"):
+        lock_run_dir(tmp_path)
+
+
 def test_corrupt_checkpoints_are_set_aside_under_a_name_of_their_own(tmp_path):
     from ray_moe.driver.run_dir import checkpoint_step, corrupt_aside, set_aside
 
