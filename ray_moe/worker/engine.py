@@ -102,16 +102,20 @@ class Engine:
         self.sharded = [p for p in self.model.parameters() if expert_shard(p) is not None]
         self.replicated = [p for p in self.model.parameters() if expert_shard(p) is None]
         t = config.train
+        self.loss_impl = resolve_loss_impl(t.loss_impl, device)  # may refuse: before the ZeRO group exists
         # the replicated parameters' state sharded over the ranks (parallel.zero_stage 1, 2)
         self.zero = self._sharded_replicated_state() if config.parallel.zero_stage else None
-        self.optimizer = MixedPrecisionAdamW(
-            self.model, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay,
-            impl=t.optimizer_impl, master_weights=t.master_weights, state_dtype=t.optimizer_state_dtype,
-            exclude=frozenset(self.zero.names) if self.zero else frozenset(),
-        )
+        try:
+            self.optimizer = MixedPrecisionAdamW(
+                self.model, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay,
+                impl=t.optimizer_impl, master_weights=t.master_weights, state_dtype=t.optimizer_state_dtype,
+                exclude=frozenset(self.zero.names) if self.zero else frozenset(),
+            )
+        except BaseException:  # a half-built engine is never closed by anyone else
+            self.close()
+            raise
         # gradients are reduced as sums; the mean's 1/W is folded into the update's gradient scale
         self.grad_divisor = self.world_size if self.distributed else 1
-        self.loss_impl = resolve_loss_impl(t.loss_impl, device)
         self.transport.timer.enabled = True  # communication time in the step breakdown
         self.step = 0  # steps taken (skipped ones included) == the data position
         self.opt_steps = 0  # optimizer updates applied (Adam's bias-correction counter)
