@@ -27,17 +27,15 @@ def _train(args: argparse.Namespace) -> int:
     from tabulate import tabulate
 
     from ray_moe.config import Config
+    from ray_moe.driver.run_dir import refuse_past_the_end
     from ray_moe.driver.trainer import Trainer
 
     config = Config.from_yaml(args.config, args.overrides)
+    refuse_past_the_end(config.train)  # before anything starts or is written
     print("# config (whole: RUN_DIR/config.yaml)")
     print(compact_config(config), flush=True)
     with Trainer(config, address=args.address, progress=not args.no_progress) as trainer:
         print(f"# run_dir {trainer.run_dir} (step {trainer.step_count} of {config.train.steps})", flush=True)
-        if trainer.step_count > config.train.steps:
-            print(f"ray-moe train: warning: the run is already at step {trainer.step_count}, past "
-                  f"train.steps={config.train.steps}: no step is trained (set train.steps above "
-                  f"{trainer.step_count} to continue it)", file=sys.stderr, flush=True)
         trainer.train()
         summary = trainer.summary()
     print("\n# summary")

@@ -62,16 +62,7 @@ def in_ray_job_working_dir() -> bool:
 def resolve_run_dir(train: TrainConfig) -> Path:
     """``train.run_dir`` as an absolute path (under ``train.storage_path`` when relative), created
     and checked writable. Raises :class:`RunDirError` naming the path and the reason."""
-    path = Path(train.run_dir).expanduser()
-    if not path.is_absolute():
-        if train.storage_path:
-            path = Path(train.storage_path).expanduser() / path
-        elif in_ray_job_working_dir():
-            raise RunDirError(
-                f"train.run_dir={train.run_dir} is relative and this driver runs as a Ray job in a "
-                "temporary copy of the working directory that Ray deletes: give an absolute "
-                "train.run_dir or train.storage_path=DIR (shared storage on a multi-node cluster)")
-    path = path.resolve()
+    path = run_dir_path(train)
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".write-test-{os.getpid()}"
@@ -81,6 +72,21 @@ def resolve_run_dir(train: TrainConfig) -> Path:
         raise RunDirError(f"train.run_dir={path} is not a writable directory ({exc.strerror or exc}); "
                           "choose another train.run_dir or fix its permissions") from None
     return path
+
+
+def run_dir_path(train: TrainConfig) -> Path:
+    """``train.run_dir`` as an absolute path (under ``train.storage_path`` when relative); nothing
+    is created. Raises :class:`RunDirError` for a relative one in a Ray job's temporary copy."""
+    path = Path(train.run_dir).expanduser()
+    if not path.is_absolute():
+        if train.storage_path:
+            path = Path(train.storage_path).expanduser() / path
+        elif in_ray_job_working_dir():
+            raise RunDirError(
+                f"train.run_dir={train.run_dir} is relative and this driver runs as a Ray job in a "
+                "temporary copy of the working directory that Ray deletes: give an absolute "
+                "train.run_dir or train.storage_path=DIR (shared storage on a multi-node cluster)")
+    return path.resolve()
 
 
 def lock_run_dir(path: Path) -> IO[str]:
@@ -166,6 +172,21 @@ def scan(path: Path) -> RunDirState:
     results = [name for name in RESULTS if (path / name).exists()
                and not (name == METRICS and steps == 0) and not (name == "checkpoints" and not (valid or corrupt or corrupt_aside(path)))]
     return RunDirState(path, valid, corrupt, steps, results)
+
+
+def refuse_past_the_end(train: TrainConfig) -> None:
+    """For a command that would train ``train.steps`` steps: refuse (:class:`RunDirError`) a run
+    directory whose newest valid checkpoint is already past them. Resuming would train nothing and
+    still rewrite the run's config.yaml with the smaller ``train.steps``."""
+    path = run_dir_path(train)
+    if train.resume == "false" or train.overwrite or not path.is_dir():
+        return
+    valid, _ = scan_checkpoints(path)
+    step = checkpoint_step(valid[0]) if valid else None
+    if step is not None and step > train.steps:
+        raise RunDirError(f"train.run_dir={path} is already at step {step}, past train.steps={train.steps}: "
+                          f"no step would be trained; set train.steps above {step} to continue it, or choose "
+                          "another train.run_dir (nothing was changed)")
 
 
 def plan_start(state: RunDirState, resume: str, overwrite: bool) -> Path | None:

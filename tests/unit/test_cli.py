@@ -118,29 +118,36 @@ def test_a_malformed_json_line_is_named_by_file_and_line(tmp_path, capsys):
     assert bad_row(JSONL, resolve_inputs([str(path)])).startswith(f"{path}:2001: a JSON list, not an object")
 
 
-def test_a_run_past_train_steps_says_so(tmp_path, monkeypatch, capsys):
-    """``(step 50 of 20)``: the run is not trained further, and the user is told why."""
-    import contextlib
+def test_a_run_past_train_steps_is_refused_before_anything_starts(tmp_path, monkeypatch, capsys):
+    """A rerun asking for fewer steps than its run has taken (``(step 50 of 20)``) would train
+    nothing and rewrite the run's config.yaml: one line, exit 2, nothing started or changed."""
+    import hashlib
+    import json
 
     import ray_moe.driver.trainer as trainer_module
 
-    class Finished(contextlib.nullcontext):
-        run_dir, step_count = tmp_path, 50
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step_00000050"
+    ckpt.mkdir(parents=True)
+    (ckpt / "rank00000.safetensors").write_bytes(b"x" * 8)
+    files = [{"file": "rank00000.safetensors", "bytes": 8, "sha256": hashlib.sha256(b"x" * 8).hexdigest()}]
+    (ckpt / "meta.json").write_text(json.dumps({"step": 50, "files": files}))
+    (run / "config.yaml").write_text("train: {steps: 50}\n")
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
 
-        def __init__(self, config, **kwargs):
-            super().__init__(self)
+    def no_trainer(*_a, **_k):
+        raise AssertionError("a Trainer was started")
 
-        def train(self):
-            pass
-
-        def summary(self):
-            return {"steps": 50, "run_dir": str(tmp_path)}
-
-    monkeypatch.setattr(trainer_module, "Trainer", Finished)
-    (tmp_path / "c.yaml").write_text("train: {steps: 20}\n")
-    assert main(["train", "--config", str(tmp_path / "c.yaml")]) == 0
-    err = capsys.readouterr().err
-    assert "already at step 50, past train.steps=20: no step is trained (set train.steps above 50" in err
+    monkeypatch.setattr(trainer_module, "Trainer", no_trainer)
+    (tmp_path / "c.yaml").write_text(f"train: {{steps: 20, run_dir: {run}}}\n")
+    assert main(["train", "--config", str(tmp_path / "c.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is already at step 50, past train.steps=20: no step would be trained; set " \
+        "train.steps above 50" in err[0], err
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    (tmp_path / "c.yaml").write_text(f"train: {{steps: 20, run_dir: {run}, overwrite: true}}\n")
+    with pytest.raises(AssertionError, match="a Trainer was started"):  # overwrite: not refused here
+        main(["train", "--config", str(tmp_path / "c.yaml")])
 
 
 def test_the_readme_data_block_outputs_are_not_left_untracked():
