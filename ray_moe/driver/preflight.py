@@ -7,6 +7,7 @@ line naming the key, the value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 from ray_moe import arch
@@ -44,6 +45,7 @@ def check_init_from(config: Config, resolved: arch.ResolvedArch) -> None:
     if not any((path / name).is_file() for name in WEIGHTS_FILES):
         raise ConfigError(f"model.init_from={m.init_from!r} holds no weights (neither {' nor '.join(WEIGHTS_FILES)}); "
                           f"expected {want}")
+    check_weight_files(path)
     if not m.hf_config:
         return
     try:
@@ -59,6 +61,33 @@ def check_init_from(config: Config, resolved: arch.ResolvedArch) -> None:
                           f"model.hf_config={m.hf_config!r} ({'; '.join(diffs[:3])}"
                           f"{'; ...' if len(diffs) > 3 else ''}); the weights need their own config: clear "
                           "model.hf_config (model.hf_config='') to use it, or point it at the same directory")
+
+
+def check_weight_files(path: Path) -> None:
+    """Every safetensors file of the model directory ``path`` (model.safetensors, or the shards
+    that model.safetensors.index.json lists) exists and has a readable header; only the headers
+    are read. Raises ConfigError naming the file."""
+    from safetensors import SafetensorError, safe_open
+
+    index = path / WEIGHTS_FILES[1]
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"model.init_from: {index} is not a safetensors index with a weight_map "
+                              f"({type(exc).__name__}: {exc})") from None
+    else:
+        shards = [WEIGHTS_FILES[0]]
+    for name in shards:
+        shard = path / name
+        if not shard.is_file():
+            raise ConfigError(f"model.init_from: {shard}, listed in {index.name}, does not exist")
+        try:
+            with safe_open(str(shard), "pt"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            raise ConfigError(f"model.init_from: {shard} is not a readable safetensors file ({exc}); expected "
+                              "weights as transformers' save_pretrained writes them") from None
 
 
 def check_data(config: Config, vocab_size: int) -> None:

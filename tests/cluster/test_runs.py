@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from ray_moe.config import Config
 from ray_moe.driver.run_dir import RunDirError
@@ -223,7 +224,8 @@ def test_an_error_the_workers_would_raise_is_one_line(ray_cluster, tmp_path, cas
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(arch.preset("qwen3_moe-tiny")))
-    (model / "model.safetensors").write_bytes(b"not safetensors" * 10)
+    # a readable file (the driver reads its header) without the model's tensors: the workers refuse it
+    save_file({"unrelated": torch.zeros(2)}, str(model / "model.safetensors"))
     raw = small_config(tmp_path).to_dict()
     raw["model"] = {"init_from": str(model), "seq_len": 32}  # the sizes are the HF config's
     raw["moe"] = {"aux_loss_coef": 0.0}

@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from ray_moe import arch
 from ray_moe.config import Config, ConfigError
@@ -47,8 +49,27 @@ def _model_dir(tmp_path, **changes):
     d = tmp_path / "model"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(hf))
-    (d / "model.safetensors").write_bytes(b"")  # present: what is in it is the workers' to read
+    save_file({"x": torch.zeros(1)}, str(d / "model.safetensors"))  # a readable header: its tensors are the workers' to read
     return d
+
+
+def test_init_from_weights_that_are_not_safetensors_are_named_before_any_worker(tmp_path):
+    d = _model_dir(tmp_path)
+    cfg = Config().with_overrides([f"model.init_from={d}"])
+    (d / "model.safetensors").write_bytes(b"not safetensors" * 10)
+    with pytest.raises(ConfigError, match=r"model.init_from: .*/model.safetensors is not a readable safetensors "
+                                          r"file \(.*\); expected weights as transformers' save_pretrained"):
+        check_init_from(cfg, cfg.resolve_arch())
+    (d / "model.safetensors").unlink()
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}}))
+    with pytest.raises(ConfigError, match=r"model-00001-of-00002.safetensors, listed in model.safetensors.index.json, "
+                                          "does not exist"):
+        check_init_from(cfg, cfg.resolve_arch())
+    save_file({"a": torch.zeros(1)}, str(d / "model-00001-of-00002.safetensors"))
+    check_init_from(cfg, cfg.resolve_arch())
+    (d / "model.safetensors.index.json").write_text("{")
+    with pytest.raises(ConfigError, match="is not a safetensors index with a weight_map"):
+        check_init_from(cfg, cfg.resolve_arch())
 
 
 def test_init_from_that_does_not_exist_says_so(tmp_path):
