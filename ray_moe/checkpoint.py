@@ -83,6 +83,21 @@ def new_staging_dir(run_dir: str | Path, step: int) -> Path:
     return tmp
 
 
+def as_umask_allows(path: str | Path) -> None:
+    """Give ``path`` the mode a file this process creates gets (0666 less the umask): safetensors
+    writes owner-only files, and weights on shared storage are read by others like the rest."""
+    umask = None
+    try:  # read without changing it (os.umask sets it: another thread could create a file meanwhile)
+        with open("/proc/self/status") as f:
+            umask = next((int(line.split()[1], 8) for line in f if line.startswith("Umask:")), None)
+    except OSError:
+        pass
+    if umask is None:
+        umask = os.umask(0o022)
+        os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def write_shard(staging: str | Path, rank: int, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Write one rank's tensors; returns {file, bytes, sha256} for the meta."""
     path = Path(staging) / f"rank{rank:05d}.safetensors"
@@ -94,6 +109,7 @@ def write_shard(staging: str | Path, rank: int, tensors: dict[str, torch.Tensor]
             raise
         # an OSError with its errno, so that a full or read-only disk is not retried as a dead worker
         raise OSError(int(code.group(1)), f"{path}: {exc}") from exc
+    as_umask_allows(path)
     with open(path, "rb") as f:
         os.fsync(f.fileno())
     return {"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path)}

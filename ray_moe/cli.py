@@ -137,7 +137,7 @@ def _export_source(given: str):
 def _export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ray_moe.checkpoint import CheckpointError, iter_tensors, read_meta
+    from ray_moe.checkpoint import CheckpointError, as_umask_allows, iter_tensors, read_meta
     from ray_moe.config import Config, torch_dtype
     from ray_moe.model.hf import write_hf_dir
 
@@ -163,10 +163,8 @@ def _export(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise UsageError(f"--out {args.out!r}: cannot write the model there ({exc.strerror or exc}); choose "
                          "another directory or free space") from None
-    umask = os.umask(0)
-    os.umask(umask)
-    for name in report["files"]:  # safetensors writes owner-only files; a model is shared like the rest
-        os.chmod(out / name, 0o666 & ~umask)
+    for name in report["files"]:
+        as_umask_allows(out / name)
     print(f"exported {str(path)!r} (step {meta['step']}) to {args.out}: {report['tensors']} tensors, "
           f"{report['bytes'] / 1e6:.1f} MB {str(dtype).removeprefix('torch.')}, files: {', '.join(report['files'])}")
     return 0

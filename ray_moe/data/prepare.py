@@ -207,7 +207,8 @@ def bad_row(kind: str, files: Sequence[InputFile]) -> str | None:
                 try:
                     obj = json.loads(line)
                 except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-                    why = getattr(exc, "msg", None) or str(exc)
+                    # JSONDecodeError's msg ends before its position ("Invalid control character at")
+                    why = f"{exc.msg} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else str(exc)
                     return f"{f.path}:{n}: not valid JSON ({why}); each line of a .jsonl file must be one JSON object"
                 if not isinstance(obj, dict):
                     return (f"{f.path}:{n}: a JSON {type(obj).__name__}, not an object; each line of a .jsonl file "

@@ -114,3 +114,19 @@ def test_a_disk_error_while_writing_a_shard_is_an_oserror_with_its_errno(tmp_pat
     failure = WorkerFailure("save_shard: rank 0 raised ...", 0, "error")
     failure.__cause__ = no_space.value
     assert not retryable(failure)
+
+
+def test_shards_are_readable_as_the_umask_allows(tmp_path):
+    """safetensors writes owner-only (0600) files; a checkpoint's shards get 0666 less the umask."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        checkpoint.write_shard(tmp_path, 0, {"w": torch.zeros(2)})
+        os.umask(0o027)
+        checkpoint.write_shard(tmp_path, 1, {"w": torch.zeros(2)})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "rank00000.safetensors").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "rank00001.safetensors").stat().st_mode) == 0o640

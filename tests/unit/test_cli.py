@@ -111,7 +111,7 @@ def test_a_malformed_json_line_is_named_by_file_and_line(tmp_path, capsys):
     rows = [json.dumps({"text": f"row {i} " * 20}) for i in range(2000)]  # past the first 64 KiB checked first
     path.write_text("\n".join(rows[:1500] + ['{"text": broken'] + rows[1500:] + ["[1, 2]"]) + "\n")
     assert bad_row(JSONL, resolve_inputs([str(path)])) == (
-        f"{path}:1501: not valid JSON (Expecting value); each line of a .jsonl file must be one JSON object")
+        f"{path}:1501: not valid JSON (Expecting value column 10); each line of a .jsonl file must be one JSON object")
     assert main(["tokenizer", "train", "--vocab-size", "300", "--input", str(path), "--out", str(tmp_path / "t")]) == 2
     assert f"{path}:1501: not valid JSON" in _one_line(capsys)
     path.write_text("\n".join(rows + ["[1, 2]"]) + "\n")
