@@ -89,6 +89,19 @@ def run_dir_path(train: TrainConfig) -> Path:
     return path.resolve()
 
 
+def discard_untouched(path: Path) -> bool:
+    """A run that failed before writing anything: remove its own files (an empty metrics.jsonl
+    and, while it is still held, the lock file) when the directory holds nothing else. Returns
+    whether it did; the caller then releases the lock and may remove the empty directory."""
+    names = {p.name for p in path.iterdir()} if path.is_dir() else set()
+    metrics = path / METRICS
+    if not names <= {RUN_LOCK, METRICS} or (metrics.exists() and metrics.stat().st_size):
+        return False
+    for name in (METRICS, RUN_LOCK):  # the lock file last: a second run that opens it now is told to rerun
+        (path / name).unlink(missing_ok=True)
+    return True
+
+
 def lock_run_dir(path: Path) -> IO[str]:
     """Take the run directory's writer lock (held until the returned file is closed) and name this
     process in it. Raises :class:`RunDirError` naming the run that holds it."""

@@ -10,6 +10,7 @@ workers and checkpoints are written by the workers themselves.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import shutil
@@ -39,9 +40,11 @@ from ray_moe.driver.rebalancer import Rebalancer
 from ray_moe.driver.run_dir import (
     archive_results,
     checkpoint_step,
+    discard_untouched,
     lock_run_dir,
     plan_start,
     resolve_run_dir,
+    run_dir_path,
     scan,
     set_aside,
 )
@@ -121,12 +124,17 @@ class Trainer:
         self._progress: Progress | None = None
         # The run directory first: a run that cannot keep its results does not start, and a
         # directory another run is writing is refused before anything in it is read or changed.
+        made = not run_dir_path(config.train).exists()
         self.run_dir = resolve_run_dir(config.train)
         self._run_lock = lock_run_dir(self.run_dir)
         try:  # from here on, any failure closes what was started and releases the lock at once
             self._open_run(group)
         except BaseException:
+            untouched = discard_untouched(self.run_dir)  # a start that failed leaves no empty files
             self.close()
+            if untouched and made:
+                with contextlib.suppress(OSError):  # something else arrived meanwhile: left alone
+                    self.run_dir.rmdir()
             raise
 
     def _open_run(self, group: WorkerGroup | None) -> None:

@@ -110,3 +110,22 @@ def test_a_refused_input_leaves_no_run_directory(tmp_path):
     with pytest.raises(DataError):
         Trainer(cfg, address=NOWHERE, progress=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_start_that_fails_after_its_checks_leaves_no_files_behind(tmp_path):
+    """Past the checks (here: nothing listens at the address) a fresh run that wrote nothing removes
+    its own lock file and empty metrics.jsonl, and the run directory if it made it; a directory
+    that holds anything else is left as it is."""
+    from ray_moe.driver.group import GroupError
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some text to train on\n" * 100)
+    cfg = small_config(tmp_path, **{"data.paths": str(corpus)})
+    with pytest.raises(GroupError, match="nothing listens"):
+        Trainer(cfg, address=NOWHERE, progress=False)
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    with pytest.raises(GroupError, match="nothing listens"):
+        Trainer(cfg, address=NOWHERE, progress=False)
+    assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
