@@ -151,7 +151,8 @@ class Trainer:
             self.log.load()
         else:
             self.log.start_fresh()
-        self._report_corrupt(state.corrupt)
+        if resume_from is not None:  # an overwritten run's corrupt checkpoints went to the archive with it
+            self._report_corrupt(state.corrupt)
         self._start_group(group)
         if resume_from is not None:
             self.restore(resume_from)
