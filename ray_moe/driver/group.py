@@ -259,14 +259,13 @@ class WorkerGroup:
     # ------------------------------------------------------------------ start-up
     def _check_fits(self, bundle: dict[str, float]) -> None:
         total = ray.cluster_resources()
-        for res, amount in bundle.items():
-            need = amount * self.world_size
-            if total.get(res, 0) < need:
-                raise GroupError(
-                    f"parallel.world_size={self.world_size} needs {need:g} {res} "
-                    f"({amount:g} per worker) but the Ray cluster has {total.get(res, 0):g} {res} "
-                    "in total; lower parallel.world_size or parallel.cpu_per_worker, or add nodes"
-                )
+        short = [f"{amount * self.world_size:g} {res} ({amount:g} per worker) but the Ray cluster has "
+                 f"{total.get(res, 0):g} {res} in total" for res, amount in bundle.items()
+                 if total.get(res, 0) < amount * self.world_size]
+        if short:  # every shortfall at once (GPUs first: a GPU config on a CPU machine names its GPUs)
+            short.sort(key=lambda text: " GPU " not in text)
+            raise GroupError(f"parallel.world_size={self.world_size} needs " + "; and ".join(short)
+                             + "; lower parallel.world_size or parallel.cpu_per_worker, or add nodes")
 
     def _start(self, bundle: dict[str, float], worker_env: dict[str, str]) -> None:
         p = self.config.parallel

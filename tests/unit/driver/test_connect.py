@@ -55,3 +55,21 @@ def test_a_refused_token_fails_at_once_and_anything_else_is_left_to_ray_init(mon
     t0 = time.monotonic()
     _check_auth("10.0.0.1:6379", 0.2)  # no answer in time: ray.init says what it says
     assert time.monotonic() - t0 < 2
+
+
+def test_a_group_that_does_not_fit_names_every_shortfall_gpus_first(monkeypatch):
+    """A GPU job on a CPU machine (qwen3_30b_a3b.yaml: 8 workers of 8 CPUs and a GPU each) is
+    told about its GPUs, not only about the CPUs that ran out first."""
+    import ray
+
+    from ray_moe.driver.group import WorkerGroup
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    group = object.__new__(WorkerGroup)
+    group.world_size = 8
+    with pytest.raises(GroupError) as info:
+        group._check_fits({"CPU": 8.0, "GPU": 1.0})
+    assert str(info.value) == ("parallel.world_size=8 needs 8 GPU (1 per worker) but the Ray cluster has 0 GPU in "
+                               "total; and 64 CPU (8 per worker) but the Ray cluster has 2 CPU in total; lower "
+                               "parallel.world_size or parallel.cpu_per_worker, or add nodes")
+    group._check_fits({"CPU": 0.25})  # fits
