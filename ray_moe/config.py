@@ -36,6 +36,10 @@ def element_size(name: str) -> int:
     return DTYPES[name].itemsize
 
 
+# What model.init_from must name (config.py and the driver's preflight say it the same way).
+HF_MODEL_DIR = "a Hugging Face model directory (config.json and model.safetensors or model.safetensors.index.json)"
+
+
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range; the message names the key."""
 
@@ -110,8 +114,7 @@ class ModelConfig:
                 "config.json; or a model directory), model.init_from or an inline model.hf"
             )
         if not self.hf_config and self.init_from and not Path(self.init_from).expanduser().exists():
-            raise ConfigError(f"model.init_from={self.init_from!r} does not exist; expected a Hugging Face "
-                              "model directory (config.json and model.safetensors[.index.json])")
+            raise ConfigError(f"model.init_from={self.init_from!r} does not exist; expected {HF_MODEL_DIR}")
         where = (f"model.hf_config={source!r}" if self.hf_config else f"model.init_from={source!r}") if source \
             else "model.hf"
         try:

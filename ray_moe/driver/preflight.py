@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from ray_moe import arch
-from ray_moe.config import Config, ConfigError
+from ray_moe.config import HF_MODEL_DIR, Config, ConfigError
 from ray_moe.worker.data import open_corpus
 
 # A byte corpus up to this size is read on the driver too (the workers read it again); a larger
@@ -36,7 +36,7 @@ def check_init_from(config: Config, resolved: arch.ResolvedArch) -> None:
     if not m.init_from:
         return
     path = Path(m.init_from).expanduser()
-    want = "a Hugging Face model directory (config.json and model.safetensors or model.safetensors.index.json)"
+    want = HF_MODEL_DIR
     if not path.exists():
         raise ConfigError(f"model.init_from={m.init_from!r} does not exist; expected {want}")
     if not path.is_dir() or not (path / "config.json").is_file():
