@@ -303,9 +303,7 @@ def _dataset(kind: str, files: list[InputFile], tok: TextTokenizer, text_field: 
     return ds.map_batches(
         Tokenize, fn_constructor_args=(tok.to_json(), kind, text_field, max(1, int(cpus_per_worker)),
                                        token_dtype(tok.vocab_size).str),
-        # max_restarts=0: a tokenizer actor that dies fails the run (rerun resumes it); Ray logs an
-        # error line for a restartable actor whose constructor arguments are in the object store
-        compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=cpus_per_worker, max_restarts=0,
+        compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=cpus_per_worker,
         batch_format="pyarrow", batch_size=rows, zero_copy_batch=True,
     )
 
