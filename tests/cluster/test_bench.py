@@ -7,16 +7,26 @@ import json
 
 
 def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
+    """`bench layer --sections ep` on a CPU group: the sequential and the pipelined layer side by
+    side, the single-rank layer at T/W and at T, and per variant the exposed communication and the
+    scaling efficiency (tiny shapes; only their presence is checked), written as JSON."""
     from ray_moe.bench import layer
 
     group_for_new(2)
     out = tmp_path / "layer.json"
     assert layer.main(["--sections", "ep", "--world-size", "2", "--T", "64", "--H", "16", "--I", "24",
-                       "--E", "4", "--K", "2", "--dtype", "float32", "--device", "cpu",
-                       "--ep-iters", "2", "--json", str(out)]) == 0
+                       "--E", "8", "--K", "2", "--dtype", "float32", "--device", "cpu",
+                       "--ep-iters", "2", "--ep-chunks", "1,3", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    derived = [r for r in rows if r.get("what") == "derived"][0]
-    assert derived["scaling_eff_fwd"] > 0 and rows[0]["transport"] == "gloo"
+    ep = [r for r in rows if r["what"].startswith("EP")]
+    assert [r["chunks"] for r in ep] == [1, 3] and all(r["transport"] == "gloo" for r in ep)
+    assert "pipelined, 3 chunks" in ep[1]["what"] and "sequential" in ep[0]["what"]
+    assert {r["what"] for r in rows} >= {"one GPU, T/W tokens", "one GPU, all T tokens"}
+    derived = [r for r in rows if r["what"] == "derived"]
+    assert [d["chunks"] for d in derived] == [1, 3]
+    for d in derived:
+        assert d["scaling_eff_fwd"] > 0 and d["scaling_eff_fwd+bwd"] > 0
+        assert {"exposed_comm_frac_fwd", "exposed_comm_frac_fwd+bwd", "exposed_comm_fwd_ms"} <= d.keys()
 
 
 def test_bench_balance_train_mode_on_cpu(group_for_new, tmp_path):
@@ -31,22 +41,3 @@ def test_bench_balance_train_mode_on_cpu(group_for_new, tmp_path):
     row = json.loads(out.read_text())["train"][0]
     assert row["clones"] >= 1
     assert row["imbalance_on"] < row["imbalance_off"]
-
-
-def test_ep_rows_pipelined_beside_sequential_on_a_shared_group(groups):
-    """`bench layer --sections ep` rows on an existing CPU group: the sequential and the pipelined
-    layer side by side, the single-rank layer at T/W and at T, and per variant the exposed
-    communication and the scaling efficiency (tiny shapes; only their presence is checked)."""
-    from ray_moe.bench.ep_layer import ep_layer_rows
-
-    rows = ep_layer_rows(64, 16, 24, 8, 2, 2, dtype="float32", device="cpu", iters=2, chunks=(1, 3),
-                         group=groups(2))
-    ep = [r for r in rows if r["what"].startswith("EP")]
-    assert [r["chunks"] for r in ep] == [1, 3] and all(r["transport"] == "gloo" for r in ep)
-    assert "pipelined, 3 chunks" in ep[1]["what"] and "sequential" in ep[0]["what"]
-    assert {r["what"] for r in rows} >= {"one GPU, T/W tokens", "one GPU, all T tokens"}
-    derived = [r for r in rows if r["what"] == "derived"]
-    assert [d["chunks"] for d in derived] == [1, 3]
-    for d in derived:
-        assert d["scaling_eff_fwd"] > 0 and d["scaling_eff_fwd+bwd"] > 0
-        assert {"exposed_comm_frac_fwd", "exposed_comm_frac_fwd+bwd", "exposed_comm_fwd_ms"} <= d.keys()
