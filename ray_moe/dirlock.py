@@ -43,8 +43,8 @@ def take(path: str | Path, what: str = "writer") -> IO[str] | None:
     """Open ``path`` (created if missing) and lock it exclusively without waiting; returns the open
     file, which holds the lock until closed. None when the directory holding ``path`` does not
     exist. Raises :class:`LockHeld` (naming the holder), :class:`LockReplaced` or
-    :class:`LockUnusable`. ``what`` names
-    the writer in the warning given where the file system has no locks."""
+    :class:`LockUnusable`. ``what`` names the writer in the warning given where the file system
+    has no locks."""
     path = Path(path)
     try:
         fh = open(path, "a+")  # noqa: SIM115 - held for the writer's life
