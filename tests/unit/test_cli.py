@@ -157,3 +157,15 @@ def test_the_readme_data_block_outputs_are_not_left_untracked():
 
     lines = (Path(__file__).resolve().parents[2] / ".gitignore").read_text().split()
     assert "/tok/" in lines and "/data/" in lines and "data/" not in lines
+
+
+def test_a_missing_data_path_is_one_line_before_anything_starts(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RAY_IGNORE_UNHANDLED_ERRORS", "0")  # the CLI sets it on an error: put back after
+    (tmp_path / "c.yaml").write_text(f"data: {{paths: [{tmp_path / 'nope.txt'}]}}\n"
+                                     f"train: {{run_dir: {tmp_path / 'run'}}}\n")
+    assert main(["train", "--config", str(tmp_path / "c.yaml"), "--address", "127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ray-moe train: error: data.paths: ") and \
+        "nope.txt' does not exist" in err[0], err
+    assert not (tmp_path / "run").exists()
+
