@@ -141,7 +141,20 @@ class NVSHMEMRuntime:
         return torch.cuda.current_stream().cuda_stream
 
     def barrier(self) -> None:
-        self.core.barrier_all(stream=torch.cuda.current_stream())
+        """Host-side: this rank's queued GPU work is done and every rank has reached here.
+
+        Through torch.distributed where the group has it: NVSHMEM's on-stream barrier, mixed with
+        the host-side barriers inside ``nvshmem_malloc``/``free`` of a buffer replaced on a live
+        transport, left rank 1 of two GPUs waiting forever while rank 0 went on (H100 x2,
+        2026-11-25; never on one GPU with two PEs)."""
+        import torch.distributed as dist
+
+        torch.cuda.synchronize(self.device)
+        if dist.is_initialized():
+            dist.barrier()
+        else:
+            self.core.barrier_all(stream=torch.cuda.current_stream())
+            torch.cuda.synchronize(self.device)
 
     def alloc(self, nbytes: int) -> torch.Tensor:
         """Zeroed symmetric bytes (collective: every rank allocates the same sizes in order)."""
@@ -293,8 +306,6 @@ class SymmetricBuffer:
         self.any_remote = any(self.remote)
         self.launcher = Launcher(fast=fast_launch_works(dev) if fast_launch is None else fast_launch)
         runtime.barrier()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
 
     @property
     def capacity(self) -> int:
@@ -490,7 +501,6 @@ class NVSHMEMTransport(Transport):
                               elem_bytes=max(spec.elem_bytes, self.spec.elem_bytes),
                               max_top_k=max(spec.max_top_k, self.spec.max_top_k))
         if self.buffer is not None:
-            torch.cuda.synchronize(self.device)
             self.runtime.barrier()
             self.buffer.close()
             self.buffer = None
@@ -566,7 +576,6 @@ class NVSHMEMTransport(Transport):
     def close(self) -> None:
         if self.buffer is not None:
             try:
-                torch.cuda.synchronize(self.device)
                 self.runtime.barrier()
                 self.buffer.close()
             finally:

@@ -72,8 +72,9 @@ def group():
     g.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def remote_group(group):
+    """Function-scoped: it holds every GPU, and the tests after it make their own groups."""
     group.close()  # one group of two GPUs at a time
     g = _make_group(force_remote=True, min_gpus=2)
     yield g
