@@ -28,7 +28,9 @@ pytest_step() {  # name timeout files...: pytest with a per-test limit; the last
   local t0=$SECONDS
   timeout "$limit" python3 -m pytest -q -p no:cacheprovider --timeout "${T_TEST:-240}" "$@" 2>&1 \
     | tee "$OUT/$name.log" | quiet | grep -E "^FAILED|^E  |passed|failed|Timeout" | cut -c1-300 | tail -40
-  record "$name" "$(grep -E '(passed|failed|error)' "$OUT/$name.log" | tail -1 | tr -d '=' | xargs)" $((SECONDS - t0))
+  local result  # pytest's closing line ("N passed, M failed ... in S s"), or why there is none
+  result=$(grep -E '^=* ?[0-9]+ (passed|failed|error).* in [0-9.]+s' "$OUT/$name.log" | tail -1 | tr -d '=' | sed 's/^ *//; s/ *$//')
+  record "$name" "${result:-no summary: stopped by the timeout of the step ($limit s)}" $((SECONDS - t0))
   ray_stop
 }
 ray_stop() { python3 -c 'import sys; from ray.scripts.scripts import main; sys.argv=["ray","stop","--force"]; main()' >/dev/null 2>&1; }
