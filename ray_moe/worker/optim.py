@@ -37,6 +37,7 @@ one), and bare parameters whose name says they are an embedding table (``pos_emb
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Collection, Iterable
 from types import MappingProxyType
 
@@ -152,10 +153,7 @@ class MixedPrecisionAdamW:
         ]
         inner = "fused" if self.impl == "onepass" else self.impl
         kind = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}[inner]
-        if not rest:
-            kind = {"foreach": False}  # nothing for torch's AdamW to update (fused refuses no tensors)
-        self.inner = torch.optim.AdamW([g for g in groups if g["params"]] or [{"params": []}], lr=lr,
-                                       betas=betas, eps=eps, **kind)
+        self.inner = _TorchAdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps, **kind)
 
     # ------------------------------------------------------------------ access
     @property
@@ -265,6 +263,53 @@ class MixedPrecisionAdamW:
             state = self.state.get(m)
             if state and "step" in state and id(m) not in self._one_pass_master_ids:
                 state["step"] = state["step"].to(device=m.device, dtype=torch.float32)
+
+
+class _TorchAdamW:
+    """torch's AdamW update (``torch.optim.adam.adam`` with decoupled weight decay: the same fused,
+    foreach and for-loop kernels, the same state) without ``torch.optim.Optimizer``, whose methods
+    import ``torch._dynamo`` at their first call (~1.2 s of CPU in every worker process).
+
+    ``param_groups``: dicts with ``params`` (float32 tensors with ``.grad``), ``weight_decay`` and
+    ``lr``; ``state[param]``: ``exp_avg``, ``exp_avg_sq`` (float32, the parameter's shape) and
+    ``step`` (float32 scalar: on the parameter's device when fused, else on the host), the layout
+    ``torch.optim.AdamW`` uses, so checkpoints of either load into the other. ``grad_scale``:
+    with ``fused``, a float32 scalar the kernel divides the gradients by (None: 1).
+    """
+
+    def __init__(self, param_groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float,
+                 fused: bool = False, foreach: bool = False) -> None:
+        self.param_groups = [dict(g, lr=lr) for g in param_groups]
+        self.betas, self.eps = betas, eps
+        self.defaults = {"fused": fused, "foreach": foreach}
+        self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = defaultdict(dict)  # as torch.optim's
+        self.grad_scale: torch.Tensor | None = None
+
+    def _state_of(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        state = self.state[p]
+        if not state:
+            fused = self.defaults["fused"]
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu")
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    @torch.no_grad()
+    def step(self) -> None:
+        from torch.optim.adam import adam
+
+        fused = self.defaults["fused"]
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            states = [self._state_of(p) for p in params]
+            adam(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                 [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states],
+                 foreach=None if fused else self.defaults["foreach"], fused=fused or None,
+                 grad_scale=self.grad_scale if fused else None, found_inf=None, has_complex=False,
+                 decoupled_weight_decay=True, amsgrad=False, beta1=self.betas[0], beta2=self.betas[1],
+                 lr=group["lr"], weight_decay=group["weight_decay"], eps=self.eps, maximize=False)
 
 
 def _state_dtype(name: str) -> torch.dtype:
