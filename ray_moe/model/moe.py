@@ -10,7 +10,7 @@ oracle is :func:`ray_moe.model.experts.reference_moe`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -221,8 +221,17 @@ class MoELayer(nn.Module):
         self.tables = placement.tables(self.w13.device)
 
     # ------------------------------------------------------------------ forward
-    @torch.compiler.disable  # never traced: collectives over the transport, Triton launches, data-dependent shapes
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def forward(self) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`eager_forward`, never traced: collectives over the transport, Triton launches and
+        data-dependent shapes. Inside a ``torch.compile``'d caller it is wrapped in
+        ``torch.compiler.disable`` there and then (a graph break), so a process that never compiles
+        never imports ``torch._dynamo`` (~1.2 s of CPU in every worker)."""
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(self.eager_forward)
+        return self.eager_forward
+
+    def eager_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] (model dtype) → (out [T, H], auxiliary loss float32 scalar). Runs eagerly
         inside a ``torch.compile``'d caller too (a graph break; ``model.compile=blocks`` compiles
         the dense parts around it)."""
