@@ -101,6 +101,9 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
         with torch.no_grad():  # a constant feature times the bias row skews the logits
             x[:, 0] = 1.0
             layer.router[0] = zipf_router_bias(E, W, spec.zipf_s).to(device)
+    # as in training (x is a hidden state): without it the pipelined layer skipped the experts'
+    # input-gradient GEMMs and the dispatch's backward, which the sequential layer ran anyway
+    x.requires_grad_()
     grad = torch.randn(spec.tokens, H, generator=g).to(device=device, dtype=dtype)
     distributed = not spec.local and W > 1 and dist.is_initialized()
 
@@ -121,7 +124,7 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
         push_clone_weights(layer, placement)
         synchronize(device)
         t2 = time.perf_counter()
-        layer.w13.grad = layer.w2.grad = layer.router.grad = None
+        layer.w13.grad = layer.w2.grad = layer.router.grad = x.grad = None
         if i >= spec.warmup:
             fwd.append((t1 - t0) * 1e3)
             bwd.append((t2 - t1) * 1e3)
