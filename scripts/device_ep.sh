@@ -2,8 +2,8 @@
 # Expert parallelism on the device, one command (issue 23): the multi-PE GPU tests, the comm sweep
 # and the EP layer. Runs on one GPU (several NVSHMEM PEs per GPU under CUDA MPS) and on any
 # multi-GPU kind (W = all GPUs). Measured on nvidia-h100-x2 (2026-11-25): tests ~380 s, comm 90 s,
-# layer 84 s, so one 10-minute call holds either `tests` or `comm,layer` (+ pes2 at ~360 s on one
-# GPU): on a lease, run `tests` in one call and `comm,layer` in the next.
+# layer 84 s, so one 10-minute call holds either `tests` or `comm,layer`: on a lease, run `tests`
+# in one call and `comm,layer` in the next (pes2 alone took ~360 s on one H100).
 # Usage (device machine, repo root):  . .devbundle/setup.sh && bash scripts/device_ep.sh [steps]
 # steps (default: pes2,pes4,tests,comm,layer; a failing step does not stop the next one):
 #   pes2, pes4  2 / 4 ranks on EVERY GPU (RAY_MOE_PES_PER_GPU, under CUDA MPS): tests/gpu's
@@ -30,9 +30,14 @@ pytest_step() {  # name timeout files...: pytest with a per-test limit; the last
   local t0=$SECONDS
   timeout "$limit" python3 -m pytest -q -p no:cacheprovider --timeout "${T_TEST:-240}" "$@" 2>&1 \
     | tee "$OUT/$name.log" | quiet | grep -E "^FAILED|^E  |passed|failed|Timeout" | cut -c1-300 | tail -40
-  local result  # pytest's closing line ("N passed, M failed ... in S s"), or why there is none
-  result=$(grep -E '^=* ?[0-9]+ (passed|failed|error).* in [0-9.]+s' "$OUT/$name.log" | tail -1 | tr -d '=' | sed 's/^ *//; s/ *$//')
-  record "$name" "${result:-no summary: stopped by the timeout of the step ($limit s)}" $((SECONDS - t0))
+  local rc=${PIPESTATUS[0]} result  # pytest's closing line ("N passed, M skipped ... in S s"), or why none
+  result=$(grep -E '(^|= )(([0-9]+ [a-z]+)(, )?)+ in [0-9.]+s|no tests ran' "$OUT/$name.log" | tail -1 \
+    | tr -d '=' | sed 's/^ *//; s/ *$//')
+  if [ -z "$result" ]; then
+    if [ "$rc" = 124 ]; then result="no summary: stopped by the timeout of the step ($limit s)"
+    else result="no summary: pytest exited with $rc"; fi
+  fi
+  record "$name" "$result" $((SECONDS - t0))
   ray_stop
 }
 ray_stop() { python3 -c 'import sys; from ray.scripts.scripts import main; sys.argv=["ray","stop","--force"]; main()' >/dev/null 2>&1; }

@@ -146,7 +146,8 @@ class NVSHMEMRuntime:
         Through torch.distributed where the group has it: NVSHMEM's on-stream barrier, mixed with
         the host-side barriers inside ``nvshmem_malloc``/``free`` of a buffer replaced on a live
         transport, left rank 1 of two GPUs waiting forever while rank 0 went on (H100 x2,
-        2026-11-25; never on one GPU with two PEs)."""
+        2026-11-25; never on one GPU with two PEs). Unlike ``barrier_all`` it does not quiet NVSHMEM's
+        outstanding puts: before a buffer is freed ``nvshmem_free``'s own barrier does that."""
         import torch.distributed as dist
 
         torch.cuda.synchronize(self.device)

@@ -186,7 +186,8 @@ class Decoder(nn.Module):
         H = spec.hidden_size
         layer_spec = moe_layer_spec(spec, config)
         chooser = ExpertImplChooser()  # one per model: layers of one shape share the measurement
-        # uninitialised like skip_init, without its meta-device normal_ (which imports torch._dynamo)
+        # uninitialised like skip_init, without nn.Embedding's meta-device normal_, which imports
+        # torch._dynamo (skip_init of nn.Linear, below, does not)
         self.embed_tokens = nn.Embedding(spec.vocab_size, H, _weight=torch.empty(spec.vocab_size, H, device=device))
         self.embed_positions = (nn.Parameter(torch.empty(spec.max_position_embeddings, H, device=device))
                                 if spec.positions == "learned" else None)

@@ -275,6 +275,9 @@ class _TorchAdamW:
     ``step`` (float32 scalar: on the parameter's device when fused, else on the host), the layout
     ``torch.optim.AdamW`` uses, so checkpoints of either load into the other. ``grad_scale``:
     with ``fused``, a float32 scalar the kernel divides the gradients by (None: 1).
+    Not what ``Optimizer.step`` adds around the update: no profiler label, no check against being
+    captured in a CUDA graph (the host step counters would freeze there: never capture it), no
+    complex parameters. Needs torch ≥ 2.7 (``adam``'s ``decoupled_weight_decay``).
     """
 
     def __init__(self, param_groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float,
