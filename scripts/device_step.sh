@@ -12,7 +12,10 @@
 #   moments  bench precision --sections step with fp32 and bf16 AdamW moments (issue 27: the
 #            optimizer <= 8 % of the step with bf16 moments)
 #   sonic    the MoE layer beside SonicMoE at E=128 and E=64 (issue 26: forward+backward <= 0.95x)
-# Budgets (seconds) per step: T_TRAIN, T_MOMENTS, T_SONIC; the whole must fit one 10-minute call.
+#   gputests the GPU tests of the optimizer and precision paths (test_precision_gpu.py,
+#            test_zero_gpu.py): run it first after any change to worker/optim.py (session 9 moved
+#            the fused AdamW update off torch.optim.AdamW; it had run on the CPU only)
+# Budgets (seconds) per step: T_GPUTESTS, T_TRAIN, T_MOMENTS, T_SONIC; the whole must fit one 10-minute call.
 set -u
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -20,6 +23,10 @@ STEPS=${1:-train,moments}
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/gpus.txt"
 python3 -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.__version__}')" | tee "$OUT/versions.txt"
+if has gputests; then
+  timeout ${T_GPUTESTS:-240} python3 -m pytest -q -p no:cacheprovider --timeout 180 \
+    tests/gpu/test_precision_gpu.py tests/gpu/test_zero_gpu.py 2>&1 | tee "$OUT/gputests.log" | tail -15
+fi
 if has train; then
   timeout ${T_TRAIN:-360} python3 -m ray_moe.cli bench train --layers 2,4 --titan yes --compile --titan-compile \
     --titan-ac full --set model.activation_checkpointing=full --json "$OUT/bench_train.json" \
