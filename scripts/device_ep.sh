@@ -3,7 +3,7 @@
 # and the EP layer. Runs on one GPU (several NVSHMEM PEs per GPU under CUDA MPS) and on any
 # multi-GPU kind (W = all GPUs). Measured on nvidia-h100-x2 (2026-11-25): tests ~380 s, comm 90 s,
 # layer 84 s, so one 10-minute call holds either `tests` or `comm,layer`: on a lease, run `tests`
-# in one call and `comm,layer` in the next (pes2 alone took ~360 s on one H100).
+# in one call and `comm,layer,grad` in the next (pes2 alone took ~360 s on one H100).
 # Usage (device machine, repo root):  . .devbundle/setup.sh && bash scripts/device_ep.sh [steps]
 # steps (default: pes2,pes4,tests,comm,layer; a failing step does not stop the next one):
 #   pes2, pes4  2 / 4 ranks on EVERY GPU (RAY_MOE_PES_PER_GPU, under CUDA MPS): tests/gpu's
@@ -13,6 +13,9 @@
 #   comm        bench comm at W = all GPUs (skipped on one GPU): T_local 128, 4096, 16384
 #   layer       bench layer --sections ep at W = all GPUs (skipped on one GPU): sequential and
 #               pipelined, against one GPU running T_local and T tokens
+#   grad        bench grad_reduce at W = all GPUs (skipped on one GPU; not in the default list):
+#               issue 27's exposed replicated-gradient reduction, ZeRO stages 0, 1, 2, Qwen3-30B-A3B
+#               cut to 2 layers; fits the `comm,layer` call (`comm,layer,grad`)
 # Logs, JSON and a summary table (summary.md) go to $OUT; per-step timeouts T_* override defaults.
 set -u
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY_DEDUP_LOGS=0 RAY_MOE_INSTAFAIL=1
@@ -73,5 +76,11 @@ if [ "$GPUS" -ge 2 ] && has layer; then
     --T $((16384 * GPUS)) --H 4096 --I 1536 --E 64 --K 8 --transport nvshmem --ep-chunks 1,2,4 \
     --json "$OUT/bench_layer_ep_w$GPUS.json" 2>&1 | quiet | tee "$OUT/bench_layer.log" | tail -20
   record "bench layer ep W=$GPUS" "see bench_layer_ep_w$GPUS.json" $((SECONDS - t0)); ray_stop
+fi
+if [ "$GPUS" -ge 2 ] && has grad; then
+  t0=$SECONDS
+  timeout "${T_GRAD:-240}" python3 -m ray_moe.cli bench grad_reduce --world-size "$GPUS" --stages 0,1,2 \
+    --moments bfloat16 --json "$OUT/bench_grad_reduce_w$GPUS.json" 2>&1 | quiet | tee "$OUT/bench_grad_reduce.log" | tail -12
+  record "bench grad_reduce W=$GPUS" "see bench_grad_reduce_w$GPUS.json" $((SECONDS - t0)); ray_stop
 fi
 cat "$SUMMARY"

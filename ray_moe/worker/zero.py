@@ -35,7 +35,7 @@ in every forward and backward) and owns their mixed precision, where ray_moe kee
 masters; DDP's reducer all-reduces (every rank then holds the whole gradient and the whole state)
 and needs the model's ``forward`` to run through its wrapper, while the engine calls
 ``hidden_states`` and the loss. The pieces used are torch's: ``register_post_accumulate_grad_hook``,
-``reduce_scatter_tensor`` and ``all_gather_into_tensor`` (gloo and NCCL).
+``reduce_scatter_tensor`` and ``all_gather_into_tensor`` (``*_single`` where torch has them; gloo and NCCL).
 
 Checkpoints keep their schema (whole replicated tensors from rank 0): :meth:`gather_state` brings
 the chunks together (a collective, bucket by bucket) and :meth:`load` takes a rank's chunks from
@@ -49,6 +49,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+# torch 2.13 names these *_single and warns at every call of the old names; an older torch (the
+# GPU image's 2.11) may have only the old ones. Same arguments either way.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 ALIGN = 64  # elements: every chunk starts on a 256-byte boundary (float32)
 
@@ -182,7 +187,7 @@ class ShardedReplicatedState:
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and all(self.buckets[self._next].got):
             b = self.buckets[self._next]
-            b.work = dist.reduce_scatter_tensor(b.grad, self._buffer(b), group=self.group, async_op=True)
+            b.work = _reduce_scatter(b.grad, self._buffer(b), group=self.group, async_op=True)
             if self.shard_grads:  # the collective holds the buffer until it is waited for
                 b.flat = None
                 self._in_flight.append(b)
@@ -238,7 +243,7 @@ class ShardedReplicatedState:
         works = []
         for b in self.buckets:  # the gradient buffer is free until the next backward
             out = self._scratch(b, b.dtype)
-            works.append((b, out, dist.all_gather_into_tensor(out, b.send, group=self.group, async_op=True)))
+            works.append((b, out, _all_gather(out, b.send, group=self.group, async_op=True)))
         for b, out, work in works:
             work.wait()
             torch._foreach_copy_(list(b.params), b.views(out))
@@ -253,7 +258,7 @@ class ShardedReplicatedState:
             for key in ("master", "exp_avg", "exp_avg_sq") if self.steps else ("master",):
                 mine = getattr(b, key)
                 whole = self._scratch(b, mine.dtype)
-                dist.all_gather_into_tensor(whole, mine, group=self.group)
+                _all_gather(whole, mine, group=self.group)
                 if self.rank == 0:
                     for name, v in zip(b.names, b.views(whole), strict=True):
                         out.setdefault(name, {})[key] = v.cpu().clone()
