@@ -266,6 +266,8 @@ def host_cost_worker(worker: Any, params: dict) -> list[dict]:
             rec[f"{name}_host_us"] = (time.perf_counter() - t0) / iters * 1e6
             torch.cuda.synchronize()
             rec[f"{name}_launches"] = dict(buf.launcher.calls)
+        if params.get("profile"):
+            rec.update(_host_profile(buf, pair, x, w, dr, ds, iters))
         g, y = capture_graph(pair)
         rec["graph_pair_us"] = _time(g.replay, iters) * 1e6
         to_rank = torch.zeros(T, W, dtype=torch.bool, device=dev).scatter_(1, dr.long(), True)
@@ -276,6 +278,48 @@ def host_cost_worker(worker: Any, params: dict) -> list[dict]:
         torch.cuda.synchronize()
         buf.close()
         out.append(rec)
+    return out
+
+
+def _host_profile(buf: Any, pair: Any, x: torch.Tensor, w: torch.Tensor, dr: torch.Tensor, ds: torch.Tensor,
+                  iters: int) -> dict:
+    """Where the host time of one eager dispatch+combine goes: wall microseconds per call (no
+    synchronisation) of the parts on their own, and cProfile's top functions over ``iters`` pairs."""
+    import cProfile
+    import io
+    import pstats
+    import time
+
+    def host_us(fn, n: int = iters) -> float:
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        us = (time.perf_counter() - t0) / n * 1e6
+        torch.cuda.synchronize()
+        return us
+
+    T, dev = x.shape[0], x.device
+    r = buf.dispatch(x, w, dr, ds)
+    parts = {
+        "dispatch": lambda: buf.dispatch(x, w, dr, ds),
+        "combine": lambda: buf.combine(r[0], r[3]),
+        "torch.empty": lambda: torch.empty(T, 8, dtype=torch.int32, device=dev),
+        "six torch.empty": lambda: [torch.empty(T, 8, dtype=torch.int32, device=dev) for _ in range(6)],
+        "key": lambda: buf._key("dispatch", T, x, dr, ds, w),
+    }
+    out = {f"host_{k}_us": host_us(fn) for k, fn in parts.items()}
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        pair()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    out["profile"] = text.getvalue()[-6000:]
     return out
 
 
@@ -322,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-cost", action="store_true",
                    help="only the host cost per call: eager dispatch+combine through Triton's JIT and through the"
                         " launch cache, and a CUDA-graph replay (any world size, also 1)")
+    p.add_argument("--profile", action="store_true",
+                   help="with --host-cost: time the parts of a call on their own and print cProfile's top functions")
     p.add_argument("--json", default=None, help="write results here")
     a = p.parse_args(argv)
 
@@ -403,7 +449,8 @@ def _host_cost_main(a: argparse.Namespace, W: int) -> int:
         "parallel": {"world_size": W, "device": "cuda", "transport": "nvshmem",
                      "force_remote_path": a.force_remote, "startup_timeout_s": 180},
     })
-    params = {"tokens": tokens, "hidden": a.hidden, "top_k": a.top_k, "experts": a.experts, "iters": a.iters}
+    params = {"tokens": tokens, "hidden": a.hidden, "top_k": a.top_k, "experts": a.experts, "iters": a.iters,
+              "profile": a.profile}
     with WorkerGroup(cfg) as group:
         device = group.execute(lambda w: torch.cuda.get_device_name(w.device))[0]
         per_rank = group.execute(host_cost_worker, params, timeout=900)
@@ -414,6 +461,12 @@ def _host_cost_main(a: argparse.Namespace, W: int) -> int:
     print(f"W={W} on {device}, H={a.hidden} K={a.top_k} E={a.experts} bf16; direct launch works: "
           f"{per_rank[0][0]['fast_launch_works'] if per_rank[0] else '?'} (slowest rank shown, microseconds per call)")
     print(tabulate([[r[c] for c in cols] for r in rows], headers=cols, floatfmt=".1f"))
+    if a.profile:
+        for rank in per_rank:
+            for rec in rank:
+                parts = {k[5:-3]: round(v, 1) for k, v in rec.items() if k.startswith("host_") and k != "host_us"}
+                print(f"rank {rec['rank']} T={rec['T']} host microseconds per call: {parts}")
+        print(per_rank[0][0].get("profile", ""))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"world_size": W, "device": device, "summary": rows, "per_rank": per_rank}, f, indent=1)
