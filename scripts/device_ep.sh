@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Expert parallelism on the device, one command (issue 23): the multi-PE GPU tests, the comm sweep
 # and the EP layer. Runs on one GPU (several NVSHMEM PEs per GPU under CUDA MPS) and on any
-# multi-GPU kind (W = all GPUs). Measured on nvidia-h100-x2 (2026-11-25): tests ~380 s, comm 90 s,
-# layer 84 s, so one 10-minute call holds either `tests` or `comm,layer`: on a lease, run `tests`
-# in one call and `comm,layer,grad` in the next (pes2 alone took ~360 s on one H100).
+# multi-GPU kind (W = all GPUs; pes2 on two GPUs is W=4). Measured on nvidia-h100-x2 (session 10,
+# 2026-11-25): tests 296 s, pes2 with PES_FILES=tests/gpu/test_nvshmem_gpu.py 206 s, comm 70 s,
+# layer 72 s, grad 121 s. Plan for a two-GPU lease, back to back (the machine goes back after 30 s
+# idle): call A `PES_FILES=tests/gpu/test_nvshmem_gpu.py ... tests,pes2` (~510 s), call B
+# `comm,layer,grad` (~270 s) plus `python3 -m ray_moe.bench.comm --host-cost --profile` (~60 s).
+# On one GPU, pes2 with every file took ~360 s.
 # Usage (device machine, repo root):  . .devbundle/setup.sh && bash scripts/device_ep.sh [steps]
 # steps (default: pes2,pes4,tests,comm,layer; a failing step does not stop the next one):
 #   pes2, pes4  2 / 4 ranks on EVERY GPU (RAY_MOE_PES_PER_GPU, under CUDA MPS): tests/gpu's
