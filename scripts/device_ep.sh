@@ -13,7 +13,8 @@
 #               NVSHMEM transport tests (layout, validators, parity, clones, graph replay, reserve),
 #               and with pes2 the HF families' short bf16 training runs and the training tests
 #   tests       one rank per GPU, W = all GPUs (2 at most in the tests): the same GPU tests
-#   comm        bench comm at W = all GPUs (skipped on one GPU): T_local 128, 4096, 16384
+#   comm        bench comm at W = all GPUs (skipped on one GPU): T_local 128, 4096, 16384, also with
+#               COMM_PROGRAMS (default 16,32,66) programs: eager and graph-replayed, for small-T latency
 #   layer       bench layer --sections ep at W = all GPUs (skipped on one GPU): sequential and
 #               pipelined, against one GPU running T_local and T tokens
 #   grad        bench grad_reduce at W = all GPUs (skipped on one GPU; not in the default list):
@@ -69,7 +70,7 @@ if has tests; then
 fi
 if [ "$GPUS" -ge 2 ] && has comm; then
   t0=$SECONDS
-  timeout "${T_COMM:-150}" python3 -m ray_moe.bench.comm --tokens 128,4096,16384 --variants all \
+  timeout "${T_COMM:-150}" python3 -m ray_moe.bench.comm --tokens 128,4096,16384 --variants all --programs "${COMM_PROGRAMS:-16,32,66}" \
     --json "$OUT/bench_comm_w$GPUS.json" 2>&1 | quiet | tee "$OUT/bench_comm.log" | tail -20
   record "bench comm W=$GPUS" "see bench_comm_w$GPUS.json" $((SECONDS - t0)); ray_stop
 fi
