@@ -252,3 +252,17 @@ def test_symmetric_buffer_on_one_pe_under_the_interpreter(interpreter_scripts):
     pytest.importorskip("triton")
     proc = interpreter_scripts.result(sys.executable, "-c", _W1_SCRIPT)
     assert proc.stdout.startswith("OK"), (proc.stdout + proc.stderr)[-3000:]
+
+
+_PES = (sys.executable, "tests/nvshmem_pes.py", "--world-size", "2")
+
+
+@pytest.mark.interpreter_script(*_PES)
+def test_exchange_kernels_across_two_pes_under_the_interpreter(interpreter_scripts):
+    """The NVSHMEM transport's real kernels between two ranks on the CPU (tests/nvshmem_pes.py:
+    a process per rank, symmetric memory as shared file mappings, peer stores and flag atomics
+    across processes): every transport edge case (dispatch, combine and both backwards, two calls
+    through one buffer) and the EP layer against the single-process oracle, on every rank."""
+    pytest.importorskip("triton")
+    proc = interpreter_scripts.result(*_PES)
+    assert proc.stdout.startswith("OK"), (proc.stdout + proc.stderr)[-4000:]

@@ -1,0 +1,212 @@
+"""Several NVSHMEM PEs on the CPU: the transport's real exchange kernels under Triton's interpreter,
+one process per rank, so multi-PE kernel changes can be checked without a GPU.
+
+Each rank is a process with ``TRITON_INTERPRET=1`` and a gloo group. Symmetric memory is a file per
+(allocation, rank) in a shared directory, mapped by every rank (``torch.from_file(shared=True)``);
+a peer pointer is the same offset in this process's mapping of the peer's file, so the kernels'
+peer stores and flag atomics (real hardware atomics in the interpreter) cross processes as they
+cross GPUs over NVLink. One program per rank (the interpreter runs a launch's programs one after
+another, and the dispatch layout waits for every program of its rank to be resident).
+
+What each rank runs: the transport validators on every edge case (``ray_moe.validation.transport``:
+dispatch, combine and both backwards against the routing's reference, two calls in a row through
+the same buffer), then the EP layer against the single-process oracle (``layer_parity``) with
+uneven token counts, then the transport's device error word.
+
+Usage: ``python tests/nvshmem_pes.py [--world-size 2]`` starts the ranks and prints ``OK`` or the
+failures (exit 1); ``--rank R --root DIR`` is one rank (started by the former).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class FileRuntime:
+    """:class:`ray_moe.comm.nvshmem.NVSHMEMRuntime`'s interface over files in ``root``: allocation i
+    of rank r is the file ``seg{i}.r{r}`` (zero bytes, page-aligned when mapped); every rank
+    allocates the same sizes in the same order, as NVSHMEM's symmetric heap requires."""
+
+    def __init__(self, root: str, rank: int, world_size: int, timeout_s: float = 120.0) -> None:
+        self.root, self.rank, self.world_size, self.timeout_s = root, rank, world_size, timeout_s
+        self._mine: list[tuple[int, int, object]] = []  # (base address, bytes, tensor) per allocation
+        self._peers: dict[tuple[int, int], object] = {}  # (allocation, pe) -> the peer's mapping here
+
+    def _path(self, index: int, pe: int) -> str:
+        return os.path.join(self.root, f"seg{index}.r{pe}")
+
+    def alloc(self, nbytes: int):
+        import torch
+
+        path = self._path(len(self._mine), self.rank)
+        with open(path + ".tmp", "wb") as f:
+            f.truncate(nbytes)
+        os.replace(path + ".tmp", path)  # peers map it only once it has its full size
+        t = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        self._mine.append((t.data_ptr(), nbytes, t))
+        return t
+
+    def free(self, t) -> None:  # mappings live until the process ends (addresses stay valid)
+        pass
+
+    def peer_ptr(self, addr: int, pe: int) -> int:
+        import torch
+
+        for index, (base, nbytes, _) in enumerate(self._mine):
+            if base <= addr < base + nbytes:
+                break
+        else:
+            return 0
+        if pe == self.rank:
+            return addr
+        if (index, pe) not in self._peers:
+            path, deadline = self._path(index, pe), time.monotonic() + self.timeout_s
+            while not os.path.exists(path):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank {self.rank}: rank {pe} never allocated symmetric block {index}")
+                time.sleep(0.01)
+            self._peers[index, pe] = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        return self._peers[index, pe].data_ptr() + (addr - base)
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def close(self) -> None:
+        pass
+
+
+def make_transport(runtime: FileRuntime, spin_limit: int):
+    """An :class:`~ray_moe.comm.nvshmem.NVSHMEMTransport` on the CPU over ``runtime``: one program,
+    every peer through peer pointers, Triton's JIT for every launch (the interpreter's)."""
+    import torch
+
+    from ray_moe.comm.base import BufferSpec, Transport
+    from ray_moe.comm.nvshmem import NVSHMEMTransport
+
+    class InterpreterTransport(NVSHMEMTransport):
+        def __init__(self) -> None:
+            Transport.__init__(self, runtime.rank, runtime.world_size)
+            self.device = torch.device("cpu")
+            self.runtime = runtime
+            self.force_remote = False
+            self.node_of_rank = [0] * runtime.world_size
+            self.num_programs = self.comm_programs = 1
+            self.buffer, self.spec = None, None
+            self.spin_limit = spin_limit
+            self.fast_launch = False
+            self.reserve(BufferSpec(max_tokens=16, hidden=32, elem_bytes=4, max_top_k=8))
+
+    return InterpreterTransport()
+
+
+def rank_main(root: str, rank: int, world_size: int, spin_limit: int) -> list[str]:
+    """One rank: every check, the failures as lines."""
+    import torch
+    import torch.distributed as dist
+
+    from ray_moe.driver.group import RankInfo
+    from ray_moe.validation.cases import EDGE_CASES, Case
+    from ray_moe.validation.layer import layer_parity
+    from ray_moe.validation.transport import check_combine, check_dispatch
+
+    dist.init_process_group("gloo", init_method=f"file://{root}/pg", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=120))
+    tr = make_transport(FileRuntime(root, rank, world_size), spin_limit)
+    info = RankInfo(rank, world_size, "local", 0, 1, rank, world_size, "127.0.0.1", "local", 0, -1)
+    worker = SimpleNamespace(transport=tr, rank_info=info, device=torch.device("cpu"))
+    fails: list[str] = []
+
+    def check(name: str, fn, case, tol: float) -> None:
+        try:
+            result = fn(worker, case)
+        except Exception as exc:  # the other ranks then time out in their waits: stop here
+            fails.append(f"rank {rank} {name}: {type(exc).__name__}: {exc}")
+            raise
+        errors = result.get("errors", result)
+        bad = {k: v for k, v in errors.items() if not v <= tol}
+        if bad:
+            fails.append(f"rank {rank} {name}: {bad}")
+
+    try:
+        for extra in EDGE_CASES:
+            case = Case(num_experts=4 * world_size).but(**extra)
+            if case.applies_to(world_size) is None:
+                check(f"check_dispatch {extra}", check_dispatch, case, 1e-6)
+                check(f"check_combine {extra}", check_combine, case, 1e-6)
+        extra = dict(tokens_per_rank=(3, 17), top_k=3)  # uneven counts; the edge cases ran above
+        check(f"layer_parity {extra}", layer_parity, Case(num_experts=4 * world_size, seed=3).but(**extra), 1e-5)
+    except Exception:
+        return fails
+    code, peer = (int(v) for v in tr.buffer.err.tolist())
+    if code:
+        fails.append(f"rank {rank}: device error {code} involving rank {peer}")
+    dist.barrier()
+    dist.destroy_process_group()
+    return fails
+
+
+def launch(world_size: int, spin_limit: int, timeout_s: float) -> list[str]:
+    """Start ``world_size`` rank processes and collect their failures (a rank that dies or runs
+    past ``timeout_s`` is a failure that says so)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    with tempfile.TemporaryDirectory(prefix="ray_moe_pes_") as root:
+        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank", str(r), "--root", root,
+                                   "--world-size", str(world_size), "--spin-limit", str(spin_limit)],
+                                  env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for r in range(world_size)]
+        # a rank that stops early leaves the others waiting on it: end them all soon after
+        deadline, first_done = time.monotonic() + timeout_s, None
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if first_done is None and any(p.poll() is not None for p in procs):
+                first_done = time.monotonic()
+            if first_done is not None and time.monotonic() - first_done > 30:
+                break
+            time.sleep(0.05)
+        fails = []
+        for r, p in enumerate(procs):
+            late = p.poll() is None
+            if late:
+                p.kill()
+            out, err = p.communicate()
+            lines = [line for line in out.splitlines() if line.startswith("{")]
+            if lines:
+                fails += json.loads(lines[-1])["fails"]
+            if late:
+                fails.append(f"rank {r} was still running when it was stopped (another rank ended 30 s "
+                             f"earlier, or {timeout_s:.0f} s passed)")
+            elif p.returncode or not lines:
+                fails.append(f"rank {r} exited with {p.returncode}: {err[-3000:]}")
+    return fails
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--rank", type=int, default=None)
+    p.add_argument("--root", default=None)
+    p.add_argument("--spin-limit", type=int, default=1 << 21)
+    p.add_argument("--timeout-s", type=float, default=400.0)
+    a = p.parse_args(argv)
+    if a.rank is None:
+        fails = launch(a.world_size, a.spin_limit, a.timeout_s)
+        print("OK" if not fails else "FAILED\n" + "\n".join(fails))
+        return 1 if fails else 0
+    print(json.dumps({"fails": rank_main(a.root, a.rank, a.world_size, a.spin_limit)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
