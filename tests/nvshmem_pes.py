@@ -10,10 +10,11 @@ another, and the dispatch layout waits for every program of its rank to be resid
 
 What each rank runs: the transport validators on every edge case (``ray_moe.validation.transport``:
 dispatch, combine and both backwards against the routing's reference, two calls in a row through
-the same buffer), then the EP layer against the single-process oracle (``layer_parity``) with
+the same buffer) with each ``--tunings`` entry (the exchange kernels' launch variants, e.g.
+``Tuning.interleave``), then the EP layer against the single-process oracle (``layer_parity``) with
 uneven token counts, then the transport's device error word.
 
-Usage: ``python tests/nvshmem_pes.py [--world-size 2]`` starts the ranks and prints ``OK`` or the
+Usage: ``python tests/nvshmem_pes.py [--world-size 2] [--tunings JSON]`` starts the ranks and prints ``OK`` or the
 failures (exit 1); ``--rank R --root DIR`` is one rank (started by the former).
 """
 
@@ -87,13 +88,15 @@ class FileRuntime:
         pass
 
 
-def make_transport(runtime: FileRuntime, spin_limit: int):
+def make_transport(runtime: FileRuntime, spin_limit: int, tuning: dict | None = None):
     """An :class:`~ray_moe.comm.nvshmem.NVSHMEMTransport` on the CPU over ``runtime``: one program,
-    every peer through peer pointers, Triton's JIT for every launch (the interpreter's)."""
+    every peer through peer pointers, Triton's JIT for every launch (the interpreter's); every
+    buffer it makes gets ``Tuning(**tuning)`` when given."""
     import torch
 
     from ray_moe.comm.base import BufferSpec, Transport
     from ray_moe.comm.nvshmem import NVSHMEMTransport
+    from ray_moe.comm.nvshmem_kernels import Tuning
 
     class InterpreterTransport(NVSHMEMTransport):
         def __init__(self) -> None:
@@ -108,11 +111,26 @@ def make_transport(runtime: FileRuntime, spin_limit: int):
             self.fast_launch = False
             self.reserve(BufferSpec(max_tokens=16, hidden=32, elem_bytes=4, max_top_k=8))
 
-    return InterpreterTransport()
+        def new_buffer(self, *args, **kwargs):
+            buf = super().new_buffer(*args, **kwargs)
+            if self.tuning:
+                buf.tuning = Tuning(**self.tuning)
+            return buf
+
+        def use(self, tuning: dict | None) -> None:
+            """Give this and every later buffer ``Tuning(**tuning)`` (None: the buffer's default)."""
+            self.tuning = tuning
+            self.buffer.tuning = Tuning(**tuning) if tuning else Tuning.for_hidden(self.buffer.geo.hidden)
+
+    tr = InterpreterTransport.__new__(InterpreterTransport)
+    tr.tuning = tuning
+    tr.__init__()
+    return tr
 
 
-def rank_main(root: str, rank: int, world_size: int, spin_limit: int) -> list[str]:
-    """One rank: every check, the failures as lines."""
+def rank_main(root: str, rank: int, world_size: int, spin_limit: int, tunings: list[dict]) -> list[str]:
+    """One rank: the transport checks with each of ``tunings`` ({}: the buffers' default), the
+    layer's with the first; the failures as lines."""
     import torch
     import torch.distributed as dist
 
@@ -123,7 +141,7 @@ def rank_main(root: str, rank: int, world_size: int, spin_limit: int) -> list[st
 
     dist.init_process_group("gloo", init_method=f"file://{root}/pg", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=120))
-    tr = make_transport(FileRuntime(root, rank, world_size), spin_limit)
+    tr = make_transport(FileRuntime(root, rank, world_size), spin_limit, tunings[0] or None)
     info = RankInfo(rank, world_size, "local", 0, 1, rank, world_size, "127.0.0.1", "local", 0, -1)
     worker = SimpleNamespace(transport=tr, rank_info=info, device=torch.device("cpu"))
     fails: list[str] = []
@@ -140,11 +158,14 @@ def rank_main(root: str, rank: int, world_size: int, spin_limit: int) -> list[st
             fails.append(f"rank {rank} {name}: {bad}")
 
     try:
-        for extra in EDGE_CASES:
-            case = Case(num_experts=4 * world_size).but(**extra)
-            if case.applies_to(world_size) is None:
-                check(f"check_dispatch {extra}", check_dispatch, case, 1e-6)
-                check(f"check_combine {extra}", check_combine, case, 1e-6)
+        for tuning in tunings:
+            tr.use(tuning or None)
+            for extra in EDGE_CASES:
+                case = Case(num_experts=4 * world_size).but(**extra)
+                if case.applies_to(world_size) is None:
+                    check(f"check_dispatch {extra} {tuning}", check_dispatch, case, 1e-6)
+                    check(f"check_combine {extra} {tuning}", check_combine, case, 1e-6)
+        tr.use(tunings[0] or None)
         extra = dict(tokens_per_rank=(3, 17), top_k=3)  # uneven counts; the edge cases ran above
         check(f"layer_parity {extra}", layer_parity, Case(num_experts=4 * world_size, seed=3).but(**extra), 1e-5)
     except Exception:
@@ -157,14 +178,15 @@ def rank_main(root: str, rank: int, world_size: int, spin_limit: int) -> list[st
     return fails
 
 
-def launch(world_size: int, spin_limit: int, timeout_s: float) -> list[str]:
+def launch(world_size: int, spin_limit: int, timeout_s: float, tunings: str = "[{}]") -> list[str]:
     """Start ``world_size`` rank processes and collect their failures (a rank that dies or runs
     past ``timeout_s`` is a failure that says so)."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     with tempfile.TemporaryDirectory(prefix="ray_moe_pes_") as root:
         procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank", str(r), "--root", root,
-                                   "--world-size", str(world_size), "--spin-limit", str(spin_limit)],
+                                   "--world-size", str(world_size), "--spin-limit", str(spin_limit),
+                                   "--tunings", tunings],
                                   env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for r in range(world_size)]
         # a rank that stops early leaves the others waiting on it: end them all soon after
@@ -199,12 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", default=None)
     p.add_argument("--spin-limit", type=int, default=1 << 21)
     p.add_argument("--timeout-s", type=float, default=400.0)
+    p.add_argument("--tunings", default="[{}]",
+                   help='the buffers\' Tunings to check, a JSON list ({}: the default), e.g. '
+                        '\'[{}, {"block_r": 2, "interleave": true}]\'')
     a = p.parse_args(argv)
     if a.rank is None:
-        fails = launch(a.world_size, a.spin_limit, a.timeout_s)
+        fails = launch(a.world_size, a.spin_limit, a.timeout_s, a.tunings)
         print("OK" if not fails else "FAILED\n" + "\n".join(fails))
         return 1 if fails else 0
-    print(json.dumps({"fails": rank_main(a.root, a.rank, a.world_size, a.spin_limit)}))
+    print(json.dumps({"fails": rank_main(a.root, a.rank, a.world_size, a.spin_limit, json.loads(a.tunings))}))
     return 0
 
 

@@ -102,6 +102,10 @@ VARIANTS = MappingProxyType({
     "r8h4096w16": dict(block_r=8, block_h=4096, num_warps=16),
     # the combine's sends in ring order (Tuning.rotate_peers): for W >= 4, where the combine lagged
     "r8h4096w16rot": dict(block_r=8, block_h=4096, num_warps=16, rotate_peers=True),
+    # the dispatch's copy-out interleaved with its sends (Tuning.interleave)
+    "r8h4096w16il": dict(block_r=8, block_h=4096, num_warps=16, interleave=True),
+    "r4h4096w16il": dict(block_r=4, block_h=4096, num_warps=16, interleave=True),
+    "r8h4096w16rotil": dict(block_r=8, block_h=4096, num_warps=16, rotate_peers=True, interleave=True),
 })
 
 

@@ -210,17 +210,19 @@ class _Channel:
         self.geo, self.remote = geo, remote
         self.recv = rt.alloc(W * geo.region_bytes)
         self.stage = rt.alloc(W * geo.region_bytes) if staging else None
-        self.words = rt.alloc(8 * (W * G + 2 * W)).view(torch.int64)
+        self.words = rt.alloc(8 * (2 * W * G + 2 * W)).view(torch.int64)
         self.flag = self.words[: W * G]
         self.rsig = self.words[W * G: W * G + W]
-        self.ack = self.words[W * G + W:]
+        self.ack = self.words[W * G + W: W * G + 2 * W]
+        self.prog = self.words[W * G + 2 * W:]  # rows arrived per source and program (Tuning.interleave)
         recv_base, words_base = self.recv.data_ptr(), self.words.data_ptr()
         for name, t in (("receive regions", self.recv), ("staging regions", self.stage)):
             if t is not None and t.data_ptr() % 256:  # the kernels' 16-byte vector accesses rely on it
                 raise NVSHMEMError(f"rank {me}: symmetric {name} at {t.data_ptr():#x} are not 256-byte aligned")
         self.recv_base = recv_base
         self.rsig_base, self.ack_base = words_base + 8 * W * G, words_base + 8 * (W * G + W)
-        dst, pflag, pack = [0] * W, [0] * W, [0] * W
+        prog_base = words_base + 8 * (W * G + 2 * W)
+        dst, pflag, pack, pprog = [0] * W, [0] * W, [0] * W, [0] * W
         for d in range(W):
             if d == me:
                 continue
@@ -230,7 +232,8 @@ class _Channel:
                 dst[d] = rt.peer_ptr(recv_base + me * geo.region_bytes, d)
                 pflag[d] = rt.peer_ptr(words_base + 8 * me * G, d)
                 pack[d] = rt.peer_ptr(self.ack_base + 8 * me, d)
-                if not (dst[d] and pflag[d] and pack[d]):
+                pprog[d] = rt.peer_ptr(prog_base + 8 * me * G, d)
+                if not (dst[d] and pflag[d] and pack[d] and pprog[d]):
                     raise NVSHMEMError(f"rank {me}: no peer pointer to rank {d}; use the remote path")
         dev = self.recv.device
         self.addrs = ChannelAddrs(
@@ -240,6 +243,9 @@ class _Channel:
             remote_tbl=torch.tensor([int(r) for r in remote], dtype=torch.int32, device=dev),
             recv_base=recv_base, flag=self.flag, rsig=self.rsig, ack=self.ack,
             ctr=torch.zeros(G, dtype=torch.int32, device=dev),
+            pprog_tbl=torch.tensor(pprog, dtype=torch.int64, device=dev), prog=self.prog,
+            rbase=torch.zeros(W * G, dtype=torch.int64, device=dev),
+            done=torch.zeros(W * G, dtype=torch.int32, device=dev),
         )
 
     def post_send(self, rt: NVSHMEMRuntime) -> None:

@@ -114,6 +114,42 @@ def _chunk(T, pid, G: tl.constexpr):
     return t0, t1
 
 
+@triton.jit
+def _copy_in(region, j0, j1, s, out_x_ptr, out_slot_ptr, out_w_ptr, T_cap, meta_base, rrow, hcol, kcol,
+             ELEM: tl.constexpr, ROW_ELEMS: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
+             K_PAD: tl.constexpr, KMAX: tl.constexpr, CM_BYTES: tl.constexpr, HAS_META: tl.constexpr,
+             BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, ALIGNED: tl.constexpr):
+    """Received rows [j0, j1) of source ``s`` (and their slot/weight meta) from its region at byte
+    address ``region`` to rows ``s*T_cap + j`` of the outputs."""
+    for jb in range(j0, j1, BLOCK_R):
+        j = jb + rrow
+        jm = j < j1
+        out_row = (s * T_cap + j).to(tl.int64)
+        for hb in tl.static_range(0, H, BLOCK_H):
+            h = hb + hcol
+            hm = h < H
+            src = _row_block(region + CM_BYTES, j, h, ROW_ELEMS, ELEM, BLOCK_H)
+            v = tl.load(src, mask=jm[:, None] & hm[None, :], cache_modifier=".cg")
+            tl.store(_rows_of(out_x_ptr, out_row, h, H, BLOCK_H, ALIGNED), v, mask=jm[:, None] & hm[None, :])
+        if HAS_META:
+            kmask = kcol[None, :] < K
+            mrow = _row_block(region + meta_base, j, kcol, 2 * KMAX, tl.int32, K_PAD)
+            slot = tl.load(mrow, mask=jm[:, None] & kmask, cache_modifier=".cg")
+            wgt = tl.load((mrow + KMAX).to(tl.pointer_type(tl.float32)), mask=jm[:, None] & kmask,
+                          cache_modifier=".cg")
+            tl.store(out_slot_ptr + out_row[:, None] * K + kcol[None, :], slot, mask=jm[:, None] & kmask)
+            tl.store(out_w_ptr + out_row[:, None] * K + kcol[None, :], wgt, mask=jm[:, None] & kmask)
+
+
+@triton.jit
+def _chunk_meta(region):
+    """(start, end, total) of the chunk meta at byte address ``region`` (this program's entry)."""
+    cm = tl.load(region.to(tl.pointer_type(tl.int32)) + tl.arange(0, 4), cache_modifier=".cg")
+    st = tl.sum(tl.where(tl.arange(0, 4) == 0, cm, 0), axis=0)
+    en = tl.sum(tl.where(tl.arange(0, 4) == 1, cm, 0), axis=0)
+    return cm, st, en
+
+
 # ----------------------------------------------------------------------------------- dispatch
 
 
@@ -135,12 +171,13 @@ def _dispatch_kernel(
     out_x_ptr, out_slot_ptr, out_w_ptr,  # [W*T_cap, H], int32 [W*T_cap, K], f32 [W*T_cap, K]
     rmeta_ptr,  # int32 [W, G, 4]: per source, the chunk meta that arrived
     ctr_ptr, err_ptr,
+    pprog_tbl, prog_ptr, rbase_ptr, done_ptr,  # INTERLEAVE's progress words (ChannelAddrs)
     me, T_cap, REGION, spin_limit,
     W: tl.constexpr, W_PAD: tl.constexpr, H: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
     KMAX: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
     CM_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
     HAS_META: tl.constexpr, COMPUTE_LAYOUT: tl.constexpr, PHASE: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, ALIGNED: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, ALIGNED: tl.constexpr, INTERLEAVE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     ELEM = x_ptr.dtype.element_ty
@@ -198,6 +235,16 @@ def _dispatch_kernel(
                 if d != me:
                     _wait_ge(ack_ptr + d, n.to(tl.int64) * G, spin_limit, err_ptr, 2, d)
             tl.debug_barrier()
+        # ---------------- chunk meta first: an interleaved receiver reads it while rows arrive
+        for d in tl.static_range(W):
+            if d != me:
+                smd = tl.load(smeta_ptr + pid * W * 4 + d * 4 + tl.arange(0, 4))
+                base = tl.load(dst_tbl + d)
+                tl.store((base + pid * 16 + tl.arange(0, 4) * 4).to(tl.pointer_type(tl.int32)), smd)
+        if INTERLEAVE:
+            for d in tl.static_range(W):
+                if d != me:
+                    _signal(tl.load(pprog_tbl + d) + pid * 8, 1)
         # ---------------- rows (and their slots/weights) to every destination, once per rank
         running = start
         for tb in range(t0, t1, BLOCK_R):
@@ -252,12 +299,29 @@ def _dispatch_kernel(
                         mrow = _row_block(tl.load(dst_tbl + d) + meta_base, pd, kcol, 2 * KMAX, tl.int32, K_PAD)
                         tl.store(mrow, slot, mask=ok[:, None] & kmask)
                         tl.store((mrow + KMAX).to(tl.pointer_type(tl.float32)), wgt, mask=ok[:, None] & kmask)
-        # ---------------- chunk meta, then the arrival signal (peer path)
-        for d in tl.static_range(W):
-            if d != me:
-                smd = tl.load(smeta_ptr + pid * W * 4 + d * 4 + tl.arange(0, 4))
-                base = tl.load(dst_tbl + d)
-                tl.store((base + pid * 16 + tl.arange(0, 4) * 4).to(tl.pointer_type(tl.int32)), smd)
+            if INTERLEAVE:
+                # this block's rows are out: tell each peer how many, then copy out what the
+                # peers' counterpart programs have sent so far (overlapping their transfer)
+                for d in tl.static_range(W):
+                    if d != me:
+                        c = tl.sum((rmask & (_column(posm, wcol, d) >= 0)).to(tl.int64), axis=0)
+                        if c > 0:
+                            _signal(tl.load(pprog_tbl + d) + pid * 8, c)
+                for s in tl.static_range(W):
+                    if s != me:
+                        rb = tl.load(rbase_ptr + s * G + pid)
+                        v = tl.atomic_add(prog_ptr + s * G + pid, 0, sem="acquire", scope="sys")
+                        if v > rb:
+                            tl.debug_barrier()
+                            region = recv_base + s * region_sz
+                            cm, st, en = _chunk_meta(region + pid * 16)
+                            dn = tl.load(done_ptr + s * G + pid)
+                            got = tl.minimum(st + (v - rb - 1).to(tl.int32), en)
+                            _copy_in(region, st + dn, got, s, out_x_ptr, out_slot_ptr, out_w_ptr, T_cap, meta_base,
+                                     rrow, hcol, kcol, ELEM, ROW_ELEMS, H, K, K_PAD, KMAX, CM_BYTES, HAS_META,
+                                     BLOCK_R, BLOCK_H, ALIGNED)
+                            tl.store(done_ptr + s * G + pid, got - st)
+        # ---------------- the arrival signal (peer path)
         for d in tl.static_range(W):
             if d != me:
                 if tl.load(remote_tbl + d) == 0:
@@ -267,40 +331,35 @@ def _dispatch_kernel(
         tl.debug_barrier()
         # ---------------- receive: wait for program pid of every source, copy rows out
         for s in tl.static_range(W):
+            region = recv_base + s * region_sz
             if s == me:
                 cm = tl.load(smeta_ptr + pid * W * 4 + me * 4 + tl.arange(0, 4))
+            elif INTERLEAVE:  # the rest of the chunk: every row arrived, then what is not copied yet
+                rb = tl.load(rbase_ptr + s * G + pid)
+                _wait_ge(prog_ptr + s * G + pid, rb + 1, spin_limit, err_ptr, 3, s)
+                tl.debug_barrier()
+                cm, st, en = _chunk_meta(region + pid * 16)
+                last = rb + 1 + (en - st).to(tl.int64)
+                _wait_ge(prog_ptr + s * G + pid, last, spin_limit, err_ptr, 3, s)
+                tl.debug_barrier()
+                dn = tl.load(done_ptr + s * G + pid)
+                _copy_in(region, st + dn, en, s, out_x_ptr, out_slot_ptr, out_w_ptr, T_cap, meta_base,
+                         rrow, hcol, kcol, ELEM, ROW_ELEMS, H, K, K_PAD, KMAX, CM_BYTES, HAS_META,
+                         BLOCK_R, BLOCK_H, ALIGNED)
+                tl.store(rbase_ptr + s * G + pid, last)
+                tl.store(done_ptr + s * G + pid, 0)
             else:
                 if tl.load(remote_tbl + s) == 0:
                     _wait_ge(flag_ptr + s * G + pid, n.to(tl.int64) + 1, spin_limit, err_ptr, 3, s)
                 else:
                     _wait_ge(rsig_ptr + s, n.to(tl.int64) + 1, spin_limit, err_ptr, 3, s)
                 tl.debug_barrier()
-                cm_addr = recv_base + s * region_sz + pid * 16 + tl.arange(0, 4) * 4
-                cm = tl.load(cm_addr.to(tl.pointer_type(tl.int32)), cache_modifier=".cg")
+                cm, st, en = _chunk_meta(region + pid * 16)
+                _copy_in(region, st, en, s, out_x_ptr, out_slot_ptr, out_w_ptr, T_cap, meta_base,
+                         rrow, hcol, kcol, ELEM, ROW_ELEMS, H, K, K_PAD, KMAX, CM_BYTES, HAS_META,
+                         BLOCK_R, BLOCK_H, ALIGNED)
             tl.store(rmeta_ptr + (s * G + pid) * 4 + tl.arange(0, 4), cm)
-            st = tl.sum(tl.where(tl.arange(0, 4) == 0, cm, 0), axis=0)
-            en = tl.sum(tl.where(tl.arange(0, 4) == 1, cm, 0), axis=0)
             tot = tl.sum(tl.where(tl.arange(0, 4) == 2, cm, 0), axis=0)
-            region = recv_base + s * region_sz
-            if s != me:
-                for jb in range(st, en, BLOCK_R):
-                    j = jb + rrow
-                    jm = j < en
-                    out_row = (s * T_cap + j).to(tl.int64)
-                    for hb in tl.static_range(0, H, BLOCK_H):
-                        h = hb + hcol
-                        hm = h < H
-                        src = _row_block(region + CM_BYTES, j, h, ROW_ELEMS, ELEM, BLOCK_H)
-                        v = tl.load(src, mask=jm[:, None] & hm[None, :], cache_modifier=".cg")
-                        tl.store(_rows_of(out_x_ptr, out_row, h, H, BLOCK_H, ALIGNED), v, mask=jm[:, None] & hm[None, :])
-                    if HAS_META:
-                        kmask = kcol[None, :] < K
-                        mrow = _row_block(region + meta_base, j, kcol, 2 * KMAX, tl.int32, K_PAD)
-                        slot = tl.load(mrow, mask=jm[:, None] & kmask, cache_modifier=".cg")
-                        wgt = tl.load((mrow + KMAX).to(tl.pointer_type(tl.float32)),
-                                      mask=jm[:, None] & kmask, cache_modifier=".cg")
-                        tl.store(out_slot_ptr + out_row[:, None] * K + kcol[None, :], slot, mask=jm[:, None] & kmask)
-                        tl.store(out_w_ptr + out_row[:, None] * K + kcol[None, :], wgt, mask=jm[:, None] & kmask)
             # padding rows [tot, T_cap) of this source's block: striped over programs
             nblk = (T_cap + BLOCK_R - 1) // BLOCK_R
             b0 = tot // BLOCK_R
@@ -512,12 +571,18 @@ class ChannelAddrs:
 
     dst_tbl/pflag_tbl/pack_tbl: int64 [W] device tables (see the kernels); remote_tbl int32 [W];
     recv_base: int address of this rank's region 0; flag int64 [W*G], rsig int64 [W], ack int64 [W]
-    (symmetric words); ctr int32 [G] per-program call counters.
+    (symmetric words); ctr int32 [G] per-program call counters. For :attr:`Tuning.interleave`:
+    pprog_tbl int64 [W] (address of prog[me, 0] on peer d), prog int64 [W*G] (symmetric: one
+    plus the rows that program p of source s wrote here, summed over interleaved calls), rbase
+    int64 [W*G] (prog's value when this rank's last interleaved call ended) and done int32 [W*G]
+    (rows copied out so far in this call), both in ordinary device memory.
     """
 
-    def __init__(self, dst_tbl, pflag_tbl, pack_tbl, remote_tbl, recv_base, flag, rsig, ack, ctr):
+    def __init__(self, dst_tbl, pflag_tbl, pack_tbl, remote_tbl, recv_base, flag, rsig, ack, ctr,
+                 pprog_tbl, prog, rbase, done):
         self.dst_tbl, self.pflag_tbl, self.pack_tbl, self.remote_tbl = dst_tbl, pflag_tbl, pack_tbl, remote_tbl
         self.recv_base, self.flag, self.rsig, self.ack, self.ctr = recv_base, flag, rsig, ack, ctr
+        self.pprog_tbl, self.prog, self.rbase, self.done = pprog_tbl, prog, rbase, done
 
 
 class Tuning:
@@ -527,12 +592,19 @@ class Tuning:
     this rank (at any moment each rank receives from one peer) instead of in rank order (every
     rank writes to the lowest rank first). Off by default: it is meant for W >= 4, where the
     combine lagged the dispatch (180 vs 273 GB/s), and has not been measured on a device yet.
+
+    ``interleave`` (dispatch-like calls whose peers are all reached through peer pointers): each
+    program copies out its counterpart programs' rows as they arrive, between its own sends,
+    instead of after all of them (the copy-out otherwise follows the whole transfer: ~90 µs of
+    ~477 at T_local=16384, H=4096, W=2 on H100s, docs/BENCHMARKS.md, session 10). The senders
+    then signal a progress word after every block of rows. Every rank must use the same value.
+    Off by default until the device measures it.
     """
 
     def __init__(self, block_r: int = 8, block_h: int = 1024, num_warps: int = 8,
-                 rotate_peers: bool = False) -> None:
+                 rotate_peers: bool = False, interleave: bool = False) -> None:
         self.block_r, self.block_h, self.num_warps = block_r, block_h, num_warps
-        self.rotate_peers = bool(rotate_peers)
+        self.rotate_peers, self.interleave = bool(rotate_peers), bool(interleave)
 
     @classmethod
     def for_hidden(cls, hidden: int) -> "Tuning":
@@ -544,7 +616,7 @@ class Tuning:
         return cls()
 
     def key(self) -> tuple:
-        return (self.block_r, self.block_h, self.num_warps, self.rotate_peers)
+        return (self.block_r, self.block_h, self.num_warps, self.rotate_peers, self.interleave)
 
 
 def _check(t: torch.Tensor, name: str, shape: tuple, dtype=None, device=None) -> None:
@@ -614,7 +686,8 @@ def _dispatch_varying(x, pos, smeta, out_x, rmeta, dest_rank, dest_slot, weight,
     )
 
 
-def _dispatch_fixed(geo, ch, err, phase, T_cap, K, has_meta, compute_layout, spin_limit, tu, aligned) -> dict:
+def _dispatch_fixed(geo, ch, err, phase, T_cap, K, has_meta, compute_layout, spin_limit, tu, aligned,
+                    interleave) -> dict:
     """The rest of :func:`_dispatch_kernel`'s arguments (constexprs included): functions of the
     buffer and of the call's key."""
     W, G, H = geo.world_size, geo.num_programs, geo.hidden
@@ -626,6 +699,8 @@ def _dispatch_fixed(geo, ch, err, phase, T_cap, K, has_meta, compute_layout, spi
         CM_BYTES=geo.cm_bytes, ROW_BYTES=geo.row_bytes,
         HAS_META=has_meta, COMPUTE_LAYOUT=compute_layout, PHASE=phase,
         BLOCK_R=tu.block_r, BLOCK_H=min(tu.block_h, _pow2(H)), ALIGNED=aligned,
+        pprog_tbl=ch.pprog_tbl, prog_ptr=ch.prog, rbase_ptr=ch.rbase, done_ptr=ch.done,
+        INTERLEAVE=interleave,
     )
 
 
@@ -648,7 +723,8 @@ def launch_dispatch(
     out_slot int32 / out_w float32 [W*C, K]. ``phase``: 1 send, 2 receive, 3 both.
     ``launcher``/``key``: launch through a :class:`Launcher`, which checks the arguments and binds
     them through Triton's JIT only on the first call of ``key`` (the caller's promise that the
-    call's shapes, dtypes and constants are those of that first call).
+    call's shapes, dtypes and constants are those of that first call). ``tuning.interleave`` applies
+    to phase 3 (every peer through peer pointers) only.
     """
     tu = tuning or Tuning()
     T_cap = capacity or geo.capacity
@@ -661,7 +737,7 @@ def launch_dispatch(
         _dispatch_checks(geo, T_cap, x, pos, smeta, out_x, rmeta, dest_rank, dest_slot, weight, out_slot, out_w,
                          scratch, compute_layout, has_meta, K)
         return _dispatch_fixed(geo, ch, err, phase, T_cap, K, has_meta, compute_layout, spin_limit, tu,
-                               _aligned_rows(varying["x_ptr"], out_x))
+                               _aligned_rows(varying["x_ptr"], out_x), tu.interleave and phase == 3)
 
     launcher.launch(_dispatch_kernel, (geo.num_programs,), varying, fixed, tu.num_warps, key)
 

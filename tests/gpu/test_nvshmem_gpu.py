@@ -1,7 +1,8 @@
 """NVSHMEM transport on real GPUs (run on the GPU machine; skipped without CUDA or nvshmem4py).
 
 Covers: UID bootstrap across Ray actors, the kernels' layout against ``layout_reference``, the
-transport validators (fp32 and bf16), the full layer's parity with the single-process oracle in
+transport validators (fp32 and bf16; also with the dispatch's copy-out interleaved with its
+sends, ``Tuning.interleave``), the full layer's parity with the single-process oracle in
 bf16 (every gradient), sequential and pipelined (``moe.pipeline_chunks``), a larger buffer
 reserved on a live transport, the ``force_remote_path`` variant, CUDA-graph capture and replay of
 a layer's forward+backward (sequential and pipelined), and (with
@@ -140,6 +141,35 @@ def test_reserve_grows_the_buffer_on_a_live_transport(group):
 
 def test_validators_and_layer_parity(group):
     _check_everything(group, "peer path")
+
+
+def _interleave_copy_out(worker, on: bool) -> None:
+    """Give this rank's buffers (the live one and every later one) ``Tuning.interleave`` = on."""
+    from ray_moe.comm.nvshmem_kernels import Tuning
+
+    tr = worker.transport
+
+    def tuned(buf):
+        buf.tuning = Tuning.for_hidden(buf.geo.hidden)
+        buf.tuning.interleave = on
+        return buf
+
+    if on:
+        make = type(tr).new_buffer
+        tr.new_buffer = lambda *a, **k: tuned(make(tr, *a, **k))
+    else:
+        tr.__dict__.pop("new_buffer", None)
+    tuned(tr.buffer)
+
+
+def test_interleaved_copy_out_parity(group):
+    """The dispatch's copy-out interleaved with its sends (Tuning.interleave, a launch variant
+    ``bench comm`` times) equals the references on every edge case and the oracle in bf16."""
+    group.execute(_interleave_copy_out, True)
+    try:
+        _check_everything(group, "interleaved copy-out")
+    finally:
+        group.execute(_interleave_copy_out, False)
 
 
 def test_many_layers_reuse_one_buffer(group):

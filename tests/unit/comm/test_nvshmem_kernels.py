@@ -65,7 +65,7 @@ def test_kernels_compile_for_hopper_with_vector_row_access():
                BLOCK_R=8, BLOCK_H=128, ALIGNED=True)
     disp = {**common, "x_ptr": "*bf16", "dest_slot_ptr": "*i32", "weight_ptr": "*fp32", "smeta_ptr": "*i32",
             "scnt_ptr": "*i32", "sflag_ptr": "*i32", "out_x_ptr": "*bf16", "out_slot_ptr": "*i32",
-            "out_w_ptr": "*fp32"}
+            "out_w_ptr": "*fp32", "pprog_tbl": "*i64", "prog_ptr": "*i64", "rbase_ptr": "*i64", "done_ptr": "*i32"}
     comb = {**common, "src_ptr": "*bf16", "side_ptr": "*fp32", "out_ptr": "*bf16", "gw_ptr": "*fp32"}
 
     def compile_ptx(fn, types, consts):
@@ -77,11 +77,15 @@ def test_kernels_compile_for_hopper_with_vector_row_access():
 
     try:
         ptx = {"dispatch": compile_ptx(dc._dispatch_kernel, disp,
-                                       dict(geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=True, PHASE=3))}
+                                       dict(geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=True, PHASE=3,
+                                            INTERLEAVE=False))}
     except RuntimeError as exc:  # no ptxas or backend here
         if "ptxas" in str(exc).lower():
             pytest.skip(str(exc))
         raise
+    # the copy-out interleaved with the sends (Tuning.interleave) keeps the same accesses
+    ptx["dispatch interleaved"] = compile_ptx(dc._dispatch_kernel, disp, dict(
+        geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=True, PHASE=3, INTERLEAVE=True))
     ptx["combine"] = compile_ptx(dc._combine_kernel, comb, dict(geo, HAS_META=True, PHASE=3, ROTATE=False))
     # the ring order of the combine's sends (Tuning.rotate_peers) keeps the same accesses
     ptx["combine rotated"] = compile_ptx(dc._combine_kernel, comb, dict(geo, HAS_META=True, PHASE=3, ROTATE=True))
@@ -254,7 +258,8 @@ def test_symmetric_buffer_on_one_pe_under_the_interpreter(interpreter_scripts):
     assert proc.stdout.startswith("OK"), (proc.stdout + proc.stderr)[-3000:]
 
 
-_PES = (sys.executable, "tests/nvshmem_pes.py", "--world-size", "2")
+_PES = (sys.executable, "tests/nvshmem_pes.py", "--world-size", "2",
+        "--tunings", '[{}, {"block_r": 4, "interleave": true}]')
 
 
 @pytest.mark.interpreter_script(*_PES)
@@ -262,7 +267,9 @@ def test_exchange_kernels_across_two_pes_under_the_interpreter(interpreter_scrip
     """The NVSHMEM transport's real kernels between two ranks on the CPU (tests/nvshmem_pes.py:
     a process per rank, symmetric memory as shared file mappings, peer stores and flag atomics
     across processes): every transport edge case (dispatch, combine and both backwards, two calls
-    through one buffer) and the EP layer against the single-process oracle, on every rank."""
+    through one buffer) with the default launch tuning and with the dispatch's copy-out
+    interleaved with its sends (``Tuning.interleave``), and the EP layer against the
+    single-process oracle, on every rank."""
     pytest.importorskip("triton")
     proc = interpreter_scripts.result(*_PES)
     assert proc.stdout.startswith("OK"), (proc.stdout + proc.stderr)[-4000:]
