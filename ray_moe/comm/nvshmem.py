@@ -354,7 +354,7 @@ class SymmetricBuffer:
         """partial [W*C, H] → [T, H]: per token, the sum of its partial rows from every rank."""
         partial = partial.contiguous()
         out = torch.empty(layout.num_tokens, self.geo.hidden, dtype=partial.dtype, device=partial.device)
-        self._combine_like(partial, layout, out, self._key("combine", layout.capacity, partial, layout.pos), {})
+        self._combine_like(partial, layout, out, self._key("combine", layout.capacity, partial, layout.pos, layout.smeta), {})
         return out
 
     def dispatch_grad(self, grad_recv_x: torch.Tensor, grad_recv_w: torch.Tensor, layout: NVSHMEMLayout):
@@ -363,7 +363,8 @@ class SymmetricBuffer:
         grad_recv_x, side = grad_recv_x.contiguous(), grad_recv_w.float().contiguous()
         gx = torch.empty(T, self.geo.hidden, dtype=grad_recv_x.dtype, device=grad_recv_x.device)
         gw = torch.empty(T, K, dtype=torch.float32, device=grad_recv_x.device)
-        key = self._key("dispatch_grad", layout.capacity, grad_recv_x, side, layout.pos, layout.dest_rank)
+        key = self._key("dispatch_grad", layout.capacity, grad_recv_x, side, layout.pos, layout.dest_rank,
+                        layout.smeta)
         self._combine_like(grad_recv_x, layout, gx, key, dict(side=side, dest_rank=layout.dest_rank, gw=gw))
         return gx, gw
 
@@ -403,7 +404,7 @@ class SymmetricBuffer:
         ch = self.cch
         args = (self.geo, ch.addrs, src, layout.rmeta, layout.pos, out, self.err)
         kw = dict(kw, spin_limit=self.spin_limit, tuning=self.tuning, capacity=layout.capacity,
-                  launcher=self.launcher)
+                  launcher=self.launcher, smeta=layout.smeta)
         if not self.any_remote:
             launch_combine(*args, phase=3, key=_with(key, 3), **kw)
             return

@@ -388,6 +388,59 @@ def _dispatch_kernel(
 # ----------------------------------------------------------------------------------- combine
 
 
+@triton.jit
+def _combine_block(tb, t1, pid, me, src_ptr, side_ptr, pos_ptr, dest_rank_ptr, out_ptr, gw_ptr, recv_base,
+                   region_sz, meta_base, T_cap, rrow, hcol, kcol, wcol,
+                   ELEM: tl.constexpr, ROW_ELEMS: tl.constexpr, W: tl.constexpr, H: tl.constexpr,
+                   K: tl.constexpr, K_PAD: tl.constexpr, KMAX: tl.constexpr, CM_BYTES: tl.constexpr,
+                   HAS_META: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, ALIGNED: tl.constexpr):
+    """Tokens [tb, min(tb + BLOCK_R, t1)): out = the sum over ranks d (in rank order) of the row
+    each token has at d (this rank's own from src, the others' from their regions here)."""
+    r = tb + rrow
+    rmask = r < t1
+    kmask = kcol[None, :] < K
+    posm = tl.load(pos_ptr + r[:, None] * W + wcol[None, :], mask=rmask[:, None] & (wcol[None, :] < W), other=-1)
+    for hb in tl.static_range(0, H, BLOCK_H):
+        h = hb + hcol
+        hm = h < H
+        acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+        for d in tl.static_range(W):
+            pd = _column(posm, wcol, d)
+            ok = (rmask & (pd >= 0))[:, None] & hm[None, :]
+            if d == me:
+                v = tl.load(_rows_of(src_ptr, me * T_cap + pd, h, H, BLOCK_H, ALIGNED), mask=ok, other=0.0)
+            else:
+                rows = _row_block(recv_base + d * region_sz + CM_BYTES, pd, h, ROW_ELEMS, ELEM, BLOCK_H)
+                v = tl.load(rows, mask=ok, other=0.0, cache_modifier=".cg")
+            acc += v.to(tl.float32)
+        tl.store(_rows_of(out_ptr, r, h, H, BLOCK_H, ALIGNED), acc.to(out_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & hm[None, :])
+    if HAS_META:
+        dr = tl.load(dest_rank_ptr + r[:, None] * K + kcol[None, :], mask=rmask[:, None] & kmask, other=-1)
+        g = tl.zeros([BLOCK_R, K_PAD], dtype=tl.float32)
+        for d in tl.static_range(W):
+            pd = _column(posm, wcol, d)
+            ok = (rmask & (pd >= 0))[:, None] & kmask & (dr == d)
+            if d == me:
+                sv = tl.load(side_ptr + (me * T_cap + pd)[:, None].to(tl.int64) * K + kcol[None, :],
+                             mask=ok, other=0.0)
+            else:
+                mrow = _row_block(recv_base + d * region_sz + meta_base, pd, kcol, 2 * KMAX, tl.float32, K_PAD)
+                sv = tl.load(mrow, mask=ok, other=0.0, cache_modifier=".cg")
+            g += sv
+        tl.store(gw_ptr + r[:, None] * K + kcol[None, :], g, mask=rmask[:, None] & kmask)
+
+
+@triton.jit
+def _rows_needed(tb, t1, d, pid, pos_ptr, smeta_ptr, rrow, W: tl.constexpr):
+    """Rows peer ``d`` must have sent back (of those for this program's chunk) before tokens
+    [tb, tb + BLOCK_R) can be summed: one past the largest row any of them has at d."""
+    r = tb + rrow
+    pd = tl.load(pos_ptr + r * W + d, mask=r < t1, other=-1)
+    st = tl.load(smeta_ptr + pid * W * 4 + d * 4)
+    return tl.maximum(tl.max(pd, axis=0) - st + 1, 0).to(tl.int64)
+
+
 @triton.jit(do_not_specialize=["T", "me", "T_cap", "REGION", "spin_limit"])
 def _combine_kernel(
     # expert side
@@ -399,12 +452,14 @@ def _combine_kernel(
     pos_ptr, dest_rank_ptr, T,  # int32 [T, W], int32 [T, K]
     out_ptr, gw_ptr,  # [T, H] sums, float32 [T, K] side values picked per k
     ctr_ptr, err_ptr,
+    smeta_ptr,  # int32 [G, W, 4] from the dispatch: which rows of each peer hold this chunk's tokens
+    pprog_tbl, prog_ptr, rbase_ptr, done_ptr,  # INTERLEAVE's progress words (ChannelAddrs)
     me, T_cap, REGION, spin_limit,
     W: tl.constexpr, W_PAD: tl.constexpr, H: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
     KMAX: tl.constexpr, G: tl.constexpr,
     CM_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
     HAS_META: tl.constexpr, PHASE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-    ALIGNED: tl.constexpr, ROTATE: tl.constexpr,
+    ALIGNED: tl.constexpr, ROTATE: tl.constexpr, INTERLEAVE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     ELEM = src_ptr.dtype.element_ty
@@ -417,6 +472,7 @@ def _combine_kernel(
     rrow = tl.arange(0, BLOCK_R)
     meta_base = CM_BYTES + T_cap.to(tl.int64) * ROW_BYTES
     region_sz = REGION.to(tl.int64)
+    t0, t1 = _chunk(T, pid, G)
 
     if PHASE % 2 == 1:
         if n > 0:
@@ -451,55 +507,61 @@ def _combine_kernel(
                         sv = tl.load(side_ptr + in_row[:, None] * K + kcol[None, :], mask=jm[:, None] & kmask)
                         mrow = _row_block(base + meta_base, j, kcol, 2 * KMAX, tl.float32, K_PAD)
                         tl.store(mrow, sv, mask=jm[:, None] & kmask)
+                    if INTERLEAVE:
+                        # these rows are out: tell s, then sum the next block of this rank's own
+                        # tokens if every peer has sent back what it needs
+                        _signal(tl.load(pprog_tbl + s) + pid * 8, tl.minimum(en - jb, BLOCK_R).to(tl.int64))
+                        tb = t0 + tl.load(done_ptr + pid)  # done: tokens of the chunk summed so far
+                        if tb < t1:
+                            ready = True
+                            for d in tl.static_range(W):
+                                if d != me:
+                                    have = tl.atomic_add(prog_ptr + d * G + pid, 0, sem="acquire", scope="sys")
+                                    need = tl.load(rbase_ptr + d * G + pid) + _rows_needed(
+                                        tb, t1, d, pid, pos_ptr, smeta_ptr, rrow, W)
+                                    ready = ready & (have >= need)
+                            if ready:
+                                tl.debug_barrier()
+                                _combine_block(tb, t1, pid, me, src_ptr, side_ptr, pos_ptr, dest_rank_ptr, out_ptr,
+                                               gw_ptr, recv_base, region_sz, meta_base, T_cap, rrow, hcol, kcol,
+                                               wcol, ELEM, ROW_ELEMS, W, H, K, K_PAD, KMAX, CM_BYTES, HAS_META,
+                                               BLOCK_R, BLOCK_H, ALIGNED)
+                                tl.store(done_ptr + pid, tb + BLOCK_R - t0)
                 if tl.load(remote_tbl + s) == 0:
                     _signal(tl.load(pflag_tbl + s) + pid * 8, 1)
 
     if PHASE >= 2:
-        # ---------------- wait for program pid of every expert rank, then sum per token
-        for d in tl.static_range(W):
-            if d != me:
-                if tl.load(remote_tbl + d) == 0:
-                    _wait_ge(flag_ptr + d * G + pid, n.to(tl.int64) + 1, spin_limit, err_ptr, 4, d)
-                else:
-                    _wait_ge(rsig_ptr + d, n.to(tl.int64) + 1, spin_limit, err_ptr, 4, d)
-        tl.debug_barrier()
-        t0, t1 = _chunk(T, pid, G)
-        for tb in range(t0, t1, BLOCK_R):
-            r = tb + rrow
-            rmask = r < t1
-            posm = tl.load(pos_ptr + r[:, None] * W + wcol[None, :],
-                           mask=rmask[:, None] & (wcol[None, :] < W), other=-1)
-            for hb in tl.static_range(0, H, BLOCK_H):
-                h = hb + hcol
-                hm = h < H
-                acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+        if INTERLEAVE:
+            # ---------------- the tokens not summed yet, each block once its rows are back
+            for tb in range(t0 + tl.load(done_ptr + pid), t1, BLOCK_R):
                 for d in tl.static_range(W):
-                    pd = _column(posm, wcol, d)
-                    ok = (rmask & (pd >= 0))[:, None] & hm[None, :]
-                    if d == me:
-                        v = tl.load(_rows_of(src_ptr, me * T_cap + pd, h, H, BLOCK_H, ALIGNED),
-                                    mask=ok, other=0.0)
+                    if d != me:
+                        need = tl.load(rbase_ptr + d * G + pid) + _rows_needed(tb, t1, d, pid, pos_ptr,
+                                                                               smeta_ptr, rrow, W)
+                        _wait_ge(prog_ptr + d * G + pid, need, spin_limit, err_ptr, 4, d)
+                tl.debug_barrier()
+                _combine_block(tb, t1, pid, me, src_ptr, side_ptr, pos_ptr, dest_rank_ptr, out_ptr, gw_ptr,
+                               recv_base, region_sz, meta_base, T_cap, rrow, hcol, kcol, wcol, ELEM, ROW_ELEMS,
+                               W, H, K, K_PAD, KMAX, CM_BYTES, HAS_META, BLOCK_R, BLOCK_H, ALIGNED)
+            for d in tl.static_range(W):
+                if d != me:  # every row d sent back for this chunk (all were read above)
+                    sm = smeta_ptr + pid * W * 4 + d * 4
+                    rows = (tl.load(sm + 1) - tl.load(sm)).to(tl.int64)
+                    tl.store(rbase_ptr + d * G + pid, tl.load(rbase_ptr + d * G + pid) + rows)
+            tl.store(done_ptr + pid, 0)
+        else:
+            # ---------------- wait for program pid of every expert rank, then sum per token
+            for d in tl.static_range(W):
+                if d != me:
+                    if tl.load(remote_tbl + d) == 0:
+                        _wait_ge(flag_ptr + d * G + pid, n.to(tl.int64) + 1, spin_limit, err_ptr, 4, d)
                     else:
-                        rows = _row_block(recv_base + d * region_sz + CM_BYTES, pd, h, ROW_ELEMS, ELEM, BLOCK_H)
-                        v = tl.load(rows, mask=ok, other=0.0,
-                                    cache_modifier=".cg")
-                    acc += v.to(tl.float32)
-                tl.store(_rows_of(out_ptr, r, h, H, BLOCK_H, ALIGNED), acc.to(out_ptr.dtype.element_ty),
-                         mask=rmask[:, None] & hm[None, :])
-            if HAS_META:
-                dr = tl.load(dest_rank_ptr + r[:, None] * K + kcol[None, :], mask=rmask[:, None] & kmask, other=-1)
-                g = tl.zeros([BLOCK_R, K_PAD], dtype=tl.float32)
-                for d in tl.static_range(W):
-                    pd = _column(posm, wcol, d)
-                    ok = (rmask & (pd >= 0))[:, None] & kmask & (dr == d)
-                    if d == me:
-                        sv = tl.load(side_ptr + (me * T_cap + pd)[:, None].to(tl.int64) * K + kcol[None, :],
-                                     mask=ok, other=0.0)
-                    else:
-                        mrow = _row_block(recv_base + d * region_sz + meta_base, pd, kcol, 2 * KMAX, tl.float32, K_PAD)
-                        sv = tl.load(mrow, mask=ok, other=0.0, cache_modifier=".cg")
-                    g += sv
-                tl.store(gw_ptr + r[:, None] * K + kcol[None, :], g, mask=rmask[:, None] & kmask)
+                        _wait_ge(rsig_ptr + d, n.to(tl.int64) + 1, spin_limit, err_ptr, 4, d)
+            tl.debug_barrier()
+            for tb in range(t0, t1, BLOCK_R):
+                _combine_block(tb, t1, pid, me, src_ptr, side_ptr, pos_ptr, dest_rank_ptr, out_ptr, gw_ptr,
+                               recv_base, region_sz, meta_base, T_cap, rrow, hcol, kcol, wcol, ELEM, ROW_ELEMS,
+                               W, H, K, K_PAD, KMAX, CM_BYTES, HAS_META, BLOCK_R, BLOCK_H, ALIGNED)
         for d in tl.static_range(W):
             if d != me:
                 if tl.load(remote_tbl + d) == 0:
@@ -593,12 +655,13 @@ class Tuning:
     rank writes to the lowest rank first). Off by default: it is meant for W >= 4, where the
     combine lagged the dispatch (180 vs 273 GB/s), and has not been measured on a device yet.
 
-    ``interleave`` (dispatch-like calls whose peers are all reached through peer pointers): each
-    program copies out its counterpart programs' rows as they arrive, between its own sends,
-    instead of after all of them (the copy-out otherwise follows the whole transfer: ~90 µs of
-    ~477 at T_local=16384, H=4096, W=2 on H100s, docs/BENCHMARKS.md, session 10). The senders
-    then signal a progress word after every block of rows. Every rank must use the same value.
-    Off by default until the device measures it.
+    ``interleave`` (calls whose peers are all reached through peer pointers): the senders signal
+    a progress word after every block of rows, and between its own sends each program does the
+    receiving side's work on what has arrived: the dispatch copies rows out of the symmetric
+    region, the combine sums each block of its tokens whose rows every peer has sent back (in
+    the same order, so the sums are the same). Otherwise that work follows the whole transfer:
+    ~90 µs of ~477 at T_local=16384, H=4096, W=2 on H100s (docs/BENCHMARKS.md, session 10).
+    Every rank must use the same value. Off by default until the device measures it.
     """
 
     def __init__(self, block_r: int = 8, block_h: int = 1024, num_warps: int = 8,
@@ -742,7 +805,7 @@ def launch_dispatch(
     launcher.launch(_dispatch_kernel, (geo.num_programs,), varying, fixed, tu.num_warps, key)
 
 
-def _combine_checks(geo, T_cap, src, rmeta, pos, out, side, dest_rank, gw) -> None:
+def _combine_checks(geo, T_cap, src, rmeta, pos, out, side, dest_rank, gw, smeta) -> None:
     W, G, H = geo.world_size, geo.num_programs, geo.hidden
     T = out.shape[0]
     dev = src.device
@@ -754,6 +817,8 @@ def _combine_checks(geo, T_cap, src, rmeta, pos, out, side, dest_rank, gw) -> No
     _check(rmeta, "rmeta", (W, G, 4), torch.int32, dev)
     _check(pos, "pos", (T, W), torch.int32, dev)
     _check(out, "out", (T, H), src.dtype, dev)
+    if smeta is not None:
+        _check(smeta, "smeta", (G, W, 4), torch.int32, dev)
     if side is not None:
         K = side.shape[1]
         if K > geo.kmax:
@@ -763,17 +828,17 @@ def _combine_checks(geo, T_cap, src, rmeta, pos, out, side, dest_rank, gw) -> No
         _check(gw, "gw", (T, K), torch.float32, dev)
 
 
-def _combine_varying(src, rmeta, pos, out, side, dest_rank, gw) -> dict:
+def _combine_varying(src, rmeta, pos, out, side, dest_rank, gw, smeta) -> dict:
     """The arguments of :func:`_combine_kernel` that change from call to call (tensors and T)."""
     has_meta = side is not None
     T = out.shape[0]
     pos, out = _nz(pos), _nz(out)
     return dict(src_ptr=src, side_ptr=side if has_meta else src, rmeta_ptr=rmeta, pos_ptr=pos,
                 dest_rank_ptr=_nz(dest_rank) if has_meta else pos, T=T, out_ptr=out,
-                gw_ptr=_nz(gw) if has_meta else out)
+                gw_ptr=_nz(gw) if has_meta else out, smeta_ptr=rmeta if smeta is None else smeta)
 
 
-def _combine_fixed(geo, ch, err, phase, T_cap, K, has_meta, spin_limit, tu, aligned) -> dict:
+def _combine_fixed(geo, ch, err, phase, T_cap, K, has_meta, spin_limit, tu, aligned, interleave) -> dict:
     """The rest of :func:`_combine_kernel`'s arguments (constexprs included)."""
     W, G, H = geo.world_size, geo.num_programs, geo.hidden
     return dict(
@@ -783,6 +848,7 @@ def _combine_fixed(geo, ch, err, phase, T_cap, K, has_meta, spin_limit, tu, alig
         W=W, W_PAD=_pow2(W), H=H, K=K, K_PAD=_pow2(K), KMAX=geo.kmax, G=G,
         CM_BYTES=geo.cm_bytes, ROW_BYTES=geo.row_bytes, HAS_META=has_meta, PHASE=phase,
         BLOCK_R=tu.block_r, BLOCK_H=min(tu.block_h, _pow2(H)), ALIGNED=aligned, ROTATE=tu.rotate_peers,
+        pprog_tbl=ch.pprog_tbl, prog_ptr=ch.prog, rbase_ptr=ch.rbase, done_ptr=ch.done, INTERLEAVE=interleave,
     )
 
 
@@ -790,6 +856,7 @@ def launch_combine(
     geo: Geometry, ch: ChannelAddrs, src: torch.Tensor, rmeta: torch.Tensor, pos: torch.Tensor,
     out: torch.Tensor, err: torch.Tensor, *, phase: int, side: torch.Tensor | None = None,
     dest_rank: torch.Tensor | None = None, gw: torch.Tensor | None = None,
+    smeta: torch.Tensor | None = None,
     spin_limit: int = 1 << 25, tuning: Tuning | None = None, capacity: int | None = None,
     launcher: "Launcher | None" = None, key: tuple | None = None,
 ) -> None:
@@ -799,18 +866,20 @@ def launch_combine(
     out [T, H] (src dtype) gets sum over destinations d of the row token t had at d. With side
     float32 [W*C, K] and dest_rank int32 [T, K], gw float32 [T, K] gets side[row at
     dest_rank[t, k], k] (the routing-weight gradient). ``launcher``/``key``: see
-    :func:`launch_dispatch`.
+    :func:`launch_dispatch`. ``tuning.interleave`` (phase 3 only) sums each block of tokens as soon
+    as its rows are back, between the sends; it needs the dispatch's ``smeta`` int32 [G, W, 4].
     """
     tu = tuning or Tuning()
     T_cap = capacity or geo.capacity
     launcher = launcher or Launcher(fast=False)
-    varying = _combine_varying(src, rmeta, pos, out, side, dest_rank, gw)
+    varying = _combine_varying(src, rmeta, pos, out, side, dest_rank, gw, smeta)
+    interleave = tu.interleave and phase == 3 and smeta is not None
 
     def fixed() -> dict:
-        _combine_checks(geo, T_cap, src, rmeta, pos, out, side, dest_rank, gw)
+        _combine_checks(geo, T_cap, src, rmeta, pos, out, side, dest_rank, gw, smeta)
         K = side.shape[1] if side is not None else 1
         return _combine_fixed(geo, ch, err, phase, T_cap, K, side is not None, spin_limit, tu,
-                              _aligned_rows(src, varying["out_ptr"]))
+                              _aligned_rows(src, varying["out_ptr"]), interleave)
 
     launcher.launch(_combine_kernel, (geo.num_programs,), varying, fixed, tu.num_warps, key)
 

@@ -66,7 +66,8 @@ def test_kernels_compile_for_hopper_with_vector_row_access():
     disp = {**common, "x_ptr": "*bf16", "dest_slot_ptr": "*i32", "weight_ptr": "*fp32", "smeta_ptr": "*i32",
             "scnt_ptr": "*i32", "sflag_ptr": "*i32", "out_x_ptr": "*bf16", "out_slot_ptr": "*i32",
             "out_w_ptr": "*fp32", "pprog_tbl": "*i64", "prog_ptr": "*i64", "rbase_ptr": "*i64", "done_ptr": "*i32"}
-    comb = {**common, "src_ptr": "*bf16", "side_ptr": "*fp32", "out_ptr": "*bf16", "gw_ptr": "*fp32"}
+    comb = {**common, "src_ptr": "*bf16", "side_ptr": "*fp32", "out_ptr": "*bf16", "gw_ptr": "*fp32",
+            "smeta_ptr": "*i32", "pprog_tbl": "*i64", "prog_ptr": "*i64", "rbase_ptr": "*i64", "done_ptr": "*i32"}
 
     def compile_ptx(fn, types, consts):
         sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
@@ -83,12 +84,14 @@ def test_kernels_compile_for_hopper_with_vector_row_access():
         if "ptxas" in str(exc).lower():
             pytest.skip(str(exc))
         raise
-    # the copy-out interleaved with the sends (Tuning.interleave) keeps the same accesses
+    # the copy-out interleaved with the sends (Tuning.interleave) keeps the same accesses, as do the
+    # combine's variants below
     ptx["dispatch interleaved"] = compile_ptx(dc._dispatch_kernel, disp, dict(
         geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=True, PHASE=3, INTERLEAVE=True))
-    ptx["combine"] = compile_ptx(dc._combine_kernel, comb, dict(geo, HAS_META=True, PHASE=3, ROTATE=False))
-    # the ring order of the combine's sends (Tuning.rotate_peers) keeps the same accesses
-    ptx["combine rotated"] = compile_ptx(dc._combine_kernel, comb, dict(geo, HAS_META=True, PHASE=3, ROTATE=True))
+    for rotate in (False, True):  # the ring order of the combine's sends (Tuning.rotate_peers)
+        for interleave in (False, True):
+            ptx[f"combine rotate={rotate} interleave={interleave}"] = compile_ptx(
+                dc._combine_kernel, comb, dict(geo, HAS_META=True, PHASE=3, ROTATE=rotate, INTERLEAVE=interleave))
     for name, text in ptx.items():
         ops = re.findall(r"\b(?:ld|st)\.global[.\w]*", text)
         assert any(".v4." in op for op in ops), name
@@ -268,7 +271,7 @@ def test_exchange_kernels_across_two_pes_under_the_interpreter(interpreter_scrip
     a process per rank, symmetric memory as shared file mappings, peer stores and flag atomics
     across processes): every transport edge case (dispatch, combine and both backwards, two calls
     through one buffer) with the default launch tuning and with the dispatch's copy-out
-    interleaved with its sends (``Tuning.interleave``), and the EP layer against the
+    (and the combine's sums) interleaved with the sends (``Tuning.interleave``), and the EP layer against the
     single-process oracle, on every rank."""
     pytest.importorskip("triton")
     proc = interpreter_scripts.result(*_PES)
