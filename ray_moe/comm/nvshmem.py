@@ -354,7 +354,8 @@ class SymmetricBuffer:
         """partial [W*C, H] → [T, H]: per token, the sum of its partial rows from every rank."""
         partial = partial.contiguous()
         out = torch.empty(layout.num_tokens, self.geo.hidden, dtype=partial.dtype, device=partial.device)
-        self._combine_like(partial, layout, out, self._key("combine", layout.capacity, partial, layout.pos, layout.smeta), {})
+        key = self._key("combine", layout.capacity, partial, layout.pos, layout.smeta)
+        self._combine_like(partial, layout, out, key, {})
         return out
 
     def dispatch_grad(self, grad_recv_x: torch.Tensor, grad_recv_w: torch.Tensor, layout: NVSHMEMLayout):

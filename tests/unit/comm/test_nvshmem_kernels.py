@@ -270,9 +270,9 @@ def test_exchange_kernels_across_two_pes_under_the_interpreter(interpreter_scrip
     """The NVSHMEM transport's real kernels between two ranks on the CPU (tests/nvshmem_pes.py:
     a process per rank, symmetric memory as shared file mappings, peer stores and flag atomics
     across processes): every transport edge case (dispatch, combine and both backwards, two calls
-    through one buffer) with the default launch tuning and with the dispatch's copy-out
-    (and the combine's sums) interleaved with the sends (``Tuning.interleave``), and the EP layer against the
-    single-process oracle, on every rank."""
+    through one buffer) with the default launch tuning and with the dispatch's copy-out and the
+    combine's sums interleaved with the sends (``Tuning.interleave``), and the EP layer against
+    the single-process oracle, on every rank."""
     pytest.importorskip("triton")
     proc = interpreter_scripts.result(*_PES)
     assert proc.stdout.startswith("OK"), (proc.stdout + proc.stderr)[-4000:]
