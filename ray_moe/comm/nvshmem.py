@@ -244,7 +244,6 @@ class _Channel:
             recv_base=recv_base, flag=self.flag, rsig=self.rsig, ack=self.ack,
             ctr=torch.zeros(G, dtype=torch.int32, device=dev),
             pprog_tbl=torch.tensor(pprog, dtype=torch.int64, device=dev), prog=self.prog,
-            rbase=torch.zeros(W * G, dtype=torch.int64, device=dev),
             done=torch.zeros(W * G, dtype=torch.int32, device=dev),
         )
 
@@ -277,7 +276,10 @@ class SymmetricBuffer:
         hidden: H. elem_bytes: bytes per row element the buffer is sized for (2 bf16, 4 fp32).
         kmax: widest top-k the row meta can carry.
         num_programs: G, equal on every rank (≤ SMs).
-        remote: per peer, True to use host-issued NVSHMEM puts instead of peer pointers.
+        remote: per peer, True to use host-issued NVSHMEM puts instead of peer pointers (the same
+            pairs on every rank: :meth:`NVSHMEMTransport.remote_peers` agrees on them).
+        interleave_ok: whether :attr:`Tuning.interleave` may apply: no rank of the buffer has a
+            remote peer (the same on every rank).
         spin_limit: polls before a device-side wait gives up and raises the error flag.
         fast_launch: launch repeated calls of a shape through Triton's compiled kernel directly
             (:class:`~ray_moe.comm.nvshmem_kernels.Launcher`); None: where
@@ -293,7 +295,8 @@ class SymmetricBuffer:
 
     def __init__(self, runtime: NVSHMEMRuntime, capacity: int, hidden: int, elem_bytes: int, kmax: int,
                  num_programs: int, remote: list[bool], spin_limit: int = 1 << 25,
-                 tuning: Tuning | None = None, fast_launch: bool | None = None) -> None:
+                 tuning: Tuning | None = None, fast_launch: bool | None = None,
+                 interleave_ok: bool = False) -> None:
         self.rt = runtime
         W, me = runtime.world_size, runtime.rank
         self.geo = Geometry(W, me, max(16, capacity), hidden, elem_bytes, kmax, num_programs)
@@ -311,6 +314,7 @@ class SymmetricBuffer:
         self.spin_limit = spin_limit
         self.tuning = tuning or Tuning.for_hidden(hidden)
         self.any_remote = any(self.remote)
+        self.interleave_ok = bool(interleave_ok) and not self.any_remote
         self.launcher = Launcher(fast=fast_launch_works(dev) if fast_launch is None else fast_launch)
         runtime.barrier()
 
@@ -391,7 +395,8 @@ class SymmetricBuffer:
 
     def _dispatch_like(self, x, pos, smeta, out_x, rmeta, capacity, key, kw) -> None:
         ch = self.dch
-        kw = dict(kw, spin_limit=self.spin_limit, tuning=self.tuning, capacity=capacity, launcher=self.launcher)
+        kw = dict(kw, spin_limit=self.spin_limit, tuning=self.tuning, capacity=capacity, launcher=self.launcher,
+                  interleave_ok=self.interleave_ok)
         args = (self.geo, ch.addrs, x, pos, smeta, out_x, rmeta, self.err)
         if not self.any_remote:
             launch_dispatch(*args, phase=3, key=_with(key, 3), **kw)
@@ -405,7 +410,7 @@ class SymmetricBuffer:
         ch = self.cch
         args = (self.geo, ch.addrs, src, layout.rmeta, layout.pos, out, self.err)
         kw = dict(kw, spin_limit=self.spin_limit, tuning=self.tuning, capacity=layout.capacity,
-                  launcher=self.launcher, smeta=layout.smeta)
+                  launcher=self.launcher, smeta=layout.smeta, interleave_ok=self.interleave_ok)
         if not self.any_remote:
             launch_combine(*args, phase=3, key=_with(key, 3), **kw)
             return
@@ -521,18 +526,29 @@ class NVSHMEMTransport(Transport):
                  self.rank, self.buffer.symmetric_bytes / 2**20, self.buffer.capacity,
                  [d for d, r in enumerate(self.buffer.remote) if r])
 
-    def remote_peers(self) -> list[bool]:
+    def remote_peers(self) -> tuple[list[bool], bool]:
         """Per peer: reach it with puts when force_remote_path is set, when it is on another Ray
-        node (even one on the same host), or when NVSHMEM gives no peer pointer to it."""
+        node (even one on the same host), or when NVSHMEM gives no peer pointer to it, either way
+        (the pair is remote on both ranks, which must agree on the protocol); and whether no pair
+        of the group is remote (:attr:`Tuning.interleave` needs that). Collective."""
+        import torch.distributed as dist
+
         W, me = self.world_size, self.rank
         if self.force_remote:
-            return [d != me for d in range(W)]
-        probe = self.runtime.alloc(256)  # collective, same on every rank
-        try:
-            return [d != me and (self.node_of_rank[d] != self.node_of_rank[me]
-                                 or self.runtime.peer_ptr(probe.data_ptr(), d) == 0) for d in range(W)]
-        finally:
-            self.runtime.free(probe)
+            mine = [d != me for d in range(W)]
+        else:
+            probe = self.runtime.alloc(256)  # collective, same on every rank
+            try:
+                mine = [d != me and (self.node_of_rank[d] != self.node_of_rank[me]
+                                     or self.runtime.peer_ptr(probe.data_ptr(), d) == 0) for d in range(W)]
+            finally:
+                self.runtime.free(probe)
+        pairs = torch.zeros(W, W, dtype=torch.int32, device=self.device)
+        pairs[me] = torch.tensor(mine, dtype=torch.int32)
+        if dist.is_initialized():
+            dist.all_reduce(pairs)
+        pairs = pairs.tolist()  # once per buffer, not on the hot path
+        return [d != me and bool(pairs[me][d] or pairs[d][me]) for d in range(W)], not any(map(any, pairs))
 
     def new_buffer(self, capacity: int, hidden: int, elem_bytes: int = 2, kmax: int = 8,
                    tuning: Tuning | None = None, spin_limit: int | None = None,
@@ -542,10 +558,10 @@ class NVSHMEMTransport(Transport):
         G = num_programs or self.num_programs
         if not 1 <= G <= self.num_programs:
             raise ValueError(f"num_programs must be in [1, {self.num_programs}] (SMs), got {G}")
-        remote = self.remote_peers()
+        remote, none_remote = self.remote_peers()
         return SymmetricBuffer(self.runtime, capacity, hidden, elem_bytes, kmax, G,
                                remote, spin_limit=spin_limit or self.spin_limit, tuning=tuning,
-                               fast_launch=self.fast_launch)
+                               fast_launch=self.fast_launch, interleave_ok=none_remote)
 
     # ---------------------------------------------------------------- Transport
     def dispatch_forward(self, x, weight, dest_rank, dest_slot, capacity=None):

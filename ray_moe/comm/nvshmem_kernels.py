@@ -62,6 +62,13 @@ def _signal(addr, value):
 
 
 @triton.jit
+def _publish(addr, value):
+    """Make this program's earlier stores visible, then set the (peer) word at ``addr`` to ``value``."""
+    tl.debug_barrier()
+    tl.atomic_xchg(addr.to(tl.pointer_type(tl.int64)), value, sem="release", scope="sys")
+
+
+@triton.jit
 def _rows_of(base, rows, cols, ROW_ELEMS: tl.constexpr, COLS: tl.constexpr, ALIGNED: tl.constexpr):
     """Pointers [R, COLS] to columns ``cols`` [COLS] (contiguous, starting at a multiple of COLS) of
     rows ``rows`` [R] of a row-major array with ROW_ELEMS elements per row at pointer ``base``.
@@ -171,7 +178,7 @@ def _dispatch_kernel(
     out_x_ptr, out_slot_ptr, out_w_ptr,  # [W*T_cap, H], int32 [W*T_cap, K], f32 [W*T_cap, K]
     rmeta_ptr,  # int32 [W, G, 4]: per source, the chunk meta that arrived
     ctr_ptr, err_ptr,
-    pprog_tbl, prog_ptr, rbase_ptr, done_ptr,  # INTERLEAVE's progress words (ChannelAddrs)
+    pprog_tbl, prog_ptr, done_ptr,  # INTERLEAVE's progress words (ChannelAddrs)
     me, T_cap, REGION, spin_limit,
     W: tl.constexpr, W_PAD: tl.constexpr, H: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
     KMAX: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
@@ -241,10 +248,10 @@ def _dispatch_kernel(
                 smd = tl.load(smeta_ptr + pid * W * 4 + d * 4 + tl.arange(0, 4))
                 base = tl.load(dst_tbl + d)
                 tl.store((base + pid * 16 + tl.arange(0, 4) * 4).to(tl.pointer_type(tl.int32)), smd)
-        if INTERLEAVE:
+        if INTERLEAVE:  # progress word = (call + 1) << 32 | rows sent so far in this call
             for d in tl.static_range(W):
                 if d != me:
-                    _signal(tl.load(pprog_tbl + d) + pid * 8, 1)
+                    _publish(tl.load(pprog_tbl + d) + pid * 8, (n + 1).to(tl.int64) << 32)
         # ---------------- rows (and their slots/weights) to every destination, once per rank
         running = start
         for tb in range(t0, t1, BLOCK_R):
@@ -309,14 +316,14 @@ def _dispatch_kernel(
                             _signal(tl.load(pprog_tbl + d) + pid * 8, c)
                 for s in tl.static_range(W):
                     if s != me:
-                        rb = tl.load(rbase_ptr + s * G + pid)
+                        call = (n + 1).to(tl.int64) << 32
                         v = tl.atomic_add(prog_ptr + s * G + pid, 0, sem="acquire", scope="sys")
-                        if v > rb:
+                        if v >= call:  # this call's chunk meta is here, and v - call rows
                             tl.debug_barrier()
                             region = recv_base + s * region_sz
                             cm, st, en = _chunk_meta(region + pid * 16)
                             dn = tl.load(done_ptr + s * G + pid)
-                            got = tl.minimum(st + (v - rb - 1).to(tl.int32), en)
+                            got = tl.minimum(st + (v - call).to(tl.int32), en)
                             _copy_in(region, st + dn, got, s, out_x_ptr, out_slot_ptr, out_w_ptr, T_cap, meta_base,
                                      rrow, hcol, kcol, ELEM, ROW_ELEMS, H, K, K_PAD, KMAX, CM_BYTES, HAS_META,
                                      BLOCK_R, BLOCK_H, ALIGNED)
@@ -334,19 +341,18 @@ def _dispatch_kernel(
             region = recv_base + s * region_sz
             if s == me:
                 cm = tl.load(smeta_ptr + pid * W * 4 + me * 4 + tl.arange(0, 4))
-            elif INTERLEAVE:  # the rest of the chunk: every row arrived, then what is not copied yet
-                rb = tl.load(rbase_ptr + s * G + pid)
-                _wait_ge(prog_ptr + s * G + pid, rb + 1, spin_limit, err_ptr, 3, s)
+            elif INTERLEAVE:  # the rest of the chunk, each block once it is here
+                call = (n + 1).to(tl.int64) << 32
+                _wait_ge(prog_ptr + s * G + pid, call, spin_limit, err_ptr, 3, s)
                 tl.debug_barrier()
                 cm, st, en = _chunk_meta(region + pid * 16)
-                last = rb + 1 + (en - st).to(tl.int64)
-                _wait_ge(prog_ptr + s * G + pid, last, spin_limit, err_ptr, 3, s)
-                tl.debug_barrier()
-                dn = tl.load(done_ptr + s * G + pid)
-                _copy_in(region, st + dn, en, s, out_x_ptr, out_slot_ptr, out_w_ptr, T_cap, meta_base,
-                         rrow, hcol, kcol, ELEM, ROW_ELEMS, H, K, K_PAD, KMAX, CM_BYTES, HAS_META,
-                         BLOCK_R, BLOCK_H, ALIGNED)
-                tl.store(rbase_ptr + s * G + pid, last)
+                for jb in range(st + tl.load(done_ptr + s * G + pid), en, BLOCK_R):
+                    je = tl.minimum(jb + BLOCK_R, en)
+                    _wait_ge(prog_ptr + s * G + pid, call + (je - st).to(tl.int64), spin_limit, err_ptr, 3, s)
+                    tl.debug_barrier()
+                    _copy_in(region, jb, je, s, out_x_ptr, out_slot_ptr, out_w_ptr, T_cap, meta_base,
+                             rrow, hcol, kcol, ELEM, ROW_ELEMS, H, K, K_PAD, KMAX, CM_BYTES, HAS_META,
+                             BLOCK_R, BLOCK_H, ALIGNED)
                 tl.store(done_ptr + s * G + pid, 0)
             else:
                 if tl.load(remote_tbl + s) == 0:
@@ -453,7 +459,7 @@ def _combine_kernel(
     out_ptr, gw_ptr,  # [T, H] sums, float32 [T, K] side values picked per k
     ctr_ptr, err_ptr,
     smeta_ptr,  # int32 [G, W, 4] from the dispatch: which rows of each peer hold this chunk's tokens
-    pprog_tbl, prog_ptr, rbase_ptr, done_ptr,  # INTERLEAVE's progress words (ChannelAddrs)
+    pprog_tbl, prog_ptr, done_ptr,  # INTERLEAVE's progress words (ChannelAddrs)
     me, T_cap, REGION, spin_limit,
     W: tl.constexpr, W_PAD: tl.constexpr, H: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
     KMAX: tl.constexpr, G: tl.constexpr,
@@ -480,6 +486,10 @@ def _combine_kernel(
                 if d != me:
                     _wait_ge(ack_ptr + d, n.to(tl.int64) * G, spin_limit, err_ptr, 2, d)
             tl.debug_barrier()
+        if INTERLEAVE:  # progress word = (call + 1) << 32 | rows sent back so far in this call
+            for d in tl.static_range(W):
+                if d != me:
+                    _publish(tl.load(pprog_tbl + d) + pid * 8, (n + 1).to(tl.int64) << 32)
         # ---------------- send back the rows program pid received from each source
         # ROTATE: rank me serves sources me+1, me+2, ... (mod W) instead of 0, 1, ...: at any moment
         # each rank then receives from one peer (a ring schedule) rather than all ranks writing to
@@ -517,7 +527,7 @@ def _combine_kernel(
                             for d in tl.static_range(W):
                                 if d != me:
                                     have = tl.atomic_add(prog_ptr + d * G + pid, 0, sem="acquire", scope="sys")
-                                    need = tl.load(rbase_ptr + d * G + pid) + _rows_needed(
+                                    need = ((n + 1).to(tl.int64) << 32) + _rows_needed(
                                         tb, t1, d, pid, pos_ptr, smeta_ptr, rrow, W)
                                     ready = ready & (have >= need)
                             if ready:
@@ -536,18 +546,13 @@ def _combine_kernel(
             for tb in range(t0 + tl.load(done_ptr + pid), t1, BLOCK_R):
                 for d in tl.static_range(W):
                     if d != me:
-                        need = tl.load(rbase_ptr + d * G + pid) + _rows_needed(tb, t1, d, pid, pos_ptr,
-                                                                               smeta_ptr, rrow, W)
+                        need = ((n + 1).to(tl.int64) << 32) + _rows_needed(tb, t1, d, pid, pos_ptr,
+                                                                            smeta_ptr, rrow, W)
                         _wait_ge(prog_ptr + d * G + pid, need, spin_limit, err_ptr, 4, d)
                 tl.debug_barrier()
                 _combine_block(tb, t1, pid, me, src_ptr, side_ptr, pos_ptr, dest_rank_ptr, out_ptr, gw_ptr,
                                recv_base, region_sz, meta_base, T_cap, rrow, hcol, kcol, wcol, ELEM, ROW_ELEMS,
                                W, H, K, K_PAD, KMAX, CM_BYTES, HAS_META, BLOCK_R, BLOCK_H, ALIGNED)
-            for d in tl.static_range(W):
-                if d != me:  # every row d sent back for this chunk (all were read above)
-                    sm = smeta_ptr + pid * W * 4 + d * 4
-                    rows = (tl.load(sm + 1) - tl.load(sm)).to(tl.int64)
-                    tl.store(rbase_ptr + d * G + pid, tl.load(rbase_ptr + d * G + pid) + rows)
             tl.store(done_ptr + pid, 0)
         else:
             # ---------------- wait for program pid of every expert rank, then sum per token
@@ -634,17 +639,17 @@ class ChannelAddrs:
     dst_tbl/pflag_tbl/pack_tbl: int64 [W] device tables (see the kernels); remote_tbl int32 [W];
     recv_base: int address of this rank's region 0; flag int64 [W*G], rsig int64 [W], ack int64 [W]
     (symmetric words); ctr int32 [G] per-program call counters. For :attr:`Tuning.interleave`:
-    pprog_tbl int64 [W] (address of prog[me, 0] on peer d), prog int64 [W*G] (symmetric: one
-    plus the rows that program p of source s wrote here, summed over interleaved calls), rbase
-    int64 [W*G] (prog's value when this rank's last interleaved call ended) and done int32 [W*G]
-    (rows copied out so far in this call), both in ordinary device memory.
+    pprog_tbl int64 [W] (address of prog[me, 0] on peer d), prog int64 [W*G] (symmetric: for
+    program p of source s, ``(call + 1) << 32`` plus the rows it has sent here in that call; set
+    absolutely at each call's start, so a timed-out call never shifts the next) and done int32
+    [W*G] (this rank's work on them so far in the call, ordinary device memory).
     """
 
     def __init__(self, dst_tbl, pflag_tbl, pack_tbl, remote_tbl, recv_base, flag, rsig, ack, ctr,
-                 pprog_tbl, prog, rbase, done):
+                 pprog_tbl, prog, done):
         self.dst_tbl, self.pflag_tbl, self.pack_tbl, self.remote_tbl = dst_tbl, pflag_tbl, pack_tbl, remote_tbl
         self.recv_base, self.flag, self.rsig, self.ack, self.ctr = recv_base, flag, rsig, ack, ctr
-        self.pprog_tbl, self.prog, self.rbase, self.done = pprog_tbl, prog, rbase, done
+        self.pprog_tbl, self.prog, self.done = pprog_tbl, prog, done
 
 
 class Tuning:
@@ -762,8 +767,7 @@ def _dispatch_fixed(geo, ch, err, phase, T_cap, K, has_meta, compute_layout, spi
         CM_BYTES=geo.cm_bytes, ROW_BYTES=geo.row_bytes,
         HAS_META=has_meta, COMPUTE_LAYOUT=compute_layout, PHASE=phase,
         BLOCK_R=tu.block_r, BLOCK_H=min(tu.block_h, _pow2(H)), ALIGNED=aligned,
-        pprog_tbl=ch.pprog_tbl, prog_ptr=ch.prog, rbase_ptr=ch.rbase, done_ptr=ch.done,
-        INTERLEAVE=interleave,
+        pprog_tbl=ch.pprog_tbl, prog_ptr=ch.prog, done_ptr=ch.done, INTERLEAVE=interleave,
     )
 
 
@@ -775,7 +779,7 @@ def launch_dispatch(
     out_w: torch.Tensor | None = None, scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
     compute_layout: bool = False, spin_limit: int = 1 << 25,
     tuning: Tuning | None = None, capacity: int | None = None, launcher: "Launcher | None" = None,
-    key: tuple | None = None,
+    key: tuple | None = None, interleave_ok: bool = True,
 ) -> None:
     """Dispatch-like exchange: rows of x [T, H] go to out_x [W*C, H] of their destinations, where
     C = ``capacity`` (rows per source this call; default the buffer's T_cap, at most that).
@@ -787,11 +791,13 @@ def launch_dispatch(
     ``launcher``/``key``: launch through a :class:`Launcher`, which checks the arguments and binds
     them through Triton's JIT only on the first call of ``key`` (the caller's promise that the
     call's shapes, dtypes and constants are those of that first call). ``tuning.interleave`` applies
-    to phase 3 (every peer through peer pointers) only.
+    where ``interleave_ok`` (no rank of the buffer has a remote peer: every rank must agree) in
+    phase 3.
     """
     tu = tuning or Tuning()
     T_cap = capacity or geo.capacity
     launcher = launcher or Launcher(fast=False)
+    interleave = tu.interleave and interleave_ok and phase == 3
     varying = _dispatch_varying(x, pos, smeta, out_x, rmeta, dest_rank, dest_slot, weight, out_slot, out_w, scratch)
 
     def fixed() -> dict:
@@ -800,7 +806,7 @@ def launch_dispatch(
         _dispatch_checks(geo, T_cap, x, pos, smeta, out_x, rmeta, dest_rank, dest_slot, weight, out_slot, out_w,
                          scratch, compute_layout, has_meta, K)
         return _dispatch_fixed(geo, ch, err, phase, T_cap, K, has_meta, compute_layout, spin_limit, tu,
-                               _aligned_rows(varying["x_ptr"], out_x), tu.interleave and phase == 3)
+                               _aligned_rows(varying["x_ptr"], out_x), interleave)
 
     launcher.launch(_dispatch_kernel, (geo.num_programs,), varying, fixed, tu.num_warps, key)
 
@@ -848,7 +854,7 @@ def _combine_fixed(geo, ch, err, phase, T_cap, K, has_meta, spin_limit, tu, alig
         W=W, W_PAD=_pow2(W), H=H, K=K, K_PAD=_pow2(K), KMAX=geo.kmax, G=G,
         CM_BYTES=geo.cm_bytes, ROW_BYTES=geo.row_bytes, HAS_META=has_meta, PHASE=phase,
         BLOCK_R=tu.block_r, BLOCK_H=min(tu.block_h, _pow2(H)), ALIGNED=aligned, ROTATE=tu.rotate_peers,
-        pprog_tbl=ch.pprog_tbl, prog_ptr=ch.prog, rbase_ptr=ch.rbase, done_ptr=ch.done, INTERLEAVE=interleave,
+        pprog_tbl=ch.pprog_tbl, prog_ptr=ch.prog, done_ptr=ch.done, INTERLEAVE=interleave,
     )
 
 
@@ -858,7 +864,7 @@ def launch_combine(
     dest_rank: torch.Tensor | None = None, gw: torch.Tensor | None = None,
     smeta: torch.Tensor | None = None,
     spin_limit: int = 1 << 25, tuning: Tuning | None = None, capacity: int | None = None,
-    launcher: "Launcher | None" = None, key: tuple | None = None,
+    launcher: "Launcher | None" = None, key: tuple | None = None, interleave_ok: bool = True,
 ) -> None:
     """Combine-like exchange: rows src [W*C, H] go back to their sources, summed per token
     (C = ``capacity``, as the dispatch that made the layout used).
@@ -873,7 +879,7 @@ def launch_combine(
     T_cap = capacity or geo.capacity
     launcher = launcher or Launcher(fast=False)
     varying = _combine_varying(src, rmeta, pos, out, side, dest_rank, gw, smeta)
-    interleave = tu.interleave and phase == 3 and smeta is not None
+    interleave = tu.interleave and interleave_ok and phase == 3 and smeta is not None
 
     def fixed() -> dict:
         _combine_checks(geo, T_cap, src, rmeta, pos, out, side, dest_rank, gw, smeta)

@@ -163,13 +163,65 @@ def _interleave_copy_out(worker, on: bool) -> None:
 
 
 def test_interleaved_copy_out_parity(group):
-    """The dispatch's copy-out interleaved with its sends (Tuning.interleave, a launch variant
-    ``bench comm`` times) equals the references on every edge case and the oracle in bf16."""
+    """The dispatch's copy-out and the combine's sums interleaved with the sends (Tuning.interleave,
+    a launch variant ``bench comm`` times) equal the references on every edge case and the oracle
+    in bf16, sequential and pipelined, and a CUDA-graph replay equals eager."""
     group.execute(_interleave_copy_out, True)
     try:
         _check_everything(group, "interleaved copy-out")
+        case = Case(seed=7, dtype="bfloat16", hidden=64, pipeline_chunks=3)
+        for rank, errs in enumerate(group.execute(layer_parity, case, timeout=300)):
+            assert all(v <= BF16_TOL for v in errs.values()), ("pipelined", rank, errs)
+        for rank, errs in enumerate(group.execute(_graph_vs_eager, timeout=300)):
+            assert all(v <= BF16_TOL for v in errs.values()), ("graph", rank, errs)
     finally:
         group.execute(_interleave_copy_out, False)
+
+
+def _interleaved_on_few_programs(worker) -> dict:
+    """Many blocks per program (a buffer of 2 programs, H=1024, blocks of 4 rows), so rows arrive
+    part by part while the receiver copies and sums: 12 rounds of every transport check, the
+    tuning alternating between interleaved and not, then the buffer's invariants."""
+    import torch.distributed as dist
+
+    from ray_moe.comm.base import BufferSpec
+    from ray_moe.comm.nvshmem_kernels import Tuning
+    from ray_moe.validation.transport import check_combine, check_dispatch
+
+    tr = worker.transport
+    old = tr.buffer, tr.spec
+    spec = BufferSpec(max_tokens=256, hidden=1024, elem_bytes=4, max_top_k=8)
+    buf = tr.new_buffer(capacity=spec.max_tokens, hidden=spec.hidden, elem_bytes=4, kmax=8, num_programs=2)
+    tr.buffer, tr.spec = buf, spec
+    worst: dict = {"interleave_ok": float(not buf.interleave_ok)}
+    cases = [dict(tokens_per_rank=(256, 131)), dict(routing="empty_rank", tokens_per_rank=(200,)),
+             dict(tokens_per_rank=(0, 256)), dict(top_k=8, tokens_per_rank=(97,))]
+    try:
+        for i in range(12):
+            buf.tuning = Tuning(block_r=4, block_h=1024, num_warps=8, interleave=i % 3 != 2)
+            case = Case(hidden=1024, seed=i).but(**cases[i % len(cases)])
+            for fn in (check_dispatch, check_combine):
+                for k, v in fn(worker, case)["errors"].items():
+                    worst[k] = max(worst.get(k, 0.0), v)
+        torch.cuda.synchronize()
+        worst["done_nonzero"] = float(sum(int(ch.addrs.done.abs().sum()) for ch in (buf.dch, buf.cch)))
+        worst["device_error"] = float(int(buf.err[0]))
+    finally:
+        tr.buffer, tr.spec = old
+        tr.runtime.barrier()
+        buf.close()
+        dist.barrier()
+    return worst
+
+
+def test_interleaved_exchange_on_few_programs(group):
+    """Tuning.interleave where each program has many blocks (the CPU harness has one program per
+    rank; on the GPU the other tests' programs hold a block or less each)."""
+    if group.world_size < 2:
+        pytest.skip("needs two ranks")
+    for rank, worst in enumerate(group.execute(_interleaved_on_few_programs, timeout=300)):
+        bad = {k: v for k, v in worst.items() if not v <= 1e-6}
+        assert not bad, (rank, bad)
 
 
 def test_many_layers_reuse_one_buffer(group):
