@@ -16,7 +16,8 @@
 #   comm        bench comm at W = all GPUs (skipped on one GPU): T_local 128, 4096, 16384, also with
 #               COMM_PROGRAMS (default 16,32,66) programs: eager and graph-replayed, for small-T latency
 #   layer       bench layer --sections ep at W = all GPUs (skipped on one GPU): sequential and
-#               pipelined, against one GPU running T_local and T tokens
+#               pipelined (EP_CHUNKS, default 1,2), each without and with Tuning.interleave, against
+#               one GPU running T_local and T tokens
 #   grad        bench grad_reduce at W = all GPUs (skipped on one GPU; not in the default list):
 #               issue 27's exposed replicated-gradient reduction, ZeRO stages 0, 1, 2, Qwen3-30B-A3B
 #               cut to 2 layers; fits the `comm,layer` call (`comm,layer,grad`)
@@ -77,7 +78,7 @@ fi
 if [ "$GPUS" -ge 2 ] && has layer; then
   t0=$SECONDS
   timeout "${T_LAYER:-200}" python3 -m ray_moe.cli bench layer --sections ep --world-size "$GPUS" \
-    --T $((16384 * GPUS)) --H 4096 --I 1536 --E 64 --K 8 --transport nvshmem --ep-chunks 1,2,4 \
+    --T $((16384 * GPUS)) --H 4096 --I 1536 --E 64 --K 8 --transport nvshmem --ep-chunks "${EP_CHUNKS:-1,2}" --ep-interleave 0,1 \
     --json "$OUT/bench_layer_ep_w$GPUS.json" 2>&1 | quiet | tee "$OUT/bench_layer.log" | tail -20
   record "bench layer ep W=$GPUS" "see bench_layer_ep_w$GPUS.json" $((SECONDS - t0)); ray_stop
 fi

@@ -45,6 +45,7 @@ class StepSpec:
     seed: int = 0
     pipeline_chunks: int = 1  # moe.pipeline_chunks: 1 sequential, C > 1 exchange overlapped in C chunks
     comm_programs: int = 0  # NVSHMEM: a buffer with this many programs (SMs) for the run (0: the transport's)
+    interleave: bool = False  # NVSHMEM: the buffer's Tuning.interleave on for the run
 
     def fwd_flops(self) -> float:
         return 6.0 * self.tokens * self.top_k * self.d_model * self.hidden
@@ -78,9 +79,17 @@ def time_layer_step(worker: Any, spec: StepSpec | dict) -> dict[str, Any]:
         own = transport.new_buffer(capacity=kept.capacity, hidden=H, elem_bytes=dtype.itemsize, kmax=kept.geo.kmax,
                                    num_programs=min(spec.comm_programs, transport.num_programs))
         transport.buffer = own
+    tuned = getattr(transport, "buffer", None) if spec.interleave else None
+    if tuned is not None:
+        from ray_moe.comm.nvshmem_kernels import Tuning
+
+        kept_tuning = tuned.tuning
+        tuned.tuning = Tuning(**{**vars(kept_tuning), "interleave": True})
     try:
         return _time_layer_step(worker, spec, transport, W, rank, placement, dtype)
     finally:
+        if tuned is not None:
+            tuned.tuning = kept_tuning
         if own is not None:
             synchronize(device)
             if dist.is_initialized():
@@ -152,10 +161,11 @@ def ep_layer_rows(
     T: int, H: int, I: int, E: int, K: int, world_size: int, transport: str = "auto",
     address: str | None = None, dtype: str = "bfloat16", impl: str = "auto", iters: int = 10,
     device: str = "auto", force_remote_path: bool = False, chunks: tuple[int, ...] = (1,),
-    comm_programs: tuple[int, ...] = (0,), group: Any = None,
+    comm_programs: tuple[int, ...] = (0,), group: Any = None, interleave: tuple[bool, ...] = (False,),
 ) -> list[dict]:
     """Expert-parallel rows: per-rank layer time at T/W tokens per rank, for every pipeline chunk
-    count C (1: the sequential layer) and NVSHMEM program count G (0: the transport's), against one
+    count C (1: the sequential layer), NVSHMEM program count G (0: the transport's) and
+    ``interleave`` setting (NVSHMEM's Tuning.interleave), against one
     GPU running T/W tokens (exposed communication: EP minus that, also as a fraction of it) and
     all T tokens (scaling efficiency: one GPU's time / (W x EP time)). ``group``: an existing
     worker group of ``world_size`` ranks to run on (else one is started and closed here)."""
@@ -189,18 +199,20 @@ def ep_layer_rows(
         ep = {}
         for c in chunks:
             for p in comm_programs:
-                ep[c, p] = g.execute(time_layer_step, asdict(StepSpec(tokens=T // world_size, pipeline_chunks=c,
-                                                                      comm_programs=p, **base)))
+                for il in interleave:
+                    ep[c, p, il] = g.execute(time_layer_step, asdict(StepSpec(
+                        tokens=T // world_size, pipeline_chunks=c, comm_programs=p, interleave=il, **base)))
         local = ray.get(g.actors[0].execute.remote(
             time_layer_step, asdict(StepSpec(tokens=T // world_size, local=True, **base))))
         full = ray.get(g.actors[0].execute.remote(
             time_layer_step, asdict(StepSpec(tokens=T, local=True, **base))))
         transport_name = g.transport_name
     rows = []
-    for (c, p), res in ep.items():
+    for (c, p, il), res in ep.items():
         f, b = max(r["forward_ms"] for r in res), max(r["backward_ms"] for r in res)
         what = "EP per rank (max over ranks), " + (f"pipelined, {c} chunks" if c > 1 else "sequential")
-        rows.append({"section": "ep", "what": what + (f", {p} programs" if p else ""), "transport": transport_name,
+        what += (f", {p} programs" if p else "") + (", interleaved" if il else "")
+        rows.append({"section": "ep", "what": what, "transport": transport_name, "interleave": il,
                      "chunks": c, "comm_programs": p, "tokens": spec_ep.tokens, "fwd_ms": f,
                      "fwd_TFLOPs": tflops(spec_ep, f), "fwd+bwd_ms": f + b,
                      "fwd+bwd_TFLOPs": tflops(spec_ep, f + b, backward=True)})
@@ -214,7 +226,7 @@ def ep_layer_rows(
     for r in rows[:len(ep)]:
         rows.append({
             "section": "ep", "what": "derived", "world_size": world_size, "chunks": r["chunks"],
-            "comm_programs": r["comm_programs"],
+            "comm_programs": r["comm_programs"], "interleave": r["interleave"],
             "scaling_eff_fwd": ff / (world_size * r["fwd_ms"]),
             "scaling_eff_fwd+bwd": ffb / (world_size * r["fwd+bwd_ms"]),
             "exposed_comm_fwd_ms": r["fwd_ms"] - lf,
