@@ -4,8 +4,10 @@
 # multi-GPU kind (W = all GPUs; pes2 on two GPUs is W=4). Measured on nvidia-h100-x2 (session 10,
 # 2026-11-25): tests 296 s, pes2 with PES_FILES=tests/gpu/test_nvshmem_gpu.py 206 s, comm 70 s,
 # layer 72 s, grad 121 s. Plan for a two-GPU lease, back to back (the machine goes back after 30 s
-# idle): call A `PES_FILES=tests/gpu/test_nvshmem_gpu.py ... tests,pes2` (~510 s), call B
-# `comm,layer,grad` (~270 s) plus `python3 -m ray_moe.bench.comm --host-cost --profile` (~60 s).
+# idle): call A `PES_FILES=tests/gpu/test_nvshmem_gpu.py ... tests,pes2` (~510 s, and the two
+# interleave tests added since), call B `comm,layer,grad` (~330 s now that comm sweeps the
+# interleaved variants and programs, and layer runs with and without interleave) plus
+# `python3 -m ray_moe.bench.comm --host-cost --profile` (~60 s).
 # On one GPU, pes2 with every file took ~360 s.
 # Usage (device machine, repo root):  . .devbundle/setup.sh && bash scripts/device_ep.sh [steps]
 # steps (default: pes2,pes4,tests,comm,layer; a failing step does not stop the next one):
@@ -71,7 +73,7 @@ if has tests; then
 fi
 if [ "$GPUS" -ge 2 ] && has comm; then
   t0=$SECONDS
-  timeout "${T_COMM:-150}" python3 -m ray_moe.bench.comm --tokens 128,4096,16384 --variants all --programs "${COMM_PROGRAMS:-16,32,66}" \
+  timeout "${T_COMM:-200}" python3 -m ray_moe.bench.comm --tokens 128,4096,16384 --variants all --programs "${COMM_PROGRAMS:-16,32,66}" \
     --json "$OUT/bench_comm_w$GPUS.json" 2>&1 | quiet | tee "$OUT/bench_comm.log" | tail -20
   record "bench comm W=$GPUS" "see bench_comm_w$GPUS.json" $((SECONDS - t0)); ray_stop
 fi
