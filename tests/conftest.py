@@ -89,6 +89,19 @@ def interpreter_scripts(request) -> InterpreterScripts:
 
 
 @pytest.fixture(scope="session")
+def multi_pe_run():
+    """tests/nvshmem_pes.py at the suite's settings (several NVSHMEM PEs on the CPU), started in the
+    background at the first request in this test process; ``.result(timeout_s)`` waits for it.
+    tests/unit/comm/test_nvshmem_kernels.py requests it early, so under ``-n 2`` it runs beside the
+    rest of its lane instead of blocking the lane at the test that reads it (~30 s)."""
+    from tests.nvshmem_pes import SUITE_ARGS, BackgroundRun
+
+    run = BackgroundRun(SUITE_ARGS)
+    yield run
+    run.close()
+
+
+@pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory):
     """tiny_hf(family) → the directory of a tiny random transformers model of that family
     (qwen3_moe | mixtral | glm4_moe), saved once per test session (transformers, no download)."""

@@ -34,6 +34,39 @@ from types import SimpleNamespace
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# what the suite runs (tests/unit/validation/test_multi_pe.py): two ranks, the default tuning on
+# every edge case and the interleaved exchange on FEW_CASES
+SUITE_ARGS = ("--world-size", "2", "--tunings", '[{}, {"block_r": 4, "interleave": true}]')
+
+
+class BackgroundRun:
+    """This script with ``args`` in a process of its own, started now; :meth:`result` waits for it.
+    The suite starts it early (a session fixture) so that it runs beside other tests."""
+
+    def __init__(self, args: tuple[str, ...]) -> None:
+        self.out, self.err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *args], cwd=ROOT,
+                                     stdout=self.out, stderr=self.err, text=True)
+
+    def result(self, timeout_s: float) -> tuple[int, str]:
+        """(exit code, stdout + the tail of stderr); a run past ``timeout_s`` is killed (code -9)."""
+        try:
+            code = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self.out.seek(0)
+        self.err.seek(0)
+        return code, self.out.read() + self.err.read()[-3000:]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.out.close()
+        self.err.close()
+
+
 FEW_CASES = (dict(routing="random"), dict(routing="empty_rank"), dict(tokens_per_rank=(0, 5)),
              dict(tokens_per_rank=(1, 40), top_k=4))
 
@@ -133,9 +166,11 @@ def make_transport(runtime: FileRuntime, spin_limit: int, tuning: dict | None = 
     return tr
 
 
-def rank_main(root: str, rank: int, world_size: int, spin_limit: int, tunings: list[dict]) -> list[str]:
-    """One rank: the transport checks with each of ``tunings`` ({}: the buffers' default), the
-    layer's with the first; the failures as lines."""
+def rank_main(root: str, rank: int, world_size: int, spin_limit: int, tunings: list[dict],
+              all_cases: bool = True) -> list[str]:
+    """One rank: the transport checks with each of ``tunings`` ({}: the buffers' default; every
+    edge case with the first where ``all_cases``, else :data:`FEW_CASES`), the layer's with the
+    first; the failures as lines."""
     import torch
     import torch.distributed as dist
 
@@ -166,7 +201,7 @@ def rank_main(root: str, rank: int, world_size: int, spin_limit: int, tunings: l
             tr.use(tuning or None)
             # every edge case with the first tuning; with the others, the ones that vary the
             # rows per source most (empty sources and ranks, skew), to keep the suite fast
-            for extra in EDGE_CASES if i == 0 else [e for e in EDGE_CASES if e in FEW_CASES]:
+            for extra in EDGE_CASES if i == 0 and all_cases else [e for e in EDGE_CASES if e in FEW_CASES]:
                 case = Case(num_experts=4 * world_size).but(**extra)
                 if case.applies_to(world_size) is None:
                     check(f"check_dispatch {extra} {tuning}", check_dispatch, case, 1e-6)
@@ -184,7 +219,8 @@ def rank_main(root: str, rank: int, world_size: int, spin_limit: int, tunings: l
     return fails
 
 
-def launch(world_size: int, spin_limit: int, timeout_s: float, tunings: str = "[{}]") -> list[str]:
+def launch(world_size: int, spin_limit: int, timeout_s: float, tunings: str = "[{}]",
+           few_cases: bool = False) -> list[str]:
     """Start ``world_size`` rank processes and collect their failures (a rank that dies or runs
     past ``timeout_s`` is a failure that says so)."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
@@ -192,7 +228,7 @@ def launch(world_size: int, spin_limit: int, timeout_s: float, tunings: str = "[
     with tempfile.TemporaryDirectory(prefix="ray_moe_pes_") as root:
         procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank", str(r), "--root", root,
                                    "--world-size", str(world_size), "--spin-limit", str(spin_limit),
-                                   "--tunings", tunings],
+                                   "--tunings", tunings] + (["--few-cases"] if few_cases else []),
                                   env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for r in range(world_size)]
         # a rank that stops early leaves the others waiting on it: end them all soon after
@@ -230,12 +266,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tunings", default="[{}]",
                    help='the buffers\' Tunings to check, a JSON list ({}: the default), e.g. '
                         '\'[{}, {"block_r": 2, "interleave": true}]\'')
+    p.add_argument("--few-cases", action="store_true", help="FEW_CASES with every tuning (the suite's budget)")
     a = p.parse_args(argv)
     if a.rank is None:
-        fails = launch(a.world_size, a.spin_limit, a.timeout_s, a.tunings)
+        fails = launch(a.world_size, a.spin_limit, a.timeout_s, a.tunings, a.few_cases)
         print("OK" if not fails else "FAILED\n" + "\n".join(fails))
         return 1 if fails else 0
-    print(json.dumps({"fails": rank_main(a.root, a.rank, a.world_size, a.spin_limit, json.loads(a.tunings))}))
+    fails = rank_main(a.root, a.rank, a.world_size, a.spin_limit, json.loads(a.tunings), not a.few_cases)
+    print(json.dumps({"fails": fails}))
     return 0
 
 

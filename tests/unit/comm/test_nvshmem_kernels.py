@@ -261,18 +261,6 @@ def test_symmetric_buffer_on_one_pe_under_the_interpreter(interpreter_scripts):
     assert proc.stdout.startswith("OK"), (proc.stdout + proc.stderr)[-3000:]
 
 
-_PES = (sys.executable, "tests/nvshmem_pes.py", "--world-size", "2",
-        "--tunings", '[{}, {"block_r": 4, "interleave": true}]')
-
-
-@pytest.mark.interpreter_script(*_PES)
-def test_exchange_kernels_across_two_pes_under_the_interpreter(interpreter_scripts):
-    """The NVSHMEM transport's real kernels between two ranks on the CPU (tests/nvshmem_pes.py:
-    a process per rank, symmetric memory as shared file mappings, peer stores and flag atomics
-    across processes): every transport edge case (dispatch, combine and both backwards, two calls
-    through one buffer) with the default launch tuning and with the dispatch's copy-out and the
-    combine's sums interleaved with the sends (``Tuning.interleave``), and the EP layer against
-    the single-process oracle, on every rank."""
-    pytest.importorskip("triton")
-    proc = interpreter_scripts.result(*_PES)
-    assert proc.stdout.startswith("OK"), (proc.stdout + proc.stderr)[-4000:]
+@pytest.fixture(scope="module", autouse=True)
+def _start_the_multi_pe_run(multi_pe_run):
+    """Start tests/unit/validation/test_multi_pe.py's background run now, beside this lane's tests."""

@@ -1,0 +1,17 @@
+"""The NVSHMEM transport's real kernels between several ranks on the CPU (tests/nvshmem_pes.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_exchange_kernels_across_two_pes_under_the_interpreter(multi_pe_run):
+    """A process per rank under Triton's interpreter, symmetric memory as shared file mappings,
+    peer stores and flag atomics across processes: every transport edge case (dispatch, combine
+    and both backwards, two calls through one buffer) with the default launch tuning, the ones
+    that vary rows per source most with the dispatch's copy-out and the combine's sums
+    interleaved with the sends (``Tuning.interleave``), and the EP layer against the
+    single-process oracle, on every rank."""
+    pytest.importorskip("triton")
+    code, text = multi_pe_run.result(timeout_s=600)
+    assert code == 0 and text.startswith("OK"), text[-4000:]
