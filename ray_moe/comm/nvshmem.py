@@ -214,7 +214,7 @@ class _Channel:
         self.flag = self.words[: W * G]
         self.rsig = self.words[W * G: W * G + W]
         self.ack = self.words[W * G + W: W * G + 2 * W]
-        self.prog = self.words[W * G + 2 * W:]  # rows arrived per source and program (Tuning.interleave)
+        self.prog = self.words[W * G + 2 * W:]  # (call + 1) << 32 | rows sent, per source and program (interleave)
         recv_base, words_base = self.recv.data_ptr(), self.words.data_ptr()
         for name, t in (("receive regions", self.recv), ("staging regions", self.stage)):
             if t is not None and t.data_ptr() % 256:  # the kernels' 16-byte vector accesses rely on it
