@@ -15,6 +15,7 @@
 #               NVSHMEM transport tests (layout, validators, parity, clones, graph replay, reserve),
 #               and with pes2 the HF families' short bf16 training runs and the training tests
 #   tests       one rank per GPU, W = all GPUs (2 at most in the tests): the same GPU tests
+#               (TESTS_FILES: other test files)
 #   comm        bench comm at W = all GPUs (skipped on one GPU): T_local 128, 4096, 16384, also with
 #               COMM_PROGRAMS (default 16,32,66) programs: eager and graph-replayed, for small-T latency
 #   layer       bench layer --sections ep at W = all GPUs (skipped on one GPU): sequential and
@@ -69,7 +70,7 @@ for P in 2 4; do
   [ "${NO_MPS:-0}" = 1 ] || mps_stop
 done
 if has tests; then
-  pytest_step gpu_tests_w$GPUS "${T_TESTS:-420}" tests/gpu/test_nvshmem_gpu.py tests/gpu/test_training_gpu.py
+  pytest_step gpu_tests_w$GPUS "${T_TESTS:-420}" ${TESTS_FILES:-tests/gpu/test_nvshmem_gpu.py tests/gpu/test_training_gpu.py}
 fi
 if [ "$GPUS" -ge 2 ] && has comm; then
   t0=$SECONDS
