@@ -21,12 +21,14 @@ def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
     ep = [r for r in rows if r["what"].startswith("EP")]
     assert [r["chunks"] for r in ep] == [1, 3] and all(r["transport"] == "gloo" for r in ep)
     assert "pipelined, 3 chunks" in ep[1]["what"] and "sequential" in ep[0]["what"]
-    assert {r["what"] for r in rows} >= {"one GPU, T/W tokens", "one GPU, all T tokens"}
+    assert {r["what"] for r in rows} >= {"one GPU, T/W tokens", "one GPU, all T tokens",
+                                         "one GPU, T/W tokens on E/W experts (a rank's compute)"}
     derived = [r for r in rows if r["what"] == "derived"]
     assert [d["chunks"] for d in derived] == [1, 3]
     for d in derived:
         assert d["scaling_eff_fwd"] > 0 and d["scaling_eff_fwd+bwd"] > 0
         assert {"exposed_comm_frac_fwd", "exposed_comm_frac_fwd+bwd", "exposed_comm_fwd_ms"} <= d.keys()
+        assert d["scaling_if_hidden_fwd"] > 0 and d["scaling_if_hidden_fwd+bwd"] > 0
 
 
 def test_bench_balance_train_mode_on_cpu(group_for_new, tmp_path):
