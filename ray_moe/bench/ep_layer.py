@@ -45,7 +45,7 @@ class StepSpec:
     seed: int = 0
     pipeline_chunks: int = 1  # moe.pipeline_chunks: 1 sequential, C > 1 exchange overlapped in C chunks
     comm_programs: int = 0  # NVSHMEM: a buffer with this many programs (SMs) for the run (0: the transport's)
-    interleave: bool = False  # NVSHMEM: the buffer's Tuning.interleave on for the run
+    interleave: bool | None = None  # NVSHMEM: the buffer's Tuning.interleave for the run (None: its default)
 
     def fwd_flops(self) -> float:
         return 6.0 * self.tokens * self.top_k * self.d_model * self.hidden
@@ -79,12 +79,12 @@ def time_layer_step(worker: Any, spec: StepSpec | dict) -> dict[str, Any]:
         own = transport.new_buffer(capacity=kept.capacity, hidden=H, elem_bytes=dtype.itemsize, kmax=kept.geo.kmax,
                                    num_programs=min(spec.comm_programs, transport.num_programs))
         transport.buffer = own
-    tuned = getattr(transport, "buffer", None) if spec.interleave else None
+    tuned = getattr(transport, "buffer", None) if spec.interleave is not None else None
     if tuned is not None:
         from ray_moe.comm.nvshmem_kernels import Tuning
 
         kept_tuning = tuned.tuning
-        tuned.tuning = Tuning(**{**vars(kept_tuning), "interleave": True})
+        tuned.tuning = Tuning(**{**vars(kept_tuning), "interleave": spec.interleave})
     try:
         return _time_layer_step(worker, spec, transport, W, rank, placement, dtype)
     finally:
@@ -161,7 +161,7 @@ def ep_layer_rows(
     T: int, H: int, I: int, E: int, K: int, world_size: int, transport: str = "auto",
     address: str | None = None, dtype: str = "bfloat16", impl: str = "auto", iters: int = 10,
     device: str = "auto", force_remote_path: bool = False, chunks: tuple[int, ...] = (1,),
-    comm_programs: tuple[int, ...] = (0,), group: Any = None, interleave: tuple[bool, ...] = (False,),
+    comm_programs: tuple[int, ...] = (0,), group: Any = None, interleave: tuple[bool | None, ...] = (None,),
 ) -> list[dict]:
     """Expert-parallel rows: per-rank layer time at T/W tokens per rank, for every pipeline chunk
     count C (1: the sequential layer), NVSHMEM program count G (0: the transport's) and
@@ -216,7 +216,7 @@ def ep_layer_rows(
     for (c, p, il), res in ep.items():
         f, b = max(r["forward_ms"] for r in res), max(r["backward_ms"] for r in res)
         what = "EP per rank (max over ranks), " + (f"pipelined, {c} chunks" if c > 1 else "sequential")
-        what += (f", {p} programs" if p else "") + (", interleaved" if il else "")
+        what += (f", {p} programs" if p else "") + {None: "", True: ", interleaved", False: ", not interleaved"}[il]
         rows.append({"section": "ep", "what": what, "transport": transport_name, "interleave": il,
                      "chunks": c, "comm_programs": p, "tokens": spec_ep.tokens, "fwd_ms": f,
                      "fwd_TFLOPs": tflops(spec_ep, f), "fwd+bwd_ms": f + b,

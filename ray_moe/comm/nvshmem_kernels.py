@@ -666,7 +666,9 @@ class Tuning:
     region, the combine sums each block of its tokens whose rows every peer has sent back (in
     the same order, so the sums are the same). Otherwise that work follows the whole transfer:
     ~90 µs of ~477 at T_local=16384, H=4096, W=2 on H100s (docs/BENCHMARKS.md, session 10).
-    Every rank must use the same value. Off by default until the device measures it.
+    Every rank must use the same value. On by default for rows of 2048 or more elements: on H100
+    x2 at T_local=16384, H=4096 the dispatch+combine pair took 857 µs against 985 (dispatch 0.82
+    of the copy ceiling against 0.78), at 4096 250 against 263 µs (docs/BENCHMARKS.md, session 11).
     """
 
     def __init__(self, block_r: int = 8, block_h: int = 1024, num_warps: int = 8,
@@ -676,11 +678,10 @@ class Tuning:
 
     @classmethod
     def for_hidden(cls, hidden: int) -> "Tuning":
-        """Default per row width: whole 4096-wide rows, 8 per step, 16 warps for wide rows (the
-        fastest of the variants measured on H200 x2 with 16-byte accesses, docs/BENCHMARKS.md;
-        every variant is within ~10% of it at T_local=16384)."""
+        """Default per row width: for wide rows whole 4096-wide rows, 8 per step, 16 warps,
+        interleaved (the fastest of the variants measured on H100 x2, docs/BENCHMARKS.md)."""
         if hidden >= 2048:
-            return cls(block_r=8, block_h=4096, num_warps=16)
+            return cls(block_r=8, block_h=4096, num_warps=16, interleave=True)
         return cls()
 
     def key(self) -> tuple:

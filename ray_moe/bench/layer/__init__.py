@@ -51,7 +51,8 @@ def ep_rows(shape: LayerShape, args: argparse.Namespace) -> list[dict]:
                          force_remote_path=args.force_remote_path,
                          chunks=tuple(int(c) for c in args.ep_chunks.split(",")),
                          comm_programs=tuple(int(g) for g in args.ep_programs.split(",")),
-                         interleave=tuple(bool(int(v)) for v in args.ep_interleave.split(",")))
+                         interleave=tuple(None if v == "default" else bool(int(v))
+                                          for v in args.ep_interleave.split(",")))
 
 
 def _print_table(rows: list[dict]) -> None:
@@ -101,9 +102,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="ep: comma list of moe.pipeline_chunks (1: sequential layer; C > 1: pipelined, side by side)")
     p.add_argument("--ep-programs", default="0",
                    help="ep/nvshmem: comma list of programs (SMs) for the exchange kernels (0: every SM)")
-    p.add_argument("--ep-interleave", default="0",
-                   help="ep/nvshmem: comma list of 0/1: the exchange without / with Tuning.interleave (the receiving"
-                        " side's work between the sends), side by side")
+    p.add_argument("--ep-interleave", default="default",
+                   help="ep/nvshmem: comma list of 0/1/default: the exchange without / with Tuning.interleave (the"
+                        " receiving side's work between the sends) or as the buffer's Tuning has it, side by side")
     p.add_argument("--force-remote-path", action="store_true", help="ep/nvshmem: use the inter-node path")
     return p.parse_args(argv)
 
