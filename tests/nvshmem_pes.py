@@ -12,7 +12,7 @@ What each rank runs: the transport validators on every edge case (``ray_moe.vali
 dispatch, combine and both backwards against the routing's reference, two calls in a row through
 the same buffer) with the first ``--tunings`` entry, and the cases that vary the rows per source
 most (:data:`FEW_CASES`) with each further one (the exchange kernels' launch variants, e.g.
-``Tuning.interleave``), then the EP layer against the single-process oracle (``layer_parity``) with
+``Tuning.interleave``, which the buffer applies at two ranks only), then the EP layer against the single-process oracle (``layer_parity``) with
 uneven token counts, then the transport's device error word.
 
 Usage: ``python tests/nvshmem_pes.py [--world-size 2] [--tunings JSON]`` starts the ranks and prints ``OK`` or the

@@ -165,7 +165,8 @@ def _interleave_copy_out(worker, on: bool) -> None:
 def test_interleaved_copy_out_parity(group):
     """The dispatch's copy-out and the combine's sums interleaved with the sends (Tuning.interleave,
     a launch variant ``bench comm`` times) equal the references on every edge case and the oracle
-    in bf16, sequential and pipelined, and a CUDA-graph replay equals eager."""
+    in bf16, sequential and pipelined, and a CUDA-graph replay equals eager. At three or more ranks
+    the buffer ignores the setting (it timed out there, session 11) and this checks the fallback."""
     group.execute(_interleave_copy_out, True)
     try:
         _check_everything(group, "interleaved copy-out")
@@ -193,7 +194,8 @@ def _interleaved_on_few_programs(worker) -> dict:
     spec = BufferSpec(max_tokens=256, hidden=1024, elem_bytes=4, max_top_k=8)
     buf = tr.new_buffer(capacity=spec.max_tokens, hidden=spec.hidden, elem_bytes=4, kmax=8, num_programs=2)
     tr.buffer, tr.spec = buf, spec
-    worst: dict = {"interleave_ok": float(not buf.interleave_ok)}
+    # interleave applies at two ranks only (SymmetricBuffer: it timed out at four on the device)
+    worst: dict = {"interleave_ok": float(buf.interleave_ok != (buf.geo.world_size == 2))}
     cases = [dict(tokens_per_rank=(256, 131)), dict(routing="empty_rank", tokens_per_rank=(200,)),
              dict(tokens_per_rank=(0, 256)), dict(top_k=8, tokens_per_rank=(97,))]
     try:
