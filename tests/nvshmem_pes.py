@@ -13,7 +13,8 @@ dispatch, combine and both backwards against the routing's reference, two calls 
 the same buffer) with the first ``--tunings`` entry, and the cases that vary the rows per source
 most (:data:`FEW_CASES`) with each further one (the exchange kernels' launch variants, e.g.
 ``Tuning.interleave``, which the buffer applies at two ranks only), then the EP layer against the single-process oracle (``layer_parity``) with
-uneven token counts, then the transport's device error word.
+uneven token counts, then the transport's device error record, then a combine rank 0 runs alone,
+whose timed-out wait must be named in the error (peer, program, value wanted and seen).
 
 Usage: ``python tests/nvshmem_pes.py [--world-size 2] [--tunings JSON]`` starts the ranks and prints ``OK`` or the
 failures (exit 1); ``--rank R --root DIR`` is one rank (started by the former).
@@ -211,12 +212,43 @@ def rank_main(root: str, rank: int, world_size: int, spin_limit: int, tunings: l
         check(f"layer_parity {extra}", layer_parity, Case(num_experts=4 * world_size, seed=3).but(**extra), 1e-5)
     except Exception:
         return fails
-    code, peer = (int(v) for v in tr.buffer.err.tolist())
-    if code:
-        fails.append(f"rank {rank}: device error {code} involving rank {peer}")
+    try:
+        tr.check()
+    except Exception as exc:
+        fails.append(f"rank {rank}: {exc}")
+    else:
+        fails += _timeout_is_named(tr, rank)
     dist.barrier()
     dist.destroy_process_group()
     return fails
+
+
+def _timeout_is_named(tr, rank: int) -> list[str]:
+    """Rank 0 runs a combine the others skip: its wait for their rows gives up after a few polls
+    and the transport's check names the error, the peer, the program and the value it waited for
+    (the buffer is unusable afterwards: the last check of the run)."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    W, H = tr.world_size, tr.buffer.geo.hidden
+    x = torch.randn(4, H, generator=g)
+    dest_rank = torch.tensor([[(rank + 1) % W]] * 4, dtype=torch.int32)  # every row to the next rank
+    recv_x, _, _, layout = tr.dispatch_forward(x, torch.ones(4, 1), dest_rank, torch.zeros(4, 1, dtype=torch.int32))
+    tr.runtime.barrier()
+    if rank != 0:
+        return []
+    tr.buffer.spin_limit = 50
+    tr.combine_forward(recv_x, layout)
+    try:
+        tr.check()
+    except Exception as exc:
+        msg = str(exc)
+        # the combine waits for program 0 of rank W-1 (rank 0's rows went to rank 1, whose rows
+        # did not come back); the words say which call it wanted and what it saw
+        if f"error 4 involving rank {W - 1}" in msg and "program 0 wanted" in msg and "saw" in msg:
+            return []
+        return [f"rank 0: the timed-out combine's error does not name its wait: {msg}"]
+    return ["rank 0: a combine whose peers never came did not time out"]
 
 
 def launch(world_size: int, spin_limit: int, timeout_s: float, tunings: str = "[{}]",

@@ -45,6 +45,7 @@ import torch
 
 from ray_moe.comm.base import BufferSpec, Layout, Transport, TransportSpec
 from ray_moe.comm.nvshmem_kernels import (
+    ERROR_WORDS,
     ChannelAddrs,
     Geometry,
     Launcher,
@@ -63,6 +64,19 @@ ERRORS = MappingProxyType({
     3: "rows of a dispatch did not arrive from a peer (it did not reach the same dispatch)",
     4: "rows of a combine did not arrive from a peer (it did not reach the same combine)",
 })
+
+
+def wait_record(rec: dict[str, int]) -> str:
+    """The timed-out wait of an error record (:data:`ERROR_WORDS`) in words: which program, and
+    the word's value wanted and last seen (an interleave progress word as call and rows)."""
+    def word(hi: int, lo: int) -> str:
+        if hi > 0:  # (call + 1) << 32 | rows
+            return f"call {hi - 1} rows {lo & 0xFFFFFFFF}"
+        return str(lo)
+    if rec["code"] == 1:
+        return f"program {rec['program']}"
+    return (f"program {rec['program']} wanted {word(rec['wanted_hi'], rec['wanted_lo'])}, "
+            f"saw {word(rec['seen_hi'], rec['seen_lo'])}")
 
 
 class NVSHMEMError(RuntimeError):
@@ -311,7 +325,7 @@ class SymmetricBuffer:
         G = num_programs
         self.scratch = (torch.zeros(G, W, dtype=torch.int32, device=dev),
                         torch.zeros(G, dtype=torch.int32, device=dev))
-        self.err = torch.zeros(2, dtype=torch.int32, device=dev)
+        self.err = torch.zeros(len(ERROR_WORDS), dtype=torch.int32, device=dev)  # see check()
         # combine_grad's received chunk meta: written by the kernel, never read (the layout's is)
         self.rmeta_scratch = torch.empty(W, G, 4, dtype=torch.int32, device=dev)
         self.spin_limit = spin_limit
@@ -425,12 +439,12 @@ class SymmetricBuffer:
     # ---------------------------------------------------------------- health
     def check(self) -> None:
         """Raise NVSHMEMError if a device-side wait timed out (host sync: call outside the hot path)."""
-        code, peer = (int(v) for v in self.err.tolist())
-        if code:
+        rec = dict(zip(ERROR_WORDS, (int(v) for v in self.err.tolist())))
+        if rec["code"]:
             raise NVSHMEMError(
-                f"rank {self.geo.rank}: NVSHMEM transport error {code} involving rank {peer}: "
-                f"{ERRORS.get(code, 'unknown')}. Every rank must run the same sequence of "
-                "dispatch/combine calls; the data of the failed exchange are invalid"
+                f"rank {self.geo.rank}: NVSHMEM transport error {rec['code']} involving rank {rec['peer']}: "
+                f"{ERRORS.get(rec['code'], 'unknown')}. Every rank must run the same sequence of "
+                f"dispatch/combine calls; the data of the failed exchange are invalid ({wait_record(rec)})"
             )
 
     def close(self) -> None:

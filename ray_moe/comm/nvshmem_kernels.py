@@ -38,12 +38,17 @@ import torch
 import triton
 import triton.language as tl
 
+# int32 words of a buffer's device error record, written by the wait that timed out (the last one)
+ERROR_WORDS = ("code", "peer", "program", "wanted_lo", "wanted_hi", "seen_lo", "seen_hi", "spare")
+
 # ----------------------------------------------------------------------------------- helpers
 
 
 @triton.jit
 def _wait_ge(ptr, target, spin_limit, err_ptr, code, peer):
-    """Spin (acquire, system scope) until *ptr >= target, at most spin_limit polls."""
+    """Spin (acquire, system scope) until *ptr >= target, at most spin_limit polls. A timeout
+    records the error word (:data:`ERROR_WORDS`): code, peer, program, and the value wanted and
+    last seen (low and high 32 bits: an interleave progress word is (call + 1) << 32 | rows)."""
     v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
     i = 0
     while (v < target) & (i < spin_limit):
@@ -52,6 +57,13 @@ def _wait_ge(ptr, target, spin_limit, err_ptr, code, peer):
     if v < target:
         tl.atomic_max(err_ptr, code)
         tl.atomic_xchg(err_ptr + 1, peer)
+        want = target.to(tl.int64)
+        seen = v.to(tl.int64)
+        tl.atomic_xchg(err_ptr + 2, tl.program_id(0))
+        tl.atomic_xchg(err_ptr + 3, (want & 0xFFFFFFFF).to(tl.int32))
+        tl.atomic_xchg(err_ptr + 4, (want >> 32).to(tl.int32))
+        tl.atomic_xchg(err_ptr + 5, (seen & 0xFFFFFFFF).to(tl.int32))
+        tl.atomic_xchg(err_ptr + 6, (seen >> 32).to(tl.int32))
 
 
 @triton.jit
@@ -223,6 +235,7 @@ def _dispatch_kernel(
             if tl.min(fl, axis=0) < n + 1:
                 tl.atomic_max(err_ptr, 1)
                 tl.atomic_xchg(err_ptr + 1, me)
+                tl.atomic_xchg(err_ptr + 2, pid)
             tl.debug_barrier()
             allc = tl.load(scnt_ptr + gq[:, None] * W + wcol[None, :],
                            mask=(gq[:, None] < G) & (wcol[None, :] < W), other=0, cache_modifier=".cg")
