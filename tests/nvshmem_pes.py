@@ -5,24 +5,29 @@ Each rank is a process with ``TRITON_INTERPRET=1`` and a gloo group. Symmetric m
 (allocation, rank) in a shared directory, mapped by every rank (``torch.from_file(shared=True)``);
 a peer pointer is the same offset in this process's mapping of the peer's file, so the kernels'
 peer stores and flag atomics (real hardware atomics in the interpreter) cross processes as they
-cross GPUs over NVLink. One program per rank (the interpreter runs a launch's programs one after
-another, and the dispatch layout waits for every program of its rank to be resident).
+cross GPUs over NVLink. ``--programs G`` > 1 runs each launch's G programs at once, a thread each
+(:func:`run_programs_in_threads`; the interpreter alone runs them one after another, and the
+dispatch's layout waits for every program of its rank). What it cannot show: races between the
+warps of one program, and the GPU's memory ordering; a program here is one thread.
 
 What each rank runs: the transport validators on every edge case (``ray_moe.validation.transport``:
 dispatch, combine and both backwards against the routing's reference, two calls in a row through
 the same buffer) with the first ``--tunings`` entry, and the cases that vary the rows per source
 most (:data:`FEW_CASES`) with each further one (the exchange kernels' launch variants, e.g.
-``Tuning.interleave``, which the buffer applies at two ranks only), then the EP layer against the single-process oracle (``layer_parity``) with
-uneven token counts, then the transport's device error record, then a combine rank 0 runs alone,
+``Tuning.interleave``, which the buffer applies at two ranks only unless
+``--interleave-any-world``), then the EP layer against the single-process oracle
+(``layer_parity``) with uneven token counts, then the transport's device error record, then a combine rank 0 runs alone,
 whose timed-out wait must be named in the error (peer, program, value wanted and seen).
 
-Usage: ``python tests/nvshmem_pes.py [--world-size 2] [--tunings JSON]`` starts the ranks and prints ``OK`` or the
-failures (exit 1); ``--rank R --root DIR`` is one rank (started by the former).
+Usage: ``python tests/nvshmem_pes.py [--world-size 2] [--programs 2] [--tunings JSON]`` starts the
+ranks and prints ``OK`` or the failures (exit 1); ``--rank R --root DIR`` is one rank (started by
+the former).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import json
 import os
 import subprocess
@@ -35,9 +40,10 @@ from types import SimpleNamespace
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-# what the suite runs (tests/unit/validation/test_multi_pe.py): two ranks, the default tuning on
-# every edge case and the interleaved exchange on FEW_CASES
-SUITE_ARGS = ("--world-size", "2", "--tunings", '[{}, {"block_r": 4, "interleave": true}]')
+# what the suite runs (tests/unit/validation/test_multi_pe.py): two ranks of two programs each
+# (concurrent, as on the GPU), the default tuning on every edge case and the interleaved exchange
+# on FEW_CASES
+SUITE_ARGS = ("--world-size", "2", "--programs", "2", "--tunings", '[{}, {"block_r": 4, "interleave": true}]')
 
 
 class BackgroundRun:
@@ -127,10 +133,69 @@ class FileRuntime:
         pass
 
 
-def make_transport(runtime: FileRuntime, spin_limit: int, tuning: dict | None = None):
-    """An :class:`~ray_moe.comm.nvshmem.NVSHMEMTransport` on the CPU over ``runtime``: one program,
-    every peer through peer pointers, Triton's JIT for every launch (the interpreter's); every
-    buffer it makes gets ``Tuning(**tuning)`` when given."""
+def run_programs_in_threads() -> None:
+    """Make Triton's interpreter run a launch's programs at once, a thread each, instead of one
+    after another: the exchange kernels' programs wait for each other (the dispatch's layout for
+    every program of its rank, a receiving program for its counterpart's progress), as the GPU's
+    resident blocks do. The interpreter's program id becomes per thread. Test-only, and tied to
+    this Triton's interpreter (``GridExecutor.__call__`` with its grid loop threaded)."""
+    import inspect
+    import threading
+
+    import triton
+    from triton.runtime import interpreter as it
+
+    here = threading.local()
+    type(it.interpreter_builder).grid_idx = property(
+        lambda self: getattr(here, "idx", None), lambda self, v: setattr(here, "idx", v))
+    sys.setswitchinterval(2e-4)  # spinning programs hand the GIL over often
+
+    def call(self, *args_dev, **kwargs):
+        argspec = inspect.getfullargspec(self.fn)
+        kwargs = {k: v for k, v in kwargs.items() if k in argspec.args or k in argspec.kwonlyargs}
+        args_hst, kwargs_hst = self._init_args_hst(args_dev, kwargs)
+        for hook in self.pre_run_hooks:
+            hook(*args_hst, **kwargs_hst)
+        patch_scope = it._patch_lang(self.fn)
+        try:
+            args = inspect.getcallargs(self.fn, *args_hst, **kwargs_hst)
+            args = {n: a if n in self.constexprs else it._implicit_cvt(a) for n, a in args.items()}
+            grid = self.grid(args) if callable(self.grid) else self.grid
+            grid = tuple(grid) + (1,) * (3 - len(grid))
+            if grid[1] != 1 or grid[2] != 1:
+                raise ValueError(f"threaded programs support 1-D grids, got {grid}")
+            it.interpreter_builder.set_grid_dim(*grid)
+            errors: list[BaseException] = []
+
+            def program(x: int) -> None:
+                try:
+                    it.interpreter_builder.set_grid_idx(x, 0, 0)
+                    self.fn(**args)
+                except BaseException as exc:  # noqa: BLE001 - re-raised below
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=program, args=(x,), daemon=True) for x in range(grid[0])]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if errors:
+                raise it.InterpreterError(repr(errors[0])) from errors[0]
+        finally:
+            patch_scope.restore()
+        self._restore_args_dev(args_dev, args_hst, kwargs, kwargs_hst)
+
+    assert triton.__version__.split(".")[0] == "3", "written against Triton 3's interpreter"
+    it.GridExecutor.__call__ = call
+
+
+def make_transport(runtime: FileRuntime, spin_limit: int, tuning: dict | None = None, programs: int = 1,
+                   interleave_any_world: bool = False):
+    """An :class:`~ray_moe.comm.nvshmem.NVSHMEMTransport` on the CPU over ``runtime``: ``programs``
+    programs per launch (more than one needs :func:`run_programs_in_threads`), every peer through
+    peer pointers, Triton's JIT for every launch (the interpreter's); every buffer it makes gets
+    ``Tuning(**tuning)`` when given. ``interleave_any_world``: let ``Tuning.interleave`` apply at
+    any world size (the buffer applies it at two ranks only; this is for finding out why)."""
     import torch
 
     from ray_moe.comm.base import BufferSpec, Transport
@@ -144,7 +209,7 @@ def make_transport(runtime: FileRuntime, spin_limit: int, tuning: dict | None = 
             self.runtime = runtime
             self.force_remote = False
             self.node_of_rank = [0] * runtime.world_size
-            self.num_programs = self.comm_programs = 1
+            self.num_programs = self.comm_programs = programs
             self.buffer, self.spec = None, None
             self.spin_limit = spin_limit
             self.fast_launch = False
@@ -152,6 +217,8 @@ def make_transport(runtime: FileRuntime, spin_limit: int, tuning: dict | None = 
 
         def new_buffer(self, *args, **kwargs):
             buf = super().new_buffer(*args, **kwargs)
+            if interleave_any_world:
+                buf.interleave_ok = not buf.any_remote
             if self.tuning:
                 buf.tuning = Tuning(**self.tuning)
             return buf
@@ -168,7 +235,7 @@ def make_transport(runtime: FileRuntime, spin_limit: int, tuning: dict | None = 
 
 
 def rank_main(root: str, rank: int, world_size: int, spin_limit: int, tunings: list[dict],
-              all_cases: bool = True) -> list[str]:
+              all_cases: bool = True, programs: int = 1, interleave_any_world: bool = False) -> list[str]:
     """One rank: the transport checks with each of ``tunings`` ({}: the buffers' default; every
     edge case with the first where ``all_cases``, else :data:`FEW_CASES`), the layer's with the
     first; the failures as lines."""
@@ -181,7 +248,10 @@ def rank_main(root: str, rank: int, world_size: int, spin_limit: int, tunings: l
 
     dist.init_process_group("gloo", init_method=f"file://{root}/pg", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=120))
-    tr = make_transport(FileRuntime(root, rank, world_size), spin_limit, tunings[0] or None)
+    if programs > 1:
+        run_programs_in_threads()
+    tr = make_transport(FileRuntime(root, rank, world_size), spin_limit, tunings[0] or None, programs,
+                        interleave_any_world)
     info = SimpleNamespace(rank=rank, world_size=world_size)  # what the validators read (no Ray import)
     worker = SimpleNamespace(transport=tr, rank_info=info, device=torch.device("cpu"))
     fails: list[str] = []
@@ -243,16 +313,16 @@ def _timeout_is_named(tr, rank: int) -> list[str]:
         tr.check()
     except Exception as exc:
         msg = str(exc)
-        # the combine waits for program 0 of rank W-1 (rank 0's rows went to rank 1, whose rows
+        # the combine waits for rank W-1 (rank 0's rows went to rank 1, whose rows
         # did not come back); the words say which call it wanted and what it saw
-        if f"error 4 involving rank {W - 1}" in msg and "program 0 wanted" in msg and "saw" in msg:
+        if f"error 4 involving rank {W - 1}" in msg and re.search(r"program \d+ wanted", msg) and "saw" in msg:
             return []
         return [f"rank 0: the timed-out combine's error does not name its wait: {msg}"]
     return ["rank 0: a combine whose peers never came did not time out"]
 
 
 def launch(world_size: int, spin_limit: int, timeout_s: float, tunings: str = "[{}]",
-           few_cases: bool = False) -> list[str]:
+           few_cases: bool = False, programs: int = 1, interleave_any_world: bool = False) -> list[str]:
     """Start ``world_size`` rank processes and collect their failures (a rank that dies or runs
     past ``timeout_s`` is a failure that says so)."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
@@ -260,7 +330,9 @@ def launch(world_size: int, spin_limit: int, timeout_s: float, tunings: str = "[
     with tempfile.TemporaryDirectory(prefix="ray_moe_pes_") as root:
         procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank", str(r), "--root", root,
                                    "--world-size", str(world_size), "--spin-limit", str(spin_limit),
-                                   "--tunings", tunings] + (["--few-cases"] if few_cases else []),
+                                   "--tunings", tunings, "--programs", str(programs)]
+                                  + (["--few-cases"] if few_cases else [])
+                                  + (["--interleave-any-world"] if interleave_any_world else []),
                                   env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for r in range(world_size)]
         # a rank that stops early leaves the others waiting on it: end them all soon after
@@ -299,12 +371,18 @@ def main(argv: list[str] | None = None) -> int:
                    help='the buffers\' Tunings to check, a JSON list ({}: the default), e.g. '
                         '\'[{}, {"block_r": 2, "interleave": true}]\'')
     p.add_argument("--few-cases", action="store_true", help="FEW_CASES with every tuning (the suite's budget)")
+    p.add_argument("--programs", type=int, default=1,
+                   help="programs per launch (G); more than one runs them in threads (run_programs_in_threads)")
+    p.add_argument("--interleave-any-world", action="store_true",
+                   help="Tuning.interleave at any world size (the buffer applies it at two ranks only)")
     a = p.parse_args(argv)
     if a.rank is None:
-        fails = launch(a.world_size, a.spin_limit, a.timeout_s, a.tunings, a.few_cases)
+        fails = launch(a.world_size, a.spin_limit, a.timeout_s, a.tunings, a.few_cases, a.programs,
+                       a.interleave_any_world)
         print("OK" if not fails else "FAILED\n" + "\n".join(fails))
         return 1 if fails else 0
-    fails = rank_main(a.root, a.rank, a.world_size, a.spin_limit, json.loads(a.tunings), not a.few_cases)
+    fails = rank_main(a.root, a.rank, a.world_size, a.spin_limit, json.loads(a.tunings), not a.few_cases,
+                      a.programs, a.interleave_any_world)
     print(json.dumps({"fails": fails}))
     return 0
 
