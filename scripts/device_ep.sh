@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Expert parallelism on the device, one command (issue 23): the multi-PE GPU tests, the comm sweep
 # and the EP layer. Runs on one GPU (several NVSHMEM PEs per GPU under CUDA MPS) and on any
-# multi-GPU kind (W = all GPUs; pes2 on two GPUs is W=4). Measured on nvidia-h100-x2 (session 10,
-# 2026-11-25): tests 296 s, pes2 with PES_FILES=tests/gpu/test_nvshmem_gpu.py 206 s, comm 70 s,
-# layer 72 s, grad 121 s. Plan for a two-GPU lease, back to back (the machine goes back after 30 s
-# idle): call A `PES_FILES=tests/gpu/test_nvshmem_gpu.py ... tests,pes2` (~510 s, and the two
-# interleave tests added since), call B `comm,layer,grad` (~330 s now that comm sweeps the
-# interleaved variants and programs, and layer runs with and without interleave) plus
-# `python3 -m ray_moe.bench.comm --host-cost --profile` (~60 s).
+# multi-GPU kind (W = all GPUs; pes2 on two GPUs is W=4). Measured on nvidia-h100-x2 (session 11,
+# 2026-11-25): tests with TESTS_FILES=tests/gpu/test_nvshmem_gpu.py ~260 s (test_force_remote_path
+# alone ~60 s), the training tests ~150 s, pes2 with PES_FILES=tests/gpu/test_nvshmem_gpu.py ~330 s,
+# comm 139 s, layer 81-85 s, grad 121 s; a fresh machine costs ~60 s of the budget before the
+# command starts, and it goes back after 30 s idle, so chain calls. Next lease, in this order:
+#   1. W=4 interleave diagnosis (~170 s): RAY_MOE_INTERLEAVE_ANY_WORLD=1 forces Tuning.interleave at
+#      W=4, where it timed out; the error now names the program and the progress wanted and seen:
+#      RAY_MOE_INTERLEAVE_ANY_WORLD=1 PES_FILES="tests/gpu/test_nvshmem_gpu.py -k few_programs" \
+#        T_TEST=100 T_PES=150 bash scripts/device_ep.sh pes2
+#   2. W=4 without it (the default): PES_FILES=tests/gpu/test_nvshmem_gpu.py T_PES=400 ... pes2
+#   3. layer with EP_CHUNKS=1 EP_INTERLEAVE=1,0 EP_ITERS=20, and whatever overlap comes next.
 # On one GPU, pes2 with every file took ~360 s.
 # Usage (device machine, repo root):  . .devbundle/setup.sh && bash scripts/device_ep.sh [steps]
 # steps (default: pes2,pes4,tests,comm,layer; a failing step does not stop the next one):
