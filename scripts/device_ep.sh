@@ -11,7 +11,8 @@
 #      RAY_MOE_INTERLEAVE_ANY_WORLD=1 PES_FILES="tests/gpu/test_nvshmem_gpu.py -k few_programs" \
 #        T_TEST=100 T_PES=150 bash scripts/device_ep.sh pes2
 #   2. W=4 without it (the default): PES_FILES=tests/gpu/test_nvshmem_gpu.py T_PES=400 ... pes2
-#   3. layer with EP_CHUNKS=1 EP_INTERLEAVE=1,0 EP_ITERS=20, and whatever overlap comes next.
+#   3. layer with EP_CHUNKS=1 EP_INTERLEAVE=1,0 EP_ITERS=20 EP_PROFILE=1: the kernels of an EP step
+#      against a rank's own compute (where the backward's ~1 ms beyond its exchanges goes).
 # On one GPU, pes2 with every file took ~360 s.
 # Usage (device machine, repo root):  . .devbundle/setup.sh && bash scripts/device_ep.sh [steps]
 # steps (default: pes2,pes4,tests,comm,layer; a failing step does not stop the next one):
@@ -24,7 +25,8 @@
 #               COMM_PROGRAMS (default 16,32,66) programs: eager and graph-replayed, for small-T latency
 #   layer       bench layer --sections ep at W = all GPUs (skipped on one GPU): sequential and
 #               pipelined (EP_CHUNKS, default 1,2), each without and with Tuning.interleave, against
-#               one GPU running T_local and T tokens
+#               one GPU running T_local and T tokens (EP_PROFILE=1: the kernels of one EP step against
+#               a rank's own compute)
 #   grad        bench grad_reduce at W = all GPUs (skipped on one GPU; not in the default list):
 #               issue 27's exposed replicated-gradient reduction, ZeRO stages 0, 1, 2, Qwen3-30B-A3B
 #               cut to 2 layers; fits the `comm,layer` call (`comm,layer,grad`)
@@ -85,7 +87,7 @@ fi
 if [ "$GPUS" -ge 2 ] && has layer; then
   t0=$SECONDS
   timeout "${T_LAYER:-200}" python3 -m ray_moe.cli bench layer --sections ep --world-size "$GPUS" \
-    --T $((16384 * GPUS)) --H 4096 --I 1536 --E 64 --K 8 --transport nvshmem --ep-chunks "${EP_CHUNKS:-1,2}" --ep-interleave "${EP_INTERLEAVE:-0,1}" --ep-iters "${EP_ITERS:-10}" \
+    --T $((16384 * GPUS)) --H 4096 --I 1536 --E 64 --K 8 --transport nvshmem --ep-chunks "${EP_CHUNKS:-1,2}" --ep-interleave "${EP_INTERLEAVE:-0,1}" --ep-iters "${EP_ITERS:-10}" ${EP_PROFILE:+--ep-profile} \
     --json "$OUT/bench_layer_ep_w$GPUS.json" 2>&1 | quiet | tee "$OUT/bench_layer.log" | tail -20
   record "bench layer ep W=$GPUS" "see bench_layer_ep_w$GPUS.json" $((SECONDS - t0)); ray_stop
 fi

@@ -46,6 +46,7 @@ class StepSpec:
     pipeline_chunks: int = 1  # moe.pipeline_chunks: 1 sequential, C > 1 exchange overlapped in C chunks
     comm_programs: int = 0  # NVSHMEM: a buffer with this many programs (SMs) for the run (0: the transport's)
     interleave: bool | None = None  # NVSHMEM: the buffer's Tuning.interleave for the run (None: its default)
+    profile: bool = False  # after the timed steps, one more under torch.profiler: its kernels' times
 
     def fwd_flops(self) -> float:
         return 6.0 * self.tokens * self.top_k * self.d_model * self.hidden
@@ -137,6 +138,7 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
         if i >= spec.warmup:
             fwd.append((t1 - t0) * 1e3)
             bwd.append((t2 - t1) * 1e3)
+    kernels = _profiled_step(layer, x, grad, placement, device) if spec.profile else None
     tokens, pairs = layer.pop_load()
     out = {
         "rank": rank, "world_size": W,
@@ -148,8 +150,47 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
     }
     if device.type == "cuda":
         out["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    if kernels is not None:
+        out["kernels"] = kernels
     transport.check()
     return out
+
+
+def _profiled_step(layer: Any, x: torch.Tensor, grad: torch.Tensor, placement: Placement,
+                   device: torch.device) -> dict[str, list[float]]:
+    """One more training step of ``layer`` under torch.profiler: per kernel name (on the CPU, per
+    operator), [milliseconds summed over the step, calls]. Device times where there is a GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        out, _ = layer(x)
+        out.backward(grad)
+        reduce_clone_grads(layer, placement)
+        synchronize(device)
+    layer.w13.grad = layer.w2.grad = layer.router.grad = x.grad = None
+    kernels = {}
+    for e in prof.key_averages():
+        t = e.device_time_total if cuda else e.self_cpu_time_total
+        if t > 0:
+            kernels[e.key[:120]] = [t / 1e3, e.count]
+    return kernels
+
+
+def kernel_diff_rows(ep: dict[str, list[float]], ref: dict[str, list[float]], what: str,
+                     top: int = 25) -> list[dict]:
+    """Kernels of an EP step against a reference step (both from :func:`_profiled_step`): the
+    ``top`` names by how much longer EP spends in them, then the totals."""
+    names = sorted(set(ep) | set(ref), key=lambda n: -abs(ep.get(n, [0, 0])[0] - ref.get(n, [0, 0])[0]))
+    rows = []
+    for n in names[:top]:
+        a, b = ep.get(n, [0.0, 0]), ref.get(n, [0.0, 0])
+        rows.append({"section": f"ep profile: EP vs {what}", "what": n, "ep_ms": a[0], "ref_ms": b[0],
+                     "delta_ms": a[0] - b[0], "ep_calls": a[1], "ref_calls": b[1]})
+    tot_a, tot_b = sum(v[0] for v in ep.values()), sum(v[0] for v in ref.values())
+    rows.append({"section": f"ep profile: EP vs {what}", "what": f"all {len(ep)} / {len(ref)} kernels",
+                 "ep_ms": tot_a, "ref_ms": tot_b, "delta_ms": tot_a - tot_b})
+    return rows
 
 
 def tflops(spec: StepSpec, ms: float, backward: bool = False) -> float:
@@ -162,6 +203,7 @@ def ep_layer_rows(
     address: str | None = None, dtype: str = "bfloat16", impl: str = "auto", iters: int = 10,
     device: str = "auto", force_remote_path: bool = False, chunks: tuple[int, ...] = (1,),
     comm_programs: tuple[int, ...] = (0,), group: Any = None, interleave: tuple[bool | None, ...] = (None,),
+    profile: bool = False,
 ) -> list[dict]:
     """Expert-parallel rows: per-rank layer time at T/W tokens per rank, for every pipeline chunk
     count C (1: the sequential layer), NVSHMEM program count G (0: the transport's) and
@@ -169,7 +211,9 @@ def ep_layer_rows(
     GPU running a rank's own compute (T/W tokens on E/W experts; exposed communication: EP minus
     that, also as a fraction of it), T/W tokens on all E experts, and
     all T tokens (scaling efficiency: one GPU's time / (W x EP time)). ``group``: an existing
-    worker group of ``world_size`` ranks to run on (else one is started and closed here)."""
+    worker group of ``world_size`` ranks to run on (else one is started and closed here).
+    ``profile``: also the kernels of one step of the first EP variant (rank 0) against a rank's own
+    compute, by how much longer EP spends in each (:func:`kernel_diff_rows`)."""
     import contextlib
 
     import ray
@@ -202,13 +246,14 @@ def ep_layer_rows(
             for p in comm_programs:
                 for il in interleave:
                     ep[c, p, il] = g.execute(time_layer_step, asdict(StepSpec(
-                        tokens=T // world_size, pipeline_chunks=c, comm_programs=p, interleave=il, **base)))
+                        tokens=T // world_size, pipeline_chunks=c, comm_programs=p, interleave=il,
+                        profile=profile and not ep, **base)))
         local = ray.get(g.actors[0].execute.remote(
             time_layer_step, asdict(StepSpec(tokens=T // world_size, local=True, **base))))
         own = None  # a rank's own compute: its T/W tokens' K rows on its E/W experts, no exchange
         if E % world_size == 0 and K <= E // world_size:
             own = ray.get(g.actors[0].execute.remote(time_layer_step, asdict(StepSpec(
-                tokens=T // world_size, local=True, **{**base, "num_experts": E // world_size}))))
+                tokens=T // world_size, local=True, profile=profile, **{**base, "num_experts": E // world_size}))))
         full = ray.get(g.actors[0].execute.remote(
             time_layer_step, asdict(StepSpec(tokens=T, local=True, **base))))
         transport_name = g.transport_name
@@ -249,4 +294,7 @@ def ep_layer_rows(
             "scaling_if_hidden_fwd": ff / (world_size * lf),  # the scaling with the exchange fully hidden
             "scaling_if_hidden_fwd+bwd": ffb / (world_size * lfb),
         })
+    first = next(iter(ep.values()))[0]
+    if profile and own is not None and "kernels" in first and "kernels" in own:
+        rows += kernel_diff_rows(first["kernels"], own["kernels"], "a rank's compute (rank 0)")
     return rows

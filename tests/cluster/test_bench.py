@@ -9,14 +9,15 @@ import json
 def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
     """`bench layer --sections ep` on a CPU group: the sequential and the pipelined layer side by
     side, the single-rank layer at T/W and at T, and per variant the exposed communication and the
-    scaling efficiency (tiny shapes; only their presence is checked), written as JSON."""
+    scaling efficiency (tiny shapes; only their presence is checked), and with --ep-profile the
+    first variant's operators against a rank's own compute, written as JSON."""
     from ray_moe.bench import layer
 
     group_for_new(2)
     out = tmp_path / "layer.json"
     assert layer.main(["--sections", "ep", "--world-size", "2", "--T", "64", "--H", "16", "--I", "24",
                        "--E", "8", "--K", "2", "--dtype", "float32", "--device", "cpu",
-                       "--ep-iters", "2", "--ep-chunks", "1,3", "--json", str(out)]) == 0
+                       "--ep-iters", "2", "--ep-chunks", "1,3", "--ep-profile", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     ep = [r for r in rows if r["what"].startswith("EP")]
     assert [r["chunks"] for r in ep] == [1, 3] and all(r["transport"] == "gloo" for r in ep)
@@ -29,6 +30,11 @@ def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
         assert d["scaling_eff_fwd"] > 0 and d["scaling_eff_fwd+bwd"] > 0
         assert {"exposed_comm_frac_fwd", "exposed_comm_frac_fwd+bwd", "exposed_comm_fwd_ms"} <= d.keys()
         assert d["scaling_if_hidden_fwd"] > 0 and d["scaling_if_hidden_fwd+bwd"] > 0
+    # --ep-profile: the first variant's operators (on the CPU) against a rank's own compute, the
+    # exchange's collectives among what EP spends more on
+    prof = [r for r in rows if r["section"].startswith("ep profile")]
+    assert prof and prof[-1]["what"].startswith("all ") and prof[-1]["ep_ms"] > 0 and prof[-1]["ref_ms"] > 0
+    assert any(r["ep_ms"] > 0 and r["ref_ms"] == 0 for r in prof[:-1]), [r["what"] for r in prof]
 
 
 def test_bench_balance_train_mode_on_cpu(group_for_new, tmp_path):

@@ -52,16 +52,23 @@ def ep_rows(shape: LayerShape, args: argparse.Namespace) -> list[dict]:
                          chunks=tuple(int(c) for c in args.ep_chunks.split(",")),
                          comm_programs=tuple(int(g) for g in args.ep_programs.split(",")),
                          interleave=tuple(None if v == "default" else bool(int(v))
-                                          for v in args.ep_interleave.split(",")))
+                                          for v in args.ep_interleave.split(",")),
+                         profile=args.ep_profile)
 
 
 def _print_table(rows: list[dict]) -> None:
+    """One table per kind of row (the rows of a kind share columns: a profile's kernels do not
+    share the timing rows'), in order of first appearance."""
     from tabulate import tabulate
 
-    cols: list[str] = []
+    kinds: dict[str, list[dict]] = {}
     for r in rows:
-        cols += [k for k in r if k not in cols]
-    print(tabulate([[r.get(c, "") for c in cols] for r in rows], headers=cols, floatfmt=".3f"))
+        kinds.setdefault("profile" if str(r.get("section", "")).startswith("ep profile") else "", []).append(r)
+    for group in kinds.values():
+        cols: list[str] = []
+        for r in group:
+            cols += [k for k in r if k not in cols]
+        print(tabulate([[r.get(c, "") for c in cols] for r in group], headers=cols, floatfmt=".3f"))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -106,6 +113,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="ep/nvshmem: comma list of 0/1/default: the exchange without / with Tuning.interleave (the"
                         " receiving side's work between the sends) or as the buffer's Tuning has it, side by side")
     p.add_argument("--force-remote-path", action="store_true", help="ep/nvshmem: use the inter-node path")
+    p.add_argument("--ep-profile", action="store_true",
+                   help="ep: the kernels of one step of the first EP variant (rank 0) against a rank's own compute")
     return p.parse_args(argv)
 
 
