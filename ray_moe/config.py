@@ -135,6 +135,7 @@ class MoEConfig:
     expert_impl: str = "auto"  # auto | loop | grouped_mm | triton
     bias_update_rate: float = 0.001  # aux-loss-free balancing (sigmoid routers): bias step per update
     pipeline_chunks: int = 1  # 1: sequential layer; C > 1: exchange of each chunk overlaps experts
+    delay_wgrad: bool = False  # Triton experts, sequential layer: weight gradients beside the dispatch's backward
 
     def check(self) -> None:
         _positive("moe.num_experts", self.num_experts)
@@ -149,6 +150,8 @@ class MoEConfig:
         if not self.bias_update_rate >= 0:
             raise ConfigError(f"moe.bias_update_rate={self.bias_update_rate} must be >= 0")
         _positive("moe.pipeline_chunks", self.pipeline_chunks)
+        if not isinstance(self.delay_wgrad, bool):
+            raise ConfigError(f"moe.delay_wgrad={self.delay_wgrad!r} must be true or false")
 
 
 @dataclass

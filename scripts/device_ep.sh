@@ -12,7 +12,9 @@
 #        T_TEST=100 T_PES=150 bash scripts/device_ep.sh pes2
 #   2. W=4 without it (the default): PES_FILES=tests/gpu/test_nvshmem_gpu.py T_PES=400 ... pes2
 #   3. layer with EP_CHUNKS=1 EP_INTERLEAVE=1,0 EP_ITERS=20 EP_PROFILE=1: the kernels of an EP step
-#      against a rank's own compute (where the backward's ~1 ms beyond its exchanges goes).
+#      against a rank's own compute (where the backward's ~1 ms beyond its exchanges goes), and
+#      the sequential layer with and without moe.delay_wgrad (EP_DELAY_WGRAD, default 0,1; first
+#      run it: tests/gpu/test_kernels_gpu.py::test_delayed_weight_gradients_on_a_side_stream).
 # On one GPU, pes2 with every file took ~360 s.
 # Usage (device machine, repo root):  . .devbundle/setup.sh && bash scripts/device_ep.sh [steps]
 # steps (default: pes2,pes4,tests,comm,layer; a failing step does not stop the next one):
@@ -87,7 +89,7 @@ fi
 if [ "$GPUS" -ge 2 ] && has layer; then
   t0=$SECONDS
   timeout "${T_LAYER:-200}" python3 -m ray_moe.cli bench layer --sections ep --world-size "$GPUS" \
-    --T $((16384 * GPUS)) --H 4096 --I 1536 --E 64 --K 8 --transport nvshmem --ep-chunks "${EP_CHUNKS:-1,2}" --ep-interleave "${EP_INTERLEAVE:-0,1}" --ep-iters "${EP_ITERS:-10}" ${EP_PROFILE:+--ep-profile} \
+    --T $((16384 * GPUS)) --H 4096 --I 1536 --E 64 --K 8 --transport nvshmem --ep-chunks "${EP_CHUNKS:-1,2}" --ep-interleave "${EP_INTERLEAVE:-0,1}" --ep-iters "${EP_ITERS:-10}" ${EP_PROFILE:+--ep-profile} --ep-delay-wgrad "${EP_DELAY_WGRAD:-0,1}" \
     --json "$OUT/bench_layer_ep_w$GPUS.json" 2>&1 | quiet | tee "$OUT/bench_layer.log" | tail -20
   record "bench layer ep W=$GPUS" "see bench_layer_ep_w$GPUS.json" $((SECONDS - t0)); ray_stop
 fi

@@ -47,6 +47,7 @@ class StepSpec:
     comm_programs: int = 0  # NVSHMEM: a buffer with this many programs (SMs) for the run (0: the transport's)
     interleave: bool | None = None  # NVSHMEM: the buffer's Tuning.interleave for the run (None: its default)
     profile: bool = False  # after the timed steps, one more under torch.profiler: its kernels' times
+    delay_wgrad: bool = False  # moe.delay_wgrad: the experts' weight gradients beside the dispatch's backward
 
     def fwd_flops(self) -> float:
         return 6.0 * self.tokens * self.top_k * self.d_model * self.hidden
@@ -104,7 +105,8 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
     device = worker.device
     E, H, I = spec.num_experts, spec.d_model, spec.hidden
     layer = MoELayer(MoELayerSpec(H, E, spec.top_k, I, dtype=dtype, expert_impl=spec.impl, seed=spec.seed,
-                                  pipeline_chunks=spec.pipeline_chunks), transport, placement, device=device)
+                                  pipeline_chunks=spec.pipeline_chunks, delay_wgrad=spec.delay_wgrad),
+                     transport, placement, device=device)
     g = torch.Generator().manual_seed(spec.seed * 7919 + rank)
     x = torch.randn(spec.tokens, H, generator=g).to(device=device, dtype=dtype)
     if spec.zipf_s > 0:
@@ -203,11 +205,12 @@ def ep_layer_rows(
     address: str | None = None, dtype: str = "bfloat16", impl: str = "auto", iters: int = 10,
     device: str = "auto", force_remote_path: bool = False, chunks: tuple[int, ...] = (1,),
     comm_programs: tuple[int, ...] = (0,), group: Any = None, interleave: tuple[bool | None, ...] = (None,),
-    profile: bool = False,
+    profile: bool = False, delay_wgrad: tuple[bool, ...] = (False,),
 ) -> list[dict]:
     """Expert-parallel rows: per-rank layer time at T/W tokens per rank, for every pipeline chunk
-    count C (1: the sequential layer), NVSHMEM program count G (0: the transport's) and
-    ``interleave`` setting (NVSHMEM's Tuning.interleave), against one
+    count C (1: the sequential layer), NVSHMEM program count G (0: the transport's),
+    ``interleave`` setting (NVSHMEM's Tuning.interleave) and ``delay_wgrad`` setting
+    (moe.delay_wgrad, the sequential layer only), against one
     GPU running a rank's own compute (T/W tokens on E/W experts; exposed communication: EP minus
     that, also as a fraction of it), T/W tokens on all E experts, and
     all T tokens (scaling efficiency: one GPU's time / (W x EP time)). ``group``: an existing
@@ -245,9 +248,10 @@ def ep_layer_rows(
         for c in chunks:
             for p in comm_programs:
                 for il in interleave:
-                    ep[c, p, il] = g.execute(time_layer_step, asdict(StepSpec(
-                        tokens=T // world_size, pipeline_chunks=c, comm_programs=p, interleave=il,
-                        profile=profile and not ep, **base)))
+                    for dw in delay_wgrad if c == 1 else (False,):
+                        ep[c, p, il, dw] = g.execute(time_layer_step, asdict(StepSpec(
+                            tokens=T // world_size, pipeline_chunks=c, comm_programs=p, interleave=il,
+                            profile=profile and not ep, delay_wgrad=dw, **base)))
         local = ray.get(g.actors[0].execute.remote(
             time_layer_step, asdict(StepSpec(tokens=T // world_size, local=True, **base))))
         own = None  # a rank's own compute: its T/W tokens' K rows on its E/W experts, no exchange
@@ -258,11 +262,12 @@ def ep_layer_rows(
             time_layer_step, asdict(StepSpec(tokens=T, local=True, **base))))
         transport_name = g.transport_name
     rows = []
-    for (c, p, il), res in ep.items():
+    for (c, p, il, dw), res in ep.items():
         f, b = max(r["forward_ms"] for r in res), max(r["backward_ms"] for r in res)
         what = "EP per rank (max over ranks), " + (f"pipelined, {c} chunks" if c > 1 else "sequential")
         what += (f", {p} programs" if p else "") + {None: "", True: ", interleaved", False: ", not interleaved"}[il]
-        rows.append({"section": "ep", "what": what, "transport": transport_name, "interleave": il,
+        what += ", delayed wgrad" if dw else ""
+        rows.append({"section": "ep", "what": what, "transport": transport_name, "interleave": il, "delay_wgrad": dw,
                      "chunks": c, "comm_programs": p, "tokens": spec_ep.tokens, "fwd_ms": f,
                      "fwd_TFLOPs": tflops(spec_ep, f), "fwd+bwd_ms": f + b,
                      "fwd+bwd_TFLOPs": tflops(spec_ep, f + b, backward=True)})
@@ -284,7 +289,7 @@ def ep_layer_rows(
     for r in rows[:len(ep)]:
         rows.append({
             "section": "ep", "what": "derived", "world_size": world_size, "chunks": r["chunks"],
-            "comm_programs": r["comm_programs"], "interleave": r["interleave"],
+            "comm_programs": r["comm_programs"], "interleave": r["interleave"], "delay_wgrad": r["delay_wgrad"],
             "scaling_eff_fwd": ff / (world_size * r["fwd_ms"]),
             "scaling_eff_fwd+bwd": ffb / (world_size * r["fwd+bwd_ms"]),
             "exposed_comm_fwd_ms": r["fwd_ms"] - lf,

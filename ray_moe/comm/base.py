@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -229,7 +230,7 @@ class _LayoutBox:
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, transport, box, capacity, x, weight, dest_rank, dest_slot):
+    def forward(ctx, transport, box, capacity, x, weight, dest_rank, dest_slot, after_backward=None):
         mark = transport.timer.start(x)
         if capacity is None:
             recv_x, recv_slot, recv_w, layout = transport.dispatch_forward(x, weight, dest_rank, dest_slot)
@@ -237,7 +238,7 @@ class _Dispatch(torch.autograd.Function):
             recv_x, recv_slot, recv_w, layout = transport.dispatch_forward(
                 x, weight, dest_rank, dest_slot, capacity=capacity)
         transport.timer.stop(mark)
-        ctx.transport, ctx.layout = transport, layout
+        ctx.transport, ctx.layout, ctx.after_backward = transport, layout, after_backward
         box.layout = layout
         ctx.mark_non_differentiable(recv_slot)
         return recv_x, recv_slot, recv_w
@@ -254,8 +255,10 @@ class _Dispatch(torch.autograd.Function):
         gx, gw = ctx.transport.dispatch_backward(
             grad_recv_x.contiguous(), grad_recv_w.contiguous(), ctx.layout
         )
+        if ctx.after_backward is not None:  # launched: now wait for what ran beside it
+            ctx.after_backward()
         ctx.transport.timer.stop(mark)
-        return None, None, None, gx, gw, None, None
+        return None, None, None, gx, gw, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -282,11 +285,14 @@ def dispatch(
     dest_rank: torch.Tensor,
     dest_slot: torch.Tensor,
     capacity: int | None = None,
+    after_backward: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Layout]:
-    """Differentiable dispatch (see :meth:`Transport.dispatch_forward` for shapes and ``capacity``)."""
+    """Differentiable dispatch (see :meth:`Transport.dispatch_forward` for shapes and ``capacity``).
+    ``after_backward``: called in backward once the backward exchange is launched (the layer's
+    delayed weight gradients join there, :class:`~ray_moe.model.wgrad.WgradDeferral`)."""
     box = _LayoutBox()
     recv_x, recv_slot, recv_w = _Dispatch.apply(
-        transport, box, capacity, x, weight, dest_rank.to(torch.int32), dest_slot.to(torch.int32)
+        transport, box, capacity, x, weight, dest_rank.to(torch.int32), dest_slot.to(torch.int32), after_backward
     )
     assert box.layout is not None
     return recv_x, recv_slot, recv_w, box.layout

@@ -10,11 +10,17 @@ Backward:
     varlen-K GEMM with the row gather in its loads for ``wgrad="quack"``).
 Saved for backward: x, weight, w13, w2 (inputs), g|u [R*K, 2I] (pre-activations) and the int32
 pair layout; nothing else.
+
+With a deferral (:class:`ray_moe.model.wgrad.WgradDeferral`) the two weight-gradient GEMMs run
+on its side stream and accumulate into ``w13.grad``/``w2.grad`` there, so what autograd runs next
+(the dispatch's backward exchange of dx) overlaps them; the deferral's ``join`` (called by that
+exchange once launched, and by the engine after backward) makes the current stream wait for them.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,10 +38,13 @@ from ray_moe.kernels.grouped_swiglu import (
 from ray_moe.kernels.quack_wgrad import grouped_wgrad_quack
 from ray_moe.kernels.routing import PairLayout, pair_layout
 
+if TYPE_CHECKING:
+    from ray_moe.model.wgrad import WgradDeferral
+
 
 class _ExpertFFN(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, slot, weight, w13, w2, plan):
+    def forward(ctx, x, slot, weight, w13, w2, plan, deferral=None):
         R, K = slot.shape
         layout = pair_layout(slot, w13.shape[0])
         needs_grad = any(ctx.needs_input_grad)
@@ -47,6 +56,7 @@ class _ExpertFFN(torch.autograd.Function):
             ctx.save_for_backward(x, weight, w13, w2, h13, *layout)
         ctx.top_k = K
         ctx.plan = plan
+        ctx.deferral = deferral
         return out
 
     @staticmethod
@@ -69,20 +79,30 @@ class _ExpertFFN(torch.autograd.Function):
         if plan.fused_dact:  # the fused epilogue leaves dh13/aw rows past offsets[S] unset: no TMA reads
             wg13, wg2 = replace(wg13, tma=False), replace(wg2, tma=False)
         library = {"grouped_mm": grouped_wgrad_mm, "quack": grouped_wgrad_quack}.get(plan.wgrad)
-        if ctx.needs_input_grad[3]:
-            dw13 = (library(x, dh13, layout, K, gather_a=True, gather_b=False) if library else
-                    grouped_wgrad(x, dh13, layout, K, gather_a=True, gather_b=False, role="wgrad13",
-                                  cfg=wg13, dual=plan.dual_wgrad13))
-        if ctx.needs_input_grad[4]:
-            dw2 = (library(aw, grad_out, layout, K, gather_a=False, gather_b=True) if library else
-                   grouped_wgrad(aw, grad_out, layout, K, gather_a=False, gather_b=True, role="wgrad2",
-                                 cfg=wg2))
-        return dx, None, dweight, dw13, dw2, None
+        need13, need2 = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+
+        def weight_grads():
+            g13 = g2 = None
+            if need13:
+                g13 = (library(x, dh13, layout, K, gather_a=True, gather_b=False) if library else
+                       grouped_wgrad(x, dh13, layout, K, gather_a=True, gather_b=False, role="wgrad13",
+                                     cfg=wg13, dual=plan.dual_wgrad13))
+            if need2:
+                g2 = (library(aw, grad_out, layout, K, gather_a=False, gather_b=True) if library else
+                      grouped_wgrad(aw, grad_out, layout, K, gather_a=False, gather_b=True, role="wgrad2",
+                                    cfg=wg2))
+            return g13, g2
+
+        if ctx.deferral is not None and (need13 or need2):
+            ctx.deferral.launch((w13, w2), weight_grads, (x, dh13, aw, grad_out, *layout_t))
+        else:
+            dw13, dw2 = weight_grads()
+        return dx, None, dweight, dw13, dw2, None, None
 
 
 def expert_ffn_triton(
     x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-    plan: KernelPlan | None = None,
+    plan: KernelPlan | None = None, deferral: "WgradDeferral | None" = None,
 ) -> torch.Tensor:
     """Weighted SwiGLU experts over received rows, fused Triton kernels (sync-free, graph-capturable).
 
@@ -92,6 +112,8 @@ def expert_ffn_triton(
         weight: float32 [R, K] routing weights (0 where slot is -1).
         w13: [S, H, 2I] gate|up weights (x.dtype); w2: [S, I, H] (x.dtype).
         plan: tiles per GEMM (None → :func:`default_plan` for x's dtype and device).
+        deferral: the weight gradients on its side stream, accumulated into w13.grad / w2.grad
+            (leaf parameters only; autograd gets None for them), until its join.
     Returns:
         [R, H] in x.dtype: sum_k weight[r,k] * (silu(x[r] @ gate_s) * (x[r] @ up_s)) @ w2_s over valid k.
         Differentiable w.r.t. x, weight, w13, w2 (slots with no pairs get exactly zero weight grads).
@@ -114,4 +136,6 @@ def expert_ffn_triton(
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
     plan = plan or default_plan(x.dtype, x.device)
-    return _ExpertFFN.apply(x.contiguous(), slot.contiguous(), weight.contiguous(), w13, w2, plan)
+    if deferral is not None and not (w13.is_leaf and w2.is_leaf):
+        raise ValueError("a WgradDeferral accumulates into .grad: w13 and w2 must be leaf parameters")
+    return _ExpertFFN.apply(x.contiguous(), slot.contiguous(), weight.contiguous(), w13, w2, plan, deferral)

@@ -155,14 +155,14 @@ class DecoderLayer(nn.Module):
 
 def moe_layer_spec(spec: ArchSpec, config: Config) -> MoELayerSpec:
     """The MoE layer of every routed block of ``spec`` under ``config`` (dtype, expert
-    implementation, aux loss, clone slots, pipelining, seed)."""
+    implementation, aux loss, clone slots, pipelining, delayed weight gradients, seed)."""
     e = config.moe
     routing = Routing(scoring=spec.scoring, normalize=spec.norm_topk_prob, n_group=spec.n_group,
                       topk_group=spec.topk_group, scale=spec.routed_scaling_factor, bias=spec.score_bias)
     return MoELayerSpec(spec.hidden_size, spec.num_experts, spec.top_k, spec.expert_hidden, routing=routing,
                         dtype=torch_dtype(config.model.dtype), expert_impl=e.expert_impl,
                         aux_loss_coef=e.aux_loss_coef, clone_slots=config.balance.clone_slots,
-                        pipeline_chunks=e.pipeline_chunks, seed=config.train.seed)
+                        pipeline_chunks=e.pipeline_chunks, delay_wgrad=e.delay_wgrad, seed=config.train.seed)
 
 
 class Decoder(nn.Module):

@@ -38,6 +38,7 @@ def expert_ffn(
     w2: torch.Tensor,
     impl: str = "auto",
     wgrad: str = "triton",
+    deferral=None,
 ) -> torch.Tensor:
     """Weighted SwiGLU experts over received rows.
 
@@ -49,6 +50,9 @@ def expert_ffn(
         impl: auto | loop | grouped_mm | triton (auto: triton on Hopper bf16, else loop; MoELayer
             goes further and measures per shape, see ray_moe.model.expert_choice).
         wgrad: with triton, who computes the weight gradients: triton | grouped_mm | quack.
+        deferral: with triton, a :class:`~ray_moe.model.wgrad.WgradDeferral` that computes
+            the weight gradients on its side stream into w13.grad / w2.grad (the other impls
+            ignore it and leave them to autograd).
     Returns:
         [R, H] in x.dtype: sum_k weight[r, k] * expert_{slot[r, k]}(x[r]); rows with no valid k are 0.
         Differentiable w.r.t. x, weight, w13 and w2.
@@ -67,7 +71,7 @@ def expert_ffn(
         from ray_moe.kernels.grouped_swiglu import default_plan
 
         plan = None if wgrad == "triton" else replace(default_plan(x.dtype, x.device), wgrad=wgrad)
-        return expert_ffn_triton(x, slot, weight, w13, w2, plan=plan)
+        return expert_ffn_triton(x, slot, weight, w13, w2, plan=plan, deferral=deferral)
     raise ValueError(f"expert impl {impl!r} is not one of auto, loop, grouped_mm, triton")
 
 

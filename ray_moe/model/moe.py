@@ -21,6 +21,7 @@ from ray_moe.comm.pipeline import pipelined_exchange
 from ray_moe.model.expert_choice import ExpertChoice, ExpertImplChooser
 from ray_moe.model.experts import expert_ffn, resolve_impl
 from ray_moe.model.router import SOFTMAX, Routing, balancing_bias_step, load_balancing_loss, route
+from ray_moe.model.wgrad import WgradDeferral
 from ray_moe.placement.placement import ExpertShard, Placement
 
 
@@ -67,7 +68,10 @@ class MoELayerSpec:
     clone_slots: slots per rank for clones of hot experts; pipeline_chunks: C, 1 runs dispatch →
     experts → combine over all tokens, C > 1 splits each rank's tokens into C chunks whose
     exchange overlaps the experts of the neighbouring chunks (:mod:`ray_moe.comm.pipeline`; the
-    same results); seed: with the layer index, seeds the router and every logical expert.
+    same results); delay_wgrad: with the Triton experts in the sequential layer, their weight
+    gradients run on a side stream beside the dispatch's backward exchange
+    (:class:`~ray_moe.model.wgrad.WgradDeferral`; the same results); seed: with the layer
+    index, seeds the router and every logical expert.
     """
 
     hidden: int
@@ -80,6 +84,7 @@ class MoELayerSpec:
     aux_loss_coef: float = 0.0
     clone_slots: int = 0
     pipeline_chunks: int = 1
+    delay_wgrad: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -97,6 +102,8 @@ class MoELayerSpec:
             raise ValueError(f"aux_loss_coef={self.aux_loss_coef} must be >= 0")
         if not isinstance(self.routing, Routing):
             raise ValueError(f"routing must be a Routing, got {self.routing!r}")
+        if not isinstance(self.delay_wgrad, bool):
+            raise ValueError(f"delay_wgrad must be true or false, got {self.delay_wgrad!r}")
 
 
 class MoELayer(nn.Module):
@@ -159,6 +166,7 @@ class MoELayer(nn.Module):
                              persistent=routing.bias)
         self.placement = placement
         self.tables = placement.tables(device)
+        self.wgrad_deferral = WgradDeferral(device) if spec.delay_wgrad else None
         if reset:
             self.reset_parameters()
 
@@ -172,6 +180,13 @@ class MoELayer(nn.Module):
     aux_loss_coef = property(lambda self: self.spec.aux_loss_coef)
     routing = property(lambda self: self.spec.routing)
     pipeline_chunks = property(lambda self: self.spec.pipeline_chunks)
+
+    def join_wgrad(self) -> None:
+        """Make the current stream wait for weight gradients still running on the deferral's side
+        stream (``spec.delay_wgrad``; the dispatch's backward joins them already, this is for a
+        backward that did not reach it). No-op otherwise."""
+        if self.wgrad_deferral is not None:
+            self.wgrad_deferral.join()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -246,19 +261,21 @@ class MoELayer(nn.Module):
         )
         dest_rank, dest_slot = self.tables.route(ids, self.rank)  # replicas by global token index
 
-        def experts(recv_x, recv_slot, recv_w, w13, w2):
+        def experts(recv_x, recv_slot, recv_w, w13, w2, deferral=None):
             choice = ExpertChoice(impl)
             if self.expert_impl == "auto" and impl == "triton":
                 needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (recv_x, recv_w, w13, w2))
                 choice = self.expert_chooser.choose(recv_x, recv_slot, recv_w, w13, w2, needs_grad)
-            return expert_ffn(recv_x, recv_slot, recv_w, w13, w2, choice.impl, wgrad=choice.wgrad)
+            return expert_ffn(recv_x, recv_slot, recv_w, w13, w2, choice.impl, wgrad=choice.wgrad, deferral=deferral)
 
         if self.pipeline_chunks > 1:
             out, pairs = pipelined_exchange(self.transport, x, weights, dest_rank, dest_slot, (self.w13, self.w2),
                                             experts, self.pipeline_chunks)
         else:
-            recv_x, recv_slot, recv_w, layout = dispatch(self.transport, x, weights, dest_rank, dest_slot)
-            out = combine(self.transport, experts(recv_x, recv_slot, recv_w, self.w13, self.w2), layout)
+            deferral = self.wgrad_deferral
+            recv_x, recv_slot, recv_w, layout = dispatch(self.transport, x, weights, dest_rank, dest_slot,
+                                                         after_backward=deferral.join if deferral else None)
+            out = combine(self.transport, experts(recv_x, recv_slot, recv_w, self.w13, self.w2, deferral), layout)
             pairs = (recv_slot >= 0).sum()
         if not self.recomputing:
             with torch.no_grad():

@@ -26,9 +26,10 @@ class Case:
     """A seeded global problem every rank builds identically.
 
     tokens_per_rank is cycled over the ranks; placement is a ``Placement.to_dict()`` (None:
-    native); expert_impl and pipeline_chunks are the layer's (``moe.expert_impl``,
+    native); expert_impl, pipeline_chunks and delay_wgrad are the layer's (``moe.expert_impl``,
     ``moe.pipeline_chunks``: 1 sequential, C > 1 the exchange overlapped with the experts in C
-    chunks of each rank's tokens).
+    chunks of each rank's tokens; ``moe.delay_wgrad``: the experts' weight gradients beside the
+    dispatch's backward).
     """
 
     num_experts: int = 8
@@ -42,6 +43,7 @@ class Case:
     expert_impl: str = "auto"
     placement: dict | None = None
     pipeline_chunks: int = 1
+    delay_wgrad: bool = False
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
@@ -53,7 +55,7 @@ class Case:
         """The MoE layer this case runs (``dtype``: the case's by default)."""
         return MoELayerSpec(self.hidden, self.num_experts, self.top_k, self.expert_hidden,
                             dtype=dtype or torch_dtype(self.dtype), expert_impl=self.expert_impl,
-                            pipeline_chunks=self.pipeline_chunks)
+                            pipeline_chunks=self.pipeline_chunks, delay_wgrad=self.delay_wgrad)
 
     def tokens(self, rank: int) -> int:
         return self.tokens_per_rank[rank % len(self.tokens_per_rank)]

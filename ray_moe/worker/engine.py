@@ -204,6 +204,8 @@ class Engine:
         if self.zero:
             self.zero.begin()  # replicated gradients reduce-scattered as backward produces them
         loss.backward()
+        for layer in self.model.moe_layers():  # weight gradients still on a side stream (moe.delay_wgrad)
+            layer.join_wgrad()
         mark("backward")
         synchronize(self.device)
         t2 = time.perf_counter()

@@ -17,15 +17,19 @@ def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
     out = tmp_path / "layer.json"
     assert layer.main(["--sections", "ep", "--world-size", "2", "--T", "64", "--H", "16", "--I", "24",
                        "--E", "8", "--K", "2", "--dtype", "float32", "--device", "cpu",
-                       "--ep-iters", "2", "--ep-chunks", "1,3", "--ep-profile", "--json", str(out)]) == 0
+                       "--ep-iters", "2", "--ep-chunks", "1,3", "--ep-profile", "--ep-delay-wgrad", "0,1",
+                       "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     ep = [r for r in rows if r["what"].startswith("EP")]
-    assert [r["chunks"] for r in ep] == [1, 3] and all(r["transport"] == "gloo" for r in ep)
-    assert "pipelined, 3 chunks" in ep[1]["what"] and "sequential" in ep[0]["what"]
+    # delayed weight gradients apply to the sequential layer only
+    assert [(r["chunks"], r["delay_wgrad"]) for r in ep] == [(1, False), (1, True), (3, False)]
+    assert all(r["transport"] == "gloo" for r in ep)
+    assert "pipelined, 3 chunks" in ep[2]["what"] and "sequential" in ep[0]["what"]
+    assert "delayed wgrad" in ep[1]["what"]
     assert {r["what"] for r in rows} >= {"one GPU, T/W tokens", "one GPU, all T tokens",
                                          "one GPU, T/W tokens on E/W experts (a rank's compute)"}
     derived = [r for r in rows if r["what"] == "derived"]
-    assert [d["chunks"] for d in derived] == [1, 3]
+    assert [d["chunks"] for d in derived] == [1, 1, 3]
     for d in derived:
         assert d["scaling_eff_fwd"] > 0 and d["scaling_eff_fwd+bwd"] > 0
         assert {"exposed_comm_frac_fwd", "exposed_comm_frac_fwd+bwd", "exposed_comm_fwd_ms"} <= d.keys()

@@ -144,6 +144,44 @@ def test_cuda_graph_capture_and_replay():
             assert torch.equal(a, b)
 
 
+def test_delayed_weight_gradients_on_a_side_stream():
+    """moe.delay_wgrad on the GPU: the weight gradients on the deferral's side stream equal
+    autograd's bit for bit, while the current stream runs on (a copy stands in for the dispatch's
+    backward exchange) until the join, eager and replayed from a CUDA graph."""
+    from ray_moe.kernels import expert_ffn_triton
+    from ray_moe.model.wgrad import WgradDeferral
+
+    R, K, S, H, I = 2048, 4, 8, 1024, 512
+    case = random_case(R, K, S, H, I, "random", torch.bfloat16, "cuda", 5)
+    go = torch.randn(R, H, device="cuda", dtype=torch.bfloat16)
+    plain = {n: case[n].clone().requires_grad_() for n in ("x", "weight", "w13", "w2")}
+    out = expert_ffn_triton(plain["x"], case["slot"], plain["weight"], plain["w13"], plain["w2"])
+    out.backward(go)
+    want = [plain[n].grad for n in ("x", "weight", "w13", "w2")]
+
+    deferral = WgradDeferral("cuda")
+    leaves = {n: case[n].clone().requires_grad_() for n in ("x", "weight", "w13", "w2")}
+    beside = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+
+    def step():
+        for t in leaves.values():
+            t.grad = None
+        out = expert_ffn_triton(leaves["x"], case["slot"], leaves["weight"], leaves["w13"], leaves["w2"],
+                                deferral=deferral)
+        out.backward(go)
+        beside.add_(1)  # the current stream's next work, concurrent with the weight gradients
+        deferral.join()
+        return [leaves[n].grad for n in ("x", "weight", "w13", "w2")]
+
+    for got, ref in zip(step(), want):
+        assert torch.equal(got, ref)
+    graph, captured = capture_graph(step, warmup=1)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, ref in zip(captured, want):
+        assert torch.equal(got, ref)
+
+
 # 16-byte rows (torch._grouped_mm's rule): H and I multiples of 8 in bf16
 MM_WGRAD_CASES = [c for c in CASES if c[3] % 8 == 0 and c[4] % 8 == 0]
 

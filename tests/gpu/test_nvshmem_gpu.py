@@ -238,6 +238,18 @@ def test_interleaved_exchange_on_few_programs(group):
         assert not bad, (rank, bad)
 
 
+def test_layer_parity_with_delayed_weight_gradients(group):
+    """moe.delay_wgrad over the exchange: the experts' weight gradients on a side stream beside
+    the dispatch's backward give the oracle's gradients in bf16, on uneven and empty ranks."""
+    for extra in (dict(tokens_per_rank=(40, 17)), dict(routing="empty_rank")):
+        if Case(**extra).applies_to(group.world_size) is not None:
+            continue
+        case = Case(seed=_seed_without_near_ties(extra, group.world_size), dtype="bfloat16", hidden=64,
+                    delay_wgrad=True, **extra)
+        for rank, errs in enumerate(group.execute(layer_parity, case, timeout=300)):
+            assert all(v <= BF16_TOL for v in errs.values()), (extra, rank, errs)
+
+
 def test_many_layers_reuse_one_buffer(group):
     """Four layers forward, then backward in reverse: layer 0's rows survive three later dispatches."""
     res = group.execute(_stacked_layers, timeout=300)

@@ -275,6 +275,7 @@ TYPE_ERRORS = [
     ("balance.enabled", "yes please", "must be true or false"),
     ("balance.enabled", 1, "must be true or false"),
     ("model.dense_first_layer", 0, "must be true or false"),
+    ("moe.delay_wgrad", "yes", "must be true or false"),
     ("model.dtype", 32, "must be a string"),
     ("train.run_dir", ["a"], "must be a string"),
     ("data.paths", 3, "must be a list of strings"),

@@ -53,7 +53,8 @@ def ep_rows(shape: LayerShape, args: argparse.Namespace) -> list[dict]:
                          comm_programs=tuple(int(g) for g in args.ep_programs.split(",")),
                          interleave=tuple(None if v == "default" else bool(int(v))
                                           for v in args.ep_interleave.split(",")),
-                         profile=args.ep_profile)
+                         profile=args.ep_profile,
+                         delay_wgrad=tuple(bool(int(v)) for v in args.ep_delay_wgrad.split(",")))
 
 
 def _print_table(rows: list[dict]) -> None:
@@ -113,6 +114,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="ep/nvshmem: comma list of 0/1/default: the exchange without / with Tuning.interleave (the"
                         " receiving side's work between the sends) or as the buffer's Tuning has it, side by side")
     p.add_argument("--force-remote-path", action="store_true", help="ep/nvshmem: use the inter-node path")
+    p.add_argument("--ep-delay-wgrad", default="0",
+                   help="ep: comma list of 0/1: the sequential layer without / with moe.delay_wgrad (the experts'"
+                        " weight gradients beside the dispatch's backward exchange), side by side")
     p.add_argument("--ep-profile", action="store_true",
                    help="ep: the kernels of one step of the first EP variant (rank 0) against a rank's own compute")
     return p.parse_args(argv)
