@@ -20,7 +20,7 @@ exchange once launched, and by the engine after backward) makes the current stre
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -37,9 +37,6 @@ from ray_moe.kernels.grouped_swiglu import (
 )
 from ray_moe.kernels.quack_wgrad import grouped_wgrad_quack
 from ray_moe.kernels.routing import PairLayout, pair_layout
-
-if TYPE_CHECKING:
-    from ray_moe.model.wgrad import WgradDeferral
 
 
 class _ExpertFFN(torch.autograd.Function):
@@ -102,7 +99,7 @@ class _ExpertFFN(torch.autograd.Function):
 
 def expert_ffn_triton(
     x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-    plan: KernelPlan | None = None, deferral: "WgradDeferral | None" = None,
+    plan: KernelPlan | None = None, deferral: Any = None,
 ) -> torch.Tensor:
     """Weighted SwiGLU experts over received rows, fused Triton kernels (sync-free, graph-capturable).
 
@@ -112,8 +109,9 @@ def expert_ffn_triton(
         weight: float32 [R, K] routing weights (0 where slot is -1).
         w13: [S, H, 2I] gate|up weights (x.dtype); w2: [S, I, H] (x.dtype).
         plan: tiles per GEMM (None → :func:`default_plan` for x's dtype and device).
-        deferral: the weight gradients on its side stream, accumulated into w13.grad / w2.grad
-            (leaf parameters only; autograd gets None for them), until its join.
+        deferral: an object with ``launch(params, fn, inputs)`` (the model's
+            ``WgradDeferral``): the weight gradients go to it, which accumulates them into
+            w13.grad / w2.grad (leaf parameters only; autograd gets None for them).
     Returns:
         [R, H] in x.dtype: sum_k weight[r,k] * (silu(x[r] @ gate_s) * (x[r] @ up_s)) @ w2_s over valid k.
         Differentiable w.r.t. x, weight, w13, w2 (slots with no pairs get exactly zero weight grads).
