@@ -70,8 +70,9 @@ class MoELayerSpec:
     exchange overlaps the experts of the neighbouring chunks (:mod:`ray_moe.comm.pipeline`; the
     same results); delay_wgrad: with the Triton experts in the sequential layer, their weight
     gradients run on a side stream beside the dispatch's backward exchange
-    (:class:`~ray_moe.model.wgrad.WgradDeferral`; the same results); seed: with the layer
-    index, seeds the router and every logical expert.
+    (:class:`~ray_moe.model.wgrad.WgradDeferral`; the same results in ``.grad``, as
+    ``backward()`` leaves them: ``torch.autograd.grad`` gets none for w13 and w2); seed: with the
+    layer index, seeds the router and every logical expert.
     """
 
     hidden: int
