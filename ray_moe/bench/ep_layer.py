@@ -140,7 +140,7 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
         if i >= spec.warmup:
             fwd.append((t1 - t0) * 1e3)
             bwd.append((t2 - t1) * 1e3)
-    kernels = _profiled_step(layer, x, grad, placement, device) if spec.profile else None
+    kernels, timeline = _profiled_step(layer, x, grad, placement, device) if spec.profile else (None, None)
     tokens, pairs = layer.pop_load()
     out = {
         "rank": rank, "world_size": W,
@@ -153,16 +153,23 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
     if device.type == "cuda":
         out["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     if kernels is not None:
-        out["kernels"] = kernels
+        out["kernels"], out["timeline"] = kernels, timeline
     transport.check()
     return out
 
 
 def _profiled_step(layer: Any, x: torch.Tensor, grad: torch.Tensor, placement: Placement,
-                   device: torch.device) -> dict[str, list[float]]:
+                   device: torch.device) -> tuple[dict[str, list[float]], dict[str, Any]]:
     """One more training step of ``layer`` under torch.profiler: per kernel name (on the CPU, per
-    operator), [milliseconds summed over the step, calls]. Device times where there is a GPU."""
+    operator), [milliseconds summed over the step, calls], device times where there is a GPU; and
+    the device timeline's idle stretches (:func:`ray_moe.bench.timeline.timeline_gaps`; none on
+    the CPU)."""
+    import os
+    import tempfile
+
     from torch.profiler import ProfilerActivity, profile
+
+    from ray_moe.bench.timeline import load_trace, timeline_gaps
 
     cuda = device.type == "cuda"
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
@@ -176,7 +183,14 @@ def _profiled_step(layer: Any, x: torch.Tensor, grad: torch.Tensor, placement: P
         t = e.device_time_total if cuda else e.self_cpu_time_total
         if t > 0:
             kernels[e.key[:120]] = [t / 1e3, e.count]
-    return kernels
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        timeline = timeline_gaps(load_trace(path))
+    finally:
+        os.unlink(path)
+    return kernels, timeline
 
 
 def kernel_diff_rows(ep: dict[str, list[float]], ref: dict[str, list[float]], what: str,
@@ -302,4 +316,22 @@ def ep_layer_rows(
     first = next(iter(ep.values()))[0]
     if profile and own is not None and "kernels" in first and "kernels" in own:
         rows += kernel_diff_rows(first["kernels"], own["kernels"], "a rank's compute (rank 0)")
+        rows += timeline_rows({"rank 0's EP step": first["timeline"], "a rank's compute": own["timeline"]})
+    return rows
+
+
+def timeline_rows(timelines: dict[str, dict]) -> list[dict]:
+    """Rows of the ``ep timeline`` table: per profiled step its wall, busy and idle milliseconds,
+    then its longest idle stretches (:func:`ray_moe.bench.timeline.timeline_gaps`)."""
+    rows = []
+    for what, tl in timelines.items():
+        rows.append({"section": "ep timeline", "what": f"{what}: wall / busy / idle ms, gaps",
+                     "ms": f"{tl['wall_us'] / 1e3:.3f} / {tl['busy_us'] / 1e3:.3f} / {tl['idle_us'] / 1e3:.3f}",
+                     "detail": f"{tl['gaps']} gaps"})
+        for g in tl["top"]:
+            late = "" if g["host_late_us"] is None else f", host launched {g['host_late_us']:.0f} us into it"
+            sync = "".join(f", {k} {v:.0f} us" for k, v in g["sync"].items())
+            rows.append({"section": "ep timeline", "what": f"{what}: idle at {g['at_us'] / 1e3:.3f} ms",
+                         "ms": f"{g['gap_us'] / 1e3:.3f}",
+                         "detail": f"{g['before'][:40]} -> {g['after'][:40]}{late}{sync}"})
     return rows

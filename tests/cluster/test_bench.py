@@ -39,6 +39,9 @@ def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
     prof = [r for r in rows if r["section"].startswith("ep profile")]
     assert prof and prof[-1]["what"].startswith("all ") and prof[-1]["ep_ms"] > 0 and prof[-1]["ref_ms"] > 0
     assert any(r["ep_ms"] > 0 and r["ref_ms"] == 0 for r in prof[:-1]), [r["what"] for r in prof]
+    # and each profiled step's device timeline (no kernels on the CPU: an empty one, still reported)
+    timeline = [r["what"] for r in rows if r["section"] == "ep timeline"]
+    assert timeline == ["rank 0's EP step: wall / busy / idle ms, gaps", "a rank's compute: wall / busy / idle ms, gaps"]
 
 
 def test_bench_balance_train_mode_on_cpu(group_for_new, tmp_path):

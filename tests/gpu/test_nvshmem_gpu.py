@@ -61,7 +61,10 @@ def _make_group(force_remote: bool = False, address: str | None = None, strategy
         "parallel": {"world_size": W, "device": "cuda", "transport": "nvshmem",
                      "force_remote_path": force_remote, "placement_strategy": strategy,
                      "startup_timeout_s": 180, "workers_per_gpu": per_gpu,
-                     "nvshmem_spin_limit": spin_limit},
+                     "nvshmem_spin_limit": spin_limit,
+                     # RAY_MOE_TEST_COMM_PROGRAMS: G, the exchange's programs per rank (0: the SMs
+                     # divided among the ranks sharing a GPU), to tell residency from other causes
+                     "comm_programs": int(os.environ.get("RAY_MOE_TEST_COMM_PROGRAMS", "0"))},
     })
     return WorkerGroup(cfg)
 

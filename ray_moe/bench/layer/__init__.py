@@ -64,7 +64,8 @@ def _print_table(rows: list[dict]) -> None:
 
     kinds: dict[str, list[dict]] = {}
     for r in rows:
-        kinds.setdefault("profile" if str(r.get("section", "")).startswith("ep profile") else "", []).append(r)
+        section = str(r.get("section", ""))
+        kinds.setdefault(section if section.startswith(("ep profile", "ep timeline")) else "", []).append(r)
     for group in kinds.values():
         cols: list[str] = []
         for r in group:

@@ -1,0 +1,69 @@
+"""Where a profiled GPU step idles: the gaps between its kernels, from a Chrome trace.
+
+``bench layer --ep-profile`` sums each kernel's time; an EP step's wall time also holds moments
+when no kernel runs at all (the host late with a launch, a host synchronisation, a wait on
+another stream). :func:`timeline_gaps` finds them in the trace torch.profiler exports: the union
+of every kernel interval on the device, the idle stretches between them, and for each of the
+longest: the kernels either side, whether the host launched the next kernel only after the device
+went idle (host-bound), and any synchronising runtime call the host was in meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+# runtime calls that block the host until the device (or a stream/event) is done
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+              "cudaMemcpy", "cudaStreamWaitEvent")
+
+
+def load_trace(path: str) -> list[dict]:
+    with open(path) as f:
+        return json.load(f).get("traceEvents", [])
+
+
+def timeline_gaps(events: list[dict], top: int = 8, min_gap_us: float = 5.0) -> dict[str, Any]:
+    """Summary of a trace's device timeline (times in microseconds).
+
+    Returns ``wall_us`` (first kernel start to last kernel end), ``busy_us`` (the union of kernel
+    intervals), ``idle_us`` (wall - busy), ``gaps`` (count of idle stretches ≥ ``min_gap_us``)
+    and ``top`` (the ``top`` longest: ``gap_us``, ``at_us`` from the first kernel, ``before`` and
+    ``after`` kernel names, ``host_late_us``: how long after the gap began the host launched the
+    kernel after it (> 0: the host was behind), ``sync``: synchronising runtime calls overlapping
+    the gap, with their microseconds inside it)."""
+    kernels = sorted((e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"),
+                     key=lambda e: e["ts"])
+    empty = {"wall_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "gaps": 0, "top": []}
+    if not kernels:
+        return empty
+    runtime = [e for e in events if e.get("cat") == "cuda_runtime" and e.get("ph") == "X"]
+    launch_at = {e["args"]["correlation"]: e["ts"] for e in runtime
+                 if "correlation" in e.get("args", {})}
+    syncs = [e for e in runtime if e.get("name", "").startswith(SYNC_CALLS)]
+    t0 = kernels[0]["ts"]
+    busy, end, last = 0.0, kernels[0]["ts"], kernels[0]
+    gaps = []
+    for k in kernels:
+        if k["ts"] > end + min_gap_us:
+            gaps.append((k["ts"] - end, end, last, k))
+        if k["ts"] > end:
+            busy += k["dur"]
+        else:
+            busy += max(0.0, k["ts"] + k["dur"] - end)
+        if k["ts"] + k["dur"] >= end:
+            end, last = k["ts"] + k["dur"], k
+    out = {"wall_us": end - t0, "busy_us": busy, "idle_us": end - t0 - busy, "gaps": len(gaps), "top": []}
+    for gap, start, before, after in sorted(gaps, key=lambda g: -g[0])[:top]:
+        launched = launch_at.get(after.get("args", {}).get("correlation"))
+        overlap = {}
+        for s in syncs:
+            inside = min(s["ts"] + s["dur"], start + gap) - max(s["ts"], start)
+            if inside > 0:
+                overlap[s["name"]] = overlap.get(s["name"], 0.0) + inside
+        out["top"].append({
+            "gap_us": gap, "at_us": start - t0, "before": before["name"], "after": after["name"],
+            "host_late_us": None if launched is None else launched - start,
+            "sync": {k: round(v, 1) for k, v in overlap.items()},
+        })
+    return out

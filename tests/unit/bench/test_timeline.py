@@ -1,0 +1,45 @@
+"""timeline_gaps: idle stretches of a device timeline, from a hand-built Chrome trace."""
+
+from __future__ import annotations
+
+import json
+
+from ray_moe.bench.timeline import load_trace, timeline_gaps
+
+
+def _kernel(name, ts, dur, corr):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+
+def _runtime(name, ts, dur, corr=None):
+    return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur,
+            "args": {} if corr is None else {"correlation": corr}}
+
+
+def test_gaps_busy_and_their_causes(tmp_path):
+    events = [
+        _kernel("a", 100, 50, 1),            # [100, 150)
+        _kernel("b", 120, 10, 2),            # inside a (another stream): no gap, no extra busy time
+        _kernel("c", 400, 100, 3),           # idle 150 -> 400: the host launched c at 380
+        _kernel("d", 503, 20, 4),            # 3 us: under min_gap_us, not a gap
+        _kernel("e", 900, 10, 5),            # idle 523 -> 900 during a stream synchronisation
+        _runtime("cudaLaunchKernel", 380, 5, 3),
+        _runtime("cudaLaunchKernel", 200, 5, 5),  # e was launched early: the device waited on something else
+        _runtime("cudaStreamSynchronize", 600, 250),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5},
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    tl = timeline_gaps(load_trace(str(path)), top=5)
+    assert tl["wall_us"] == 810 and tl["busy_us"] == 50 + 100 + 20 + 10
+    assert tl["idle_us"] == 810 - 180 and tl["gaps"] == 2
+    first, second = tl["top"]
+    assert (first["gap_us"], first["before"], first["after"]) == (377, "d", "e")
+    assert first["host_late_us"] == 200 - 523 and first["sync"] == {"cudaStreamSynchronize": 250.0}
+    assert (second["gap_us"], second["at_us"], second["before"], second["after"]) == (250, 50, "a", "c")
+    assert second["host_late_us"] == 230 and second["sync"] == {}
+
+
+def test_no_kernels_is_an_empty_timeline():
+    tl = timeline_gaps([{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}])
+    assert tl == {"wall_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "gaps": 0, "top": []}
