@@ -23,7 +23,8 @@ def load_trace(path: str) -> list[dict]:
         return json.load(f).get("traceEvents", [])
 
 
-def timeline_gaps(events: list[dict], top: int = 8, min_gap_us: float = 5.0) -> dict[str, Any]:
+def timeline_gaps(events: list[dict], top: int = 8, min_gap_us: float = 5.0,
+                  skip: tuple[str, ...] = ()) -> dict[str, Any]:
     """Summary of a trace's device timeline (times in microseconds).
 
     Returns ``wall_us`` (first kernel start to last kernel end), ``busy_us`` (the union of kernel
@@ -31,8 +32,10 @@ def timeline_gaps(events: list[dict], top: int = 8, min_gap_us: float = 5.0) -> 
     and ``top`` (the ``top`` longest: ``gap_us``, ``at_us`` from the first kernel, ``before`` and
     ``after`` kernel names, ``host_late_us``: how long after the gap began the host launched the
     kernel after it (> 0: the host was behind), ``sync``: synchronising runtime calls overlapping
-    the gap, with their microseconds inside it)."""
-    kernels = sorted((e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"),
+    the gap, with their microseconds inside it). Kernels whose names start with one of ``skip``
+    are left out (a barrier's before the step)."""
+    kernels = sorted((e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"
+                      and not e.get("name", "").startswith(skip)),
                      key=lambda e: e["ts"])
     empty = {"wall_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "gaps": 0, "top": []}
     if not kernels:

@@ -40,6 +40,13 @@ def test_gaps_busy_and_their_causes(tmp_path):
     assert second["host_late_us"] == 230 and second["sync"] == {}
 
 
+def test_skipped_kernels_are_left_out():
+    events = [_kernel("ncclDevKernel_AllReduce", 0, 10, 1), _kernel("a", 500, 10, 2), _kernel("b", 600, 10, 3)]
+    tl = timeline_gaps(events, skip=("nccl",))
+    assert tl["wall_us"] == 110 and tl["busy_us"] == 20 and [g["before"] for g in tl["top"]] == ["a"]
+    assert timeline_gaps(events)["wall_us"] == 610
+
+
 def test_no_kernels_is_an_empty_timeline():
     tl = timeline_gaps([{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}])
     assert tl == {"wall_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "gaps": 0, "top": []}
