@@ -140,6 +140,20 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
         if i >= spec.warmup:
             fwd.append((t1 - t0) * 1e3)
             bwd.append((t2 - t1) * 1e3)
+    # steady state, as training runs: the steps back to back, no synchronisation between the
+    # forward and the backward or between steps (the loop above syncs after each phase and takes
+    # each phase's max over ranks, which counts the ranks' skew at every phase boundary)
+    barrier()
+    synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(spec.iters):
+        out, _ = layer(x)
+        out.backward(grad)
+        reduce_clone_grads(layer, placement)
+        push_clone_weights(layer, placement)
+        layer.w13.grad = layer.w2.grad = layer.router.grad = x.grad = None
+    synchronize(device)
+    steady_ms = (time.perf_counter() - t0) * 1e3 / max(1, spec.iters)
     kernels, timeline = _profiled_step(layer, x, grad, placement, device) if spec.profile else (None, None)
     tokens, pairs = layer.pop_load()
     out = {
@@ -147,6 +161,7 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
         "forward_ms": statistics.median(fwd),
         "backward_ms": statistics.median(bwd),
         "forward_backward_ms": statistics.median([a + b for a, b in zip(fwd, bwd)]),
+        "steady_step_ms": steady_ms,
         "expert_tokens": tokens.tolist(), "received_pairs": float(pairs),
         "spec": asdict(spec),
     }
@@ -233,7 +248,9 @@ def ep_layer_rows(
     (moe.delay_wgrad, the sequential layer only), against one
     GPU running a rank's own compute (T/W tokens on E/W experts; exposed communication: EP minus
     that, also as a fraction of it), T/W tokens on all E experts, and
-    all T tokens (scaling efficiency: one GPU's time / (W x EP time)). ``group``: an existing
+    all T tokens (scaling efficiency: one GPU's time / (W x EP time)); each phase synchronised
+    (fwd, fwd+bwd: the max over ranks of each phase) and in steady state (``steady_step_ms``:
+    steps back to back, the slowest rank). ``group``: an existing
     worker group of ``world_size`` ranks to run on (else one is started and closed here).
     ``profile``: also the kernels of one step of the first EP variant (rank 0) against a rank's own
     compute, by how much longer EP spends in each (:func:`kernel_diff_rows`)."""
@@ -290,7 +307,8 @@ def ep_layer_rows(
         rows.append({"section": "ep", "what": what, "transport": transport_name, "interleave": il, "delay_wgrad": dw,
                      "chunks": c, "comm_programs": p, "tokens": spec_ep.tokens, "fwd_ms": f,
                      "fwd_TFLOPs": tflops(spec_ep, f), "fwd+bwd_ms": f + b,
-                     "fwd+bwd_TFLOPs": tflops(spec_ep, f + b, backward=True)})
+                     "fwd+bwd_TFLOPs": tflops(spec_ep, f + b, backward=True),
+                     "steady_step_ms": max(r["steady_step_ms"] for r in res)})
     refs = [("one GPU, T/W tokens", local, spec_ep), ("one GPU, all T tokens", full, spec_full)]
     if own is not None:
         refs.append(("one GPU, T/W tokens on E/W experts (a rank's compute)", own, spec_ep))
@@ -298,7 +316,7 @@ def ep_layer_rows(
         f, b = res["forward_ms"], res["backward_ms"]
         rows.append({"section": "ep", "what": name, "transport": "local", "tokens": spec.tokens, "fwd_ms": f,
                      "fwd_TFLOPs": tflops(spec, f), "fwd+bwd_ms": f + b,
-                     "fwd+bwd_TFLOPs": tflops(spec, f + b, backward=True)})
+                     "fwd+bwd_TFLOPs": tflops(spec, f + b, backward=True), "steady_step_ms": res["steady_step_ms"]})
     # Exposed communication is EP minus a rank's own compute without the exchange: T/W tokens on
     # E/W experts (the same rows per expert as EP, so the same GEMM shapes). "One GPU, T/W tokens"
     # (all E experts at half the rows each) runs less efficient GEMMs, which hid ~0.8 ms of the
@@ -318,6 +336,9 @@ def ep_layer_rows(
             "exposed_comm_frac_fwd+bwd": (r["fwd+bwd_ms"] - lfb) / lfb,
             "scaling_if_hidden_fwd": ff / (world_size * lf),  # the scaling with the exchange fully hidden
             "scaling_if_hidden_fwd+bwd": ffb / (world_size * lfb),
+            # steady state (steps back to back, the slowest rank): what a training run sees
+            "scaling_eff_steady": full["steady_step_ms"] / (world_size * r["steady_step_ms"]),
+            "exposed_comm_frac_steady": (r["steady_step_ms"] - ref["steady_step_ms"]) / ref["steady_step_ms"],
         })
     first = next(iter(ep.values()))[0]
     if profile and own is not None and "kernels" in first and "kernels" in own:

@@ -32,11 +32,14 @@ def timeline_gaps(events: list[dict], top: int = 8, min_gap_us: float = 5.0,
     and ``top`` (the ``top`` longest: ``gap_us``, ``at_us`` from the first kernel, ``before`` and
     ``after`` kernel names, ``host_late_us``: how long after the gap began the host launched the
     kernel after it (> 0: the host was behind), ``sync``: synchronising runtime calls overlapping
-    the gap, with their microseconds inside it). Kernels whose names start with one of ``skip``
-    are left out (a barrier's before the step)."""
-    kernels = sorted((e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"
-                      and not e.get("name", "").startswith(skip)),
+    the gap, with their microseconds inside it). The timeline starts after the last kernel whose
+    name starts with one of ``skip`` (a barrier before the step: it and what ran before it are
+    left out)."""
+    kernels = sorted((e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"),
                      key=lambda e: e["ts"])
+    marks = [k["ts"] + k["dur"] for k in kernels if k.get("name", "").startswith(skip)]
+    if marks:
+        kernels = [k for k in kernels if k["ts"] >= max(marks)]
     empty = {"wall_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "gaps": 0, "top": []}
     if not kernels:
         return empty

@@ -34,6 +34,8 @@ def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
         assert d["scaling_eff_fwd"] > 0 and d["scaling_eff_fwd+bwd"] > 0
         assert {"exposed_comm_frac_fwd", "exposed_comm_frac_fwd+bwd", "exposed_comm_fwd_ms"} <= d.keys()
         assert d["scaling_if_hidden_fwd"] > 0 and d["scaling_if_hidden_fwd+bwd"] > 0
+        assert d["scaling_eff_steady"] > 0 and "exposed_comm_frac_steady" in d
+    assert all(r["steady_step_ms"] > 0 for r in rows if r["section"] == "ep" and r["what"] != "derived")
     # --ep-profile: the first variant's operators (on the CPU) against a rank's own compute, the
     # exchange's collectives among what EP spends more on
     prof = [r for r in rows if r["section"].startswith("ep profile")]

@@ -40,9 +40,10 @@ def test_gaps_busy_and_their_causes(tmp_path):
     assert second["host_late_us"] == 230 and second["sync"] == {}
 
 
-def test_skipped_kernels_are_left_out():
-    events = [_kernel("ncclDevKernel_AllReduce", 0, 10, 1), _kernel("a", 500, 10, 2), _kernel("b", 600, 10, 3)]
-    tl = timeline_gaps(events, skip=("nccl",))
+def test_the_timeline_starts_after_the_barrier():
+    events = [_kernel("fill", 0, 5, 0), _kernel("ncclDevKernel_AllReduce", 100, 10, 1),
+              _kernel("a", 500, 10, 2), _kernel("b", 600, 10, 3)]
+    tl = timeline_gaps(events, skip=("nccl",))  # the barrier and the fill before it are left out
     assert tl["wall_us"] == 110 and tl["busy_us"] == 20 and [g["before"] for g in tl["top"]] == ["a"]
     assert timeline_gaps(events)["wall_us"] == 610
 
