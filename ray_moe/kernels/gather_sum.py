@@ -1,4 +1,7 @@
-"""Weighted combine, gather form: out[r] = sum_k src[pair_pos[r*K + k]] over the valid pairs of row r.
+"""Gathers over a PairLayout: the weighted combine (:func:`gather_sum`) and the pair rows
+(:func:`gather_pair_rows`).
+
+Weighted combine, gather form: out[r] = sum_k src[pair_pos[r*K + k]] over the valid pairs of row r.
 
 This replaces ``index_add`` scatter: each output row is written once, by one program, in a
 fixed order over k (deterministic). The per-pair weights were already applied by the kernel that
@@ -80,3 +83,58 @@ def gather_sum_reference(src: torch.Tensor, layout: PairLayout, top_k: int) -> t
     if rows is None:
         return torch.zeros(pos.shape[0], src.shape[1], dtype=src.dtype, device=src.device)
     return (rows * valid.unsqueeze(-1)).sum(1).to(src.dtype)
+
+
+@triton.jit
+def _gather_pair_rows_kernel(
+    src_ptr, sorted_pair_ptr, n_valid_ptr, out_ptr, n_pos, n_cols, stride_src, stride_out,
+    TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pos = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = (pos < n_pos) & (pos < tl.load(n_valid_ptr))
+    row = tl.load(sorted_pair_ptr + pos, mask=ok, other=0) // TOP_K
+    mask = ok[:, None] & (cols[None, :] < n_cols)
+    v = tl.load(src_ptr + row[:, None].to(tl.int64) * stride_src + cols[None, :], mask=mask)
+    tl.store(out_ptr + pos[:, None].to(tl.int64) * stride_out + cols[None, :], v, mask=mask)
+
+
+def gather_pair_rows(src: torch.Tensor, layout: PairLayout, top_k: int) -> torch.Tensor:
+    """Each valid pair's source row, in position order: out[p] = src[sorted_pair[p] // K] for
+    p < offsets[S] (a device value: no host sync).
+
+    Positions past offsets[S] are left unset and cost nothing. ``src[sorted_pair // K]`` would copy
+    every one of the R*K positions: an EP rank receives one row per token and destination, so
+    about half its positions are empty, and that copy took 2x a rank's own compute's
+    (``bench layer --ep-profile``, H200 x2).
+
+    Args:
+        src: [R, C] any dtype, row-contiguous.
+        layout: the PairLayout of the slots ([R, K] flattened).
+        top_k: K.
+    Returns:
+        [R*K, C] in src.dtype; rows from offsets[S] on unset.
+    """
+    if src.dim() != 2 or src.stride(1) != 1:
+        raise ValueError(f"src must be a row-contiguous [R, C] matrix, got shape {tuple(src.shape)} strides {src.stride()}")
+    n_pos = layout.sorted_pair.numel()
+    if n_pos != src.shape[0] * top_k:
+        raise ValueError(f"src has {src.shape[0]} rows and the layout {n_pos} positions; expected rows x top_k={top_k}")
+    C = src.shape[1]
+    out = torch.empty(n_pos, C, dtype=src.dtype, device=src.device)
+    if n_pos == 0 or C == 0:
+        return out
+    block_c = min(1024, triton.next_power_of_2(C))
+    block_r = max(1, 4096 // block_c)
+    grid = (triton.cdiv(n_pos, block_r), triton.cdiv(C, block_c))
+    _gather_pair_rows_kernel[grid](
+        src, layout.sorted_pair, layout.offsets[-1:], out, n_pos, C, src.stride(0), out.stride(0),
+        TOP_K=top_k, BLOCK_R=block_r, BLOCK_C=block_c,
+    )
+    return out
+
+
+def gather_pair_rows_reference(src: torch.Tensor, layout: PairLayout, top_k: int) -> torch.Tensor:
+    """Pure-torch reference of :func:`gather_pair_rows`'s valid rows: [offsets[S], C]."""
+    n_valid = int(layout.offsets[-1])
+    return src[layout.sorted_pair[:n_valid].long() // top_k]

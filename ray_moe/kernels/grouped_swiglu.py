@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ray_moe.kernels.gather_sum import gather_pair_rows
 from ray_moe.kernels.routing import PairLayout
 from ray_moe.kernels.tiles import (
     EPI_PLAIN,
@@ -564,7 +565,8 @@ def grouped_wgrad_mm(
     """:func:`grouped_wgrad` through ``torch._grouped_mm`` (groups along the contraction).
 
     The gathered side is materialised in position order first (a transient [R*K, M or N]
-    tensor), which the Triton kernel avoids; in exchange the GEMM runs at cuBLAS/CUTLASS speed.
+    tensor, its valid positions only: :func:`~ray_moe.kernels.gather_sum.gather_pair_rows`),
+    which the Triton kernel avoids; in exchange the GEMM runs at cuBLAS/CUTLASS speed.
     Positions past the last group are never read (``offs`` ends there). Slots with no pairs are
     zeroed explicitly rather than trusting the library with empty groups.
 
@@ -577,9 +579,8 @@ def grouped_wgrad_mm(
         if (t.shape[1] * t.element_size()) % 16:
             raise ValueError(f"grouped_wgrad_mm needs {name} rows of a multiple of 16 bytes, got "
                              f"{t.shape[1]} x {t.element_size()} bytes; use the triton backend")
-    rows = layout.sorted_pair.long() // top_k if (gather_a or gather_b) else None
-    a = a_src[rows] if gather_a else a_src
-    b = b_src[rows] if gather_b else b_src
+    a = gather_pair_rows(a_src, layout, top_k) if gather_a else a_src
+    b = gather_pair_rows(b_src, layout, top_k) if gather_b else b_src
     offs = layout.offsets[1:].contiguous()
     out = torch._grouped_mm(a.t(), b, offs=offs)
     empty = layout.offsets[1:] == layout.offsets[:-1]

@@ -200,6 +200,33 @@ def test_expert_ffn_bf16_grouped_mm_weight_grads(R, K, S, H, I, pattern):
     assert errs["empty_slot_grad"] == 0.0, errs
 
 
+def test_gather_pair_rows_copies_the_valid_positions():
+    """An EP rank's slots (about half empty: one row per token and destination), H=4096 bf16: the
+    valid positions equal the torch gather; a CUDA-graph replay with new slots follows them."""
+    from ray_moe.kernels.gather_sum import gather_pair_rows, gather_pair_rows_reference
+    from ray_moe.kernels.routing import pair_layout
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    R, K, S, H = 2048, 8, 32, 4096
+    x = torch.randn(R, H, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def slots():
+        s = torch.randint(0, S, (R, K), device="cuda", generator=g, dtype=torch.int32)
+        return torch.where(torch.rand(R, K, device="cuda", generator=g) < 0.5, s, -1)
+
+    slot = slots()
+    lay = pair_layout(slot, S)
+    assert 0 < int(lay.offsets[-1]) < R * K
+    nv = int(lay.offsets[-1])
+    assert torch.equal(gather_pair_rows(x, lay, K)[:nv], gather_pair_rows_reference(x, lay, K))
+    graph, out = capture_graph(lambda: gather_pair_rows(x, lay, K))
+    for a, b in zip(lay, pair_layout(slots(), S)):  # new slots into the captured layout's tensors
+        a.copy_(b)
+    graph.replay()
+    nv = int(lay.offsets[-1])
+    assert torch.equal(out[:nv], gather_pair_rows_reference(x, lay, K))
+
+
 def _needs_quack():
     from ray_moe.kernels.quack_wgrad import quack_available
 

@@ -122,7 +122,12 @@ def test_pair_layout_reference_is_a_stable_grouping():
 def run_interpreter_checks() -> dict:
     """Runs inside the subprocess (TRITON_INTERPRET=1 set before triton is imported)."""
     from ray_moe.kernels import grouped_swiglu as gs
-    from ray_moe.kernels.gather_sum import gather_sum, gather_sum_reference
+    from ray_moe.kernels.gather_sum import (
+        gather_pair_rows,
+        gather_pair_rows_reference,
+        gather_sum,
+        gather_sum_reference,
+    )
     from ray_moe.kernels.routing import (
         pair_layout,
         pair_layout_reference,
@@ -184,6 +189,9 @@ def run_interpreter_checks() -> dict:
             "h13": rel_err(h13[:nv], h13_r[:nv]),
             "y": rel_err(y[:nv], y_r[:nv]),
             "gather_sum": rel_err(gather_sum(y, lay, K), gather_sum_reference(y, lay, K)),
+            # the pair rows of x: equal (a copy) on the valid positions, which are all it writes
+            "gather_pair_rows": float(not torch.equal(gather_pair_rows(case["x"], lay, K)[:nv],
+                                                      gather_pair_rows_reference(case["x"], lay, K))),
         }
     topk = {}
     for T, E, K in [(9, 6, 1), (9, 6, 2), (17, 10, 3), (5, 16, 4)]:
