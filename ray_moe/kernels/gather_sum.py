@@ -11,6 +11,8 @@ A pair is valid when its position is below ``offsets[S]``; positions past it are
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -113,7 +115,8 @@ def gather_pair_rows(src: torch.Tensor, layout: PairLayout, top_k: int) -> torch
         layout: the PairLayout of the slots ([R, K] flattened).
         top_k: K.
     Returns:
-        [R*K, C] in src.dtype; rows from offsets[S] on unset.
+        [R*K, C] in src.dtype; rows from offsets[S] on unset (on the CPU without Triton's
+        interpreter: a torch gather of every position).
     """
     if src.dim() != 2 or src.stride(1) != 1:
         raise ValueError(f"src must be a row-contiguous [R, C] matrix, got shape {tuple(src.shape)} strides {src.stride()}")
@@ -121,6 +124,8 @@ def gather_pair_rows(src: torch.Tensor, layout: PairLayout, top_k: int) -> torch
     if n_pos != src.shape[0] * top_k:
         raise ValueError(f"src has {src.shape[0]} rows and the layout {n_pos} positions; expected rows x top_k={top_k}")
     C = src.shape[1]
+    if not src.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":  # the CPU path: every position
+        return src[layout.sorted_pair.long() // top_k]
     out = torch.empty(n_pos, C, dtype=src.dtype, device=src.device)
     if n_pos == 0 or C == 0:
         return out
