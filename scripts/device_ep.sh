@@ -4,17 +4,18 @@
 # multi-GPU kind (W = all GPUs; pes2 on two GPUs is W=4). Measured on nvidia-h100-x2 (session 11,
 # 2026-11-25): tests with TESTS_FILES=tests/gpu/test_nvshmem_gpu.py ~260 s (test_force_remote_path
 # alone ~60 s), the training tests ~150 s, pes2 with PES_FILES=tests/gpu/test_nvshmem_gpu.py ~330 s,
-# comm 139 s, layer 81-85 s, grad 121 s; a fresh machine costs ~60 s of the budget before the
-# command starts, and it goes back after 30 s idle, so chain calls. Next lease, in this order:
-#   1. W=4 interleave diagnosis (~170 s): RAY_MOE_INTERLEAVE_ANY_WORLD=1 forces Tuning.interleave at
-#      W=4, where it timed out; the error now names the program and the progress wanted and seen:
-#      RAY_MOE_INTERLEAVE_ANY_WORLD=1 PES_FILES="tests/gpu/test_nvshmem_gpu.py -k few_programs" \
-#        T_TEST=100 T_PES=150 bash scripts/device_ep.sh pes2
-#   2. W=4 without it (the default): PES_FILES=tests/gpu/test_nvshmem_gpu.py T_PES=400 ... pes2
-#   3. layer with EP_CHUNKS=1 EP_INTERLEAVE=1,0 EP_ITERS=20 EP_PROFILE=1: the kernels of an EP step
-#      against a rank's own compute (where the backward's ~1 ms beyond its exchanges goes), and
-#      the sequential layer with and without moe.delay_wgrad (EP_DELAY_WGRAD, default 0,1; first
-#      run it: tests/gpu/test_kernels_gpu.py::test_delayed_weight_gradients_on_a_side_stream).
+# comm 139 s (84 s on H200), layer 81-85 s; pes2 with every NVSHMEM test 250 s on H200 x2 (session 12);
+# a fresh machine costs ~60 s of the budget before the command starts, and it goes back after 30 s
+# idle, so chain calls. Next lease, in this order:
+#   1. the GPU tests of session 12's CPU-side changes, W=2 (~120 s): the valid-positions gather and
+#      the zero tail (tests/gpu/test_kernels_gpu.py), then layer with EP_PROFILE=1: the gather and
+#      SwiGLU-backward rows of the kernel table should fall to a rank's compute's, and the new
+#      steady_step_ms column gives exposed communication as training sees it:
+#      TESTS_FILES=tests/gpu/test_kernels_gpu.py EP_CHUNKS=1 EP_INTERLEAVE=1 EP_PROFILE=1 EP_DELAY_WGRAD=0 \
+#        bash scripts/device_ep.sh tests,layer
+#   2. W=4 interleave (~450 s): late peer or lost signal? 8x the spin limit and no per-test limit:
+#      RAY_MOE_INTERLEAVE_ANY_WORLD=1 RAY_MOE_TEST_SPIN_LIMIT=268435456 T_TEST=500 T_PES=520 \
+#        PES_FILES="tests/gpu/test_nvshmem_gpu.py -k interleaved_copy_out" bash scripts/device_ep.sh pes2
 # On one GPU, pes2 with every file took ~360 s.
 # Usage (device machine, repo root):  . .devbundle/setup.sh && bash scripts/device_ep.sh [steps]
 # steps (default: pes2,pes4,tests,comm,layer; a failing step does not stop the next one):

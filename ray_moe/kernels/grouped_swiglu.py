@@ -458,7 +458,8 @@ def swiglu_backward_rows(
 
     Args: grad_out [R, H]; weight float32 [R, K]; w2 [S, I, H]; h13 [R*K, 2I] saved pre-activations.
     Returns: dh13 [R*K, 2I], aw [R*K, I] (grad_out.dtype), d_weight_pos float32 [R*K]
-        (0 past offsets[S]; dh13 / aw rows past it are zero in the split form, unset when fused).
+        (0 past offsets[S]; dh13 / aw rows past it are zero for ZERO_TAIL rows in the split form,
+        unset beyond that and when fused).
     """
     _check_matrix("grad_out", grad_out)
     _check_same("grad_out", grad_out, "w2", w2)

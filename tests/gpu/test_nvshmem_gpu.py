@@ -41,8 +41,14 @@ PARITY_CASES = [
 ]
 
 
+# RAY_MOE_TEST_SPIN_LIMIT: the module group's nvshmem_spin_limit (default 2^25 polls). A much
+# larger one tells a peer that is merely late (e.g. still compiling a kernel variant: the W=4
+# interleaved combine compiles in 5 s against 1 s) from a signal that never comes
+SPIN_LIMIT = int(os.environ.get("RAY_MOE_TEST_SPIN_LIMIT", str(1 << 25)))
+
+
 def _make_group(force_remote: bool = False, address: str | None = None, strategy: str = "PACK",
-                min_gpus: int = 1, spin_limit: int = 1 << 25):
+                min_gpus: int = 1, spin_limit: int = SPIN_LIMIT):
     pytest.importorskip("nvshmem.core")
     import ray
 

@@ -204,7 +204,36 @@ def run_interpreter_checks() -> dict:
         topk[f"{T}x{E}k{K}"] = {"ids": bool(torch.equal(i, ir)), "w": rel_err(w, wr), "grad_abs": (a - b).abs().max().item()}
     results["topk_softmax"] = topk
     results["wgrad_deferral"] = _deferral_check()
+    results["zero_tail"] = _zero_tail_check()
     return results
+
+
+def _zero_tail_check() -> dict:
+    """swiglu_backward_rows (split form) with more empty positions past offsets[S] than ZERO_TAIL,
+    as on an EP rank: the valid rows equal the reference, dh13 and aw are zero for ZERO_TAIL rows
+    past offsets[S], dw for every one."""
+    from ray_moe.kernels import grouped_swiglu as gs
+    from ray_moe.kernels.routing import pair_layout
+
+    g = torch.Generator().manual_seed(3)
+    R, K, S, H, I = 160, 8, 4, 16, 8
+    slot = torch.randint(0, S, (R, K), generator=g)
+    slot[torch.rand(R, K, generator=g) < 0.9] = -1
+    x, go = torch.randn(R, H, generator=g), torch.randn(R, H, generator=g)
+    w13, w2 = torch.randn(S, H, 2 * I, generator=g), torch.randn(S, I, H, generator=g)
+    weight = torch.rand(R, K, generator=g) * (slot >= 0)
+    lay = pair_layout(slot, S)
+    nv, tail = int(lay.offsets[-1]), gs.ZERO_TAIL
+    _, h13 = gs.gate_up_swiglu(x, lay, K, w13)
+    dh13, aw, dw = gs.swiglu_backward_rows(go, lay, K, weight, w2, h13, fused=False)
+    ref = gs.swiglu_backward_rows_reference(go, lay, K, weight, w2, h13)
+    return {
+        "tail_fits": float(not R * K > nv + tail),  # the case must leave rows past the tail
+        "dh13": rel_err(dh13[:nv], ref[0][:nv]), "aw": rel_err(aw[:nv], ref[1][:nv]),
+        "dw": rel_err(dw[:nv], ref[2][:nv]),
+        "dh13_tail": float(dh13[nv:nv + tail].abs().max()), "aw_tail": float(aw[nv:nv + tail].abs().max()),
+        "dw_past": float(dw[nv:].abs().max()),
+    }
 
 
 def _deferral_check() -> dict:
@@ -369,6 +398,16 @@ def test_delayed_weight_gradients_equal_autograds_under_interpreter(interpreter_
     over two backwards, and leaves dx and the routing-weight gradient as they were."""
     errs = interpreter_results["wgrad_deferral"]
     assert len(errs) == 8 and all(v < 1e-6 for v in errs.values()), errs
+
+
+@pytest.mark.interpreter_script(*INTERPRETER_CHECKS)
+def test_swiglu_backward_zeroes_a_tail_past_the_valid_positions(interpreter_results):
+    """An EP rank's empty positions: the split SwiGLU backward equals the reference on the valid
+    ones and zeroes ZERO_TAIL rows past them (what a weight-gradient tile may read), not all."""
+    r = interpreter_results["zero_tail"]
+    assert r["tail_fits"] == 0.0, r
+    assert all(r[k] < 1e-5 for k in ("dh13", "aw", "dw")), r
+    assert r["dh13_tail"] == r["aw_tail"] == r["dw_past"] == 0.0, r
 
 
 @pytest.mark.interpreter_script(*INTERPRETER_CHECKS)
