@@ -824,7 +824,8 @@ def launch_dispatch(
         return _dispatch_fixed(geo, ch, err, phase, T_cap, K, has_meta, compute_layout, spin_limit, tu,
                                _aligned_rows(varying["x_ptr"], out_x), interleave)
 
-    launcher.launch(_dispatch_kernel, (geo.num_programs,), varying, fixed, tu.num_warps, key)
+    launcher.launch(_dispatch_kernel, (geo.num_programs,), varying, fixed, tu.num_warps, key,
+                    first={"spin_limit": _first_spin(spin_limit)})
 
 
 def _combine_checks(geo, T_cap, src, rmeta, pos, out, side, dest_rank, gw, smeta) -> None:
@@ -903,10 +904,24 @@ def launch_combine(
         return _combine_fixed(geo, ch, err, phase, T_cap, K, side is not None, spin_limit, tu,
                               _aligned_rows(src, varying["out_ptr"]), interleave)
 
-    launcher.launch(_combine_kernel, (geo.num_programs,), varying, fixed, tu.num_warps, key)
+    launcher.launch(_combine_kernel, (geo.num_programs,), varying, fixed, tu.num_warps, key,
+                    first={"spin_limit": _first_spin(spin_limit)})
 
 
 # ----------------------------------------------------------------------------------- host cost
+
+# The first launch of a call shape (and every keyless one) waits this many times longer. Every
+# rank meets a new kernel variant (constexprs, dtypes, tuning) at the same call, and each compiles
+# it before launching: a rank that compiles faster waits in its exchange for one still compiling.
+# 2^25 polls are seconds; the interleaved W=4 combine compiles in 5 s on one CPU (1 s not
+# interleaved), and four ranks compile at once. Later launches of the shape keep the configured
+# limit, so a dead peer is still named quickly.
+FIRST_LAUNCH_SPIN_FACTOR = 16
+
+
+def _first_spin(spin_limit: int) -> int:
+    """The spin limit of a first launch (:data:`FIRST_LAUNCH_SPIN_FACTOR`), within int32."""
+    return min(spin_limit * FIRST_LAUNCH_SPIN_FACTOR, 2**31 - 1)
 
 
 class Launcher:
@@ -941,9 +956,11 @@ class Launcher:
         return key is not None and key in self._fixed
 
     def launch(self, kernel, grid: tuple, varying: dict, fixed: Callable[[], dict], num_warps: int,
-               key: tuple | None) -> None:
+               key: tuple | None, first: dict | None = None) -> None:
         """Launch ``kernel`` on ``grid`` with ``varying`` (per-call arguments) and ``fixed()`` (the
-        others; called, which checks the arguments, only when the key is new or None)."""
+        others; called, which checks the arguments, only when the key is new or None). ``first``
+        replaces some of the fixed arguments on the first launch of a key and on every keyless
+        one (the exchanges' longer spin limit: :data:`FIRST_LAUNCH_SPIN_FACTOR`)."""
         fixed_kw = None
         if key is not None:
             entry = self._entries.get(key)
@@ -961,7 +978,7 @@ class Launcher:
             fixed_kw = fixed()
         self.calls["jit"] += 1
         kwargs = {**fixed_kw, **varying}
-        compiled = kernel[grid](**kwargs, num_warps=num_warps)
+        compiled = kernel[grid](**({**kwargs, **first} if new and first else kwargs), num_warps=num_warps)
         if key is None or not new:
             return
         self._fixed[key] = fixed_kw

@@ -157,19 +157,21 @@ def test_launcher_checks_and_binds_once_per_key_then_launches_the_compiled_kerne
 
     fast = Launcher(fast=True)
     assert not fast.knows(("k",))
-    fast.launch(Kernel(), (4,), dict(a_ptr="x", n=2), fixed, 16, ("k",))
+    # ``first`` (the exchanges' longer spin limit) applies to a key's first launch and keyless ones
+    fast.launch(Kernel(), (4,), dict(a_ptr="x", n=2), fixed, 16, ("k",), first={"c": 50})
     assert fast.knows(("k",))
-    fast.launch(Kernel(), (4,), dict(a_ptr="y", n=3), fixed, 16, ("k",))
-    fast.launch(Kernel(), (4,), dict(a_ptr="z", n=4), fixed, 16, None)
-    assert calls == [("jit", (4,), dict(B=8, c=5, a_ptr="x", n=2, num_warps=16)),
+    fast.launch(Kernel(), (4,), dict(a_ptr="y", n=3), fixed, 16, ("k",), first={"c": 50})
+    fast.launch(Kernel(), (4,), dict(a_ptr="z", n=4), fixed, 16, None, first={"c": 50})
+    assert calls == [("jit", (4,), dict(B=8, c=50, a_ptr="x", n=2, num_warps=16)),
                      ("fast", (4, 1, 1), ("y", 3, 8, 5)),
-                     ("jit", (4,), dict(B=8, c=5, a_ptr="z", n=4, num_warps=16))]
+                     ("jit", (4,), dict(B=8, c=50, a_ptr="z", n=4, num_warps=16))]
     assert fast.calls == {"jit": 2, "fast": 1} and len(checks) == 2
     assert fast._entries[("k",)][1] == (None, None, 8, 5)  # no per-call tensor kept alive
-    slow, checks[:] = Launcher(fast=False), []
+    slow, checks[:], calls[:] = Launcher(fast=False), [], []
     for n in range(3):
-        slow.launch(Kernel(), (4,), dict(a_ptr="x", n=n), fixed, 16, ("k",))
+        slow.launch(Kernel(), (4,), dict(a_ptr="x", n=n), fixed, 16, ("k",), first={"c": 50})
     assert slow.calls == {"jit": 3, "fast": 0} and len(checks) == 1 and slow.knows(("k",))
+    assert [kw["c"] for _, _, kw in calls] == [50, 5, 5]
 
 
 _W1_SCRIPT = r"""
