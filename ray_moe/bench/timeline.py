@@ -15,7 +15,8 @@ from typing import Any
 
 # runtime calls that block the host until the device (or a stream/event) is done
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
-              "cudaMemcpy", "cudaStreamWaitEvent")
+              "cudaMemcpy", "cudaStreamWaitEvent", "cuStreamSynchronize", "cuCtxSynchronize",
+              "cuEventSynchronize", "cuMemcpy")
 
 
 def load_trace(path: str) -> list[dict]:
@@ -43,7 +44,8 @@ def timeline_gaps(events: list[dict], top: int = 8, min_gap_us: float = 5.0,
     empty = {"wall_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "gaps": 0, "top": []}
     if not kernels:
         return empty
-    runtime = [e for e in events if e.get("cat") == "cuda_runtime" and e.get("ph") == "X"]
+    # launches through the runtime (torch) and the driver (Triton's cuLaunchKernelEx)
+    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("ph") == "X"]
     launch_at = {e["args"]["correlation"]: e["ts"] for e in runtime
                  if "correlation" in e.get("args", {})}
     syncs = [e for e in runtime if e.get("name", "").startswith(SYNC_CALLS)]

@@ -24,7 +24,8 @@ def test_gaps_busy_and_their_causes(tmp_path):
         _kernel("d", 503, 20, 4),            # 3 us: under min_gap_us, not a gap
         _kernel("e", 900, 10, 5),            # idle 523 -> 900 during a stream synchronisation
         _runtime("cudaLaunchKernel", 380, 5, 3),
-        _runtime("cudaLaunchKernel", 200, 5, 5),  # e was launched early: the device waited on something else
+        {**_runtime("cuLaunchKernelEx", 200, 5, 5), "cat": "cuda_driver"},  # e (a Triton kernel) launched
+        # early: the device waited on something else
         _runtime("cudaStreamSynchronize", 600, 250),
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5},
     ]
