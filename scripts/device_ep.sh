@@ -16,6 +16,12 @@
 #   2. W=4 interleave (~450 s): late peer or lost signal? 8x the spin limit and no per-test limit:
 #      RAY_MOE_INTERLEAVE_ANY_WORLD=1 RAY_MOE_TEST_SPIN_LIMIT=268435456 T_TEST=500 T_PES=520 \
 #        PES_FILES="tests/gpu/test_nvshmem_gpu.py -k interleaved_copy_out" bash scripts/device_ep.sh pes2
+#      (session 12 made a kernel variant's first launch wait 16x longer: if this passes with the
+#      default limit too, the interleaved exchange can apply at W > 2 again)
+#   3. overlap (~150 s): moe.delay_wgrad can only hide the backward exchange when the exchange
+#      leaves SMs to the weight-gradient GEMMs (at G=132 it holds every SM: no gain in session 12);
+#      and comm with the two new variants (r16h4096w16il, r8h4096w32il) toward 0.9 of the ceiling:
+#      EP_CHUNKS=1 EP_INTERLEAVE=1 EP_PROGRAMS=0,32 EP_DELAY_WGRAD=0,1 bash scripts/device_ep.sh comm,layer
 # On one GPU, pes2 with every file took ~360 s.
 # Usage (device machine, repo root):  . .devbundle/setup.sh && bash scripts/device_ep.sh [steps]
 # steps (default: pes2,pes4,tests,comm,layer; a failing step does not stop the next one):
@@ -29,7 +35,9 @@
 #   layer       bench layer --sections ep at W = all GPUs (skipped on one GPU): sequential and
 #               pipelined (EP_CHUNKS, default 1,2), each without and with Tuning.interleave, against
 #               one GPU running T_local and T tokens (EP_PROFILE=1: the kernels of one EP step against
-#               a rank's own compute)
+#               a rank's own compute; EP_PROGRAMS, default 0: exchanges on that many SMs, e.g.
+#               16,32 with EP_DELAY_WGRAD=1, which can only overlap the backward exchange with the
+#               weight gradients when the exchange leaves SMs free)
 #   grad        bench grad_reduce at W = all GPUs (skipped on one GPU; not in the default list):
 #               issue 27's exposed replicated-gradient reduction, ZeRO stages 0, 1, 2, Qwen3-30B-A3B
 #               cut to 2 layers; fits the `comm,layer` call (`comm,layer,grad`)
@@ -90,7 +98,7 @@ fi
 if [ "$GPUS" -ge 2 ] && has layer; then
   t0=$SECONDS
   timeout "${T_LAYER:-200}" python3 -m ray_moe.cli bench layer --sections ep --world-size "$GPUS" \
-    --T $((16384 * GPUS)) --H 4096 --I 1536 --E 64 --K 8 --transport nvshmem --ep-chunks "${EP_CHUNKS:-1,2}" --ep-interleave "${EP_INTERLEAVE:-0,1}" --ep-iters "${EP_ITERS:-10}" ${EP_PROFILE:+--ep-profile} --ep-delay-wgrad "${EP_DELAY_WGRAD:-0,1}" \
+    --T $((16384 * GPUS)) --H 4096 --I 1536 --E 64 --K 8 --transport nvshmem --ep-chunks "${EP_CHUNKS:-1,2}" --ep-programs "${EP_PROGRAMS:-0}" --ep-interleave "${EP_INTERLEAVE:-0,1}" --ep-iters "${EP_ITERS:-10}" ${EP_PROFILE:+--ep-profile} --ep-delay-wgrad "${EP_DELAY_WGRAD:-0,1}" \
     --json "$OUT/bench_layer_ep_w$GPUS.json" 2>&1 | quiet | tee "$OUT/bench_layer.log" | tail -20
   record "bench layer ep W=$GPUS" "see bench_layer_ep_w$GPUS.json" $((SECONDS - t0)); ray_stop
 fi
