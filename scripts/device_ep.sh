@@ -22,6 +22,11 @@
 #      leaves SMs to the weight-gradient GEMMs (at G=132 it holds every SM: no gain in session 12);
 #      and comm with the two new variants (r16h4096w16il, r8h4096w32il) toward 0.9 of the ceiling:
 #      EP_CHUNKS=1 EP_INTERLEAVE=1 EP_PROGRAMS=0,32 EP_DELAY_WGRAD=0,1 bash scripts/device_ep.sh comm,layer
+#   4. the copy-engine exchange (~300 s; session 12, not yet run): first its GPU test, then the
+#      remote path with the stream waiting (EP_ARGS/COMM_ARGS go to the benches as they are):
+#      TESTS_FILES="tests/gpu/test_nvshmem_gpu.py -k force_remote" bash scripts/device_ep.sh tests
+#      COMM_ARGS="--force-remote --stream-wait" EP_ARGS="--force-remote-path --stream-wait" \
+#        EP_CHUNKS=1,2 EP_INTERLEAVE=0 EP_DELAY_WGRAD=0 bash scripts/device_ep.sh comm,layer
 # On one GPU, pes2 with every file took ~360 s.
 # Usage (device machine, repo root):  . .devbundle/setup.sh && bash scripts/device_ep.sh [steps]
 # steps (default: pes2,pes4,tests,comm,layer; a failing step does not stop the next one):
@@ -91,14 +96,14 @@ if has tests; then
 fi
 if [ "$GPUS" -ge 2 ] && has comm; then
   t0=$SECONDS
-  timeout "${T_COMM:-200}" python3 -m ray_moe.bench.comm --tokens 128,4096,16384 --variants all --programs "${COMM_PROGRAMS:-16,32,66}" \
+  timeout "${T_COMM:-200}" python3 -m ray_moe.bench.comm --tokens 128,4096,16384 --variants all --programs "${COMM_PROGRAMS:-16,32,66}" ${COMM_ARGS:-} \
     --json "$OUT/bench_comm_w$GPUS.json" 2>&1 | quiet | tee "$OUT/bench_comm.log" | tail -20
   record "bench comm W=$GPUS" "see bench_comm_w$GPUS.json" $((SECONDS - t0)); ray_stop
 fi
 if [ "$GPUS" -ge 2 ] && has layer; then
   t0=$SECONDS
   timeout "${T_LAYER:-200}" python3 -m ray_moe.cli bench layer --sections ep --world-size "$GPUS" \
-    --T $((16384 * GPUS)) --H 4096 --I 1536 --E 64 --K 8 --transport nvshmem --ep-chunks "${EP_CHUNKS:-1,2}" --ep-programs "${EP_PROGRAMS:-0}" --ep-interleave "${EP_INTERLEAVE:-0,1}" --ep-iters "${EP_ITERS:-10}" ${EP_PROFILE:+--ep-profile} --ep-delay-wgrad "${EP_DELAY_WGRAD:-0,1}" \
+    --T $((16384 * GPUS)) --H 4096 --I 1536 --E 64 --K 8 --transport nvshmem --ep-chunks "${EP_CHUNKS:-1,2}" --ep-programs "${EP_PROGRAMS:-0}" --ep-interleave "${EP_INTERLEAVE:-0,1}" --ep-iters "${EP_ITERS:-10}" ${EP_PROFILE:+--ep-profile} --ep-delay-wgrad "${EP_DELAY_WGRAD:-0,1}" ${EP_ARGS:-} \
     --json "$OUT/bench_layer_ep_w$GPUS.json" 2>&1 | quiet | tee "$OUT/bench_layer.log" | tail -20
   record "bench layer ep W=$GPUS" "see bench_layer_ep_w$GPUS.json" $((SECONDS - t0)); ray_stop
 fi

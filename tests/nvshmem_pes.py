@@ -16,7 +16,10 @@ the same buffer) with the first ``--tunings`` entry, and the cases that vary the
 most (:data:`FEW_CASES`) with each further one (the exchange kernels' launch variants, e.g.
 ``Tuning.interleave``, which the buffer applies at two ranks only unless
 ``--interleave-any-world``), then the EP layer against the single-process oracle
-(``layer_parity``) with uneven token counts, then the transport's device error record, then a combine rank 0 runs alone,
+(``layer_parity``) with uneven token counts; with ``--remote``, the remote path on a transport of
+its own (``force_remote_path``: staging, host-issued puts and signals, emulated here by copies into
+the peer's mapping; the receiving kernel or, ``stream``, the stream waiting for the signals) on
+:data:`FEW_CASES` twice and the layer; then the transport's device error record, then a combine rank 0 runs alone,
 whose timed-out wait must be named in the error (peer, program, value wanted and seen).
 
 Usage: ``python tests/nvshmem_pes.py [--world-size 2] [--programs 2] [--tunings JSON]`` starts the
@@ -27,8 +30,9 @@ the former).
 from __future__ import annotations
 
 import argparse
-import re
+import ctypes
 import json
+import re
 import os
 import subprocess
 import sys
@@ -42,8 +46,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # what the suite runs (tests/unit/validation/test_multi_pe.py): two ranks of two programs each
 # (concurrent, as on the GPU), the default tuning on every edge case and the interleaved exchange
-# on FEW_CASES
-SUITE_ARGS = ("--world-size", "2", "--programs", "2", "--tunings", '[{}, {"block_r": 4, "interleave": true}]')
+# on FEW_CASES, then the remote path (staging and puts) with the kernel and with the stream waiting
+SUITE_ARGS = ("--world-size", "2", "--programs", "2", "--tunings", '[{}, {"block_r": 4, "interleave": true}]',
+              "--remote", "kernel,stream")
 
 
 class BackgroundRun:
@@ -87,6 +92,7 @@ class FileRuntime:
         self.root, self.rank, self.world_size, self.timeout_s = root, rank, world_size, timeout_s
         self._mine: list[tuple[int, int, object]] = []  # (base address, bytes, tensor) per allocation
         self._peers: dict[tuple[int, int], object] = {}  # (allocation, pe) -> the peer's mapping here
+        self.calls = {"put_signal": 0, "signal_wait_ge": 0}  # the remote path's host-issued operations
 
     def _path(self, index: int, pe: int) -> str:
         return os.path.join(self.root, f"seg{index}.r{pe}")
@@ -128,6 +134,28 @@ class FileRuntime:
         import torch.distributed as dist
 
         dist.barrier()
+
+    # the remote path's host-issued operations, done at once ("on stream" here: the kernels before
+    # them have finished, as the interpreter runs a launch to its end)
+    def put_signal(self, dst: int, src: int, nbytes: int, sig: int, value: int, pe: int) -> None:
+        self.calls["put_signal"] += 1
+        ctypes.memmove(self.peer_ptr(dst, pe), src, nbytes)
+        self.signal_add(sig, value, pe)
+
+    def signal_add(self, sig: int, value: int, pe: int) -> None:
+        word = ctypes.c_int64.from_address(self.peer_ptr(sig, pe))  # one writer per word at a time
+        word.value += value
+
+    def signal_set(self, sig: int, value: int, pe: int) -> None:
+        ctypes.c_int64.from_address(self.peer_ptr(sig, pe)).value = value
+
+    def signal_wait_ge(self, sig: int, value: int) -> None:
+        self.calls["signal_wait_ge"] += 1
+        word, deadline = ctypes.c_int64.from_address(sig), time.monotonic() + self.timeout_s
+        while word.value < value:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank}: signal word {sig:#x} stayed {word.value} < {value}")
+            time.sleep(0)
 
     def close(self) -> None:
         pass
@@ -190,12 +218,15 @@ def run_programs_in_threads() -> None:
 
 
 def make_transport(runtime: FileRuntime, spin_limit: int, tuning: dict | None = None, programs: int = 1,
-                   interleave_any_world: bool = False):
+                   interleave_any_world: bool = False, remote: str = "none"):
     """An :class:`~ray_moe.comm.nvshmem.NVSHMEMTransport` on the CPU over ``runtime``: ``programs``
     programs per launch (more than one needs :func:`run_programs_in_threads`), every peer through
     peer pointers, Triton's JIT for every launch (the interpreter's); every buffer it makes gets
     ``Tuning(**tuning)`` when given. ``interleave_any_world``: let ``Tuning.interleave`` apply at
-    any world size (the buffer applies it at two ranks only; this is for finding out why)."""
+    any world size (the buffer applies it at two ranks only; this is for finding out why).
+    ``remote``: ``none`` (peer pointers), ``kernel`` (every peer through the remote path's staging
+    and puts, ``force_remote_path``; the receiving kernel waits for the put signals) or ``stream``
+    (the same, the stream waiting for them: ``parallel.nvshmem_stream_wait``)."""
     import torch
 
     from ray_moe.comm.base import BufferSpec, Transport
@@ -207,12 +238,13 @@ def make_transport(runtime: FileRuntime, spin_limit: int, tuning: dict | None = 
             Transport.__init__(self, runtime.rank, runtime.world_size)
             self.device = torch.device("cpu")
             self.runtime = runtime
-            self.force_remote = False
+            self.force_remote = remote != "none"
             self.node_of_rank = [0] * runtime.world_size
             self.num_programs = self.comm_programs = programs
             self.buffer, self.spec = None, None
             self.spin_limit = spin_limit
             self.fast_launch = False
+            self.stream_wait = remote == "stream"
             self.reserve(BufferSpec(max_tokens=16, hidden=32, elem_bytes=4, max_top_k=8))
 
         def new_buffer(self, *args, **kwargs):
@@ -235,7 +267,8 @@ def make_transport(runtime: FileRuntime, spin_limit: int, tuning: dict | None = 
 
 
 def rank_main(root: str, rank: int, world_size: int, spin_limit: int, tunings: list[dict],
-              all_cases: bool = True, programs: int = 1, interleave_any_world: bool = False) -> list[str]:
+              all_cases: bool = True, programs: int = 1, interleave_any_world: bool = False,
+              remote: tuple[str, ...] = ()) -> list[str]:
     """One rank: the transport checks with each of ``tunings`` ({}: the buffers' default; every
     edge case with the first where ``all_cases``, else :data:`FEW_CASES`), the layer's with the
     first; the failures as lines."""
@@ -280,7 +313,28 @@ def rank_main(root: str, rank: int, world_size: int, spin_limit: int, tunings: l
         tr.use(tunings[0] or None)
         extra = dict(tokens_per_rank=(3, 17), top_k=3)  # uneven counts; the edge cases ran above
         check(f"layer_parity {extra}", layer_parity, Case(num_experts=4 * world_size, seed=3).but(**extra), 1e-5)
-    except Exception:
+        for mode in remote:  # the remote path (staging, puts, signals) on a transport of its own
+            peer_path, before = worker.transport, dict(tr.runtime.calls)
+            worker.transport = make_transport(tr.runtime, spin_limit, None, programs, False, mode)
+            try:
+                for extra in [e for e in EDGE_CASES if e in FEW_CASES]:
+                    case = Case(num_experts=4 * world_size).but(**extra)
+                    if case.applies_to(world_size) is None:
+                        for _ in range(2):  # twice: the stream-waited signals are reset in between
+                            check(f"check_dispatch {extra} remote={mode}", check_dispatch, case, 1e-6)
+                            check(f"check_combine {extra} remote={mode}", check_combine, case, 1e-6)
+                extra = dict(tokens_per_rank=(3, 17), top_k=3)
+                check(f"layer_parity {extra} remote={mode}", layer_parity,
+                      Case(num_experts=4 * world_size, seed=3).but(**extra), 1e-5)
+                worker.transport.check()
+                used = {k: v - before[k] for k, v in tr.runtime.calls.items()}
+                if not used["put_signal"] or bool(used["signal_wait_ge"]) != (mode == "stream"):
+                    fails.append(f"rank {rank} remote={mode}: the host-issued operations were {used}")
+            finally:
+                worker.transport = peer_path
+    except Exception as exc:
+        if not fails:
+            fails.append(f"rank {rank}: {type(exc).__name__}: {exc}")
         return fails
     try:
         tr.check()
@@ -322,7 +376,8 @@ def _timeout_is_named(tr, rank: int) -> list[str]:
 
 
 def launch(world_size: int, spin_limit: int, timeout_s: float, tunings: str = "[{}]",
-           few_cases: bool = False, programs: int = 1, interleave_any_world: bool = False) -> list[str]:
+           few_cases: bool = False, programs: int = 1, interleave_any_world: bool = False,
+           remote: str = "") -> list[str]:
     """Start ``world_size`` rank processes and collect their failures (a rank that dies or runs
     past ``timeout_s`` is a failure that says so)."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
@@ -332,7 +387,8 @@ def launch(world_size: int, spin_limit: int, timeout_s: float, tunings: str = "[
                                    "--world-size", str(world_size), "--spin-limit", str(spin_limit),
                                    "--tunings", tunings, "--programs", str(programs)]
                                   + (["--few-cases"] if few_cases else [])
-                                  + (["--interleave-any-world"] if interleave_any_world else []),
+                                  + (["--interleave-any-world"] if interleave_any_world else [])
+                                  + (["--remote", remote] if remote else []),
                                   env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for r in range(world_size)]
         # a rank that stops early leaves the others waiting on it: end them all soon after
@@ -375,14 +431,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="programs per launch (G); more than one runs them in threads (run_programs_in_threads)")
     p.add_argument("--interleave-any-world", action="store_true",
                    help="Tuning.interleave at any world size (the buffer applies it at two ranks only)")
+    p.add_argument("--remote", default="",
+                   help="then the remote path on FEW_CASES and the layer, comma-separated modes: kernel (the "
+                        "receiving kernel waits for the put signals), stream (the stream waits for them)")
     a = p.parse_args(argv)
     if a.rank is None:
         fails = launch(a.world_size, a.spin_limit, a.timeout_s, a.tunings, a.few_cases, a.programs,
-                       a.interleave_any_world)
+                       a.interleave_any_world, a.remote)
         print("OK" if not fails else "FAILED\n" + "\n".join(fails))
         return 1 if fails else 0
     fails = rank_main(a.root, a.rank, a.world_size, a.spin_limit, json.loads(a.tunings), not a.few_cases,
-                      a.programs, a.interleave_any_world)
+                      a.programs, a.interleave_any_world, tuple(m for m in a.remote.split(",") if m))
     print(json.dumps({"fails": fails}))
     return 0
 

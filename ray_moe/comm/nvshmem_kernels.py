@@ -197,6 +197,7 @@ def _dispatch_kernel(
     CM_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
     HAS_META: tl.constexpr, COMPUTE_LAYOUT: tl.constexpr, PHASE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, ALIGNED: tl.constexpr, INTERLEAVE: tl.constexpr,
+    ARRIVED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     ELEM = x_ptr.dtype.element_ty
@@ -370,7 +371,7 @@ def _dispatch_kernel(
             else:
                 if tl.load(remote_tbl + s) == 0:
                     _wait_ge(flag_ptr + s * G + pid, n.to(tl.int64) + 1, spin_limit, err_ptr, 3, s)
-                else:
+                elif not ARRIVED:  # (ARRIVED: the stream waited for the put's signal)
                     _wait_ge(rsig_ptr + s, n.to(tl.int64) + 1, spin_limit, err_ptr, 3, s)
                 tl.debug_barrier()
                 cm, st, en = _chunk_meta(region + pid * 16)
@@ -478,7 +479,7 @@ def _combine_kernel(
     KMAX: tl.constexpr, G: tl.constexpr,
     CM_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
     HAS_META: tl.constexpr, PHASE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-    ALIGNED: tl.constexpr, ROTATE: tl.constexpr, INTERLEAVE: tl.constexpr,
+    ALIGNED: tl.constexpr, ROTATE: tl.constexpr, INTERLEAVE: tl.constexpr, ARRIVED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     ELEM = src_ptr.dtype.element_ty
@@ -573,7 +574,7 @@ def _combine_kernel(
                 if d != me:
                     if tl.load(remote_tbl + d) == 0:
                         _wait_ge(flag_ptr + d * G + pid, n.to(tl.int64) + 1, spin_limit, err_ptr, 4, d)
-                    else:
+                    elif not ARRIVED:
                         _wait_ge(rsig_ptr + d, n.to(tl.int64) + 1, spin_limit, err_ptr, 4, d)
             tl.debug_barrier()
             for tb in range(t0, t1, BLOCK_R):
@@ -771,7 +772,7 @@ def _dispatch_varying(x, pos, smeta, out_x, rmeta, dest_rank, dest_slot, weight,
 
 
 def _dispatch_fixed(geo, ch, err, phase, T_cap, K, has_meta, compute_layout, spin_limit, tu, aligned,
-                    interleave) -> dict:
+                    interleave, arrived=False) -> dict:
     """The rest of :func:`_dispatch_kernel`'s arguments (constexprs included): functions of the
     buffer and of the call's key."""
     W, G, H = geo.world_size, geo.num_programs, geo.hidden
@@ -784,6 +785,7 @@ def _dispatch_fixed(geo, ch, err, phase, T_cap, K, has_meta, compute_layout, spi
         HAS_META=has_meta, COMPUTE_LAYOUT=compute_layout, PHASE=phase,
         BLOCK_R=tu.block_r, BLOCK_H=min(tu.block_h, _pow2(H)), ALIGNED=aligned,
         pprog_tbl=ch.pprog_tbl, prog_ptr=ch.prog, done_ptr=ch.done, INTERLEAVE=interleave,
+        ARRIVED=arrived,
     )
 
 
@@ -795,7 +797,7 @@ def launch_dispatch(
     out_w: torch.Tensor | None = None, scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
     compute_layout: bool = False, spin_limit: int = 1 << 25,
     tuning: Tuning | None = None, capacity: int | None = None, launcher: "Launcher | None" = None,
-    key: tuple | None = None, interleave_ok: bool = True,
+    key: tuple | None = None, interleave_ok: bool = True, arrived: bool = False,
 ) -> None:
     """Dispatch-like exchange: rows of x [T, H] go to out_x [W*C, H] of their destinations, where
     C = ``capacity`` (rows per source this call; default the buffer's T_cap, at most that).
@@ -808,7 +810,8 @@ def launch_dispatch(
     them through Triton's JIT only on the first call of ``key`` (the caller's promise that the
     call's shapes, dtypes and constants are those of that first call). ``tuning.interleave`` applies
     where ``interleave_ok`` (no rank of the buffer has a remote peer: every rank must agree) in
-    phase 3.
+    phase 3. ``arrived`` (phase 2): the stream already waited for the remote peers' put signals
+    (``nvshmemx_signal_wait_until_on_stream``), so the kernel does not spin on them.
     """
     tu = tuning or Tuning()
     T_cap = capacity or geo.capacity
@@ -822,7 +825,7 @@ def launch_dispatch(
         _dispatch_checks(geo, T_cap, x, pos, smeta, out_x, rmeta, dest_rank, dest_slot, weight, out_slot, out_w,
                          scratch, compute_layout, has_meta, K)
         return _dispatch_fixed(geo, ch, err, phase, T_cap, K, has_meta, compute_layout, spin_limit, tu,
-                               _aligned_rows(varying["x_ptr"], out_x), interleave)
+                               _aligned_rows(varying["x_ptr"], out_x), interleave, arrived)
 
     launcher.launch(_dispatch_kernel, (geo.num_programs,), varying, fixed, tu.num_warps, key,
                     first={"spin_limit": _first_spin(spin_limit)})
@@ -861,7 +864,8 @@ def _combine_varying(src, rmeta, pos, out, side, dest_rank, gw, smeta) -> dict:
                 gw_ptr=_nz(gw) if has_meta else out, smeta_ptr=rmeta if smeta is None else smeta)
 
 
-def _combine_fixed(geo, ch, err, phase, T_cap, K, has_meta, spin_limit, tu, aligned, interleave) -> dict:
+def _combine_fixed(geo, ch, err, phase, T_cap, K, has_meta, spin_limit, tu, aligned, interleave,
+                   arrived=False) -> dict:
     """The rest of :func:`_combine_kernel`'s arguments (constexprs included)."""
     W, G, H = geo.world_size, geo.num_programs, geo.hidden
     return dict(
@@ -872,6 +876,7 @@ def _combine_fixed(geo, ch, err, phase, T_cap, K, has_meta, spin_limit, tu, alig
         CM_BYTES=geo.cm_bytes, ROW_BYTES=geo.row_bytes, HAS_META=has_meta, PHASE=phase,
         BLOCK_R=tu.block_r, BLOCK_H=min(tu.block_h, _pow2(H)), ALIGNED=aligned, ROTATE=tu.rotate_peers,
         pprog_tbl=ch.pprog_tbl, prog_ptr=ch.prog, done_ptr=ch.done, INTERLEAVE=interleave,
+        ARRIVED=arrived,
     )
 
 
@@ -882,6 +887,7 @@ def launch_combine(
     smeta: torch.Tensor | None = None,
     spin_limit: int = 1 << 25, tuning: Tuning | None = None, capacity: int | None = None,
     launcher: "Launcher | None" = None, key: tuple | None = None, interleave_ok: bool = True,
+    arrived: bool = False,
 ) -> None:
     """Combine-like exchange: rows src [W*C, H] go back to their sources, summed per token
     (C = ``capacity``, as the dispatch that made the layout used).
@@ -891,6 +897,7 @@ def launch_combine(
     dest_rank[t, k], k] (the routing-weight gradient). ``launcher``/``key``: see
     :func:`launch_dispatch`. ``tuning.interleave`` (phase 3 only) sums each block of tokens as soon
     as its rows are back, between the sends; it needs the dispatch's ``smeta`` int32 [G, W, 4].
+    ``arrived``: as in :func:`launch_dispatch`.
     """
     tu = tuning or Tuning()
     T_cap = capacity or geo.capacity
@@ -902,7 +909,7 @@ def launch_combine(
         _combine_checks(geo, T_cap, src, rmeta, pos, out, side, dest_rank, gw, smeta)
         K = side.shape[1] if side is not None else 1
         return _combine_fixed(geo, ch, err, phase, T_cap, K, side is not None, spin_limit, tu,
-                              _aligned_rows(src, varying["out_ptr"]), interleave)
+                              _aligned_rows(src, varying["out_ptr"]), interleave, arrived)
 
     launcher.launch(_combine_kernel, (geo.num_programs,), varying, fixed, tu.num_warps, key,
                     first={"spin_limit": _first_spin(spin_limit)})

@@ -48,7 +48,7 @@ SPIN_LIMIT = int(os.environ.get("RAY_MOE_TEST_SPIN_LIMIT", str(1 << 25)))
 
 
 def _make_group(force_remote: bool = False, address: str | None = None, strategy: str = "PACK",
-                min_gpus: int = 1, spin_limit: int = SPIN_LIMIT):
+                min_gpus: int = 1, spin_limit: int = SPIN_LIMIT, stream_wait: bool = False):
     pytest.importorskip("nvshmem.core")
     import ray
 
@@ -67,7 +67,7 @@ def _make_group(force_remote: bool = False, address: str | None = None, strategy
         "parallel": {"world_size": W, "device": "cuda", "transport": "nvshmem",
                      "force_remote_path": force_remote, "placement_strategy": strategy,
                      "startup_timeout_s": 180, "workers_per_gpu": per_gpu,
-                     "nvshmem_spin_limit": spin_limit,
+                     "nvshmem_spin_limit": spin_limit, "nvshmem_stream_wait": stream_wait,
                      # RAY_MOE_TEST_COMM_PROGRAMS: G, the exchange's programs per rank (0: the SMs
                      # divided among the ranks sharing a GPU), to tell residency from other causes
                      "comm_programs": int(os.environ.get("RAY_MOE_TEST_COMM_PROGRAMS", "0"))},
@@ -82,11 +82,13 @@ def group():
     g.close()
 
 
-@pytest.fixture
-def remote_group(group):
-    """Function-scoped: it holds every GPU, and the tests after it make their own groups."""
+@pytest.fixture(params=[False, True], ids=["kernel_waits", "stream_waits"])
+def remote_group(group, request):
+    """Function-scoped: it holds every GPU, and the tests after it make their own groups. Its
+    arrivals are waited for by the receiving kernel, or by the stream (parallel.nvshmem_stream_wait)."""
     group.close()  # one group of two GPUs at a time
-    g = _make_group(force_remote=True, min_gpus=2)
+    g = _make_group(force_remote=True, min_gpus=2, stream_wait=request.param)
+    g.stream_wait = request.param
     yield g
     g.close()
 
@@ -316,6 +318,11 @@ def test_force_remote_path(remote_group):
     for rank, d in enumerate(desc):  # every peer through NVSHMEM puts, at any world size
         assert d["remote_peers"] == [p for p in range(W) if p != rank], (rank, d["remote_peers"])
     _check_everything(remote_group, "force_remote_path")
+    if remote_group.stream_wait:  # the stream's waits and resets capture in a CUDA graph too
+        for rank, errs in enumerate(remote_group.execute(_graph_vs_eager, timeout=300)):
+            assert all(v <= BF16_TOL for v in errs.values()), ("graph", rank, errs)
+        for rank, d in enumerate(remote_group.execute(lambda w: w.transport.describe())):
+            assert d.get("stream_wait") is True, (rank, d)
 
 
 def test_a_killed_worker_ends_the_others_waits_with_a_named_error(group):

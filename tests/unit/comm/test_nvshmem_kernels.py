@@ -79,7 +79,7 @@ def test_kernels_compile_for_hopper_with_vector_row_access():
     try:
         ptx = {"dispatch": compile_ptx(dc._dispatch_kernel, disp,
                                        dict(geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=True, PHASE=3,
-                                            INTERLEAVE=False))}
+                                            INTERLEAVE=False, ARRIVED=False))}
     except RuntimeError as exc:  # no ptxas or backend here
         if "ptxas" in str(exc).lower():
             pytest.skip(str(exc))
@@ -87,11 +87,23 @@ def test_kernels_compile_for_hopper_with_vector_row_access():
     # the copy-out interleaved with the sends (Tuning.interleave) keeps the same accesses, as do the
     # combine's variants below
     ptx["dispatch interleaved"] = compile_ptx(dc._dispatch_kernel, disp, dict(
-        geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=True, PHASE=3, INTERLEAVE=True))
+        geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=True, PHASE=3, INTERLEAVE=True, ARRIVED=False))
     for rotate in (False, True):  # the ring order of the combine's sends (Tuning.rotate_peers)
         for interleave in (False, True):
             ptx[f"combine rotate={rotate} interleave={interleave}"] = compile_ptx(
-                dc._combine_kernel, comb, dict(geo, HAS_META=True, PHASE=3, ROTATE=rotate, INTERLEAVE=interleave))
+                dc._combine_kernel, comb, dict(geo, HAS_META=True, PHASE=3, ROTATE=rotate, INTERLEAVE=interleave,
+                                               ARRIVED=False))
+    # the remote path's receive (phase 2), its arrivals waited by the kernel or by the stream
+    # (parallel.nvshmem_stream_wait): no spin on the put signal in the latter
+    for arrived in (False, True):
+        ptx[f"dispatch receive arrived={arrived}"] = compile_ptx(dc._dispatch_kernel, disp, dict(
+            geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=False, PHASE=2, INTERLEAVE=False, ARRIVED=arrived))
+        ptx[f"combine receive arrived={arrived}"] = compile_ptx(dc._combine_kernel, comb, dict(
+            geo, HAS_META=True, PHASE=2, ROTATE=False, INTERLEAVE=False, ARRIVED=arrived))
+    # (a spin polls with system-scope acquire loads: fewer of them once the stream waited)
+    for kind in ("dispatch", "combine"):
+        spins = [len(re.findall(r"ld\.global\.sys\.acquire", ptx[f"{kind} receive arrived={a}"])) for a in (False, True)]
+        assert spins[1] < spins[0], (kind, spins)
     for name, text in ptx.items():
         ops = re.findall(r"\b(?:ld|st)\.global[.\w]*", text)
         assert any(".v4." in op for op in ops), name
