@@ -324,8 +324,9 @@ def rank_main(root: str, rank: int, world_size: int, spin_limit: int, tunings: l
                             check(f"check_dispatch {extra} remote={mode}", check_dispatch, case, 1e-6)
                             check(f"check_combine {extra} remote={mode}", check_combine, case, 1e-6)
                 extra = dict(tokens_per_rank=(3, 17), top_k=3)
-                check(f"layer_parity {extra} remote={mode}", layer_parity,
-                      Case(num_experts=4 * world_size, seed=3).but(**extra), 1e-5)
+                for chunks in (1, 2):  # pipelined: each chunk's put moves that chunk's rows only
+                    check(f"layer_parity {extra} chunks={chunks} remote={mode}", layer_parity,
+                          Case(num_experts=4 * world_size, seed=3, pipeline_chunks=chunks).but(**extra), 1e-5)
                 worker.transport.check()
                 used = {k: v - before[k] for k, v in tr.runtime.calls.items()}
                 if not used["put_signal"] or bool(used["signal_wait_ge"]) != (mode == "stream"):

@@ -270,14 +270,18 @@ class _Channel:
             done=torch.zeros(W * G, dtype=torch.int32, device=dev),
         )
 
-    def post_send(self, rt: NVSHMEMRuntime) -> None:
-        """Remote peers: put each staged region into the peer's region for this rank, signal += 1."""
+    def post_send(self, rt: NVSHMEMRuntime, capacity: int) -> None:
+        """Remote peers: put each staged region into the peer's region for this rank, signal += 1.
+        A call of ``capacity`` rows per source lays its region out for that many (chunk meta, then
+        ``capacity`` rows, then their row meta: the kernels' ``T_cap``), so only that prefix moves:
+        a pipelined layer's chunks put a chunk's bytes, not the whole buffer's."""
         geo, me = self.geo, self.geo.rank
+        nbytes = min(geo.region_bytes, geo.cm_bytes + capacity * (geo.row_bytes + geo.meta_bytes))
         for d, far in enumerate(self.remote):
             if far and d != me:
                 rt.put_signal(self.recv_base + me * geo.region_bytes,
                               self.stage.data_ptr() + d * geo.region_bytes,
-                              geo.region_bytes, self.rsig_base + 8 * me, 1, d)
+                              nbytes, self.rsig_base + 8 * me, 1, d)
 
     def wait_arrivals(self, rt: NVSHMEMRuntime) -> None:
         """Remote peers (``stream_wait``): the stream waits for each one's put signal, which
@@ -449,7 +453,7 @@ class SymmetricBuffer:
             launch_dispatch(*args, phase=3, key=_with(key, 3), **kw)
             return
         launch_dispatch(*args, phase=1, key=_with(key, 1), **kw)
-        ch.post_send(self.rt)
+        ch.post_send(self.rt, capacity or self.geo.capacity)
         if self.stream_wait:
             ch.wait_arrivals(self.rt)
         launch_dispatch(*args, phase=2, key=_with(key, 2), arrived=self.stream_wait, **kw)
@@ -466,7 +470,7 @@ class SymmetricBuffer:
             launch_combine(*args, phase=3, key=_with(key, 3), **kw)
             return
         launch_combine(*args, phase=1, key=_with(key, 1), **kw)
-        ch.post_send(self.rt)
+        ch.post_send(self.rt, layout.capacity)
         if self.stream_wait:
             ch.wait_arrivals(self.rt)
         launch_combine(*args, phase=2, key=_with(key, 2), arrived=self.stream_wait, **kw)
