@@ -318,11 +318,12 @@ def test_force_remote_path(remote_group):
     for rank, d in enumerate(desc):  # every peer through NVSHMEM puts, at any world size
         assert d["remote_peers"] == [p for p in range(W) if p != rank], (rank, d["remote_peers"])
     _check_everything(remote_group, "force_remote_path")
-    if remote_group.stream_wait:  # the stream's waits and resets capture in a CUDA graph too
-        for rank, errs in enumerate(remote_group.execute(_graph_vs_eager, timeout=300)):
-            assert all(v <= BF16_TOL for v in errs.values()), ("graph", rank, errs)
-        for rank, d in enumerate(remote_group.execute(lambda w: w.transport.describe())):
-            assert d.get("stream_wait") is True, (rank, d)
+    # the host-issued puts (and with stream_wait the stream's waits and resets) capture in a CUDA
+    # graph like the peer path's kernels
+    for rank, errs in enumerate(remote_group.execute(_graph_vs_eager, timeout=300)):
+        assert all(v <= BF16_TOL for v in errs.values()), ("graph", rank, errs)
+    for rank, d in enumerate(remote_group.execute(lambda w: w.transport.describe())):
+        assert d.get("stream_wait") is remote_group.stream_wait, (rank, d)
 
 
 def test_a_killed_worker_ends_the_others_waits_with_a_named_error(group):
