@@ -174,10 +174,10 @@ class ParallelConfig:
     grad_bucket_size: int = 40_000_000  # elements per gradient bucket (zero_stage 1, 2)
     nvshmem_spin_limit: int = 1 << 25  # NVSHMEM: polls of a flag before a device-side wait gives up
     fast_launch: bool = True  # NVSHMEM: repeated exchange launches skip Triton's argument binding
-    # NVSHMEM: remote peers' arrivals waited for by the stream (nvshmemx_signal_wait_until_on_stream),
-    # not by the receiving kernel spinning on SMs: with force_remote_path on one node, an exchange
-    # on the copy engines that leaves every SM to the pipelined layer's experts
-    nvshmem_stream_wait: bool = False
+    # NVSHMEM: remote peers' arrivals waited for by one program ahead of the receiving kernel, not by
+    # its G programs spinning: with force_remote_path on one node, an exchange on the copy engines
+    # that leaves all SMs but one to the pipelined layer's experts
+    nvshmem_one_sm_wait: bool = False
 
     def check(self) -> None:
         _positive("parallel.world_size", self.world_size)

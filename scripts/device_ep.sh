@@ -23,9 +23,9 @@
 #      and comm with the two new variants (r16h4096w16il, r8h4096w32il) toward 0.9 of the ceiling:
 #      EP_CHUNKS=1 EP_INTERLEAVE=1 EP_PROGRAMS=0,32 EP_DELAY_WGRAD=0,1 bash scripts/device_ep.sh comm,layer
 #   4. the copy-engine exchange (~300 s; session 12, not yet run): first its GPU test, then the
-#      remote path with the stream waiting (EP_ARGS/COMM_ARGS go to the benches as they are):
+#      remote path with one program waiting (EP_ARGS/COMM_ARGS go to the benches as they are):
 #      TESTS_FILES="tests/gpu/test_nvshmem_gpu.py -k force_remote" bash scripts/device_ep.sh tests
-#      COMM_ARGS="--force-remote --stream-wait" EP_ARGS="--force-remote-path --stream-wait" \
+#      COMM_ARGS="--force-remote --one-sm-wait" EP_ARGS="--force-remote-path --one-sm-wait" \
 #        EP_CHUNKS=1,2 EP_PROGRAMS=0,16 EP_INTERLEAVE=0 EP_DELAY_WGRAD=0 bash scripts/device_ep.sh comm,layer
 #      (the staging kernel needs few SMs; the pipelined chunks are where the experts can run beside
 #      the copy engines; compare with call 3's peer-path rows)

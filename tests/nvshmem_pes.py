@@ -18,7 +18,8 @@ most (:data:`FEW_CASES`) with each further one (the exchange kernels' launch var
 ``--interleave-any-world``), then the EP layer against the single-process oracle
 (``layer_parity``) with uneven token counts; with ``--remote``, the remote path on a transport of
 its own (``force_remote_path``: staging, host-issued puts and signals, emulated here by copies into
-the peer's mapping; the receiving kernel or, ``stream``, the stream waiting for the signals) on
+the peer's mapping; the receiving kernel's programs or, ``one_sm``, one program ahead of it waiting
+for the signals) on
 :data:`FEW_CASES` twice and the layer; then the transport's device error record, then a combine rank 0 runs alone,
 whose timed-out wait must be named in the error (peer, program, value wanted and seen).
 
@@ -46,9 +47,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # what the suite runs (tests/unit/validation/test_multi_pe.py): two ranks of two programs each
 # (concurrent, as on the GPU), the default tuning on every edge case and the interleaved exchange
-# on FEW_CASES, then the remote path (staging and puts) with the kernel and with the stream waiting
+# on FEW_CASES, then the remote path (staging and puts), its signals waited for by the receiving
+# kernel and by one program ahead of it
 SUITE_ARGS = ("--world-size", "2", "--programs", "2", "--tunings", '[{}, {"block_r": 4, "interleave": true}]',
-              "--remote", "kernel,stream")
+              "--remote", "kernel,one_sm")
 
 
 class BackgroundRun:
@@ -92,7 +94,7 @@ class FileRuntime:
         self.root, self.rank, self.world_size, self.timeout_s = root, rank, world_size, timeout_s
         self._mine: list[tuple[int, int, object]] = []  # (base address, bytes, tensor) per allocation
         self._peers: dict[tuple[int, int], object] = {}  # (allocation, pe) -> the peer's mapping here
-        self.calls = {"put_signal": 0, "signal_wait_ge": 0}  # the remote path's host-issued operations
+        self.calls = {"put_signal": 0}  # the remote path's host-issued puts
 
     def _path(self, index: int, pe: int) -> str:
         return os.path.join(self.root, f"seg{index}.r{pe}")
@@ -145,17 +147,6 @@ class FileRuntime:
     def signal_add(self, sig: int, value: int, pe: int) -> None:
         word = ctypes.c_int64.from_address(self.peer_ptr(sig, pe))  # one writer per word at a time
         word.value += value
-
-    def signal_set(self, sig: int, value: int, pe: int) -> None:
-        ctypes.c_int64.from_address(self.peer_ptr(sig, pe)).value = value
-
-    def signal_wait_ge(self, sig: int, value: int) -> None:
-        self.calls["signal_wait_ge"] += 1
-        word, deadline = ctypes.c_int64.from_address(sig), time.monotonic() + self.timeout_s
-        while word.value < value:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {self.rank}: signal word {sig:#x} stayed {word.value} < {value}")
-            time.sleep(0)
 
     def close(self) -> None:
         pass
@@ -225,8 +216,8 @@ def make_transport(runtime: FileRuntime, spin_limit: int, tuning: dict | None = 
     ``Tuning(**tuning)`` when given. ``interleave_any_world``: let ``Tuning.interleave`` apply at
     any world size (the buffer applies it at two ranks only; this is for finding out why).
     ``remote``: ``none`` (peer pointers), ``kernel`` (every peer through the remote path's staging
-    and puts, ``force_remote_path``; the receiving kernel waits for the put signals) or ``stream``
-    (the same, the stream waiting for them: ``parallel.nvshmem_stream_wait``)."""
+    and puts, ``force_remote_path``; the receiving kernel's programs wait for the put signals) or
+    ``one_sm`` (the same, one program waiting for them first: ``parallel.nvshmem_one_sm_wait``)."""
     import torch
 
     from ray_moe.comm.base import BufferSpec, Transport
@@ -244,7 +235,7 @@ def make_transport(runtime: FileRuntime, spin_limit: int, tuning: dict | None = 
             self.buffer, self.spec = None, None
             self.spin_limit = spin_limit
             self.fast_launch = False
-            self.stream_wait = remote == "stream"
+            self.one_sm_wait = remote == "one_sm"
             self.reserve(BufferSpec(max_tokens=16, hidden=32, elem_bytes=4, max_top_k=8))
 
         def new_buffer(self, *args, **kwargs):
@@ -320,7 +311,7 @@ def rank_main(root: str, rank: int, world_size: int, spin_limit: int, tunings: l
                 for extra in [e for e in EDGE_CASES if e in FEW_CASES]:
                     case = Case(num_experts=4 * world_size).but(**extra)
                     if case.applies_to(world_size) is None:
-                        for _ in range(2):  # twice: the stream-waited signals are reset in between
+                        for _ in range(2):  # twice: the one-SM wait resets the signals in between
                             check(f"check_dispatch {extra} remote={mode}", check_dispatch, case, 1e-6)
                             check(f"check_combine {extra} remote={mode}", check_combine, case, 1e-6)
                 extra = dict(tokens_per_rank=(3, 17), top_k=3)
@@ -328,9 +319,11 @@ def rank_main(root: str, rank: int, world_size: int, spin_limit: int, tunings: l
                     check(f"layer_parity {extra} chunks={chunks} remote={mode}", layer_parity,
                           Case(num_experts=4 * world_size, seed=3, pipeline_chunks=chunks).but(**extra), 1e-5)
                 worker.transport.check()
-                used = {k: v - before[k] for k, v in tr.runtime.calls.items()}
-                if not used["put_signal"] or bool(used["signal_wait_ge"]) != (mode == "stream"):
-                    fails.append(f"rank {rank} remote={mode}: the host-issued operations were {used}")
+                puts = tr.runtime.calls["put_signal"] - before["put_signal"]
+                buf = worker.transport.buffer
+                if not puts or not buf.any_remote or buf.one_sm_wait != (mode == "one_sm"):
+                    fails.append(f"rank {rank} remote={mode}: {puts} puts, remote peers {buf.remote}, "
+                                 f"one_sm_wait {buf.one_sm_wait}")
             finally:
                 worker.transport = peer_path
     except Exception as exc:
@@ -434,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="Tuning.interleave at any world size (the buffer applies it at two ranks only)")
     p.add_argument("--remote", default="",
                    help="then the remote path on FEW_CASES and the layer, comma-separated modes: kernel (the "
-                        "receiving kernel waits for the put signals), stream (the stream waits for them)")
+                        "receiving kernel waits for the put signals), one_sm (one program waits for them first)")
     a = p.parse_args(argv)
     if a.rank is None:
         fails = launch(a.world_size, a.spin_limit, a.timeout_s, a.tunings, a.few_cases, a.programs,

@@ -238,7 +238,7 @@ def tflops(spec: StepSpec, ms: float, backward: bool = False) -> float:
 def ep_layer_rows(
     T: int, H: int, I: int, E: int, K: int, world_size: int, transport: str = "auto",
     address: str | None = None, dtype: str = "bfloat16", impl: str = "auto", iters: int = 10,
-    device: str = "auto", force_remote_path: bool = False, stream_wait: bool = False, chunks: tuple[int, ...] = (1,),
+    device: str = "auto", force_remote_path: bool = False, one_sm_wait: bool = False, chunks: tuple[int, ...] = (1,),
     comm_programs: tuple[int, ...] = (0,), group: Any = None, interleave: tuple[bool | None, ...] = (None,),
     profile: bool = False, delay_wgrad: tuple[bool, ...] = (False,),
 ) -> list[dict]:
@@ -271,7 +271,7 @@ def ep_layer_rows(
             "moe": {"num_experts": E, "top_k": K, "expert_hidden": I, "expert_impl": impl},
             "parallel": {"world_size": world_size, "transport": transport, "device": device,
                          "cpu_per_worker": 1 if device != "cpu" else 0.5,
-                         "force_remote_path": force_remote_path, "nvshmem_stream_wait": stream_wait},
+                         "force_remote_path": force_remote_path, "nvshmem_one_sm_wait": one_sm_wait},
             "train": {"batch_size": world_size},
         })
         ctx: Any = WorkerGroup(cfg)

@@ -66,8 +66,8 @@ class TransportSpec:
             where this Triton allows it (False: every call through Triton's JIT).
         ranks_per_gpu: ranks sharing one GPU (``parallel.workers_per_gpu``): NVSHMEM divides the
             SMs among them, since every program of every rank's exchange must be resident at once.
-        stream_wait: NVSHMEM: remote peers' arrivals waited for by the stream, not by spinning
-            programs (``parallel.nvshmem_stream_wait``; see
+        one_sm_wait: NVSHMEM: remote peers' arrivals waited for by one program, not by the
+            receiving kernel's G (``parallel.nvshmem_one_sm_wait``; see
             :class:`~ray_moe.comm.nvshmem.SymmetricBuffer`).
     """
 
@@ -77,7 +77,7 @@ class TransportSpec:
     spin_limit: int = 1 << 25
     fast_launch: bool = True
     ranks_per_gpu: int = 1
-    stream_wait: bool = False
+    one_sm_wait: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in TRANSPORTS:

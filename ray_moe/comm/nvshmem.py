@@ -51,6 +51,7 @@ from ray_moe.comm.nvshmem_kernels import (
     Launcher,
     Tuning,
     fast_launch_works,
+    launch_arrival_wait,
     launch_combine,
     launch_dispatch,
 )
@@ -192,15 +193,6 @@ class NVSHMEMRuntime:
         b = self.bindings
         b.signal_op_on_stream(sig, value, int(b.Signal_op.SIGNAL_ADD), pe, self.stream())
 
-    def signal_set(self, sig: int, value: int, pe: int) -> None:
-        b = self.bindings
-        b.signal_op_on_stream(sig, value, int(b.Signal_op.SIGNAL_SET), pe, self.stream())
-
-    def signal_wait_ge(self, sig: int, value: int) -> None:
-        """The current stream waits (no SM spins) until this PE's signal word ``sig`` >= value."""
-        b = self.bindings
-        b.signal_wait_until_on_stream(sig, int(b.Cmp_type.CMP_GE), value, self.stream())
-
     def close(self) -> None:
         if self.owns:
             self.core.finalize()
@@ -283,20 +275,6 @@ class _Channel:
                               self.stage.data_ptr() + d * geo.region_bytes,
                               nbytes, self.rsig_base + 8 * me, 1, d)
 
-    def wait_arrivals(self, rt: NVSHMEMRuntime) -> None:
-        """Remote peers (``stream_wait``): the stream waits for each one's put signal, which
-        :meth:`reset_arrivals` sets back to 0 once the region is read (so the value waited for
-        is the same every call, as a CUDA graph needs)."""
-        for s, far in enumerate(self.remote):
-            if far:
-                rt.signal_wait_ge(self.rsig_base + 8 * s, 1)
-
-    def reset_arrivals(self, rt: NVSHMEMRuntime) -> None:
-        me = self.geo.rank
-        for s, far in enumerate(self.remote):
-            if far:
-                rt.signal_set(self.rsig_base + 8 * s, 0, me)
-
     def post_recv(self, rt: NVSHMEMRuntime) -> None:
         """Remote peers: acknowledge (G programs' worth) that their region was read."""
         geo, me = self.geo, self.geo.rank
@@ -325,12 +303,11 @@ class SymmetricBuffer:
             cause not found, the CPU multi-PE harness passes at three and four ranks), while at
             two ranks every GPU test passes with it.
         spin_limit: polls before a device-side wait gives up and raises the error flag.
-        stream_wait: remote peers' arrivals are waited for by the stream
-            (``nvshmemx_signal_wait_until_on_stream``) before the receiving kernel starts, instead
-            of by the kernel's programs spinning on SMs: the copy engines move the rows while every
-            SM is free for other streams' work (the pipelined layer's experts). The same on every
-            rank. Such a wait is not bounded by ``spin_limit``: a peer that never sends is caught
-            by the host's collective timeouts instead.
+        one_sm_wait: remote peers' arrivals are waited for by one program ahead of the receiving
+            kernel (:func:`~ray_moe.comm.nvshmem_kernels.launch_arrival_wait`, bounded and named
+            like every wait), whose G programs then do not spin: while the copy engines move the
+            rows, all SMs but one are free for other streams' work (the pipelined layer's experts).
+            The same on every rank.
         fast_launch: launch repeated calls of a shape through Triton's compiled kernel directly
             (:class:`~ray_moe.comm.nvshmem_kernels.Launcher`); None: where
             :func:`~ray_moe.comm.nvshmem_kernels.fast_launch_works` says this Triton allows it.
@@ -346,7 +323,7 @@ class SymmetricBuffer:
     def __init__(self, runtime: NVSHMEMRuntime, capacity: int, hidden: int, elem_bytes: int, kmax: int,
                  num_programs: int, remote: list[bool], spin_limit: int = 1 << 25,
                  tuning: Tuning | None = None, fast_launch: bool | None = None,
-                 interleave_ok: bool = False, stream_wait: bool = False) -> None:
+                 interleave_ok: bool = False, one_sm_wait: bool = False) -> None:
         self.rt = runtime
         W, me = runtime.world_size, runtime.rank
         self.geo = Geometry(W, me, max(16, capacity), hidden, elem_bytes, kmax, num_programs)
@@ -365,7 +342,7 @@ class SymmetricBuffer:
         self.tuning = tuning or Tuning.for_hidden(hidden)
         self.any_remote = any(self.remote)
         self.interleave_ok = bool(interleave_ok) and not self.any_remote and W == 2
-        self.stream_wait = bool(stream_wait) and self.any_remote
+        self.one_sm_wait = bool(one_sm_wait) and self.any_remote
         self.launcher = Launcher(fast=fast_launch_works(dev) if fast_launch is None else fast_launch)
         runtime.barrier()
 
@@ -454,11 +431,10 @@ class SymmetricBuffer:
             return
         launch_dispatch(*args, phase=1, key=_with(key, 1), **kw)
         ch.post_send(self.rt, capacity or self.geo.capacity)
-        if self.stream_wait:
-            ch.wait_arrivals(self.rt)
-        launch_dispatch(*args, phase=2, key=_with(key, 2), arrived=self.stream_wait, **kw)
-        if self.stream_wait:
-            ch.reset_arrivals(self.rt)
+        if self.one_sm_wait:
+            launch_arrival_wait(self.geo, ch.addrs, self.err, 3, self.spin_limit, self.launcher,
+                                ("arrival", 3))
+        launch_dispatch(*args, phase=2, key=_with(key, 2), arrived=self.one_sm_wait, **kw)
         ch.post_recv(self.rt)
 
     def _combine_like(self, src, layout: NVSHMEMLayout, out, key, kw) -> None:
@@ -471,11 +447,10 @@ class SymmetricBuffer:
             return
         launch_combine(*args, phase=1, key=_with(key, 1), **kw)
         ch.post_send(self.rt, layout.capacity)
-        if self.stream_wait:
-            ch.wait_arrivals(self.rt)
-        launch_combine(*args, phase=2, key=_with(key, 2), arrived=self.stream_wait, **kw)
-        if self.stream_wait:
-            ch.reset_arrivals(self.rt)
+        if self.one_sm_wait:
+            launch_arrival_wait(self.geo, ch.addrs, self.err, 4, self.spin_limit, self.launcher,
+                                ("arrival", 4))
+        launch_combine(*args, phase=2, key=_with(key, 2), arrived=self.one_sm_wait, **kw)
         ch.post_recv(self.rt)
 
     # ---------------------------------------------------------------- health
@@ -559,7 +534,7 @@ class NVSHMEMTransport(Transport):
         self.spec: BufferSpec | None = None
         self.spin_limit = settings.spin_limit
         self.fast_launch = settings.fast_launch and fast_launch_works(device)
-        self.stream_wait = settings.stream_wait
+        self.one_sm_wait = settings.one_sm_wait
         if self.force_remote:
             self.name = "nvshmem-remote"
         self.reserve(spec)
@@ -622,7 +597,7 @@ class NVSHMEMTransport(Transport):
         return SymmetricBuffer(self.runtime, capacity, hidden, elem_bytes, kmax, G,
                                remote, spin_limit=spin_limit or self.spin_limit, tuning=tuning,
                                fast_launch=self.fast_launch, interleave_ok=none_remote,
-                               stream_wait=self.stream_wait)
+                               one_sm_wait=self.one_sm_wait)
 
     # ---------------------------------------------------------------- Transport
     def dispatch_forward(self, x, weight, dest_rank, dest_slot, capacity=None):
@@ -656,7 +631,7 @@ class NVSHMEMTransport(Transport):
             d.update(capacity=self.buffer.capacity, symmetric_mib=round(self.buffer.symmetric_bytes / 2**20, 1),
                      remote_peers=[i for i, r in enumerate(self.buffer.remote) if r],
                      num_programs=self.buffer.geo.num_programs,
-                     fast_launch=self.buffer.launcher.fast, stream_wait=self.buffer.stream_wait)
+                     fast_launch=self.buffer.launcher.fast, one_sm_wait=self.buffer.one_sm_wait)
         return d
 
     def close(self) -> None:

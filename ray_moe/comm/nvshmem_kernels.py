@@ -371,7 +371,7 @@ def _dispatch_kernel(
             else:
                 if tl.load(remote_tbl + s) == 0:
                     _wait_ge(flag_ptr + s * G + pid, n.to(tl.int64) + 1, spin_limit, err_ptr, 3, s)
-                elif not ARRIVED:  # (ARRIVED: the stream waited for the put's signal)
+                elif not ARRIVED:  # (ARRIVED: one program waited for the put's signal before)
                     _wait_ge(rsig_ptr + s, n.to(tl.int64) + 1, spin_limit, err_ptr, 3, s)
                 tl.debug_barrier()
                 cm, st, en = _chunk_meta(region + pid * 16)
@@ -586,6 +586,34 @@ def _combine_kernel(
                 if tl.load(remote_tbl + d) == 0:
                     _signal(tl.load(pack_tbl + d), 1)
         tl.store(ctr_ptr + pid, n + 1)
+
+
+# ----------------------------------------------------------------------------------- one-SM wait
+
+
+@triton.jit(do_not_specialize=["spin_limit"])
+def _arrival_wait_kernel(rsig_ptr, remote_tbl, err_ptr, spin_limit, W: tl.constexpr, CODE: tl.constexpr):
+    """One program: wait (bounded, named on timeout like every wait) for the put signal of each
+    remote source, then set it back to 0 (its sender puts again only after this rank's
+    acknowledgement, which follows the receiving kernel): the receiving kernel that follows then
+    runs with ARRIVED, so while rows move one SM waits instead of G."""
+    one = tl.full([], 1, tl.int64)
+    for s in tl.static_range(W):
+        if tl.load(remote_tbl + s) != 0:
+            _wait_ge(rsig_ptr + s, one, spin_limit, err_ptr, CODE, s)
+            tl.atomic_xchg(rsig_ptr + s, 0, sem="relaxed", scope="sys")
+
+
+def launch_arrival_wait(geo: Geometry, ch: ChannelAddrs, err: torch.Tensor, code: int, spin_limit: int,
+                        launcher: "Launcher", key: tuple) -> None:
+    """:func:`_arrival_wait_kernel` on one program for channel ``ch`` (``code``: 3 dispatch-like,
+    4 combine-like, as the receiving kernel's own wait would report)."""
+
+    def fixed() -> dict:
+        return dict(rsig_ptr=ch.rsig, remote_tbl=ch.remote_tbl, err_ptr=err, spin_limit=spin_limit,
+                    W=geo.world_size, CODE=code)
+
+    launcher.launch(_arrival_wait_kernel, (1,), {}, fixed, 1, key, first={"spin_limit": _first_spin(spin_limit)})
 
 
 # ----------------------------------------------------------------------------------- references
@@ -810,8 +838,8 @@ def launch_dispatch(
     them through Triton's JIT only on the first call of ``key`` (the caller's promise that the
     call's shapes, dtypes and constants are those of that first call). ``tuning.interleave`` applies
     where ``interleave_ok`` (no rank of the buffer has a remote peer: every rank must agree) in
-    phase 3. ``arrived`` (phase 2): the stream already waited for the remote peers' put signals
-    (``nvshmemx_signal_wait_until_on_stream``), so the kernel does not spin on them.
+    phase 3. ``arrived`` (phase 2): :func:`launch_arrival_wait` already waited for the remote peers'
+    put signals on one SM, so the kernel's programs do not spin on them.
     """
     tu = tuning or Tuning()
     T_cap = capacity or geo.capacity

@@ -18,7 +18,7 @@ def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
     assert layer.main(["--sections", "ep", "--world-size", "2", "--T", "64", "--H", "16", "--I", "24",
                        "--E", "8", "--K", "2", "--dtype", "float32", "--device", "cpu",
                        "--ep-iters", "2", "--ep-chunks", "1,3", "--ep-profile", "--ep-delay-wgrad", "0,1",
-                       "--stream-wait",  # an NVSHMEM setting: carried to the group's config, unused by gloo
+                       "--one-sm-wait",  # an NVSHMEM setting: carried to the group's config, unused by gloo
                        "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     ep = [r for r in rows if r["what"].startswith("EP")]

@@ -48,7 +48,7 @@ SPIN_LIMIT = int(os.environ.get("RAY_MOE_TEST_SPIN_LIMIT", str(1 << 25)))
 
 
 def _make_group(force_remote: bool = False, address: str | None = None, strategy: str = "PACK",
-                min_gpus: int = 1, spin_limit: int = SPIN_LIMIT, stream_wait: bool = False):
+                min_gpus: int = 1, spin_limit: int = SPIN_LIMIT, one_sm_wait: bool = False):
     pytest.importorskip("nvshmem.core")
     import ray
 
@@ -67,7 +67,7 @@ def _make_group(force_remote: bool = False, address: str | None = None, strategy
         "parallel": {"world_size": W, "device": "cuda", "transport": "nvshmem",
                      "force_remote_path": force_remote, "placement_strategy": strategy,
                      "startup_timeout_s": 180, "workers_per_gpu": per_gpu,
-                     "nvshmem_spin_limit": spin_limit, "nvshmem_stream_wait": stream_wait,
+                     "nvshmem_spin_limit": spin_limit, "nvshmem_one_sm_wait": one_sm_wait,
                      # RAY_MOE_TEST_COMM_PROGRAMS: G, the exchange's programs per rank (0: the SMs
                      # divided among the ranks sharing a GPU), to tell residency from other causes
                      "comm_programs": int(os.environ.get("RAY_MOE_TEST_COMM_PROGRAMS", "0"))},
@@ -82,13 +82,14 @@ def group():
     g.close()
 
 
-@pytest.fixture(params=[False, True], ids=["kernel_waits", "stream_waits"])
+@pytest.fixture(params=[False, True], ids=["kernel_waits", "one_sm_waits"])
 def remote_group(group, request):
     """Function-scoped: it holds every GPU, and the tests after it make their own groups. Its
-    arrivals are waited for by the receiving kernel, or by the stream (parallel.nvshmem_stream_wait)."""
+    arrivals are waited for by the receiving kernel, or by one program before it
+    (parallel.nvshmem_one_sm_wait)."""
     group.close()  # one group of two GPUs at a time
-    g = _make_group(force_remote=True, min_gpus=2, stream_wait=request.param)
-    g.stream_wait = request.param
+    g = _make_group(force_remote=True, min_gpus=2, one_sm_wait=request.param)
+    g.one_sm_wait = request.param
     yield g
     g.close()
 
@@ -318,12 +319,12 @@ def test_force_remote_path(remote_group):
     for rank, d in enumerate(desc):  # every peer through NVSHMEM puts, at any world size
         assert d["remote_peers"] == [p for p in range(W) if p != rank], (rank, d["remote_peers"])
     _check_everything(remote_group, "force_remote_path")
-    # the host-issued puts (and with stream_wait the stream's waits and resets) capture in a CUDA
-    # graph like the peer path's kernels
+    # the host-issued puts (and with one_sm_wait the one-program wait) capture in a CUDA graph like
+    # the peer path's kernels
     for rank, errs in enumerate(remote_group.execute(_graph_vs_eager, timeout=300)):
         assert all(v <= BF16_TOL for v in errs.values()), ("graph", rank, errs)
     for rank, d in enumerate(remote_group.execute(lambda w: w.transport.describe())):
-        assert d.get("stream_wait") is remote_group.stream_wait, (rank, d)
+        assert d.get("one_sm_wait") is remote_group.one_sm_wait, (rank, d)
 
 
 def test_a_killed_worker_ends_the_others_waits_with_a_named_error(group):

@@ -48,7 +48,7 @@ def ep_rows(shape: LayerShape, args: argparse.Namespace) -> list[dict]:
     return ep_layer_rows(shape.T, shape.H, shape.I, shape.E, shape.K, args.world_size,
                          transport=args.transport, address=args.address, dtype=args.dtype,
                          impl=args.impl, iters=args.ep_iters, device=args.device,
-                         force_remote_path=args.force_remote_path, stream_wait=args.stream_wait,
+                         force_remote_path=args.force_remote_path, one_sm_wait=args.one_sm_wait,
                          chunks=tuple(int(c) for c in args.ep_chunks.split(",")),
                          comm_programs=tuple(int(g) for g in args.ep_programs.split(",")),
                          interleave=tuple(None if v == "default" else bool(int(v))
@@ -115,8 +115,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="ep/nvshmem: comma list of 0/1/default: the exchange without / with Tuning.interleave (the"
                         " receiving side's work between the sends) or as the buffer's Tuning has it, side by side")
     p.add_argument("--force-remote-path", action="store_true", help="ep/nvshmem: use the inter-node path")
-    p.add_argument("--stream-wait", action="store_true",
-                   help="ep/nvshmem: remote peers' arrivals waited for by the stream (parallel.nvshmem_stream_wait)")
+    p.add_argument("--one-sm-wait", action="store_true",
+                   help="ep/nvshmem: remote peers' arrivals waited for on one SM (parallel.nvshmem_one_sm_wait)")
     p.add_argument("--ep-delay-wgrad", default="0",
                    help="ep: comma list of 0/1: the sequential layer without / with moe.delay_wgrad (the experts'"
                         " weight gradients beside the dispatch's backward exchange), side by side")

@@ -93,17 +93,21 @@ def test_kernels_compile_for_hopper_with_vector_row_access():
             ptx[f"combine rotate={rotate} interleave={interleave}"] = compile_ptx(
                 dc._combine_kernel, comb, dict(geo, HAS_META=True, PHASE=3, ROTATE=rotate, INTERLEAVE=interleave,
                                                ARRIVED=False))
-    # the remote path's receive (phase 2), its arrivals waited by the kernel or by the stream
-    # (parallel.nvshmem_stream_wait): no spin on the put signal in the latter
+    # the remote path's receive (phase 2), its arrivals waited for by the kernel's programs or by
+    # one program before it (parallel.nvshmem_one_sm_wait): no spin on the put signal in the latter
     for arrived in (False, True):
         ptx[f"dispatch receive arrived={arrived}"] = compile_ptx(dc._dispatch_kernel, disp, dict(
             geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=False, PHASE=2, INTERLEAVE=False, ARRIVED=arrived))
         ptx[f"combine receive arrived={arrived}"] = compile_ptx(dc._combine_kernel, comb, dict(
             geo, HAS_META=True, PHASE=2, ROTATE=False, INTERLEAVE=False, ARRIVED=arrived))
-    # (a spin polls with system-scope acquire loads: fewer of them once the stream waited)
+    # (a spin polls with system-scope acquire loads: fewer of them once one program waited)
     for kind in ("dispatch", "combine"):
         spins = [len(re.findall(r"ld\.global\.sys\.acquire", ptx[f"{kind} receive arrived={a}"])) for a in (False, True)]
         assert spins[1] < spins[0], (kind, spins)
+    # the one program that waits for the remote signals first, then sets them back to 0
+    wait = compile_ptx(dc._arrival_wait_kernel, {"rsig_ptr": "*i64", "remote_tbl": "*i32", "err_ptr": "*i32",
+                                                 "spin_limit": "i32"}, dict(W=2, CODE=3))
+    assert re.search(r"ld\.global\.sys\.acquire", wait) and re.search(r"atom\.[\w.]*sys[\w.]*exch", wait), wait[-2000:]
     for name, text in ptx.items():
         ops = re.findall(r"\b(?:ld|st)\.global[.\w]*", text)
         assert any(".v4." in op for op in ops), name
