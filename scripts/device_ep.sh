@@ -26,9 +26,10 @@
 #      remote path with one program waiting (EP_ARGS/COMM_ARGS go to the benches as they are):
 #      TESTS_FILES="tests/gpu/test_nvshmem_gpu.py -k force_remote" bash scripts/device_ep.sh tests
 #      COMM_ARGS="--force-remote --one-sm-wait" EP_ARGS="--force-remote-path --one-sm-wait" \
-#        EP_CHUNKS=1,2 EP_PROGRAMS=0,16 EP_INTERLEAVE=0 EP_DELAY_WGRAD=0 bash scripts/device_ep.sh comm,layer
-#      (the staging kernel needs few SMs; the pipelined chunks are where the experts can run beside
-#      the copy engines; compare with call 3's peer-path rows)
+#        EP_CHUNKS=1,2 EP_PROGRAMS=0,16 EP_INTERLEAVE=0 EP_DELAY_WGRAD=0,1 bash scripts/device_ep.sh comm,layer
+#      (the staging kernel needs few SMs; the pipelined chunks, and the delayed weight gradients
+#      beside the dispatch's backward exchange, are where the experts can run beside the copy
+#      engines; compare with call 3's peer-path rows)
 # On one GPU, pes2 with every file took ~360 s.
 # Usage (device machine, repo root):  . .devbundle/setup.sh && bash scripts/device_ep.sh [steps]
 # steps (default: pes2,pes4,tests,comm,layer; a failing step does not stop the next one):
