@@ -299,9 +299,10 @@ class SymmetricBuffer:
             pairs on every rank: :meth:`NVSHMEMTransport.remote_peers` agrees on them).
         interleave_ok: whether :attr:`Tuning.interleave` may apply: no rank of the buffer has a
             remote peer (the same on every rank). It applies at two ranks only: at four (two PEs on
-            each of two H100s) the interleaved exchange timed out on the device (session 11;
-            cause not found, the CPU multi-PE harness passes at three and four ranks), while at
-            two ranks every GPU test passes with it.
+            each of two GPUs) the interleaved exchange timed out on the device now and then
+            (sessions 11 and 12: a peer late at one dispatch in over a hundred, likely still
+            compiling the variant, which FIRST_LAUNCH_SPIN_FACTOR now allows for; not yet re-run),
+            while at two ranks every GPU test passes with it.
         spin_limit: polls before a device-side wait gives up and raises the error flag.
         one_sm_wait: remote peers' arrivals are waited for by one program ahead of the receiving
             kernel (:func:`~ray_moe.comm.nvshmem_kernels.launch_arrival_wait`, bounded and named
