@@ -45,6 +45,23 @@ def _gather_sum_kernel(
     )
 
 
+def _check_rows(src: torch.Tensor) -> None:
+    if src.dim() != 2 or src.stride(1) != 1:
+        raise ValueError(f"src must be a row-contiguous matrix, got shape {tuple(src.shape)} strides {src.stride()}")
+
+
+def _launch_rows(kernel, src: torch.Tensor, index: torch.Tensor, layout: PairLayout, out: torch.Tensor,
+                 n_rows: int, top_k: int, block_c: int, tile: int) -> None:
+    """Either kernel of this module over ``n_rows`` output rows of ``src``'s columns, in tiles of
+    ``tile`` elements at most ``block_c`` wide (they share the argument list)."""
+    C = src.shape[1]
+    block_c = min(block_c, triton.next_power_of_2(C))
+    block_r = max(1, tile // block_c)
+    grid = (triton.cdiv(n_rows, block_r), triton.cdiv(C, block_c))
+    kernel[grid](src, index, layout.offsets[-1:], out, n_rows, C, src.stride(0), out.stride(0),
+                 TOP_K=top_k, BLOCK_R=block_r, BLOCK_C=block_c)
+
+
 def gather_sum(src: torch.Tensor, layout: PairLayout, top_k: int) -> torch.Tensor:
     """Sum each row's valid pairs.
 
@@ -55,8 +72,7 @@ def gather_sum(src: torch.Tensor, layout: PairLayout, top_k: int) -> torch.Tenso
     Returns:
         [R, C] in src.dtype; rows with no valid pair are 0.
     """
-    if src.dim() != 2 or src.stride(1) != 1:
-        raise ValueError(f"src must be a row-contiguous [P, C] matrix, got shape {tuple(src.shape)} strides {src.stride()}")
+    _check_rows(src)
     n_pairs = layout.pair_pos.numel()
     if n_pairs % top_k != 0 or src.shape[0] != n_pairs:
         raise ValueError(f"src has {src.shape[0]} rows and the layout {n_pairs} pairs; top_k={top_k} must divide it")
@@ -66,13 +82,7 @@ def gather_sum(src: torch.Tensor, layout: PairLayout, top_k: int) -> torch.Tenso
     out = torch.empty(R, C, dtype=src.dtype, device=src.device)
     if R == 0 or C == 0:
         return out
-    block_c = min(256, triton.next_power_of_2(C))
-    block_r = max(1, 2048 // block_c)
-    grid = (triton.cdiv(R, block_r), triton.cdiv(C, block_c))
-    _gather_sum_kernel[grid](
-        src, layout.pair_pos, layout.offsets[-1:], out, R, C, src.stride(0), out.stride(0),
-        TOP_K=top_k, BLOCK_R=block_r, BLOCK_C=block_c,
-    )
+    _launch_rows(_gather_sum_kernel, src, layout.pair_pos, layout, out, R, top_k, block_c=256, tile=2048)
     return out
 
 
@@ -118,8 +128,7 @@ def gather_pair_rows(src: torch.Tensor, layout: PairLayout, top_k: int) -> torch
         [R*K, C] in src.dtype; rows from offsets[S] on unset (on the CPU without Triton's
         interpreter: a torch gather of every position).
     """
-    if src.dim() != 2 or src.stride(1) != 1:
-        raise ValueError(f"src must be a row-contiguous [R, C] matrix, got shape {tuple(src.shape)} strides {src.stride()}")
+    _check_rows(src)
     n_pos = layout.sorted_pair.numel()
     if n_pos != src.shape[0] * top_k:
         raise ValueError(f"src has {src.shape[0]} rows and the layout {n_pos} positions; expected rows x top_k={top_k}")
@@ -129,13 +138,7 @@ def gather_pair_rows(src: torch.Tensor, layout: PairLayout, top_k: int) -> torch
     out = torch.empty(n_pos, C, dtype=src.dtype, device=src.device)
     if n_pos == 0 or C == 0:
         return out
-    block_c = min(1024, triton.next_power_of_2(C))
-    block_r = max(1, 4096 // block_c)
-    grid = (triton.cdiv(n_pos, block_r), triton.cdiv(C, block_c))
-    _gather_pair_rows_kernel[grid](
-        src, layout.sorted_pair, layout.offsets[-1:], out, n_pos, C, src.stride(0), out.stride(0),
-        TOP_K=top_k, BLOCK_R=block_r, BLOCK_C=block_c,
-    )
+    _launch_rows(_gather_pair_rows_kernel, src, layout.sorted_pair, layout, out, n_pos, top_k, block_c=1024, tile=4096)
     return out
 
 
