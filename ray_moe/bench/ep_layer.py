@@ -188,10 +188,13 @@ def _profiled_step(layer: Any, x: torch.Tensor, grad: torch.Tensor, placement: P
 
     cuda = device.type == "cuda"
     barrier = "nccl"  # kernels of the barrier below, left out of both results
+    together = dist.is_initialized() and not isinstance(layer.transport, LocalTransport)
+    if together and not cuda:  # (on the CPU the profiler would record the barrier's operators)
+        dist.barrier()
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         # every rank's profiler is running before any rank starts: else a rank waits in its
         # dispatch for a peer still starting its profiler (240 ms of "dispatch" on H200 x2)
-        if dist.is_initialized() and not isinstance(layer.transport, LocalTransport):
+        if together and cuda:
             dist.barrier()
         synchronize(device)
         out, _ = layer(x)
