@@ -109,7 +109,7 @@ class Engine:
             self.optimizer = MixedPrecisionAdamW(
                 self.model, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay,
                 impl=t.optimizer_impl, master_weights=t.master_weights, state_dtype=t.optimizer_state_dtype,
-                exclude=frozenset(self.zero.names) if self.zero else frozenset(),
+                exclude=frozenset(self.zero.names) if self.zero else frozenset(), alone=not self.distributed,
             )
         except BaseException:  # a half-built engine is never closed by anyone else
             self.close()

@@ -20,7 +20,10 @@ Memory per bf16 parameter: 2 bytes (weight) + 12 (float32 master and two moments
 gradient: 2 bytes (bf16) from backward until :meth:`~MixedPrecisionAdamW.gather_grads`, 4 bytes
 (float32) from there until the update ends, when the activations are gone: 16 bytes at the peak
 of backward, 18 during the update. With ``train.optimizer_state_dtype: bfloat16`` the moments
-take 2 bytes each (DeepSeek-V3's recipe; float32 masters and gradients kept): 12 and 14.
+take 2 bytes each (DeepSeek-V3's recipe; float32 masters and gradients kept): 12 and 14. A gradient
+that nothing reduces in float32 (the expert weights' under ``onepass``; with bf16 moments on one
+rank, ``alone``, every parameter's) is read by the one-pass kernel in the compute dtype and never
+copied: 2 bytes instead of 4 until the update ends.
 
 Gradient reduction precision: float32. The cross-rank sums (replicated gradients all-reduced,
 clone gradients added onto their owners) run on the float32 master gradients. A bf16 reduction
@@ -68,13 +71,19 @@ def _resolve_impl(impl: str, tensors: Iterable[torch.Tensor]) -> str:
     return impl
 
 
-def _one_pass_eligible(p: torch.Tensor, master: torch.Tensor) -> bool:
-    """Expert weights with a separate float32 master and no clone slots: their gradient is summed on
-    the expert's rank by the weight-gradient GEMM (float32 accumulation) and never reduced again,
-    so the one-pass kernel can read it in the compute dtype. Layers with clone slots keep the
-    float32 path (clone gradients are added onto the owners in float32)."""
+def _one_pass_eligible(p: torch.Tensor, master: torch.Tensor, alone: bool = False) -> bool:
+    """Whether the one-pass kernel can read ``p``'s gradient in the compute dtype: nothing reduces
+    it in float32 first. Expert weights with a separate float32 master and no clone slots: their
+    gradient is summed on the expert's rank by the weight-gradient GEMM (float32 accumulation) and
+    never reduced again (layers with clone slots keep the float32 path: clone gradients are added
+    onto the owners in float32). ``alone`` (one rank): the replicated parameters too, whose
+    gradients no rank then all-reduces."""
+    if master is p:
+        return False
     shard = expert_shard(p)
-    return master is not p and shard is not None and p.shape[0] == len(shard.native_experts)
+    if shard is None:
+        return alone
+    return p.shape[0] == len(shard.native_experts)
 
 
 class MixedPrecisionAdamW:
@@ -98,6 +107,10 @@ class MixedPrecisionAdamW:
             reference elsewhere); it needs float32 masters.
         exclude: names of parameters this optimizer leaves alone (the replicated ones when
             :class:`ray_moe.worker.zero.ShardedReplicatedState` holds their state).
+        alone: one rank, whose replicated gradients are never all-reduced: in the one-pass update
+            (``onepass`` with bf16 moments) their compute-dtype gradients are read as they are,
+            like the expert weights', with no float32 copy (6 of ~32 bytes per parameter, and a
+            norm read of 2 bytes instead of 4).
 
     Masters carry the parameters' ``expert_shard`` marks and are saved under the parameters'
     names (:meth:`named_masters`), with their AdamW state (:attr:`state`, keyed by master).
@@ -115,6 +128,7 @@ class MixedPrecisionAdamW:
         master_weights: bool = True,
         state_dtype: str = "float32",
         exclude: Collection[str] = (),
+        alone: bool = False,
     ) -> None:
         named = [(n, p) for n, p in model.named_parameters() if n not in exclude]
         self.names = tuple(n for n, _ in named)
@@ -140,7 +154,7 @@ class MixedPrecisionAdamW:
             if bf16_state or (self.impl == "onepass" and _one_pass_eligible(p, m)))
         # compute parameters whose own (compute-dtype) gradient the kernel reads: no float32 copy
         self._one_pass_ids = frozenset(
-            id(p) for p, m, _ in self._one_pass if self.impl == "onepass" and _one_pass_eligible(p, m))
+            id(p) for p, m, _ in self._one_pass if self.impl == "onepass" and _one_pass_eligible(p, m, alone))
         # (parameter, master) pairs whose parameter the update refreshes from its master (the
         # one-pass kernel writes its parameters itself)
         kernel_params = frozenset(id(p) for p, _, _ in self._one_pass)

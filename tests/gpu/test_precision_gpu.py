@@ -194,6 +194,8 @@ def test_engine_with_bf16_moments_on_cuda_resumes_exactly(tmp_path):
             e.train_step()
         assert {s["exp_avg"].dtype for s in e.optimizer.state.values()} == {torch.bfloat16}
         assert len(e.optimizer._one_pass) == len(e.optimizer.masters)
+        # one rank: every bf16 gradient read by the kernel as it is, no float32 copy
+        assert e.optimizer._one_pass_ids == {id(p) for p in e.model.parameters() if p.dtype == torch.bfloat16}
         saved = e.shard_state()
         uninterrupted = [e.train_step()["loss"] for _ in range(3)]
         resumed = Engine(cfg, single_rank(), LocalTransport(), CUDA, cfg.resolve_arch())

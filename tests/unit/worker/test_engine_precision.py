@@ -34,7 +34,9 @@ def _rounded_masters(e: Engine) -> bool:
     return all(torch.equal(p, m.to(p.dtype)) for p, m in zip(e.model.parameters(), e.optimizer.masters, strict=True))
 
 
-@pytest.mark.parametrize("impl,moments", [("auto", "float32"), ("onepass", "float32"), ("auto", "bfloat16")])
+# onepass + bfloat16 on one rank: every bf16 gradient read as it is (the optimizer's ``alone``)
+@pytest.mark.parametrize("impl,moments", [("auto", "float32"), ("onepass", "float32"), ("auto", "bfloat16"),
+                                          ("onepass", "bfloat16")])
 def test_skipped_step_leaves_parameters_masters_and_state_untouched(tmp_path, impl, moments):
     e = _engine(tmp_path, **{"train.optimizer_impl": impl, "train.optimizer_state_dtype": moments})
     e.train_step()
@@ -49,11 +51,15 @@ def test_skipped_step_leaves_parameters_masters_and_state_untouched(tmp_path, im
     assert not torch.equal(before["master.lm_head.weight"], e.optimizer.master(e.model.lm_head.weight))
 
 
-@pytest.mark.parametrize("impl,moments", [("auto", "float32"), ("onepass", "float32"), ("auto", "bfloat16")])
+# onepass + bfloat16 on one rank: every bf16 gradient read as it is (the optimizer's ``alone``)
+@pytest.mark.parametrize("impl,moments", [("auto", "float32"), ("onepass", "float32"), ("auto", "bfloat16"),
+                                          ("onepass", "bfloat16")])
 def test_bf16_parameters_are_rounded_masters_and_resume_is_exact(tmp_path, impl, moments):
     over = {"train.optimizer_impl": impl, "train.optimizer_state_dtype": moments}
     e = _engine(tmp_path, **over)
     assert e.model.lm_head.weight.dtype == torch.bfloat16
+    bf16 = {id(p) for p in e.model.parameters() if p.dtype == torch.bfloat16}
+    assert (e.optimizer._one_pass_ids == bf16) == (impl == "onepass" and moments == "bfloat16")
     assert e.optimizer.master(e.model.lm_head.weight).dtype == torch.float32
     for _ in range(3):
         e.train_step()

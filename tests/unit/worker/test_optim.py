@@ -104,6 +104,34 @@ def test_bf16_masters_follow_fp32_adamw_and_round_into_the_parameters(impl):
         assert not torch.equal(m, p.float()), name  # the masters keep what bf16 cannot hold
 
 
+def test_one_rank_reads_every_bf16_gradient_as_it_is_with_bf16_moments():
+    """``alone`` (one rank: no replicated gradient is all-reduced) with bf16 moments and the one-pass
+    update: every bf16 parameter's gradient stays bf16, read by the update with no float32 copy,
+    and the masters, moments and parameters come out exactly as through the copies; with float32
+    moments the replicated ones keep torch's AdamW and its float32 gradients."""
+    runs = {}
+    for alone in (False, True):
+        model = Tiny(torch.bfloat16)
+        opt = MixedPrecisionAdamW(model, impl="onepass", state_dtype="bfloat16", alone=alone, **HYPER)
+        for step in range(1, 4):
+            _set_grads(model, step)
+            opt.gather_grads()
+            kept = sorted(n for n, p in model.named_parameters() if p.grad is not None)
+            assert kept == (sorted(n for n, _ in model.named_parameters()) if alone else ["experts"]), kept
+            assert all(opt.grad(p).dtype == (torch.bfloat16 if alone else torch.float32)
+                       for n, p in model.named_parameters() if n != "experts")
+            opt.step(lr=HYPER["lr"], clip_coef=0.5)
+            assert all(p.grad is None for p in model.parameters()) and all(m.grad is None for m in opt.masters)
+        runs[alone] = [t.clone() for m in opt.masters for t in (m, opt.state[m]["exp_avg"], opt.state[m]["exp_avg_sq"])]
+        runs[alone] += [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True], strict=True))
+    model = Tiny(torch.bfloat16)
+    fp32 = MixedPrecisionAdamW(model, impl="onepass", alone=True, **HYPER)
+    _set_grads(model, 1)
+    fp32.gather_grads()
+    assert sorted(n for n, p in model.named_parameters() if p.grad is not None) == ["experts"]
+
+
 def test_small_updates_survive_in_masters_and_are_lost_in_pure_bf16():
     """An update of 1e-4 on weights near 1 is below half a bf16 ulp (2^-8): pure bf16 AdamW drops
     it every step; the masters accumulate it and the parameters move once it adds up."""
