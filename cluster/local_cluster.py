@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -235,7 +236,9 @@ def start(args: argparse.Namespace) -> int:
             if not wait_started(state.nodes, procs, args.timeout):
                 return fail_start(state, state_path, "the head node did not come up")
             # the address Ray actually uses (the IP it picked, or --node-ip)
-            state.address = (Path(cluster_dir) / "ray_current_cluster").read_text().strip()
+            state.address = head_address(Path(cluster_dir), Path(state.nodes[0].log), args.timeout)
+            if not state.address:
+                return fail_start(state, state_path, "the head node never told its address")
             state.save(state_path)
     if not wait_started(state.nodes, procs, args.timeout):
         return fail_start(state, state_path, f"not every node started within {args.timeout:g}s")
@@ -253,6 +256,23 @@ def node_ports() -> list[str]:
     """Free ports for the per-node services whose defaults are fixed (several clusters share a host)."""
     return [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
             f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"]
+
+
+def head_address(cluster_dir: Path, log: Path, timeout: float) -> str:
+    """The head's address: Ray's ``ray_current_cluster`` file in the temp dir, which it may write
+    a moment after printing that the runtime started (a CI run read it too early once), else the
+    ``ray start --address=...`` line the head prints; "" if neither appears within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        path = cluster_dir / "ray_current_cluster"
+        if path.exists() and path.read_text().strip():
+            return path.read_text().strip()
+        found = re.search(r"ray start --address='([^']+)'", log.read_text(errors="replace") if log.exists() else "")
+        if found:
+            return found.group(1)
+        if time.monotonic() > deadline:
+            return ""
+        time.sleep(0.2)
 
 
 def wait_started(nodes: list[NodeRecord], procs: list[subprocess.Popen], timeout: float) -> bool:
