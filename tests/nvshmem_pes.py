@@ -324,6 +324,8 @@ def rank_main(root: str, rank: int, world_size: int, spin_limit: int, tunings: l
                 if not puts or not buf.any_remote or buf.one_sm_wait != (mode == "one_sm"):
                     fails.append(f"rank {rank} remote={mode}: {puts} puts, remote peers {buf.remote}, "
                                  f"one_sm_wait {buf.one_sm_wait}")
+                if mode == "one_sm":  # its one waiting program is bounded and named like the others
+                    fails += [f"{f} (remote={mode})" for f in _timeout_is_named(worker.transport, rank)]
             finally:
                 worker.transport = peer_path
     except Exception as exc:

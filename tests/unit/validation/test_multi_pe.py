@@ -13,7 +13,8 @@ def test_exchange_kernels_across_two_pes_under_the_interpreter(multi_pe_run):
     interleaved with the sends (``Tuning.interleave``), and the EP layer against the
     single-process oracle, on every rank; the remote path (staging, puts, signals) with the
     receiving kernel and with one program ahead of it waiting for the signals
-    (``parallel.nvshmem_one_sm_wait``);
+    (``parallel.nvshmem_one_sm_wait``), whose waiting program, left alone, times out with a named
+    error too;
     then a combine one rank runs alone times out with an
     error that names the peer, the program and the value its wait wanted and saw."""
     pytest.importorskip("triton")
