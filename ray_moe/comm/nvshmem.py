@@ -434,7 +434,7 @@ class SymmetricBuffer:
         ch.post_send(self.rt, capacity or self.geo.capacity)
         if self.one_sm_wait:
             launch_arrival_wait(self.geo, ch.addrs, self.err, 3, self.spin_limit, self.launcher,
-                                ("arrival", 3))
+                                ("arrival", 3, self.spin_limit))
         launch_dispatch(*args, phase=2, key=_with(key, 2), arrived=self.one_sm_wait, **kw)
         ch.post_recv(self.rt)
 
@@ -450,7 +450,7 @@ class SymmetricBuffer:
         ch.post_send(self.rt, layout.capacity)
         if self.one_sm_wait:
             launch_arrival_wait(self.geo, ch.addrs, self.err, 4, self.spin_limit, self.launcher,
-                                ("arrival", 4))
+                                ("arrival", 4, self.spin_limit))
         launch_combine(*args, phase=2, key=_with(key, 2), arrived=self.one_sm_wait, **kw)
         ch.post_recv(self.rt)
 
