@@ -50,16 +50,20 @@ def _check_rows(src: torch.Tensor) -> None:
         raise ValueError(f"src must be a row-contiguous matrix, got shape {tuple(src.shape)} strides {src.stride()}")
 
 
-def _launch_rows(kernel, src: torch.Tensor, index: torch.Tensor, layout: PairLayout, out: torch.Tensor,
-                 n_rows: int, top_k: int, block_c: int, tile: int) -> None:
-    """Either kernel of this module over ``n_rows`` output rows of ``src``'s columns, in tiles of
-    ``tile`` elements at most ``block_c`` wide (they share the argument list)."""
+def _launch_rows(kernel, src: torch.Tensor, index: torch.Tensor, layout: PairLayout, n_rows: int, top_k: int,
+                 block_c: int, tile: int) -> torch.Tensor:
+    """Either kernel of this module into a new [n_rows, C] output (src's dtype and columns), in
+    tiles of ``tile`` elements at most ``block_c`` wide (the kernels share the argument list)."""
     C = src.shape[1]
+    out = torch.empty(n_rows, C, dtype=src.dtype, device=src.device)
+    if n_rows == 0 or C == 0:
+        return out
     block_c = min(block_c, triton.next_power_of_2(C))
     block_r = max(1, tile // block_c)
     grid = (triton.cdiv(n_rows, block_r), triton.cdiv(C, block_c))
     kernel[grid](src, index, layout.offsets[-1:], out, n_rows, C, src.stride(0), out.stride(0),
                  TOP_K=top_k, BLOCK_R=block_r, BLOCK_C=block_c)
+    return out
 
 
 def gather_sum(src: torch.Tensor, layout: PairLayout, top_k: int) -> torch.Tensor:
@@ -78,12 +82,8 @@ def gather_sum(src: torch.Tensor, layout: PairLayout, top_k: int) -> torch.Tenso
         raise ValueError(f"src has {src.shape[0]} rows and the layout {n_pairs} pairs; top_k={top_k} must divide it")
     if src.device != layout.pair_pos.device:
         raise ValueError(f"src on {src.device}, layout on {layout.pair_pos.device}")
-    R, C = n_pairs // top_k, src.shape[1]
-    out = torch.empty(R, C, dtype=src.dtype, device=src.device)
-    if R == 0 or C == 0:
-        return out
-    _launch_rows(_gather_sum_kernel, src, layout.pair_pos, layout, out, R, top_k, block_c=256, tile=2048)
-    return out
+    return _launch_rows(_gather_sum_kernel, src, layout.pair_pos, layout, n_pairs // top_k, top_k,
+                        block_c=256, tile=2048)
 
 
 def gather_sum_reference(src: torch.Tensor, layout: PairLayout, top_k: int) -> torch.Tensor:
@@ -132,14 +132,10 @@ def gather_pair_rows(src: torch.Tensor, layout: PairLayout, top_k: int) -> torch
     n_pos = layout.sorted_pair.numel()
     if n_pos != src.shape[0] * top_k:
         raise ValueError(f"src has {src.shape[0]} rows and the layout {n_pos} positions; expected rows x top_k={top_k}")
-    C = src.shape[1]
     if not src.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":  # the CPU path: every position
         return src[layout.sorted_pair.long() // top_k]
-    out = torch.empty(n_pos, C, dtype=src.dtype, device=src.device)
-    if n_pos == 0 or C == 0:
-        return out
-    _launch_rows(_gather_pair_rows_kernel, src, layout.sorted_pair, layout, out, n_pos, top_k, block_c=1024, tile=4096)
-    return out
+    return _launch_rows(_gather_pair_rows_kernel, src, layout.sorted_pair, layout, n_pos, top_k,
+                        block_c=1024, tile=4096)
 
 
 def gather_pair_rows_reference(src: torch.Tensor, layout: PairLayout, top_k: int) -> torch.Tensor:
