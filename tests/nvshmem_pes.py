@@ -14,8 +14,7 @@ What each rank runs: the transport validators on every edge case (``ray_moe.vali
 dispatch, combine and both backwards against the routing's reference, two calls in a row through
 the same buffer) with the first ``--tunings`` entry, and the cases that vary the rows per source
 most (:data:`FEW_CASES`) with each further one (the exchange kernels' launch variants, e.g.
-``Tuning.interleave``, which the buffer applies at two ranks only unless
-``--interleave-any-world``), then the EP layer against the single-process oracle
+``Tuning.interleave``), then the EP layer against the single-process oracle
 (``layer_parity``) with uneven token counts; with ``--remote``, the remote path on a transport of
 its own (``force_remote_path``: staging, host-issued puts and signals, emulated here by copies into
 the peer's mapping; the receiving kernel's programs or, ``one_sm``, one program ahead of it waiting
@@ -209,12 +208,11 @@ def run_programs_in_threads() -> None:
 
 
 def make_transport(runtime: FileRuntime, spin_limit: int, tuning: dict | None = None, programs: int = 1,
-                   interleave_any_world: bool = False, remote: str = "none"):
+                   remote: str = "none"):
     """An :class:`~ray_moe.comm.nvshmem.NVSHMEMTransport` on the CPU over ``runtime``: ``programs``
     programs per launch (more than one needs :func:`run_programs_in_threads`), every peer through
     peer pointers, Triton's JIT for every launch (the interpreter's); every buffer it makes gets
-    ``Tuning(**tuning)`` when given. ``interleave_any_world``: let ``Tuning.interleave`` apply at
-    any world size (the buffer applies it at two ranks only; this is for finding out why).
+    ``Tuning(**tuning)`` when given.
     ``remote``: ``none`` (peer pointers), ``kernel`` (every peer through the remote path's staging
     and puts, ``force_remote_path``; the receiving kernel's programs wait for the put signals) or
     ``one_sm`` (the same, one program waiting for them first: ``parallel.nvshmem_one_sm_wait``)."""
@@ -240,8 +238,6 @@ def make_transport(runtime: FileRuntime, spin_limit: int, tuning: dict | None = 
 
         def new_buffer(self, *args, **kwargs):
             buf = super().new_buffer(*args, **kwargs)
-            if interleave_any_world:
-                buf.interleave_ok = not buf.any_remote
             if self.tuning:
                 buf.tuning = Tuning(**self.tuning)
             return buf
@@ -258,8 +254,7 @@ def make_transport(runtime: FileRuntime, spin_limit: int, tuning: dict | None = 
 
 
 def rank_main(root: str, rank: int, world_size: int, spin_limit: int, tunings: list[dict],
-              all_cases: bool = True, programs: int = 1, interleave_any_world: bool = False,
-              remote: tuple[str, ...] = ()) -> list[str]:
+              all_cases: bool = True, programs: int = 1, remote: tuple[str, ...] = ()) -> list[str]:
     """One rank: the transport checks with each of ``tunings`` ({}: the buffers' default; every
     edge case with the first where ``all_cases``, else :data:`FEW_CASES`), the layer's with the
     first; the failures as lines."""
@@ -274,8 +269,7 @@ def rank_main(root: str, rank: int, world_size: int, spin_limit: int, tunings: l
                             timeout=timedelta(seconds=120))
     if programs > 1:
         run_programs_in_threads()
-    tr = make_transport(FileRuntime(root, rank, world_size), spin_limit, tunings[0] or None, programs,
-                        interleave_any_world)
+    tr = make_transport(FileRuntime(root, rank, world_size), spin_limit, tunings[0] or None, programs)
     info = SimpleNamespace(rank=rank, world_size=world_size)  # what the validators read (no Ray import)
     worker = SimpleNamespace(transport=tr, rank_info=info, device=torch.device("cpu"))
     fails: list[str] = []
@@ -372,8 +366,7 @@ def _timeout_is_named(tr, rank: int) -> list[str]:
 
 
 def launch(world_size: int, spin_limit: int, timeout_s: float, tunings: str = "[{}]",
-           few_cases: bool = False, programs: int = 1, interleave_any_world: bool = False,
-           remote: str = "") -> list[str]:
+           few_cases: bool = False, programs: int = 1, remote: str = "") -> list[str]:
     """Start ``world_size`` rank processes and collect their failures (a rank that dies or runs
     past ``timeout_s`` is a failure that says so)."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
@@ -383,7 +376,6 @@ def launch(world_size: int, spin_limit: int, timeout_s: float, tunings: str = "[
                                    "--world-size", str(world_size), "--spin-limit", str(spin_limit),
                                    "--tunings", tunings, "--programs", str(programs)]
                                   + (["--few-cases"] if few_cases else [])
-                                  + (["--interleave-any-world"] if interleave_any_world else [])
                                   + (["--remote", remote] if remote else []),
                                   env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for r in range(world_size)]
@@ -425,19 +417,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--few-cases", action="store_true", help="FEW_CASES with every tuning (the suite's budget)")
     p.add_argument("--programs", type=int, default=1,
                    help="programs per launch (G); more than one runs them in threads (run_programs_in_threads)")
-    p.add_argument("--interleave-any-world", action="store_true",
-                   help="Tuning.interleave at any world size (the buffer applies it at two ranks only)")
     p.add_argument("--remote", default="",
                    help="then the remote path on FEW_CASES and the layer, comma-separated modes: kernel (the "
                         "receiving kernel waits for the put signals), one_sm (one program waits for them first)")
     a = p.parse_args(argv)
     if a.rank is None:
-        fails = launch(a.world_size, a.spin_limit, a.timeout_s, a.tunings, a.few_cases, a.programs,
-                       a.interleave_any_world, a.remote)
+        fails = launch(a.world_size, a.spin_limit, a.timeout_s, a.tunings, a.few_cases, a.programs, a.remote)
         print("OK" if not fails else "FAILED\n" + "\n".join(fails))
         return 1 if fails else 0
     fails = rank_main(a.root, a.rank, a.world_size, a.spin_limit, json.loads(a.tunings), not a.few_cases,
-                      a.programs, a.interleave_any_world, tuple(m for m in a.remote.split(",") if m))
+                      a.programs, tuple(m for m in a.remote.split(",") if m))
     print(json.dumps({"fails": fails}))
     return 0
 

@@ -352,12 +352,15 @@ def ep_layer_rows(
 
 def timeline_rows(timelines: dict[str, dict]) -> list[dict]:
     """Rows of the ``ep timeline`` table: per profiled step its wall, busy and idle milliseconds,
-    then its longest idle stretches (:func:`ray_moe.bench.timeline.timeline_gaps`)."""
+    the time its kernels ran beside each other (which kernels most), then its longest idle stretches (:func:`ray_moe.bench.timeline.timeline_gaps`)."""
     rows = []
     for what, tl in timelines.items():
         rows.append({"section": "ep timeline", "what": f"{what}: wall / busy / idle ms, gaps",
                      "ms": f"{tl['wall_us'] / 1e3:.3f} / {tl['busy_us'] / 1e3:.3f} / {tl['idle_us'] / 1e3:.3f}",
                      "detail": f"{tl['gaps']} gaps"})
+        beside = ", ".join(f"{n[:32]} {us / 1e3:.3f}" for n, us in list(tl.get("beside", {}).items())[:4])
+        rows.append({"section": "ep timeline", "what": f"{what}: kernels beside other kernels, ms",
+                     "ms": f"{tl.get('overlap_us', 0.0) / 1e3:.3f}", "detail": beside or "none"})
         for g in tl["top"]:
             late = "" if g["host_late_us"] is None else f", host launched {g['host_late_us']:.0f} us into it"
             sync = "".join(f", {k} {v:.0f} us" for k, v in g["sync"].items())

@@ -29,7 +29,10 @@ def timeline_gaps(events: list[dict], top: int = 8, min_gap_us: float = 5.0,
     """Summary of a trace's device timeline (times in microseconds).
 
     Returns ``wall_us`` (first kernel start to last kernel end), ``busy_us`` (the union of kernel
-    intervals), ``idle_us`` (wall - busy), ``gaps`` (count of idle stretches ≥ ``min_gap_us``)
+    intervals), ``idle_us`` (wall - busy), ``overlap_us`` (the kernels' summed time less
+    ``busy_us``: what ran beside other kernels, e.g. an exchange beside the experts),
+    ``beside`` (per kernel name, its microseconds with some other kernel running, the largest
+    first), ``gaps`` (count of idle stretches ≥ ``min_gap_us``)
     and ``top`` (the ``top`` longest: ``gap_us``, ``at_us`` from the first kernel, ``before`` and
     ``after`` kernel names, ``host_late_us``: how long after the gap began the host launched the
     kernel after it (> 0: the host was behind), ``sync``: synchronising runtime calls overlapping
@@ -41,7 +44,8 @@ def timeline_gaps(events: list[dict], top: int = 8, min_gap_us: float = 5.0,
     marks = [k["ts"] + k["dur"] for k in kernels if k.get("name", "").startswith(skip)]
     if marks:
         kernels = [k for k in kernels if k["ts"] >= max(marks)]
-    empty = {"wall_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "gaps": 0, "top": []}
+    empty = {"wall_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "overlap_us": 0.0, "beside": {}, "gaps": 0,
+             "top": []}
     if not kernels:
         return empty
     # launches through the runtime (torch) and the driver (Triton's cuLaunchKernelEx)
@@ -61,7 +65,9 @@ def timeline_gaps(events: list[dict], top: int = 8, min_gap_us: float = 5.0,
             busy += max(0.0, k["ts"] + k["dur"] - end)
         if k["ts"] + k["dur"] >= end:
             end, last = k["ts"] + k["dur"], k
-    out = {"wall_us": end - t0, "busy_us": busy, "idle_us": end - t0 - busy, "gaps": len(gaps), "top": []}
+    out = {"wall_us": end - t0, "busy_us": busy, "idle_us": end - t0 - busy,
+           "overlap_us": sum(k["dur"] for k in kernels) - busy, "beside": _time_beside(kernels),
+           "gaps": len(gaps), "top": []}
     for gap, start, before, after in sorted(gaps, key=lambda g: -g[0])[:top]:
         launched = launch_at.get(after.get("args", {}).get("correlation"))
         overlap = {}
@@ -75,3 +81,25 @@ def timeline_gaps(events: list[dict], top: int = 8, min_gap_us: float = 5.0,
             "sync": {k: round(v, 1) for k, v in overlap.items()},
         })
     return out
+
+
+def _time_beside(kernels: list[dict]) -> dict[str, float]:
+    """Per kernel name, the microseconds its launches ran while another kernel ran too (kernels
+    sorted by start; quadratic in the overlapping ones only)."""
+    beside: dict[str, float] = {}
+    for i, k in enumerate(kernels):
+        start, stop = k["ts"], k["ts"] + k["dur"]
+        cover = []  # the other kernels' parts inside [start, stop)
+        for j, o in enumerate(kernels):
+            if j != i and o["ts"] < stop and o["ts"] + o["dur"] > start:
+                cover.append((max(o["ts"], start), min(o["ts"] + o["dur"], stop)))
+            if o["ts"] >= stop:
+                break
+        covered, end = 0.0, start
+        for a, b in sorted(cover):
+            if b > end:
+                covered += b - max(a, end)
+                end = b
+        if covered > 0:
+            beside[k["name"]] = beside.get(k["name"], 0.0) + covered
+    return dict(sorted(beside.items(), key=lambda kv: -kv[1]))

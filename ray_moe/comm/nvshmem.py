@@ -298,11 +298,11 @@ class SymmetricBuffer:
         remote: per peer, True to use host-issued NVSHMEM puts instead of peer pointers (the same
             pairs on every rank: :meth:`NVSHMEMTransport.remote_peers` agrees on them).
         interleave_ok: whether :attr:`Tuning.interleave` may apply: no rank of the buffer has a
-            remote peer (the same on every rank). It applies at two ranks only: at four (two PEs on
-            each of two GPUs) the interleaved exchange timed out on the device now and then
-            (sessions 11 and 12: a peer late at one dispatch in over a hundred, likely still
-            compiling the variant, which FIRST_LAUNCH_SPIN_FACTOR now allows for; not yet re-run),
-            while at two ranks every GPU test passes with it.
+            remote peer (the same on every rank). At four ranks (two PEs on each of two GPUs) the
+            interleaved exchange once timed out on the device (sessions 11 and 12: a peer late at
+            one dispatch in over a hundred, still compiling the variant); since a kernel variant's
+            first launch waits FIRST_LAUNCH_SPIN_FACTOR times longer, its GPU tests pass there
+            (session 13), so it applies at any world size.
         spin_limit: polls before a device-side wait gives up and raises the error flag.
         one_sm_wait: remote peers' arrivals are waited for by one program ahead of the receiving
             kernel (:func:`~ray_moe.comm.nvshmem_kernels.launch_arrival_wait`, bounded and named
@@ -342,7 +342,7 @@ class SymmetricBuffer:
         self.spin_limit = spin_limit
         self.tuning = tuning or Tuning.for_hidden(hidden)
         self.any_remote = any(self.remote)
-        self.interleave_ok = bool(interleave_ok) and not self.any_remote and W == 2
+        self.interleave_ok = bool(interleave_ok) and not self.any_remote
         self.one_sm_wait = bool(one_sm_wait) and self.any_remote
         self.launcher = Launcher(fast=fast_launch_works(dev) if fast_launch is None else fast_launch)
         runtime.barrier()

@@ -708,7 +708,7 @@ class Tuning:
     region, the combine sums each block of its tokens whose rows every peer has sent back (in
     the same order, so the sums are the same). Otherwise that work follows the whole transfer:
     ~90 µs of ~477 at T_local=16384, H=4096, W=2 on H100s (docs/BENCHMARKS.md, session 10).
-    Every rank must use the same value; it applies at two ranks only (see
+    Every rank must use the same value; it applies where no rank has a remote peer (see
     :class:`~ray_moe.comm.nvshmem.SymmetricBuffer`'s ``interleave_ok``). On by default for rows of
     2048 or more elements: on H100
     x2 at T_local=16384, H=4096 the dispatch+combine pair took 857 µs against 985 (dispatch 0.82

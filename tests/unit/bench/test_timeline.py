@@ -34,6 +34,7 @@ def test_gaps_busy_and_their_causes(tmp_path):
     tl = timeline_gaps(load_trace(str(path)), top=5)
     assert tl["wall_us"] == 810 and tl["busy_us"] == 50 + 100 + 20 + 10
     assert tl["idle_us"] == 810 - 180 and tl["gaps"] == 2
+    assert tl["overlap_us"] == 10 and tl["beside"] == {"a": 10, "b": 10}  # b ran inside a
     first, second = tl["top"]
     assert (first["gap_us"], first["before"], first["after"]) == (377, "d", "e")
     assert first["host_late_us"] == 200 - 523 and first["sync"] == {"cudaStreamSynchronize": 250.0}
@@ -51,4 +52,12 @@ def test_the_timeline_starts_after_the_barrier():
 
 def test_no_kernels_is_an_empty_timeline():
     tl = timeline_gaps([{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}])
-    assert tl == {"wall_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "gaps": 0, "top": []}
+    assert tl == {"wall_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "overlap_us": 0.0, "beside": {}, "gaps": 0,
+                  "top": []}
+
+
+def test_time_beside_counts_each_moment_once():
+    # x [0, 100) beside y [10, 60) and z [40, 120): x is covered over [10, 100) = 90, y 50, z 60
+    tl = timeline_gaps([_kernel("x", 0, 100, 1), _kernel("y", 10, 50, 2), _kernel("z", 40, 80, 3)])
+    assert tl["busy_us"] == 120 and tl["overlap_us"] == 230 - 120
+    assert tl["beside"] == {"x": 90, "z": 60, "y": 50}
