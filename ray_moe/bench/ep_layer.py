@@ -283,7 +283,24 @@ def ep_layer_rows(
             raise ValueError(f"the group has {group.world_size} ranks, not {world_size}")
         ctx = contextlib.nullcontext(group)
     spec_ep, spec_full = StepSpec(tokens=T // world_size, **base), StepSpec(tokens=T, **base)
+    own_ok = E % world_size == 0 and K <= E // world_size
+
+    def references(g: Any, profile: bool) -> tuple[dict | None, dict]:
+        """(a rank's own compute: its T/W tokens' K rows on its E/W experts, no exchange, or None
+        where E/W experts cannot take K; one GPU running all T tokens), timed on rank 0's GPU."""
+        own = None
+        if own_ok:
+            own = ray.get(g.actors[0].execute.remote(time_layer_step, asdict(StepSpec(
+                tokens=T // world_size, local=True, profile=profile, **{**base, "num_experts": E // world_size}))))
+        full = ray.get(g.actors[0].execute.remote(
+            time_layer_step, asdict(StepSpec(tokens=T, local=True, **base))))
+        return own, full
+
     with ctx as g:
+        # The references run before and after the EP variants and count as their mean: a GPU
+        # that warms up (clocks falling under sustained load) would otherwise favour whatever
+        # runs first, by up to ~8 % in scaling on H200 x2 (session 13).
+        own_before, full_before = references(g, False)
         ep = {}
         for c in chunks:
             for p in comm_programs:
@@ -294,13 +311,11 @@ def ep_layer_rows(
                             profile=profile and not ep, delay_wgrad=dw, **base)))
         local = ray.get(g.actors[0].execute.remote(
             time_layer_step, asdict(StepSpec(tokens=T // world_size, local=True, **base))))
-        own = None  # a rank's own compute: its T/W tokens' K rows on its E/W experts, no exchange
-        if E % world_size == 0 and K <= E // world_size:
-            own = ray.get(g.actors[0].execute.remote(time_layer_step, asdict(StepSpec(
-                tokens=T // world_size, local=True, profile=profile, **{**base, "num_experts": E // world_size}))))
-        full = ray.get(g.actors[0].execute.remote(
-            time_layer_step, asdict(StepSpec(tokens=T, local=True, **base))))
+        own_after, full_after = references(g, profile)
         transport_name = g.transport_name
+    own = None if own_after is None else _mean_times(own_before, own_after)
+    full = _mean_times(full_before, full_after)
+    drift = (full_after["steady_step_ms"] - full_before["steady_step_ms"]) / full_before["steady_step_ms"]
     rows = []
     for (c, p, il, dw), res in ep.items():
         f, b = max(r["forward_ms"] for r in res), max(r["backward_ms"] for r in res)
@@ -342,12 +357,19 @@ def ep_layer_rows(
             # steady state (steps back to back, the slowest rank): what a training run sees
             "scaling_eff_steady": full["steady_step_ms"] / (world_size * r["steady_step_ms"]),
             "exposed_comm_frac_steady": (r["steady_step_ms"] - ref["steady_step_ms"]) / ref["steady_step_ms"],
+            # one GPU's all-T steady step after the EP variants against before them (> 0: slower after)
+            "reference_drift": drift,
         })
     first = next(iter(ep.values()))[0]
-    if profile and own is not None and "kernels" in first and "kernels" in own:
-        rows += kernel_diff_rows(first["kernels"], own["kernels"], "a rank's compute (rank 0)")
-        rows += timeline_rows({"rank 0's EP step": first["timeline"], "a rank's compute": own["timeline"]})
+    if profile and own_after is not None and "kernels" in first and "kernels" in own_after:
+        rows += kernel_diff_rows(first["kernels"], own_after["kernels"], "a rank's compute (rank 0)")
+        rows += timeline_rows({"rank 0's EP step": first["timeline"], "a rank's compute": own_after["timeline"]})
     return rows
+
+
+def _mean_times(before: dict, after: dict) -> dict:
+    """The mean of two timings of one step (:func:`time_layer_step`'s ``*_ms`` entries)."""
+    return {k: (before[k] + after[k]) / 2 for k in ("forward_ms", "backward_ms", "steady_step_ms")}
 
 
 def timeline_rows(timelines: dict[str, dict]) -> list[dict]:

@@ -36,6 +36,7 @@ def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
         assert {"exposed_comm_frac_fwd", "exposed_comm_frac_fwd+bwd", "exposed_comm_fwd_ms"} <= d.keys()
         assert d["scaling_if_hidden_fwd"] > 0 and d["scaling_if_hidden_fwd+bwd"] > 0
         assert d["scaling_eff_steady"] > 0 and "exposed_comm_frac_steady" in d
+        assert -1 < d["reference_drift"] < 10  # the references timed before and after the variants
     assert all(r["steady_step_ms"] > 0 for r in rows if r["section"] == "ep" and r["what"] != "derived")
     # --ep-profile: the first variant's operators (on the CPU) against a rank's own compute, the
     # exchange's collectives among what EP spends more on
@@ -44,7 +45,8 @@ def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
     assert any(r["ep_ms"] > 0 and r["ref_ms"] == 0 for r in prof[:-1]), [r["what"] for r in prof]
     # and each profiled step's device timeline (no kernels on the CPU: an empty one, still reported)
     timeline = [r["what"] for r in rows if r["section"] == "ep timeline"]
-    assert timeline == ["rank 0's EP step: wall / busy / idle ms, gaps", "a rank's compute: wall / busy / idle ms, gaps"]
+    assert timeline == [f"{who}: {what}" for who in ("rank 0's EP step", "a rank's compute")
+                        for what in ("wall / busy / idle ms, gaps", "kernels beside other kernels, ms")]
 
 
 def test_bench_balance_train_mode_on_cpu(group_for_new, tmp_path):
