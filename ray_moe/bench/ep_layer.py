@@ -9,9 +9,11 @@ backward, clone gradients onto owners, owners' weights into clones.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -100,6 +102,26 @@ def time_layer_step(worker: Any, spec: StepSpec | dict) -> dict[str, Any]:
             own.close()
 
 
+@contextlib.contextmanager
+def _host_syncs(device: torch.device):
+    """Yield a list that fills with one line per synchronising torch call made inside (CUDA:
+    ``torch.cuda.set_sync_debug_mode("warn")``'s warnings, where in the code each came from)."""
+    found: list[str] = []
+    if device.type != "cuda":
+        yield found
+        return
+    old = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield found
+        finally:
+            torch.cuda.set_sync_debug_mode(old)
+    found += [f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno}: {str(w.message)[:80]}" for w in caught
+              if "synchroniz" in str(w.message)]
+
+
 def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: int, placement: Placement,
                      dtype: torch.dtype) -> dict[str, Any]:
     device = worker.device
@@ -145,15 +167,16 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
     # each phase's max over ranks, which counts the ranks' skew at every phase boundary)
     barrier()
     synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(spec.iters):
-        out, _ = layer(x)
-        out.backward(grad)
-        reduce_clone_grads(layer, placement)
-        push_clone_weights(layer, placement)
-        layer.w13.grad = layer.w2.grad = layer.router.grad = x.grad = None
-    synchronize(device)
-    steady_ms = (time.perf_counter() - t0) * 1e3 / max(1, spec.iters)
+    with _host_syncs(device) as syncs:  # torch's sync debug mode: what made the host wait
+        t0 = time.perf_counter()
+        for _ in range(spec.iters):
+            out, _ = layer(x)
+            out.backward(grad)
+            reduce_clone_grads(layer, placement)
+            push_clone_weights(layer, placement)
+            layer.w13.grad = layer.w2.grad = layer.router.grad = x.grad = None
+        synchronize(device)
+        steady_ms = (time.perf_counter() - t0) * 1e3 / max(1, spec.iters)
     kernels, timeline = _profiled_step(layer, x, grad, placement, device) if spec.profile else (None, None)
     tokens, pairs = layer.pop_load()
     out = {
@@ -162,6 +185,9 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
         "backward_ms": statistics.median(bwd),
         "forward_backward_ms": statistics.median([a + b for a, b in zip(fwd, bwd)]),
         "steady_step_ms": steady_ms,
+        # synchronising torch calls per steady step (the final synchronize excluded), and the first
+        "host_syncs_per_step": (len(syncs) - 1) / max(1, spec.iters) if syncs else 0.0,
+        "first_host_sync": syncs[0] if len(syncs) > 1 else "",
         "expert_tokens": tokens.tolist(), "received_pairs": float(pairs),
         "spec": asdict(spec),
     }
@@ -257,8 +283,6 @@ def ep_layer_rows(
     worker group of ``world_size`` ranks to run on (else one is started and closed here).
     ``profile``: also the kernels of one step of the first EP variant (rank 0) against a rank's own
     compute, by how much longer EP spends in each (:func:`kernel_diff_rows`)."""
-    import contextlib
-
     import ray
 
     from ray_moe.config import Config
@@ -326,7 +350,9 @@ def ep_layer_rows(
                      "chunks": c, "comm_programs": p, "tokens": spec_ep.tokens, "fwd_ms": f,
                      "fwd_TFLOPs": tflops(spec_ep, f), "fwd+bwd_ms": f + b,
                      "fwd+bwd_TFLOPs": tflops(spec_ep, f + b, backward=True),
-                     "steady_step_ms": max(r["steady_step_ms"] for r in res)})
+                     "steady_step_ms": max(r["steady_step_ms"] for r in res),
+                     "host_syncs_per_step": max(r["host_syncs_per_step"] for r in res),
+                     "first_host_sync": next((r["first_host_sync"] for r in res if r["first_host_sync"]), "")})
     refs = [("one GPU, T/W tokens", local, spec_ep), ("one GPU, all T tokens", full, spec_full)]
     if own is not None:
         refs.append(("one GPU, T/W tokens on E/W experts (a rank's compute)", own, spec_ep))
@@ -334,7 +360,9 @@ def ep_layer_rows(
         f, b = res["forward_ms"], res["backward_ms"]
         rows.append({"section": "ep", "what": name, "transport": "local", "tokens": spec.tokens, "fwd_ms": f,
                      "fwd_TFLOPs": tflops(spec, f), "fwd+bwd_ms": f + b,
-                     "fwd+bwd_TFLOPs": tflops(spec, f + b, backward=True), "steady_step_ms": res["steady_step_ms"]})
+                     "fwd+bwd_TFLOPs": tflops(spec, f + b, backward=True), "steady_step_ms": res["steady_step_ms"],
+                     "host_syncs_per_step": res.get("host_syncs_per_step", 0.0),
+                     "first_host_sync": res.get("first_host_sync", "")})
     # Exposed communication is EP minus a rank's own compute without the exchange: T/W tokens on
     # E/W experts (the same rows per expert as EP, so the same GEMM shapes). "One GPU, T/W tokens"
     # (all E experts at half the rows each) runs less efficient GEMMs, which hid ~0.8 ms of the
@@ -368,8 +396,10 @@ def ep_layer_rows(
 
 
 def _mean_times(before: dict, after: dict) -> dict:
-    """The mean of two timings of one step (:func:`time_layer_step`'s ``*_ms`` entries)."""
-    return {k: (before[k] + after[k]) / 2 for k in ("forward_ms", "backward_ms", "steady_step_ms")}
+    """The mean of two timings of one step (:func:`time_layer_step`'s ``*_ms`` entries; the
+    later one's host synchronisations)."""
+    return {**{k: (before[k] + after[k]) / 2 for k in ("forward_ms", "backward_ms", "steady_step_ms")},
+            "host_syncs_per_step": after["host_syncs_per_step"], "first_host_sync": after["first_host_sync"]}
 
 
 def timeline_rows(timelines: dict[str, dict]) -> list[dict]:

@@ -38,6 +38,8 @@ def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
         assert d["scaling_eff_steady"] > 0 and "exposed_comm_frac_steady" in d
         assert -1 < d["reference_drift"] < 10  # the references timed before and after the variants
     assert all(r["steady_step_ms"] > 0 for r in rows if r["section"] == "ep" and r["what"] != "derived")
+    # the steady loop's synchronising calls are counted on CUDA only (torch's sync debug mode)
+    assert all(r["host_syncs_per_step"] == 0 for r in rows if r["section"] == "ep" and r["what"] != "derived")
     # --ep-profile: the first variant's operators (on the CPU) against a rank's own compute, the
     # exchange's collectives among what EP spends more on
     prof = [r for r in rows if r["section"].startswith("ep profile")]
