@@ -6,30 +6,15 @@
 # alone ~60 s), the training tests ~150 s, pes2 with PES_FILES=tests/gpu/test_nvshmem_gpu.py ~330 s,
 # comm 139 s (84 s on H200), layer 81-85 s; pes2 with every NVSHMEM test 250 s on H200 x2 (session 12);
 # a fresh machine costs ~60 s of the budget before the command starts, and it goes back after 30 s
-# idle, so chain calls. Next lease, in this order:
-#   1. the GPU tests of session 12's CPU-side changes, W=2 (~120 s): the valid-positions gather and
-#      the zero tail (tests/gpu/test_kernels_gpu.py), then layer with EP_PROFILE=1: the gather and
-#      SwiGLU-backward rows of the kernel table should fall to a rank's compute's, and the new
-#      steady_step_ms column gives exposed communication as training sees it:
-#      TESTS_FILES=tests/gpu/test_kernels_gpu.py EP_CHUNKS=1 EP_INTERLEAVE=1 EP_PROFILE=1 EP_DELAY_WGRAD=0 \
-#        bash scripts/device_ep.sh tests,layer
-#   2. W=4 interleave (~450 s): late peer or lost signal? 8x the spin limit and no per-test limit:
-#      RAY_MOE_INTERLEAVE_ANY_WORLD=1 RAY_MOE_TEST_SPIN_LIMIT=268435456 T_TEST=500 T_PES=520 \
-#        PES_FILES="tests/gpu/test_nvshmem_gpu.py -k interleaved_copy_out" bash scripts/device_ep.sh pes2
-#      (session 12 made a kernel variant's first launch wait 16x longer: if this passes with the
-#      default limit too, the interleaved exchange can apply at W > 2 again)
-#   3. overlap (~150 s): moe.delay_wgrad can only hide the backward exchange when the exchange
-#      leaves SMs to the weight-gradient GEMMs (at G=132 it holds every SM: no gain in session 12);
-#      and comm with the two new variants (r16h4096w16il, r8h4096w32il) toward 0.9 of the ceiling:
-#      EP_CHUNKS=1 EP_INTERLEAVE=1 EP_PROGRAMS=0,32 EP_DELAY_WGRAD=0,1 bash scripts/device_ep.sh comm,layer
-#   4. the copy-engine exchange (~300 s; session 12, not yet run): first its GPU test, then the
-#      remote path with one program waiting (EP_ARGS/COMM_ARGS go to the benches as they are):
-#      TESTS_FILES="tests/gpu/test_nvshmem_gpu.py -k force_remote" bash scripts/device_ep.sh tests
-#      COMM_ARGS="--force-remote --one-sm-wait" EP_ARGS="--force-remote-path --one-sm-wait" \
-#        EP_CHUNKS=1,2 EP_PROGRAMS=0,16 EP_INTERLEAVE=0 EP_DELAY_WGRAD=0,1 bash scripts/device_ep.sh comm,layer
-#      (the staging kernel needs few SMs; the pipelined chunks, and the delayed weight gradients
-#      beside the dispatch's backward exchange, are where the experts can run beside the copy
-#      engines; compare with call 3's peer-path rows)
+# idle, so chain calls. Session 13 ran session 12's queue (docs/BENCHMARKS.md, "Session 13"). Next lease:
+#   1. why EP's steady step is ~1 ms above its synchronised one (~120 s): two back-to-back steps
+#      profiled on every rank; the "ep exchange per rank" rows say whether one rank's exchanges
+#      wait on a late peer, the timeline whether the host is behind:
+#      EP_CHUNKS=1 EP_PROGRAMS=0 EP_INTERLEAVE=1 EP_DELAY_WGRAD=0 EP_PROFILE=1 EP_PROFILE_STEPS=3 \
+#        bash scripts/device_ep.sh layer
+#   2. where multi-GPU kinds of 4 or 8 GPUs are lent: the default steps (W = all GPUs), and
+#      comm at W=4 for the combine's bandwidth against the dispatch's (the interleaved combine
+#      now applies there)
 # On one GPU, pes2 with every file took ~360 s.
 # Usage (device machine, repo root):  . .devbundle/setup.sh && bash scripts/device_ep.sh [steps]
 # steps (default: pes2,pes4,tests,comm,layer; a failing step does not stop the next one):
@@ -42,7 +27,8 @@
 #               COMM_PROGRAMS (default 16,32,66) programs: eager and graph-replayed, for small-T latency
 #   layer       bench layer --sections ep at W = all GPUs (skipped on one GPU): sequential and
 #               pipelined (EP_CHUNKS, default 1,2), each without and with Tuning.interleave, against
-#               one GPU running T_local and T tokens (EP_PROFILE=1: the kernels of one EP step against
+#               one GPU running T_local and T tokens (EP_PROFILE=1: the kernels of EP_PROFILE_STEPS
+#               (default 1) back-to-back EP steps, per step and per rank's exchanges, against
 #               a rank's own compute; EP_PROGRAMS, default 0: exchanges on that many SMs, e.g.
 #               16,32 with EP_DELAY_WGRAD=1, which can only overlap the backward exchange with the
 #               weight gradients when the exchange leaves SMs free)
@@ -106,7 +92,7 @@ fi
 if [ "$GPUS" -ge 2 ] && has layer; then
   t0=$SECONDS
   timeout "${T_LAYER:-200}" python3 -m ray_moe.cli bench layer --sections ep --world-size "$GPUS" \
-    --T $((16384 * GPUS)) --H 4096 --I 1536 --E 64 --K 8 --transport nvshmem --ep-chunks "${EP_CHUNKS:-1,2}" --ep-programs "${EP_PROGRAMS:-0}" --ep-interleave "${EP_INTERLEAVE:-0,1}" --ep-iters "${EP_ITERS:-10}" ${EP_PROFILE:+--ep-profile} --ep-delay-wgrad "${EP_DELAY_WGRAD:-0,1}" ${EP_ARGS:-} \
+    --T $((16384 * GPUS)) --H 4096 --I 1536 --E 64 --K 8 --transport nvshmem --ep-chunks "${EP_CHUNKS:-1,2}" --ep-programs "${EP_PROGRAMS:-0}" --ep-interleave "${EP_INTERLEAVE:-0,1}" --ep-iters "${EP_ITERS:-10}" ${EP_PROFILE:+--ep-profile --ep-profile-steps "${EP_PROFILE_STEPS:-1}"} --ep-delay-wgrad "${EP_DELAY_WGRAD:-0,1}" ${EP_ARGS:-} \
     --json "$OUT/bench_layer_ep_w$GPUS.json" 2>&1 | quiet | tee "$OUT/bench_layer.log" | tail -20
   record "bench layer ep W=$GPUS" "see bench_layer_ep_w$GPUS.json" $((SECONDS - t0)); ray_stop
 fi

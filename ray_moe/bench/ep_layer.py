@@ -48,7 +48,8 @@ class StepSpec:
     pipeline_chunks: int = 1  # moe.pipeline_chunks: 1 sequential, C > 1 exchange overlapped in C chunks
     comm_programs: int = 0  # NVSHMEM: a buffer with this many programs (SMs) for the run (0: the transport's)
     interleave: bool | None = None  # NVSHMEM: the buffer's Tuning.interleave for the run (None: its default)
-    profile: bool = False  # after the timed steps, one more under torch.profiler: its kernels' times
+    profile: bool = False  # after the timed steps, more under torch.profiler: their kernels' times
+    profile_steps: int = 1  # steps profiled back to back (> 1: the steady state), reported per step
     delay_wgrad: bool = False  # moe.delay_wgrad: the experts' weight gradients beside the dispatch's backward
 
     def fwd_flops(self) -> float:
@@ -177,7 +178,8 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
             layer.w13.grad = layer.w2.grad = layer.router.grad = x.grad = None
         synchronize(device)
         steady_ms = (time.perf_counter() - t0) * 1e3 / max(1, spec.iters)
-    kernels, timeline = _profiled_step(layer, x, grad, placement, device) if spec.profile else (None, None)
+    kernels, timeline = (_profiled_step(layer, x, grad, placement, device, spec.profile_steps) if spec.profile
+                         else (None, None))
     tokens, pairs = layer.pop_load()
     out = {
         "rank": rank, "world_size": W,
@@ -200,11 +202,11 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
 
 
 def _profiled_step(layer: Any, x: torch.Tensor, grad: torch.Tensor, placement: Placement,
-                   device: torch.device) -> tuple[dict[str, list[float]], dict[str, Any]]:
-    """One more training step of ``layer`` under torch.profiler: per kernel name (on the CPU, per
-    operator), [milliseconds summed over the step, calls], device times where there is a GPU; and
-    the device timeline's idle stretches (:func:`ray_moe.bench.timeline.timeline_gaps`; none on
-    the CPU)."""
+                   device: torch.device, steps: int = 1) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    """``steps`` more training steps of ``layer``, back to back, under torch.profiler: per kernel
+    name (on the CPU, per operator), [milliseconds per step, calls per step], device times where
+    there is a GPU; and the device timeline's idle stretches
+    (:func:`ray_moe.bench.timeline.timeline_gaps`, with ``steps``; none on the CPU)."""
     import os
     import tempfile
 
@@ -223,21 +225,22 @@ def _profiled_step(layer: Any, x: torch.Tensor, grad: torch.Tensor, placement: P
         if together and cuda:
             dist.barrier()
         synchronize(device)
-        out, _ = layer(x)
-        out.backward(grad)
-        reduce_clone_grads(layer, placement)
+        for _ in range(steps):
+            out, _ = layer(x)
+            out.backward(grad)
+            reduce_clone_grads(layer, placement)
+            layer.w13.grad = layer.w2.grad = layer.router.grad = x.grad = None
         synchronize(device)
-    layer.w13.grad = layer.w2.grad = layer.router.grad = x.grad = None
     kernels = {}
     for e in prof.key_averages():
         t = e.device_time_total if cuda else e.self_cpu_time_total
         if t > 0 and not e.key.startswith(barrier):
-            kernels[e.key[:120]] = [t / 1e3, e.count]
+            kernels[e.key[:120]] = [t / 1e3 / steps, e.count / steps]
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
         prof.export_chrome_trace(path)
-        timeline = timeline_gaps(load_trace(path), skip=(barrier,))
+        timeline = {**timeline_gaps(load_trace(path), skip=(barrier,)), "steps": steps}
     finally:
         os.unlink(path)
     return kernels, timeline
@@ -269,7 +272,7 @@ def ep_layer_rows(
     address: str | None = None, dtype: str = "bfloat16", impl: str = "auto", iters: int = 10,
     device: str = "auto", force_remote_path: bool = False, one_sm_wait: bool = False, chunks: tuple[int, ...] = (1,),
     comm_programs: tuple[int, ...] = (0,), group: Any = None, interleave: tuple[bool | None, ...] = (None,),
-    profile: bool = False, delay_wgrad: tuple[bool, ...] = (False,),
+    profile: bool = False, delay_wgrad: tuple[bool, ...] = (False,), profile_steps: int = 1,
 ) -> list[dict]:
     """Expert-parallel rows: per-rank layer time at T/W tokens per rank, for every pipeline chunk
     count C (1: the sequential layer), NVSHMEM program count G (0: the transport's),
@@ -290,6 +293,8 @@ def ep_layer_rows(
 
     if T % world_size:
         raise ValueError(f"T={T} is not divisible by world_size={world_size}")
+    if profile_steps < 1:
+        raise ValueError(f"profile_steps must be >= 1, got {profile_steps}")
     base = dict(d_model=H, hidden=I, num_experts=E, top_k=K, dtype=dtype, impl=impl, iters=iters)
     if group is None:
         cfg = Config.from_dict({
@@ -315,7 +320,8 @@ def ep_layer_rows(
         own = None
         if own_ok:
             own = ray.get(g.actors[0].execute.remote(time_layer_step, asdict(StepSpec(
-                tokens=T // world_size, local=True, profile=profile, **{**base, "num_experts": E // world_size}))))
+                tokens=T // world_size, local=True, profile=profile, profile_steps=profile_steps,
+                **{**base, "num_experts": E // world_size}))))
         full = ray.get(g.actors[0].execute.remote(
             time_layer_step, asdict(StepSpec(tokens=T, local=True, **base))))
         return own, full
@@ -332,7 +338,7 @@ def ep_layer_rows(
                     for dw in delay_wgrad if c == 1 else (False,):
                         ep[c, p, il, dw] = g.execute(time_layer_step, asdict(StepSpec(
                             tokens=T // world_size, pipeline_chunks=c, comm_programs=p, interleave=il,
-                            profile=profile and not ep, delay_wgrad=dw, **base)))
+                            profile=profile and not ep, profile_steps=profile_steps, delay_wgrad=dw, **base)))
         local = ray.get(g.actors[0].execute.remote(
             time_layer_step, asdict(StepSpec(tokens=T // world_size, local=True, **base))))
         own_after, full_after = references(g, profile)
@@ -388,10 +394,30 @@ def ep_layer_rows(
             # one GPU's all-T steady step after the EP variants against before them (> 0: slower after)
             "reference_drift": drift,
         })
-    first = next(iter(ep.values()))[0]
+    first_ranks = next(iter(ep.values()))
+    first = first_ranks[0]
     if profile and own_after is not None and "kernels" in first and "kernels" in own_after:
         rows += kernel_diff_rows(first["kernels"], own_after["kernels"], "a rank's compute (rank 0)")
         rows += timeline_rows({"rank 0's EP step": first["timeline"], "a rank's compute": own_after["timeline"]})
+        rows += exchange_rows(first_ranks)
+    return rows
+
+
+EXCHANGE_KERNELS = ("_dispatch_kernel", "_combine_kernel", "_arrival_wait_kernel")
+
+
+def exchange_rows(results: list[dict]) -> list[dict]:
+    """Per rank of one profiled variant, its exchange kernels' milliseconds per step: a rank whose
+    exchanges take longer than its peer's waited in them for that peer (the same bytes move both
+    ways), i.e. the peer was late."""
+    rows = []
+    for r in results:
+        if "kernels" not in r:
+            continue
+        ex = {k: v for k, v in r["kernels"].items() if k.startswith(EXCHANGE_KERNELS)}
+        rows.append({"section": "ep exchange per rank", "what": f"rank {r['rank']}: exchange kernels, ms per step",
+                     "ms": f"{sum(v[0] for v in ex.values()):.3f}",
+                     "detail": ", ".join(f"{k} {v[0]:.3f} ({v[1]:g} calls)" for k, v in sorted(ex.items()))})
     return rows
 
 
@@ -404,15 +430,19 @@ def _mean_times(before: dict, after: dict) -> dict:
 
 def timeline_rows(timelines: dict[str, dict]) -> list[dict]:
     """Rows of the ``ep timeline`` table: per profiled step its wall, busy and idle milliseconds,
-    the time its kernels ran beside each other (which kernels most), then its longest idle stretches (:func:`ray_moe.bench.timeline.timeline_gaps`)."""
+    the time its kernels ran beside each other (which kernels most), then its longest idle
+    stretches (:func:`ray_moe.bench.timeline.timeline_gaps`); per step where several ran."""
     rows = []
     for what, tl in timelines.items():
-        rows.append({"section": "ep timeline", "what": f"{what}: wall / busy / idle ms, gaps",
-                     "ms": f"{tl['wall_us'] / 1e3:.3f} / {tl['busy_us'] / 1e3:.3f} / {tl['idle_us'] / 1e3:.3f}",
+        n = tl.get("steps", 1)
+        per = "" if n == 1 else f" per step of {n}"
+        ms = 1e3 * n  # microseconds over n steps -> milliseconds per step
+        rows.append({"section": "ep timeline", "what": f"{what}: wall / busy / idle ms{per}, gaps",
+                     "ms": f"{tl['wall_us'] / ms:.3f} / {tl['busy_us'] / ms:.3f} / {tl['idle_us'] / ms:.3f}",
                      "detail": f"{tl['gaps']} gaps"})
-        beside = ", ".join(f"{n[:32]} {us / 1e3:.3f}" for n, us in list(tl.get("beside", {}).items())[:4])
-        rows.append({"section": "ep timeline", "what": f"{what}: kernels beside other kernels, ms",
-                     "ms": f"{tl.get('overlap_us', 0.0) / 1e3:.3f}", "detail": beside or "none"})
+        beside = ", ".join(f"{k[:32]} {us / ms:.3f}" for k, us in list(tl.get("beside", {}).items())[:4])
+        rows.append({"section": "ep timeline", "what": f"{what}: kernels beside other kernels, ms{per}",
+                     "ms": f"{tl.get('overlap_us', 0.0) / ms:.3f}", "detail": beside or "none"})
         for g in tl["top"]:
             late = "" if g["host_late_us"] is None else f", host launched {g['host_late_us']:.0f} us into it"
             sync = "".join(f", {k} {v:.0f} us" for k, v in g["sync"].items())

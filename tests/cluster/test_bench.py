@@ -17,7 +17,7 @@ def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
     out = tmp_path / "layer.json"
     assert layer.main(["--sections", "ep", "--world-size", "2", "--T", "64", "--H", "16", "--I", "24",
                        "--E", "8", "--K", "2", "--dtype", "float32", "--device", "cpu",
-                       "--ep-iters", "2", "--ep-chunks", "1,3", "--ep-profile", "--ep-delay-wgrad", "0,1",
+                       "--ep-iters", "2", "--ep-chunks", "1,3", "--ep-profile", "--ep-profile-steps", "2", "--ep-delay-wgrad", "0,1",
                        "--one-sm-wait",  # an NVSHMEM setting: carried to the group's config, unused by gloo
                        "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
@@ -48,7 +48,11 @@ def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
     # and each profiled step's device timeline (no kernels on the CPU: an empty one, still reported)
     timeline = [r["what"] for r in rows if r["section"] == "ep timeline"]
     assert timeline == [f"{who}: {what}" for who in ("rank 0's EP step", "a rank's compute")
-                        for what in ("wall / busy / idle ms, gaps", "kernels beside other kernels, ms")]
+                        for what in ("wall / busy / idle ms per step of 2, gaps",
+                                     "kernels beside other kernels, ms per step of 2")]
+    # and each rank's exchange kernels (none on the CPU: gloo's collectives are not those kernels)
+    per_rank = [r for r in rows if r["section"] == "ep exchange per rank"]
+    assert [r["what"] for r in per_rank] == [f"rank {i}: exchange kernels, ms per step" for i in (0, 1)]
 
 
 def test_bench_balance_train_mode_on_cpu(group_for_new, tmp_path):

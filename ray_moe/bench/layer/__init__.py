@@ -53,7 +53,7 @@ def ep_rows(shape: LayerShape, args: argparse.Namespace) -> list[dict]:
                          comm_programs=tuple(int(g) for g in args.ep_programs.split(",")),
                          interleave=tuple(None if v == "default" else bool(int(v))
                                           for v in args.ep_interleave.split(",")),
-                         profile=args.ep_profile,
+                         profile=args.ep_profile, profile_steps=args.ep_profile_steps,
                          delay_wgrad=tuple(bool(int(v)) for v in args.ep_delay_wgrad.split(",")))
 
 
@@ -122,6 +122,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         " weight gradients beside the dispatch's backward exchange), side by side")
     p.add_argument("--ep-profile", action="store_true",
                    help="ep: the kernels of one step of the first EP variant (rank 0) against a rank's own compute")
+    p.add_argument("--ep-profile-steps", type=int, default=1,
+                   help="ep: with --ep-profile, profile this many steps back to back (steady state), per step")
     return p.parse_args(argv)
 
 
