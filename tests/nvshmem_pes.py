@@ -300,7 +300,7 @@ def rank_main(root: str, rank: int, world_size: int, spin_limit: int, tunings: l
         check(f"layer_parity {extra}", layer_parity, Case(num_experts=4 * world_size, seed=3).but(**extra), 1e-5)
         for mode in remote:  # the remote path (staging, puts, signals) on a transport of its own
             peer_path, before = worker.transport, dict(tr.runtime.calls)
-            worker.transport = make_transport(tr.runtime, spin_limit, None, programs, False, mode)
+            worker.transport = make_transport(tr.runtime, spin_limit, None, programs, mode)
             try:
                 for extra in [e for e in EDGE_CASES if e in FEW_CASES]:
                     case = Case(num_experts=4 * world_size).but(**extra)
