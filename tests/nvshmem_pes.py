@@ -245,7 +245,8 @@ def make_transport(runtime: FileRuntime, spin_limit: int, tuning: dict | None = 
         def use(self, tuning: dict | None) -> None:
             """Give this and every later buffer ``Tuning(**tuning)`` (None: the buffer's default)."""
             self.tuning = tuning
-            self.buffer.tuning = Tuning(**tuning) if tuning else Tuning.for_hidden(self.buffer.geo.hidden)
+            geo = self.buffer.geo
+            self.buffer.tuning = Tuning(**tuning) if tuning else Tuning.for_hidden(geo.hidden, geo.world_size)
 
     tr = InterpreterTransport.__new__(InterpreterTransport)
     tr.tuning = tuning

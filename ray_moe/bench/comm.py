@@ -262,7 +262,7 @@ def host_cost_worker(worker: Any, params: dict) -> list[dict]:
     for T in params["tokens"]:
         iters = params["iters"] * (5 if T < 4096 else 1)
         buf = tr.new_buffer(capacity=T, hidden=H, elem_bytes=2, kmax=max(8, K))
-        buf.tuning = Tuning.for_hidden(H)
+        buf.tuning = Tuning.for_hidden(H, W)
         x = torch.randn(T, H, dtype=torch.bfloat16, device=dev)
         dr, ds, w = _routing(T, E, K, W, 1000 * me + T, dev)
 

@@ -340,7 +340,7 @@ class SymmetricBuffer:
         # combine_grad's received chunk meta: written by the kernel, never read (the layout's is)
         self.rmeta_scratch = torch.empty(W, G, 4, dtype=torch.int32, device=dev)
         self.spin_limit = spin_limit
-        self.tuning = tuning or Tuning.for_hidden(hidden)
+        self.tuning = tuning or Tuning.for_hidden(hidden, W)
         self.any_remote = any(self.remote)
         self.interleave_ok = bool(interleave_ok) and not self.any_remote
         self.one_sm_wait = bool(one_sm_wait) and self.any_remote

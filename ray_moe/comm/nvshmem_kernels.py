@@ -710,7 +710,7 @@ class Tuning:
     ~90 µs of ~477 at T_local=16384, H=4096, W=2 on H100s (docs/BENCHMARKS.md, session 10).
     Every rank must use the same value; it applies where no rank has a remote peer (see
     :class:`~ray_moe.comm.nvshmem.SymmetricBuffer`'s ``interleave_ok``). On by default for rows of
-    2048 or more elements: on H100
+    2048 or more elements at two ranks (:meth:`for_hidden`): on H100
     x2 at T_local=16384, H=4096 the dispatch+combine pair took 857 µs against 985 (dispatch 0.82
     of the copy ceiling against 0.78), at 4096 250 against 263 µs (docs/BENCHMARKS.md, session 11).
     """
@@ -721,11 +721,14 @@ class Tuning:
         self.rotate_peers, self.interleave = bool(rotate_peers), bool(interleave)
 
     @classmethod
-    def for_hidden(cls, hidden: int) -> "Tuning":
-        """Default per row width: for wide rows whole 4096-wide rows, 8 per step, 16 warps,
-        interleaved (the fastest of the variants measured on H100 x2, docs/BENCHMARKS.md)."""
+    def for_hidden(cls, hidden: int, world_size: int) -> "Tuning":
+        """Default per row width and world size: for wide rows whole 4096-wide rows, 8 per step,
+        16 warps (the fastest of the variants measured on H100 x2 and H200 x2, docs/BENCHMARKS.md),
+        interleaved at two ranks, where that was measured faster (pair 13 % on H100 x2). At more
+        ranks it passes its GPU tests (W=4, session 13) but has not been timed on separate GPUs:
+        set ``interleave`` to use it there."""
         if hidden >= 2048:
-            return cls(block_r=8, block_h=4096, num_warps=16, interleave=True)
+            return cls(block_r=8, block_h=4096, num_warps=16, interleave=world_size == 2)
         return cls()
 
     def key(self) -> tuple:

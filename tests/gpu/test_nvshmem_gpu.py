@@ -162,7 +162,7 @@ def _interleave_copy_out(worker, on: bool) -> None:
     tr = worker.transport
 
     def tuned(buf):
-        buf.tuning = Tuning.for_hidden(buf.geo.hidden)
+        buf.tuning = Tuning.for_hidden(buf.geo.hidden, buf.geo.world_size)
         buf.tuning.interleave = on
         return buf
 
