@@ -27,6 +27,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from ray_moe import usage
+
 FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe")
 BYTE = "byte"  # the embedded byte-level model (``model.arch: byte``): :meth:`ArchSpec.byte`
 POSITIONS = ("rope", "learned")
@@ -580,9 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     the peak of backward, the loss's logits and the peak per rank (full recompute) with both
     moment dtypes; then the smallest world size that fits the GPU, for an HF config (preset,
     config.json or directory)."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m ray_moe.arch", description=main.__doc__)
+    p = usage.ArgumentParser(prog="python -m ray_moe.arch", description=main.__doc__)
     p.add_argument("source", help=f"a preset ({', '.join(PRESETS)}), a config.json or a model directory")
     p.add_argument("--world-sizes", default="4,8,16", help="comma-separated ranks (GPUs)")
     p.add_argument("--tokens", type=int, default=16384, help="tokens per rank per step")

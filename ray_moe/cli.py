@@ -20,6 +20,8 @@ import signal
 import sys
 import threading
 
+from ray_moe import usage
+
 BENCHES = ("comm", "layer", "balance", "precision", "prepare", "train", "grad_reduce")
 
 
@@ -182,7 +184,7 @@ def _smoke(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ray-moe", description=__doc__,
+    parser = usage.ArgumentParser(prog="ray-moe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -30,6 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from ray_moe import usage
 from ray_moe.config import BalanceConfig
 from ray_moe.placement.loads import LoadTracker
 from ray_moe.placement.placement import Placement
@@ -153,7 +154,7 @@ def shifting_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 # ============================================================================ CLI
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="ray-moe bench balance", description=__doc__,
+    ap = usage.ArgumentParser(prog="ray-moe bench balance", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=("sim", "train"), default="sim",
                     help="sim: planner simulation (CPU); train: layer steps on a Ray group, cloning off vs on")

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from ray_moe import usage
+
 
 def _routing(T: int, E: int, K: int, W: int, seed: int, device) -> tuple[torch.Tensor, ...]:
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -370,7 +372,7 @@ def _summarise(per_rank: list[list[dict]]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="ray-moe bench comm", description=__doc__.splitlines()[0])
+    p = usage.ArgumentParser(prog="ray-moe bench comm", description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="128,4096,16384", help="T_local values, comma-separated")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--top-k", type=int, default=8)

@@ -21,6 +21,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ray_moe import usage
+
 TIME_KEYS = ("step", "forward", "backward", "grad_sync", "grad_reduce", "update")
 
 
@@ -88,7 +90,7 @@ def stage_rows(args: argparse.Namespace, group: Any = None) -> list[dict[str, An
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ray-moe bench grad_reduce", description=__doc__,
+    p = usage.ArgumentParser(prog="ray-moe bench grad_reduce", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--stages", default="0,1,2", help="comma-separated ZeRO stages")

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ray_moe import usage
 from ray_moe.bench.common import free, one_rank, peak_gib, pick_device, reset_peak
 
 VARIANTS = MappingProxyType({  # step variant → config overrides
@@ -189,7 +190,7 @@ def loss_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 # ============================================================================ CLI
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ray-moe bench precision", description=__doc__,
+    p = usage.ArgumentParser(prog="ray-moe bench precision", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sections", default="step,loss", help="comma-separated: step, curve, loss")
     p.add_argument("--device", default="auto", help="auto, cuda, cpu")

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ray_moe import usage
 from ray_moe.data.inputs import InputFile, iter_documents, resolve_inputs
 from ray_moe.data.tokenizer import TextTokenizer, train_bpe
 
@@ -162,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tabulate import tabulate
 
     default_input = [os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py")]
-    p = argparse.ArgumentParser(prog="ray-moe bench prepare", description=__doc__,
+    p = usage.ArgumentParser(prog="ray-moe bench prepare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", default=default_input, help="files, directories or globs (default: stdlib)")
     p.add_argument("--max-mb", type=float, default=40.0, help="use the first MB of the inputs (0 = all)")

@@ -60,6 +60,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ray_moe import usage
 from ray_moe.bench.common import free, one_rank, peak_gib, pick_device, reset_peak, sync
 
 PHASES = ("forward", "lm head + loss", "backward", "grad sync", "optimizer")
@@ -446,7 +447,7 @@ def loss_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 # ============================================================================ CLI
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="ray-moe bench train", description=__doc__.splitlines()[0])
+    p = usage.ArgumentParser(prog="ray-moe bench train", description=__doc__.splitlines()[0])
     p.add_argument("--loss-only", action="store_true", help="the LM head + loss alone (see the module docstring)")
     p.add_argument("--preset", default="qwen3-30b-a3b", help="model.hf_config: an HF preset, config.json or directory")
     p.add_argument("--layers", default="2,4", help="comma list of num_hidden_layers")

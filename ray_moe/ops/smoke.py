@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable
 
+from ray_moe import usage
 from ray_moe.ops.smoke_report import (
     FAIL,
     PASS,
@@ -63,7 +64,7 @@ class SmokeOptions:
 
 
 def parse_args(argv: list[str] | None) -> SmokeOptions:
-    p = argparse.ArgumentParser(prog="ray-moe smoke", description=__doc__,
+    p = usage.ArgumentParser(prog="ray-moe smoke", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS)")
     p.add_argument("--world-size", type=int, default=None,

@@ -13,9 +13,10 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "ray_moe"
 
 # What each part of the package may import (besides itself). Shared base modules first.
-BASE = {"arch", "config", "topology", "device", "dirlock"}
+BASE = {"arch", "config", "topology", "device", "dirlock", "usage"}
 ALLOWED = {
-    "arch": set(),
+    "usage": set(),  # the command lines' one-line argument errors
+    "arch": {"usage"},
     "config": {"arch"},
     "topology": set(),
     "device": set(),

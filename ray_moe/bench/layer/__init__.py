@@ -22,6 +22,7 @@ from dataclasses import asdict
 
 import torch
 
+from ray_moe import usage
 from ray_moe.bench.layer.expert import (
     expert_compute_rows,
     expert_ffn_rows,
@@ -74,7 +75,7 @@ def _print_table(rows: list[dict]) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="ray-moe bench layer", description=__doc__.splitlines()[0])
+    p = usage.ArgumentParser(prog="ray-moe bench layer", description=__doc__.splitlines()[0])
     for name, default in asdict(LayerShape()).items():
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -124,7 +125,53 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="ep: the kernels of one step of the first EP variant (rank 0) against a rank's own compute")
     p.add_argument("--ep-profile-steps", type=int, default=1,
                    help="ep: with --ep-profile, profile this many steps back to back (steady state), per step")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    _check_args(p, args)
+    return args
+
+
+SECTIONS = ("kernels", "expert", "ffn", "routing", "saved", "layer", "small", "profile", "steady", "wgrad", "ep")
+
+
+def _int_list(p: argparse.ArgumentParser, flag: str, value: str, low: int, allowed: str = "") -> list[int]:
+    """``value`` as comma-separated integers ≥ ``low`` (``allowed``: other words accepted as-is),
+    else one line of usage error naming ``flag``."""
+    items = value.split(",")
+    try:
+        ints = [int(v) for v in items if v not in allowed.split(",")]
+    except ValueError:
+        p.error(f"{flag}={value!r} must be comma-separated integers{' or ' + allowed if allowed else ''}")
+    if any(v < low for v in ints):
+        p.error(f"{flag}={value} must be integers >= {low}")
+    return ints
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Bad values end here with one line naming the flag and what it allows (exit code 2)."""
+    for name in asdict(LayerShape()):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.K > args.E:
+        p.error(f"--K {args.K} is larger than --E {args.E}")
+    unknown = set(args.sections.split(",")) - set(SECTIONS)
+    if unknown:
+        p.error(f"--sections: unknown {', '.join(sorted(unknown))}; known: {', '.join(SECTIONS)}")
+    for flag in ("ep_iters", "ep_profile_steps", "warmup_ms", "rep_ms"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if "ep" in args.sections.split(","):
+        if args.world_size < 1:
+            p.error("--sections ep needs --world-size >= 1 (the ranks of the expert-parallel group)")
+        if args.T % args.world_size:
+            p.error(f"--T {args.T} is not divisible by --world-size {args.world_size} (T is the global token count)")
+        _int_list(p, "--ep-chunks", args.ep_chunks, 1)
+        _int_list(p, "--ep-programs", args.ep_programs, 0)
+        _int_list(p, "--ep-interleave", args.ep_interleave, 0, allowed="default")
+        _int_list(p, "--ep-delay-wgrad", args.ep_delay_wgrad, 0)
+        for flag, value in (("--ep-interleave", args.ep_interleave), ("--ep-delay-wgrad", args.ep_delay_wgrad)):
+            if any(v not in ("0", "1", "default") for v in value.split(",")) or \
+                    (flag == "--ep-delay-wgrad" and "default" in value.split(",")):
+                p.error(f"{flag}={value} must be a comma list of 0 and 1" + (" and default" if flag == "--ep-interleave" else ""))
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,41 @@
+"""bench layer's arguments: a bad value ends in one line that names the flag (exit code 2)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ray_moe.bench.layer import parse_args
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--sections", "ep", "--world-size", "2", "--T", "63"], "--T 63 is not divisible by --world-size 2"),
+    (["--sections", "ep"], "--sections ep needs --world-size >= 1"),
+    (["--sections", "ep", "--world-size", "2", "--ep-chunks", "1,0"], "--ep-chunks=1,0 must be integers >= 1"),
+    (["--sections", "ep", "--world-size", "2", "--ep-programs", "x"], "--ep-programs='x' must be comma-separated"),
+    (["--sections", "ep", "--world-size", "2", "--ep-interleave", "2"], "--ep-interleave=2 must be a comma list"),
+    (["--sections", "ep", "--world-size", "2", "--ep-profile-steps", "0"], "--ep-profile-steps must be >= 1"),
+    (["--sections", "kernels,nope"], "--sections: unknown nope"),
+    (["--K", "9", "--E", "8"], "--K 9 is larger than --E 8"),
+    (["--H", "0"], "--H must be >= 1"),
+])
+def test_bad_values_name_the_flag(argv, says, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_good_values_pass():
+    args = parse_args(["--sections", "ep", "--world-size", "2", "--T", "64", "--ep-chunks", "1,2",
+                       "--ep-interleave", "default,1", "--ep-delay-wgrad", "0,1", "--ep-programs", "0,32"])
+    assert args.world_size == 2 and args.ep_chunks == "1,2"
+
+
+def test_the_cli_prints_no_traceback():
+    run = subprocess.run([sys.executable, "-m", "ray_moe.cli", "bench", "layer", "--sections", "ep",
+                          "--world-size", "2", "--ep-profile-steps", "0"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines() == [
+        "ray-moe bench layer: error: --ep-profile-steps must be >= 1, got 0 (see ray-moe bench layer --help)"]
