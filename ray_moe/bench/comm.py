@@ -392,6 +392,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --host-cost: time the parts of a call on their own and print cProfile's top functions")
     p.add_argument("--json", default=None, help="write results here")
     a = p.parse_args(argv)
+    for flag, value in (("--tokens", a.tokens), ("--programs", a.programs or "1")):
+        if not all(v.strip().isdigit() and int(v) >= 1 for v in value.split(",")):
+            p.error(f"{flag}={value!r} must be a comma list of positive integers")
+    for flag in ("hidden", "top_k", "experts", "iters"):
+        if getattr(a, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
+    if a.top_k > a.experts:
+        p.error(f"--top-k {a.top_k} is larger than --experts {a.experts}")
+    unknown = [] if a.variants == "all" else [v for v in a.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        p.error(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(VARIANTS)} or all")
 
     import ray
     from tabulate import tabulate

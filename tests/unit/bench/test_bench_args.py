@@ -1,4 +1,5 @@
-"""bench layer's arguments: a bad value ends in one line that names the flag (exit code 2)."""
+"""bench layer's and bench comm's arguments: a bad value ends in one line that names the flag
+(exit code 2), before any Ray cluster or GPU is touched."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 
 import pytest
 
+from ray_moe.bench import comm
 from ray_moe.bench.layer import parse_args
 
 
@@ -39,3 +41,17 @@ def test_the_cli_prints_no_traceback():
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert run.stderr.strip().splitlines() == [
         "ray-moe bench layer: error: --ep-profile-steps must be >= 1, got 0 (see ray-moe bench layer --help)"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--tokens", "128,x"], "--tokens='128,x' must be a comma list of positive integers"),
+    (["--programs", "16,0"], "--programs='16,0' must be a comma list of positive integers"),
+    (["--variants", "r8h4096w16il,bogus"], "--variants: unknown bogus"),
+    (["--top-k", "9", "--experts", "8"], "--top-k 9 is larger than --experts 8"),
+    (["--iters", "0"], "--iters must be >= 1"),
+])
+def test_bench_comm_names_the_bad_flag(argv, says, capsys):
+    with pytest.raises(SystemExit) as exc:
+        comm.main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and says in err and len(err.strip().splitlines()) == 1
