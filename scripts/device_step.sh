@@ -11,7 +11,11 @@
 #            (<= 38 ms) come from the 2- and 4-layer rows of one run
 #   moments  bench precision --sections step with fp32 and bf16 AdamW moments (issue 27: the
 #            optimizer <= 8 % of the step with bf16 moments)
-#   sonic    the MoE layer beside SonicMoE at E=128 and E=64 (issue 26: forward+backward <= 0.95x)
+#   sonic    the MoE layer beside SonicMoE at E=128 and E=64 (issue 26: forward+backward <= 0.95x);
+#            SonicMoE's GEMM autotuning outlasts a 10-minute call unless its compiled configs are
+#            carried: build them first without a GPU (`bench layer --E 128 --sonic-precompile DIR`
+#            under Python 3.12 with torch 2.11 and the .sonicbundle wheels, ~10 min on 2 cores;
+#            docs/BENCHMARKS.md, issue 16 session 4) and unpack them into QUACK_CACHE_DIR
 #   gputests the GPU tests of the optimizer and precision paths (test_precision_gpu.py,
 #            test_zero_gpu.py): run it first after any change to worker/optim.py (session 9 moved
 #            the fused AdamW update off torch.optim.AdamW; it had run on the CPU only)
