@@ -168,16 +168,16 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
     # each phase's max over ranks, which counts the ranks' skew at every phase boundary)
     barrier()
     synchronize(device)
+    t0 = time.perf_counter()
     with _host_syncs(device) as syncs:  # torch's sync debug mode: what made the host wait
-        t0 = time.perf_counter()
         for _ in range(spec.iters):
             out, _ = layer(x)
             out.backward(grad)
             reduce_clone_grads(layer, placement)
             push_clone_weights(layer, placement)
             layer.w13.grad = layer.w2.grad = layer.router.grad = x.grad = None
-        synchronize(device)
-        steady_ms = (time.perf_counter() - t0) * 1e3 / max(1, spec.iters)
+    synchronize(device)
+    steady_ms = (time.perf_counter() - t0) * 1e3 / max(1, spec.iters)
     kernels, timeline = (_profiled_step(layer, x, grad, placement, device, spec.profile_steps) if spec.profile
                          else (None, None))
     tokens, pairs = layer.pop_load()
@@ -187,9 +187,9 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
         "backward_ms": statistics.median(bwd),
         "forward_backward_ms": statistics.median([a + b for a, b in zip(fwd, bwd)]),
         "steady_step_ms": steady_ms,
-        # synchronising torch calls per steady step (the final synchronize excluded), and the first
-        "host_syncs_per_step": (len(syncs) - 1) / max(1, spec.iters) if syncs else 0.0,
-        "first_host_sync": syncs[0] if len(syncs) > 1 else "",
+        # synchronising torch calls per steady step, and the first
+        "host_syncs_per_step": len(syncs) / max(1, spec.iters),
+        "first_host_sync": syncs[0] if syncs else "",
         "expert_tokens": tokens.tolist(), "received_pairs": float(pairs),
         "spec": asdict(spec),
     }
