@@ -327,9 +327,9 @@ def ep_layer_rows(
         return own, full
 
     with ctx as g:
-        # The references run before and after the EP variants and count as their mean: a GPU
-        # that warms up (clocks falling under sustained load) would otherwise favour whatever
-        # runs first, by up to ~8 % in scaling on H200 x2 (session 13).
+        # The references run before and after the EP variants and count as their mean, so a
+        # GPU whose clocks drift under sustained load cannot favour what runs first; the drift
+        # is reported (H200 x2, session 13: -2.5 to +0.4 %, smaller than the EP variants' spread).
         own_before, full_before = references(g, False)
         ep = {}
         for c in chunks:
