@@ -133,17 +133,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 SECTIONS = ("kernels", "expert", "ffn", "routing", "saved", "layer", "small", "profile", "steady", "wgrad", "ep")
 
 
-def _int_list(p: argparse.ArgumentParser, flag: str, value: str, low: int, allowed: str = "") -> list[int]:
-    """``value`` as comma-separated integers ≥ ``low`` (``allowed``: other words accepted as-is),
-    else one line of usage error naming ``flag``."""
-    items = value.split(",")
+def _check_int_list(p: argparse.ArgumentParser, flag: str, value: str, low: int) -> None:
+    """``value`` must be comma-separated integers ≥ ``low``, else one line naming ``flag``."""
     try:
-        ints = [int(v) for v in items if v not in allowed.split(",")]
+        ints = [int(v) for v in value.split(",")]
     except ValueError:
-        p.error(f"{flag}={value!r} must be comma-separated integers{' or ' + allowed if allowed else ''}")
+        p.error(f"{flag}={value!r} must be comma-separated integers")
     if any(v < low for v in ints):
         p.error(f"{flag}={value} must be integers >= {low}")
-    return ints
 
 
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -164,14 +161,12 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error("--sections ep needs --world-size >= 1 (the ranks of the expert-parallel group)")
         if args.T % args.world_size:
             p.error(f"--T {args.T} is not divisible by --world-size {args.world_size} (T is the global token count)")
-        _int_list(p, "--ep-chunks", args.ep_chunks, 1)
-        _int_list(p, "--ep-programs", args.ep_programs, 0)
-        _int_list(p, "--ep-interleave", args.ep_interleave, 0, allowed="default")
-        _int_list(p, "--ep-delay-wgrad", args.ep_delay_wgrad, 0)
-        for flag, value in (("--ep-interleave", args.ep_interleave), ("--ep-delay-wgrad", args.ep_delay_wgrad)):
-            if any(v not in ("0", "1", "default") for v in value.split(",")) or \
-                    (flag == "--ep-delay-wgrad" and "default" in value.split(",")):
-                p.error(f"{flag}={value} must be a comma list of 0 and 1" + (" and default" if flag == "--ep-interleave" else ""))
+        _check_int_list(p, "--ep-chunks", args.ep_chunks, 1)
+        _check_int_list(p, "--ep-programs", args.ep_programs, 0)
+        for flag, value, allowed in (("--ep-interleave", args.ep_interleave, ("0", "1", "default")),
+                                     ("--ep-delay-wgrad", args.ep_delay_wgrad, ("0", "1"))):
+            if any(v not in allowed for v in value.split(",")):
+                p.error(f"{flag}={value} must be a comma list of {', '.join(allowed)}")
 
 
 def main(argv: list[str]) -> int:
