@@ -276,7 +276,7 @@ def host_cost_worker(worker: Any, params: dict) -> list[dict]:
         for name, fast in (("jit", False), ("fast", True)):
             if fast and not tr.fast_launch:
                 continue
-            buf.launcher = Launcher(fast=fast)
+            buf.launcher = Launcher(fast=fast, device=dev)
             rec[f"{name}_pair_us"] = _time(pair, iters) * 1e6
             torch.cuda.synchronize()
             dist.barrier()

@@ -103,6 +103,12 @@ def time_layer_step(worker: Any, spec: StepSpec | dict) -> dict[str, Any]:
             own.close()
 
 
+# torch's warning for one synchronising call in sync debug mode "warn" (its notice that the mode
+# is a prototype also says "Synchronization", and was counted as a sync until session 14)
+SYNC_WARNING = "called a synchronizing CUDA operation"
+SYNC_COUNT_STEPS = 3  # steady steps run again under the sync debug mode to count host syncs
+
+
 @contextlib.contextmanager
 def _host_syncs(device: torch.device):
     """Yield a list that fills with one line per synchronising torch call made inside (CUDA:
@@ -120,7 +126,7 @@ def _host_syncs(device: torch.device):
         finally:
             torch.cuda.set_sync_debug_mode(old)
     found += [f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno}: {str(w.message)[:80]}" for w in caught
-              if "synchroniz" in str(w.message)]
+              if SYNC_WARNING in str(w.message)]
 
 
 def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: int, placement: Placement,
@@ -165,19 +171,33 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
             bwd.append((t2 - t1) * 1e3)
     # steady state, as training runs: the steps back to back, no synchronisation between the
     # forward and the backward or between steps (the loop above syncs after each phase and takes
-    # each phase's max over ranks, which counts the ranks' skew at every phase boundary)
-    barrier()
-    synchronize(device)
-    t0 = time.perf_counter()
-    with _host_syncs(device) as syncs:  # torch's sync debug mode: what made the host wait
-        for _ in range(spec.iters):
+    # each phase's max over ranks, which counts the ranks' skew at every phase boundary). Timed
+    # without torch's sync debug mode, which then counts a few steps of its own.
+    def steady_steps(n: int) -> None:
+        for _ in range(n):
             out, _ = layer(x)
             out.backward(grad)
             reduce_clone_grads(layer, placement)
             push_clone_weights(layer, placement)
             layer.w13.grad = layer.w2.grad = layer.router.grad = x.grad = None
+
+    barrier()
+    synchronize(device)
+    cuda = device.type == "cuda"
+    start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else (None, None)
+    t0 = time.perf_counter()
+    if cuda:
+        start.record()
+    steady_steps(spec.iters)
+    if cuda:
+        end.record()
+    issued = time.perf_counter()
     synchronize(device)
     steady_ms = (time.perf_counter() - t0) * 1e3 / max(1, spec.iters)
+    barrier()
+    with _host_syncs(device) as syncs:  # torch's sync debug mode: what made the host wait
+        steady_steps(SYNC_COUNT_STEPS)
+    synchronize(device)
     kernels, timeline = (_profiled_step(layer, x, grad, placement, device, spec.profile_steps) if spec.profile
                          else (None, None))
     tokens, pairs = layer.pop_load()
@@ -187,8 +207,12 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
         "backward_ms": statistics.median(bwd),
         "forward_backward_ms": statistics.median([a + b for a, b in zip(fwd, bwd)]),
         "steady_step_ms": steady_ms,
-        # synchronising torch calls per steady step, and the first
-        "host_syncs_per_step": len(syncs) / max(1, spec.iters),
+        # the same loop's device time (first to last event: busy and idle) and the host's time to
+        # issue it: an issue time near the step's says the host, not the GPU, sets the pace
+        "steady_device_ms": start.elapsed_time(end) / max(1, spec.iters) if cuda else steady_ms,
+        "steady_issue_ms": (issued - t0) * 1e3 / max(1, spec.iters),
+        # synchronising torch calls per steady step (counted over SYNC_COUNT_STEPS more), and the first
+        "host_syncs_per_step": len(syncs) / SYNC_COUNT_STEPS,
         "first_host_sync": syncs[0] if syncs else "",
         "expert_tokens": tokens.tolist(), "received_pairs": float(pairs),
         "spec": asdict(spec),
@@ -357,6 +381,9 @@ def ep_layer_rows(
                      "fwd_TFLOPs": tflops(spec_ep, f), "fwd+bwd_ms": f + b,
                      "fwd+bwd_TFLOPs": tflops(spec_ep, f + b, backward=True),
                      "steady_step_ms": max(r["steady_step_ms"] for r in res),
+                     "steady_device_ms": max(r["steady_device_ms"] for r in res),
+                     "steady_issue_ms": max(r["steady_issue_ms"] for r in res),
+                     "steady_ms_per_rank": [round(r["steady_step_ms"], 3) for r in res],
                      "host_syncs_per_step": max(r["host_syncs_per_step"] for r in res),
                      "first_host_sync": next((r["first_host_sync"] for r in res if r["first_host_sync"]), "")})
     refs = [("one GPU, T/W tokens", local, spec_ep), ("one GPU, all T tokens", full, spec_full)]
@@ -367,6 +394,7 @@ def ep_layer_rows(
         rows.append({"section": "ep", "what": name, "transport": "local", "tokens": spec.tokens, "fwd_ms": f,
                      "fwd_TFLOPs": tflops(spec, f), "fwd+bwd_ms": f + b,
                      "fwd+bwd_TFLOPs": tflops(spec, f + b, backward=True), "steady_step_ms": res["steady_step_ms"],
+                     "steady_device_ms": res["steady_device_ms"], "steady_issue_ms": res["steady_issue_ms"],
                      "host_syncs_per_step": res.get("host_syncs_per_step", 0.0),
                      "first_host_sync": res.get("first_host_sync", "")})
     # Exposed communication is EP minus a rank's own compute without the exchange: T/W tokens on
@@ -421,10 +449,13 @@ def exchange_rows(results: list[dict]) -> list[dict]:
     return rows
 
 
+STEP_TIMES = ("forward_ms", "backward_ms", "steady_step_ms", "steady_device_ms", "steady_issue_ms")
+
+
 def _mean_times(before: dict, after: dict) -> dict:
     """The mean of two timings of one step (:func:`time_layer_step`'s ``*_ms`` entries; the
     later one's host synchronisations)."""
-    return {**{k: (before[k] + after[k]) / 2 for k in ("forward_ms", "backward_ms", "steady_step_ms")},
+    return {**{k: (before[k] + after[k]) / 2 for k in STEP_TIMES},
             "host_syncs_per_step": after["host_syncs_per_step"], "first_host_sync": after["first_host_sync"]}
 
 

@@ -344,7 +344,7 @@ class SymmetricBuffer:
         self.any_remote = any(self.remote)
         self.interleave_ok = bool(interleave_ok) and not self.any_remote
         self.one_sm_wait = bool(one_sm_wait) and self.any_remote
-        self.launcher = Launcher(fast=fast_launch_works(dev) if fast_launch is None else fast_launch)
+        self.launcher = Launcher(fast=fast_launch_works(dev) if fast_launch is None else fast_launch, device=dev)
         runtime.barrier()
 
     @property
@@ -366,10 +366,9 @@ class SymmetricBuffer:
         W, G = geo.world_size, geo.num_programs
         cap = capacity or geo.capacity
         R = W * cap
-        x = x.contiguous()
-        dest_rank = dest_rank.to(torch.int32).contiguous()
-        dest_slot = dest_slot.to(torch.int32).contiguous()
-        weight = weight.float().contiguous()
+        x = _contiguous(x)
+        dest_rank, dest_slot = _contiguous(dest_rank, torch.int32), _contiguous(dest_slot, torch.int32)
+        weight = _contiguous(weight, torch.float32)
         dev = x.device
         pos = torch.empty(T, W, dtype=torch.int32, device=dev)
         smeta = torch.empty(G, W, 4, dtype=torch.int32, device=dev)
@@ -385,7 +384,7 @@ class SymmetricBuffer:
 
     def combine(self, partial: torch.Tensor, layout: NVSHMEMLayout) -> torch.Tensor:
         """partial [W*C, H] → [T, H]: per token, the sum of its partial rows from every rank."""
-        partial = partial.contiguous()
+        partial = _contiguous(partial)
         out = torch.empty(layout.num_tokens, self.geo.hidden, dtype=partial.dtype, device=partial.device)
         key = self._key("combine", layout.capacity, partial, layout.pos, layout.smeta)
         self._combine_like(partial, layout, out, key, {})
@@ -394,7 +393,7 @@ class SymmetricBuffer:
     def dispatch_grad(self, grad_recv_x: torch.Tensor, grad_recv_w: torch.Tensor, layout: NVSHMEMLayout):
         """Backward of dispatch: [W*C, H], float32 [W*C, K] → gx [T, H], gw float32 [T, K]."""
         T, K = layout.num_tokens, layout.top_k
-        grad_recv_x, side = grad_recv_x.contiguous(), grad_recv_w.float().contiguous()
+        grad_recv_x, side = _contiguous(grad_recv_x), _contiguous(grad_recv_w, torch.float32)
         gx = torch.empty(T, self.geo.hidden, dtype=grad_recv_x.dtype, device=grad_recv_x.device)
         gw = torch.empty(T, K, dtype=torch.float32, device=grad_recv_x.device)
         key = self._key("dispatch_grad", layout.capacity, grad_recv_x, side, layout.pos, layout.dest_rank,
@@ -405,7 +404,7 @@ class SymmetricBuffer:
     def combine_grad(self, grad_out: torch.Tensor, layout: NVSHMEMLayout) -> torch.Tensor:
         """Backward of combine: grad_out [T, H] → [W*C, H] (zero on padding rows)."""
         geo = self.geo
-        grad_out = grad_out.contiguous()
+        grad_out = _contiguous(grad_out)
         out = torch.empty(geo.world_size * layout.capacity, geo.hidden, dtype=grad_out.dtype, device=grad_out.device)
         key = self._key("combine_grad", layout.capacity, grad_out, layout.pos)
         self._dispatch_like(grad_out, layout.pos, layout.smeta, out, self.rmeta_scratch, layout.capacity, key, {})
@@ -471,6 +470,14 @@ class SymmetricBuffer:
             for t in ch.tensors():
                 self.rt.free(t)
         self.dch = self.cch = None  # type: ignore[assignment]
+
+
+def _contiguous(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t`` in ``dtype`` (default its own) and contiguous, itself where it already is (the checks
+    cost a tenth of the no-op ``.to``/``.contiguous`` calls on the small-batch host path)."""
+    if dtype is not None and t.dtype is not dtype:
+        t = t.to(dtype)
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _with(key: tuple | None, phase: int) -> tuple | None:

@@ -969,24 +969,28 @@ class Launcher:
     (``kernel[grid](**kwargs)``: binding and specialising ~45 arguments, the cache lookup, and a
     compile the first time). With ``fast`` it keeps Triton's compiled kernel and the call's
     arguments in signature order with the per-call ones (tensors, T) blanked; every later call of
-    the key fills those in and launches the compiled kernel directly (``compiled[grid](*args)``):
-    no checks, no rebinding, no rebuilding of the constant arguments.
+    the key fills those in and launches the compiled kernel directly (:class:`DirectLaunch`): no
+    checks, no rebinding, no rebuilding of the constant arguments, and every pointer passed as an
+    integer (Triton's C launcher otherwise calls each tensor's ``data_ptr`` and asks the driver
+    about the pointer: ~25 driver calls per exchange launch).
 
     The key is the caller's promise that shapes, dtypes, constexprs and tunings equal those of the
     first call (:meth:`ray_moe.comm.nvshmem.SymmetricBuffer._key` builds it from them) and that every
     pointer is 16-byte aligned as on that call (the only pointer property Triton specialises on;
     the buffer's own tensors come from the allocator, and callers pass ``key=None`` when one of
     theirs is not aligned or empty, which takes the JIT path). Integer arguments that change per
-    call (T) are ``do_not_specialize``; the others are fixed per buffer and key.
-    ``fast`` needs a Triton whose compiled kernels launch like that: :func:`fast_launch_works`.
+    call (T) are ``do_not_specialize``; the others are fixed per buffer and key. The constant
+    tensors' addresses are kept as integers, so they must outlive the launcher (the buffer owns
+    both). ``fast`` needs a Triton whose compiled kernels launch like that: :func:`fast_launch_works`.
 
     ``calls`` counts launches by path ("jit", "fast") for tests and benchmarks.
     """
 
-    def __init__(self, fast: bool) -> None:
+    def __init__(self, fast: bool, device: torch.device | None = None) -> None:
         self.fast = fast
+        self.device = device
         self._fixed: dict[tuple, dict] = {}  # key -> the checked constant arguments
-        self._entries: dict[tuple, tuple] = {}  # key -> (runner, template, [(index, name)]) with fast
+        self._entries: dict[tuple, tuple] = {}  # key -> (launch, template, [(index, name)]) with fast
         self.calls = {"jit": 0, "fast": 0}
 
     def knows(self, key: tuple | None) -> bool:
@@ -1004,11 +1008,12 @@ class Launcher:
             entry = self._entries.get(key)
             if entry is not None:
                 self.calls["fast"] += 1
-                runner, template, slots = entry
+                run, template, slots = entry
                 args = list(template)
                 for i, name in slots:
-                    args[i] = varying[name]
-                runner(*args)
+                    v = varying[name]
+                    args[i] = v.data_ptr() if isinstance(v, torch.Tensor) else v
+                run(*args)
                 return
             fixed_kw = self._fixed.get(key)
         new = fixed_kw is None
@@ -1023,8 +1028,68 @@ class Launcher:
         if self.fast and hasattr(compiled, "__getitem__") and hasattr(compiled, "function"):
             names = kernel.arg_names
             slots = [(i, n) for i, n in enumerate(names) if n in varying]
-            template = tuple(None if n in varying else kwargs[n] for n in names)
-            self._entries[key] = (compiled[tuple(grid) + (1,) * (3 - len(grid))], template, slots)
+            template = tuple(None if n in varying else _pointer_as_int(kwargs[n]) for n in names)
+            grid3 = tuple(grid) + (1,) * (3 - len(grid))
+            self._entries[key] = (DirectLaunch.of(compiled, grid3, self.device), template, slots)
+
+
+def _pointer_as_int(v):
+    """A tensor argument as its address (Triton's launchers take integers for pointers as they are)."""
+    return v.data_ptr() if isinstance(v, torch.Tensor) else v
+
+
+class DirectLaunch:
+    """One compiled Triton kernel on one grid, launched with the fewest host steps: the current
+    stream of ``device`` read through torch's raw-stream call, then Triton's C launcher. Triton's
+    own ``compiled[grid](*args)`` also looks up the current device, builds launch metadata and
+    reads the launch hooks through its knobs: ~5 µs per launch. Where a launch hook is set (a
+    profiler such as proton) each launch goes through Triton's path, so the hooks still fire.
+
+    :meth:`of` falls back to ``compiled[grid]`` on a Triton without ``run``/``packed_metadata``
+    (:func:`fast_launch_works` checks the path on the device before any buffer uses it).
+    """
+
+    __slots__ = ("_run", "_function", "_packed", "_grid", "_index", "_hooks", "_fallback", "_stream")
+
+    def __init__(self, compiled, grid3: tuple[int, int, int], device: torch.device,
+                 raw_stream: Callable[[int], int] | None = None) -> None:
+        self._fallback = compiled[grid3]  # (also loads the module: run/function exist after it)
+        self._run, self._function, self._packed = compiled.run, compiled.function, compiled.packed_metadata
+        self._stream = raw_stream or torch._C._cuda_getCurrentRawStream  # the current stream's handle
+        self._grid, self._index = grid3, device.index if device.index is not None else torch.cuda.current_device()
+        self._hooks = _launch_hooks()
+
+    @classmethod
+    def of(cls, compiled, grid3: tuple[int, int, int], device: torch.device | None) -> Callable:
+        if device is None or device.type != "cuda":
+            return compiled[grid3]
+        try:
+            return cls(compiled, grid3, device)
+        except (AttributeError, ImportError):
+            return compiled[grid3]
+
+    def __call__(self, *args) -> None:
+        hooks = self._hooks
+        if _hook_set(hooks.launch_enter_hook) or _hook_set(hooks.launch_exit_hook):
+            self._fallback(*args)
+            return
+        gx, gy, gz = self._grid
+        self._run(gx, gy, gz, self._stream(self._index), self._function, self._packed, None, None, None, *args)
+
+
+def _hook_set(hook) -> bool:
+    """Whether a Triton launch hook is set: a callable (Triton 3.6) or a non-empty HookChain (later)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _launch_hooks():
+    """Where this Triton keeps its launch hooks (``knobs.runtime``; the CompiledKernel class before)."""
+    try:
+        from triton import knobs
+        return knobs.runtime
+    except ImportError:
+        from triton.compiler.compiler import CompiledKernel
+        return CompiledKernel
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -1035,17 +1100,21 @@ def _probe_kernel(out_ptr, n, B: tl.constexpr, a_ptr, c):
 
 def fast_launch_works(device: torch.device) -> bool:
     """Whether this Triton's compiled kernels launch as :class:`Launcher` calls them (every
-    argument in signature order, constexprs included): a small kernel launched through the JIT,
-    then its compiled kernel with other values, and both results checked (one host sync; False
-    on any error or difference, and on the CPU)."""
+    argument in signature order, constexprs included, pointers as integers, through
+    :class:`DirectLaunch`): a small kernel launched through a Launcher's JIT path, then its fast
+    path with other values, and both results checked (one host sync; False on any error or
+    difference, and on the CPU)."""
     if device.type != "cuda":
         return False
     try:
         a = torch.arange(16, dtype=torch.int32, device=device)
         first, second = torch.zeros_like(a), torch.zeros_like(a)
-        compiled = _probe_kernel[(1,)](first, 3, 16, a, 5)
-        compiled[(1, 1, 1)](second, 7, 16, a, 5)
+        launcher = Launcher(fast=True, device=device)
+        for out, n in ((first, 3), (second, 7)):
+            launcher.launch(_probe_kernel, (1,), {"out_ptr": out, "n": n}, lambda: {"B": 16, "a_ptr": a, "c": 5},
+                            4, ("probe",))
         torch.cuda.synchronize(device)
-        return bool(torch.equal(first, a * 3 + 5) and torch.equal(second, a * 7 + 5))
+        return bool(launcher.calls == {"jit": 1, "fast": 1} and torch.equal(first, a * 3 + 5)
+                    and torch.equal(second, a * 7 + 5))
     except Exception:  # another Triton: launch through the JIT
         return False

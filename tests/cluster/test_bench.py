@@ -37,7 +37,11 @@ def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
         assert d["scaling_if_hidden_fwd"] > 0 and d["scaling_if_hidden_fwd+bwd"] > 0
         assert d["scaling_eff_steady"] > 0 and "exposed_comm_frac_steady" in d
         assert -1 < d["reference_drift"] < 10  # the references timed before and after the variants
-    assert all(r["steady_step_ms"] > 0 for r in rows if r["section"] == "ep" and r["what"] != "derived")
+    timed = [r for r in rows if r["section"] == "ep" and r["what"] != "derived"]
+    assert all(r["steady_step_ms"] > 0 and 0 < r["steady_issue_ms"] <= r["steady_step_ms"] * 1.01
+               and r["steady_device_ms"] > 0 for r in timed)
+    assert all(len(r["steady_ms_per_rank"]) == 2 and max(r["steady_ms_per_rank"]) == round(r["steady_step_ms"], 3)
+               for r in ep)
     # the steady loop's synchronising calls are counted on CUDA only (torch's sync debug mode)
     assert all(r["host_syncs_per_step"] == 0 for r in rows if r["section"] == "ep" and r["what"] != "derived")
     # --ep-profile: the first variant's operators (on the CPU) against a rank's own compute, the

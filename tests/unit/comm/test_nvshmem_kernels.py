@@ -200,6 +200,56 @@ def test_launcher_checks_and_binds_once_per_key_then_launches_the_compiled_kerne
     assert [kw["c"] for _, _, kw in calls] == [50, 5, 5]
 
 
+
+def test_direct_launch_calls_tritons_launcher_with_the_current_stream_unless_a_hook_is_set():
+    """DirectLaunch: the compiled kernel's C launcher with the grid, the device's current stream and
+    no launch metadata; with a launch hook set (a profiler) Triton's own path, so the hook fires;
+    a Launcher passes every tensor argument as its address."""
+    pytest.importorskip("triton")
+    from ray_moe.comm import nvshmem_kernels as nk
+
+    runs, fallbacks = [], []
+
+    class Compiled:
+        function, packed_metadata = "fn", "meta"
+
+        def run(self, *args):
+            runs.append(args)
+
+        def __getitem__(self, grid):
+            return lambda *args: fallbacks.append((grid, args))
+
+    direct = nk.DirectLaunch(Compiled(), (4, 1, 1), torch.device("cuda", 1), raw_stream=lambda i: 100 + i)
+    direct(1, 2)
+    assert runs == [(4, 1, 1, 101, "fn", "meta", None, None, None, 1, 2)] and fallbacks == []
+    hooks = nk._launch_hooks()
+    old = hooks.launch_enter_hook
+    try:
+        hook = lambda meta: None  # noqa: E731
+        if hasattr(old, "add"):  # a HookChain (Triton > 3.6): always there, empty by default
+            old.add(hook)
+        else:
+            hooks.launch_enter_hook = hook
+        direct(3)
+    finally:
+        if hasattr(old, "remove"):
+            old.remove(hook)
+        hooks.launch_enter_hook = old
+    assert fallbacks == [((4, 1, 1), (3,))] and len(runs) == 1
+
+    class Kernel:
+        arg_names = ["a_ptr", "n", "b_ptr"]
+
+        def __getitem__(self, grid):
+            return lambda **kw: Compiled()
+
+    launcher = nk.Launcher(fast=True)  # no CUDA device: Triton's compiled[grid] path
+    a, b = torch.zeros(4), torch.ones(4)
+    for n in (1, 2):
+        launcher.launch(Kernel(), (4,), dict(a_ptr=a, n=n), lambda: dict(b_ptr=b), 4, ("k",))
+    assert fallbacks[-1] == ((4, 1, 1), (a.data_ptr(), 2, b.data_ptr()))
+
+
 _W1_SCRIPT = r"""
 import os, time
 os.environ["TRITON_INTERPRET"] = "1"
