@@ -173,24 +173,25 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
     # forward and the backward or between steps (the loop above syncs after each phase and takes
     # each phase's max over ranks, which counts the ranks' skew at every phase boundary). Timed
     # without torch's sync debug mode, which then counts a few steps of its own.
-    def steady_steps(n: int) -> None:
+    def steady_steps(n: int, marks: list | None = None) -> None:
         for _ in range(n):
             out, _ = layer(x)
             out.backward(grad)
             reduce_clone_grads(layer, placement)
             push_clone_weights(layer, placement)
             layer.w13.grad = layer.w2.grad = layer.router.grad = x.grad = None
+            if marks is not None:
+                marks.append(torch.cuda.Event(enable_timing=True))
+                marks[-1].record()
 
     barrier()
     synchronize(device)
     cuda = device.type == "cuda"
-    start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else (None, None)
+    marks = [torch.cuda.Event(enable_timing=True)] if cuda else None  # one event per step boundary
     t0 = time.perf_counter()
     if cuda:
-        start.record()
-    steady_steps(spec.iters)
-    if cuda:
-        end.record()
+        marks[0].record()
+    steady_steps(spec.iters, marks)
     issued = time.perf_counter()
     synchronize(device)
     steady_ms = (time.perf_counter() - t0) * 1e3 / max(1, spec.iters)
@@ -209,7 +210,9 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
         "steady_step_ms": steady_ms,
         # the same loop's device time (first to last event: busy and idle) and the host's time to
         # issue it: an issue time near the step's says the host, not the GPU, sets the pace
-        "steady_device_ms": start.elapsed_time(end) / max(1, spec.iters) if cuda else steady_ms,
+        "steady_device_ms": marks[0].elapsed_time(marks[-1]) / max(1, spec.iters) if cuda else steady_ms,
+        # each steady step's device time, in order (does the loop slow down, or one step?)
+        "steady_device_steps_ms": [round(a.elapsed_time(b), 3) for a, b in zip(marks, marks[1:])] if cuda else [],
         "steady_issue_ms": (issued - t0) * 1e3 / max(1, spec.iters),
         # synchronising torch calls per steady step (counted over SYNC_COUNT_STEPS more), and the first
         "host_syncs_per_step": len(syncs) / SYNC_COUNT_STEPS,
@@ -384,6 +387,7 @@ def ep_layer_rows(
                      "steady_device_ms": max(r["steady_device_ms"] for r in res),
                      "steady_issue_ms": max(r["steady_issue_ms"] for r in res),
                      "steady_ms_per_rank": [round(r["steady_step_ms"], 3) for r in res],
+                     "steady_device_steps_ms_per_rank": [r["steady_device_steps_ms"] for r in res],
                      "host_syncs_per_step": max(r["host_syncs_per_step"] for r in res),
                      "first_host_sync": next((r["first_host_sync"] for r in res if r["first_host_sync"]), "")})
     refs = [("one GPU, T/W tokens", local, spec_ep), ("one GPU, all T tokens", full, spec_full)]

@@ -4,6 +4,7 @@
 - :mod:`grouped_swiglu`: grouped GEMMs (gather-fused gate/up with SwiGLU epilogue, down, and
   their backward GEMMs) over pairs grouped by slot.
 - :mod:`gather_sum`: the weighted combine back to rows.
+- :mod:`empty_groups`: zeroes the weight gradients of experts that got no rows (only those).
 - :mod:`expert_ffn`: ``expert_ffn_triton``, the autograd Function tying them together.
 """
 

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ray_moe.kernels.empty_groups import zero_empty_groups
 from ray_moe.kernels.gather_sum import gather_pair_rows
 from ray_moe.kernels.routing import PairLayout
 from ray_moe.kernels.tiles import (
@@ -585,7 +586,9 @@ def grouped_wgrad_mm(
     tensor, its valid positions only: :func:`~ray_moe.kernels.gather_sum.gather_pair_rows`),
     which the Triton kernel avoids; in exchange the GEMM runs at cuBLAS/CUTLASS speed.
     Positions past the last group are never read (``offs`` ends there). Slots with no pairs are
-    zeroed explicitly rather than trusting the library with empty groups.
+    zeroed explicitly rather than trusting the library with empty groups, and only those
+    (:func:`~ray_moe.kernels.empty_groups.zero_empty_groups`: a masked fill over every slot cost
+    a full pass over the gradient).
 
     Args/returns as :func:`grouped_wgrad`; needs rows of 16-byte multiples (library rule).
     """
@@ -600,8 +603,7 @@ def grouped_wgrad_mm(
     b = gather_pair_rows(b_src, layout, top_k) if gather_b else b_src
     offs = layout.offsets[1:].contiguous()
     out = torch._grouped_mm(a.t(), b, offs=offs)
-    empty = layout.offsets[1:] == layout.offsets[:-1]
-    return out.masked_fill_(empty[:, None, None], 0)
+    return zero_empty_groups(out, layout.offsets)
 
 
 # ---------------------------------------------------------------------------------------------

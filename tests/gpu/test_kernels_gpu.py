@@ -227,6 +227,36 @@ def test_gather_pair_rows_copies_the_valid_positions():
     assert torch.equal(out[:nv], gather_pair_rows_reference(x, lay, K))
 
 
+def test_zero_empty_groups_touches_only_the_empty_groups():
+    """A weight gradient's shape (32 groups of 3072 x 4096 bf16) filled with NaN: the empty groups
+    (first, middle, last) become 0, every other group keeps its NaN (not read, not written), also
+    replayed from a CUDA graph with other empty groups."""
+    from ray_moe.kernels.empty_groups import zero_empty_groups
+
+    S, M, N = 32, 3072, 4096
+    out = torch.full((S, M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+
+    def offsets(empty):
+        counts = torch.ones(S, dtype=torch.int32)
+        counts[list(empty)] = 0
+        return torch.cat([torch.zeros(1, dtype=torch.int32), counts.cumsum(0).to(torch.int32)]).cuda()
+
+    def check(empty):
+        nan = out.isnan().flatten(1).all(1).cpu()
+        zero = (out == 0).flatten(1).all(1).cpu()
+        assert zero[list(empty)].all() and nan[[s for s in range(S) if s not in empty]].all()
+
+    offs = offsets({0, 13, 31})
+    zero_empty_groups(out, offs)
+    check({0, 13, 31})
+    out.fill_(float("nan"))
+    graph, _ = capture_graph(lambda: zero_empty_groups(out, offs))
+    out.fill_(float("nan"))
+    offs.copy_(offsets({5}))
+    graph.replay()
+    check({5})
+
+
 def _needs_quack():
     from ray_moe.kernels.quack_wgrad import quack_available
 

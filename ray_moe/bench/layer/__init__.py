@@ -60,7 +60,7 @@ def ep_rows(shape: LayerShape, args: argparse.Namespace) -> list[dict]:
 
 def _print_table(rows: list[dict]) -> None:
     """One table per kind of row (the rows of a kind share columns: a profile's kernels do not
-    share the timing rows'), in order of first appearance."""
+    share the timing rows'), in order of first appearance. Per-step lists stay in the JSON only."""
     from tabulate import tabulate
 
     kinds: dict[str, list[dict]] = {}
@@ -70,7 +70,7 @@ def _print_table(rows: list[dict]) -> None:
     for group in kinds.values():
         cols: list[str] = []
         for r in group:
-            cols += [k for k in r if k not in cols]
+            cols += [k for k, v in r.items() if k not in cols and not isinstance(v, list)]
         print(tabulate([[r.get(c, "") for c in cols] for r in group], headers=cols, floatfmt=".3f"))
 
 
