@@ -283,6 +283,7 @@ class TrainConfig:
     master_weights: bool = True  # fp32 masters + fp32 AdamW state; false: update compute-dtype params
     optimizer_impl: str = "auto"  # auto (onepass on CUDA, foreach elsewhere) | onepass | fused | foreach | for_loop
     optimizer_state_dtype: str = "float32"  # AdamW moments: float32 | bfloat16 (DeepSeek-V3; needs master_weights)
+    overlap_update: bool = False  # CUDA: the update on a side stream beside the next forward, block by block
     loss_impl: str = "auto"  # auto (fused on CUDA, else liger there, else chunked) | chunked | fused | liger
     loss_chunk: int = 0  # rows per chunk of the chunked and fused LM loss; 0 = automatic (per impl)
 
@@ -318,6 +319,8 @@ class TrainConfig:
         if self.optimizer_state_dtype == "bfloat16" and not self.master_weights:
             raise ConfigError("train.optimizer_state_dtype=bfloat16 needs train.master_weights=true "
                               "(the moments are updated in float32 beside float32 masters)")
+        if not isinstance(self.overlap_update, bool):
+            raise ConfigError(f"train.overlap_update={self.overlap_update!r} must be true or false")
         _choice("train.loss_impl", self.loss_impl, ("auto", "chunked", "fused", "liger"))
         _positive("train.loss_chunk", self.loss_chunk, allow_zero=True)
 

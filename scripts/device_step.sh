@@ -9,8 +9,9 @@
 #            (--titan-ac full matches model.activation_checkpointing=full); issue 26's step target
 #            (<= 0.8x torchtitan compiled), the rest outside the layers (<= 80 ms) and the layer
 #            (<= 38 ms) come from the 2- and 4-layer rows of one run
-#   moments  bench precision --sections step with fp32 and bf16 AdamW moments (issue 27: the
-#            optimizer <= 8 % of the step with bf16 moments)
+#   moments  bench precision --sections step with fp32 and bf16 AdamW moments, each also with
+#            train.overlap_update (MOMENT_VARIANTS; issue 27: the optimizer <= 8 % of the step with
+#            bf16 moments; optimizer_exposed_pct is the part nothing hides)
 #   sonic    the MoE layer beside SonicMoE at E=128 and E=64 (issue 26: forward+backward <= 0.95x);
 #            SonicMoE's GEMM autotuning outlasts a 10-minute call unless its compiled configs are
 #            carried: build them first without a GPU (`bench layer --E 128 --sonic-precompile DIR`
@@ -37,7 +38,7 @@ if has train; then
     2>&1 | tee "$OUT/bench_train.log" | tail -20
 fi
 if has moments; then
-  timeout ${T_MOMENTS:-180} python3 -m ray_moe.cli bench precision --sections step --variants new,bf16_moments \
+  timeout ${T_MOMENTS:-240} python3 -m ray_moe.cli bench precision --sections step --variants ${MOMENT_VARIANTS:-new,bf16_moments,bf16_moments_overlap,new_overlap} \
     --json "$OUT/bench_moments.json" 2>&1 | tee "$OUT/bench_moments.log" | tail -8
 fi
 if has sonic; then

@@ -12,8 +12,14 @@ step   One rank (W = 1) through ``Engine.train_step`` with ``LocalTransport``: w
          new_foreach  the same with foreach AdamW (what runs where the fused kernel does not)
          bf16_moments float32 masters, bf16 AdamW moments (``train.optimizer_state_dtype=bfloat16``):
                       every parameter through the one-pass kernel
+         *_overlap    a variant with ``train.overlap_update=true``: the update on a side stream
+                      beside the next step's forward (CUDA)
        Columns: medians over ``--iters`` steps after ``--warmup``; optimizer = grad_sync (master
        gradients, cross-rank reduction, norm) + update (clipping, AdamW, masters → parameters).
+       ``optimizer_exposed_pct``: the optimizer's share of the step that nothing hides. In place it
+       is ``optimizer_pct``; for an ``*_overlap`` variant, whose update runs inside the next step's
+       forward, it is its step minus its base variant's step without the optimizer
+       (``step - (base step - base optimizer)``), so the base must run in the same call.
 curve  ``--curve-steps`` training steps (default 300) of the same model and data with float32 and
        with bf16 AdamW moments (variants ``new`` and ``bf16_moments``): every step's loss, and the
        largest gap of their ``--curve-window``-step running means (the 300-step comparison
@@ -47,7 +53,10 @@ VARIANTS = MappingProxyType({  # step variant → config overrides
     "new_fused": ("train.optimizer_impl=fused",),
     "new_foreach": ("train.optimizer_impl=foreach",),
     "bf16_moments": ("train.optimizer_state_dtype=bfloat16",),  # every parameter through the one-pass kernel
+    "new_overlap": ("train.overlap_update=true",),  # the update beside the next forward
+    "bf16_moments_overlap": ("train.optimizer_state_dtype=bfloat16", "train.overlap_update=true"),
 })
+OVERLAP = "_overlap"
 TIME_KEYS = ("forward", "backward", "optimizer", "grad_sync", "update", "step")
 
 
@@ -99,6 +108,21 @@ def step_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         print(f"  step {variant}: {med['step']:.1f} ms, optimizer {med['optimizer']:.1f} ms", flush=True)
         del engine, results
         free(device)
+    return exposed_optimizer(rows)
+
+
+def exposed_optimizer(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Adds ``optimizer_exposed_ms``/``_pct`` to step rows (see the module docstring): an
+    ``*_overlap`` row's step minus its base row's step without the optimizer; None where the base
+    did not run."""
+    by = {r["variant"]: r for r in rows}
+    for r in rows:
+        exposed = r["optimizer_ms"]
+        if r["variant"].endswith(OVERLAP):
+            base = by.get(r["variant"][: -len(OVERLAP)])
+            exposed = None if base is None else r["step_ms"] - (base["step_ms"] - base["optimizer_ms"])
+        r["optimizer_exposed_ms"] = exposed
+        r["optimizer_exposed_pct"] = None if exposed is None else 100 * exposed / r["step_ms"]
     return rows
 
 
@@ -240,7 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         out["step"] = step_rows(args)
         print(f"\ntraining step, W=1: d_model {args.d_model}, {args.layers} layers, E={args.experts}, "
               f"top-{args.top_k}, I={args.expert_hidden}, {args.tokens} tokens, {args.dtype} (medians, ms)")
-        cols = ["variant"] + [f"{k}_ms" for k in TIME_KEYS] + ["optimizer_pct", "optimizer_impl", "peak_gib"]
+        cols = ["variant"] + [f"{k}_ms" for k in TIME_KEYS] + ["optimizer_pct", "optimizer_exposed_pct",
+                                                               "optimizer_impl", "peak_gib"]
         print(tabulate([[r[c] for c in cols] for r in out["step"]], headers=cols, floatfmt=".1f"))
     if "curve" in sections:
         out["curve"] = curve_rows(args)

@@ -40,6 +40,7 @@ from ray_moe.placement.placement import Placement, expert_shard
 from ray_moe.topology import RankInfo
 from ray_moe.worker.data import open_corpus
 from ray_moe.worker.optim import STATE_DTYPES, MixedPrecisionAdamW, no_weight_decay
+from ray_moe.worker.overlap import UpdateOverlap
 from ray_moe.worker.zero import ShardedReplicatedState
 
 
@@ -117,6 +118,8 @@ class Engine:
         # gradients are reduced as sums; the mean's 1/W is folded into the update's gradient scale
         self.grad_divisor = self.world_size if self.distributed else 1
         self.transport.timer.enabled = True  # communication time in the step breakdown
+        # train.overlap_update: the update beside the next forward (CUDA; in place elsewhere)
+        self.overlap = self._update_overlap() if t.overlap_update and device.type == "cuda" else None
         self.step = 0  # steps taken (skipped ones included) == the data position
         self.opt_steps = 0  # optimizer updates applied (Adam's bias-correction counter)
         self.skipped = 0
@@ -133,6 +136,20 @@ class Engine:
             group=dist.new_group(list(range(self.world_size))), weight_decay=t.weight_decay,
             betas=(t.beta1, t.beta2), eps=t.eps, state_dtype=STATE_DTYPES[t.optimizer_state_dtype],
             bucket_size=self.config.parallel.grad_bucket_size, shard_grads=self.config.parallel.zero_stage >= 2)
+
+    def _update_overlap(self) -> UpdateOverlap:
+        """The side stream and block events of ``train.overlap_update`` over the one-pass
+        parameters; blocks with clone slots wait for the whole update (their clones are refreshed
+        after it)."""
+        named = self.optimizer.one_pass_named()
+        late = {1 + layer.layer_idx for layer in self.model.moe_layers() if layer.placement.clone_slots}
+        return UpdateOverlap(self.model, [n for n, _ in named], [p for _, p in named], self.device, late)
+
+    def settle(self) -> None:
+        """Let the current stream wait for a pending overlapped update (before anything reads the
+        parameters or the optimizer state outside a training step's forward)."""
+        if self.overlap is not None:
+            self.overlap.wait_all()
 
     def describe(self) -> ModelReport:
         layers = self.model.moe_layers()
@@ -174,6 +191,8 @@ class Engine:
              mark: Callable[[str], None] = _no_mark) -> tuple[torch.Tensor, torch.Tensor]:
         """x, y: int64 [B, L] inputs and next-token targets → (mean cross-entropy, aux loss);
         ``mark``: called after the decoder ("forward") and after the LM head + loss."""
+        if self.overlap is not None:  # the embeddings' update; each block waits for its own
+            self.overlap.wait_group(0)
         h, aux = self.model.hidden_states(x)
         mark("forward")
         ce = lm_loss(h.reshape(-1, h.shape[-1]), self.model.lm_head.weight, y.reshape(-1),
@@ -218,11 +237,13 @@ class Engine:
         if finite:
             clip = self.config.train.grad_clip
             scale = (clip / (grad_norm + 1e-6) if clip > 0 and grad_norm > clip else 1.0) / self.grad_divisor
-            self.optimizer.step(lr, scale)
+            if self.overlap is not None:  # on a side stream; the next forward waits block by block
+                self.overlap.launch(lambda done: self._update(lr, scale, done), self.optimizer.pending_grads())
+            else:
+                self._update(lr, scale)
             if self.zero:
                 self.zero.step(lr, scale)
             self.opt_steps += 1
-            self.push_clones()
             self.update_routing_bias()
         else:  # weights and optimizer state untouched
             skipped = True
@@ -230,7 +251,10 @@ class Engine:
             self.optimizer.drop_grads()
         self.step += 1
         mark("optimizer")
-        synchronize(self.device)
+        if self.overlap is not None:  # this stream only: the update stays in flight
+            torch.cuda.current_stream(self.device).synchronize()
+        else:
+            synchronize(self.device)
         self.transport.check()  # device-side timeouts become an error naming the cause
         t3 = time.perf_counter()
         return {
@@ -242,11 +266,19 @@ class Engine:
                      "step": t3 - t0, "comm": self.transport.timer.pop()},
         }
 
+    def _update(self, lr: float, scale: float, done: Callable[[torch.Tensor], None] | None = None) -> None:
+        """The optimizer's update, then the clone slots refreshed from their owners."""
+        self.optimizer.step(lr, scale, done)
+        self.push_clones()
+
     def close(self) -> None:
         """Release what outlives the engine's memory: the ZeRO state's gradient hooks and its
         process group (a new engine on the same ranks makes its own; without this every engine
         built on a group, e.g. one per Trainer on a kept group, would leave a communicator
         behind). Every rank calls it (the group's destruction is local). Idempotent."""
+        if getattr(self, "overlap", None) is not None:
+            self.overlap.close()
+            self.overlap = None
         if self.zero is not None:
             self.zero.close()
             if self.distributed and dist.is_initialized():
@@ -335,6 +367,7 @@ class Engine:
         V = self.model.lm_head.weight.shape[0]
         if min(prompt) < 0 or max(prompt) >= V:
             raise ValueError(f"prompt token ids must be in [0, {V}), got min {min(prompt)}, max {max(prompt)}")
+        self.settle()
         self.model.eval()
         gen = torch.Generator().manual_seed(seed)
         ids = list(prompt)
@@ -363,6 +396,7 @@ class Engine:
     @torch.no_grad()
     def evaluate(self, batches: int | None = None) -> float:
         """Mean validation loss over ``batches`` fixed global batches (same on every rank)."""
+        self.settle()
         self.model.eval()
         n = batches or self.config.train.eval_batches
         total = torch.zeros((), dtype=torch.float64)
@@ -388,6 +422,7 @@ class Engine:
 
         Returns the bytes of clone weights this rank received.
         """
+        self.settle()
         layers = self.model.moe_layers()
         if len(placements) != len(layers):
             raise ValueError(f"got {len(placements)} placements for {len(layers)} MoE layers")
@@ -404,6 +439,7 @@ class Engine:
     def shard_state(self) -> dict[str, torch.Tensor]:
         """This rank's part of a checkpoint (schema: :mod:`ray_moe.checkpoint`): the float32 master
         weights under the parameters' names, their AdamW state, and the persistent buffers."""
+        self.settle()
         named, state = self.optimizer.named_masters(), dict(self.optimizer.state)
         if self.zero:  # the replicated masters and moments, whole on rank 0 (a collective)
             for name, whole in self.zero.gather_state().items():
@@ -416,6 +452,7 @@ class Engine:
         """Load a full checkpoint (all ranks' tensors merged) into this rank's shard; every layer
         goes back to its native placement (checkpoints hold native experts only). Fills the master
         weights (a checkpoint of compute-dtype weights is upcast) and refreshes the parameters."""
+        self.settle()
         for layer in self.model.moe_layers():
             layer.set_placement(Placement.native(layer.num_experts, self.world_size, layer.placement.clone_slots))
         named = self.optimizer.named_masters()

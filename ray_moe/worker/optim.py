@@ -41,7 +41,7 @@ one), and bare parameters whose name says they are an embedding table (``pos_emb
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from types import MappingProxyType
 
 import torch
@@ -219,10 +219,25 @@ class MixedPrecisionAdamW:
             if id(p) in self._one_pass_ids:
                 p.grad = None
 
+    def one_pass_named(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, compute parameter) of the parameters the one-pass kernel updates, in the order
+        :meth:`step` updates them (after every other parameter)."""
+        names = {id(p): n for n, p in zip(self.names, self.params, strict=True)}
+        return [(names[id(p)], p) for p, _, _ in self._one_pass]
+
+    def pending_grads(self) -> list[torch.Tensor]:
+        """Every gradient the next :meth:`step` reads (compute-dtype and float32 master ones)."""
+        return [g for p, m in zip(self.params, self.masters, strict=True)
+                for g in ({id(p.grad): p.grad, id(m.grad): m.grad}.values()) if g is not None]
+
     @torch.no_grad()
-    def step(self, lr: float, clip_coef: float = 1.0) -> None:
+    def step(self, lr: float, clip_coef: float = 1.0,
+             done: Callable[[torch.Tensor], None] | None = None) -> None:
         """One AdamW update of the masters with gradients scaled by ``clip_coef`` (≤ 1: the global
-        norm clipping), then the compute parameters ← the masters (rounded to their dtype)."""
+        norm clipping), then the compute parameters ← the masters (rounded to their dtype).
+        Torch's AdamW goes first (with its parameters' refresh), then the one-pass parameters one by
+        one, in :meth:`one_pass_named`'s order; ``done(param)`` is called after each of those
+        (:class:`ray_moe.worker.overlap.UpdateOverlap` records its block events there)."""
         for group in self.inner.param_groups:
             group["lr"] = lr
         if clip_coef != 1.0:  # (the one-pass kernel scales its own gradients as it reads them)
@@ -236,12 +251,13 @@ class MixedPrecisionAdamW:
             self.inner.step()
         finally:
             self.inner.grad_scale = None
-        self._one_pass_step(lr, clip_coef)
         if self._refreshed:  # compute parameters ← the updated masters, rounded to their dtype
             torch._foreach_copy_([p for p, _ in self._refreshed], [m for _, m in self._refreshed])
+        self._one_pass_step(lr, clip_coef, done)
         self.drop_grads()
 
-    def _one_pass_step(self, lr: float, clip_coef: float) -> None:
+    def _one_pass_step(self, lr: float, clip_coef: float,
+                       done: Callable[[torch.Tensor], None] | None = None) -> None:
         from ray_moe.worker.adamw_kernel import adamw_step
 
         b1, b2 = self.betas
@@ -255,6 +271,8 @@ class MixedPrecisionAdamW:
             grad = p.grad if id(p) in self._one_pass_ids else m.grad
             adamw_step(grad, m, state["exp_avg"], state["exp_avg_sq"], p, lr=lr, beta1=b1, beta2=b2,
                        eps=self.eps, weight_decay=decay, step=int(state["step"]), grad_scale=clip_coef)
+            if done is not None:
+                done(p)
 
     @torch.no_grad()
     def loaded(self) -> None:

@@ -201,3 +201,45 @@ def test_engine_with_bf16_moments_on_cuda_resumes_exactly(tmp_path):
         resumed = Engine(cfg, single_rank(), LocalTransport(), CUDA, cfg.resolve_arch())
         resumed.load_state(saved, step=3, opt_steps=3)
         assert [resumed.train_step()["loss"] for _ in range(3)] == uninterrupted
+
+
+@pytest.mark.parametrize("moments", ["float32", "bfloat16"])
+def test_overlapped_update_equals_the_update_in_place(tmp_path, moments):
+    """train.overlap_update: the update on a side stream, each block of the next forward waiting
+    for its own parameters. Six steps (full recompute, an evaluation and a checkpoint between them)
+    give bit-identical losses, parameters and optimizer state to the update in place; after a
+    step the update is still in flight (nothing waited for it), after an evaluation it is not."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ray_moe.comm.local import LocalTransport
+    from ray_moe.worker.engine import Engine
+    from tests.support import single_rank, small_config
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(Path(__file__).read_bytes() * 4)
+    runs = {}
+    for overlap in (False, True):
+        cfg = small_config(tmp_path, world_size=1, **{
+            "data.paths": str(corpus), "model.dtype": "bfloat16", "parallel.device": "cuda",
+            "moe.expert_impl": "loop", "model.n_layers": 3, "model.activation_checkpointing": "full",
+            "train.optimizer_state_dtype": moments, "train.overlap_update": overlap})
+        with sdpa_kernel(SDPBackend.MATH):
+            e = Engine(cfg, single_rank(), LocalTransport(), CUDA, cfg.resolve_arch())
+            assert (e.overlap is not None) == overlap
+            losses = []
+            for i in range(6):
+                losses.append(e.train_step()["loss"])
+                if overlap:
+                    assert e.overlap.pending
+                if i == 2:
+                    losses.append(e.evaluate(2))
+                    assert not overlap or not e.overlap.pending
+                    saved = e.shard_state()
+            state = {k: v.clone() for k, v in e.shard_state().items()}
+            e.close()
+        runs[overlap] = (losses, state, saved)
+    assert runs[True][0] == runs[False][0]
+    for k, v in runs[False][1].items():
+        assert torch.equal(runs[True][1][k], v), k
+    for k, v in runs[False][2].items():
+        assert torch.equal(runs[True][2][k], v), k

@@ -14,17 +14,20 @@ def test_bench_precision_rows_on_cpu(tmp_path):
     corpus.write_bytes(Path(precision.__file__).read_bytes() * 2)
     out = tmp_path / "precision.json"
     assert precision.main([
-        "--device", "cpu", "--variants", "old,new", "--layers", "1", "--d-model", "16", "--heads", "2",
+        "--device", "cpu", "--variants", "old,new,new_overlap", "--layers", "1", "--d-model", "16", "--heads", "2",
         "--experts", "4", "--top-k", "2", "--expert-hidden", "8", "--tokens", "32", "--seq-len", "16",
         "--data-paths", str(corpus), "--warmup", "0", "--iters", "1", "--loss-tokens", "19", "--vocab", "37",
         "--loss-iters", "1", "--json", str(out),
     ]) == 0
     rows = json.loads(out.read_text())
-    old, new = rows["step"]
+    old, new, overlap = rows["step"]
     assert (old["master_weights"], old["optimizer_impl"]) == (False, "for_loop")
     assert (new["master_weights"], new["optimizer_impl"]) == (True, "foreach")  # fused is CUDA-only in auto
     for r in (old, new):
         assert 0 < r["optimizer_ms"] < r["step_ms"] and 0 < r["optimizer_pct"] < 100
+        assert r["optimizer_exposed_pct"] == r["optimizer_pct"]  # in place: all of it exposed
+    # an overlapped variant (in place on the CPU) against its base's step without the optimizer
+    assert overlap["optimizer_exposed_ms"] == overlap["step_ms"] - (new["step_ms"] - new["optimizer_ms"])
     full, chunked = rows["loss"]
     assert (full["impl"], chunked["impl"]) == ("full_logits", "chunked")
     assert chunked["loss_abs_diff"] < 1e-2 and chunked["rel_err_dh"] < 1e-2 and chunked["rel_err_dw"] < 1e-2
