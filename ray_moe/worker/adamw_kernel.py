@@ -29,25 +29,21 @@ MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 
 @triton.jit
 def _adamw_kernel(grad_ptr, master_ptr, m_ptr, v_ptr, param_ptr, n, lr, beta1, beta2, eps, decay,
-                  grad_scale, step_size, inv_sqrt_bc2, tiles_per_program, BLOCK: tl.constexpr):
-    # program p updates tiles p, p + P, p + 2P, ... (P programs): one tile each on the full grid
-    stride = tl.num_programs(0).to(tl.int64) * BLOCK
+                  grad_scale, step_size, inv_sqrt_bc2, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    for _ in range(tiles_per_program):
-        mask = offs < n
-        g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) * grad_scale
-        p = tl.load(master_ptr + offs, mask=mask, other=0.0)
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        p = p * (1.0 - lr * decay)
-        m = beta1 * m + (1.0 - beta1) * g
-        v = beta2 * v + (1.0 - beta2) * g * g
-        p = p - step_size * m / (tl.sqrt(v) * inv_sqrt_bc2 + eps)
-        tl.store(master_ptr + offs, p, mask=mask)
-        tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
-        tl.store(param_ptr + offs, p.to(param_ptr.dtype.element_ty), mask=mask)
-        offs += stride
+    mask = offs < n
+    g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) * grad_scale
+    p = tl.load(master_ptr + offs, mask=mask, other=0.0)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    p = p * (1.0 - lr * decay)
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * g * g
+    p = p - step_size * m / (tl.sqrt(v) * inv_sqrt_bc2 + eps)
+    tl.store(master_ptr + offs, p, mask=mask)
+    tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
+    tl.store(param_ptr + offs, p.to(param_ptr.dtype.element_ty), mask=mask)
 
 
 def _factors(lr: float, beta1: float, beta2: float, step: int) -> tuple[float, float]:
@@ -57,7 +53,7 @@ def _factors(lr: float, beta1: float, beta2: float, step: int) -> tuple[float, f
 
 def adamw_step(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                param: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-               step: int, grad_scale: float = 1.0, block: int = 2048, programs: int | None = None) -> None:
+               step: int, grad_scale: float = 1.0, block: int = 2048) -> None:
     """One AdamW update in one pass, in place.
 
     Args:
@@ -68,10 +64,6 @@ def adamw_step(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, 
         param: the compute parameter (its dtype), same shape: written with the rounded master.
         step: this update's number (1 for the first), for the bias corrections.
         grad_scale: multiplies the gradient as it is read (global-norm clipping, 1/W).
-        programs: at most this many programs, each looping over its share of the tiles (None: one
-            program per tile). Beside other work (``train.overlap_update``), a grid of one program
-            per SM leaves each SM room for the other stream's kernels, where a grid of one program
-            per tile fills every SM until its last tiles are issued.
     """
     tensors = (grad, master, exp_avg, exp_avg_sq, param)
     if any(t.shape != master.shape or not t.is_contiguous() or t.device != master.device for t in tensors):
@@ -88,11 +80,9 @@ def adamw_step(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, 
                              eps=eps, weight_decay=weight_decay, step=step, grad_scale=grad_scale)
         return
     step_size, inv_sqrt_bc2 = _factors(lr, beta1, beta2, step)
-    tiles = triton.cdiv(n, block)
-    grid = tiles if programs is None else max(1, min(tiles, programs))
-    _adamw_kernel[(grid,)](
+    _adamw_kernel[(triton.cdiv(n, block),)](
         grad, master, exp_avg, exp_avg_sq, param, n, lr, beta1, beta2, eps, weight_decay,
-        grad_scale, step_size, inv_sqrt_bc2, triton.cdiv(tiles, grid), BLOCK=block, num_warps=8)
+        grad_scale, step_size, inv_sqrt_bc2, BLOCK=block, num_warps=8)
 
 
 @torch.no_grad()

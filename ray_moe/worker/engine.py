@@ -238,8 +238,7 @@ class Engine:
             clip = self.config.train.grad_clip
             scale = (clip / (grad_norm + 1e-6) if clip > 0 and grad_norm > clip else 1.0) / self.grad_divisor
             if self.overlap is not None:  # on a side stream; the next forward waits block by block
-                self.overlap.launch(lambda done, programs: self._update(lr, scale, done, programs),
-                                    self.optimizer.pending_grads())
+                self.overlap.launch(lambda done: self._update(lr, scale, done), self.optimizer.pending_grads())
             else:
                 self._update(lr, scale)
             if self.zero:
@@ -267,11 +266,9 @@ class Engine:
                      "step": t3 - t0, "comm": self.transport.timer.pop()},
         }
 
-    def _update(self, lr: float, scale: float, done: Callable[[torch.Tensor | None], None] | None = None,
-                programs: Callable[[torch.Tensor], int | None] | None = None) -> None:
-        """The optimizer's update (``done``/``programs``: :meth:`MixedPrecisionAdamW.step`'s), then
-        the clone slots refreshed from their owners."""
-        self.optimizer.step(lr, scale, done, programs)
+    def _update(self, lr: float, scale: float, done: Callable[[torch.Tensor], None] | None = None) -> None:
+        """The optimizer's update, then the clone slots refreshed from their owners."""
+        self.optimizer.step(lr, scale, done)
         self.push_clones()
 
     def close(self) -> None:

@@ -231,15 +231,13 @@ class MixedPrecisionAdamW:
                 for g in ({id(p.grad): p.grad, id(m.grad): m.grad}.values()) if g is not None]
 
     @torch.no_grad()
-    def step(self, lr: float, clip_coef: float = 1.0, done: Callable[[torch.Tensor | None], None] | None = None,
-             programs: Callable[[torch.Tensor], int | None] | None = None) -> None:
+    def step(self, lr: float, clip_coef: float = 1.0,
+             done: Callable[[torch.Tensor], None] | None = None) -> None:
         """One AdamW update of the masters with gradients scaled by ``clip_coef`` (≤ 1: the global
         norm clipping), then the compute parameters ← the masters (rounded to their dtype).
         Torch's AdamW goes first (with its parameters' refresh), then the one-pass parameters one by
-        one, in :meth:`one_pass_named`'s order. ``done(None)`` is called between the two and
-        ``done(param)`` after each one-pass parameter, whose kernel runs on ``programs(param)``
-        programs (:class:`ray_moe.worker.overlap.UpdateOverlap` records its block events there and
-        caps the grid of what runs beside the next forward)."""
+        one, in :meth:`one_pass_named`'s order; ``done(param)`` is called after each of those
+        (:class:`ray_moe.worker.overlap.UpdateOverlap` records its block events there)."""
         for group in self.inner.param_groups:
             group["lr"] = lr
         if clip_coef != 1.0:  # (the one-pass kernel scales its own gradients as it reads them)
@@ -255,13 +253,11 @@ class MixedPrecisionAdamW:
             self.inner.grad_scale = None
         if self._refreshed:  # compute parameters ← the updated masters, rounded to their dtype
             torch._foreach_copy_([p for p, _ in self._refreshed], [m for _, m in self._refreshed])
-        if done is not None:
-            done(None)
-        self._one_pass_step(lr, clip_coef, done, programs)
+        self._one_pass_step(lr, clip_coef, done)
         self.drop_grads()
 
-    def _one_pass_step(self, lr: float, clip_coef: float, done: Callable[[torch.Tensor | None], None] | None = None,
-                       programs: Callable[[torch.Tensor], int | None] | None = None) -> None:
+    def _one_pass_step(self, lr: float, clip_coef: float,
+                       done: Callable[[torch.Tensor], None] | None = None) -> None:
         from ray_moe.worker.adamw_kernel import adamw_step
 
         b1, b2 = self.betas
@@ -274,8 +270,7 @@ class MixedPrecisionAdamW:
             state["step"] = state["step"].cpu() + 1  # a host counter: the bias corrections are host floats
             grad = p.grad if id(p) in self._one_pass_ids else m.grad
             adamw_step(grad, m, state["exp_avg"], state["exp_avg_sq"], p, lr=lr, beta1=b1, beta2=b2,
-                       eps=self.eps, weight_decay=decay, step=int(state["step"]), grad_scale=clip_coef,
-                       programs=programs(p) if programs is not None else None)
+                       eps=self.eps, weight_decay=decay, step=int(state["step"]), grad_scale=clip_coef)
             if done is not None:
                 done(p)
 

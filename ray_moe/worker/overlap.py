@@ -36,8 +36,6 @@ import torch
 from torch import nn
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
-# update programs per SM beside the forward (one program: 8 warps, an eighth of an SM's threads)
-PROGRAMS_PER_SM_BESIDE = 1
 
 
 def update_groups(names: Sequence[str], num_layers: int) -> list[int]:
@@ -78,9 +76,7 @@ class UpdateOverlap:
         self._total = Counter(groups)
         self.stream = torch.cuda.Stream(device)
         self.device = device
-        self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         self._events: dict[int, torch.cuda.Event] = {}  # group -> its event, while an update is pending
-        self._prelude: torch.cuda.Event | None = None  # after every parameter not reported one by one
         self._final: torch.cuda.Event | None = None
         self._left: Counter = Counter()
         self._hooks = []
@@ -93,36 +89,23 @@ class UpdateOverlap:
     def pending(self) -> bool:
         return self._final is not None
 
-    def programs(self, param: torch.Tensor) -> int | None:
-        """The one-pass kernel's grid for ``param``: one program per tile for the embeddings and
-        the first block (the next forward waits for them at once: they should finish fast), one
-        per SM for the rest, which run beside that forward and leave each SM room for it."""
-        return None if self._group.get(id(param), 0) <= 1 else self.sm_count * PROGRAMS_PER_SM_BESIDE
-
-    def launch(self, update: Callable[..., None], grads: Sequence[torch.Tensor]) -> None:
-        """Run ``update(done, programs)`` on the side stream. ``update`` calls ``done(None)`` once
-        every parameter it does not report one by one is updated, then ``done(param)`` after each
-        of the ``params`` given at construction, launched on :meth:`programs` programs
-        (:meth:`MixedPrecisionAdamW.step`'s protocol); groups with none of those wait for
-        ``done(None)``'s event, unreported work for the final one. ``grads``: every tensor the
-        update reads that the main stream made and may free meanwhile."""
+    def launch(self, update: Callable[[Callable[[torch.Tensor], None]], None],
+               grads: Sequence[torch.Tensor]) -> None:
+        """Run ``update(done)`` on the side stream; ``update`` calls ``done(param)`` after each
+        parameter it updates in place (others are covered by the final event). ``grads``: every
+        tensor the update reads that the main stream made and may free meanwhile."""
         self.wait_all()  # (the previous update: done by now in any forward, kept for direct calls)
         main = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(main)
         for g in grads:
             g.record_stream(self.stream)
         self._left = Counter(self._total)
-        self._prelude = None
         with torch.cuda.stream(self.stream):
-            update(self._done, self.programs)
+            update(self._done)
             self._final = torch.cuda.Event()
             self._final.record(self.stream)
 
-    def _done(self, param: torch.Tensor | None) -> None:
-        if param is None:
-            self._prelude = torch.cuda.Event()
-            self._prelude.record(self.stream)
-            return
+    def _done(self, param: torch.Tensor) -> None:
         g = self._group.get(id(param))
         if g is None:
             return
@@ -143,13 +126,8 @@ class UpdateOverlap:
         ev = self._events.pop(group, None)
         if ev is not None:
             torch.cuda.current_stream(self.device).wait_event(ev)
-        elif group in self._late or group == self.final:
+        elif group in self._late or group == self.final or group not in self._total:
             self.wait_all()
-        elif group not in self._total:  # none of its parameters reported one by one
-            if self._prelude is None:
-                self.wait_all()
-            else:
-                torch.cuda.current_stream(self.device).wait_event(self._prelude)
         elif self._left[group] > 0:  # (its parameters were not all reported: be safe)
             self.wait_all()
 
@@ -158,7 +136,7 @@ class UpdateOverlap:
         if self._final is None:
             return
         torch.cuda.current_stream(self.device).wait_event(self._final)
-        self._final = self._prelude = None
+        self._final = None
         self._events.clear()
 
     def close(self) -> None:
