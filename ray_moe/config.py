@@ -283,7 +283,7 @@ class TrainConfig:
     master_weights: bool = True  # fp32 masters + fp32 AdamW state; false: update compute-dtype params
     optimizer_impl: str = "auto"  # auto (onepass on CUDA, foreach elsewhere) | onepass | fused | foreach | for_loop
     optimizer_state_dtype: str = "float32"  # AdamW moments: float32 | bfloat16 (DeepSeek-V3; needs master_weights)
-    overlap_update: bool = False  # CUDA: the update on a side stream beside the next forward, block by block
+    overlap_update: bool = True  # CUDA: the update on a side stream beside the next forward, block by block
     loss_impl: str = "auto"  # auto (fused on CUDA, else liger there, else chunked) | chunked | fused | liger
     loss_chunk: int = 0  # rows per chunk of the chunked and fused LM loss; 0 = automatic (per impl)
 

@@ -12,8 +12,8 @@ step   One rank (W = 1) through ``Engine.train_step`` with ``LocalTransport``: w
          new_foreach  the same with foreach AdamW (what runs where the fused kernel does not)
          bf16_moments float32 masters, bf16 AdamW moments (``train.optimizer_state_dtype=bfloat16``):
                       every parameter through the one-pass kernel
-         *_overlap    a variant with ``train.overlap_update=true``: the update on a side stream
-                      beside the next step's forward (CUDA)
+         *_overlap    a variant with ``train.overlap_update=true`` (the default): the update on a
+                      side stream beside the next step's forward (CUDA); the others update in place
        Columns: medians over ``--iters`` steps after ``--warmup``; optimizer = grad_sync (master
        gradients, cross-rank reduction, norm) + update (clipping, AdamW, masters → parameters).
        ``optimizer_exposed_pct``: the optimizer's share of the step that nothing hides. In place it
@@ -47,14 +47,15 @@ import torch.nn.functional as F
 from ray_moe import usage
 from ray_moe.bench.common import free, one_rank, peak_gib, pick_device, reset_peak
 
+IN_PLACE, BESIDE = "train.overlap_update=false", "train.overlap_update=true"
 VARIANTS = MappingProxyType({  # step variant → config overrides
-    "old": ("train.master_weights=false", "train.optimizer_impl=for_loop"),
-    "new": (),  # optimizer_impl auto: onepass on CUDA
-    "new_fused": ("train.optimizer_impl=fused",),
-    "new_foreach": ("train.optimizer_impl=foreach",),
-    "bf16_moments": ("train.optimizer_state_dtype=bfloat16",),  # every parameter through the one-pass kernel
-    "new_overlap": ("train.overlap_update=true",),  # the update beside the next forward
-    "bf16_moments_overlap": ("train.optimizer_state_dtype=bfloat16", "train.overlap_update=true"),
+    "old": ("train.master_weights=false", "train.optimizer_impl=for_loop", IN_PLACE),
+    "new": (IN_PLACE,),  # optimizer_impl auto: onepass on CUDA
+    "new_fused": ("train.optimizer_impl=fused", IN_PLACE),
+    "new_foreach": ("train.optimizer_impl=foreach", IN_PLACE),
+    "bf16_moments": ("train.optimizer_state_dtype=bfloat16", IN_PLACE),  # every parameter through the one-pass kernel
+    "new_overlap": (BESIDE,),  # the update beside the next forward (the default)
+    "bf16_moments_overlap": ("train.optimizer_state_dtype=bfloat16", BESIDE),
 })
 OVERLAP = "_overlap"
 TIME_KEYS = ("forward", "backward", "optimizer", "grad_sync", "update", "step")
