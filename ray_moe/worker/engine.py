@@ -266,8 +266,9 @@ class Engine:
                      "step": t3 - t0, "comm": self.transport.timer.pop()},
         }
 
-    def _update(self, lr: float, scale: float, done: Callable[[torch.Tensor], None] | None = None) -> None:
-        """The optimizer's update, then the clone slots refreshed from their owners."""
+    def _update(self, lr: float, scale: float, done: Callable[[torch.Tensor | None], None] | None = None) -> None:
+        """The optimizer's update (``done``: :meth:`MixedPrecisionAdamW.step`'s), then the clone
+        slots refreshed from their owners."""
         self.optimizer.step(lr, scale, done)
         self.push_clones()
 

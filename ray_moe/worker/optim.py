@@ -232,11 +232,12 @@ class MixedPrecisionAdamW:
 
     @torch.no_grad()
     def step(self, lr: float, clip_coef: float = 1.0,
-             done: Callable[[torch.Tensor], None] | None = None) -> None:
+             done: Callable[[torch.Tensor | None], None] | None = None) -> None:
         """One AdamW update of the masters with gradients scaled by ``clip_coef`` (≤ 1: the global
         norm clipping), then the compute parameters ← the masters (rounded to their dtype).
         Torch's AdamW goes first (with its parameters' refresh), then the one-pass parameters one by
-        one, in :meth:`one_pass_named`'s order; ``done(param)`` is called after each of those
+        one, in :meth:`one_pass_named`'s order. ``done(None)`` is called between the two and
+        ``done(param)`` after each one-pass parameter
         (:class:`ray_moe.worker.overlap.UpdateOverlap` records its block events there)."""
         for group in self.inner.param_groups:
             group["lr"] = lr
@@ -253,11 +254,13 @@ class MixedPrecisionAdamW:
             self.inner.grad_scale = None
         if self._refreshed:  # compute parameters ← the updated masters, rounded to their dtype
             torch._foreach_copy_([p for p, _ in self._refreshed], [m for _, m in self._refreshed])
+        if done is not None:
+            done(None)
         self._one_pass_step(lr, clip_coef, done)
         self.drop_grads()
 
     def _one_pass_step(self, lr: float, clip_coef: float,
-                       done: Callable[[torch.Tensor], None] | None = None) -> None:
+                       done: Callable[[torch.Tensor | None], None] | None = None) -> None:
         from ray_moe.worker.adamw_kernel import adamw_step
 
         b1, b2 = self.betas

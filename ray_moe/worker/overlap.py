@@ -77,6 +77,7 @@ class UpdateOverlap:
         self.stream = torch.cuda.Stream(device)
         self.device = device
         self._events: dict[int, torch.cuda.Event] = {}  # group -> its event, while an update is pending
+        self._prelude: torch.cuda.Event | None = None  # after every parameter not reported one by one
         self._final: torch.cuda.Event | None = None
         self._left: Counter = Counter()
         self._hooks = []
@@ -89,23 +90,30 @@ class UpdateOverlap:
     def pending(self) -> bool:
         return self._final is not None
 
-    def launch(self, update: Callable[[Callable[[torch.Tensor], None]], None],
+    def launch(self, update: Callable[[Callable[[torch.Tensor | None], None]], None],
                grads: Sequence[torch.Tensor]) -> None:
-        """Run ``update(done)`` on the side stream; ``update`` calls ``done(param)`` after each
-        parameter it updates in place (others are covered by the final event). ``grads``: every
-        tensor the update reads that the main stream made and may free meanwhile."""
+        """Run ``update(done)`` on the side stream. ``update`` calls ``done(None)`` once every
+        parameter it does not report one by one is updated, then ``done(param)`` after each of the
+        ``params`` given at construction (:meth:`MixedPrecisionAdamW.step`'s protocol); groups with
+        none of those wait for ``done(None)``'s event, unreported work for the final one.
+        ``grads``: every tensor the update reads that the main stream made and may free meanwhile."""
         self.wait_all()  # (the previous update: done by now in any forward, kept for direct calls)
         main = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(main)
         for g in grads:
             g.record_stream(self.stream)
         self._left = Counter(self._total)
+        self._prelude = None
         with torch.cuda.stream(self.stream):
             update(self._done)
             self._final = torch.cuda.Event()
             self._final.record(self.stream)
 
-    def _done(self, param: torch.Tensor) -> None:
+    def _done(self, param: torch.Tensor | None) -> None:
+        if param is None:
+            self._prelude = torch.cuda.Event()
+            self._prelude.record(self.stream)
+            return
         g = self._group.get(id(param))
         if g is None:
             return
@@ -126,8 +134,13 @@ class UpdateOverlap:
         ev = self._events.pop(group, None)
         if ev is not None:
             torch.cuda.current_stream(self.device).wait_event(ev)
-        elif group in self._late or group == self.final or group not in self._total:
+        elif group in self._late or group == self.final:
             self.wait_all()
+        elif group not in self._total:  # none of its parameters reported one by one
+            if self._prelude is None:
+                self.wait_all()
+            else:
+                torch.cuda.current_stream(self.device).wait_event(self._prelude)
         elif self._left[group] > 0:  # (its parameters were not all reported: be safe)
             self.wait_all()
 
@@ -136,7 +149,7 @@ class UpdateOverlap:
         if self._final is None:
             return
         torch.cuda.current_stream(self.device).wait_event(self._final)
-        self._final = None
+        self._final = self._prelude = None
         self._events.clear()
 
     def close(self) -> None:

@@ -36,3 +36,96 @@ def test_engine_on_the_cpu_updates_in_place(tmp_path):
     assert e.overlap is None
     assert e.train_step()["loss"] > 0
     e.close()
+
+
+class _FakeCuda:
+    """torch.cuda's streams and events as a log: which event each wait names, in order."""
+
+    def __init__(self):
+        self.log, self.n = [], 0
+
+    def install(self, monkeypatch):
+        fake = self
+
+        class Event:
+            def __init__(self):
+                self.name = None
+
+            def record(self, stream=None):
+                fake.n += 1
+                self.name = f"e{fake.n}"
+                fake.log.append(("record", self.name))
+
+        class Stream:
+            def __init__(self, device=None):
+                pass
+
+            def wait_stream(self, other):
+                fake.log.append(("side waits main",))
+
+            def wait_event(self, ev):
+                fake.log.append(("main waits", ev.name))
+
+        main = Stream()
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: __import__("contextlib").nullcontext())
+
+
+def test_the_forward_waits_block_by_block(monkeypatch):
+    """The wait logic with a logged stand-in for CUDA: the embeddings' group waits for the
+    prelude (torch's AdamW, when none of its parameters is one-pass), each block for its own
+    event, a block with clone slots and the final norm for the whole update; a second forward
+    (recompute) waits for nothing; gradients are marked as used by the side stream."""
+    from torch import nn
+
+    from ray_moe.worker.overlap import UpdateOverlap
+
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(2, 2)
+            self.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+            self.norm = nn.LayerNorm(2)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return self.norm(x)
+
+    model = Model()
+    one_pass = [("layers.0.weight", model.layers[0].weight), ("layers.1.weight", model.layers[1].weight),
+                ("layers.1.bias", model.layers[1].bias), ("layers.2.weight", model.layers[2].weight),
+                ("norm.weight", model.norm.weight)]
+    ov = UpdateOverlap(model, [n for n, _ in one_pass], [p for _, p in one_pass], torch.device("cpu"),
+                       late_groups={3})
+    marked = []
+
+    class Grad:
+        def record_stream(self, stream):
+            marked.append(stream)
+
+    def update(done):
+        done(None)  # torch's AdamW and the refresh: e1
+        for _, p in one_pass:
+            done(p)  # layers.0 → e2, layers.1 (after its second) → e3, layers.2 late, norm final
+    ov.launch(update, [Grad(), Grad()])
+    assert len(marked) == 2 and ov.pending
+    assert fake.log == [("side waits main",), ("record", "e1"), ("record", "e2"), ("record", "e3"),
+                        ("record", "e4")]
+    fake.log.clear()
+    ov.wait_group(0)  # the embeddings: no one-pass parameter → the prelude
+    model(torch.zeros(1, 2))
+    assert fake.log == [("main waits", "e1"), ("main waits", "e2"), ("main waits", "e3"),
+                        ("main waits", "e4")]  # layers.2 is late: the whole update (e4), then norm: nothing left
+    assert not ov.pending
+    fake.log.clear()
+    model(torch.zeros(1, 2))  # a recompute: nothing pending
+    assert fake.log == []
+    ov.close()
+    model(torch.zeros(1, 2))
+    assert fake.log == []
