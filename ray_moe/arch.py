@@ -257,8 +257,9 @@ class ArchSpec:
         the end of backward (``grads_backward``: bf16 for the experts; for the replicated
         parameters bf16 at ``zero_stage`` 0, the persistent float32 bucket buffers and the
         reduced chunks at 1, the reduced chunks and two buckets in flight at 2) and while they are
-        reduced and applied (``grads_update``: float32 master gradients, plus the flat float32
-        all-reduce buffer at W ≥ 2 and stage 0), and the totals ``backward_bytes`` (what
+        reduced and applied (``grads_update``: float32 master gradients and the flat float32
+        all-reduce buffer at W ≥ 2 and stage 0; on one rank the bf16 gradients, which the one-pass
+        update reads as they are), and the totals ``backward_bytes`` (what
         activations come on top of) and ``update_bytes`` (activations freed). Stages 1 and 2
         divide the replicated masters and moments by W. Activations are separate
         (:meth:`activation_bytes_per_token`, :meth:`peak_bytes_per_rank`)."""
@@ -285,7 +286,9 @@ class ArchSpec:
             grads_update = grads_backward
         else:
             grads_backward = params * elem
-            grads_update = experts * elem + rep * (4 + (4 if W > 1 else 0))  # masters' + the flat buffer
+            # W ≥ 2: the float32 master gradients + the flat all-reduce buffer; one rank: the bf16
+            # gradients, read as they are by the one-pass update (CUDA's default, ``alone``)
+            grads_update = experts * elem + (rep * 8 if W > 1 else rep * elem)
         fixed = weights + masters + moment_total
         return {"params": params, "state_bytes": params * bytes_per_param,
                 "replicated_bytes": rep * bytes_per_param, "weights": weights, "masters": masters,

@@ -21,9 +21,9 @@ gradient: 2 bytes (bf16) from backward until :meth:`~MixedPrecisionAdamW.gather_
 (float32) from there until the update ends, when the activations are gone: 16 bytes at the peak
 of backward, 18 during the update. With ``train.optimizer_state_dtype: bfloat16`` the moments
 take 2 bytes each (DeepSeek-V3's recipe; float32 masters and gradients kept): 12 and 14. A gradient
-that nothing reduces in float32 (the expert weights' under ``onepass``; with bf16 moments on one
-rank, ``alone``, every parameter's) is read by the one-pass kernel in the compute dtype and never
-copied: 2 bytes instead of 4 until the update ends.
+that nothing reduces in float32 (the expert weights' under ``onepass``; on one rank, ``alone``,
+every parameter's) is read by the one-pass kernel in the compute dtype and never copied: 2 bytes
+instead of 4 until the update ends.
 
 Gradient reduction precision: float32. The cross-rank sums (replicated gradients all-reduced,
 clone gradients added onto their owners) run on the float32 master gradients. A bf16 reduction
@@ -94,9 +94,12 @@ class MixedPrecisionAdamW:
         lr, betas, eps, weight_decay: AdamW's hyper-parameters (decoupled weight decay, applied
             to the parameters :func:`no_weight_decay` does not name).
         impl: ``auto`` (``onepass`` when every parameter is on CUDA, else foreach), ``onepass``
-            (expert weights through :func:`ray_moe.worker.adamw_kernel.adamw_step`: their bf16
-            gradients read once, no float32 copy; the rest through torch's fused kernel),
-            ``fused``, ``foreach`` or ``for_loop`` (one tensor at a time).
+            (every parameter with a float32 master through
+            :func:`ray_moe.worker.adamw_kernel.adamw_step`, one tensor at a time in registration
+            order: the gradient read once, bf16 where nothing reduces it in float32, the master
+            and moments updated in place, the parameter written, no separate refresh; float32
+            parameters, their own masters, through torch's fused kernel), ``fused``, ``foreach`` or
+            ``for_loop`` (one tensor at a time).
         master_weights: False updates the compute parameters directly (pure bf16 AdamW when
             ``model.dtype`` is bfloat16: updates smaller than half a bf16 ulp are lost). For
             comparison only.
@@ -108,9 +111,9 @@ class MixedPrecisionAdamW:
         exclude: names of parameters this optimizer leaves alone (the replicated ones when
             :class:`ray_moe.worker.zero.ShardedReplicatedState` holds their state).
         alone: one rank, whose replicated gradients are never all-reduced: in the one-pass update
-            (``onepass`` with bf16 moments) their compute-dtype gradients are read as they are,
-            like the expert weights', with no float32 copy (6 of ~32 bytes per parameter, and a
-            norm read of 2 bytes instead of 4).
+            (``onepass``) their compute-dtype gradients are read as they are, like the expert
+            weights', with no float32 copy (6 of ~32 bytes per parameter, and a norm read of 2
+            bytes instead of 4).
 
     Masters carry the parameters' ``expert_shard`` marks and are saved under the parameters'
     names (:meth:`named_masters`), with their AdamW state (:attr:`state`, keyed by master).
@@ -145,13 +148,15 @@ class MixedPrecisionAdamW:
         if bf16_state and any(m.dtype != torch.float32 for m in self.masters):
             raise ValueError("train.optimizer_state_dtype=bfloat16 needs float32 masters "
                              "(train.master_weights=true, or model.dtype float32)")
-        # (parameter, master, weight decay) updated by the one-pass kernel: the expert weights
-        # (onepass), or every parameter (bf16 moments: torch's AdamW keeps its moments in the
+        # (parameter, master, weight decay) updated by the one-pass kernel: every parameter with
+        # a float32 master (onepass: 30 bytes a parameter where torch's fused AdamW on the float32
+        # copy and the refresh move 40; in forward order, which train.overlap_update's block
+        # events follow), or every parameter (bf16 moments: torch's AdamW keeps its moments in the
         # parameters' dtype); the rest by torch's AdamW
         self._one_pass = tuple(
             (p, m, 0.0 if n in exempt else weight_decay)
             for n, p, m in zip(self.names, self.params, self.masters, strict=True)
-            if bf16_state or (self.impl == "onepass" and _one_pass_eligible(p, m)))
+            if bf16_state or (self.impl == "onepass" and m is not p))
         # compute parameters whose own (compute-dtype) gradient the kernel reads: no float32 copy
         self._one_pass_ids = frozenset(
             id(p) for p, m, _ in self._one_pass if self.impl == "onepass" and _one_pass_eligible(p, m, alone))

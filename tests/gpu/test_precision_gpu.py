@@ -71,8 +71,9 @@ def test_lm_loss_on_cuda_matches_the_full_logits(impl, dtype):
 
 @pytest.mark.parametrize("impl,resolved", [("auto", "onepass"), ("fused", "fused")])
 def test_fused_masters_adamw_on_cuda_equals_torch_adamw(impl, resolved):
-    """No expert weights here: ``onepass`` (auto's choice on CUDA) runs everything through torch's
-    fused kernel, like ``fused``; both must equal torch's AdamW on float32 copies."""
+    """No expert weights here: ``onepass`` (auto's choice on CUDA) runs every bf16 parameter
+    through the one-pass kernel (reading float32 master gradients: not ``alone``), ``fused``
+    through torch's fused kernel; both must equal torch's AdamW on float32 copies."""
     from torch import nn
 
     from ray_moe.worker.optim import MixedPrecisionAdamW

@@ -107,8 +107,8 @@ def test_bf16_masters_follow_fp32_adamw_and_round_into_the_parameters(impl):
 def test_one_rank_reads_every_bf16_gradient_as_it_is_with_bf16_moments():
     """``alone`` (one rank: no replicated gradient is all-reduced) with bf16 moments and the one-pass
     update: every bf16 parameter's gradient stays bf16, read by the update with no float32 copy,
-    and the masters, moments and parameters come out exactly as through the copies; with float32
-    moments the replicated ones keep torch's AdamW and its float32 gradients."""
+    and the masters, moments and parameters come out exactly as through the copies; so with
+    float32 moments, every parameter then going through the one-pass kernel too."""
     runs = {}
     for alone in (False, True):
         model = Tiny(torch.bfloat16)
@@ -125,11 +125,14 @@ def test_one_rank_reads_every_bf16_gradient_as_it_is_with_bf16_moments():
         runs[alone] = [t.clone() for m in opt.masters for t in (m, opt.state[m]["exp_avg"], opt.state[m]["exp_avg_sq"])]
         runs[alone] += [p.detach().clone() for p in model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True], strict=True))
-    model = Tiny(torch.bfloat16)
-    fp32 = MixedPrecisionAdamW(model, impl="onepass", alone=True, **HYPER)
-    _set_grads(model, 1)
-    fp32.gather_grads()
-    assert sorted(n for n, p in model.named_parameters() if p.grad is not None) == ["experts"]
+    for alone in (False, True):
+        model = Tiny(torch.bfloat16)
+        fp32 = MixedPrecisionAdamW(model, impl="onepass", alone=alone, **HYPER)
+        assert len(fp32._one_pass) == len(fp32.masters) and not fp32.inner.param_groups
+        _set_grads(model, 1)
+        fp32.gather_grads()
+        kept = sorted(n for n, p in model.named_parameters() if p.grad is not None)
+        assert kept == (sorted(n for n, _ in model.named_parameters()) if alone else ["experts"])
 
 
 def test_small_updates_survive_in_masters_and_are_lost_in_pure_bf16():
