@@ -6,17 +6,14 @@
 # alone ~60 s), the training tests ~150 s, pes2 with PES_FILES=tests/gpu/test_nvshmem_gpu.py ~330 s,
 # comm 139 s (84 s on H200), layer 81-85 s; pes2 with every NVSHMEM test 250 s on H200 x2 (session 12);
 # a fresh machine costs ~60 s of the budget before the command starts, and it goes back after 30 s
-# idle, so chain calls. Session 13 ran session 12's queue (docs/BENCHMARKS.md, "Session 13"). Next lease:
-#   1. why EP's steady step is sometimes ~1 ms above its synchronised one (~150 s): first the
-#      positive control of the steady loop's host-sync counter (tests/gpu/test_bench_gpu.py, not
-#      yet run), then three back-to-back steps profiled on every rank; the "ep exchange per rank"
-#      rows say whether one rank's exchanges wait on a late peer, the timeline whether the host
-#      is behind:
-#      TESTS_FILES=tests/gpu/test_bench_gpu.py EP_CHUNKS=1 EP_PROGRAMS=0 EP_INTERLEAVE=1 \
-#        EP_DELAY_WGRAD=0 EP_PROFILE=1 EP_PROFILE_STEPS=3 bash scripts/device_ep.sh tests,layer
-#   2. where multi-GPU kinds of 4 or 8 GPUs are lent: the default steps (W = all GPUs), and
+# idle, so chain calls. Session 14 ran session 13's queue (docs/BENCHMARKS.md, "Session 14": the
+# positive control found the sync counter counting torch's prototype notice; ten-step profiles
+# explain the steady step by the ranks' skew). Next lease:
+#   1. where multi-GPU kinds of 4 or 8 GPUs are lent: the default steps (W = all GPUs), and
 #      comm at W=4 for the combine's bandwidth against the dispatch's (the interleaved combine
-#      now applies there)
+#      applies there), and the layer at W=4 (scaling target >= 0.90 at W=8)
+#   2. on x2, after any change to the exchange kernels: TESTS_FILES=tests/gpu/test_nvshmem_gpu.py
+#      bash scripts/device_ep.sh tests,comm,layer (the host cost: bench comm --host-cost --profile)
 # On one GPU, pes2 with every file took ~360 s.
 # Usage (device machine, repo root):  . .devbundle/setup.sh && bash scripts/device_ep.sh [steps]
 # steps (default: pes2,pes4,tests,comm,layer; a failing step does not stop the next one):
