@@ -11,7 +11,10 @@ gradient norm as in ``Engine.train_step``):
   lm head + loss   :func:`~ray_moe.model.loss.lm_loss` forward; it also computes both gradients
   backward         the loss's backward (scaling the saved gradients) and the decoder's backward
   grad sync        master gradients, global norm (host read)
-  optimizer        AdamW on every parameter (expert and replicated; not split), masters → params
+  optimizer        AdamW on every parameter (expert and replicated; not split), masters → params;
+                   with ``train.overlap_update`` (the default) only its launch: the update runs on a
+                   side stream, and what of it the next step's forward waits for is in that
+                   ``forward``
 
 and ``engine.train_step()`` itself for the ``step`` column. Then per layer count: peak memory,
 tokens/s and model TFLOP/s, ``model FLOPs = 6 · A · T + 6 · L · h · d · S · T`` (A: active
@@ -83,8 +86,11 @@ class Marks:
             self.points.append((name, time.perf_counter()))
 
     def ms(self) -> dict[str, float]:
-        """Milliseconds from each point to the next, keyed by the later point's name."""
-        sync(self.device)
+        """Milliseconds from each point to the next, keyed by the later point's name. Waits for the
+        last point only: work on other streams (the overlapped update, ``train.overlap_update``)
+        stays in flight into the next step, as it does in training."""
+        if self.device.type == "cuda" and self.points:
+            self.points[-1][1].synchronize()
         out = {}
         for (_, a), (name, b) in zip(self.points, self.points[1:]):
             out[name] = a.elapsed_time(b) if self.device.type == "cuda" else 1e3 * (b - a)
