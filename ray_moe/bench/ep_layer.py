@@ -174,15 +174,7 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
     # each phase's max over ranks, which counts the ranks' skew at every phase boundary). Timed
     # without torch's sync debug mode, which then counts a few steps of its own.
     def steady_steps(n: int, marks: list | None = None) -> None:
-        for _ in range(n):
-            out, _ = layer(x)
-            out.backward(grad)
-            reduce_clone_grads(layer, placement)
-            push_clone_weights(layer, placement)
-            layer.w13.grad = layer.w2.grad = layer.router.grad = x.grad = None
-            if marks is not None:
-                marks.append(torch.cuda.Event(enable_timing=True))
-                marks[-1].record()
+        _train_steps(layer, x, grad, placement, n, marks)
 
     barrier()
     synchronize(device)
@@ -199,8 +191,8 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
     with _host_syncs(device) as syncs:  # torch's sync debug mode: what made the host wait
         steady_steps(SYNC_COUNT_STEPS)
     synchronize(device)
-    kernels, timeline = (_profiled_step(layer, x, grad, placement, device, spec.profile_steps) if spec.profile
-                         else (None, None))
+    kernels, timeline = (_profiled_step(steady_steps, device, spec.profile_steps, dist_transport=distributed)
+                         if spec.profile else (None, None))
     tokens, pairs = layer.pop_load()
     out = {
         "rank": rank, "world_size": W,
@@ -228,12 +220,29 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
     return out
 
 
-def _profiled_step(layer: Any, x: torch.Tensor, grad: torch.Tensor, placement: Placement,
-                   device: torch.device, steps: int = 1) -> tuple[dict[str, list[float]], dict[str, Any]]:
-    """``steps`` more training steps of ``layer``, back to back, under torch.profiler: per kernel
+def _train_steps(layer: Any, x: torch.Tensor, grad: torch.Tensor, placement: Placement, n: int,
+                 marks: list | None = None) -> None:
+    """``n`` training steps of ``layer`` back to back, as training runs them (clone gradients
+    reduced onto their owners, owners' weights pushed to the clones); ``marks``: a CUDA event is
+    appended and recorded after each step."""
+    for _ in range(n):
+        out, _ = layer(x)
+        out.backward(grad)
+        reduce_clone_grads(layer, placement)
+        push_clone_weights(layer, placement)
+        layer.w13.grad = layer.w2.grad = layer.router.grad = x.grad = None
+        if marks is not None:
+            marks.append(torch.cuda.Event(enable_timing=True))
+            marks[-1].record()
+
+
+def _profiled_step(run_steps: Any, device: torch.device, steps: int = 1,
+                   dist_transport: bool = False) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    """``run_steps(steps)`` (:func:`_train_steps` of the layer) under torch.profiler: per kernel
     name (on the CPU, per operator), [milliseconds per step, calls per step], device times where
     there is a GPU; and the device timeline's idle stretches
-    (:func:`ray_moe.bench.timeline.timeline_gaps`, with ``steps``; none on the CPU)."""
+    (:func:`ray_moe.bench.timeline.timeline_gaps`, with ``steps``; none on the CPU).
+    ``dist_transport``: the layer exchanges with other ranks (they start together)."""
     import os
     import tempfile
 
@@ -243,20 +252,15 @@ def _profiled_step(layer: Any, x: torch.Tensor, grad: torch.Tensor, placement: P
 
     cuda = device.type == "cuda"
     barrier = "nccl"  # kernels of the barrier below, left out of both results
-    together = dist.is_initialized() and not isinstance(layer.transport, LocalTransport)
-    if together and not cuda:  # (on the CPU the profiler would record the barrier's operators)
+    if dist_transport and not cuda:  # (on the CPU the profiler would record the barrier's operators)
         dist.barrier()
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         # every rank's profiler is running before any rank starts: else a rank waits in its
         # dispatch for a peer still starting its profiler (240 ms of "dispatch" on H200 x2)
-        if together and cuda:
+        if dist_transport and cuda:
             dist.barrier()
         synchronize(device)
-        for _ in range(steps):
-            out, _ = layer(x)
-            out.backward(grad)
-            reduce_clone_grads(layer, placement)
-            layer.w13.grad = layer.w2.grad = layer.router.grad = x.grad = None
+        run_steps(steps)
         synchronize(device)
     kernels = {}
     for e in prof.key_averages():
