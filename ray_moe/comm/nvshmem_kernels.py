@@ -1012,7 +1012,7 @@ class Launcher:
                 args = list(template)
                 for i, name in slots:
                     v = varying[name]
-                    args[i] = v.data_ptr() if isinstance(v, torch.Tensor) else v
+                    args[i] = v.data_ptr() if isinstance(v, torch.Tensor) else v  # _pointer_as_int, inlined
                 run(*args)
                 return
             fixed_kw = self._fixed.get(key)
