@@ -20,7 +20,7 @@
 #   pes2, pes4  2 / 4 ranks on EVERY GPU (RAY_MOE_PES_PER_GPU, under CUDA MPS): tests/gpu's
 #               NVSHMEM transport tests (layout, validators, parity, clones, graph replay, reserve),
 #               and with pes2 the HF families' short bf16 training runs and the training tests
-#   tests       one rank per GPU, W = all GPUs (2 at most in the tests): the same GPU tests
+#   tests       one rank per GPU, W = all GPUs (RAY_MOE_TEST_GPUS: fewer): the same GPU tests
 #               (TESTS_FILES: other test files)
 #   comm        bench comm at W = all GPUs (skipped on one GPU): T_local 128, 4096, 16384, also with
 #               COMM_PROGRAMS (default 16,32,66) programs: eager and graph-replayed, for small-T latency
@@ -49,8 +49,8 @@ record() { echo "| $1 | $2 | $3 |" >> "$SUMMARY"; }
 pytest_step() {  # name timeout files...: pytest with a per-test limit; the last line is the result
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
-  timeout "$limit" python3 -m pytest -q -p no:cacheprovider --timeout "${T_TEST:-240}" "$@" 2>&1 \
-    | tee "$OUT/$name.log" | quiet | grep -E "^FAILED|^E  |passed|failed|Timeout" | cut -c1-300 | tail -40
+  timeout "$limit" python3 -m pytest -v --durations=0 -p no:cacheprovider --timeout "${T_TEST:-240}" "$@" 2>&1 \
+    | tee "$OUT/$name.log" | quiet | grep -E "^FAILED|^E  | PASSED| FAILED| SKIPPED|passed|failed|Timeout" | cut -c1-300 | tail -40
   local rc=${PIPESTATUS[0]} result  # pytest's closing line ("N passed, M skipped ... in S s"), or why none
   result=$(grep -E '(^|= )(([0-9]+ [a-z]+)(, )?)+ in [0-9.]+s|no tests ran' "$OUT/$name.log" | tail -1 \
     | tr -d '=' | sed 's/^ *//; s/ *$//')
@@ -80,11 +80,11 @@ for P in 2 4; do
   [ "${NO_MPS:-0}" = 1 ] || mps_stop
 done
 if has tests; then
-  pytest_step gpu_tests_w$GPUS "${T_TESTS:-420}" ${TESTS_FILES:-tests/gpu/test_nvshmem_gpu.py tests/gpu/test_training_gpu.py}
+  RAY_MOE_TEST_GPUS=${RAY_MOE_TEST_GPUS:-$GPUS} pytest_step gpu_tests_w$GPUS "${T_TESTS:-420}" ${TESTS_FILES:-tests/gpu/test_nvshmem_gpu.py tests/gpu/test_training_gpu.py}
 fi
 if [ "$GPUS" -ge 2 ] && has comm; then
   t0=$SECONDS
-  timeout "${T_COMM:-200}" python3 -m ray_moe.bench.comm --tokens 128,4096,16384 --variants all --programs "${COMM_PROGRAMS:-16,32,66}" ${COMM_ARGS:-} \
+  timeout "${T_COMM:-200}" python3 -m ray_moe.bench.comm --tokens "${COMM_TOKENS:-128,4096,16384}" --variants "${COMM_VARIANTS:-all}" --programs "${COMM_PROGRAMS:-16,32,66}" ${COMM_ARGS:-} \
     --json "$OUT/bench_comm_w$GPUS.json" 2>&1 | quiet | tee "$OUT/bench_comm.log" | tail -20
   record "bench comm W=$GPUS" "see bench_comm_w$GPUS.json" $((SECONDS - t0)); ray_stop
 fi

@@ -25,10 +25,12 @@ def single_rank(world_size: int = 1, rank: int = 0) -> RankInfo:
 
 
 
-def gpu_ranks(max_gpus: int = 2) -> tuple[int, int]:
+def gpu_ranks(max_gpus: int | None = None) -> tuple[int, int]:
     """(world size, ranks per GPU) for a GPU test's group: ``min(max_gpus, GPUs in the Ray cluster)``
     GPUs, each shared by ``RAY_MOE_PES_PER_GPU`` ranks (default 1; >1 runs several NVSHMEM PEs on
-    one GPU, best under CUDA MPS: ``scripts/device_ep.sh``). Skips the test without a GPU."""
+    one GPU, best under CUDA MPS: ``scripts/device_ep.sh``). ``max_gpus`` defaults to
+    ``RAY_MOE_TEST_GPUS`` (2 if unset: the tests' timings were set at W=2; 4 or 8 on a larger
+    lease). Skips the test without a GPU."""
     import os
 
     import pytest
@@ -37,6 +39,8 @@ def gpu_ranks(max_gpus: int = 2) -> tuple[int, int]:
     from ray_moe.driver.group import connect
 
     connect()
+    if max_gpus is None:
+        max_gpus = int(os.environ.get("RAY_MOE_TEST_GPUS", "2"))
     gpus = min(max_gpus, int(ray.cluster_resources().get("GPU", 0)))
     if gpus < 1:
         pytest.skip("needs a GPU in the Ray cluster")

@@ -699,8 +699,9 @@ class Tuning:
 
     ``rotate_peers``: the combine sends its rows back to the sources in ring order starting after
     this rank (at any moment each rank receives from one peer) instead of in rank order (every
-    rank writes to the lowest rank first). Off by default: it is meant for W >= 4, where the
-    combine lagged the dispatch (180 vs 273 GB/s), and has not been measured on a device yet.
+    rank writes to the lowest rank first). On by default from three ranks: on H200 x4 at
+    T_local=16384, H=4096 the combine took 1205 µs against 2000 in rank order (305 GB/s, 1.10x
+    the dispatch's), and the T_local=128 pair 63 µs against 93 (docs/BENCHMARKS.md, session 15).
 
     ``interleave`` (calls whose peers are all reached through peer pointers): the senders signal
     a progress word after every block of rows, and between its own sends each program does the
@@ -724,12 +725,13 @@ class Tuning:
     def for_hidden(cls, hidden: int, world_size: int) -> "Tuning":
         """Default per row width and world size: for wide rows whole 4096-wide rows, 8 per step,
         16 warps (the fastest of the variants measured on H100 x2 and H200 x2, docs/BENCHMARKS.md),
-        interleaved at two ranks, where that was measured faster (pair 13 % on H100 x2). At more
-        ranks it passes its GPU tests (W=4, session 13) but has not been timed on separate GPUs:
-        set ``interleave`` to use it there."""
+        interleaved at two ranks, where that was measured faster (pair 13 % on H100 x2); at four
+        ranks the interleaved dispatch was slower (1520 against 1335 µs on H200 x4, session 15).
+        The combine's sends rotate from three ranks on (``rotate_peers``)."""
+        rotate = world_size >= 3
         if hidden >= 2048:
-            return cls(block_r=8, block_h=4096, num_warps=16, interleave=world_size == 2)
-        return cls()
+            return cls(block_r=8, block_h=4096, num_warps=16, rotate_peers=rotate, interleave=world_size == 2)
+        return cls(rotate_peers=rotate)
 
     def key(self) -> tuple:
         return (self.block_r, self.block_h, self.num_warps, self.rotate_peers, self.interleave)

@@ -33,13 +33,14 @@ def test_geometry_sizes_regions_for_the_rounded_meta_width(kmax):
     assert geo.region_bytes % 256 == 0 and geo.cm_bytes % 256 == 0 and geo.row_bytes % 16 == 0
 
 
-def test_default_tuning_interleaves_wide_rows_at_two_ranks_only():
+def test_default_tuning_interleaves_at_two_ranks_and_rotates_from_three():
     """Tuning.for_hidden: whole 4096-wide rows for wide rows; the interleaved exchange by default
-    where it was timed faster (two ranks), opt-in at more (correct there, not yet timed)."""
+    where it was timed faster (two ranks; slower at four), the combine's ring order from three."""
     from ray_moe.comm.nvshmem_kernels import Tuning
 
     assert Tuning.for_hidden(4096, 2).key() == (8, 4096, 16, False, True)
-    assert Tuning.for_hidden(4096, 4).key() == (8, 4096, 16, False, False)
+    assert Tuning.for_hidden(4096, 4).key() == (8, 4096, 16, True, False)  # rotated combine from W=3
+    assert Tuning.for_hidden(1024, 3).rotate_peers and not Tuning.for_hidden(1024, 2).rotate_peers
     assert Tuning.for_hidden(1024, 2).key() == Tuning().key() and not Tuning().interleave
 
 
