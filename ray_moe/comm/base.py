@@ -173,12 +173,6 @@ class Transport(ABC):
             streams[idx] = torch.cuda.Stream(device=idx, priority=-1)  # lower is higher; -1 is always valid
         return streams[idx]
 
-    def exchange_sms(self) -> int:
-        """SMs an exchange kernel holds while it runs beside expert compute, which the experts'
-        persistent GEMMs leave to it in the pipelined layer (0: none: the transport's exchange is
-        not a kernel on a fixed set of SMs, or it takes every SM, so nothing runs beside it)."""
-        return 0
-
     def check(self) -> None:
         """Raise if a device-side wait timed out since the last check (a host sync: call it
         outside the layer's forward and backward, e.g. at the end of a step)."""

@@ -547,11 +547,6 @@ class NVSHMEMTransport(Transport):
             self.name = "nvshmem-remote"
         self.reserve(spec)
 
-    def exchange_sms(self) -> int:
-        """``comm_programs`` where the exchange runs on fewer programs than this rank's share of
-        the SMs (``parallel.comm_programs``), else 0: the spinning kernels hold one SM each."""
-        return self.comm_programs if self.comm_programs < self.num_programs else 0
-
     def reserve(self, spec: BufferSpec) -> None:
         """Make the buffer hold ``spec`` (collective). A buffer serves one row width: a new hidden
         size replaces it, keeping the larger of the old and new row count, meta width and element

@@ -25,7 +25,7 @@ Weight layout: w13 [S, H, 2I] (gate = [..., :I], up = [..., I:]), w2 [S, I, H].
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -57,10 +57,7 @@ class GemmConfig:
     ``tma``: run the Hopper variant of :mod:`ray_moe.kernels.grouped_tma` (tensor descriptors
     for the operands that are not gathered) where the shapes allow it, else the pointer kernel.
     ``persistent``: (tma only) one program per SM walking the tiles; ``flatten``: let the
-    pipeliner overlap a tile's epilogue with the next tile's loads (persistent only);
-    ``sm_reserve``: (persistent only) leave that many SMs to a kernel running beside this one (the
-    pipelined layer's exchange on its side stream). A persistent program per SM would otherwise
-    wait for the exchange's SMs, and the tiles striped onto it would finish after it.
+    pipeliner overlap a tile's epilogue with the next tile's loads (persistent only).
     """
 
     block_m: int = 128
@@ -72,7 +69,6 @@ class GemmConfig:
     tma: bool = False
     persistent: bool = False
     flatten: bool = False
-    sm_reserve: int = 0
 
     def __post_init__(self) -> None:
         if max(self.block_m, self.block_n, self.block_k) > ZERO_TAIL:
@@ -122,16 +118,6 @@ class KernelPlan:
     fused_dact: bool = False
     dual_wgrad13: bool = False
     wgrad: str = "triton"  # triton | grouped_mm | quack: who computes dW13 and dW2 (WGRAD_BACKENDS)
-
-
-def reserve_sms(plan: KernelPlan, sms: int) -> KernelPlan:
-    """``plan`` with every persistent GEMM leaving ``sms`` SMs free (GemmConfig.sm_reserve); the
-    others are grids of independent programs, which fill whatever SMs are free anyway."""
-    if sms <= 0:
-        return plan
-    roles = ("gate_up", "down", "dact", "dx", "wgrad13", "wgrad2")
-    return replace(plan, **{r: replace(getattr(plan, r), sm_reserve=sms) for r in roles
-                            if getattr(plan, r).persistent})
 
 
 def default_plan(dtype: torch.dtype, device: torch.device) -> KernelPlan:

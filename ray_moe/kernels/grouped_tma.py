@@ -205,7 +205,7 @@ def launch_rows_tma(
     a_desc = a if gather_a else descriptor(a, (cfg.block_m, cfg.block_k))
     max_m_tiles = triton.cdiv(n_pos, cfg.block_m) + n_groups
     num_n = triton.cdiv(n_cols, cfg.block_n)
-    progs = max(1, num_programs(a.device) - cfg.sm_reserve)
+    progs = num_programs(a.device)
     grid = (min(progs, max_m_tiles * num_n) if cfg.persistent else max_m_tiles * num_n,)
     dummy = out
     _rows_tma_kernel[grid](

@@ -39,7 +39,6 @@ def expert_ffn(
     impl: str = "auto",
     wgrad: str = "triton",
     deferral=None,
-    sm_reserve: int = 0,
 ) -> torch.Tensor:
     """Weighted SwiGLU experts over received rows.
 
@@ -54,8 +53,6 @@ def expert_ffn(
         deferral: with triton, a :class:`~ray_moe.model.wgrad.WgradDeferral` that computes
             the weight gradients on its side stream into w13.grad / w2.grad (the other impls
             ignore it and leave them to autograd).
-        sm_reserve: with triton, SMs its persistent GEMMs leave to a kernel running beside them
-            (the pipelined layer's exchange: :meth:`Transport.exchange_sms`).
     Returns:
         [R, H] in x.dtype: sum_k weight[r, k] * expert_{slot[r, k]}(x[r]); rows with no valid k are 0.
         Differentiable w.r.t. x, weight, w13 and w2.
@@ -71,11 +68,9 @@ def expert_ffn(
         from dataclasses import replace
 
         from ray_moe.kernels import expert_ffn_triton
-        from ray_moe.kernels.grouped_swiglu import default_plan, reserve_sms
+        from ray_moe.kernels.grouped_swiglu import default_plan
 
-        plan = None
-        if wgrad != "triton" or sm_reserve > 0:
-            plan = reserve_sms(replace(default_plan(x.dtype, x.device), wgrad=wgrad), sm_reserve)
+        plan = None if wgrad == "triton" else replace(default_plan(x.dtype, x.device), wgrad=wgrad)
         return expert_ffn_triton(x, slot, weight, w13, w2, plan=plan, deferral=deferral)
     raise ValueError(f"expert impl {impl!r} is not one of auto, loop, grouped_mm, triton")
 

@@ -9,7 +9,6 @@ oracle is :func:`ray_moe.model.experts.reference_moe`.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -263,19 +262,16 @@ class MoELayer(nn.Module):
         )
         dest_rank, dest_slot = self.tables.route(ids, self.rank)  # replicas by global token index
 
-        def experts(recv_x, recv_slot, recv_w, w13, w2, deferral=None, sm_reserve=0):
+        def experts(recv_x, recv_slot, recv_w, w13, w2, deferral=None):
             choice = ExpertChoice(impl)
             if self.expert_impl == "auto" and impl == "triton":
                 needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (recv_x, recv_w, w13, w2))
                 choice = self.expert_chooser.choose(recv_x, recv_slot, recv_w, w13, w2, needs_grad)
-            return expert_ffn(recv_x, recv_slot, recv_w, w13, w2, choice.impl, wgrad=choice.wgrad, deferral=deferral,
-                              sm_reserve=sm_reserve)
+            return expert_ffn(recv_x, recv_slot, recv_w, w13, w2, choice.impl, wgrad=choice.wgrad, deferral=deferral)
 
         if self.pipeline_chunks > 1:
-            # the chunks' exchanges run beside the experts: their persistent GEMMs leave them SMs
-            beside = functools.partial(experts, sm_reserve=self.transport.exchange_sms())
             out, pairs = pipelined_exchange(self.transport, x, weights, dest_rank, dest_slot, (self.w13, self.w2),
-                                            beside, self.pipeline_chunks)
+                                            experts, self.pipeline_chunks)
         else:
             deferral = self.wgrad_deferral
             recv_x, recv_slot, recv_w, layout = dispatch(self.transport, x, weights, dest_rank, dest_slot,

@@ -274,7 +274,6 @@ class OnePE(NVSHMEMTransport):
     def __init__(self, spec):
         Transport.__init__(self, 0, 1)
         self.spec = spec
-        self.num_programs = self.comm_programs = 1  # what NVSHMEMTransport sets (the one program)
         self.buffer = SymmetricBuffer(Runtime(), spec.max_tokens, spec.hidden, spec.elem_bytes, 8, 1, [False])
 
 tr = OnePE(BufferSpec(max_tokens=24, hidden=32, elem_bytes=4, max_top_k=4))

@@ -33,7 +33,6 @@ VARIANT_CASES = {
     "expert_ffn_split_dact": ("random", "k1_sparse"),
     "expert_ffn_tma": ("tile_multiples", "odd_shapes"),  # descriptors, and the pointer fallback
     "expert_ffn_tma_persistent": ("tile_multiples",),
-    "expert_ffn_tma_persistent_reserve": ("tile_multiples",),  # 1 program of the interpreter's 4
     "expert_ffn_mm_wgrad": ("tile_multiples", "odd_shapes"),  # runs, and the 16-byte row rule
 }
 
@@ -167,8 +166,7 @@ def run_interpreter_checks() -> dict:
             results["tma_launches/tile_multiples"] = dict(launches)
         results[f"expert_ffn/{name}"] = check_expert_ffn(case)
         plans = {"expert_ffn_split_dact": split, "expert_ffn_tma": hopper["tma"],
-                 "expert_ffn_tma_persistent": hopper["tma_persistent"], "expert_ffn_mm_wgrad": mm_wgrad,
-                 "expert_ffn_tma_persistent_reserve": gs.reserve_sms(hopper["tma_persistent"], 3)}
+                 "expert_ffn_tma_persistent": hopper["tma_persistent"], "expert_ffn_mm_wgrad": mm_wgrad}
         for variant, plan in plans.items():
             if name not in VARIANT_CASES[variant]:
                 continue
@@ -422,19 +420,3 @@ if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run through pytest (sets TRITON_INTERPRET=1 for this subprocess)")
     print(json.dumps(run_interpreter_checks()))
-
-
-def test_reserve_sms_leaves_sms_from_the_persistent_gemms_only():
-    """reserve_sms: the persistent GEMMs (one program per SM) leave the SMs to the exchange beside
-    them; grids of independent programs are left alone, and 0 changes nothing."""
-    import dataclasses
-
-    from ray_moe.kernels import grouped_swiglu as gs
-
-    plan = gs.default_plan(torch.bfloat16, torch.device("cpu"))
-    plan = dataclasses.replace(plan, down=dataclasses.replace(plan.down, tma=True, persistent=True))
-    assert gs.reserve_sms(plan, 0) is plan
-    reserved = gs.reserve_sms(plan, 32)
-    assert reserved.down.sm_reserve == 32 and reserved.down.persistent
-    roles = ("gate_up", "dact", "dx", "wgrad13", "wgrad2")
-    assert all(getattr(reserved, r) == getattr(plan, r) for r in roles)
