@@ -53,6 +53,16 @@ def placement_w4() -> Placement:
                                       5: [(1, 3)], 1: [(2, 3)]}, seed=2)
 
 
+def placement_w8() -> Placement:
+    # E=8, 1 native expert per rank (slot 0), clone slots 1 and 2; expert 0 has 2 clones, expert 5
+    # two, a clone on every rank (rank 3 holds two)
+    return forced_placement(8, 8, 2, {0: [(3, 1), (5, 1)], 3: [(0, 1)], 7: [(1, 1)], 2: [(4, 1)],
+                                      5: [(6, 1), (7, 1)], 1: [(3, 2)], 6: [(2, 1)]}, seed=3)
+
+
+FORCED_PLACEMENTS = {2: placement_w2, 4: placement_w4, 8: placement_w8}
+
+
 def group_for(groups, world_size: int):
     """W=2: the shared packed group; W=4: a group spread over both simulated nodes (2 x 2)."""
     return groups(2) if world_size == 2 else groups(4, "SPREAD")
@@ -81,6 +91,23 @@ def test_layer_parity_with_clones(groups, world_size):
     for seed, routing, top_k in ((0, "random", 2), (1, "one_expert", 3), (2, "random", 1)):
         assert_parity(group, placement, seed=seed, routing=routing, top_k=top_k,
                       tokens_per_rank=[16, 9, 23, 5])
+
+
+def test_layer_parity_with_clones_at_eight_ranks(ray_cluster):
+    """W=8 over both simulated nodes (the shape of a one-node 8-GPU lease, tested there with
+    NVSHMEM): one native expert per rank, experts with two clones, a clone on every rank, an
+    empty rank; its own group, closed after (the cached ones stay at most four)."""
+    from ray_moe.config import Config
+    from ray_moe.driver.group import WorkerGroup
+
+    cfg = Config.from_dict({"parallel": {"world_size": 8, "device": "cpu", "cpu_per_worker": 0.1,
+                                         "placement_strategy": "SPREAD", "startup_timeout_s": 120},
+                            "moe": {"num_experts": 8}})
+    with WorkerGroup(cfg) as group:
+        assert ranks_on_both_nodes(group, placement_w8())
+        for seed, routing, top_k in ((0, "random", 2), (1, "one_expert", 1), (2, "random", 8)):
+            assert_parity(group, placement_w8(), seed=seed, routing=routing, top_k=top_k,
+                          tokens_per_rank=[16, 9, 0, 5, 12, 7, 3, 11])
 
 
 def test_layer_parity_with_planned_clones(groups):

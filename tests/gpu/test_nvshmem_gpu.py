@@ -286,14 +286,14 @@ def test_pipelined_cuda_graph_replay(group):
 
 
 def test_layer_parity_with_clones(group):
-    """Forced placements that clone experts across ranks (W=2: clones both ways; W=4: an expert
-    with two clones, clones on every rank; random per-source shares with exact zeros): the bf16
-    layer over NVSHMEM equals the single-process oracle, every gradient."""
-    from tests.cluster.test_clone_parity import placement_w2, placement_w4
+    """Forced placements that clone experts across ranks (W=2: clones both ways; W=4 and W=8:
+    experts with two clones, clones on every rank; random per-source shares with exact zeros):
+    the bf16 layer over NVSHMEM equals the single-process oracle, every gradient."""
+    from tests.cluster.test_clone_parity import FORCED_PLACEMENTS
 
-    if group.world_size not in (2, 4):
-        pytest.skip("the forced clone placements are for W=2 and W=4")
-    extra = {"placement": (placement_w2 if group.world_size == 2 else placement_w4)().to_dict()}
+    if group.world_size not in FORCED_PLACEMENTS:
+        pytest.skip(f"the forced clone placements are for W in {sorted(FORCED_PLACEMENTS)}")
+    extra = {"placement": FORCED_PLACEMENTS[group.world_size]().to_dict()}
     case = Case(seed=_seed_without_near_ties(extra, group.world_size), dtype="bfloat16", hidden=64, **extra)
     for rank, errs in enumerate(group.execute(layer_parity, case, timeout=300)):
         bad = {k: v for k, v in errs.items() if not v <= BF16_TOL}
