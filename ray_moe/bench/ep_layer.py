@@ -210,6 +210,10 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
         "host_syncs_per_step": len(syncs) / SYNC_COUNT_STEPS,
         "first_host_sync": syncs[0] if syncs else "",
         "expert_tokens": tokens.tolist(), "received_pairs": float(pairs),
+        # what moe.expert_impl=auto chose per shape (a pipelined layer's chunks are shapes of
+        # their own), and the candidates' times
+        "expert_impl": _chosen_impls(layer, x),
+        "expert_timings": {str(k): v for k, v in layer.expert_chooser.timings.items()},
         "spec": asdict(spec),
     }
     if device.type == "cuda":
@@ -218,6 +222,16 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
         out["kernels"], out["timeline"] = kernels, timeline
     transport.check()
     return out
+
+
+def _chosen_impls(layer: Any, x: torch.Tensor) -> str:
+    """The expert implementations the layer's chooser picked, e.g. ``triton+mm_wgrad``, or the one
+    that ran where nothing was chosen (``moe.expert_impl`` set, or not the Triton kernels' GPU).
+    ``x``: [T, H], the layer's input (its device and dtype decide ``auto``)."""
+    from ray_moe.model.experts import resolve_impl
+
+    names = sorted({c.name for c in layer.expert_chooser.choices.values()})
+    return "/".join(names) or resolve_impl(layer.expert_impl, x)
 
 
 def _train_steps(layer: Any, x: torch.Tensor, grad: torch.Tensor, placement: Placement, n: int,
@@ -393,7 +407,8 @@ def ep_layer_rows(
                      "steady_ms_per_rank": [round(r["steady_step_ms"], 3) for r in res],
                      "steady_device_steps_ms_per_rank": [r["steady_device_steps_ms"] for r in res],
                      "host_syncs_per_step": max(r["host_syncs_per_step"] for r in res),
-                     "first_host_sync": next((r["first_host_sync"] for r in res if r["first_host_sync"]), "")})
+                     "first_host_sync": next((r["first_host_sync"] for r in res if r["first_host_sync"]), ""),
+                     "expert_impl": "/".join(sorted({r["expert_impl"] for r in res}))})
     refs = [("one GPU, T/W tokens", local, spec_ep), ("one GPU, all T tokens", full, spec_full)]
     if own is not None:
         refs.append(("one GPU, T/W tokens on E/W experts (a rank's compute)", own, spec_ep))
@@ -404,7 +419,7 @@ def ep_layer_rows(
                      "fwd+bwd_TFLOPs": tflops(spec, f + b, backward=True), "steady_step_ms": res["steady_step_ms"],
                      "steady_device_ms": res["steady_device_ms"], "steady_issue_ms": res["steady_issue_ms"],
                      "host_syncs_per_step": res.get("host_syncs_per_step", 0.0),
-                     "first_host_sync": res.get("first_host_sync", "")})
+                     "first_host_sync": res.get("first_host_sync", ""), "expert_impl": res.get("expert_impl", "")})
     # Exposed communication is EP minus a rank's own compute without the exchange: T/W tokens on
     # E/W experts (the same rows per expert as EP, so the same GEMM shapes). "One GPU, T/W tokens"
     # (all E experts at half the rows each) runs less efficient GEMMs, which hid ~0.8 ms of the
@@ -464,7 +479,8 @@ def _mean_times(before: dict, after: dict) -> dict:
     """The mean of two timings of one step (:func:`time_layer_step`'s ``*_ms`` entries; the
     later one's host synchronisations)."""
     return {**{k: (before[k] + after[k]) / 2 for k in STEP_TIMES},
-            "host_syncs_per_step": after["host_syncs_per_step"], "first_host_sync": after["first_host_sync"]}
+            "host_syncs_per_step": after["host_syncs_per_step"], "first_host_sync": after["first_host_sync"],
+            "expert_impl": after["expert_impl"]}
 
 
 def timeline_rows(timelines: dict[str, dict]) -> list[dict]:

@@ -42,6 +42,8 @@ def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
                and r["steady_device_ms"] > 0 for r in timed)
     assert all(len(r["steady_ms_per_rank"]) == 2 and max(r["steady_ms_per_rank"]) == round(r["steady_step_ms"], 3)
                for r in ep)
+    # which expert implementation ran: on the CPU nothing is measured, and auto is the loop
+    assert all(r["expert_impl"] == "loop" for r in timed), [r["expert_impl"] for r in timed]
     # the steady loop's synchronising calls are counted on CUDA only (torch's sync debug mode)
     assert all(r["host_syncs_per_step"] == 0 for r in rows if r["section"] == "ep" and r["what"] != "derived")
     # --ep-profile: the first variant's operators (on the CPU) against a rank's own compute, the
