@@ -6,18 +6,22 @@
 # alone ~60 s), the training tests ~150 s, pes2 with PES_FILES=tests/gpu/test_nvshmem_gpu.py ~330 s,
 # comm 139 s (84 s on H200), layer 81-85 s; pes2 with every NVSHMEM test 250 s on H200 x2 (session 12);
 # a fresh machine costs ~60 s of the budget before the command starts, and it goes back after 30 s
-# idle, so chain calls. Session 14 ran session 13's queue (docs/BENCHMARKS.md, "Session 14": the
-# positive control found the sync counter counting torch's prototype notice; ten-step profiles
-# explain the steady step by the ranks' skew). Next lease:
-#   1. where multi-GPU kinds of 4 or 8 GPUs are lent: the default steps (W = all GPUs), and
-#      comm at W=4 for the combine's bandwidth against the dispatch's (the interleaved combine
-#      applies there), and the layer at W=4 (scaling target >= 0.90 at W=8)
-#   2. on x2, after any change to the exchange kernels: TESTS_FILES=tests/gpu/test_nvshmem_gpu.py
+# idle, so chain calls. Session 15 ran on H200 x4 (docs/BENCHMARKS.md, "Session 15"): at W=4
+# the whole NVSHMEM test file takes more than 250 s (layout 48 s and the parity cases 107 s at W=8),
+# comm with every variant more than 150 s (pick COMM_VARIANTS), the layer 97-136 s. Next lease:
+#   1. x4 or x8: the pipelined layer's profile at W = all GPUs, to see why no overlap wins there
+#      (EP_CHUNKS=1,2 EP_PROGRAMS=32 EP_INTERLEAVE=0 EP_DELAY_WGRAD=0 EP_PROFILE=1 layer; its
+#      rows now name the expert implementation the chooser picked); x8: the default steps with
+#      T_TESTS=500 and COMM_VARIANTS=r8h4096w16rot,r8h4096w16 (scaling target >= 0.90 at W=8)
+#   2. pes2 with RAY_MOE_TEST_GPUS=4 on x4 (W=8) and PES_FILES=...::test_layer_parity_with_clones
+#      (placement_w8 exists now)
+#   3. on x2, after any change to the exchange kernels: TESTS_FILES=tests/gpu/test_nvshmem_gpu.py
 #      bash scripts/device_ep.sh tests,comm,layer (the host cost: bench comm --host-cost --profile)
 # On one GPU, pes2 with every file took ~360 s.
 # Usage (device machine, repo root):  . .devbundle/setup.sh && bash scripts/device_ep.sh [steps]
 # steps (default: pes2,pes4,tests,comm,layer; a failing step does not stop the next one):
-#   pes2, pes4  2 / 4 ranks on EVERY GPU (RAY_MOE_PES_PER_GPU, under CUDA MPS): tests/gpu's
+#   pes2, pes4  2 / 4 ranks on each GPU, of two GPUs at most unless RAY_MOE_TEST_GPUS says more
+#               (RAY_MOE_PES_PER_GPU, under CUDA MPS): tests/gpu's
 #               NVSHMEM transport tests (layout, validators, parity, clones, graph replay, reserve),
 #               and with pes2 the HF families' short bf16 training runs and the training tests
 #   tests       one rank per GPU, W = all GPUs (RAY_MOE_TEST_GPUS: fewer): the same GPU tests
