@@ -164,6 +164,9 @@ def prepare(
                             bad = None if isinstance(exc, (DataError, PrepareError)) else bad_row(kind, group)
                             if bad is not None:
                                 raise DataError(bad) from None
+                            lost = _cluster_failure(exc)
+                            if lost:
+                                raise PrepareError(lost) from None
                             raise
             stream.end()
             bar.update(0, stream.bytes_done)
@@ -353,6 +356,21 @@ def _batches(ds: Any, stall_timeout_s: float) -> Iterator[Any]:
             except queue.Empty:
                 pass
             thread.join(timeout=0.1)
+
+
+def _cluster_failure(exc: BaseException) -> str | None:
+    """One line for a failure of the Ray cluster under the job (a worker or node lost, e.g. a
+    cluster stopped while the job ran), which the same command resumes from; None for other
+    errors (a bug shows its traceback)."""
+    import ray.exceptions
+
+    lost = (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError, ray.exceptions.WorkerCrashedError,
+            ray.exceptions.NodeDiedError, ray.exceptions.ObjectLostError, ray.exceptions.RaySystemError)
+    if not isinstance(exc, lost):
+        return None
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    return (f"the Ray cluster failed under the job ({type(exc).__name__}: {first}); the shards written so "
+            "far are kept, and the same command resumes from them")
 
 
 def _connect(address: str | None) -> bool:

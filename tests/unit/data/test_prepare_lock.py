@@ -26,3 +26,26 @@ def test_a_prepare_that_cannot_reach_ray_releases_the_lock(tmp_path, bpe_dir, mo
         prepare_mod.prepare([str(STDLIB / "bisect.py")], str(bpe_dir), str(out), progress=False)
     assert info.value.__traceback__ is not None  # the writer's frame is still referenced
     dirlock.take(out / LOCK_FILE).close()
+
+
+def test_a_cluster_lost_under_the_job_is_one_line_and_the_run_resumable(tmp_path, bpe_dir, monkeypatch):
+    """A Ray worker that dies under the job (seen when another program stopped the cluster that
+    ``prepare`` had attached to) ends in one line saying the same command resumes. Nothing was
+    written before it, so nothing is left (the directory is made with the first shard)."""
+    import ray.exceptions
+
+    out = tmp_path / "ds"
+
+    def batches(ds, stall_timeout_s):
+        raise ray.exceptions.ActorDiedError()
+        yield  # a generator, as the real one
+
+    monkeypatch.setattr(prepare_mod, "_connect", lambda address: False)
+    monkeypatch.setattr(prepare_mod, "_dataset", lambda *args: object())
+    monkeypatch.setattr(prepare_mod, "_batches", batches)
+    with pytest.raises(PrepareError) as info:
+        prepare_mod.prepare([str(STDLIB / "bisect.py")], str(bpe_dir), str(out), workers=1, progress=False)
+    message = str(info.value)
+    assert "ActorDiedError: The actor died unexpectedly" in message and "resumes" in message
+    assert "\n" not in message
+    assert not out.exists()
