@@ -9,8 +9,11 @@ each rank measures, in the same run:
 - the textbook EP exchange through NCCL ``all_to_all_single``: one row per (token, k), split
   sizes exchanged by a small all-to-all and read on the host, rows and (slot, weight) meta sent;
   combine sends the K rows back and sums them weighted. Layout exchange included.
-- the peer-copy ceiling: ``copy_`` of the same number of bytes into the peer's symmetric memory
-  through its NVLink peer pointer, all ranks at once.
+- the peer-copy ceilings: the same number of bytes into the peers' symmetric memory through
+  their NVLink peer pointers, all ranks at once, by ``copy_`` (the copy engines, a stream per
+  peer: ``ce_ceiling_GBps``) and by SM stores to every peer from one grid
+  (:mod:`ray_moe.bench.copy_ceiling`: ``sm_ceiling_GBps``); ``dispatch_vs_ceiling`` is against
+  the higher.
 
 "bytes" are what left this rank for other ranks (rank-dedup rows x (H x 2 + meta) for NVSHMEM,
 (token, k) rows for NCCL); GB/s = bytes / time. The table shows the slowest rank's numbers.
@@ -248,6 +251,14 @@ def bench_worker(worker: Any, params: dict) -> list[dict]:
 
             rec["ceiling_s"] = _time(copy, iters)
             rec["ceiling_bytes"] = n * len(views)
+            # the same bytes stored by SMs into every peer at once (the copy engines above bound
+            # nothing at W=4: the dispatch outpaced them)
+            from ray_moe.bench.copy_ceiling import peer_copy
+
+            n16 = n - n % 16
+            targets = [v[off:off + n16] for v in views]
+            rec["sm_ceiling_s"] = _time(lambda: peer_copy(src[:n16], targets), iters)
+            rec["sm_ceiling_bytes"] = n16 * len(views)
         dist.barrier()
         torch.cuda.synchronize()
         buf.close()  # the next size allocates its own (collective)
@@ -365,8 +376,11 @@ def _summarise(per_rank: list[list[dict]]) -> list[dict]:
         nd, nc = worst("nccl_dispatch_s"), worst("nccl_combine_s")
         dbytes = max(r["dispatch_bytes"] for r in recs)
         cbytes = max(r["combine_bytes"] for r in recs)
-        ceil = max(r.get("ceiling_s", float("nan")) for r in recs)
-        cbw = max(r.get("ceiling_bytes", 0) for r in recs) / ceil / 1e9 if ceil == ceil else float("nan")
+        ceilings = {}
+        for kind in ("ceiling", "sm_ceiling"):  # the copy engines', the SMs' (the slowest rank's)
+            t = max(r.get(f"{kind}_s", float("nan")) for r in recs)
+            ceilings[kind] = max(r.get(f"{kind}_bytes", 0) for r in recs) / t / 1e9 if t == t else float("nan")
+        cbw = max((b for b in ceilings.values() if b == b), default=float("nan"))  # the higher bounds
         rows.append({
             "T_local": rec0["T"], "variant": best,
             "dispatch_us": d * 1e6, "combine_us": c * 1e6, "pair_us": dc * 1e6,
@@ -374,6 +388,7 @@ def _summarise(per_rank: list[list[dict]]) -> list[dict]:
             "dispatch_MB": dbytes / 1e6, "dispatch_GBps": dbytes / d / 1e9, "combine_GBps": cbytes / c / 1e9,
             "nccl_dispatch_us": nd * 1e6, "nccl_combine_us": nc * 1e6,
             "speedup_vs_nccl": (nd + nc) / dc, "ceiling_GBps": cbw,
+            "ce_ceiling_GBps": ceilings["ceiling"], "sm_ceiling_GBps": ceilings["sm_ceiling"],
             "dispatch_vs_ceiling": (dbytes / d / 1e9) / cbw if cbw == cbw else float("nan"),
             "graph_error": rec0.get("graph_error"),
             "round_trip_rel_err": max(v.get("round_trip_rel_err", 0.0) for r in recs
@@ -447,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = _summarise(per_rank)
     cols = ["T_local", "variant", "dispatch_us", "combine_us", "pair_us", "graph_pair_us", "dispatch_MB",
             "dispatch_GBps", "combine_GBps", "nccl_dispatch_us", "nccl_combine_us", "speedup_vs_nccl",
-            "ceiling_GBps", "dispatch_vs_ceiling", "round_trip_rel_err"]
+            "ce_ceiling_GBps", "sm_ceiling_GBps", "dispatch_vs_ceiling", "round_trip_rel_err"]
     print(f"W={W} on {devices[0]}, H={a.hidden} K={a.top_k} E={a.experts} bf16"
           f"{' force_remote_path' if a.force_remote else ''}{' one_sm_wait' if a.one_sm_wait else ''}")
     print(tabulate([[f"{r[c]:.1e}" if c == "round_trip_rel_err" else r[c] for c in cols] for r in rows],
