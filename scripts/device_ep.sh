@@ -15,7 +15,9 @@
 #      T_TESTS=500 and COMM_VARIANTS=r8h4096w16rot,r8h4096w16 (scaling target >= 0.90 at W=8)
 #   2. pes2 with RAY_MOE_TEST_GPUS=4 on x4 (W=8) and PES_FILES=...::test_layer_parity_with_clones
 #      (placement_w8 exists now)
-#   3. on x2, after any change to the exchange kernels: TESTS_FILES=tests/gpu/test_nvshmem_gpu.py
+#   3. comm at W = all GPUs, T_local=16384 (COMM_VARIANTS=r8h4096w16rot,r8h4096w16il): the new SM
+#      copy ceiling (sm_ceiling_GBps) beside the copy engines' for dispatch_vs_ceiling
+#   4. on x2, after any change to the exchange kernels: TESTS_FILES=tests/gpu/test_nvshmem_gpu.py
 #      bash scripts/device_ep.sh tests,comm,layer (the host cost: bench comm --host-cost --profile)
 # On one GPU, pes2 with every file took ~360 s.
 # Usage (device machine, repo root):  . .devbundle/setup.sh && bash scripts/device_ep.sh [steps]
