@@ -14,9 +14,8 @@
 #            bf16 moments; optimizer_exposed_pct is the part nothing hides)
 #   sonic    the MoE layer beside SonicMoE at E=128 and E=64 (issue 26: forward+backward <= 0.95x);
 #            SonicMoE's GEMM autotuning outlasts a 10-minute call unless its compiled configs are
-#            carried: build them first without a GPU (`bench layer --E 128 --sonic-precompile DIR`
-#            under Python 3.12 with torch 2.11 and the .sonicbundle wheels, ~10 min on 2 cores;
-#            docs/BENCHMARKS.md, issue 16 session 4) and unpack them into QUACK_CACHE_DIR
+#            carried: build them first without a GPU (bash scripts/make-sonic-kernels.sh, ~5 min)
+#            and carry [".sonicbundle", ".sonickernels"]: this step unpacks them into QUACK_CACHE_DIR
 #   gputests the GPU tests of the optimizer and precision paths (test_precision_gpu.py,
 #            test_zero_gpu.py): run it first after any change to worker/optim.py (session 9 moved
 #            the fused AdamW update off torch.optim.AdamW; it had run on the CPU only)
@@ -43,6 +42,10 @@ if has moments; then
 fi
 if has sonic; then
   export QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/tmp/qcache}
+  if [ -f .sonickernels/sonic_kernels.tgz ] && [ ! -f "$QUACK_CACHE_DIR/.unpacked" ]; then
+    mkdir -p "$QUACK_CACHE_DIR" && tar xzf .sonickernels/sonic_kernels.tgz -C "$QUACK_CACHE_DIR" \
+      && touch "$QUACK_CACHE_DIR/.unpacked" && echo "SonicMoE's precompiled GEMMs unpacked into $QUACK_CACHE_DIR"
+  fi
   timeout ${T_SONIC:-540} python3 -m ray_moe.bench.layer --warmup-ms 50 --rep-ms 400 --sections layer \
     --layer-E 128,64 --json "$OUT/bench_layer_sonic.json" 2>&1 | tee "$OUT/bench_layer_sonic.log" | tail -20
 fi
