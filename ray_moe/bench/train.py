@@ -482,7 +482,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "full matches model.activation_checkpointing=full)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides for ray_moe")
     p.add_argument("--json", default=None, help="write the rows and the setup here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not all(n.strip().isdigit() and int(n) >= 1 for n in args.layers.split(",")):
+        p.error(f"--layers={args.layers!r} must be a comma list of positive integers")
+    if args.titan_compile and args.titan == "no":
+        p.error("--titan-compile compiles torchtitan's model; it needs --titan auto or yes")
+    return args
 
 
 def _setup(args: argparse.Namespace, device: torch.device, titan: str | None) -> dict[str, Any]:
@@ -502,28 +507,19 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     device = pick_device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench train: --device cuda but CUDA is not available; use --device cpu or auto", file=sys.stderr)
+        print("ray-moe bench train: error: --device cuda but CUDA is not available; use --device cpu or auto",
+              file=sys.stderr)
         return 2
-    try:
-        layer_counts = [int(n) for n in args.layers.split(",")]
-    except ValueError:
-        layer_counts = []
-    if not layer_counts or min(layer_counts) < 1:
-        print(f"bench train: --layers={args.layers!r} must be a comma list of positive integers", file=sys.stderr)
-        return 2
+    layer_counts = [int(n) for n in args.layers.split(",")]
     rows: list[dict] = []
     titan_error = None
     if args.loss_only:
         rows = loss_rows(args)
         _print_table(rows)
     else:
-        if args.titan_compile and args.titan == "no":
-            print("bench train: --titan-compile compiles torchtitan's model; it needs --titan auto or yes",
-                  file=sys.stderr)
-            return 2
         titan_error = titan_import_error() if args.titan != "no" else "not asked for"
         if args.titan == "yes" and titan_error:
-            print(f"bench train: --titan yes but torchtitan does not import ({titan_error}); "
+            print(f"ray-moe bench train: error: --titan yes but torchtitan does not import ({titan_error}); "
                   "build it with scripts/make-titan-bundle.sh", file=sys.stderr)
             return 2
         print(f"torchtitan: {titan_error or 'imports'}", flush=True)

@@ -86,16 +86,21 @@ def test_model_flops_formula():
     assert flops == pytest.approx(6 * spec.active_params_per_token() * 16384 + 6 * 4 * 32 * 128 * 4096 * 16384)
 
 
-@pytest.mark.parametrize("argv", [["--layers", "0"], ["--layers", "two"]])
+@pytest.mark.parametrize("argv", [["--layers", "0"], ["--layers", "two"], ["--layers", "2,"]])
 def test_bad_layers_exit_2(argv, capsys):
-    assert train.main(argv) == 2
-    assert "--layers" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        train.main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith("ray-moe bench train: error: --layers=") and "comma list of positive integers" in err
 
 
 def test_titan_compile_without_titan_exit_2(capsys):
-    assert train.main(["--device", "cpu", "--titan", "no", "--titan-compile"]) == 2
+    with pytest.raises(SystemExit) as exc:
+        train.main(["--device", "cpu", "--titan", "no", "--titan-compile"])
     err = capsys.readouterr().err
-    assert "--titan-compile" in err and "--titan auto or yes" in err and len(err.strip().splitlines()) == 1
+    assert exc.value.code == 2 and err.startswith("ray-moe bench train: error: --titan-compile")
+    assert "--titan auto or yes" in err and len(err.strip().splitlines()) == 1
 
 
 def test_titan_ac_none_leaves_the_model_alone_and_the_flag_takes_torchtitans_modes():
