@@ -8,7 +8,9 @@ step   One rank (W = 1) through ``Engine.train_step`` with ``LocalTransport``: w
        one process (each engine freed before the next is built):
          old          bf16 parameters updated by AdamW directly, one tensor at a time
                       (``train.master_weights=false train.optimizer_impl=for_loop``): before this change
-         new          float32 masters, gradients and AdamW state, torch's fused AdamW (the defaults)
+         new          float32 masters and AdamW state, ``train.optimizer_impl=auto`` (the one-pass
+                      kernel for every bf16 parameter on CUDA), updated in place
+         new_fused    the same through torch's fused AdamW (float32 gradient copies)
          new_foreach  the same with foreach AdamW (what runs where the fused kernel does not)
          bf16_moments float32 masters, bf16 AdamW moments (``train.optimizer_state_dtype=bfloat16``):
                       every parameter through the one-pass kernel

@@ -24,10 +24,11 @@ release/acquire atomics.
 
 **Remote path** (peers on another node, or every peer with ``parallel.force_remote_path``): the
 send kernel writes each peer's rows into a local staging region; the host then enqueues one
-``nvshmemx_putmem_signal_on_stream`` per remote peer (whole region, signal += 1) and, after the
-receive kernel, ``nvshmemx_signal_op_on_stream`` for the acknowledgement. No host sync is needed:
-the put size is the region's capacity (the real row count lives on the device only), which
-costs bandwidth when traffic is far below capacity; the arrival counters are read in the kernel.
+``nvshmemx_putmem_signal_on_stream`` per remote peer (the call's capacity of rows, signal += 1)
+and, after the receive kernel, ``nvshmemx_signal_op_on_stream`` for the acknowledgement. No host
+sync is needed: the put size is the call's capacity (the real row count lives on the device
+only; :meth:`SymmetricBuffer.post_send`), which costs bandwidth when traffic is far below it;
+the arrival counters are read in the kernel.
 
 No module-level mutable state: NVSHMEM's own process state is owned by the transport that
 initialised it (``close()`` finalizes it).
