@@ -91,14 +91,16 @@ def interpreter_scripts(request) -> InterpreterScripts:
 @pytest.fixture(scope="session")
 def multi_pe_run():
     """tests/nvshmem_pes.py at the suite's settings (several NVSHMEM PEs on the CPU), started in the
-    background at the first request in this test process; ``.result(timeout_s)`` waits for it.
-    tests/unit/comm/test_nvshmem_kernels.py requests it early, so under ``-n 2`` it runs beside the
-    rest of its lane instead of blocking the lane at the test that reads it (~30 s)."""
-    from tests.nvshmem_pes import SUITE_ARGS, BackgroundRun
+    background at the first request in this test process: {world size: run} for two ranks and for
+    three; ``.result(timeout_s)`` waits for a run. tests/unit/comm/test_nvshmem_kernels.py requests
+    it early, so under ``-n 2`` they run beside the rest of their lane instead of blocking the lane
+    at the test that reads them (~30 s)."""
+    from tests.nvshmem_pes import SUITE_ARGS, SUITE_ARGS_W3, BackgroundRun
 
-    run = BackgroundRun(SUITE_ARGS)
-    yield run
-    run.close()
+    runs = {2: BackgroundRun(SUITE_ARGS), 3: BackgroundRun(SUITE_ARGS_W3)}
+    yield runs
+    for run in runs.values():
+        run.close()
 
 
 @pytest.fixture(scope="session")

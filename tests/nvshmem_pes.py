@@ -50,6 +50,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # kernel and by one program ahead of it
 SUITE_ARGS = ("--world-size", "2", "--programs", "2", "--tunings", '[{}, {"block_r": 4, "interleave": true}]',
               "--remote", "kernel,one_sm")
+# and three ranks with the default tuning, whose combine sends in ring order from three ranks on
+# (Tuning.rotate_peers): the order every rank's peers see differs only there (~17 s, 30 s of CPU)
+SUITE_ARGS_W3 = ("--world-size", "3", "--programs", "2", "--tunings", "[{}]")
 
 
 class BackgroundRun:
