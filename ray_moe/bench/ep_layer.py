@@ -107,6 +107,7 @@ def time_layer_step(worker: Any, spec: StepSpec | dict) -> dict[str, Any]:
 # is a prototype also says "Synchronization", and was counted as a sync until session 14)
 SYNC_WARNING = "called a synchronizing CUDA operation"
 SYNC_COUNT_STEPS = 3  # steady steps run again under the sync debug mode to count host syncs
+STEP_TIMEOUT_S = 1800.0  # one variant's timing on every rank (compiles included); a hang ends named
 
 
 @contextlib.contextmanager
@@ -331,7 +332,6 @@ def ep_layer_rows(
     worker group of ``world_size`` ranks to run on (else one is started and closed here).
     ``profile``: also the kernels of one step of the first EP variant (rank 0) against a rank's own
     compute, by how much longer EP spends in each (:func:`kernel_diff_rows`)."""
-    import ray
 
     from ray_moe.config import Config
     from ray_moe.driver.group import WorkerGroup
@@ -364,11 +364,11 @@ def ep_layer_rows(
         where E/W experts cannot take K; one GPU running all T tokens), timed on rank 0's GPU."""
         own = None
         if own_ok:
-            own = ray.get(g.actors[0].execute.remote(time_layer_step, asdict(StepSpec(
+            own = g.execute_on(0, time_layer_step, asdict(StepSpec(
                 tokens=T // world_size, local=True, profile=profile, profile_steps=profile_steps,
-                **{**base, "num_experts": E // world_size}))))
-        full = ray.get(g.actors[0].execute.remote(
-            time_layer_step, asdict(StepSpec(tokens=T, local=True, **base))))
+                **{**base, "num_experts": E // world_size})), timeout=STEP_TIMEOUT_S)
+        full = g.execute_on(0, time_layer_step, asdict(StepSpec(tokens=T, local=True, **base)),
+                            timeout=STEP_TIMEOUT_S)
         return own, full
 
     with ctx as g:
@@ -383,9 +383,10 @@ def ep_layer_rows(
                     for dw in delay_wgrad if c == 1 else (False,):
                         ep[c, p, il, dw] = g.execute(time_layer_step, asdict(StepSpec(
                             tokens=T // world_size, pipeline_chunks=c, comm_programs=p, interleave=il,
-                            profile=profile and not ep, profile_steps=profile_steps, delay_wgrad=dw, **base)))
-        local = ray.get(g.actors[0].execute.remote(
-            time_layer_step, asdict(StepSpec(tokens=T // world_size, local=True, **base))))
+                            profile=profile and not ep, profile_steps=profile_steps, delay_wgrad=dw, **base)),
+                            timeout=STEP_TIMEOUT_S)
+        local = g.execute_on(0, time_layer_step, asdict(StepSpec(tokens=T // world_size, local=True, **base)),
+                             timeout=STEP_TIMEOUT_S)
         own_after, full_after = references(g, profile)
         transport_name = g.transport_name
     own = None if own_after is None else _mean_times(own_before, own_after)

@@ -320,22 +320,26 @@ class WorkerGroup:
                  self.ranks[0].num_nodes, names[0])
 
     # ------------------------------------------------------------------ calls
-    def _get(self, refs: list, timeout: float | None, what: str) -> list:
-        """Every rank's result in order; the first failure raised as a :class:`WorkerFailure`
-        after the other ranks' results are settled (fetched and dropped), so that Ray does not
-        print their errors as "Unhandled error" tracebacks later."""
+    def _get(self, refs: list, timeout: float | None, what: str, ranks: Sequence[int] | None = None) -> list:
+        """Every rank's result in order (``ranks``: the rank of each ref, default every rank in
+        order); the first failure raised as a :class:`WorkerFailure` after the other ranks'
+        results are settled (fetched and dropped), so that Ray does not print their errors as
+        "Unhandled error" tracebacks later."""
         try:
-            return self._get_in_order(refs, timeout, what)
+            return self._get_in_order(refs, timeout, what, ranks)
         except WorkerFailure as exc:  # a hang is not waited for again; raised errors arrive together
             _settle(refs, 0.0 if exc.cause == "timeout" else 5.0)
             raise
 
-    def _get_in_order(self, refs: list, timeout: float | None, what: str) -> list:
+    def _get_in_order(self, refs: list, timeout: float | None, what: str,
+                      ranks: Sequence[int] | None = None) -> list:
         deadline = None if timeout is None else time.monotonic() + timeout
+        if ranks is None and len(refs) == len(self.ranks):
+            ranks = range(len(refs))
         results: list[Any] = []
         for i, ref in enumerate(refs):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            info = self.ranks[i] if len(refs) == len(self.ranks) else None
+            info = self.ranks[ranks[i]] if ranks is not None else None
             rank = info.rank if info is not None else None
             where = ({"node_id": info.node_id, "hostname": info.hostname, "ip": info.ip, "pid": info.pid}
                      if info is not None else {})
@@ -396,6 +400,15 @@ class WorkerGroup:
         """Run ``fn(worker, *args, **kwargs)`` on every rank; results in rank order."""
         refs = [a.execute.remote(fn, *args, **kwargs) for a in self.actors]
         return self._get(refs, timeout, getattr(fn, "__name__", "execute"))
+
+    def execute_on(self, rank: int, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
+                   **kwargs: Any) -> Any:
+        """Run ``fn(worker, *args, **kwargs)`` on rank ``rank`` alone (e.g. a one-GPU reference
+        timed beside the group's runs); a failure or timeout is named as :meth:`execute` names it."""
+        if not 0 <= rank < len(self.actors):
+            raise ValueError(f"rank {rank} is not in this group of {len(self.actors)}")
+        ref = self.actors[rank].execute.remote(fn, *args, **kwargs)
+        return self._get([ref], timeout, getattr(fn, "__name__", "execute"), ranks=[rank])[0]
 
     def health_check(self, timeout: float = 10.0) -> None:
         """Raise WorkerFailure naming the first rank that is dead or does not answer in time."""

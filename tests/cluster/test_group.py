@@ -129,6 +129,20 @@ def test_execute_error_names_rank_and_group_survives(groups):
     assert g.call(EPWorker.ping) == [0, 1]
 
 
+def test_execute_on_one_rank_returns_its_result_and_names_its_failure(groups):
+    from ray_moe.driver.group import WorkerFailure
+
+    g = groups(2, "STRICT_SPREAD")
+    assert g.execute_on(1, where, "one", scale=2)["scaled"] == 2
+    assert g.execute_on(0, where, "zero")["rank"] == 0
+    with pytest.raises(WorkerFailure) as info:
+        g.execute_on(1, fail_on_rank, 1, timeout=60)
+    assert info.value.rank == 1 and info.value.cause == "error" and "rank 1" in str(info.value)
+    with pytest.raises(ValueError, match="rank 2 is not in this group of 2"):
+        g.execute_on(2, where, "x")
+    assert g.call(EPWorker.ping) == [0, 1]
+
+
 def test_calls_take_worker_methods_by_reference_only(groups):
     g = groups(2, "STRICT_SPREAD")
     assert g.call_each(EPWorker.ping, [(), ()]) == [0, 1]
