@@ -191,7 +191,7 @@ def _parser() -> argparse.ArgumentParser:
 def run_train(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Real layer steps (forward, backward, clone coherence) on a Ray worker group with skewed
     routing whose hottest experts live on rank 0: cloning off vs on, per Zipf s."""
-    from ray_moe.bench.ep_layer import StepSpec, time_layer_step
+    from ray_moe.bench.ep_layer import STEP_TIMEOUT_S, StepSpec, time_layer_step
     from ray_moe.config import Config
     from ray_moe.driver.group import WorkerGroup
     from ray_moe.placement.planner import plan_placement, plan_report
@@ -214,13 +214,14 @@ def run_train(args: argparse.Namespace) -> list[dict[str, Any]]:
             spec = StepSpec(tokens=args.tokens_per_rank, d_model=args.d_model, hidden=args.expert_hidden,
                             num_experts=E, top_k=args.top_k, dtype=args.dtype, iters=args.iters,
                             zipf_s=s, clone_slots=args.clone_slots)
-            off = group.execute(time_layer_step, asdict(spec))
+            off = group.execute(time_layer_step, asdict(spec), timeout=STEP_TIMEOUT_S)
             source = np.array([r["expert_tokens"] for r in off])  # [W_src, E]
             placement = plan_placement(source.sum(0), W, node_of_rank, args.clone_slots,
                                        source_loads=source,
                                        max_cross_node_clones=args.max_cross_node_clones)
             report = plan_report(source, None, placement, bytes_per_expert, node_of_rank)
-            on = group.execute(time_layer_step, dict(asdict(spec), placement=placement.to_dict()))
+            on = group.execute(time_layer_step, dict(asdict(spec), placement=placement.to_dict()),
+                               timeout=STEP_TIMEOUT_S)
 
             def worst(rs, key):
                 return max(r[key] for r in rs)

@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
               "iters": a.iters, "variants": variants,
               "programs": [int(g) for g in a.programs.split(",") if g]}
     with WorkerGroup(cfg) as group:
-        devices = group.execute(lambda w: torch.cuda.get_device_name(w.device))
+        devices = group.execute(lambda w: torch.cuda.get_device_name(w.device), timeout=120)
         per_rank = group.execute(bench_worker, params, timeout=1800)
     rows = _summarise(per_rank)
     cols = ["T_local", "variant", "dispatch_us", "combine_us", "pair_us", "graph_pair_us", "dispatch_MB",
@@ -514,7 +514,7 @@ def _host_cost_main(a: argparse.Namespace, W: int) -> int:
     params = {"tokens": tokens, "hidden": a.hidden, "top_k": a.top_k, "experts": a.experts, "iters": a.iters,
               "profile": a.profile}
     with WorkerGroup(cfg) as group:
-        device = group.execute(lambda w: torch.cuda.get_device_name(w.device))[0]
+        device = group.execute(lambda w: torch.cuda.get_device_name(w.device), timeout=120)[0]
         per_rank = group.execute(host_cost_worker, params, timeout=900)
     cols = ["T", "jit_pair_us", "jit_host_us", "fast_pair_us", "fast_host_us", "graph_pair_us", "round_trip_rel_err"]
     rows = []

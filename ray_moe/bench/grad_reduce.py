@@ -76,9 +76,9 @@ def stage_rows(args: argparse.Namespace, group: Any = None) -> list[dict[str, An
             with Trainer(cfg, progress=False, group=group) as t:
                 for _ in range(args.warmup):
                     t.step()
-                t.group.execute(_reset_peak)
+                t.group.execute(_reset_peak, timeout=120)
                 steps = [t.step() for _ in range(args.iters)]
-                peaks = t.group.execute(_peak)
+                peaks = t.group.execute(_peak, timeout=120)
         med = {k: 1e3 * statistics.median(max(s["time_per_rank"][k]) for s in steps) for k in TIME_KEYS}
         rows.append({"stage": stage, **{f"{k}_ms": v for k, v in med.items()},
                      "exposed_pct": 100 * med["grad_reduce"] / med["step"],
