@@ -14,7 +14,8 @@
 #      rows now name the expert implementation the chooser picked); x8: the default steps with
 #      T_TESTS=500 and COMM_VARIANTS=r8h4096w16rot,r8h4096w16 (scaling target >= 0.90 at W=8)
 #   2. pes2 with RAY_MOE_TEST_GPUS=4 on x4 (W=8) and PES_FILES=...::test_layer_parity_with_clones
-#      (placement_w8 exists now)
+#      (placement_w8 exists now); tests with TESTS_FILES=tests/gpu/test_zero_gpu.py::test_overlapped_update_follows_the_update_in_place_on_two_gpus
+#      (the overlapped update's clone push beside ZeRO's all-gathers, run at W=2 only so far)
 #   3. comm at W = all GPUs, T_local=16384 (COMM_VARIANTS=r8h4096w16rot,r8h4096w16il): the new SM
 #      copy ceiling (sm_ceiling_GBps) beside the copy engines' for dispatch_vs_ceiling
 #   4. on x2, after any change to the exchange kernels: TESTS_FILES=tests/gpu/test_nvshmem_gpu.py
