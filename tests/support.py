@@ -64,3 +64,18 @@ def engine(cfg: Config, device="cpu", transport=None, rank_info=None):
 
     return Engine(cfg, rank_info or single_rank(), transport or LocalTransport(), torch.device(device),
                   cfg.resolve_arch())
+
+
+def compile_for_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int) -> dict:
+    """``fn`` (a ``@triton.jit`` kernel) compiled for an H100 (sm_90) here, without a GPU, as the
+    device would compile it (Triton ships ptxas): the interpreter accepts code the compiler rejects.
+    ``signature``: Triton's argument types (``"*bf16"``, ``"i64"``, ``"constexpr"``). Returns the
+    compiled artefacts (``asm["cubin"]``, ``asm["ptx"]``); skips without Triton."""
+    import pytest
+
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm

@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+from tests.support import compile_for_sm90
+
 _SCRIPT = r"""
 import os
 os.environ["TRITON_INTERPRET"] = "1"
@@ -37,16 +39,10 @@ def test_peer_copy_under_the_interpreter(interpreter_scripts):
 
 
 def test_peer_copy_compiles_for_hopper():
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from ray_moe.bench.copy_ceiling import _peer_copy_kernel
 
-    src = ASTSource(fn=_peer_copy_kernel, signature={"src_ptr": "*i32", "dst_tbl": "*i64", "n_words": "i64",
-                                                     "PEERS": "constexpr", "BLOCK": "constexpr"},
-                    constexprs={"PEERS": 3, "BLOCK": 4096})
-    assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["cubin"]
+    sig = {"src_ptr": "*i32", "dst_tbl": "*i64", "n_words": "i64", "PEERS": "constexpr", "BLOCK": "constexpr"}
+    assert compile_for_sm90(_peer_copy_kernel, sig, {"PEERS": 3, "BLOCK": 4096}, num_warps=8)["cubin"]
 
 
 def test_peer_copy_refuses_what_it_cannot_copy():

@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+from tests.support import compile_for_sm90
+
 _SCRIPT = r"""
 import os
 os.environ["TRITON_INTERPRET"] = "1"
@@ -44,17 +46,11 @@ def test_zero_empty_groups_under_the_interpreter(interpreter_scripts):
 
 
 def test_zero_empty_groups_compiles_for_hopper():
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from ray_moe.kernels.empty_groups import BLOCK, _zero_empty_groups_kernel
 
     for dt, it in (("*bf16", "*i32"), ("*fp32", "*i64")):
-        src = ASTSource(fn=_zero_empty_groups_kernel,
-                        signature={"out_ptr": dt, "offs_ptr": it, "per_group": "i64", "chunk": "i64",
-                                   "BLOCK": "constexpr"}, constexprs={"BLOCK": BLOCK})
-        assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["cubin"]
+        sig = {"out_ptr": dt, "offs_ptr": it, "per_group": "i64", "chunk": "i64", "BLOCK": "constexpr"}
+        assert compile_for_sm90(_zero_empty_groups_kernel, sig, {"BLOCK": BLOCK}, num_warps=4)["cubin"]
 
 
 def test_zero_empty_groups_on_the_cpu_and_its_argument_rules():

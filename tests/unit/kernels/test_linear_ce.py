@@ -12,6 +12,8 @@ import sys
 import pytest
 import torch
 
+from tests.support import compile_for_sm90
+
 from ray_moe.model import loss as loss_mod
 
 _SCRIPT = """
@@ -107,19 +109,15 @@ def test_fused_kernel_compiles_for_hopper():
     """The interpreter accepts code the compiler rejects (loop-carried types, say): the kernel is
     also compiled to an sm_90 cubin here, as the GPU would (Triton ships ptxas; this process does
     not interpret, so the kernel is the real JIT function)."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from ray_moe.kernels.linear_ce import _ce_rows_kernel
 
     sig = {"logits_ptr": "*bf16", "stride_row": "i64", "targets_ptr": "*i64", "loss_ptr": "*fp32",
            "scale_ptr": "*fp32", "V": "i32", "ignore_index": "i32", "BLOCK_V": "constexpr", "WRITE_GRAD": "constexpr"}
     for dt in ("*bf16", "*fp32"):
         for wg in (True, False):
-            src = ASTSource(fn=_ce_rows_kernel, signature={**sig, "logits_ptr": dt},
-                            constexprs={"BLOCK_V": 8192, "WRITE_GRAD": wg})
-            assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 16}).asm["cubin"]
+            asm = compile_for_sm90(_ce_rows_kernel, {**sig, "logits_ptr": dt}, {"BLOCK_V": 8192, "WRITE_GRAD": wg},
+                                   num_warps=16)
+            assert asm["cubin"]
 
 
 def test_fused_chunk_keeps_logits_within_the_weight_gradient():
