@@ -57,6 +57,17 @@ class InterpreterScripts:
             raise RuntimeError(f"interpreter script {argv[:2]} could not run: {done}")
         return done
 
+    def assert_prints(self, script: str, marker: str) -> None:
+        """The Python ``script`` (run with this interpreter, ``python -c``) ended printing
+        ``marker``; its stderr's tail otherwise. Skips without Triton."""
+        import sys
+
+        import pytest
+
+        pytest.importorskip("triton")
+        r = self.result(sys.executable, "-c", script)
+        assert marker in r.stdout, r.stderr[-3000:]
+
     def close(self) -> None:
         """End the runner process (at the end of the test session)."""
         with self._cv:
