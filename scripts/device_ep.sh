@@ -34,7 +34,8 @@
 #   layer       bench layer --sections ep at W = all GPUs (skipped on one GPU): sequential and
 #               pipelined (EP_CHUNKS, default 1,2), each without and with Tuning.interleave, against
 #               one GPU running T_local and T tokens (EP_PROFILE=1: the kernels of EP_PROFILE_STEPS
-#               (default 1) back-to-back EP steps, per step and per rank's exchanges, against
+#               (default 1) back-to-back EP steps of every variant, per step and per rank's exchanges,
+#               each rank's Chrome trace kept in $OUT/traces (python -m ray_moe.bench.timeline), against
 #               a rank's own compute; EP_PROGRAMS, default 0: exchanges on that many SMs, e.g.
 #               16,32 with EP_DELAY_WGRAD=1, which can only overlap the backward exchange with the
 #               weight gradients when the exchange leaves SMs free)
@@ -98,7 +99,7 @@ fi
 if [ "$GPUS" -ge 2 ] && has layer; then
   t0=$SECONDS
   timeout "${T_LAYER:-200}" python3 -m ray_moe.cli bench layer --sections ep --world-size "$GPUS" \
-    --T $((16384 * GPUS)) --H 4096 --I 1536 --E 64 --K 8 --transport nvshmem --ep-chunks "${EP_CHUNKS:-1,2}" --ep-programs "${EP_PROGRAMS:-0}" --ep-interleave "${EP_INTERLEAVE:-0,1}" --ep-iters "${EP_ITERS:-10}" ${EP_PROFILE:+--ep-profile --ep-profile-steps "${EP_PROFILE_STEPS:-1}"} --ep-delay-wgrad "${EP_DELAY_WGRAD:-0,1}" ${EP_ARGS:-} \
+    --T $((16384 * GPUS)) --H 4096 --I 1536 --E 64 --K 8 --transport nvshmem --ep-chunks "${EP_CHUNKS:-1,2}" --ep-programs "${EP_PROGRAMS:-0}" --ep-interleave "${EP_INTERLEAVE:-0,1}" --ep-iters "${EP_ITERS:-10}" ${EP_PROFILE:+--ep-profile --ep-profile-steps "${EP_PROFILE_STEPS:-1}" --ep-trace-dir "$OUT/traces"} --ep-delay-wgrad "${EP_DELAY_WGRAD:-0,1}" ${EP_ARGS:-} \
     --json "$OUT/bench_layer_ep_w$GPUS.json" 2>&1 | quiet | tee "$OUT/bench_layer.log" | tail -20
   record "bench layer ep W=$GPUS" "see bench_layer_ep_w$GPUS.json" $((SECONDS - t0)); ray_stop
 fi

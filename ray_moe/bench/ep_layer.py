@@ -51,6 +51,8 @@ class StepSpec:
     profile: bool = False  # after the timed steps, more under torch.profiler: their kernels' times
     profile_steps: int = 1  # steps profiled back to back (> 1: the steady state), reported per step
     delay_wgrad: bool = False  # moe.delay_wgrad: the experts' weight gradients beside the dispatch's backward
+    trace_dir: str = ""  # with profile: keep each rank's Chrome trace there (<trace_name>_rank<r>.json.gz)
+    trace_name: str = "ep"
 
     def fwd_flops(self) -> float:
         return 6.0 * self.tokens * self.top_k * self.d_model * self.hidden
@@ -192,7 +194,9 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
     with _host_syncs(device) as syncs:  # torch's sync debug mode: what made the host wait
         steady_steps(SYNC_COUNT_STEPS)
     synchronize(device)
-    kernels, timeline = (_profiled_step(steady_steps, device, spec.profile_steps, dist_transport=distributed)
+    keep = (f"{spec.trace_dir}/{spec.trace_name}_rank{rank}.json.gz" if spec.trace_dir else None)
+    kernels, timeline = (_profiled_step(steady_steps, device, spec.profile_steps, dist_transport=distributed,
+                                        keep_trace=keep)
                          if spec.profile else (None, None))
     tokens, pairs = layer.pop_load()
     out = {
@@ -251,14 +255,17 @@ def _train_steps(layer: Any, x: torch.Tensor, grad: torch.Tensor, placement: Pla
             marks[-1].record()
 
 
-def _profiled_step(run_steps: Any, device: torch.device, steps: int = 1,
-                   dist_transport: bool = False) -> tuple[dict[str, list[float]], dict[str, Any]]:
+def _profiled_step(run_steps: Any, device: torch.device, steps: int = 1, dist_transport: bool = False,
+                   keep_trace: str | None = None) -> tuple[dict[str, list[float]], dict[str, Any]]:
     """``run_steps(steps)`` (:func:`_train_steps` of the layer) under torch.profiler: per kernel
     name (on the CPU, per operator), [milliseconds per step, calls per step], device times where
     there is a GPU; and the device timeline's idle stretches
     (:func:`ray_moe.bench.timeline.timeline_gaps`, with ``steps``; none on the CPU).
-    ``dist_transport``: the layer exchanges with other ranks (they start together)."""
+    ``dist_transport``: the layer exchanges with other ranks (they start together). ``keep_trace``:
+    a path (``.json.gz``) to keep the Chrome trace at, to read the streams' timeline offline."""
+    import gzip
     import os
+    import shutil
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
@@ -287,6 +294,10 @@ def _profiled_step(run_steps: Any, device: torch.device, steps: int = 1,
     try:
         prof.export_chrome_trace(path)
         timeline = {**timeline_gaps(load_trace(path), skip=(barrier,)), "steps": steps}
+        if keep_trace:
+            os.makedirs(os.path.dirname(keep_trace) or ".", exist_ok=True)
+            with open(path, "rb") as src, gzip.open(keep_trace, "wb") as dst:
+                shutil.copyfileobj(src, dst)
     finally:
         os.unlink(path)
     return kernels, timeline
@@ -319,6 +330,7 @@ def ep_layer_rows(
     device: str = "auto", force_remote_path: bool = False, one_sm_wait: bool = False, chunks: tuple[int, ...] = (1,),
     comm_programs: tuple[int, ...] = (0,), group: Any = None, interleave: tuple[bool | None, ...] = (None,),
     profile: bool = False, delay_wgrad: tuple[bool, ...] = (False,), profile_steps: int = 1,
+    trace_dir: str | None = None,
 ) -> list[dict]:
     """Expert-parallel rows: per-rank layer time at T/W tokens per rank, for every pipeline chunk
     count C (1: the sequential layer), NVSHMEM program count G (0: the transport's),
@@ -330,8 +342,10 @@ def ep_layer_rows(
     (fwd, fwd+bwd: the max over ranks of each phase) and in steady state (``steady_step_ms``:
     steps back to back, the slowest rank). ``group``: an existing
     worker group of ``world_size`` ranks to run on (else one is started and closed here).
-    ``profile``: also the kernels of one step of the first EP variant (rank 0) against a rank's own
-    compute, by how much longer EP spends in each (:func:`kernel_diff_rows`)."""
+    ``profile``: also the kernels of one step of every EP variant (rank 0) against a rank's own
+    compute, by how much longer EP spends in each (:func:`kernel_diff_rows`); ``trace_dir``: each
+    profiled rank's Chrome trace kept there (``ep_c<C>_p<G>_il<...>_dw<0|1>_rank<r>.json.gz``,
+    read them with ``python -m ray_moe.bench.timeline``)."""
 
     from ray_moe.config import Config
     from ray_moe.driver.group import WorkerGroup
@@ -383,7 +397,8 @@ def ep_layer_rows(
                     for dw in delay_wgrad if c == 1 else (False,):
                         ep[c, p, il, dw] = g.execute(time_layer_step, asdict(StepSpec(
                             tokens=T // world_size, pipeline_chunks=c, comm_programs=p, interleave=il,
-                            profile=profile and not ep, profile_steps=profile_steps, delay_wgrad=dw, **base)),
+                            profile=profile, profile_steps=profile_steps, delay_wgrad=dw,
+                            trace_dir=trace_dir or "", trace_name=f"ep_c{c}_p{p}_il{il}_dw{int(dw)}", **base)),
                             timeout=STEP_TIMEOUT_S)
         local = g.execute_on(0, time_layer_step, asdict(StepSpec(tokens=T // world_size, local=True, **base)),
                              timeout=STEP_TIMEOUT_S)
@@ -446,19 +461,23 @@ def ep_layer_rows(
             # one GPU's all-T steady step after the EP variants against before them (> 0: slower after)
             "reference_drift": drift,
         })
-    first_ranks = next(iter(ep.values()))
-    first = first_ranks[0]
-    if profile and own_after is not None and "kernels" in first and "kernels" in own_after:
-        rows += kernel_diff_rows(first["kernels"], own_after["kernels"], "a rank's compute (rank 0)")
-        rows += timeline_rows({"rank 0's EP step": first["timeline"], "a rank's compute": own_after["timeline"]})
-        rows += exchange_rows(first_ranks)
+    if profile and own_after is not None and "kernels" in own_after:
+        rows += timeline_rows({"a rank's compute": own_after["timeline"]})
+        for r, ranks in zip(rows, ep.values()):  # the first len(ep) rows are the variants'
+            first = ranks[0]
+            if "kernels" not in first:
+                continue
+            variant = r["what"].removeprefix("EP per rank (max over ranks), ")
+            rows += kernel_diff_rows(first["kernels"], own_after["kernels"], f"a rank's compute (rank 0), {variant}")
+            rows += timeline_rows({f"rank 0's EP step, {variant}": first["timeline"]})
+            rows += exchange_rows(ranks, variant)
     return rows
 
 
 EXCHANGE_KERNELS = ("_dispatch_kernel", "_combine_kernel", "_arrival_wait_kernel")
 
 
-def exchange_rows(results: list[dict]) -> list[dict]:
+def exchange_rows(results: list[dict], variant: str = "") -> list[dict]:
     """Per rank of one profiled variant, its exchange kernels' milliseconds per step: a rank whose
     exchanges take longer than its peer's waited in them for that peer (the same bytes move both
     ways), i.e. the peer was late."""
@@ -467,7 +486,8 @@ def exchange_rows(results: list[dict]) -> list[dict]:
         if "kernels" not in r:
             continue
         ex = {k: v for k, v in r["kernels"].items() if k.startswith(EXCHANGE_KERNELS)}
-        rows.append({"section": "ep exchange per rank", "what": f"rank {r['rank']}: exchange kernels, ms per step",
+        rows.append({"section": "ep exchange per rank",
+                     "what": f"rank {r['rank']}{', ' + variant if variant else ''}: exchange kernels, ms per step",
                      "ms": f"{sum(v[0] for v in ex.values()):.3f}",
                      "detail": ", ".join(f"{k} {v[0]:.3f} ({v[1]:g} calls)" for k, v in sorted(ex.items()))})
     return rows

@@ -10,6 +10,7 @@ went idle (host-bound), and any synchronising runtime call the host was in meanw
 
 from __future__ import annotations
 
+import gzip
 import json
 from typing import Any
 
@@ -20,8 +21,30 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 
 
 def load_trace(path: str) -> list[dict]:
-    with open(path) as f:
+    """The events of a Chrome trace (``.json``, or ``.json.gz`` as ``bench layer --ep-trace-dir``
+    keeps them)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
         return json.load(f).get("traceEvents", [])
+
+
+def stream_listing(events: list[dict], skip: tuple[str, ...] = ("nccl",), width: int = 60) -> list[str]:
+    """One line per kernel in start order, after the last kernel named with a ``skip`` prefix:
+    start and end (ms from the first kernel), duration (ms), the stream it ran on, its name; so
+    what ran beside what (an exchange on the comm stream beside the experts' GEMMs) reads off."""
+    kernels = sorted((e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"), key=lambda e: e["ts"])
+    marks = [k["ts"] + k["dur"] for k in kernels if k.get("name", "").startswith(skip)]
+    if marks:
+        kernels = [k for k in kernels if k["ts"] >= max(marks)]
+    if not kernels:
+        return []
+    t0 = kernels[0]["ts"]
+    lines = [f"{'start':>8} {'end':>8} {'ms':>7} {'stream':>6}  kernel"]
+    for k in kernels:
+        stream = k.get("args", {}).get("stream", k.get("tid", "?"))
+        lines.append(f"{(k['ts'] - t0) / 1e3:8.3f} {(k['ts'] + k['dur'] - t0) / 1e3:8.3f} {k['dur'] / 1e3:7.3f} "
+                     f"{stream!s:>6}  {k['name'][:width]}")
+    return lines
 
 
 def timeline_gaps(events: list[dict], top: int = 8, min_gap_us: float = 5.0,
@@ -103,3 +126,29 @@ def _time_beside(kernels: list[dict]) -> dict[str, float]:
         if covered > 0:
             beside[k["name"]] = beside.get(k["name"], 0.0) + covered
     return dict(sorted(beside.items(), key=lambda kv: -kv[1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ray_moe.bench.timeline TRACE [...]``: each trace's kernels in start order, then
+    its idle and overlap summary (:func:`timeline_gaps`)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m ray_moe.bench.timeline", description=main.__doc__)
+    p.add_argument("traces", nargs="+", help="Chrome traces (.json or .json.gz)")
+    p.add_argument("--width", type=int, default=60, help="characters of each kernel name")
+    args = p.parse_args(argv)
+    for path in args.traces:
+        try:
+            events = load_trace(path)
+        except (OSError, ValueError) as exc:
+            p.exit(2, f"{path}: not a readable Chrome trace ({exc})\n")
+        print(f"# {path}")
+        print("\n".join(stream_listing(events, width=args.width)))
+        gaps = timeline_gaps(events, skip=("nccl",))
+        print(f"wall {gaps['wall_us'] / 1e3:.3f} ms, busy {gaps['busy_us'] / 1e3:.3f}, idle {gaps['idle_us'] / 1e3:.3f}, "
+              f"beside other kernels {gaps['overlap_us'] / 1e3:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -10,7 +10,8 @@ def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
     """`bench layer --sections ep` on a CPU group: the sequential and the pipelined layer side by
     side, the single-rank layer at T/W and at T, and per variant the exposed communication and the
     scaling efficiency (tiny shapes; only their presence is checked), and with --ep-profile the
-    first variant's operators against a rank's own compute, written as JSON."""
+    operators of every variant against a rank's own compute and each rank's trace kept, written as
+    JSON."""
     from ray_moe.bench import layer
 
     group_for_new(2)
@@ -19,7 +20,7 @@ def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
                        "--E", "8", "--K", "2", "--dtype", "float32", "--device", "cpu",
                        "--ep-iters", "2", "--ep-chunks", "1,3", "--ep-profile", "--ep-profile-steps", "2", "--ep-delay-wgrad", "0,1",
                        "--one-sm-wait",  # an NVSHMEM setting: carried to the group's config, unused by gloo
-                       "--json", str(out)]) == 0
+                       "--ep-trace-dir", str(tmp_path / "traces"), "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     ep = [r for r in rows if r["what"].startswith("EP")]
     # delayed weight gradients apply to the sequential layer only
@@ -46,19 +47,31 @@ def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
     assert all(r["expert_impl"] == "loop" for r in timed), [r["expert_impl"] for r in timed]
     # the steady loop's synchronising calls are counted on CUDA only (torch's sync debug mode)
     assert all(r["host_syncs_per_step"] == 0 for r in rows if r["section"] == "ep" and r["what"] != "derived")
-    # --ep-profile: the first variant's operators (on the CPU) against a rank's own compute, the
+    # --ep-profile: every variant's operators (on the CPU) against a rank's own compute, the
     # exchange's collectives among what EP spends more on
+    variants = ["sequential", "sequential, delayed wgrad", "pipelined, 3 chunks"]
     prof = [r for r in rows if r["section"].startswith("ep profile")]
-    assert prof and prof[-1]["what"].startswith("all ") and prof[-1]["ep_ms"] > 0 and prof[-1]["ref_ms"] > 0
-    assert any(r["ep_ms"] > 0 and r["ref_ms"] == 0 for r in prof[:-1]), [r["what"] for r in prof]
+    assert sorted({r["section"] for r in prof}) == sorted(
+        f"ep profile: EP vs a rank's compute (rank 0), {v}" for v in variants)
+    for v in variants:
+        mine = [r for r in prof if r["section"].endswith(v)]
+        assert mine[-1]["what"].startswith("all ") and mine[-1]["ep_ms"] > 0 and mine[-1]["ref_ms"] > 0
+        assert any(r["ep_ms"] > 0 and r["ref_ms"] == 0 for r in mine[:-1]), [r["what"] for r in mine]
     # and each profiled step's device timeline (no kernels on the CPU: an empty one, still reported)
     timeline = [r["what"] for r in rows if r["section"] == "ep timeline"]
-    assert timeline == [f"{who}: {what}" for who in ("rank 0's EP step", "a rank's compute")
+    assert timeline == [f"{who}: {what}" for who in ("a rank's compute", *(f"rank 0's EP step, {v}" for v in variants))
                         for what in ("wall / busy / idle ms per step of 2, gaps",
                                      "kernels beside other kernels, ms per step of 2")]
     # and each rank's exchange kernels (none on the CPU: gloo's collectives are not those kernels)
     per_rank = [r for r in rows if r["section"] == "ep exchange per rank"]
-    assert [r["what"] for r in per_rank] == [f"rank {i}: exchange kernels, ms per step" for i in (0, 1)]
+    assert [r["what"] for r in per_rank] == [f"rank {i}, {v}: exchange kernels, ms per step"
+                                             for v in variants for i in (0, 1)]
+    # every rank's trace of every variant, kept (readable by the timeline's listing)
+    kept = sorted(p.name for p in (tmp_path / "traces").iterdir())
+    assert kept == sorted(f"ep_c{c}_p0_ilNone_dw{d}_rank{r}.json.gz" for c, d in ((1, 0), (1, 1), (3, 0))
+                          for r in (0, 1))
+    from ray_moe.bench.timeline import load_trace
+    assert load_trace(str(tmp_path / "traces" / kept[0]))  # CPU operators: events, no kernels
 
 
 def test_bench_balance_train_mode_on_cpu(group_for_new, tmp_path):

@@ -55,6 +55,7 @@ def ep_rows(shape: LayerShape, args: argparse.Namespace) -> list[dict]:
                          interleave=tuple(None if v == "default" else bool(int(v))
                                           for v in args.ep_interleave.split(",")),
                          profile=args.ep_profile, profile_steps=args.ep_profile_steps,
+                         trace_dir=args.ep_trace_dir,
                          delay_wgrad=tuple(bool(int(v)) for v in args.ep_delay_wgrad.split(",")))
 
 
@@ -122,7 +123,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="ep: comma list of 0/1: the sequential layer without / with moe.delay_wgrad (the experts'"
                         " weight gradients beside the dispatch's backward exchange), side by side")
     p.add_argument("--ep-profile", action="store_true",
-                   help="ep: the kernels of one step of the first EP variant (rank 0) against a rank's own compute")
+                   help="ep: the kernels of one step of every EP variant (rank 0) against a rank's own compute")
+    p.add_argument("--ep-trace-dir", default=None,
+                   help="ep: with --ep-profile, keep every rank's Chrome trace of each variant in this directory"
+                        " (python -m ray_moe.bench.timeline TRACE prints its streams' kernels in time order)")
     p.add_argument("--ep-profile-steps", type=int, default=1,
                    help="ep: with --ep-profile, profile this many steps back to back (steady state), per step")
     args = p.parse_args(argv)

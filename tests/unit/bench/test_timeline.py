@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ray_moe.bench.timeline import load_trace, timeline_gaps
+from ray_moe.bench.timeline import load_trace, main, stream_listing, timeline_gaps
 
 
 def _kernel(name, ts, dur, corr):
@@ -61,3 +61,19 @@ def test_time_beside_counts_each_moment_once():
     tl = timeline_gaps([_kernel("x", 0, 100, 1), _kernel("y", 10, 50, 2), _kernel("z", 40, 80, 3)])
     assert tl["busy_us"] == 120 and tl["overlap_us"] == 230 - 120
     assert tl["beside"] == {"x": 90, "z": 60, "y": 50}
+
+
+def test_stream_listing_orders_kernels_with_their_streams(tmp_path, capsys):
+    events = [{**_kernel("gemm", 2000, 1500, 2), "args": {"stream": 7}},
+              {**_kernel("ncclDevKernel_AllReduce", 0, 10, 0), "args": {"stream": 7}},
+              {**_kernel("_dispatch_kernel", 1000, 2000, 1), "args": {"stream": 13}}]
+    lines = stream_listing(events)
+    assert lines[1:] == ["   0.000    2.000   2.000     13  _dispatch_kernel",
+                         "   1.000    2.500   1.500      7  gemm"]
+    import gzip
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    assert main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "_dispatch_kernel" in out and "wall 2.500 ms, busy 2.500, idle 0.000, beside other kernels 1.000" in out
