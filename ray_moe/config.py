@@ -134,8 +134,10 @@ class MoEConfig:
     aux_loss_coef: float = 0.0
     expert_impl: str = "auto"  # auto | loop | grouped_mm | triton
     bias_update_rate: float = 0.001  # aux-loss-free balancing (sigmoid routers): bias step per update
-    pipeline_chunks: int = 1  # 1: sequential layer; C > 1: exchange of each chunk overlaps experts
-    delay_wgrad: bool = False  # Triton experts, sequential layer: weight gradients beside the dispatch's backward
+    # 1: sequential layer; C > 1: the exchange of each of C chunks overlaps the experts of its
+    # neighbours; a list: relative chunk sizes ([1, 6, 1]: small ends, whose exchanges nothing hides)
+    pipeline_chunks: int | list = 1
+    delay_wgrad: bool = False  # Triton experts: weight gradients on a side stream beside the exchanges
 
     def check(self) -> None:
         _positive("moe.num_experts", self.num_experts)
@@ -149,7 +151,12 @@ class MoEConfig:
         _choice("moe.expert_impl", self.expert_impl, ("auto", "loop", "grouped_mm", "triton"))
         if not self.bias_update_rate >= 0:
             raise ConfigError(f"moe.bias_update_rate={self.bias_update_rate} must be >= 0")
-        _positive("moe.pipeline_chunks", self.pipeline_chunks)
+        from ray_moe.comm.pipeline import chunk_weights  # the chunk rule's owner (torch only; lazy)
+
+        try:
+            chunk_weights(self.pipeline_chunks)
+        except ValueError as exc:
+            raise ConfigError(f"moe.{exc}") from None
         if not isinstance(self.delay_wgrad, bool):
             raise ConfigError(f"moe.delay_wgrad={self.delay_wgrad!r} must be true or false")
 

@@ -45,7 +45,7 @@ class StepSpec:
     clone_slots: int = 0
     local: bool = False  # run on this rank alone through the identity transport (W = 1)
     seed: int = 0
-    pipeline_chunks: int = 1  # moe.pipeline_chunks: 1 sequential, C > 1 exchange overlapped in C chunks
+    pipeline_chunks: int | tuple[int, ...] = 1  # moe.pipeline_chunks: 1 sequential, C > 1 or relative sizes: pipelined
     comm_programs: int = 0  # NVSHMEM: a buffer with this many programs (SMs) for the run (0: the transport's)
     interleave: bool | None = None  # NVSHMEM: the buffer's Tuning.interleave for the run (None: its default)
     profile: bool = False  # after the timed steps, more under torch.profiler: their kernels' times
@@ -327,7 +327,8 @@ def tflops(spec: StepSpec, ms: float, backward: bool = False) -> float:
 def ep_layer_rows(
     T: int, H: int, I: int, E: int, K: int, world_size: int, transport: str = "auto",
     address: str | None = None, dtype: str = "bfloat16", impl: str = "auto", iters: int = 10,
-    device: str = "auto", force_remote_path: bool = False, one_sm_wait: bool = False, chunks: tuple[int, ...] = (1,),
+    device: str = "auto", force_remote_path: bool = False, one_sm_wait: bool = False,
+    chunks: tuple[int | tuple[int, ...], ...] = (1,),
     comm_programs: tuple[int, ...] = (0,), group: Any = None, interleave: tuple[bool | None, ...] = (None,),
     profile: bool = False, delay_wgrad: tuple[bool, ...] = (False,), profile_steps: int = 1,
     trace_dir: str | None = None,
@@ -335,7 +336,7 @@ def ep_layer_rows(
     """Expert-parallel rows: per-rank layer time at T/W tokens per rank, for every pipeline chunk
     count C (1: the sequential layer), NVSHMEM program count G (0: the transport's),
     ``interleave`` setting (NVSHMEM's Tuning.interleave) and ``delay_wgrad`` setting
-    (moe.delay_wgrad, the sequential layer only), against one
+    (moe.delay_wgrad), against one
     GPU running a rank's own compute (T/W tokens on E/W experts; exposed communication: EP minus
     that, also as a fraction of it), T/W tokens on all E experts, and
     all T tokens (scaling efficiency: one GPU's time / (W x EP time)); each phase synchronised
@@ -394,11 +395,11 @@ def ep_layer_rows(
         for c in chunks:
             for p in comm_programs:
                 for il in interleave:
-                    for dw in delay_wgrad if c == 1 else (False,):
+                    for dw in delay_wgrad:
                         ep[c, p, il, dw] = g.execute(time_layer_step, asdict(StepSpec(
                             tokens=T // world_size, pipeline_chunks=c, comm_programs=p, interleave=il,
-                            profile=profile, profile_steps=profile_steps, delay_wgrad=dw,
-                            trace_dir=trace_dir or "", trace_name=f"ep_c{c}_p{p}_il{il}_dw{int(dw)}", **base)),
+                            profile=profile, profile_steps=profile_steps, delay_wgrad=dw, trace_dir=trace_dir or "",
+                            trace_name=f"ep_c{_chunks_name(c)}_p{p}_il{il}_dw{int(dw)}", **base)),
                             timeout=STEP_TIMEOUT_S)
         local = g.execute_on(0, time_layer_step, asdict(StepSpec(tokens=T // world_size, local=True, **base)),
                              timeout=STEP_TIMEOUT_S)
@@ -410,11 +411,13 @@ def ep_layer_rows(
     rows = []
     for (c, p, il, dw), res in ep.items():
         f, b = max(r["forward_ms"] for r in res), max(r["backward_ms"] for r in res)
-        what = "EP per rank (max over ranks), " + (f"pipelined, {c} chunks" if c > 1 else "sequential")
+        what = "EP per rank (max over ranks), " + (
+            "sequential" if c == 1 else f"pipelined, {c} chunks" if isinstance(c, int)
+            else f"pipelined, chunks {_chunks_name(c)}")
         what += (f", {p} programs" if p else "") + {None: "", True: ", interleaved", False: ", not interleaved"}[il]
         what += ", delayed wgrad" if dw else ""
         rows.append({"section": "ep", "what": what, "transport": transport_name, "interleave": il, "delay_wgrad": dw,
-                     "chunks": c, "comm_programs": p, "tokens": spec_ep.tokens, "fwd_ms": f,
+                     "chunks": c if isinstance(c, int) else _chunks_name(c), "comm_programs": p, "tokens": spec_ep.tokens, "fwd_ms": f,
                      "fwd_TFLOPs": tflops(spec_ep, f), "fwd+bwd_ms": f + b,
                      "fwd+bwd_TFLOPs": tflops(spec_ep, f + b, backward=True),
                      "steady_step_ms": max(r["steady_step_ms"] for r in res),
@@ -475,6 +478,11 @@ def ep_layer_rows(
 
 
 EXCHANGE_KERNELS = ("_dispatch_kernel", "_combine_kernel", "_arrival_wait_kernel")
+
+
+def _chunks_name(chunks: int | tuple[int, ...]) -> str:
+    """moe.pipeline_chunks as in ``--ep-chunks``: 2, or 1-6-1 for relative sizes."""
+    return str(chunks) if isinstance(chunks, int) else "-".join(map(str, chunks))
 
 
 def exchange_rows(results: list[dict], variant: str = "") -> list[dict]:

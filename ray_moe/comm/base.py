@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,10 +155,11 @@ class Transport(ABC):
         """Make the transport's buffers hold ``spec`` (collective where buffers are symmetric:
         every rank calls it with the same spec). Transports without fixed buffers ignore it."""
 
-    def chunk_capacity(self, chunks: int) -> int | None:
-        """The ``capacity`` to pass to each of ``chunks`` dispatches that split every rank's tokens
-        into ``chunks`` equal parts (:func:`ray_moe.comm.pipeline.token_chunks`): the same on every
-        rank. None where the transport does not size R from a capacity (the default)."""
+    def chunk_capacity(self, chunks: int | Sequence[int]) -> list[int] | None:
+        """Per chunk, the ``capacity`` to pass to its dispatch when every rank's tokens are split
+        into ``chunks`` (C equal parts or relative sizes, :func:`ray_moe.comm.pipeline.token_chunks`):
+        the same on every rank. None where the transport does not size R from a capacity (the
+        default)."""
         return None
 
     def comm_stream(self, device: torch.device) -> Any:

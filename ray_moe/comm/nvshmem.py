@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -56,7 +57,7 @@ from ray_moe.comm.nvshmem_kernels import (
     launch_combine,
     launch_dispatch,
 )
-from ray_moe.comm.pipeline import chunk_size
+from ray_moe.comm.pipeline import chunk_capacities, chunk_weights
 
 log = logging.getLogger(__name__)
 
@@ -612,13 +613,14 @@ class NVSHMEMTransport(Transport):
     def dispatch_forward(self, x, weight, dest_rank, dest_slot, capacity=None):
         return self.buffer.dispatch(x, weight, dest_rank, dest_slot, capacity=capacity)
 
-    def chunk_capacity(self, chunks: int) -> int | None:
-        """Rows per source of one of ``chunks`` dispatches that split each rank's tokens (at most
-        ``spec.max_tokens``) by :func:`ray_moe.comm.pipeline.token_chunks`: the received rows
-        shrink with the chunks instead of staying W * T_cap each."""
-        if chunks <= 1 or self.spec is None:
+    def chunk_capacity(self, chunks: int | Sequence[int]) -> list[int] | None:
+        """Per chunk, rows per source of its dispatch when each rank's tokens (at most
+        ``spec.max_tokens``) are split by :func:`ray_moe.comm.pipeline.token_chunks`: the received
+        rows shrink with the chunks instead of staying W * T_cap each."""
+        weights = chunk_weights(chunks)
+        if len(weights) <= 1 or self.spec is None:
             return None
-        return min(self.buffer.capacity, chunk_size(self.spec.max_tokens, chunks))
+        return [min(self.buffer.capacity, c) for c in chunk_capacities(self.spec.max_tokens, weights)]
 
     def dispatch_backward(self, grad_recv_x, grad_recv_weight, layout):
         return self.buffer.dispatch_grad(grad_recv_x, grad_recv_weight, layout)

@@ -8,7 +8,11 @@ makes the same sequence of collective calls, empty chunks included) and issues
     comm (side stream):  D0 D1 C0 D2 C1 D3 C2 ...        D = dispatch, C = combine of chunk i
     compute (current):      E0 E1 E2 ...                  E = experts of chunk i
 
-so chunk i+1 arrives and chunk i-1 goes back while chunk i's experts run. Backward is the same
+so chunk i+1 arrives and chunk i-1 goes back while chunk i's experts run. Only the first
+dispatch and the last combine run with nothing beside them, so chunks may be of unequal sizes
+(``moe.pipeline_chunks: [1, 6, 1]``): small ends, a large middle whose GEMMs stay large. A chunk's
+experts take ~8x its exchange at H=4096 on H200s at W=4, so a neighbour up to that much larger
+still hides. Backward is the same
 pipeline over the duals: the combine's backward (a dispatch of output gradients) of chunk i+1
 and the dispatch's backward (a combine of row and weight gradients) of chunk i-1 run while chunk
 i's expert backward does. Communication stays on one side stream per transport
@@ -21,6 +25,10 @@ that schedule (autograd alone would run each chunk's backward to the end before 
 serialises communication and compute). Each chunk's experts build their own small graph inside
 the node's forward, on detached inputs; backward differentiates it with ``torch.autograd.grad``
 and sums the weight gradients over chunks (C - 1 extra additions of each expert weight gradient).
+With a :class:`~ray_moe.model.wgrad.WgradDeferral` (``moe.delay_wgrad``) the Triton experts hand
+each chunk's weight-gradient GEMMs to its side stream instead: they run beside the next chunk's
+activation gradients and, for the last chunk, beside its return exchange, which otherwise runs
+alone.
 No host synchronisation and no data-dependent control flow: capturable in a CUDA graph.
 
 Activation checkpointing: its recomputation is keyed by autograd's graph task, and each
@@ -46,21 +54,53 @@ from ray_moe.comm.base import combine, dispatch
 ALIGN_TOKENS = 4  # chunk starts at multiples of 4 tokens keep [T, K] int32 rows 16-byte aligned
 
 
+def chunk_weights(chunks: int | Sequence[int]) -> tuple[int, ...]:
+    """``moe.pipeline_chunks`` as relative chunk sizes: C → (1,) * C; a sequence of positive
+    integers as given (``[1, 6, 1]``: three chunks, the middle one six times the others). Raises
+    ValueError naming what is allowed otherwise."""
+    if isinstance(chunks, int) and not isinstance(chunks, bool):
+        if chunks < 1:
+            raise ValueError(f"pipeline_chunks must be an integer >= 1 or a list of positive integers, got {chunks!r}")
+        return (1,) * chunks
+    weights = tuple(chunks) if isinstance(chunks, (list, tuple)) else ()
+    if not weights or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in weights):
+        raise ValueError(f"pipeline_chunks must be an integer >= 1 or a list of positive integers, got {chunks!r}")
+    return weights
+
+
+def _round_up(n: int) -> int:
+    return -(-n // ALIGN_TOKENS) * ALIGN_TOKENS
+
+
 def chunk_size(tokens: int, chunks: int) -> int:
-    """Tokens per chunk when ``tokens`` are split into ``chunks``: ceil(tokens / chunks), rounded
-    up to a multiple of 4 so every chunk's [T, K] metadata starts 16-byte aligned (the exchange
-    kernels are specialised on it). Monotone in ``tokens``: a rank's chunks never exceed the
-    chunks of ``BufferSpec.max_tokens`` (:meth:`Transport.chunk_capacity`). ``chunks`` >= 1 is
-    the MoE layer's rule (its spec checks ``pipeline_chunks``), not checked again here."""
-    per = -(-tokens // chunks)
-    return -(-per // ALIGN_TOKENS) * ALIGN_TOKENS
+    """Tokens per chunk when ``tokens`` are split into ``chunks`` equal parts: ceil(tokens /
+    chunks), rounded up to a multiple of 4 so every chunk's [T, K] metadata starts 16-byte
+    aligned (the exchange kernels are specialised on it). Monotone in ``tokens``."""
+    return _round_up(-(-tokens // chunks))
 
 
-def token_chunks(tokens: int, chunks: int) -> list[tuple[int, int]]:
-    """[(t0, t1)] * chunks covering [0, tokens) in order; trailing chunks may be short or empty
-    (tokens < chunks leaves empty ones: every rank still makes every call)."""
-    size = chunk_size(tokens, chunks)
-    return [(min(i * size, tokens), min((i + 1) * size, tokens)) for i in range(chunks)]
+def token_chunks(tokens: int, chunks: int | Sequence[int]) -> list[tuple[int, int]]:
+    """[(t0, t1)] per chunk covering [0, tokens) in order. Chunk i < C-1 takes
+    ceil(tokens * w_i / sum(w)) rounded up to a multiple of 4 (as far as tokens last), the last
+    chunk the rest; so trailing chunks may be short or empty (tokens < C leaves empty ones: every
+    rank still makes every call). Equal weights give equal chunks of :func:`chunk_size`."""
+    weights = chunk_weights(chunks)
+    total, bounds, start = sum(weights), [], 0
+    for i, w in enumerate(weights):
+        size = tokens - start if i == len(weights) - 1 else _round_up(-(-tokens * w // total))
+        end = min(start + size, tokens)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def chunk_capacities(max_tokens: int, chunks: int | Sequence[int]) -> list[int]:
+    """Per chunk, the most tokens it holds for any rank's ``tokens <= max_tokens`` under
+    :func:`token_chunks`: the ``capacity`` of that chunk's dispatch (the same on every rank).
+    Chunks before the last grow with ``tokens``; the last holds at most tokens * w / sum(w)."""
+    weights = chunk_weights(chunks)
+    total = sum(weights)
+    return [_round_up(-(-max_tokens * w // total)) for w in weights]
 
 
 Compute = Callable[..., torch.Tensor]
@@ -71,10 +111,18 @@ class _Plan:
     """What one pipelined exchange needs besides its tensors."""
 
     transport: Any
-    chunks: int
-    capacity: int | None  # rows per source of each chunk's dispatch (Transport.chunk_capacity)
-    compute: Compute  # (recv_x, recv_slot, recv_w, *params) -> partial [R, H]
+    chunks: tuple[int, ...]  # relative chunk sizes (chunk_weights)
+    capacities: list[int] | None  # rows per source of each chunk's dispatch (Transport.chunk_capacity)
+    compute: Compute  # (recv_x, recv_slot, recv_w, *params[, deferral=]) -> partial [R, H]
     side: Any  # the comm stream, None on the CPU
+    deferral: Any = None  # a WgradDeferral: each chunk's weight gradients beside what follows them
+
+    @property
+    def n(self) -> int:
+        return len(self.chunks)
+
+    def capacity(self, i: int) -> int | None:
+        return None if self.capacities is None else self.capacities[i]
 
 
 def pipelined_exchange(
@@ -85,7 +133,8 @@ def pipelined_exchange(
     dest_slot: torch.Tensor,
     params: Sequence[torch.Tensor],
     compute: Compute,
-    chunks: int,
+    chunks: int | Sequence[int],
+    deferral: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch → ``compute`` → combine over ``chunks`` chunks of this rank's tokens, overlapped.
 
@@ -97,14 +146,21 @@ def pipelined_exchange(
         compute: ``compute(recv_x [R, H], recv_slot int32 [R, K], recv_w float32 [R, K], *params)
             -> partial [R, H]`` (padding rows have every slot -1), differentiable in recv_x,
             recv_w and params; called once per chunk, on the current stream.
-        chunks: C >= 1, the same on every rank.
+        chunks: C >= 1 equal chunks, or one relative size per chunk (e.g. ``[1, 6, 1]``: the
+            first dispatch and the last combine, which nothing hides, move a small chunk); the
+            same on every rank.
+        deferral: a :class:`~ray_moe.model.wgrad.WgradDeferral` or None. With one, ``compute``
+            is called with ``deferral=`` and may hand its weight gradients to it (the Triton
+            experts do): each chunk's then run on the deferral's stream beside the next chunk's
+            backward and the last chunk's return exchange, instead of before them.
     Returns:
         out [T, H] (x.dtype): per token the sum of its partial rows from every rank, as
         ``combine(compute(dispatch(...)))`` gives; received_pairs: int64 scalar, the (row, k)
         pairs with a slot on this rank over all chunks (a load statistic, no gradient).
     """
     side = transport.comm_stream(x.device)
-    plan = _Plan(transport, int(chunks), transport.chunk_capacity(chunks), compute, side)
+    weights = chunk_weights(chunks)
+    plan = _Plan(transport, weights, transport.chunk_capacity(weights), compute, side, deferral)
     args = (x, weight.float(), dest_rank.to(torch.int32), dest_slot.to(torch.int32), *params)
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, *params))):
         with torch.no_grad():
@@ -141,6 +197,7 @@ class _Exchange(torch.autograd.Function):
         plan, graphs = ctx.plan, ctx.graphs
         tr = plan.transport
         bounds = token_chunks(ctx.T, plan.chunks)
+        deferred = plan.deferral is not None
         grad_out = grad_out.contiguous()
         sends_back = ctx.needs_x or ctx.needs_w
         wanted = [j for j, n in enumerate(ctx.needs_params) if n]
@@ -173,9 +230,15 @@ class _Exchange(torch.autograd.Function):
             return _timed(tr, tr.dispatch_backward, worked[0].contiguous(), worked[1].float().contiguous(),
                           graphs[i].layout)
 
-        results = _schedule(plan.chunks, send, work, back, plan.side)
+        results = _schedule(plan.n, send, work, back, plan.side)
         gx = torch.cat([r[0] for r in results]) if ctx.needs_x else None
         gw = torch.cat([r[1] for r in results]) if ctx.needs_w else None
+        if deferred:  # the weight gradients the deferral accumulated into the leaves' .grad
+            plan.deferral.join()
+            for j, leaf in enumerate(ctx.leaves):
+                if leaf.grad is not None:
+                    acc[j] = leaf.grad if j not in acc else acc[j].add_(leaf.grad)
+                    leaf.grad = None
         param_grads = [(acc[j] if j in acc else torch.zeros_like(ctx.leaves[j])) if n else None
                        for j, n in enumerate(ctx.needs_params)]
         ctx.graphs = ctx.leaves = None
@@ -203,7 +266,7 @@ def _forward(plan: _Plan, x, weight, dest_rank, dest_slot, *params, mode: str,
     per-chunk graphs, the parameters' leaves); the last two only for "graphs"."""
     tr = plan.transport
     bounds = token_chunks(x.shape[0], plan.chunks)
-    graphs: list[Any] = [None] * plan.chunks
+    graphs: list[Any] = [None] * plan.n
     leaves = [p.detach().requires_grad_(n) for p, n in zip(params, needs[4:])] if mode == "graphs" else params
     pairs = torch.zeros((), dtype=torch.int64, device=x.device)
 
@@ -211,8 +274,8 @@ def _forward(plan: _Plan, x, weight, dest_rank, dest_slot, *params, mode: str,
         t0, t1 = bounds[i]
         chunk = (x[t0:t1], weight[t0:t1], dest_rank[t0:t1], dest_slot[t0:t1])
         if mode == "autograd":
-            return dispatch(tr, *chunk, capacity=plan.capacity)
-        return _timed(tr, tr.dispatch_forward, *chunk, capacity=plan.capacity)
+            return dispatch(tr, *chunk, capacity=plan.capacity(i))
+        return _timed(tr, tr.dispatch_forward, *chunk, capacity=plan.capacity(i))
 
     def work(i, sent):
         nonlocal pairs
@@ -223,7 +286,8 @@ def _forward(plan: _Plan, x, weight, dest_rank, dest_slot, *params, mode: str,
         rx = recv_x.detach().requires_grad_(needs[0])
         rw = recv_w.detach().requires_grad_(needs[1])
         with torch.enable_grad():
-            partial = plan.compute(rx, recv_slot, rw, *leaves)
+            extra = {"deferral": plan.deferral} if plan.deferral is not None else {}
+            partial = plan.compute(rx, recv_slot, rw, *leaves, **extra)
         graphs[i] = _ChunkGraph(layout, rx, rw, leaves, partial)
         return partial.detach(), layout
 
@@ -232,7 +296,7 @@ def _forward(plan: _Plan, x, weight, dest_rank, dest_slot, *params, mode: str,
             return (combine(tr, worked[0], worked[1]),)
         return (_timed(tr, tr.combine_forward, worked[0].contiguous(), worked[1]),)
 
-    results = _schedule(plan.chunks, send, work, back, plan.side)
+    results = _schedule(plan.n, send, work, back, plan.side)
     out = torch.cat([r[0] for r in results])
     return out, pairs, graphs, leaves
 

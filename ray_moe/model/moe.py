@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ray_moe.comm.base import Transport, combine, dispatch
-from ray_moe.comm.pipeline import pipelined_exchange
+from ray_moe.comm.pipeline import chunk_weights, pipelined_exchange
 from ray_moe.model.expert_choice import ExpertChoice, ExpertImplChooser
 from ray_moe.model.experts import expert_ffn, resolve_impl
 from ray_moe.model.router import SOFTMAX, Routing, balancing_bias_step, load_balancing_loss, route
@@ -68,11 +68,14 @@ class MoELayerSpec:
     clone_slots: slots per rank for clones of hot experts; pipeline_chunks: C, 1 runs dispatch →
     experts → combine over all tokens, C > 1 splits each rank's tokens into C chunks whose
     exchange overlaps the experts of the neighbouring chunks (:mod:`ray_moe.comm.pipeline`; the
-    same results); delay_wgrad: with the Triton experts in the sequential layer, their weight
-    gradients run on a side stream beside the dispatch's backward exchange
-    (:class:`~ray_moe.model.wgrad.WgradDeferral`; the same results in ``.grad``, as
-    ``backward()`` leaves them: ``torch.autograd.grad`` gets none for w13 and w2); seed: with the
-    layer index, seeds the router and every logical expert.
+    same results), or a tuple of relative chunk sizes (``(1, 6, 1)``: small first and last
+    chunks, whose exchanges nothing hides); delay_wgrad: with the Triton experts, their weight
+    gradients run on a side stream (:class:`~ray_moe.model.wgrad.WgradDeferral`): in the
+    sequential layer beside the dispatch's backward exchange (the same results in ``.grad``, as
+    ``backward()`` leaves them: ``torch.autograd.grad`` gets none for w13 and w2), in the
+    pipelined layer each chunk's beside the next chunk's backward and the last chunk's return
+    exchange (autograd gets them as usual); seed: with the layer index, seeds the router and
+    every logical expert.
     """
 
     hidden: int
@@ -84,12 +87,15 @@ class MoELayerSpec:
     expert_impl: str = "auto"
     aux_loss_coef: float = 0.0
     clone_slots: int = 0
-    pipeline_chunks: int = 1
+    pipeline_chunks: int | tuple[int, ...] = 1
     delay_wgrad: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("hidden", "num_experts", "top_k", "expert_hidden", "pipeline_chunks"):
+        weights = chunk_weights(self.pipeline_chunks)  # raises ValueError naming what is allowed
+        if not isinstance(self.pipeline_chunks, int):
+            object.__setattr__(self, "pipeline_chunks", weights)  # a list from a config: hashable
+        for name in ("hidden", "num_experts", "top_k", "expert_hidden"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -269,9 +275,9 @@ class MoELayer(nn.Module):
                 choice = self.expert_chooser.choose(recv_x, recv_slot, recv_w, w13, w2, needs_grad)
             return expert_ffn(recv_x, recv_slot, recv_w, w13, w2, choice.impl, wgrad=choice.wgrad, deferral=deferral)
 
-        if self.pipeline_chunks > 1:
+        if len(chunk_weights(self.pipeline_chunks)) > 1:
             out, pairs = pipelined_exchange(self.transport, x, weights, dest_rank, dest_slot, (self.w13, self.w2),
-                                            experts, self.pipeline_chunks)
+                                            experts, self.pipeline_chunks, deferral=self.wgrad_deferral)
         else:
             deferral = self.wgrad_deferral
             recv_x, recv_slot, recv_w, layout = dispatch(self.transport, x, weights, dest_rank, dest_slot,

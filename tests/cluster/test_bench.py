@@ -18,20 +18,20 @@ def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
     out = tmp_path / "layer.json"
     assert layer.main(["--sections", "ep", "--world-size", "2", "--T", "64", "--H", "16", "--I", "24",
                        "--E", "8", "--K", "2", "--dtype", "float32", "--device", "cpu",
-                       "--ep-iters", "2", "--ep-chunks", "1,3", "--ep-profile", "--ep-profile-steps", "2", "--ep-delay-wgrad", "0,1",
+                       "--ep-iters", "2", "--ep-chunks", "1,1-2-1", "--ep-profile", "--ep-profile-steps", "2", "--ep-delay-wgrad", "0,1",
                        "--one-sm-wait",  # an NVSHMEM setting: carried to the group's config, unused by gloo
                        "--ep-trace-dir", str(tmp_path / "traces"), "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     ep = [r for r in rows if r["what"].startswith("EP")]
-    # delayed weight gradients apply to the sequential layer only
-    assert [(r["chunks"], r["delay_wgrad"]) for r in ep] == [(1, False), (1, True), (3, False)]
+    # every variant without and with delayed weight gradients; chunks of relative sizes by name
+    assert [(r["chunks"], r["delay_wgrad"]) for r in ep] == [(1, False), (1, True), ("1-2-1", False), ("1-2-1", True)]
     assert all(r["transport"] == "gloo" for r in ep)
-    assert "pipelined, 3 chunks" in ep[2]["what"] and "sequential" in ep[0]["what"]
+    assert "pipelined, chunks 1-2-1" in ep[2]["what"] and "sequential" in ep[0]["what"]
     assert "delayed wgrad" in ep[1]["what"]
     assert {r["what"] for r in rows} >= {"one GPU, T/W tokens", "one GPU, all T tokens",
                                          "one GPU, T/W tokens on E/W experts (a rank's compute)"}
     derived = [r for r in rows if r["what"] == "derived"]
-    assert [d["chunks"] for d in derived] == [1, 1, 3]
+    assert [d["chunks"] for d in derived] == [1, 1, "1-2-1", "1-2-1"]
     for d in derived:
         assert d["scaling_eff_fwd"] > 0 and d["scaling_eff_fwd+bwd"] > 0
         assert {"exposed_comm_frac_fwd", "exposed_comm_frac_fwd+bwd", "exposed_comm_fwd_ms"} <= d.keys()
@@ -49,7 +49,8 @@ def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
     assert all(r["host_syncs_per_step"] == 0 for r in rows if r["section"] == "ep" and r["what"] != "derived")
     # --ep-profile: every variant's operators (on the CPU) against a rank's own compute, the
     # exchange's collectives among what EP spends more on
-    variants = ["sequential", "sequential, delayed wgrad", "pipelined, 3 chunks"]
+    variants = ["sequential", "sequential, delayed wgrad", "pipelined, chunks 1-2-1",
+                "pipelined, chunks 1-2-1, delayed wgrad"]
     prof = [r for r in rows if r["section"].startswith("ep profile")]
     assert sorted({r["section"] for r in prof}) == sorted(
         f"ep profile: EP vs a rank's compute (rank 0), {v}" for v in variants)
@@ -68,7 +69,7 @@ def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
                                              for v in variants for i in (0, 1)]
     # every rank's trace of every variant, kept (readable by the timeline's listing)
     kept = sorted(p.name for p in (tmp_path / "traces").iterdir())
-    assert kept == sorted(f"ep_c{c}_p0_ilNone_dw{d}_rank{r}.json.gz" for c, d in ((1, 0), (1, 1), (3, 0))
+    assert kept == sorted(f"ep_c{c}_p0_ilNone_dw{d}_rank{r}.json.gz" for c in ("1", "1-2-1") for d in (0, 1)
                           for r in (0, 1))
     from ray_moe.bench.timeline import load_trace
     assert load_trace(str(tmp_path / "traces" / kept[0]))  # CPU operators: events, no kernels

@@ -265,22 +265,28 @@ def test_cuda_graph_replay(group):
 
 def test_pipelined_layer_parity(group):
     """moe.pipeline_chunks=3 over NVSHMEM (per-chunk capacity, comm on the side stream) equals the
-    oracle in bf16 on the parity cases."""
-    for extra in PARITY_CASES:
+    oracle in bf16 on the parity cases; so do chunks of unequal sizes (1, 3, 1) with the weight
+    gradients on the deferral's stream (moe.delay_wgrad), on the first cases."""
+    layouts = [dict(pipeline_chunks=3)] * len(PARITY_CASES)
+    layouts[:3] = [dict(pipeline_chunks=[1, 3, 1], delay_wgrad=True, expert_impl="triton")] * 3
+    for extra, layout in zip(PARITY_CASES, layouts):
         if Case(**extra).applies_to(group.world_size) is not None:
             continue
         case = Case(seed=_seed_without_near_ties(extra, group.world_size), dtype="bfloat16", hidden=64,
-                    pipeline_chunks=3, **extra)
+                    **layout, **extra)
         for rank, errs in enumerate(group.execute(layer_parity, case, timeout=300)):
             bad = {k: v for k, v in errs.items() if not v <= BF16_TOL}
-            assert not bad, f"pipelined rank {rank} case {extra}: {bad}"
+            assert not bad, f"pipelined rank {rank} case {extra} {layout}: {bad}"
     group.execute(lambda w: w.transport.check())
 
 
-def test_pipelined_cuda_graph_replay(group):
+@pytest.mark.parametrize("chunks, layer_kw", [(3, {}), ((1, 3, 1), dict(impl="triton", delay_wgrad=True))],
+                         ids=["3-chunks", "1-3-1-delayed-wgrad"])
+def test_pipelined_cuda_graph_replay(group, chunks, layer_kw):
     """The pipelined layer's forward+backward captured in a CUDA graph (side-stream fork and join
-    inside the capture) replays equal to eager, and eager equals the sequential layer."""
-    res = group.execute(_graph_vs_eager, 3, timeout=300)
+    inside the capture; with delayed weight gradients, the deferral's stream too) replays equal to
+    eager, and eager equals the sequential layer."""
+    res = group.execute(_graph_vs_eager, chunks, timeout=300, **layer_kw)
     for rank, errs in enumerate(res):
         assert all(v <= BF16_TOL for v in errs.values()), (rank, errs)
 
@@ -352,13 +358,14 @@ def test_two_ray_nodes_on_one_host():
 
 
 # --------------------------------------------------------------------------- worker functions
-def _layer(worker, seed: int, idx: int = 0, chunks: int = 1):
+def _layer(worker, seed: int, idx: int = 0, chunks: int | tuple = 1, impl: str = "grouped_mm",
+           delay_wgrad: bool = False):
     from ray_moe.comm.base import BufferSpec
     from ray_moe.model.moe import MoELayer, MoELayerSpec
 
     worker.transport.reserve(BufferSpec(max_tokens=64, hidden=64, elem_bytes=2, max_top_k=2))
-    return MoELayer(MoELayerSpec(64, 8, 2, 96, seed=seed, dtype=torch.bfloat16, expert_impl="grouped_mm",
-                                 pipeline_chunks=chunks),
+    return MoELayer(MoELayerSpec(64, 8, 2, 96, seed=seed, dtype=torch.bfloat16, expert_impl=impl,
+                                 pipeline_chunks=chunks, delay_wgrad=delay_wgrad),
                     worker.transport, layer_idx=idx, device=worker.device)
 
 
@@ -437,11 +444,12 @@ def _stacked_layers(worker) -> dict:
     return out
 
 
-def _graph_vs_eager(worker, chunks: int = 1) -> dict:
+def _graph_vs_eager(worker, chunks: int | tuple = 1, **layer_kw) -> dict:
+    """``layer_kw``: impl, delay_wgrad of the captured and the eager layer (:func:`_layer`)."""
     dev = worker.device
     torch.manual_seed(10 + worker.rank_info.rank)
-    layer = _layer(worker, 7, chunks=chunks)
-    eager = _layer(worker, 7, chunks=chunks)
+    layer = _layer(worker, 7, chunks=chunks, **layer_kw)
+    eager = _layer(worker, 7, chunks=chunks, **layer_kw)
     sequential = _layer(worker, 7)
     sx = torch.randn(40, 64, dtype=torch.bfloat16, device=dev, requires_grad=True)
     sg = torch.randn(40, 64, dtype=torch.bfloat16, device=dev)
@@ -472,7 +480,7 @@ def _graph_vs_eager(worker, chunks: int = 1) -> dict:
         errs[f"grad_x{trial}"] = rel_err(sx.grad, ex.grad)
         errs[f"grad_w13_{trial}"] = rel_err(layer.w13.grad, eager.w13.grad)
         errs[f"grad_router{trial}"] = rel_err(layer.router.grad, eager.router.grad)
-        if chunks > 1:
+        if chunks != 1:
             sequential.zero_grad(set_to_none=True)
             qx = nx.clone().requires_grad_()  # not sx: that is the graph's captured input
             so, _ = sequential(qx)

@@ -28,11 +28,15 @@ def _worker():
 
 
 @pytest.mark.parametrize("extra", [dict(), dict(routing="one_expert", top_k=1), dict(top_k=8),
-                                   dict(tokens_per_rank=[3]), dict(tokens_per_rank=[5])],
-                         ids=["random", "one_expert-K1", "K=E", "T<C", "empty-chunks"])
+                                   dict(tokens_per_rank=[3]), dict(tokens_per_rank=[5]),
+                                   dict(pipeline_chunks=[1, 6, 1]), dict(delay_wgrad=True, expert_impl="triton"),
+                                   dict(pipeline_chunks=[1, 6, 1], delay_wgrad=True, expert_impl="triton",
+                                        tokens_per_rank=[7])],
+                         ids=["random", "one_expert-K1", "K=E", "T<C", "empty-chunks", "1-6-1", "delayed-wgrad",
+                              "1-6-1-delayed-wgrad-T-small"])
 def test_pipelined_layer_parity_bf16(extra):
-    case = Case(dtype="bfloat16", hidden=256, expert_hidden=128, pipeline_chunks=4,
-                **{"tokens_per_rank": [300], **extra})
+    case = Case(dtype="bfloat16", hidden=256, expert_hidden=128,
+                **{"tokens_per_rank": [300], "pipeline_chunks": 4, **extra})
     errs = layer_parity(_worker(), case.but(seed=_seed_without_near_ties(case)))
     bad = {k: v for k, v in errs.items() if not v <= BF16_TOL}
     assert not bad, bad
@@ -66,14 +70,16 @@ def _clear_grads(layer, x):
     x.grad = None
 
 
-def _layers(chunks: int):
+def _layers(chunks: int | tuple, delay_wgrad: bool):
     torch.manual_seed(0)
-    return [MoELayer(MoELayerSpec(256, 8, 2, 128, seed=4, dtype=torch.bfloat16, pipeline_chunks=c),
-                     LocalTransport(), device="cuda") for c in (chunks, chunks, 1)]
+    return [MoELayer(MoELayerSpec(256, 8, 2, 128, seed=4, dtype=torch.bfloat16, pipeline_chunks=c,
+                                  delay_wgrad=dw, expert_impl="triton"),
+                     LocalTransport(), device="cuda") for c, dw in ((chunks, delay_wgrad), (chunks, delay_wgrad), (1, False))]
 
 
-def test_pipelined_layer_equals_sequential_and_replays_from_a_cuda_graph():
-    graphed, eager, sequential = _layers(4)
+@pytest.mark.parametrize("chunks, delay_wgrad", [(4, False), ((1, 6, 1), True)], ids=["4-chunks", "1-6-1-delayed-wgrad"])
+def test_pipelined_layer_equals_sequential_and_replays_from_a_cuda_graph(chunks, delay_wgrad):
+    graphed, eager, sequential = _layers(chunks, delay_wgrad)
     T, H = 200, 256
     sx = torch.randn(T, H, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     sg = torch.randn(T, H, dtype=torch.bfloat16, device="cuda")

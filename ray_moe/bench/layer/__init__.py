@@ -50,7 +50,7 @@ def ep_rows(shape: LayerShape, args: argparse.Namespace) -> list[dict]:
                          transport=args.transport, address=args.address, dtype=args.dtype,
                          impl=args.impl, iters=args.ep_iters, device=args.device,
                          force_remote_path=args.force_remote_path, one_sm_wait=args.one_sm_wait,
-                         chunks=tuple(int(c) for c in args.ep_chunks.split(",")),
+                         chunks=parse_chunk_list(args.ep_chunks),
                          comm_programs=tuple(int(g) for g in args.ep_programs.split(",")),
                          interleave=tuple(None if v == "default" else bool(int(v))
                                           for v in args.ep_interleave.split(",")),
@@ -110,7 +110,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="ep: auto, cuda, cpu")
     p.add_argument("--ep-iters", type=int, default=10)
     p.add_argument("--ep-chunks", default="1,4",
-                   help="ep: comma list of moe.pipeline_chunks (1: sequential layer; C > 1: pipelined, side by side)")
+                   help="ep: comma list of moe.pipeline_chunks (1: sequential layer; C > 1: pipelined, side by side;"
+                        " 1-6-1: pipelined in chunks of those relative sizes)")
     p.add_argument("--ep-programs", default="0",
                    help="ep/nvshmem: comma list of programs (SMs) for the exchange kernels (0: every SM)")
     p.add_argument("--ep-interleave", default="default",
@@ -120,8 +121,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--one-sm-wait", action="store_true",
                    help="ep/nvshmem: remote peers' arrivals waited for on one SM (parallel.nvshmem_one_sm_wait)")
     p.add_argument("--ep-delay-wgrad", default="0",
-                   help="ep: comma list of 0/1: the sequential layer without / with moe.delay_wgrad (the experts'"
-                        " weight gradients beside the dispatch's backward exchange), side by side")
+                   help="ep: comma list of 0/1: every variant without / with moe.delay_wgrad (the experts'"
+                        " weight gradients on a side stream beside the exchanges), side by side")
     p.add_argument("--ep-profile", action="store_true",
                    help="ep: the kernels of one step of every EP variant (rank 0) against a rank's own compute")
     p.add_argument("--ep-trace-dir", default=None,
@@ -135,6 +136,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 SECTIONS = ("kernels", "expert", "ffn", "routing", "saved", "layer", "small", "profile", "steady", "wgrad", "ep")
+
+
+def parse_chunk_list(value: str) -> tuple[int | tuple[int, ...], ...]:
+    """``--ep-chunks``: "1,2,1-6-1" → (1, 2, (1, 6, 1)): per variant, moe.pipeline_chunks (C, or
+    dash-joined relative chunk sizes). Raises ValueError on anything else."""
+    from ray_moe.comm.pipeline import chunk_weights
+
+    out: list[int | tuple[int, ...]] = []
+    for item in value.split(","):
+        parts = tuple(int(v) for v in item.split("-"))
+        chunk_weights(parts[0] if len(parts) == 1 else parts)
+        out.append(parts[0] if len(parts) == 1 else parts)
+    return tuple(out)
 
 
 def _check_int_list(p: argparse.ArgumentParser, flag: str, value: str, low: int) -> None:
@@ -165,7 +179,11 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error("--sections ep needs --world-size >= 1 (the ranks of the expert-parallel group)")
         if args.T % args.world_size:
             p.error(f"--T {args.T} is not divisible by --world-size {args.world_size} (T is the global token count)")
-        _check_int_list(p, "--ep-chunks", args.ep_chunks, 1)
+        try:
+            parse_chunk_list(args.ep_chunks)
+        except ValueError:
+            p.error(f"--ep-chunks={args.ep_chunks!r} must be a comma list of integers >= 1 or of"
+                    " dash-joined relative sizes (e.g. 1,2,1-6-1)")
         _check_int_list(p, "--ep-programs", args.ep_programs, 0)
         for flag, value, allowed in (("--ep-interleave", args.ep_interleave, ("0", "1", "default")),
                                      ("--ep-delay-wgrad", args.ep_delay_wgrad, ("0", "1"))):

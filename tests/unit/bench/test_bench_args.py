@@ -15,7 +15,8 @@ from ray_moe.bench.layer import parse_args
 @pytest.mark.parametrize("argv, says", [
     (["--sections", "ep", "--world-size", "2", "--T", "63"], "--T 63 is not divisible by --world-size 2"),
     (["--sections", "ep"], "--sections ep needs --world-size >= 1"),
-    (["--sections", "ep", "--world-size", "2", "--ep-chunks", "1,0"], "--ep-chunks=1,0 must be integers >= 1"),
+    (["--sections", "ep", "--world-size", "2", "--ep-chunks", "1,0"], "--ep-chunks='1,0' must be a comma list of integers >= 1"),
+    (["--sections", "ep", "--world-size", "2", "--ep-chunks", "1-x"], "or of dash-joined relative sizes (e.g. 1,2,1-6-1)"),
     (["--sections", "ep", "--world-size", "2", "--ep-programs", "x"], "--ep-programs='x' must be comma-separated"),
     (["--sections", "ep", "--world-size", "2", "--ep-interleave", "2"], "--ep-interleave=2 must be a comma list"),
     (["--sections", "ep", "--world-size", "2", "--ep-profile-steps", "0"], "--ep-profile-steps must be >= 1"),
@@ -30,9 +31,11 @@ def test_bad_values_name_the_flag(argv, says, capsys):
 
 
 def test_good_values_pass():
-    args = parse_args(["--sections", "ep", "--world-size", "2", "--T", "64", "--ep-chunks", "1,2",
+    from ray_moe.bench.layer import parse_chunk_list
+
+    args = parse_args(["--sections", "ep", "--world-size", "2", "--T", "64", "--ep-chunks", "1,2,1-6-1",
                        "--ep-interleave", "default,1", "--ep-delay-wgrad", "0,1", "--ep-programs", "0,32"])
-    assert args.world_size == 2 and args.ep_chunks == "1,2"
+    assert args.world_size == 2 and parse_chunk_list(args.ep_chunks) == (1, 2, (1, 6, 1))
 
 
 def test_the_cli_prints_no_traceback():

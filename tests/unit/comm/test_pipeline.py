@@ -10,7 +10,7 @@ import torch
 
 from ray_moe.comm import pipeline
 from ray_moe.comm.local import LocalTransport
-from ray_moe.comm.pipeline import chunk_size, token_chunks
+from ray_moe.comm.pipeline import chunk_capacities, chunk_size, chunk_weights, token_chunks
 from ray_moe.model.moe import MoELayer, MoELayerSpec
 from ray_moe.validation.errors import rel_err
 
@@ -26,6 +26,31 @@ def test_token_chunks_cover_every_token_once_in_aligned_chunks():
             assert all(b[i][1] == b[i + 1][0] for i in range(C - 1))
             assert max(t1 - t0 for t0, t1 in b) <= chunk_size(T, C) <= chunk_size(T + 1, C)
     assert token_chunks(5, 8) == [(0, 4), (4, 5)] + [(5, 5)] * 6  # T < C: empty chunks still run
+
+
+@pytest.mark.parametrize("weights", [(1, 6, 1), (2, 1), (1, 3, 3, 1), (5,), (1, 1, 1)])
+def test_weighted_chunks_cover_every_token_within_their_capacities(weights):
+    """Chunks of relative sizes: in order, aligned, the sizes roughly proportional, and never
+    above the capacity computed from any larger token count (every rank sizes its dispatches
+    from BufferSpec.max_tokens, not from its own tokens)."""
+    caps = chunk_capacities(260, weights)
+    for T in range(0, 261):
+        b = token_chunks(T, weights)
+        assert len(b) == len(weights) and b[0][0] == 0 and b[-1][1] == T
+        assert all(b[i][1] == b[i + 1][0] for i in range(len(b) - 1))
+        assert all(t0 <= t1 and (t0 % 4 == 0 or t0 == T) for t0, t1 in b)
+        assert all(t1 - t0 <= cap for (t0, t1), cap in zip(b, caps)), (T, b, caps)
+    b = token_chunks(256, weights)
+    for (t0, t1), w in zip(b, weights):
+        assert abs((t1 - t0) - 256 * w / sum(weights)) <= 4 * len(weights)
+    assert token_chunks(256, (1, 6, 1)) == [(0, 32), (32, 224), (224, 256)]
+    assert token_chunks(97, (1,) * 3) == token_chunks(97, 3)  # equal weights: the equal split
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, (), (1, 0), [2, "x"], 1.5])
+def test_chunk_weights_name_what_is_allowed(bad):
+    with pytest.raises(ValueError, match="pipeline_chunks must be an integer >= 1 or a list of positive integers"):
+        chunk_weights(bad)
 
 
 def test_schedule_issues_the_next_dispatch_before_the_combine():
@@ -91,8 +116,9 @@ def _run(layer, x, go):
             "pairs": layer.received_pairs.clone(), "tokens": layer.expert_tokens.clone()}
 
 
-@pytest.mark.parametrize("T,C,E,K", [(16, 2, 4, 2), (10, 4, 4, 1), (5, 8, 4, 4), (0, 3, 4, 2), (33, 3, 8, 8)],
-                         ids=["even", "uneven-K1", "T<C-K=E", "empty", "K=E"])
+@pytest.mark.parametrize("T,C,E,K", [(16, 2, 4, 2), (10, 4, 4, 1), (5, 8, 4, 4), (0, 3, 4, 2), (33, 3, 8, 8),
+                                     (37, (1, 6, 1), 4, 2), (6, (1, 3, 3, 1), 8, 3)],
+                         ids=["even", "uneven-K1", "T<C-K=E", "empty", "K=E", "weighted", "weighted-T-small"])
 def test_pipelined_layer_equals_the_sequential_layer(T, C, E, K):
     res = []
     for chunks in (1, C):
