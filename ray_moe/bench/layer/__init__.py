@@ -89,7 +89,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    " MoELayer (W=1) vs SonicMoE, training step; small: inference forward at --small-T vs SonicMoE"
                    " as weight bytes/s against the copy bandwidth; profile: kernel time of one training step;"
                    " steady: training steps back to back with the host side (device idle, waits, API calls);"
-                   " wgrad: the weight-gradient GEMMs alone per backend (triton, grouped_mm, quack)")
+                   " wgrad: the weight-gradient GEMMs alone per backend (triton, grouped_mm, quack);"
+                   " chunking: what splitting the tokens into chunks (moe.pipeline_chunks) costs the experts"
+                   " alone, no exchange; ep: the expert-parallel layer on --world-size ranks")
     p.add_argument("--layer-E", default=None, help="layer/small/profile: comma list of E (default: --E)")
     p.add_argument("--small-T", default="128,1024", help="small: comma list of token counts")
     p.add_argument("--impls", default="ray_moe,sonicmoe", help="layer/small/profile: which layers to run")
@@ -135,7 +137,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-SECTIONS = ("kernels", "expert", "ffn", "routing", "saved", "layer", "small", "profile", "steady", "wgrad", "ep")
+SECTIONS = ("kernels", "expert", "ffn", "routing", "saved", "layer", "small", "profile", "steady", "wgrad",
+            "chunking", "ep")
 
 
 def parse_chunk_list(value: str) -> tuple[int | tuple[int, ...], ...]:
@@ -272,6 +275,14 @@ def main(argv: list[str]) -> int:
                 rows += new
                 _write_json(args.json, shape, args, rows)
                 torch.cuda.empty_cache()
+    if "chunking" in sections:
+        from ray_moe.bench.layer.chunking import chunking_rows
+
+        new = chunking_rows(shape, dtype, args.seed, args.warmup_ms, args.rep_ms)
+        _print_table(new)
+        rows += new
+        _write_json(args.json, shape, args, rows)
+        torch.cuda.empty_cache()
     if "ep" in sections and args.world_size > 0:
         inp = None
         torch.cuda.empty_cache()
