@@ -8,18 +8,15 @@
 # a fresh machine costs ~60 s of the budget before the command starts, and it goes back after 30 s
 # idle, so chain calls. Session 15 ran on H200 x4 (docs/BENCHMARKS.md, "Session 15"): at W=4
 # the whole NVSHMEM test file takes more than 250 s (layout 48 s and the parity cases 107 s at W=8),
-# comm with every variant more than 150 s (pick COMM_VARIANTS), the layer 97-136 s. Next lease:
-#   1. x4 or x8: the pipelined layer's profile at W = all GPUs, to see why no overlap wins there
-#      (EP_CHUNKS=1,2 EP_PROGRAMS=32 EP_INTERLEAVE=0 EP_DELAY_WGRAD=0 EP_PROFILE=1 layer; its
-#      rows now name the expert implementation the chooser picked); x8: the default steps with
-#      T_TESTS=500 and COMM_VARIANTS=r8h4096w16rot,r8h4096w16 (scaling target >= 0.90 at W=8)
-#   2. pes2 with RAY_MOE_TEST_GPUS=4 on x4 (W=8) and PES_FILES=...::test_layer_parity_with_clones
-#      (placement_w8 exists now); tests with TESTS_FILES=tests/gpu/test_zero_gpu.py::test_overlapped_update_follows_the_update_in_place_on_two_gpus
-#      (the overlapped update's clone push beside ZeRO's all-gathers, run at W=2 only so far)
-#   3. comm at W = all GPUs, T_local=16384 (COMM_VARIANTS=r8h4096w16rot,r8h4096w16il): the new SM
-#      copy ceiling (sm_ceiling_GBps) beside the copy engines' for dispatch_vs_ceiling
-#   4. on x2, after any change to the exchange kernels: TESTS_FILES=tests/gpu/test_nvshmem_gpu.py
-#      bash scripts/device_ep.sh tests,comm,layer (the host cost: bench comm --host-cost --profile)
+# comm with every variant more than 150 s (pick COMM_VARIANTS), the layer 97-136 s. Session 16 (H200 x4):
+# layer with 12 variants and EP_PROFILE=1 185 s; EP_WORLD=2 with 6 variants 115 s. Done since: the W=8
+# clone test, the overlapped update at W=4, the SM ceiling, the pipelined profile (chunking alone
+# costs the step 5-17 %, so no chunked overlap wins; docs/BENCHMARKS.md, "Session 16"). Next lease:
+#   1. x8: the default steps with T_TESTS=500 and COMM_VARIANTS=r8h4096w16rot,r8h4096w16 (scaling
+#      target >= 0.90 at W=8; never lent so far)
+#   2. after an overlap that keeps the GEMMs whole (tiles waiting on per-source arrival flags):
+#      TESTS_FILES=tests/gpu/test_nvshmem_gpu.py bash scripts/device_ep.sh tests,comm,layer on x2
+#      and x4, with EP_PROFILE=1 (each rank's trace in $OUT/traces_w<W>)
 # On one GPU, pes2 with every file took ~360 s.
 # Usage (device machine, repo root):  . .devbundle/setup.sh && bash scripts/device_ep.sh [steps]
 # steps (default: pes2,pes4,tests,comm,layer; a failing step does not stop the next one):
