@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from ray_moe import arch
+from ray_moe.chunks import chunk_weights
 
 # The one table of model dtypes: config name → torch dtype (element sizes come from the dtype).
 DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16})
@@ -151,8 +152,6 @@ class MoEConfig:
         _choice("moe.expert_impl", self.expert_impl, ("auto", "loop", "grouped_mm", "triton"))
         if not self.bias_update_rate >= 0:
             raise ConfigError(f"moe.bias_update_rate={self.bias_update_rate} must be >= 0")
-        from ray_moe.comm.pipeline import chunk_weights  # the chunk rule's owner (torch only; lazy)
-
         try:
             chunk_weights(self.pipeline_chunks)
         except ValueError as exc:

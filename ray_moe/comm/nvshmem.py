@@ -57,7 +57,7 @@ from ray_moe.comm.nvshmem_kernels import (
     launch_combine,
     launch_dispatch,
 )
-from ray_moe.comm.pipeline import chunk_capacities, chunk_weights
+from ray_moe.chunks import chunk_capacities, chunk_weights
 
 log = logging.getLogger(__name__)
 

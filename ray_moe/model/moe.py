@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from ray_moe.comm.base import Transport, combine, dispatch
-from ray_moe.comm.pipeline import chunk_weights, pipelined_exchange
+from ray_moe.chunks import chunk_weights
+from ray_moe.comm.pipeline import pipelined_exchange
 from ray_moe.model.expert_choice import ExpertChoice, ExpertImplChooser
 from ray_moe.model.experts import expert_ffn, resolve_impl
 from ray_moe.model.router import SOFTMAX, Routing, balancing_bias_step, load_balancing_loss, route

@@ -13,18 +13,19 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "ray_moe"
 
 # What each part of the package may import (besides itself). Shared base modules first.
-BASE = {"arch", "config", "topology", "device", "dirlock", "usage"}
+BASE = {"arch", "chunks", "config", "topology", "device", "dirlock", "usage"}
 ALLOWED = {
     "usage": set(),  # the command lines' one-line argument errors
     "arch": {"usage"},
-    "config": {"arch"},
+    "chunks": set(),  # the pipelined layer's chunk rule (plain arithmetic)
+    "config": {"arch", "chunks"},
     "topology": set(),
     "device": set(),
     "dirlock": set(),
     "kernels": {"device"},
-    "comm": {"topology"},
+    "comm": {"chunks", "topology"},
     "placement": set(),
-    "model": {"arch", "config", "comm", "device", "kernels", "placement"},
+    "model": {"arch", "chunks", "config", "comm", "device", "kernels", "placement"},
     "checkpoint": {"arch", "config", "placement"},
     "data": {"config", "dirlock"},
     "validation": BASE | {"comm", "kernels", "model", "placement"},

@@ -144,7 +144,7 @@ SECTIONS = ("kernels", "expert", "ffn", "routing", "saved", "layer", "small", "p
 def parse_chunk_list(value: str) -> tuple[int | tuple[int, ...], ...]:
     """``--ep-chunks``: "1,2,1-6-1" → (1, 2, (1, 6, 1)): per variant, moe.pipeline_chunks (C, or
     dash-joined relative chunk sizes). Raises ValueError on anything else."""
-    from ray_moe.comm.pipeline import chunk_weights
+    from ray_moe.chunks import chunk_weights
 
     out: list[int | tuple[int, ...]] = []
     for item in value.split(","):

@@ -23,7 +23,7 @@ SPLITS: tuple[tuple[int, ...], ...] = ((1, 1), (1, 6, 1), (3, 1), (1, 1, 1, 1))
 
 
 def _bounds(tokens: int, split: tuple[int, ...]) -> list[tuple[int, int]]:
-    from ray_moe.comm.pipeline import token_chunks
+    from ray_moe.chunks import token_chunks
 
     return token_chunks(tokens, split)
 

@@ -10,7 +10,7 @@ import torch
 
 from ray_moe.comm import pipeline
 from ray_moe.comm.local import LocalTransport
-from ray_moe.comm.pipeline import chunk_capacities, chunk_size, chunk_weights, token_chunks
+from ray_moe.chunks import chunk_capacities, chunk_size, chunk_weights, token_chunks
 from ray_moe.model.moe import MoELayer, MoELayerSpec
 from ray_moe.validation.errors import rel_err
 
