@@ -12,7 +12,9 @@ so chunk i+1 arrives and chunk i-1 goes back while chunk i's experts run. Only t
 dispatch and the last combine run with nothing beside them, so chunks may be of unequal sizes
 (``moe.pipeline_chunks: [1, 6, 1]``): small ends, a large middle whose GEMMs stay large. A chunk's
 experts take ~8x its exchange at H=4096 on H200s at W=4, so a neighbour up to that much larger
-still hides. Backward is the same
+still hides. It stays opt-in: chunking alone costs the expert step 5-17 % (``bench layer
+--sections chunking``), more than the exchange it hides at W=2 and as much at W=4
+(docs/BENCHMARKS.md, session 16). Backward is the same
 pipeline over the duals: the combine's backward (a dispatch of output gradients) of chunk i+1
 and the dispatch's backward (a combine of row and weight gradients) of chunk i-1 run while chunk
 i's expert backward does. Communication stays on one side stream per transport
