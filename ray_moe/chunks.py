@@ -27,18 +27,11 @@ def _round_up(n: int) -> int:
     return -(-n // ALIGN_TOKENS) * ALIGN_TOKENS
 
 
-def chunk_size(tokens: int, chunks: int) -> int:
-    """Tokens per chunk when ``tokens`` are split into ``chunks`` equal parts: ceil(tokens /
-    chunks), rounded up to a multiple of 4 so every chunk's [T, K] metadata starts 16-byte
-    aligned (the exchange kernels are specialised on it). Monotone in ``tokens``."""
-    return _round_up(-(-tokens // chunks))
-
-
 def token_chunks(tokens: int, chunks: int | Sequence[int]) -> list[tuple[int, int]]:
     """[(t0, t1)] per chunk covering [0, tokens) in order. Chunk i < C-1 takes
     ceil(tokens * w_i / sum(w)) rounded up to a multiple of 4 (as far as tokens last), the last
     chunk the rest; so trailing chunks may be short or empty (tokens < C leaves empty ones: every
-    rank still makes every call). Equal weights give equal chunks of :func:`chunk_size`."""
+    rank still makes every call). Equal weights give equal chunks of ceil(tokens / C) rounded up to 4."""
     weights = chunk_weights(chunks)
     total, bounds, start = sum(weights), [], 0
     for i, w in enumerate(weights):

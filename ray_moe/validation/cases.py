@@ -42,7 +42,7 @@ class Case:
     dtype: str = "float32"
     expert_impl: str = "auto"
     placement: dict | None = None
-    pipeline_chunks: int = 1
+    pipeline_chunks: int | list[int] | tuple[int, ...] = 1  # C, or relative chunk sizes
     delay_wgrad: bool = False
 
     def __post_init__(self) -> None:

@@ -18,14 +18,9 @@ from __future__ import annotations
 import torch
 
 from ray_moe.bench.layer.problem import LayerShape, layer_problem, log, median_ms, ray_moe_layer
+from ray_moe.chunks import token_chunks
 
 SPLITS: tuple[tuple[int, ...], ...] = ((1, 1), (1, 6, 1), (3, 1), (1, 1, 1, 1))
-
-
-def _bounds(tokens: int, split: tuple[int, ...]) -> list[tuple[int, int]]:
-    from ray_moe.chunks import token_chunks
-
-    return token_chunks(tokens, split)
 
 
 def chunking_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms: int, rep_ms: int,
@@ -49,7 +44,7 @@ def chunking_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms: i
     for split in splits:
         parts = []
         with torch.no_grad():
-            for a, b in _bounds(shape.T, split):
+            for a, b in token_chunks(shape.T, split):
                 parts.append(median_ms(lambda a=a, b=b: expert_ffn_triton(x[a:b], slot[a:b], weight[a:b], w13, w2),
                                        warmup_ms, rep_ms))
         name = "-".join(map(str, split))

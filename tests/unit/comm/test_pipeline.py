@@ -10,7 +10,7 @@ import torch
 
 from ray_moe.comm import pipeline
 from ray_moe.comm.local import LocalTransport
-from ray_moe.chunks import chunk_capacities, chunk_size, chunk_weights, token_chunks
+from ray_moe.chunks import chunk_capacities, chunk_weights, token_chunks
 from ray_moe.model.moe import MoELayer, MoELayerSpec
 from ray_moe.validation.errors import rel_err
 
@@ -24,7 +24,7 @@ def test_token_chunks_cover_every_token_once_in_aligned_chunks():
             assert len(b) == C and b[0][0] == 0 and b[-1][1] == T
             assert all(t0 <= t1 and (t0 % 4 == 0 or t0 == T) for t0, t1 in b)
             assert all(b[i][1] == b[i + 1][0] for i in range(C - 1))
-            assert max(t1 - t0 for t0, t1 in b) <= chunk_size(T, C) <= chunk_size(T + 1, C)
+            assert max(t1 - t0 for t0, t1 in b) <= chunk_capacities(T, C)[0] <= chunk_capacities(T + 1, C)[0]
     assert token_chunks(5, 8) == [(0, 4), (4, 5)] + [(5, 5)] * 6  # T < C: empty chunks still run
 
 
