@@ -239,6 +239,25 @@ def _chosen_impls(layer: Any, x: torch.Tensor) -> str:
     return "/".join(names) or resolve_impl(layer.expert_impl, x)
 
 
+MEDIAN_KEYS = ("forward_ms", "backward_ms", "steady_step_ms", "steady_device_ms", "steady_issue_ms")
+
+
+def _median_over_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """One result per rank from a variant's rounds (each a list over ranks): the timings of
+    :data:`MEDIAN_KEYS` are their medians over the rounds, everything else (profiles, per-step
+    lists) the first round's."""
+    import statistics
+
+    merged = []
+    for rank, first in enumerate(rounds[0]):
+        rec = dict(first)
+        for key in MEDIAN_KEYS:
+            if key in first:
+                rec[key] = statistics.median(rnd[rank][key] for rnd in rounds)
+        merged.append(rec)
+    return merged
+
+
 def _train_steps(layer: Any, x: torch.Tensor, grad: torch.Tensor, placement: Placement, n: int,
                  marks: list | None = None) -> None:
     """``n`` training steps of ``layer`` back to back, as training runs them (clone gradients
@@ -331,7 +350,7 @@ def ep_layer_rows(
     chunks: tuple[int | tuple[int, ...], ...] = (1,),
     comm_programs: tuple[int, ...] = (0,), group: Any = None, interleave: tuple[bool | None, ...] = (None,),
     profile: bool = False, delay_wgrad: tuple[bool, ...] = (False,), profile_steps: int = 1,
-    trace_dir: str | None = None,
+    trace_dir: str | None = None, rounds: int = 1,
 ) -> list[dict]:
     """Expert-parallel rows: per-rank layer time at T/W tokens per rank, for every pipeline chunk
     count C (1: the sequential layer), NVSHMEM program count G (0: the transport's),
@@ -346,13 +365,17 @@ def ep_layer_rows(
     ``profile``: also the kernels of one step of every EP variant (rank 0) against a rank's own
     compute, by how much longer EP spends in each (:func:`kernel_diff_rows`); ``trace_dir``: each
     profiled rank's Chrome trace kept there (``ep_c<C>_p<G>_il<...>_dw<0|1>_rank<r>.json.gz``,
-    read them with ``python -m ray_moe.bench.timeline``)."""
+    read them with ``python -m ray_moe.bench.timeline``). ``rounds``: every variant runs that many
+    times, every other round in reverse order, and each timing is its median over the rounds
+    (profiles and traces come from the first round)."""
 
     from ray_moe.config import Config
     from ray_moe.driver.group import WorkerGroup
 
     if T % world_size:
         raise ValueError(f"T={T} is not divisible by world_size={world_size}")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     if profile_steps < 1:
         raise ValueError(f"profile_steps must be >= 1, got {profile_steps}")
     base = dict(d_model=H, hidden=I, num_experts=E, top_k=K, dtype=dtype, impl=impl, iters=iters)
@@ -391,16 +414,20 @@ def ep_layer_rows(
         # GPU whose clocks drift under sustained load cannot favour what runs first; the drift
         # is reported (H200 x2, session 13: -2.5 to +0.4 %, smaller than the EP variants' spread).
         own_before, full_before = references(g, False)
-        ep = {}
-        for c in chunks:
-            for p in comm_programs:
-                for il in interleave:
-                    for dw in delay_wgrad:
-                        ep[c, p, il, dw] = g.execute(time_layer_step, asdict(StepSpec(
-                            tokens=T // world_size, pipeline_chunks=c, comm_programs=p, interleave=il,
-                            profile=profile, profile_steps=profile_steps, delay_wgrad=dw, trace_dir=trace_dir or "",
-                            trace_name=f"ep_c{_chunks_name(c)}_p{p}_il{il}_dw{int(dw)}", **base)),
-                            timeout=STEP_TIMEOUT_S)
+        variants = [(c, p, il, dw) for c in chunks for p in comm_programs for il in interleave for dw in delay_wgrad]
+        by_round: dict[tuple, list[list[dict]]] = {v: [] for v in variants}
+        for r in range(rounds):
+            # odd rounds run the variants in reverse (A B B A ...): a GPU that slows as it heats
+            # cannot favour whichever variant runs first (power-capped GEMMs drift by several %)
+            for c, p, il, dw in (variants if r % 2 == 0 else variants[::-1]):
+                first = r == 0
+                by_round[c, p, il, dw].append(g.execute(time_layer_step, asdict(StepSpec(
+                    tokens=T // world_size, pipeline_chunks=c, comm_programs=p, interleave=il,
+                    profile=profile and first, profile_steps=profile_steps, delay_wgrad=dw,
+                    trace_dir=(trace_dir or "") if first else "",
+                    trace_name=f"ep_c{_chunks_name(c)}_p{p}_il{il}_dw{int(dw)}", **base)),
+                    timeout=STEP_TIMEOUT_S))
+        ep = {v: _median_over_rounds(res) for v, res in by_round.items()}
         local = g.execute_on(0, time_layer_step, asdict(StepSpec(tokens=T // world_size, local=True, **base)),
                              timeout=STEP_TIMEOUT_S)
         own_after, full_after = references(g, profile)
@@ -424,6 +451,8 @@ def ep_layer_rows(
                      "steady_device_ms": max(r["steady_device_ms"] for r in res),
                      "steady_issue_ms": max(r["steady_issue_ms"] for r in res),
                      "steady_ms_per_rank": [round(r["steady_step_ms"], 3) for r in res],
+                     "steady_ms_per_round": [round(max(rk["steady_step_ms"] for rk in ranks), 3)
+                                             for ranks in by_round[c, p, il, dw]],
                      "steady_device_steps_ms_per_rank": [r["steady_device_steps_ms"] for r in res],
                      "host_syncs_per_step": max(r["host_syncs_per_step"] for r in res),
                      "first_host_sync": next((r["first_host_sync"] for r in res if r["first_host_sync"]), ""),

@@ -18,7 +18,7 @@ def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
     out = tmp_path / "layer.json"
     assert layer.main(["--sections", "ep", "--world-size", "2", "--T", "64", "--H", "16", "--I", "24",
                        "--E", "8", "--K", "2", "--dtype", "float32", "--device", "cpu",
-                       "--ep-iters", "2", "--ep-chunks", "1,1-2-1", "--ep-profile", "--ep-profile-steps", "2", "--ep-delay-wgrad", "0,1",
+                       "--ep-iters", "2", "--ep-rounds", "2", "--ep-chunks", "1,1-2-1", "--ep-profile", "--ep-profile-steps", "2", "--ep-delay-wgrad", "0,1",
                        "--one-sm-wait",  # an NVSHMEM setting: carried to the group's config, unused by gloo
                        "--ep-trace-dir", str(tmp_path / "traces"), "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
@@ -43,6 +43,9 @@ def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
                and r["steady_device_ms"] > 0 for r in timed)
     assert all(len(r["steady_ms_per_rank"]) == 2 and max(r["steady_ms_per_rank"]) == round(r["steady_step_ms"], 3)
                for r in ep)
+    # --ep-rounds 2: every variant ran twice (the second round in reverse order), each round's
+    # steady step kept beside the medians
+    assert all(len(r["steady_ms_per_round"]) == 2 and min(r["steady_ms_per_round"]) > 0 for r in ep)
     # which expert implementation ran: on the CPU nothing is measured, and auto is the loop
     assert all(r["expert_impl"] == "loop" for r in timed), [r["expert_impl"] for r in timed]
     # the steady loop's synchronising calls are counted on CUDA only (torch's sync debug mode)

@@ -55,7 +55,7 @@ def ep_rows(shape: LayerShape, args: argparse.Namespace) -> list[dict]:
                          interleave=tuple(None if v == "default" else bool(int(v))
                                           for v in args.ep_interleave.split(",")),
                          profile=args.ep_profile, profile_steps=args.ep_profile_steps,
-                         trace_dir=args.ep_trace_dir,
+                         trace_dir=args.ep_trace_dir, rounds=args.ep_rounds,
                          delay_wgrad=tuple(bool(int(v)) for v in args.ep_delay_wgrad.split(",")))
 
 
@@ -111,6 +111,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--impl", default="auto", help="ep: expert impl (auto, triton, grouped_mm, loop)")
     p.add_argument("--device", default="auto", help="ep: auto, cuda, cpu")
     p.add_argument("--ep-iters", type=int, default=10)
+    p.add_argument("--ep-rounds", type=int, default=1,
+                   help="ep: run the variants this many times, every other round in reverse order, and report"
+                        " each timing's median over the rounds (cancels a GPU's drift as it heats)")
     p.add_argument("--ep-chunks", default="1,4",
                    help="ep: comma list of moe.pipeline_chunks (1: sequential layer; C > 1: pipelined, side by side;"
                         " 1-6-1: pipelined in chunks of those relative sizes)")
@@ -174,7 +177,7 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     unknown = set(args.sections.split(",")) - set(SECTIONS)
     if unknown:
         p.error(f"--sections: unknown {', '.join(sorted(unknown))}; known: {', '.join(SECTIONS)}")
-    for flag in ("ep_iters", "ep_profile_steps", "warmup_ms", "rep_ms"):
+    for flag in ("ep_iters", "ep_rounds", "ep_profile_steps", "warmup_ms", "rep_ms"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if "ep" in args.sections.split(","):

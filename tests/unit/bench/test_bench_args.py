@@ -20,6 +20,7 @@ from ray_moe.bench.layer import parse_args
     (["--sections", "ep", "--world-size", "2", "--ep-programs", "x"], "--ep-programs='x' must be comma-separated"),
     (["--sections", "ep", "--world-size", "2", "--ep-interleave", "2"], "--ep-interleave=2 must be a comma list"),
     (["--sections", "ep", "--world-size", "2", "--ep-profile-steps", "0"], "--ep-profile-steps must be >= 1"),
+    (["--sections", "ep", "--world-size", "2", "--ep-rounds", "0"], "--ep-rounds must be >= 1"),
     (["--sections", "kernels,nope"], "--sections: unknown nope"),
     (["--K", "9", "--E", "8"], "--K 9 is larger than --E 8"),
     (["--H", "0"], "--H must be >= 1"),
@@ -58,3 +59,17 @@ def test_bench_comm_names_the_bad_flag(argv, says, capsys):
         comm.main(argv)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and says in err and len(err.strip().splitlines()) == 1
+
+
+def test_rounds_take_each_timing_median():
+    """bench layer --ep-rounds: a variant's timings are their medians over the rounds, rank by
+    rank; what is not a timing (profiles) comes from the first round."""
+    from ray_moe.bench.ep_layer import _median_over_rounds
+
+    rounds = [[{"forward_ms": f, "backward_ms": 2.0 * f, "steady_step_ms": s, "kernels": {"round": i}}
+               for f, s in ((1.0 + i, 10.0 - i), (5.0, 7.0 * (i + 1)))] for i in range(3)]
+    merged = _median_over_rounds(rounds)
+    assert [m["forward_ms"] for m in merged] == [2.0, 5.0]
+    assert [m["backward_ms"] for m in merged] == [4.0, 10.0]
+    assert [m["steady_step_ms"] for m in merged] == [9.0, 14.0]
+    assert all(m["kernels"] == {"round": 0} for m in merged)
