@@ -178,6 +178,12 @@ def bench_worker(worker: Any, params: dict) -> list[dict]:
         best = min(rec["variants"], key=lambda n: rec["variants"][n]["pair_s"])
         rec["best"] = best
         buf.tuning = Tuning(**VARIANTS[best])
+
+        def owned_pair():  # as decoding runs it: the dispatch's outputs owned by the buffer
+            r = buf.dispatch(x, w, dr, ds, reuse_outputs=True)
+            buf.combine(r[0], r[3])
+
+        rec["owned_pair_s"] = _time(owned_pair, iters)
         # CUDA graph of one dispatch + combine
         try:
             def round_trip():
@@ -270,7 +276,8 @@ def bench_worker(worker: Any, params: dict) -> list[dict]:
 def host_cost_worker(worker: Any, params: dict) -> list[dict]:
     """Runs on every rank (any W, also 1): dispatch+combine per call at each T_local, eager with
     the Launcher's direct launches off (every call through Triton's JIT, the launch path before
-    the launch cache) and on, and replayed from a CUDA graph. ``host_us``: wall time of issuing
+    the launch cache) and on (``owned``: also the dispatch's outputs owned by the buffer, as
+    decoding runs it), and replayed from a CUDA graph. ``host_us``: wall time of issuing
     ``iters`` pairs without synchronising, per pair (the host cost where it exceeds the GPU's)."""
     import time
 
@@ -290,21 +297,23 @@ def host_cost_worker(worker: Any, params: dict) -> list[dict]:
         x = torch.randn(T, H, dtype=torch.bfloat16, device=dev)
         dr, ds, w = _routing(T, E, K, W, 1000 * me + T, dev)
 
-        def pair():
-            r = buf.dispatch(x, w, dr, ds)
+        def pair(reuse: bool = False):
+            r = buf.dispatch(x, w, dr, ds, reuse_outputs=reuse)
             return buf.combine(r[0], r[3])
 
         rec: dict[str, Any] = {"rank": me, "W": W, "T": T, "fast_launch_works": bool(tr.fast_launch)}
-        for name, fast in (("jit", False), ("fast", True)):
+        # jit: every call through Triton's JIT; fast: direct launches; owned: direct launches and
+        # the dispatch's outputs owned by the buffer (reuse_outputs, as decoding runs it)
+        for name, fast, reuse in (("jit", False, False), ("fast", True, False), ("owned", True, True)):
             if fast and not tr.fast_launch:
                 continue
             buf.launcher = Launcher(fast=fast, device=dev)
-            rec[f"{name}_pair_us"] = _time(pair, iters) * 1e6
+            rec[f"{name}_pair_us"] = _time(lambda: pair(reuse), iters) * 1e6
             torch.cuda.synchronize()
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(iters):
-                pair()
+                pair(reuse)
             rec[f"{name}_host_us"] = (time.perf_counter() - t0) / iters * 1e6
             torch.cuda.synchronize()
             rec[f"{name}_launches"] = dict(buf.launcher.calls)
@@ -326,7 +335,8 @@ def host_cost_worker(worker: Any, params: dict) -> list[dict]:
 def _host_profile(buf: Any, pair: Any, x: torch.Tensor, w: torch.Tensor, dr: torch.Tensor, ds: torch.Tensor,
                   iters: int) -> dict:
     """Where the host time of one eager dispatch+combine goes: wall microseconds per call (no
-    synchronisation) of the parts on their own, and cProfile's top functions over ``iters`` pairs."""
+    synchronisation) of the parts on their own, and cProfile's top functions over ``iters`` pairs
+    with the dispatch's outputs owned by the buffer."""
     import cProfile
     import io
     import pstats
@@ -346,6 +356,7 @@ def _host_profile(buf: Any, pair: Any, x: torch.Tensor, w: torch.Tensor, dr: tor
     r = buf.dispatch(x, w, dr, ds)
     parts = {
         "dispatch": lambda: buf.dispatch(x, w, dr, ds),
+        "owned dispatch": lambda: buf.dispatch(x, w, dr, ds, reuse_outputs=True),
         "combine": lambda: buf.combine(r[0], r[3]),
         "torch.empty": lambda: torch.empty(T, 8, dtype=torch.int32, device=dev),
         "six torch.empty": lambda: [torch.empty(T, 8, dtype=torch.int32, device=dev) for _ in range(6)],
@@ -356,7 +367,7 @@ def _host_profile(buf: Any, pair: Any, x: torch.Tensor, w: torch.Tensor, dr: tor
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(iters):
-        pair()
+        pair(True)  # the owned pair: what is left once the dispatch allocates nothing
     prof.disable()
     torch.cuda.synchronize()
     text = io.StringIO()
@@ -384,7 +395,7 @@ def _summarise(per_rank: list[list[dict]]) -> list[dict]:
         rows.append({
             "T_local": rec0["T"], "variant": best,
             "dispatch_us": d * 1e6, "combine_us": c * 1e6, "pair_us": dc * 1e6,
-            "graph_pair_us": worst("graph_pair_s") * 1e6,
+            "owned_pair_us": worst("owned_pair_s") * 1e6, "graph_pair_us": worst("graph_pair_s") * 1e6,
             "dispatch_MB": dbytes / 1e6, "dispatch_GBps": dbytes / d / 1e9, "combine_GBps": cbytes / c / 1e9,
             "nccl_dispatch_us": nd * 1e6, "nccl_combine_us": nc * 1e6,
             "speedup_vs_nccl": (nd + nc) / dc, "ceiling_GBps": cbw,
@@ -460,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         devices = group.execute(lambda w: torch.cuda.get_device_name(w.device), timeout=120)
         per_rank = group.execute(bench_worker, params, timeout=1800)
     rows = _summarise(per_rank)
-    cols = ["T_local", "variant", "dispatch_us", "combine_us", "pair_us", "graph_pair_us", "dispatch_MB",
+    cols = ["T_local", "variant", "dispatch_us", "combine_us", "pair_us", "owned_pair_us", "graph_pair_us", "dispatch_MB",
             "dispatch_GBps", "combine_GBps", "nccl_dispatch_us", "nccl_combine_us", "speedup_vs_nccl",
             "ce_ceiling_GBps", "sm_ceiling_GBps", "dispatch_vs_ceiling", "round_trip_rel_err"]
     print(f"W={W} on {devices[0]}, H={a.hidden} K={a.top_k} E={a.experts} bf16"
@@ -516,7 +527,8 @@ def _host_cost_main(a: argparse.Namespace, W: int) -> int:
     with WorkerGroup(cfg) as group:
         device = group.execute(lambda w: torch.cuda.get_device_name(w.device), timeout=120)[0]
         per_rank = group.execute(host_cost_worker, params, timeout=900)
-    cols = ["T", "jit_pair_us", "jit_host_us", "fast_pair_us", "fast_host_us", "graph_pair_us", "round_trip_rel_err"]
+    cols = ["T", "jit_pair_us", "jit_host_us", "fast_pair_us", "fast_host_us", "owned_pair_us", "owned_host_us",
+            "graph_pair_us", "round_trip_rel_err"]
     rows = []
     for i, rec0 in enumerate(per_rank[0]):
         rows.append({c: max(r[i].get(c, float("nan")) for r in per_rank) if c != "T" else rec0["T"] for c in cols})

@@ -104,6 +104,8 @@ class Transport(ABC):
     """Moves token rows between the ranks of an expert-parallel group."""
 
     name: str = "abstract"
+    # whether dispatch_forward(..., reuse_outputs=True) returns tensors the transport owns
+    owns_dispatch_outputs: bool = False
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
@@ -119,6 +121,7 @@ class Transport(ABC):
         dest_rank: torch.Tensor,
         dest_slot: torch.Tensor,
         capacity: int | None = None,
+        reuse_outputs: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Layout]:
         """Send rows to the ranks that hold their experts.
 
@@ -131,6 +134,11 @@ class Transport(ABC):
                 (:meth:`chunk_capacity`); a transport with fixed-size receive buffers sizes R from
                 it. None: the reserved ``BufferSpec.max_tokens``. Transports that size R from
                 the real traffic ignore it.
+            reuse_outputs: the caller consumes the outputs (and the layout) before its next
+                dispatch of the same shape and keeps none of them (a forward without autograd, e.g.
+                decoding): a transport may then return tensors it owns, the same ones for every such
+                call of that shape (:attr:`owns_dispatch_outputs`), and skip their allocation. The
+                others ignore it.
         Returns:
             recv_x [R, H], recv_slot int32 [R, K] (-1 = not for this rank), recv_weight float32
             [R, K] (0 where recv_slot is -1), and the layout. R may be a fixed capacity with
@@ -235,13 +243,13 @@ class _LayoutBox:
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, transport, box, capacity, x, weight, dest_rank, dest_slot, after_backward=None):
+    def forward(ctx, transport, box, capacity, x, weight, dest_rank, dest_slot, after_backward=None,
+                reuse_outputs=False):
         mark = transport.timer.start(x)
-        if capacity is None:
-            recv_x, recv_slot, recv_w, layout = transport.dispatch_forward(x, weight, dest_rank, dest_slot)
-        else:
-            recv_x, recv_slot, recv_w, layout = transport.dispatch_forward(
-                x, weight, dest_rank, dest_slot, capacity=capacity)
+        kw = {} if capacity is None else {"capacity": capacity}
+        if reuse_outputs:
+            kw["reuse_outputs"] = True
+        recv_x, recv_slot, recv_w, layout = transport.dispatch_forward(x, weight, dest_rank, dest_slot, **kw)
         transport.timer.stop(mark)
         ctx.transport, ctx.layout, ctx.after_backward = transport, layout, after_backward
         box.layout = layout
@@ -263,7 +271,7 @@ class _Dispatch(torch.autograd.Function):
         if ctx.after_backward is not None:  # launched: now wait for what ran beside it
             ctx.after_backward()
         ctx.transport.timer.stop(mark)
-        return None, None, None, gx, gw, None, None, None
+        return None, None, None, gx, gw, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -291,13 +299,18 @@ def dispatch(
     dest_slot: torch.Tensor,
     capacity: int | None = None,
     after_backward: Callable[[], None] | None = None,
+    reuse_outputs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Layout]:
-    """Differentiable dispatch (see :meth:`Transport.dispatch_forward` for shapes and ``capacity``).
+    """Differentiable dispatch (see :meth:`Transport.dispatch_forward` for shapes, ``capacity``
+    and ``reuse_outputs``, which applies only with autograd off: with it on, the experts save the
+    received rows for their weight gradients, so they must outlive later dispatches).
     ``after_backward``: called in backward once the backward exchange is launched (the layer's
     delayed weight gradients join there, :class:`~ray_moe.model.wgrad.WgradDeferral`)."""
     box = _LayoutBox()
+    reuse = reuse_outputs and not torch.is_grad_enabled()
     recv_x, recv_slot, recv_w = _Dispatch.apply(
-        transport, box, capacity, x, weight, dest_rank.to(torch.int32), dest_slot.to(torch.int32), after_backward
+        transport, box, capacity, x, weight, dest_rank.to(torch.int32), dest_slot.to(torch.int32), after_backward,
+        reuse,
     )
     assert box.layout is not None
     return recv_x, recv_slot, recv_w, box.layout

@@ -82,6 +82,11 @@ def wait_record(rec: dict[str, int]) -> str:
             f"saw {word(rec['seen_hi'], rec['seen_lo'])}")
 
 
+# the most bytes of dispatch outputs a buffer keeps per call shape for ``reuse_outputs`` callers:
+# decoding's small calls (T_local=128, H=4096, W=8 hold ~8.5 MiB); a larger call allocates anew
+OWNED_OUTPUT_BYTES = 64 << 20
+
+
 class NVSHMEMError(RuntimeError):
     """NVSHMEM could not be imported or initialised, or a device-side wait timed out."""
 
@@ -318,9 +323,10 @@ class SymmetricBuffer:
     Creating and closing a buffer are collective (symmetric allocation).
 
     Host cost per call: each operation allocates its outputs (they go to autograd or the caller
-    and must outlive later calls, so they cannot be reused) and nothing else (combine_grad's
-    unused received meta is a buffer-owned scratch); argument checks and Triton's argument binding
-    run once per call shape (the Launcher's key).
+    and must outlive later calls) and nothing else (combine_grad's unused received meta is a
+    buffer-owned scratch), except a dispatch with ``reuse_outputs`` (no autograd: the buffer's own
+    outputs per call shape); argument checks and Triton's argument binding run once per call
+    shape (the Launcher's key).
     """
 
     def __init__(self, runtime: NVSHMEMRuntime, capacity: int, hidden: int, elem_bytes: int, kmax: int,
@@ -347,6 +353,7 @@ class SymmetricBuffer:
         self.interleave_ok = bool(interleave_ok) and not self.any_remote
         self.one_sm_wait = bool(one_sm_wait) and self.any_remote
         self.launcher = Launcher(fast=fast_launch_works(dev) if fast_launch is None else fast_launch, device=dev)
+        self._owned: dict[tuple, tuple] = {}  # call key -> dispatch outputs (dispatch's reuse_outputs)
         runtime.barrier()
 
     @property
@@ -359,30 +366,44 @@ class SymmetricBuffer:
 
     # ---------------------------------------------------------------- the four operations
     def dispatch(self, x: torch.Tensor, weight: torch.Tensor, dest_rank: torch.Tensor, dest_slot: torch.Tensor,
-                 capacity: int | None = None):
+                 capacity: int | None = None, reuse_outputs: bool = False):
         """x [T, H]; weight float32, dest_rank/dest_slot int32 [T, K] →
         recv_x [W*C, H], recv_slot int32 [W*C, K], recv_w float32 [W*C, K], layout; C = ``capacity``
-        (rows per source, the same on every rank; default and at most the buffer's T_cap)."""
+        (rows per source, the same on every rank; default and at most the buffer's T_cap).
+
+        ``reuse_outputs``: return the buffer's own outputs for this call shape (allocated by its
+        first such call, at most :data:`OWNED_OUTPUT_BYTES` of them), which the next such call
+        overwrites, as DeepEP's low-latency mode returns views of its buffer: for callers that
+        consume them first and keep none (decoding). The six allocations are most of a small
+        dispatch's host time."""
         geo = self.geo
         T, K = dest_rank.shape
         W, G = geo.world_size, geo.num_programs
         cap = capacity or geo.capacity
-        R = W * cap
         x = _contiguous(x)
         dest_rank, dest_slot = _contiguous(dest_rank, torch.int32), _contiguous(dest_slot, torch.int32)
         weight = _contiguous(weight, torch.float32)
-        dev = x.device
-        pos = torch.empty(T, W, dtype=torch.int32, device=dev)
-        smeta = torch.empty(G, W, 4, dtype=torch.int32, device=dev)
-        rmeta = torch.empty(W, G, 4, dtype=torch.int32, device=dev)
-        recv_x = torch.empty(R, geo.hidden, dtype=x.dtype, device=dev)
-        recv_slot = torch.empty(R, K, dtype=torch.int32, device=dev)
-        recv_w = torch.empty(R, K, dtype=torch.float32, device=dev)
         key = self._key("dispatch", cap, x, dest_rank, dest_slot, weight)
+        outs = self._owned.get(key) if reuse_outputs and key is not None else None
+        if outs is None:
+            outs = self._dispatch_outputs(T, K, cap, x.dtype, x.device)
+            if reuse_outputs and key is not None and sum(t.nbytes for t in outs) <= OWNED_OUTPUT_BYTES:
+                self._owned[key] = outs
+        pos, smeta, rmeta, recv_x, recv_slot, recv_w = outs
         kw = dict(dest_rank=dest_rank, dest_slot=dest_slot, weight=weight, out_slot=recv_slot, out_w=recv_w,
                   scratch=self.scratch, compute_layout=True)
         self._dispatch_like(x, pos, smeta, recv_x, rmeta, cap, key, kw)
         return recv_x, recv_slot, recv_w, NVSHMEMLayout(T, K, pos, smeta, rmeta, dest_rank, cap)
+
+    def _dispatch_outputs(self, T: int, K: int, cap: int, dtype: torch.dtype, dev: torch.device) -> tuple:
+        """New outputs of a dispatch: pos, smeta, rmeta (the layout) and recv_x, recv_slot, recv_w."""
+        W, G, R = self.geo.world_size, self.geo.num_programs, self.geo.world_size * cap
+        return (torch.empty(T, W, dtype=torch.int32, device=dev),
+                torch.empty(G, W, 4, dtype=torch.int32, device=dev),
+                torch.empty(W, G, 4, dtype=torch.int32, device=dev),
+                torch.empty(R, self.geo.hidden, dtype=dtype, device=dev),
+                torch.empty(R, K, dtype=torch.int32, device=dev),
+                torch.empty(R, K, dtype=torch.float32, device=dev))
 
     def combine(self, partial: torch.Tensor, layout: NVSHMEMLayout) -> torch.Tensor:
         """partial [W*C, H] → [T, H]: per token, the sum of its partial rows from every rank."""
@@ -525,6 +546,7 @@ class NVSHMEMTransport(Transport):
     """
 
     name = "nvshmem"
+    owns_dispatch_outputs = True
 
     def __init__(self, rank_info: Any, device: torch.device, bootstrap_id: bytes | None, spec: BufferSpec,
                  settings: TransportSpec | None = None) -> None:
@@ -610,8 +632,8 @@ class NVSHMEMTransport(Transport):
                                one_sm_wait=self.one_sm_wait)
 
     # ---------------------------------------------------------------- Transport
-    def dispatch_forward(self, x, weight, dest_rank, dest_slot, capacity=None):
-        return self.buffer.dispatch(x, weight, dest_rank, dest_slot, capacity=capacity)
+    def dispatch_forward(self, x, weight, dest_rank, dest_slot, capacity=None, reuse_outputs=False):
+        return self.buffer.dispatch(x, weight, dest_rank, dest_slot, capacity=capacity, reuse_outputs=reuse_outputs)
 
     def chunk_capacity(self, chunks: int | Sequence[int]) -> list[int] | None:
         """Per chunk, rows per source of its dispatch when each rank's tokens (at most

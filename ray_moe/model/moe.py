@@ -281,8 +281,11 @@ class MoELayer(nn.Module):
                                             experts, self.pipeline_chunks, deferral=self.wgrad_deferral)
         else:
             deferral = self.wgrad_deferral
+            # without autograd (decoding, evaluation) the received rows are consumed before the next
+            # layer dispatches: the transport may hand out its own outputs instead of allocating
             recv_x, recv_slot, recv_w, layout = dispatch(self.transport, x, weights, dest_rank, dest_slot,
-                                                         after_backward=deferral.join if deferral else None)
+                                                         after_backward=deferral.join if deferral else None,
+                                                         reuse_outputs=True)
             out = combine(self.transport, experts(recv_x, recv_slot, recv_w, self.w13, self.w2, deferral), layout)
             pairs = (recv_slot >= 0).sum()
         if not self.recomputing:

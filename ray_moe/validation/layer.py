@@ -52,7 +52,9 @@ def make_problem(case: Case, world_size: int) -> dict[str, Any]:
 
 def layer_parity(worker: Any, case: Case) -> dict[str, float]:
     """Run on every rank of a group (``group.execute(layer_parity, case)``): the EP layer over
-    the worker's transport vs the oracle. Returns {name: relative error} for this rank."""
+    the worker's transport vs the oracle, its forward without autograd too (``out_no_grad``, with
+    the dispatch outputs a transport may own, as decoding runs it). Returns {name: relative
+    error} for this rank."""
     rank, W = worker.rank_info.rank, worker.rank_info.world_size
     device, dtype = worker.device, torch_dtype(case.dtype)
     worker.transport.reserve(case.buffer_spec())
@@ -81,6 +83,10 @@ def layer_parity(worker: Any, case: Case) -> dict[str, float]:
             if e >= 0:
                 layer.load_expert(slot, P["w13"][e], P["w2"][e])
     x = P["x"][mine].to(device=device, dtype=dtype).requires_grad_()
+    with torch.no_grad():  # as decoding runs it: no autograd, dispatch outputs the transport may own
+        out_no_grad, _ = layer(x)
+        layer.expert_tokens.zero_()
+        layer.received_pairs.zero_()
     out, _ = layer(x)
     (out.float() * P["grad_out"][mine].to(device)).sum().backward()
 
@@ -92,6 +98,7 @@ def layer_parity(worker: Any, case: Case) -> dict[str, float]:
     n = len(natives)
     errors = {
         "out": rel_err(out, out_ref[mine]),
+        "out_no_grad": rel_err(out_no_grad, out_ref[mine]),
         "grad_x": rel_err(x.grad, x_ref.grad[mine]),
         # A forced routing saturates the softmax (p ~ 1 - 1e-14) and top-1 renormalises to exactly
         # 1: the router gradient is ~0 and round-off decides its direction, so it gets an

@@ -7,8 +7,10 @@ computed from the global routing. Transport-agnostic: torch/gloo, torch/NCCL and
 
 - :func:`check_dispatch`: received rows, slots and weights (row order free, padding rows must
   have every slot -1 and weight 0); the backward of dispatch (gradients summed per source
-  token and routing-weight gradients picked per k). Two dispatches run back to back and the
-  first one's outputs are checked *after* the second: buffer reuse must not corrupt them.
+  token and routing-weight gradients picked per k). Three dispatches run back to back and the
+  first one's outputs are checked *after* the others: buffer reuse must not corrupt them. The
+  second and third ask for transport-owned outputs (``reuse_outputs``): the third, of another
+  routing, is checked in the storage the second filled, where the transport owns it.
 - :func:`check_combine`: per-token sums of the partial rows, and the backward of combine.
 
 Routings and edge cases: :class:`~ray_moe.validation.cases.Case` and ``EDGE_CASES``; here the
@@ -109,11 +111,14 @@ def check_dispatch(worker: Any, case: Case) -> dict[str, Any]:
     x = _to(local["x"], dev, dtype)
     args = (x, _to(local["weight"], dev), _to(local["dest_rank"], dev), _to(local["dest_slot"], dev))
     recv_x, recv_slot, recv_w, layout = tr.dispatch_forward(*args)
-    # a second dispatch through the same buffers, with another routing, before any check
+    # two more dispatches through the same buffers before any check, with outputs the transport
+    # may own (reuse_outputs): the first routing again, then another one, whose outputs then
+    # overwrite the first's where the transport reuses them
     routing2 = make_routing(case.but(seed=case.seed + 1000), W)
     l2 = routing2[me]
+    owned = tr.dispatch_forward(*args, reuse_outputs=True)
     out2 = tr.dispatch_forward(_to(l2["x"], dev, dtype), _to(l2["weight"], dev),
-                               _to(l2["dest_rank"], dev), _to(l2["dest_slot"], dev))
+                               _to(l2["dest_rank"], dev), _to(l2["dest_slot"], dev), reuse_outputs=True)
     # backward of the first dispatch: grads scaled by this (destination) rank's power of two
     s = _scale(me)
     grad_x = recv_x.float() * s
@@ -145,6 +150,9 @@ def check_dispatch(worker: Any, case: Case) -> dict[str, Any]:
     ref_gw = local["weight"].double() * torch.tensor([_scale(d) for d in range(W)], dtype=torch.float64)[dr]
     errors["grad_x"] = rel_err(gx, ref_gx)
     errors["grad_w"] = rel_err(gw, ref_gw)
+    if getattr(tr, "owns_dispatch_outputs", False) and x.numel():  # (an empty call allocates anew)
+        same = all(a.data_ptr() == b.data_ptr() for a, b in zip(owned[:3], out2[:3]))
+        errors["reused_outputs"] = 0.0 if same else float("inf")
     return {"errors": errors, "rows": int((recv_slot >= 0).any(1).sum().item()), "R": int(recv_x.shape[0])}
 
 
