@@ -24,8 +24,8 @@ def test_validator_catches_a_broken_transport(groups):
     def broken(worker, case):
         real = worker.transport.dispatch_forward
 
-        def drop_one(*args):
-            rx, rs, rw, layout = real(*args)
+        def drop_one(*args, **kwargs):
+            rx, rs, rw, layout = real(*args, **kwargs)
             rs = rs.clone()
             if rs.shape[0]:
                 rs[0] = -1
