@@ -11,7 +11,10 @@
 # comm with every variant more than 150 s (pick COMM_VARIANTS), the layer 97-136 s. Session 16 (H200 x4):
 # layer with 12 variants and EP_PROFILE=1 185 s; EP_WORLD=2 with 6 variants 115 s. Done since: the W=8
 # clone test, the overlapped update at W=4, the SM ceiling, the pipelined profile (chunking alone
-# costs the step 5-17 %, so no chunked overlap wins; docs/BENCHMARKS.md, "Session 16"). Next lease:
+# costs the step 5-17 %, so no chunked overlap wins; docs/BENCHMARKS.md, "Session 16"). Session 17
+# (H200 x2, x4): the power-capped GEMMs slow several % as the GPU heats, so compare variants with
+# EP_ROUNDS >= 3 (ABBA order, medians; layer at W=2 with 4 variants x 4 rounds 144 s, W=4 with
+# 4 x 3 rounds 166 s). Keep OUT as the tool gives it (an exported OUT=/tmp/... loses the JSON). Next lease:
 #   1. x8: the default steps with T_TESTS=500 and COMM_VARIANTS=r8h4096w16rot,r8h4096w16 (scaling
 #      target >= 0.90 at W=8; never lent so far)
 #   2. after an overlap that keeps the GEMMs whole (tiles waiting on per-source arrival flags):
