@@ -139,6 +139,9 @@ class MoEConfig:
     # neighbours; a list: relative chunk sizes ([1, 6, 1]: small ends, whose exchanges nothing hides)
     pipeline_chunks: int | list = 1
     delay_wgrad: bool = False  # Triton experts: weight gradients on a side stream beside the exchanges
+    # D > 0 (sequential layer, NVSHMEM peer path): the up-projection of each rank's own rows for
+    # its first D expert slots runs while the peers' rows arrive (0: off)
+    early_experts: int = 0
 
     def check(self) -> None:
         _positive("moe.num_experts", self.num_experts)
@@ -158,6 +161,8 @@ class MoEConfig:
             raise ConfigError(f"moe.{exc}") from None
         if not isinstance(self.delay_wgrad, bool):
             raise ConfigError(f"moe.delay_wgrad={self.delay_wgrad!r} must be true or false")
+        if isinstance(self.early_experts, bool) or not isinstance(self.early_experts, int) or self.early_experts < 0:
+            raise ConfigError(f"moe.early_experts={self.early_experts!r} must be an integer >= 0 (0: off)")
 
 
 @dataclass

@@ -102,7 +102,7 @@ EP_W=${EP_WORLD:-$GPUS}  # EP_WORLD: the layer at fewer ranks than GPUs (W=2 on 
 if [ "$EP_W" -ge 2 ] && has layer; then
   t0=$SECONDS
   timeout "${T_LAYER:-200}" python3 -m ray_moe.cli bench layer --sections ep --world-size "$EP_W" \
-    --T $((16384 * EP_W)) --H 4096 --I 1536 --E 64 --K 8 --transport nvshmem --ep-chunks "${EP_CHUNKS:-1,2}" --ep-programs "${EP_PROGRAMS:-0}" --ep-interleave "${EP_INTERLEAVE:-0,1}" --ep-iters "${EP_ITERS:-10}" --ep-rounds "${EP_ROUNDS:-1}" ${EP_PROFILE:+--ep-profile --ep-profile-steps "${EP_PROFILE_STEPS:-1}" --ep-trace-dir "$OUT/traces_w$EP_W"} --ep-delay-wgrad "${EP_DELAY_WGRAD:-0,1}" ${EP_ARGS:-} \
+    --T $((16384 * EP_W)) --H 4096 --I 1536 --E 64 --K 8 --transport nvshmem --ep-chunks "${EP_CHUNKS:-1,2}" --ep-programs "${EP_PROGRAMS:-0}" --ep-interleave "${EP_INTERLEAVE:-0,1}" --ep-iters "${EP_ITERS:-10}" --ep-rounds "${EP_ROUNDS:-1}" ${EP_PROFILE:+--ep-profile --ep-profile-steps "${EP_PROFILE_STEPS:-1}" --ep-trace-dir "$OUT/traces_w$EP_W"} --ep-delay-wgrad "${EP_DELAY_WGRAD:-0,1}" --ep-early "${EP_EARLY:-0}" ${EP_ARGS:-} \
     --json "$OUT/bench_layer_ep_w$EP_W.json" 2>&1 | quiet | tee "$OUT/bench_layer_w$EP_W.log" | tail -20
   record "bench layer ep W=$EP_W" "see bench_layer_ep_w$EP_W.json" $((SECONDS - t0)); ray_stop
 fi

@@ -183,19 +183,23 @@ def run_programs_in_threads() -> None:
             args = {n: a if n in self.constexprs else it._implicit_cvt(a) for n, a in args.items()}
             grid = self.grid(args) if callable(self.grid) else self.grid
             grid = tuple(grid) + (1,) * (3 - len(grid))
-            if grid[1] != 1 or grid[2] != 1:
-                raise ValueError(f"threaded programs support 1-D grids, got {grid}")
             it.interpreter_builder.set_grid_dim(*grid)
             errors: list[BaseException] = []
 
-            def program(x: int) -> None:
+            def program(xs: range) -> None:
                 try:
-                    it.interpreter_builder.set_grid_idx(x, 0, 0)
-                    self.fn(**args)
+                    for x in xs:
+                        for y in range(grid[1]):
+                            for z in range(grid[2]):
+                                it.interpreter_builder.set_grid_idx(x, y, z)
+                                self.fn(**args)
                 except BaseException as exc:  # noqa: BLE001 - re-raised below
                     errors.append(exc)
 
-            threads = [threading.Thread(target=program, args=(x,), daemon=True) for x in range(grid[0])]
+            # the exchange kernels (1-D grids) a thread per program; the experts' 2-D and 3-D
+            # grids, whose programs never wait for each other, in one thread
+            parts = [range(x, x + 1) for x in range(grid[0])] if grid[1] == grid[2] == 1 else [range(grid[0])]
+            threads = [threading.Thread(target=program, args=(xs,), daemon=True) for xs in parts]
             for t in threads:
                 t.start()
             for t in threads:
@@ -302,6 +306,9 @@ def rank_main(root: str, rank: int, world_size: int, spin_limit: int, tunings: l
         tr.use(tunings[0] or None)
         extra = dict(tokens_per_rank=(3, 17), top_k=3)  # uneven counts; the edge cases ran above
         check(f"layer_parity {extra}", layer_parity, Case(num_experts=4 * world_size, seed=3).but(**extra), 1e-5)
+        # the own rows' up-projection of the first slots before the peers' rows are waited for
+        check(f"layer_parity {extra} early_experts=2", layer_parity,
+              Case(num_experts=4 * world_size, seed=3, expert_impl="triton", early_experts=2).but(**extra), 1e-5)
         for mode in remote:  # the remote path (staging, puts, signals) on a transport of its own
             peer_path, before = worker.transport, dict(tr.runtime.calls)
             worker.transport = make_transport(tr.runtime, spin_limit, None, programs, mode)

@@ -51,6 +51,7 @@ class StepSpec:
     profile: bool = False  # after the timed steps, more under torch.profiler: their kernels' times
     profile_steps: int = 1  # steps profiled back to back (> 1: the steady state), reported per step
     delay_wgrad: bool = False  # moe.delay_wgrad: the experts' weight gradients beside the dispatch's backward
+    early_experts: int = 0  # moe.early_experts: the own rows' up-projection of the first D slots beside the dispatch
     trace_dir: str = ""  # with profile: keep each rank's Chrome trace there (<trace_name>_rank<r>.json.gz)
     trace_name: str = "ep"
 
@@ -137,7 +138,8 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
     device = worker.device
     E, H, I = spec.num_experts, spec.d_model, spec.hidden
     layer = MoELayer(MoELayerSpec(H, E, spec.top_k, I, dtype=dtype, expert_impl=spec.impl, seed=spec.seed,
-                                  pipeline_chunks=spec.pipeline_chunks, delay_wgrad=spec.delay_wgrad),
+                                  pipeline_chunks=spec.pipeline_chunks, delay_wgrad=spec.delay_wgrad,
+                                  early_experts=spec.early_experts),
                      transport, placement, device=device)
     g = torch.Generator().manual_seed(spec.seed * 7919 + rank)
     x = torch.randn(spec.tokens, H, generator=g).to(device=device, dtype=dtype)
@@ -350,12 +352,12 @@ def ep_layer_rows(
     chunks: tuple[int | tuple[int, ...], ...] = (1,),
     comm_programs: tuple[int, ...] = (0,), group: Any = None, interleave: tuple[bool | None, ...] = (None,),
     profile: bool = False, delay_wgrad: tuple[bool, ...] = (False,), profile_steps: int = 1,
-    trace_dir: str | None = None, rounds: int = 1,
+    trace_dir: str | None = None, rounds: int = 1, early_experts: tuple[int, ...] = (0,),
 ) -> list[dict]:
     """Expert-parallel rows: per-rank layer time at T/W tokens per rank, for every pipeline chunk
     count C (1: the sequential layer), NVSHMEM program count G (0: the transport's),
-    ``interleave`` setting (NVSHMEM's Tuning.interleave) and ``delay_wgrad`` setting
-    (moe.delay_wgrad), against one
+    ``interleave`` setting (NVSHMEM's Tuning.interleave), ``delay_wgrad`` setting
+    (moe.delay_wgrad) and ``early_experts`` D (moe.early_experts, sequential layer only), against one
     GPU running a rank's own compute (T/W tokens on E/W experts; exposed communication: EP minus
     that, also as a fraction of it), T/W tokens on all E experts, and
     all T tokens (scaling efficiency: one GPU's time / (W x EP time)); each phase synchronised
@@ -414,18 +416,19 @@ def ep_layer_rows(
         # GPU whose clocks drift under sustained load cannot favour what runs first; the drift
         # is reported (H200 x2, session 13: -2.5 to +0.4 %, smaller than the EP variants' spread).
         own_before, full_before = references(g, False)
-        variants = [(c, p, il, dw) for c in chunks for p in comm_programs for il in interleave for dw in delay_wgrad]
+        variants = [(c, p, il, dw, ee) for c in chunks for p in comm_programs for il in interleave
+                    for dw in delay_wgrad for ee in early_experts if c == 1 or ee == 0]
         by_round: dict[tuple, list[list[dict]]] = {v: [] for v in variants}
         for r in range(rounds):
             # odd rounds run the variants in reverse (A B B A ...): a GPU that slows as it heats
             # cannot favour whichever variant runs first (power-capped GEMMs drift by several %)
-            for c, p, il, dw in (variants if r % 2 == 0 else variants[::-1]):
+            for c, p, il, dw, ee in (variants if r % 2 == 0 else variants[::-1]):
                 first = r == 0
-                by_round[c, p, il, dw].append(g.execute(time_layer_step, asdict(StepSpec(
+                by_round[c, p, il, dw, ee].append(g.execute(time_layer_step, asdict(StepSpec(
                     tokens=T // world_size, pipeline_chunks=c, comm_programs=p, interleave=il,
-                    profile=profile and first, profile_steps=profile_steps, delay_wgrad=dw,
+                    profile=profile and first, profile_steps=profile_steps, delay_wgrad=dw, early_experts=ee,
                     trace_dir=(trace_dir or "") if first else "",
-                    trace_name=f"ep_c{_chunks_name(c)}_p{p}_il{il}_dw{int(dw)}", **base)),
+                    trace_name=f"ep_c{_chunks_name(c)}_p{p}_il{il}_dw{int(dw)}_ee{ee}", **base)),
                     timeout=STEP_TIMEOUT_S))
         ep = {v: _median_over_rounds(res) for v, res in by_round.items()}
         local = g.execute_on(0, time_layer_step, asdict(StepSpec(tokens=T // world_size, local=True, **base)),
@@ -436,14 +439,16 @@ def ep_layer_rows(
     full = _mean_times(full_before, full_after)
     drift = (full_after["steady_step_ms"] - full_before["steady_step_ms"]) / full_before["steady_step_ms"]
     rows = []
-    for (c, p, il, dw), res in ep.items():
+    for (c, p, il, dw, ee), res in ep.items():
         f, b = max(r["forward_ms"] for r in res), max(r["backward_ms"] for r in res)
         what = "EP per rank (max over ranks), " + (
             "sequential" if c == 1 else f"pipelined, {c} chunks" if isinstance(c, int)
             else f"pipelined, chunks {_chunks_name(c)}")
         what += (f", {p} programs" if p else "") + {None: "", True: ", interleaved", False: ", not interleaved"}[il]
         what += ", delayed wgrad" if dw else ""
+        what += f", early experts {ee}" if ee else ""
         rows.append({"section": "ep", "what": what, "transport": transport_name, "interleave": il, "delay_wgrad": dw,
+                     "early_experts": ee,
                      "chunks": c if isinstance(c, int) else _chunks_name(c), "comm_programs": p, "tokens": spec_ep.tokens, "fwd_ms": f,
                      "fwd_TFLOPs": tflops(spec_ep, f), "fwd+bwd_ms": f + b,
                      "fwd+bwd_TFLOPs": tflops(spec_ep, f + b, backward=True),
@@ -452,7 +457,7 @@ def ep_layer_rows(
                      "steady_issue_ms": max(r["steady_issue_ms"] for r in res),
                      "steady_ms_per_rank": [round(r["steady_step_ms"], 3) for r in res],
                      "steady_ms_per_round": [round(max(rk["steady_step_ms"] for rk in ranks), 3)
-                                             for ranks in by_round[c, p, il, dw]],
+                                             for ranks in by_round[c, p, il, dw, ee]],
                      "steady_device_steps_ms_per_rank": [r["steady_device_steps_ms"] for r in res],
                      "host_syncs_per_step": max(r["host_syncs_per_step"] for r in res),
                      "first_host_sync": next((r["first_host_sync"] for r in res if r["first_host_sync"]), ""),
@@ -479,6 +484,7 @@ def ep_layer_rows(
         rows.append({
             "section": "ep", "what": "derived", "world_size": world_size, "chunks": r["chunks"],
             "comm_programs": r["comm_programs"], "interleave": r["interleave"], "delay_wgrad": r["delay_wgrad"],
+            "early_experts": r["early_experts"],
             "scaling_eff_fwd": ff / (world_size * r["fwd_ms"]),
             "scaling_eff_fwd+bwd": ffb / (world_size * r["fwd+bwd_ms"]),
             "exposed_comm_fwd_ms": r["fwd_ms"] - lf,

@@ -100,6 +100,23 @@ class Layout:
     top_k: int
 
 
+@dataclass(frozen=True)
+class RowsInFlight:
+    """The received rows of a dispatch that returned before all of them arrived
+    (:meth:`Transport.dispatch_forward_early`): rows ``[local_lo, local_hi)`` of recv_x (this
+    rank's own tokens), every row's slot and weight and the padding are in place on the current
+    stream; the other rows once ``wait()`` has made the current stream wait for them. Read them
+    only after that (CUDA-graph capturable: an event wait)."""
+
+    local_lo: int
+    local_hi: int
+    wait: Callable[[], None]
+
+
+def _rows_ready() -> None:
+    """The wait of a dispatch whose rows are all in place."""
+
+
 class Transport(ABC):
     """Moves token rows between the ranks of an expert-parallel group."""
 
@@ -158,6 +175,23 @@ class Transport(ABC):
     @abstractmethod
     def combine_backward(self, grad_out: torch.Tensor, layout: Layout) -> torch.Tensor:
         """[T, H] output gradient at the source → [R, H] gradient of the partial rows."""
+
+    @property
+    def supports_early_rows(self) -> bool:
+        """Whether :meth:`dispatch_forward_early` returns before the peers' rows arrive."""
+        return False
+
+    def dispatch_forward_early(
+        self, x: torch.Tensor, weight: torch.Tensor, dest_rank: torch.Tensor, dest_slot: torch.Tensor,
+        capacity: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Layout, RowsInFlight]:
+        """:meth:`dispatch_forward` (same arguments and outputs) that may return while the peers'
+        rows are still arriving, plus the :class:`RowsInFlight` saying which rows are ready. The
+        MoE layer's ``early_experts`` runs the experts of its own rows meanwhile. This default
+        dispatches in full and names no early rows."""
+        kw = {} if capacity is None else {"capacity": capacity}
+        recv_x, recv_slot, recv_w, layout = self.dispatch_forward(x, weight, dest_rank, dest_slot, **kw)
+        return recv_x, recv_slot, recv_w, layout, RowsInFlight(0, 0, _rows_ready)
 
     def reserve(self, spec: BufferSpec) -> None:
         """Make the transport's buffers hold ``spec`` (collective where buffers are symmetric:
@@ -236,20 +270,26 @@ class CommTimer:
 
 
 class _LayoutBox:
-    """Carries the (non-tensor) layout out of the dispatch autograd node."""
+    """Carries the (non-tensor) layout, and an early dispatch's rows in flight, out of the
+    dispatch autograd node."""
 
     layout: Layout | None = None
+    in_flight: RowsInFlight | None = None
 
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, transport, box, capacity, x, weight, dest_rank, dest_slot, after_backward=None,
-                reuse_outputs=False):
+                reuse_outputs=False, early=False):
         mark = transport.timer.start(x)
         kw = {} if capacity is None else {"capacity": capacity}
-        if reuse_outputs:
-            kw["reuse_outputs"] = True
-        recv_x, recv_slot, recv_w, layout = transport.dispatch_forward(x, weight, dest_rank, dest_slot, **kw)
+        if early:
+            recv_x, recv_slot, recv_w, layout, box.in_flight = transport.dispatch_forward_early(
+                x, weight, dest_rank, dest_slot, **kw)
+        else:
+            if reuse_outputs:
+                kw["reuse_outputs"] = True
+            recv_x, recv_slot, recv_w, layout = transport.dispatch_forward(x, weight, dest_rank, dest_slot, **kw)
         transport.timer.stop(mark)
         ctx.transport, ctx.layout, ctx.after_backward = transport, layout, after_backward
         box.layout = layout
@@ -271,7 +311,7 @@ class _Dispatch(torch.autograd.Function):
         if ctx.after_backward is not None:  # launched: now wait for what ran beside it
             ctx.after_backward()
         ctx.transport.timer.stop(mark)
-        return None, None, None, gx, gw, None, None, None, None
+        return None, None, None, gx, gw, None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -314,6 +354,26 @@ def dispatch(
     )
     assert box.layout is not None
     return recv_x, recv_slot, recv_w, box.layout
+
+
+def dispatch_early(
+    transport: Transport,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    dest_rank: torch.Tensor,
+    dest_slot: torch.Tensor,
+    after_backward: Callable[[], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Layout, RowsInFlight]:
+    """Differentiable :meth:`Transport.dispatch_forward_early`: as :func:`dispatch`, plus the
+    :class:`RowsInFlight` the caller must ``wait()`` on before it reads rows outside
+    ``[local_lo, local_hi)``. Its backward is :func:`dispatch`'s."""
+    box = _LayoutBox()
+    recv_x, recv_slot, recv_w = _Dispatch.apply(
+        transport, box, None, x, weight, dest_rank.to(torch.int32), dest_slot.to(torch.int32), after_backward,
+        False, True,
+    )
+    assert box.layout is not None and box.in_flight is not None
+    return recv_x, recv_slot, recv_w, box.layout, box.in_flight
 
 
 def combine(transport: Transport, partial: torch.Tensor, layout: Layout) -> torch.Tensor:

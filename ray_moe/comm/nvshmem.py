@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from ray_moe.comm.base import BufferSpec, Layout, Transport, TransportSpec
+from ray_moe.comm.base import BufferSpec, Layout, RowsInFlight, Transport, TransportSpec
 from ray_moe.comm.nvshmem_kernels import (
     ERROR_WORDS,
     ChannelAddrs,
@@ -56,6 +56,7 @@ from ray_moe.comm.nvshmem_kernels import (
     launch_arrival_wait,
     launch_combine,
     launch_dispatch,
+    launch_meta_wait,
 )
 from ray_moe.chunks import chunk_capacities, chunk_weights
 
@@ -232,11 +233,12 @@ class _Channel:
         self.geo, self.remote = geo, remote
         self.recv = rt.alloc(W * geo.region_bytes)
         self.stage = rt.alloc(W * geo.region_bytes) if staging else None
-        self.words = rt.alloc(8 * (2 * W * G + 2 * W)).view(torch.int64)
+        self.words = rt.alloc(8 * (3 * W * G + 2 * W)).view(torch.int64)
         self.flag = self.words[: W * G]
         self.rsig = self.words[W * G: W * G + W]
         self.ack = self.words[W * G + W: W * G + 2 * W]
-        self.prog = self.words[W * G + 2 * W:]  # (call + 1) << 32 | rows sent, per source and program (interleave)
+        self.prog = self.words[W * G + 2 * W: 2 * W * G + 2 * W]  # (call + 1) << 32 | rows sent (interleave)
+        self.mflag = self.words[2 * W * G + 2 * W:]  # meta-first dispatches per source and program
         recv_base, words_base = self.recv.data_ptr(), self.words.data_ptr()
         for name, t in (("receive regions", self.recv), ("staging regions", self.stage)):
             if t is not None and t.data_ptr() % 256:  # the kernels' 16-byte vector accesses rely on it
@@ -244,7 +246,8 @@ class _Channel:
         self.recv_base = recv_base
         self.rsig_base, self.ack_base = words_base + 8 * W * G, words_base + 8 * (W * G + W)
         prog_base = words_base + 8 * (W * G + 2 * W)
-        dst, pflag, pack, pprog = [0] * W, [0] * W, [0] * W, [0] * W
+        mflag_base = words_base + 8 * (2 * W * G + 2 * W)
+        dst, pflag, pack, pprog, pmflag = [0] * W, [0] * W, [0] * W, [0] * W, [0] * W
         for d in range(W):
             if d == me:
                 continue
@@ -255,7 +258,8 @@ class _Channel:
                 pflag[d] = rt.peer_ptr(words_base + 8 * me * G, d)
                 pack[d] = rt.peer_ptr(self.ack_base + 8 * me, d)
                 pprog[d] = rt.peer_ptr(prog_base + 8 * me * G, d)
-                if not (dst[d] and pflag[d] and pack[d] and pprog[d]):
+                pmflag[d] = rt.peer_ptr(mflag_base + 8 * me * G, d)
+                if not (dst[d] and pflag[d] and pack[d] and pprog[d] and pmflag[d]):
                     raise NVSHMEMError(f"rank {me}: no peer pointer to rank {d}; use the remote path")
         dev = self.recv.device
         self.addrs = ChannelAddrs(
@@ -267,6 +271,8 @@ class _Channel:
             ctr=torch.zeros(G, dtype=torch.int32, device=dev),
             pprog_tbl=torch.tensor(pprog, dtype=torch.int64, device=dev), prog=self.prog,
             done=torch.zeros(W * G, dtype=torch.int32, device=dev),
+            pmflag_tbl=torch.tensor(pmflag, dtype=torch.int64, device=dev), mflag=self.mflag,
+            mcopied=torch.zeros(G, dtype=torch.int32, device=dev),
         )
 
     def post_send(self, rt: NVSHMEMRuntime, capacity: int) -> None:
@@ -395,6 +401,55 @@ class SymmetricBuffer:
         self._dispatch_like(x, pos, smeta, recv_x, rmeta, cap, key, kw)
         return recv_x, recv_slot, recv_w, NVSHMEMLayout(T, K, pos, smeta, rmeta, dest_rank, cap)
 
+    def dispatch_early(self, x: torch.Tensor, weight: torch.Tensor, dest_rank: torch.Tensor,
+                       dest_slot: torch.Tensor, capacity: int | None = None, side: Any = None):
+        """:meth:`dispatch` whose peer rows arrive behind the current stream's back: the exchange
+        runs on the ``side`` stream (``meta_first``: this rank's own rows and every received row's
+        slot and weight first), the current stream waits only for that first part
+        (:func:`~ray_moe.comm.nvshmem_kernels.launch_meta_wait`). → recv_x, recv_slot, recv_w,
+        layout, :class:`~ray_moe.comm.base.RowsInFlight`: rows ``[rank*C, (rank+1)*C)`` of recv_x
+        are ready on the current stream, the others once its ``wait()`` made the current stream
+        wait for the side stream. Peer path only (no remote peer: :attr:`early_ok`). On the CPU
+        (the interpreter) everything runs in order and ``wait`` does nothing."""
+        if not self.early_ok:
+            raise NVSHMEMError("dispatch_early needs every peer reached through peer pointers (no remote peer)")
+        geo = self.geo
+        T, K = dest_rank.shape
+        cap = capacity or geo.capacity
+        x = _contiguous(x)
+        dest_rank, dest_slot = _contiguous(dest_rank, torch.int32), _contiguous(dest_slot, torch.int32)
+        weight = _contiguous(weight, torch.float32)
+        key = self._key("dispatch_early", cap, x, dest_rank, dest_slot, weight)
+        outs = self._dispatch_outputs(T, K, cap, x.dtype, x.device)
+        pos, smeta, rmeta, recv_x, recv_slot, recv_w = outs
+        ch = self.dch
+        args = (geo, ch.addrs, x, pos, smeta, recv_x, rmeta, self.err)
+        kw = dict(dest_rank=dest_rank, dest_slot=dest_slot, weight=weight, out_slot=recv_slot, out_w=recv_w,
+                  scratch=self.scratch, compute_layout=True, spin_limit=self.spin_limit, tuning=self.tuning,
+                  capacity=cap, launcher=self.launcher, interleave_ok=False, meta_first=True)
+        wait_key = ("meta_wait", self.spin_limit)
+        layout = NVSHMEMLayout(T, K, pos, smeta, rmeta, dest_rank, cap)
+        lo, hi = geo.rank * cap, (geo.rank + 1) * cap
+        if side is None:
+            launch_dispatch(*args, phase=3, key=_with(key, 3), **kw)
+            launch_meta_wait(geo, ch.addrs, self.err, self.spin_limit, self.launcher, wait_key)
+            return recv_x, recv_slot, recv_w, layout, RowsInFlight(lo, hi, _ready)
+        main = torch.cuda.current_stream(x.device)
+        side.wait_stream(main)
+        for t in (x, dest_rank, dest_slot, weight, *outs):  # used on both streams: freed after both
+            t.record_stream(side)
+        with torch.cuda.stream(side):
+            launch_dispatch(*args, phase=3, key=_with(key, 3), **kw)
+            done = torch.cuda.Event()
+            done.record(side)
+        launch_meta_wait(geo, ch.addrs, self.err, self.spin_limit, self.launcher, wait_key)
+        return recv_x, recv_slot, recv_w, layout, RowsInFlight(lo, hi, lambda: torch.cuda.current_stream().wait_event(done))
+
+    @property
+    def early_ok(self) -> bool:
+        """Whether :meth:`dispatch_early` applies: every peer is reached through peer pointers."""
+        return not self.any_remote
+
     def _dispatch_outputs(self, T: int, K: int, cap: int, dtype: torch.dtype, dev: torch.device) -> tuple:
         """New outputs of a dispatch: pos, smeta, rmeta (the layout) and recv_x, recv_slot, recv_w."""
         W, G, R = self.geo.world_size, self.geo.num_programs, self.geo.world_size * cap
@@ -493,6 +548,10 @@ class SymmetricBuffer:
             for t in ch.tensors():
                 self.rt.free(t)
         self.dch = self.cch = None  # type: ignore[assignment]
+
+
+def _ready() -> None:
+    """The wait of rows that are already in place."""
 
 
 def _contiguous(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -643,6 +702,16 @@ class NVSHMEMTransport(Transport):
         if len(weights) <= 1 or self.spec is None:
             return None
         return [min(self.buffer.capacity, c) for c in chunk_capacities(self.spec.max_tokens, weights)]
+
+    @property
+    def supports_early_rows(self) -> bool:
+        return self.buffer is not None and self.buffer.early_ok
+
+    def dispatch_forward_early(self, x, weight, dest_rank, dest_slot, capacity=None):
+        if not self.supports_early_rows:  # a remote peer: the whole dispatch, no early rows
+            return super().dispatch_forward_early(x, weight, dest_rank, dest_slot, capacity)
+        side = self.comm_stream(x.device)
+        return self.buffer.dispatch_early(x, weight, dest_rank, dest_slot, capacity=capacity, side=side)
 
     def dispatch_backward(self, grad_recv_x, grad_recv_weight, layout):
         return self.buffer.dispatch_grad(grad_recv_x, grad_recv_weight, layout)

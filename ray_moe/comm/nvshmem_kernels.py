@@ -151,13 +151,39 @@ def _copy_in(region, j0, j1, s, out_x_ptr, out_slot_ptr, out_w_ptr, T_cap, meta_
             v = tl.load(src, mask=jm[:, None] & hm[None, :], cache_modifier=".cg")
             tl.store(_rows_of(out_x_ptr, out_row, h, H, BLOCK_H, ALIGNED), v, mask=jm[:, None] & hm[None, :])
         if HAS_META:
-            kmask = kcol[None, :] < K
-            mrow = _row_block(region + meta_base, j, kcol, 2 * KMAX, tl.int32, K_PAD)
-            slot = tl.load(mrow, mask=jm[:, None] & kmask, cache_modifier=".cg")
-            wgt = tl.load((mrow + KMAX).to(tl.pointer_type(tl.float32)), mask=jm[:, None] & kmask,
-                          cache_modifier=".cg")
-            tl.store(out_slot_ptr + out_row[:, None] * K + kcol[None, :], slot, mask=jm[:, None] & kmask)
-            tl.store(out_w_ptr + out_row[:, None] * K + kcol[None, :], wgt, mask=jm[:, None] & kmask)
+            _copy_meta_block(region, j, jm, out_row, out_slot_ptr, out_w_ptr, meta_base, kcol, K, K_PAD, KMAX)
+
+
+@triton.jit
+def _copy_meta_block(region, j, jm, out_row, out_slot_ptr, out_w_ptr, meta_base, kcol,
+                     K: tl.constexpr, K_PAD: tl.constexpr, KMAX: tl.constexpr):
+    """The slot/weight meta of received rows ``j`` (mask ``jm``) from the region at byte address
+    ``region`` to rows ``out_row`` of out_slot / out_w."""
+    kmask = kcol[None, :] < K
+    mrow = _row_block(region + meta_base, j, kcol, 2 * KMAX, tl.int32, K_PAD)
+    slot = tl.load(mrow, mask=jm[:, None] & kmask, cache_modifier=".cg")
+    wgt = tl.load((mrow + KMAX).to(tl.pointer_type(tl.float32)), mask=jm[:, None] & kmask, cache_modifier=".cg")
+    tl.store(out_slot_ptr + out_row[:, None] * K + kcol[None, :], slot, mask=jm[:, None] & kmask)
+    tl.store(out_w_ptr + out_row[:, None] * K + kcol[None, :], wgt, mask=jm[:, None] & kmask)
+
+
+@triton.jit
+def _pad_meta(out_slot_ptr, out_w_ptr, s, tot, T_cap, pid, rrow, kcol, G: tl.constexpr, K: tl.constexpr,
+              K_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Padding rows [tot, T_cap) of source ``s``'s meta (slot -1, weight 0), striped over the G
+    programs (this one takes the blocks ``pid`` mod G from the first padded one)."""
+    nblk = (T_cap + BLOCK_R - 1) // BLOCK_R
+    b0 = tot // BLOCK_R
+    first = b0 + ((pid - b0) % G + G) % G
+    kmask = kcol[None, :] < K
+    for b in range(first, nblk, G):
+        j = b * BLOCK_R + rrow
+        jm = (j >= tot) & (j < T_cap)
+        out_row = (s * T_cap + j).to(tl.int64)
+        tl.store(out_slot_ptr + out_row[:, None] * K + kcol[None, :],
+                 tl.full([BLOCK_R, K_PAD], -1, tl.int32), mask=jm[:, None] & kmask)
+        tl.store(out_w_ptr + out_row[:, None] * K + kcol[None, :],
+                 tl.zeros([BLOCK_R, K_PAD], dtype=tl.float32), mask=jm[:, None] & kmask)
 
 
 @triton.jit
@@ -191,13 +217,14 @@ def _dispatch_kernel(
     rmeta_ptr,  # int32 [W, G, 4]: per source, the chunk meta that arrived
     ctr_ptr, err_ptr,
     pprog_tbl, prog_ptr, done_ptr,  # INTERLEAVE's progress words (ChannelAddrs)
+    pmflag_tbl, mflag_ptr, mcopied_ptr,  # META_FIRST's words (ChannelAddrs)
     me, T_cap, REGION, spin_limit,
     W: tl.constexpr, W_PAD: tl.constexpr, H: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
     KMAX: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
     CM_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
     HAS_META: tl.constexpr, COMPUTE_LAYOUT: tl.constexpr, PHASE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, ALIGNED: tl.constexpr, INTERLEAVE: tl.constexpr,
-    ARRIVED: tl.constexpr,
+    ARRIVED: tl.constexpr, META_FIRST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     ELEM = x_ptr.dtype.element_ty
@@ -300,7 +327,7 @@ def _dispatch_kernel(
                     if d == me:
                         dst = _rows_of(out_x_ptr, me * T_cap + pd, h, H, BLOCK_H, ALIGNED)
                         tl.store(dst, xt, mask=ok[:, None] & hm[None, :])
-                    else:
+                    elif not META_FIRST:  # (META_FIRST: the peers' rows follow the meta exchange)
                         rows = _row_block(tl.load(dst_tbl + d) + CM_BYTES, pd, h, ROW_ELEMS, ELEM, BLOCK_H)
                         tl.store(rows, xt,
                                  mask=ok[:, None] & hm[None, :])
@@ -342,6 +369,47 @@ def _dispatch_kernel(
                                      rrow, hcol, kcol, ELEM, ROW_ELEMS, H, K, K_PAD, KMAX, CM_BYTES, HAS_META,
                                      BLOCK_R, BLOCK_H, ALIGNED)
                             tl.store(done_ptr + s * G + pid, got - st)
+        if META_FIRST:
+            # ---------------- the meta exchange: the peers' slots and weights of this program's
+            # chunk and every source's meta padding land here before any peer row is sent, then
+            # mcopied tells the receiving side's stream (launch_meta_wait) that the routing of the
+            # received rows and this rank's own rows are in place
+            for d in tl.static_range(W):
+                if d != me:  # the call number itself: only some dispatches of the channel are meta-first
+                    _publish(tl.load(pmflag_tbl + d) + pid * 8, n.to(tl.int64) + 1)
+            for s in tl.static_range(W):
+                if s == me:
+                    tot = tl.load(smeta_ptr + pid * W * 4 + me * 4 + 2)
+                else:
+                    _wait_ge(mflag_ptr + s * G + pid, n.to(tl.int64) + 1, spin_limit, err_ptr, 3, s)
+                    tl.debug_barrier()
+                    region = recv_base + s * region_sz
+                    cm, st, en = _chunk_meta(region + pid * 16)
+                    tot = tl.sum(tl.where(tl.arange(0, 4) == 2, cm, 0), axis=0)
+                    for jb in range(st, en, BLOCK_R):
+                        j = jb + rrow
+                        _copy_meta_block(region, j, j < en, (s * T_cap + j).to(tl.int64), out_slot_ptr, out_w_ptr,
+                                         meta_base, kcol, K, K_PAD, KMAX)
+                _pad_meta(out_slot_ptr, out_w_ptr, s, tot, T_cap, pid, rrow, kcol, G, K, K_PAD, BLOCK_R)
+            tl.debug_barrier()
+            tl.atomic_xchg(mcopied_ptr + pid, 1, sem="release", scope="gpu")
+            # ---------------- then the rows to the peers
+            for tb in range(t0, t1, BLOCK_R):
+                r = tb + rrow
+                rmask = r < t1
+                posm = tl.load(pos_ptr + r[:, None] * W + wcol[None, :],
+                               mask=rmask[:, None] & (wcol[None, :] < W), other=-1)
+                for hb in tl.static_range(0, H, BLOCK_H):
+                    h = hb + hcol
+                    hm = h < H
+                    xt = tl.load(_rows_of(x_ptr, r, h, H, BLOCK_H, ALIGNED),
+                                 mask=rmask[:, None] & hm[None, :], other=0.0)
+                    for d in tl.static_range(W):
+                        if d != me:
+                            pd = _column(posm, wcol, d)
+                            ok = rmask & (pd >= 0)
+                            rows = _row_block(tl.load(dst_tbl + d) + CM_BYTES, pd, h, ROW_ELEMS, ELEM, BLOCK_H)
+                            tl.store(rows, xt, mask=ok[:, None] & hm[None, :])
         # ---------------- the arrival signal (peer path)
         for d in tl.static_range(W):
             if d != me:
@@ -376,7 +444,7 @@ def _dispatch_kernel(
                 tl.debug_barrier()
                 cm, st, en = _chunk_meta(region + pid * 16)
                 _copy_in(region, st, en, s, out_x_ptr, out_slot_ptr, out_w_ptr, T_cap, meta_base,
-                         rrow, hcol, kcol, ELEM, ROW_ELEMS, H, K, K_PAD, KMAX, CM_BYTES, HAS_META,
+                         rrow, hcol, kcol, ELEM, ROW_ELEMS, H, K, K_PAD, KMAX, CM_BYTES, HAS_META and not META_FIRST,
                          BLOCK_R, BLOCK_H, ALIGNED)
             tl.store(rmeta_ptr + (s * G + pid) * 4 + tl.arange(0, 4), cm)
             tot = tl.sum(tl.where(tl.arange(0, 4) == 2, cm, 0), axis=0)
@@ -393,12 +461,8 @@ def _dispatch_kernel(
                     z = tl.zeros([BLOCK_R, BLOCK_H], dtype=ELEM)
                     tl.store(_rows_of(out_x_ptr, out_row, h, H, BLOCK_H, ALIGNED), z,
                              mask=jm[:, None] & (h[None, :] < H))
-                if HAS_META:
-                    kmask = kcol[None, :] < K
-                    tl.store(out_slot_ptr + out_row[:, None] * K + kcol[None, :],
-                             tl.full([BLOCK_R, K_PAD], -1, tl.int32), mask=jm[:, None] & kmask)
-                    tl.store(out_w_ptr + out_row[:, None] * K + kcol[None, :],
-                             tl.zeros([BLOCK_R, K_PAD], dtype=tl.float32), mask=jm[:, None] & kmask)
+            if HAS_META and not META_FIRST:
+                _pad_meta(out_slot_ptr, out_w_ptr, s, tot, T_cap, pid, rrow, kcol, G, K, K_PAD, BLOCK_R)
             if s != me:
                 if tl.load(remote_tbl + s) == 0:
                     _signal(tl.load(pack_tbl + s), 1)
@@ -604,6 +668,31 @@ def _arrival_wait_kernel(rsig_ptr, remote_tbl, err_ptr, spin_limit, W: tl.conste
             tl.atomic_xchg(rsig_ptr + s, 0, sem="relaxed", scope="sys")
 
 
+@triton.jit(do_not_specialize=["spin_limit"])
+def _meta_wait_kernel(mcopied_ptr, err_ptr, spin_limit, me, G: tl.constexpr):
+    """One program: wait (bounded, named on timeout) until every program of this rank's META_FIRST
+    dispatch has set its ``mcopied`` word, then clear them for the next call."""
+    one = tl.full([], 1, tl.int32)
+    for p in range(G):
+        _wait_ge(mcopied_ptr + p, one, spin_limit, err_ptr, 3, me)
+    tl.debug_barrier()
+    for p in range(G):
+        tl.atomic_xchg(mcopied_ptr + p, 0, sem="relaxed", scope="gpu")
+
+
+def launch_meta_wait(geo: Geometry, ch: ChannelAddrs, err: torch.Tensor, spin_limit: int,
+                     launcher: "Launcher", key: tuple) -> None:
+    """:func:`_meta_wait_kernel` on one program, on the current stream: what follows it on that
+    stream may read the received rows' meta (slots, weights, padding) and this rank's own rows of a
+    ``meta_first`` dispatch still running on another stream."""
+
+    def fixed() -> dict:
+        return dict(mcopied_ptr=ch.mcopied, err_ptr=err, spin_limit=spin_limit, me=geo.rank,
+                    G=geo.num_programs)
+
+    launcher.launch(_meta_wait_kernel, (1,), {}, fixed, 1, key, first={"spin_limit": _first_spin(spin_limit)})
+
+
 def launch_arrival_wait(geo: Geometry, ch: ChannelAddrs, err: torch.Tensor, code: int, spin_limit: int,
                         launcher: "Launcher", key: tuple) -> None:
     """:func:`_arrival_wait_kernel` on one program for channel ``ch`` (``code``: 3 dispatch-like,
@@ -684,14 +773,19 @@ class ChannelAddrs:
     pprog_tbl int64 [W] (address of prog[me, 0] on peer d), prog int64 [W*G] (symmetric: for
     program p of source s, ``(call + 1) << 32`` plus the rows it has sent here in that call; set
     absolutely at each call's start, so a timed-out call never shifts the next) and done int32
-    [W*G] (this rank's work on them so far in the call, ordinary device memory).
+    [W*G] (this rank's work on them so far in the call, ordinary device memory). For a
+    ``meta_first`` dispatch: pmflag_tbl int64 [W] (address of mflag[me, 0] on peer d), mflag int64
+    [W*G] (symmetric: per source and program, the call number + 1 of its last meta-first send) and mcopied int32 [G]
+    (ordinary: 1 once the program's received meta and own rows are in place, cleared by
+    :func:`launch_meta_wait`).
     """
 
     def __init__(self, dst_tbl, pflag_tbl, pack_tbl, remote_tbl, recv_base, flag, rsig, ack, ctr,
-                 pprog_tbl, prog, done):
+                 pprog_tbl, prog, done, pmflag_tbl, mflag, mcopied):
         self.dst_tbl, self.pflag_tbl, self.pack_tbl, self.remote_tbl = dst_tbl, pflag_tbl, pack_tbl, remote_tbl
         self.recv_base, self.flag, self.rsig, self.ack, self.ctr = recv_base, flag, rsig, ack, ctr
         self.pprog_tbl, self.prog, self.done = pprog_tbl, prog, done
+        self.pmflag_tbl, self.mflag, self.mcopied = pmflag_tbl, mflag, mcopied
 
 
 class Tuning:
@@ -805,7 +899,7 @@ def _dispatch_varying(x, pos, smeta, out_x, rmeta, dest_rank, dest_slot, weight,
 
 
 def _dispatch_fixed(geo, ch, err, phase, T_cap, K, has_meta, compute_layout, spin_limit, tu, aligned,
-                    interleave, arrived=False) -> dict:
+                    interleave, arrived=False, meta_first=False) -> dict:
     """The rest of :func:`_dispatch_kernel`'s arguments (constexprs included): functions of the
     buffer and of the call's key."""
     W, G, H = geo.world_size, geo.num_programs, geo.hidden
@@ -818,7 +912,8 @@ def _dispatch_fixed(geo, ch, err, phase, T_cap, K, has_meta, compute_layout, spi
         HAS_META=has_meta, COMPUTE_LAYOUT=compute_layout, PHASE=phase,
         BLOCK_R=tu.block_r, BLOCK_H=min(tu.block_h, _pow2(H)), ALIGNED=aligned,
         pprog_tbl=ch.pprog_tbl, prog_ptr=ch.prog, done_ptr=ch.done, INTERLEAVE=interleave,
-        ARRIVED=arrived,
+        ARRIVED=arrived, pmflag_tbl=ch.pmflag_tbl, mflag_ptr=ch.mflag, mcopied_ptr=ch.mcopied,
+        META_FIRST=meta_first,
     )
 
 
@@ -830,7 +925,7 @@ def launch_dispatch(
     out_w: torch.Tensor | None = None, scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
     compute_layout: bool = False, spin_limit: int = 1 << 25,
     tuning: Tuning | None = None, capacity: int | None = None, launcher: "Launcher | None" = None,
-    key: tuple | None = None, interleave_ok: bool = True, arrived: bool = False,
+    key: tuple | None = None, interleave_ok: bool = True, arrived: bool = False, meta_first: bool = False,
 ) -> None:
     """Dispatch-like exchange: rows of x [T, H] go to out_x [W*C, H] of their destinations, where
     C = ``capacity`` (rows per source this call; default the buffer's T_cap, at most that).
@@ -845,11 +940,20 @@ def launch_dispatch(
     where ``interleave_ok`` (no rank of the buffer has a remote peer: every rank must agree) in
     phase 3. ``arrived`` (phase 2): :func:`launch_arrival_wait` already waited for the remote peers'
     put signals on one SM, so the kernel's programs do not spin on them.
+
+    ``meta_first`` (phase 3, peer path, with the row meta and ``compute_layout``): each program
+    writes this rank's own rows and every peer's slots and weights first, copies out the meta the
+    peers sent it (and pads every source's), sets its ``mcopied`` word, and only then sends the
+    rows to the peers and receives theirs. :func:`launch_meta_wait` on another stream then lets
+    the routing of the received rows and the experts of this rank's own rows run while the
+    peers' rows are still on the way (the MoE layer's ``early_experts``). Not interleaved.
     """
     tu = tuning or Tuning()
     T_cap = capacity or geo.capacity
     launcher = launcher or Launcher(fast=False)
-    interleave = tu.interleave and interleave_ok and phase == 3
+    if meta_first and (phase != 3 or weight is None or not compute_layout):
+        raise ValueError("meta_first needs phase 3, the row meta (weight, dest_slot) and compute_layout")
+    interleave = tu.interleave and interleave_ok and phase == 3 and not meta_first
     varying = _dispatch_varying(x, pos, smeta, out_x, rmeta, dest_rank, dest_slot, weight, out_slot, out_w, scratch)
 
     def fixed() -> dict:
@@ -858,7 +962,7 @@ def launch_dispatch(
         _dispatch_checks(geo, T_cap, x, pos, smeta, out_x, rmeta, dest_rank, dest_slot, weight, out_slot, out_w,
                          scratch, compute_layout, has_meta, K)
         return _dispatch_fixed(geo, ch, err, phase, T_cap, K, has_meta, compute_layout, spin_limit, tu,
-                               _aligned_rows(varying["x_ptr"], out_x), interleave, arrived)
+                               _aligned_rows(varying["x_ptr"], out_x), interleave, arrived, meta_first)
 
     launcher.launch(_dispatch_kernel, (geo.num_programs,), varying, fixed, tu.num_warps, key,
                     first={"spin_limit": _first_spin(spin_limit)})

@@ -27,6 +27,7 @@ import torch
 from ray_moe.kernels.gather_sum import gather_sum
 from ray_moe.kernels.grouped_swiglu import (
     KernelPlan,
+    RowSplit,
     default_plan,
     dgrad_rows,
     down_scaled,
@@ -36,16 +37,30 @@ from ray_moe.kernels.grouped_swiglu import (
     swiglu_backward_rows,
 )
 from ray_moe.kernels.quack_wgrad import grouped_wgrad_quack
-from ray_moe.kernels.routing import PairLayout, pair_layout
+from ray_moe.kernels.routing import PairLayout, pair_layout, pair_layout_local_first
+
+
+def _early_split(slot: torch.Tensor, n_slots: int, early: Any) -> tuple[PairLayout, RowSplit]:
+    """The pair layout with each group's early rows first, and the up-projection's two launches
+    (``early``: :class:`ray_moe.model.experts.EarlyRows`)."""
+    layout, local_end = pair_layout_local_first(slot, n_slots, early.lo, early.hi)
+    d = max(0, min(early.slots, n_slots))
+    off = layout.offsets
+    rest_starts = torch.cat([local_end[:d], off[d:n_slots]]) if d else off[:n_slots]
+    return layout, RowSplit(first=(off[:d], local_end[:d]), rest=(rest_starts, off[1:]), wait=early.wait)
 
 
 class _ExpertFFN(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, slot, weight, w13, w2, plan, deferral=None):
+    def forward(ctx, x, slot, weight, w13, w2, plan, deferral=None, early=None):
         R, K = slot.shape
-        layout = pair_layout(slot, w13.shape[0])
+        split = None
+        if early is None:
+            layout = pair_layout(slot, w13.shape[0])
+        else:
+            layout, split = _early_split(slot, w13.shape[0], early)
         needs_grad = any(ctx.needs_input_grad)
-        act, h13 = gate_up_swiglu(x, layout, K, w13, save_preact=needs_grad, cfg=plan.gate_up)
+        act, h13 = gate_up_swiglu(x, layout, K, w13, save_preact=needs_grad, cfg=plan.gate_up, split=split)
         y = down_scaled(act, layout, K, weight, w2, cfg=plan.down)
         del act
         out = gather_sum(y, layout, K)
@@ -94,12 +109,12 @@ class _ExpertFFN(torch.autograd.Function):
             ctx.deferral.launch((w13, w2), weight_grads, (x, dh13, aw, grad_out, *layout_t))
         else:
             dw13, dw2 = weight_grads()
-        return dx, None, dweight, dw13, dw2, None, None
+        return dx, None, dweight, dw13, dw2, None, None, None
 
 
 def expert_ffn_triton(
     x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-    plan: KernelPlan | None = None, deferral: Any = None,
+    plan: KernelPlan | None = None, deferral: Any = None, early: Any = None,
 ) -> torch.Tensor:
     """Weighted SwiGLU experts over received rows, fused Triton kernels (sync-free, graph-capturable).
 
@@ -112,6 +127,9 @@ def expert_ffn_triton(
         deferral: an object with ``launch(params, fn, inputs)`` (the model's
             ``WgradDeferral``): the weight gradients go to it, which accumulates them into
             w13.grad / w2.grad (leaf parameters only; autograd gets None for them).
+        early: rows of x still arriving (:class:`ray_moe.model.experts.EarlyRows`: ``lo``, ``hi``,
+            ``slots``, ``wait``): the up-projection of rows [lo, hi) for the first ``slots``
+            slots runs before ``wait()``, the rest after it.
     Returns:
         [R, H] in x.dtype: sum_k weight[r,k] * (silu(x[r] @ gate_s) * (x[r] @ up_s)) @ w2_s over valid k.
         Differentiable w.r.t. x, weight, w13, w2 (slots with no pairs get exactly zero weight grads).
@@ -136,4 +154,4 @@ def expert_ffn_triton(
     plan = plan or default_plan(x.dtype, x.device)
     if deferral is not None and not (w13.is_leaf and w2.is_leaf):
         raise ValueError("a WgradDeferral accumulates into .grad: w13 and w2 must be leaf parameters")
-    return _ExpertFFN.apply(x.contiguous(), slot.contiguous(), weight.contiguous(), w13, w2, plan, deferral)
+    return _ExpertFFN.apply(x.contiguous(), slot.contiguous(), weight.contiguous(), w13, w2, plan, deferral, early)

@@ -25,6 +25,7 @@ Weight layout: w13 [S, H, 2I] (gate = [..., :I], up = [..., I:]), w2 [S, I, H].
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -131,12 +132,13 @@ def default_plan(dtype: torch.dtype, device: torch.device) -> KernelPlan:
 
 
 @triton.jit
-def _tile_of_groups(offsets_ptr, n_groups, tile_m, BLOCK_M: tl.constexpr, GROUPS_PAD: tl.constexpr):
-    """Map the global row-tile index to (group, first position, group end, number of row tiles)."""
+def _tile_of_groups(starts_ptr, ends_ptr, n_groups, tile_m, BLOCK_M: tl.constexpr, GROUPS_PAD: tl.constexpr):
+    """Map the global row-tile index to (group, first position, group end, number of row tiles).
+    Group g is positions [starts[g], ends[g]) (a layout's offsets and offsets + 1, or a subset)."""
     g = tl.arange(0, GROUPS_PAD)
     g_ok = g < n_groups
-    starts = tl.load(offsets_ptr + g, mask=g_ok, other=0)
-    ends = tl.load(offsets_ptr + g + 1, mask=g_ok, other=0)
+    starts = tl.load(starts_ptr + g, mask=g_ok, other=0)
+    ends = tl.load(ends_ptr + g, mask=g_ok, other=0)
     tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
     cum = tl.cumsum(tiles, axis=0)
     total = tl.sum(tiles, axis=0)
@@ -150,7 +152,7 @@ def _tile_of_groups(offsets_ptr, n_groups, tile_m, BLOCK_M: tl.constexpr, GROUPS
 
 @triton.jit
 def _grouped_rows_kernel(
-    a_ptr, b_ptr, out_ptr, out2_ptr, aux_ptr, weight_ptr, dw_ptr, offsets_ptr, sorted_pair_ptr,
+    a_ptr, b_ptr, out_ptr, out2_ptr, aux_ptr, weight_ptr, dw_ptr, starts_ptr, ends_ptr, sorted_pair_ptr,
     n_groups, max_m_tiles, N, KD, half, n_pos,
     stride_am, stride_bg, stride_bk, stride_bn, stride_om, stride_o2m, stride_xm,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr, SAVE_AUX: tl.constexpr,
@@ -160,7 +162,7 @@ def _grouped_rows_kernel(
     """See the module docstring. ``half`` = I: column offset of the up half in w13 / h13 / dh13."""
     num_n = tl.cdiv(N, BLOCK_N)
     tile_m, pid_n = swizzle(tl.program_id(0), max_m_tiles, num_n, GROUP_M)
-    group, row_start, row_end, total = _tile_of_groups(offsets_ptr, n_groups, tile_m, BLOCK_M, GROUPS_PAD)
+    group, row_start, row_end, total = _tile_of_groups(starts_ptr, ends_ptr, n_groups, tile_m, BLOCK_M, GROUPS_PAD)
     if tile_m >= total:
         return
     rm = row_start + tl.arange(0, BLOCK_M)
@@ -342,10 +344,14 @@ def _launch_rows(
     layout: PairLayout, top_k: int, gather_a: bool, epilogue: int, n_cols: int, kd: int, half: int,
     cfg: GemmConfig, out2: torch.Tensor | None = None, aux: torch.Tensor | None = None,
     weight: torch.Tensor | None = None, dw: torch.Tensor | None = None, save_aux: bool = False,
+    groups: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
+    """``groups``: int32 (starts [G], ends [G]) of the row groups to compute, group g with
+    b[g] (default: the layout's, ``offsets[:-1]`` and ``offsets[1:]``)."""
     n_pos = layout.sorted_pair.numel()
-    n_groups = layout.offsets.numel() - 1
-    if n_pos == 0 or n_cols == 0:
+    starts, ends = groups if groups is not None else (layout.offsets, layout.offsets[1:])
+    n_groups = ends.numel()
+    if n_pos == 0 or n_cols == 0 or n_groups == 0:
         return
     if cfg.tma and epilogue != EPI_SWIGLU_BWD.value:
         from ray_moe.kernels import grouped_tma
@@ -353,7 +359,7 @@ def _launch_rows(
         b_kmajor = b_strides[1] == 1 and b_strides[2] != 1
         if grouped_tma.rows_tma_ok(a, b, b_kmajor, gather_a, kd, cfg):
             grouped_tma.launch_rows_tma(
-                a=a, b=b, b_kmajor=b_kmajor, out=out, offsets=layout.offsets, sorted_pair=layout.sorted_pair,
+                a=a, b=b, b_kmajor=b_kmajor, out=out, starts=starts, ends=ends, sorted_pair=layout.sorted_pair,
                 top_k=top_k, gather_a=gather_a, epilogue=epilogue, n_cols=n_cols, kd=kd, half=half, cfg=cfg,
                 dot_precision=_dot_precision(a.dtype), aux=aux, weight=weight, save_aux=save_aux,
             )
@@ -364,7 +370,7 @@ def _launch_rows(
     _grouped_rows_kernel[grid](
         a, b, out, dummy if out2 is None else out2, dummy if aux is None else aux,
         dummy if weight is None else weight, dummy if dw is None else dw,
-        layout.offsets, layout.sorted_pair,
+        starts, ends, layout.sorted_pair,
         n_groups, max_m_tiles, n_cols, kd, half, n_pos,
         a.stride(0), b_strides[0], b_strides[1], b_strides[2], out.stride(0),
         0 if out2 is None else out2.stride(0), 0 if aux is None else aux.stride(0),
@@ -385,9 +391,21 @@ def _check_layout(layout: PairLayout, n_slots: int, n_pairs: int, device: torch.
         raise ValueError(f"layout on {layout.sorted_pair.device}, tensors on {device}")
 
 
+@dataclass(frozen=True)
+class RowSplit:
+    """A grouped GEMM in two launches around a wait: the ``first`` groups' positions (int32 starts
+    [D], ends [D]: group g with weights g), then ``wait()``, then the ``rest`` (starts [S], ends
+    [S]). Together they cover every valid position once (:func:`ray_moe.kernels.expert_ffn`'s
+    early experts: a rank's own rows of the first D experts while the peers' rows arrive)."""
+
+    first: tuple[torch.Tensor, torch.Tensor]
+    rest: tuple[torch.Tensor, torch.Tensor]
+    wait: Callable[[], None]
+
+
 def gate_up_swiglu(
     x: torch.Tensor, layout: PairLayout, top_k: int, w13: torch.Tensor,
-    save_preact: bool = True, cfg: GemmConfig | None = None,
+    save_preact: bool = True, cfg: GemmConfig | None = None, split: RowSplit | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """act[p] = silu(x[row(p)] @ gate_s) * (x[row(p)] @ up_s) for every valid position p.
 
@@ -395,6 +413,8 @@ def gate_up_swiglu(
         x: [R, H] float32/bfloat16, row-contiguous. layout: PairLayout of slot [R, top_k].
         w13: [S, H, 2I] same dtype, contiguous.
         save_preact: also return the pre-activations g|u.
+        split: compute ``split.first`` groups, ``split.wait()``, then ``split.rest`` (rows x
+            reads in the first launch must be in place before the call, the others after the wait).
     Returns:
         act [R*K, I] and h13 [R*K, 2I] (or None), x.dtype; rows past offsets[S] are unset.
     """
@@ -410,11 +430,15 @@ def gate_up_swiglu(
     cfg = cfg or default_config("gate_up", x.dtype, x.device)
     act = torch.empty(P, I, dtype=x.dtype, device=x.device)
     h13 = torch.empty(P, I2, dtype=x.dtype, device=x.device) if save_preact else None
-    _launch_rows(
-        a=x, b=w13, b_strides=(w13.stride(0), w13.stride(1), w13.stride(2)), out=act, aux=h13,
-        layout=layout, top_k=top_k, gather_a=True, epilogue=EPI_SWIGLU.value, n_cols=I, kd=H, half=I, cfg=cfg,
-        save_aux=save_preact,
-    )
+    phases = [(None, None)] if split is None else [(split.first, None), (split.rest, split.wait)]
+    for groups, before in phases:
+        if before is not None:
+            before()
+        _launch_rows(
+            a=x, b=w13, b_strides=(w13.stride(0), w13.stride(1), w13.stride(2)), out=act, aux=h13,
+            layout=layout, top_k=top_k, gather_a=True, epilogue=EPI_SWIGLU.value, n_cols=I, kd=H, half=I, cfg=cfg,
+            save_aux=save_preact, groups=groups,
+        )
     return act, h13
 
 

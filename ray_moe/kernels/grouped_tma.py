@@ -85,12 +85,12 @@ def num_programs(device: torch.device) -> int:
 
 
 @triton.jit
-def _group_table(offsets_ptr, n_groups, BLOCK_M: tl.constexpr, GROUPS_PAD: tl.constexpr):
+def _group_table(starts_ptr, ends_ptr, n_groups, BLOCK_M: tl.constexpr, GROUPS_PAD: tl.constexpr):
     """Per-group starts, ends, row-tile counts and their inclusive prefix sum (read once)."""
     g = tl.arange(0, GROUPS_PAD)
     g_ok = g < n_groups
-    starts = tl.load(offsets_ptr + g, mask=g_ok, other=0)
-    ends = tl.load(offsets_ptr + g + 1, mask=g_ok, other=0)
+    starts = tl.load(starts_ptr + g, mask=g_ok, other=0)
+    ends = tl.load(ends_ptr + g, mask=g_ok, other=0)
     tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
     cum = tl.cumsum(tiles, axis=0)
     return g, starts, ends, tiles, cum
@@ -160,7 +160,7 @@ def _rows_tile(
 
 @triton.jit
 def _rows_tma_kernel(
-    a_ptr, a_desc, b_desc, out_ptr, aux_ptr, weight_ptr, offsets_ptr, sorted_pair_ptr,
+    a_ptr, a_desc, b_desc, out_ptr, aux_ptr, weight_ptr, starts_ptr, ends_ptr, sorted_pair_ptr,
     n_groups, max_m_tiles, N, KD, half, b_group_rows, stride_am, stride_om, stride_xm,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, B_KMAJOR: tl.constexpr, EPILOGUE: tl.constexpr,
     SAVE_AUX: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUPS_PAD: tl.constexpr,
@@ -170,7 +170,7 @@ def _rows_tma_kernel(
     """See the module docstring. B tile of group s: N-major form rows ``s*b_group_rows + k``,
     columns ``n`` (and ``half + n`` for the up half); K-major form (``B_KMAJOR``) rows
     ``s*b_group_rows + n``, columns ``k``, transposed in the dot."""
-    g, starts, ends, tiles, cum = _group_table(offsets_ptr, n_groups, BLOCK_M, GROUPS_PAD)
+    g, starts, ends, tiles, cum = _group_table(starts_ptr, ends_ptr, n_groups, BLOCK_M, GROUPS_PAD)
     total_m = tl.sum(tiles, axis=0)
     num_n = tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
@@ -188,16 +188,17 @@ def _rows_tma_kernel(
 
 
 def launch_rows_tma(
-    *, a: torch.Tensor, b: torch.Tensor, b_kmajor: bool, out: torch.Tensor, offsets: torch.Tensor,
-    sorted_pair: torch.Tensor, top_k: int, gather_a: bool, epilogue: int, n_cols: int, kd: int, half: int,
+    *, a: torch.Tensor, b: torch.Tensor, b_kmajor: bool, out: torch.Tensor, starts: torch.Tensor,
+    ends: torch.Tensor, sorted_pair: torch.Tensor, top_k: int, gather_a: bool, epilogue: int, n_cols: int, kd: int, half: int,
     cfg, dot_precision: str, aux: torch.Tensor | None = None, weight: torch.Tensor | None = None,
     save_aux: bool = False,
 ) -> None:
     """Launch :func:`_rows_tma_kernel`. ``b``: the stacked weights [S, rows, cols], contiguous,
     whose 2-D view [S*rows, cols] backs B's descriptor (``b_kmajor``: rows index n, else k).
-    Caller checks :func:`rows_tma_ok` first."""
+    Group g is positions [starts[g], ends[g]) (int32), computed with b[g]. Caller checks
+    :func:`rows_tma_ok` first."""
     n_pos = sorted_pair.numel()
-    n_groups = offsets.numel() - 1
+    n_groups = ends.numel()
     S, rows, cols = b.shape
     b2 = b.view(S * rows, cols)
     b_block = (cfg.block_n, cfg.block_k) if b_kmajor else (cfg.block_k, cfg.block_n)
@@ -210,7 +211,7 @@ def launch_rows_tma(
     dummy = out
     _rows_tma_kernel[grid](
         a, a_desc, b_desc, out, dummy if aux is None else aux, dummy if weight is None else weight,
-        offsets, sorted_pair, n_groups, max_m_tiles, n_cols, kd, half, rows,
+        starts, ends, sorted_pair, n_groups, max_m_tiles, n_cols, kd, half, rows,
         a.stride(0), out.stride(0), 0 if aux is None else aux.stride(0),
         TOP_K=top_k, GATHER_A=gather_a, B_KMAJOR=b_kmajor, EPILOGUE=epilogue, SAVE_AUX=save_aux,
         EVEN_K=kd % cfg.block_k == 0, DOT_PRECISION=dot_precision, GROUPS_PAD=triton.next_power_of_2(n_groups),

@@ -152,6 +152,26 @@ def pair_layout(slot: torch.Tensor, n_slots: int) -> PairLayout:
     return PairLayout(offsets_all[: n_slots + 1], sorted_pair, pair_pos)
 
 
+def pair_layout_local_first(slot: torch.Tensor, n_slots: int, local_lo: int,
+                            local_hi: int) -> tuple[PairLayout, torch.Tensor]:
+    """:func:`pair_layout` whose every group lists the pairs of rows ``[local_lo, local_hi)`` first
+    (then the others, each part in pair order): one sort over 2S buckets, no host sync.
+
+    Args:
+        slot: int32 or int64 [R, K]; values in [0, n_slots) or -1. local_lo/local_hi: the rows
+            that are ready first (a rank's own tokens among its received rows).
+    Returns:
+        (layout over the S groups, local_end int32 [S]): group s's pairs from the local rows are
+        positions ``[offsets[s], local_end[s])``, the others ``[local_end[s], offsets[s+1])``.
+    """
+    rows = torch.arange(slot.shape[0], device=slot.device)
+    remote = ((rows < local_lo) | (rows >= local_hi)).to(slot.dtype)[:, None]
+    valid = (slot >= 0) & (slot < n_slots)
+    halves = pair_layout(torch.where(valid, slot * 2 + remote, -1), 2 * n_slots)
+    offsets = halves.offsets[0::2].contiguous()
+    return PairLayout(offsets, halves.sorted_pair, halves.pair_pos), halves.offsets[1::2].contiguous()
+
+
 def pair_layout_reference(slot: torch.Tensor, n_slots: int) -> PairLayout:
     """Pure-torch reference of :func:`pair_layout` (stable argsort). Same arguments and result."""
     key = slot.reshape(-1).long()

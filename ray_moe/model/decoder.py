@@ -162,7 +162,8 @@ def moe_layer_spec(spec: ArchSpec, config: Config) -> MoELayerSpec:
     return MoELayerSpec(spec.hidden_size, spec.num_experts, spec.top_k, spec.expert_hidden, routing=routing,
                         dtype=torch_dtype(config.model.dtype), expert_impl=e.expert_impl,
                         aux_loss_coef=e.aux_loss_coef, clone_slots=config.balance.clone_slots,
-                        pipeline_chunks=e.pipeline_chunks, delay_wgrad=e.delay_wgrad, seed=config.train.seed)
+                        pipeline_chunks=e.pipeline_chunks, delay_wgrad=e.delay_wgrad,
+                        early_experts=e.early_experts, seed=config.train.seed)
 
 
 class Decoder(nn.Module):

@@ -102,6 +102,10 @@ class ExpertImplChooser:
         rows = 1 << max(int(x.shape[0]) - 1, 0).bit_length()
         return (rows, x.shape[1], slot.shape[1], tuple(w13.shape), x.dtype, str(x.device), needs_grad)
 
+    def knows(self, x: torch.Tensor, slot: torch.Tensor, w13: torch.Tensor, needs_grad: bool) -> bool:
+        """Whether :meth:`choose` has measured this shape already (it will not run the candidates)."""
+        return self.key(x, slot, w13, needs_grad) in self.choices
+
     def choose(self, x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor, w13: torch.Tensor,
                w2: torch.Tensor, needs_grad: bool) -> ExpertChoice:
         """The fastest candidate for this shape (measured now if the shape is new).

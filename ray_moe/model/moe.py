@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ray_moe.comm.base import Transport, combine, dispatch
+from ray_moe.comm.base import Transport, combine, dispatch, dispatch_early
 from ray_moe.chunks import chunk_weights
 from ray_moe.comm.pipeline import pipelined_exchange
 from ray_moe.model.expert_choice import ExpertChoice, ExpertImplChooser
-from ray_moe.model.experts import expert_ffn, resolve_impl
+from ray_moe.model.experts import EarlyRows, expert_ffn, resolve_impl
 from ray_moe.model.router import SOFTMAX, Routing, balancing_bias_step, load_balancing_loss, route
 from ray_moe.model.wgrad import WgradDeferral
 from ray_moe.placement.placement import ExpertShard, Placement
@@ -75,8 +75,12 @@ class MoELayerSpec:
     sequential layer beside the dispatch's backward exchange (the same results in ``.grad``, as
     ``backward()`` leaves them: ``torch.autograd.grad`` gets none for w13 and w2), in the
     pipelined layer each chunk's beside the next chunk's backward and the last chunk's return
-    exchange (autograd gets them as usual); seed: with the layer index, seeds the router and
-    every logical expert.
+    exchange (autograd gets them as usual); early_experts: D > 0, in the sequential layer over a
+    transport that can return before the peers' rows arrive (``supports_early_rows``: NVSHMEM's
+    peer path), the up-projection of each rank's own rows for its first D slots runs while the
+    peers' rows are on the way (:class:`~ray_moe.model.experts.EarlyRows`; the same GEMM
+    tiles otherwise, so the experts' GEMMs do not shrink as with chunks); 0: off; seed: with
+    the layer index, seeds the router and every logical expert.
     """
 
     hidden: int
@@ -90,6 +94,7 @@ class MoELayerSpec:
     clone_slots: int = 0
     pipeline_chunks: int | tuple[int, ...] = 1
     delay_wgrad: bool = False
+    early_experts: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -112,6 +117,8 @@ class MoELayerSpec:
             raise ValueError(f"routing must be a Routing, got {self.routing!r}")
         if not isinstance(self.delay_wgrad, bool):
             raise ValueError(f"delay_wgrad must be true or false, got {self.delay_wgrad!r}")
+        if isinstance(self.early_experts, bool) or not isinstance(self.early_experts, int) or self.early_experts < 0:
+            raise ValueError(f"early_experts must be an integer >= 0, got {self.early_experts!r}")
 
 
 class MoELayer(nn.Module):
@@ -188,6 +195,7 @@ class MoELayer(nn.Module):
     aux_loss_coef = property(lambda self: self.spec.aux_loss_coef)
     routing = property(lambda self: self.spec.routing)
     pipeline_chunks = property(lambda self: self.spec.pipeline_chunks)
+    early_experts = property(lambda self: self.spec.early_experts)
 
     def join_wgrad(self) -> None:
         """Make the current stream wait for weight gradients still running on the deferral's side
@@ -269,16 +277,26 @@ class MoELayer(nn.Module):
         )
         dest_rank, dest_slot = self.tables.route(ids, self.rank)  # replicas by global token index
 
-        def experts(recv_x, recv_slot, recv_w, w13, w2, deferral=None):
+        def experts(recv_x, recv_slot, recv_w, w13, w2, deferral=None, early=None):
             choice = ExpertChoice(impl)
             if self.expert_impl == "auto" and impl == "triton":
                 needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (recv_x, recv_w, w13, w2))
+                if early is not None and not self.expert_chooser.knows(recv_x, recv_slot, w13, needs_grad):
+                    early.wait()  # the first call of a shape times the candidates on every row
                 choice = self.expert_chooser.choose(recv_x, recv_slot, recv_w, w13, w2, needs_grad)
-            return expert_ffn(recv_x, recv_slot, recv_w, w13, w2, choice.impl, wgrad=choice.wgrad, deferral=deferral)
+            return expert_ffn(recv_x, recv_slot, recv_w, w13, w2, choice.impl, wgrad=choice.wgrad, deferral=deferral,
+                              early=early)
 
         if len(chunk_weights(self.pipeline_chunks)) > 1:
             out, pairs = pipelined_exchange(self.transport, x, weights, dest_rank, dest_slot, (self.w13, self.w2),
                                             experts, self.pipeline_chunks, deferral=self.wgrad_deferral)
+        elif self.early_experts and self.transport.supports_early_rows:
+            deferral = self.wgrad_deferral
+            recv_x, recv_slot, recv_w, layout, in_flight = dispatch_early(
+                self.transport, x, weights, dest_rank, dest_slot, after_backward=deferral.join if deferral else None)
+            early = EarlyRows(in_flight.local_lo, in_flight.local_hi, self.early_experts, in_flight.wait)
+            out = combine(self.transport, experts(recv_x, recv_slot, recv_w, self.w13, self.w2, deferral, early), layout)
+            pairs = (recv_slot >= 0).sum()
         else:
             deferral = self.wgrad_deferral
             # without autograd (decoding, evaluation) the received rows are consumed before the next

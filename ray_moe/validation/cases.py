@@ -29,7 +29,8 @@ class Case:
     native); expert_impl, pipeline_chunks and delay_wgrad are the layer's (``moe.expert_impl``,
     ``moe.pipeline_chunks``: 1 sequential, C > 1 the exchange overlapped with the experts in C
     chunks of each rank's tokens; ``moe.delay_wgrad``: the experts' weight gradients beside the
-    dispatch's backward).
+    dispatch's backward; ``moe.early_experts``: D > 0, the own rows' up-projection for the first D
+    slots beside the dispatch where the transport supports it).
     """
 
     num_experts: int = 8
@@ -44,6 +45,7 @@ class Case:
     placement: dict | None = None
     pipeline_chunks: int | list[int] | tuple[int, ...] = 1  # C, or relative chunk sizes
     delay_wgrad: bool = False
+    early_experts: int = 0
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
@@ -55,7 +57,8 @@ class Case:
         """The MoE layer this case runs (``dtype``: the case's by default)."""
         return MoELayerSpec(self.hidden, self.num_experts, self.top_k, self.expert_hidden,
                             dtype=dtype or torch_dtype(self.dtype), expert_impl=self.expert_impl,
-                            pipeline_chunks=self.pipeline_chunks, delay_wgrad=self.delay_wgrad)
+                            pipeline_chunks=self.pipeline_chunks, delay_wgrad=self.delay_wgrad,
+                            early_experts=self.early_experts)
 
     def tokens(self, rank: int) -> int:
         return self.tokens_per_rank[rank % len(self.tokens_per_rank)]

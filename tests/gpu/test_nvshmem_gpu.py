@@ -339,6 +339,34 @@ def test_pipelined_cuda_graph_replay(group, chunks, layer_kw):
         assert all(v <= BF16_TOL for v in errs.values()), (rank, errs)
 
 
+def test_layer_parity_with_early_experts(group):
+    """moe.early_experts: the dispatch returns with the own rows and every row's meta in place
+    (meta first), the own rows' up-projection of the first D slots runs while the peers' rows
+    arrive on the comm stream; bf16 parity with the oracle on the parity cases, D of one slot,
+    of every slot, and past the slots, with delayed weight gradients on one case."""
+    layouts = [dict(early_experts=d) for d in (1, 4, 9)]
+    layouts[0] = dict(early_experts=1, delay_wgrad=True)
+    for i, extra in enumerate(PARITY_CASES):
+        if Case(**extra).applies_to(group.world_size) is not None:
+            continue
+        layout = layouts[i % len(layouts)]
+        case = Case(seed=_seed_without_near_ties(extra, group.world_size), dtype="bfloat16", hidden=64,
+                    expert_impl="triton", **layout, **extra)
+        for rank, errs in enumerate(group.execute(layer_parity, case, timeout=300)):
+            bad = {k: v for k, v in errs.items() if not v <= BF16_TOL}
+            assert not bad, f"early experts rank {rank} case {extra} {layout}: {bad}"
+    group.execute(lambda w: w.transport.check())
+
+
+def test_early_experts_cuda_graph_replay(group):
+    """The early-experts layer's forward+backward captured in a CUDA graph (the dispatch on the
+    comm stream, forked and joined inside the capture) replays equal to eager, and eager equals
+    the sequential layer."""
+    res = group.execute(_graph_vs_eager, 1, timeout=300, impl="triton", early_experts=2)
+    for rank, errs in enumerate(res):
+        assert all(v <= BF16_TOL for v in errs.values()), (rank, errs)
+
+
 def test_layer_parity_with_clones(group):
     """Forced placements that clone experts across ranks (W=2: clones both ways; W=4 and W=8:
     experts with two clones, clones on every rank; random per-source shares with exact zeros):
@@ -407,13 +435,13 @@ def test_two_ray_nodes_on_one_host():
 
 # --------------------------------------------------------------------------- worker functions
 def _layer(worker, seed: int, idx: int = 0, chunks: int | tuple = 1, impl: str = "grouped_mm",
-           delay_wgrad: bool = False):
+           delay_wgrad: bool = False, early_experts: int = 0):
     from ray_moe.comm.base import BufferSpec
     from ray_moe.model.moe import MoELayer, MoELayerSpec
 
     worker.transport.reserve(BufferSpec(max_tokens=64, hidden=64, elem_bytes=2, max_top_k=2))
     return MoELayer(MoELayerSpec(64, 8, 2, 96, seed=seed, dtype=torch.bfloat16, expert_impl=impl,
-                                 pipeline_chunks=chunks, delay_wgrad=delay_wgrad),
+                                 pipeline_chunks=chunks, delay_wgrad=delay_wgrad, early_experts=early_experts),
                     worker.transport, layer_idx=idx, device=worker.device)
 
 
@@ -493,7 +521,9 @@ def _stacked_layers(worker) -> dict:
 
 
 def _graph_vs_eager(worker, chunks: int | tuple = 1, **layer_kw) -> dict:
-    """``layer_kw``: impl, delay_wgrad of the captured and the eager layer (:func:`_layer`)."""
+    """``layer_kw``: impl, delay_wgrad, early_experts of the captured and the eager layer
+    (:func:`_layer`); a pipelined or early-experts layer's eager results are also compared with
+    the sequential layer's."""
     dev = worker.device
     torch.manual_seed(10 + worker.rank_info.rank)
     layer = _layer(worker, 7, chunks=chunks, **layer_kw)
@@ -528,7 +558,7 @@ def _graph_vs_eager(worker, chunks: int | tuple = 1, **layer_kw) -> dict:
         errs[f"grad_x{trial}"] = rel_err(sx.grad, ex.grad)
         errs[f"grad_w13_{trial}"] = rel_err(layer.w13.grad, eager.w13.grad)
         errs[f"grad_router{trial}"] = rel_err(layer.router.grad, eager.router.grad)
-        if chunks != 1:
+        if chunks != 1 or layer_kw.get("early_experts"):
             sequential.zero_grad(set_to_none=True)
             qx = nx.clone().requires_grad_()  # not sx: that is the graph's captured input
             so, _ = sequential(qx)

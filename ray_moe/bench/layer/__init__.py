@@ -56,7 +56,8 @@ def ep_rows(shape: LayerShape, args: argparse.Namespace) -> list[dict]:
                                           for v in args.ep_interleave.split(",")),
                          profile=args.ep_profile, profile_steps=args.ep_profile_steps,
                          trace_dir=args.ep_trace_dir, rounds=args.ep_rounds,
-                         delay_wgrad=tuple(bool(int(v)) for v in args.ep_delay_wgrad.split(",")))
+                         delay_wgrad=tuple(bool(int(v)) for v in args.ep_delay_wgrad.split(",")),
+                         early_experts=tuple(int(v) for v in args.ep_early.split(",")))
 
 
 def _print_table(rows: list[dict]) -> None:
@@ -128,6 +129,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ep-delay-wgrad", default="0",
                    help="ep: comma list of 0/1: every variant without / with moe.delay_wgrad (the experts'"
                         " weight gradients on a side stream beside the exchanges), side by side")
+    p.add_argument("--ep-early", default="0",
+                   help="ep: comma list of moe.early_experts D for the sequential layer (0: off; D > 0: each rank's"
+                        " own rows' up-projection for its first D slots while the peers' rows arrive), side by side")
     p.add_argument("--ep-profile", action="store_true",
                    help="ep: the kernels of one step of every EP variant (rank 0) against a rank's own compute")
     p.add_argument("--ep-trace-dir", default=None,
@@ -191,6 +195,7 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--ep-chunks={args.ep_chunks!r} must be a comma list of integers >= 1 or of"
                     " dash-joined relative sizes (e.g. 1,2,1-6-1)")
         _check_int_list(p, "--ep-programs", args.ep_programs, 0)
+        _check_int_list(p, "--ep-early", args.ep_early, 0)
         for flag, value, allowed in (("--ep-interleave", args.ep_interleave, ("0", "1", "default")),
                                      ("--ep-delay-wgrad", args.ep_delay_wgrad, ("0", "1"))):
             if any(v not in allowed for v in value.split(",")):

@@ -76,7 +76,8 @@ def test_kernels_compile_for_hopper_with_vector_row_access():
                BLOCK_R=8, BLOCK_H=128, ALIGNED=True)
     disp = {**common, "x_ptr": "*bf16", "dest_slot_ptr": "*i32", "weight_ptr": "*fp32", "smeta_ptr": "*i32",
             "scnt_ptr": "*i32", "sflag_ptr": "*i32", "out_x_ptr": "*bf16", "out_slot_ptr": "*i32",
-            "out_w_ptr": "*fp32", "pprog_tbl": "*i64", "prog_ptr": "*i64", "done_ptr": "*i32"}
+            "out_w_ptr": "*fp32", "pprog_tbl": "*i64", "prog_ptr": "*i64", "done_ptr": "*i32",
+            "pmflag_tbl": "*i64", "mflag_ptr": "*i64", "mcopied_ptr": "*i32"}
     comb = {**common, "src_ptr": "*bf16", "side_ptr": "*fp32", "out_ptr": "*bf16", "gw_ptr": "*fp32",
             "smeta_ptr": "*i32", "pprog_tbl": "*i64", "prog_ptr": "*i64", "done_ptr": "*i32"}
 
@@ -90,7 +91,7 @@ def test_kernels_compile_for_hopper_with_vector_row_access():
     try:
         ptx = {"dispatch": compile_ptx(dc._dispatch_kernel, disp,
                                        dict(geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=True, PHASE=3,
-                                            INTERLEAVE=False, ARRIVED=False))}
+                                            INTERLEAVE=False, ARRIVED=False, META_FIRST=False))}
     except RuntimeError as exc:  # no ptxas or backend here
         if "ptxas" in str(exc).lower():
             pytest.skip(str(exc))
@@ -98,7 +99,10 @@ def test_kernels_compile_for_hopper_with_vector_row_access():
     # the copy-out interleaved with the sends (Tuning.interleave) keeps the same accesses, as do the
     # combine's variants below
     ptx["dispatch interleaved"] = compile_ptx(dc._dispatch_kernel, disp, dict(
-        geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=True, PHASE=3, INTERLEAVE=True, ARRIVED=False))
+        geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=True, PHASE=3, INTERLEAVE=True, ARRIVED=False, META_FIRST=False))
+    # the meta-first dispatch (moe.early_experts): own rows and every row's meta, then the peers' rows
+    ptx["dispatch meta first"] = compile_ptx(dc._dispatch_kernel, disp, dict(
+        geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=True, PHASE=3, INTERLEAVE=False, ARRIVED=False, META_FIRST=True))
     for rotate in (False, True):  # the ring order of the combine's sends (Tuning.rotate_peers)
         for interleave in (False, True):
             ptx[f"combine rotate={rotate} interleave={interleave}"] = compile_ptx(
@@ -108,7 +112,8 @@ def test_kernels_compile_for_hopper_with_vector_row_access():
     # one program before it (parallel.nvshmem_one_sm_wait): no spin on the put signal in the latter
     for arrived in (False, True):
         ptx[f"dispatch receive arrived={arrived}"] = compile_ptx(dc._dispatch_kernel, disp, dict(
-            geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=False, PHASE=2, INTERLEAVE=False, ARRIVED=arrived))
+            geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=False, PHASE=2, INTERLEAVE=False, ARRIVED=arrived,
+            META_FIRST=False))
         ptx[f"combine receive arrived={arrived}"] = compile_ptx(dc._combine_kernel, comb, dict(
             geo, HAS_META=True, PHASE=2, ROTATE=False, INTERLEAVE=False, ARRIVED=arrived))
     # (a spin polls with system-scope acquire loads: fewer of them once one program waited)
@@ -119,6 +124,10 @@ def test_kernels_compile_for_hopper_with_vector_row_access():
     wait = compile_ptx(dc._arrival_wait_kernel, {"rsig_ptr": "*i64", "remote_tbl": "*i32", "err_ptr": "*i32",
                                                  "spin_limit": "i32"}, dict(W=2, CODE=3))
     assert re.search(r"ld\.global\.sys\.acquire", wait) and re.search(r"atom\.[\w.]*sys[\w.]*exch", wait), wait[-2000:]
+    # the one program on the compute stream that waits for a meta-first dispatch's programs
+    meta_wait = compile_ptx(dc._meta_wait_kernel, {"mcopied_ptr": "*i32", "err_ptr": "*i32", "spin_limit": "i32",
+                                                   "me": "i32"}, dict(G=4))
+    assert re.search(r"ld\.global\.sys\.acquire", meta_wait), meta_wait[-2000:]
     for name, text in ptx.items():
         ops = re.findall(r"\b(?:ld|st)\.global[.\w]*", text)
         assert any(".v4." in op for op in ops), name

@@ -204,6 +204,7 @@ def run_interpreter_checks() -> dict:
         topk[f"{T}x{E}k{K}"] = {"ids": bool(torch.equal(i, ir)), "w": rel_err(w, wr), "grad_abs": (a - b).abs().max().item()}
     results["topk_softmax"] = topk
     results["wgrad_deferral"] = _deferral_check()
+    results["early_rows"] = _early_rows_check()
     results["zero_tail"] = _zero_tail_check()
     return results
 
@@ -260,6 +261,42 @@ def _deferral_check() -> dict:
     names = ("dx", "dweight", "dw13", "dw2")
     return {f"{n} after {i + 1}": rel_err(runs[1][i][j], runs[0][i][j])
             for i in range(2) for j, n in enumerate(names)}
+
+
+def _early_rows_check() -> dict:
+    """expert_ffn_triton with EarlyRows (the up-projection in two launches around the wait) against
+    the one-launch experts on the same rows: equal outputs and gradients for D = 0, some, every
+    slot and past the slots, the ready rows at the start, in the middle and nowhere; the wait
+    called once per forward. Also for the TMA plan (its persistent kernel takes the groups too)."""
+    import dataclasses
+
+    from ray_moe.kernels import expert_ffn_triton
+    from ray_moe.kernels import grouped_swiglu as gs
+    from ray_moe.model.experts import EarlyRows
+
+    out: dict = {}
+    cpu = torch.device("cpu")
+    base = gs.default_plan(torch.float32, cpu)
+    tma = dataclasses.replace(base, gate_up=dataclasses.replace(base.gate_up, tma=True, persistent=True))
+    case = random_case(9, 3, 5, 32, 16, "random", torch.float32, "cpu", seed=21)
+    go = torch.randn(case["x"].shape)
+    for plan_name, plan in (("default", None), ("tma", tma)):
+        grads_ref = None
+        for lo, hi, d in ((0, 0, 0), (0, 4, 2), (3, 7, 5), (2, 9, 9), (0, 9, 1)):
+            leaves = {n: case[n].clone().requires_grad_() for n in ("x", "weight", "w13", "w2")}
+            calls = []
+            early = None if grads_ref is None else EarlyRows(lo, hi, d, lambda: calls.append(1))
+            y = expert_ffn_triton(leaves["x"], case["slot"], leaves["weight"], leaves["w13"], leaves["w2"],
+                                  plan=plan, early=early)
+            y.backward(go)
+            got = [y.detach()] + [leaves[n].grad for n in ("x", "weight", "w13", "w2")]
+            if grads_ref is None:
+                grads_ref = got
+                continue
+            key = f"{plan_name} rows [{lo}, {hi}) D={d}"
+            out[key] = max(rel_err(a, b) for a, b in zip(got, grads_ref))
+            out[key + " waits"] = float(len(calls))
+    return out
 
 
 INTERPRETER_CHECKS = (sys.executable, os.path.abspath(__file__))  # this file as a script: run_interpreter_checks
@@ -398,6 +435,42 @@ def test_delayed_weight_gradients_equal_autograds_under_interpreter(interpreter_
     over two backwards, and leaves dx and the routing-weight gradient as they were."""
     errs = interpreter_results["wgrad_deferral"]
     assert len(errs) == 8 and all(v < 1e-6 for v in errs.values()), errs
+
+
+@pytest.mark.interpreter_script(*INTERPRETER_CHECKS)
+def test_early_rows_split_equals_one_launch_under_interpreter(interpreter_results):
+    """moe.early_experts' two up-projection launches around the rows' wait give the one-launch
+    experts' outputs and gradients, and the wait runs once per forward."""
+    r = interpreter_results["early_rows"]
+    assert len(r) == 16, r
+    assert all(v < 1e-5 for k, v in r.items() if not k.endswith("waits")), r
+    assert all(v == 1.0 for k, v in r.items() if k.endswith("waits")), r
+
+
+def test_local_first_pair_layout_lists_the_ready_rows_first():
+    """pair_layout_local_first (pure torch part + the layout kernels' reference on the CPU): the
+    groups of pair_layout, each with the pairs of rows [lo, hi) first, both parts in pair order."""
+    pytest.importorskip("triton")
+    import ray_moe.kernels.routing as routing
+
+    torch.manual_seed(5)
+    slot = torch.randint(-1, 6, (30, 3))
+    orig = routing.pair_layout
+    routing.pair_layout = routing.pair_layout_reference  # the Triton kernels need a GPU or the interpreter
+    try:
+        layout, local_end = routing.pair_layout_local_first(slot, 6, 7, 19)
+    finally:
+        routing.pair_layout = orig
+    ref = routing.pair_layout_reference(slot, 6)
+    assert torch.equal(layout.offsets, ref.offsets)
+    rows = layout.sorted_pair.long() // 3
+    for s in range(6):
+        a, m, b = int(layout.offsets[s]), int(local_end[s]), int(layout.offsets[s + 1])
+        assert ((rows[a:m] >= 7) & (rows[a:m] < 19)).all() and not ((rows[m:b] >= 7) & (rows[m:b] < 19)).any()
+        for part in (layout.sorted_pair[a:m], layout.sorted_pair[m:b]):
+            assert (part[1:] > part[:-1]).all()
+        assert sorted(layout.sorted_pair[a:b].tolist()) == sorted(ref.sorted_pair[a:b].tolist())
+    assert torch.equal(layout.pair_pos[layout.sorted_pair.long()], torch.arange(slot.numel(), dtype=torch.int32))
 
 
 @pytest.mark.interpreter_script(*INTERPRETER_CHECKS)
