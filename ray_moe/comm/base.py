@@ -103,14 +103,19 @@ class Layout:
 @dataclass(frozen=True)
 class RowsInFlight:
     """The received rows of a dispatch that returned before all of them arrived
-    (:meth:`Transport.dispatch_forward_early`): rows ``[local_lo, local_hi)`` of recv_x (this
-    rank's own tokens), every row's slot and weight and the padding are in place on the current
-    stream; the other rows once ``wait()`` has made the current stream wait for them. Read them
-    only after that (CUDA-graph capturable: an event wait)."""
+    (:meth:`Transport.dispatch_forward_early`). Every row's slot and weight (and the padding's)
+    are in place on the current stream; the rows of recv_x once ``wait()`` has made the current
+    stream wait for them (CUDA-graph capturable: an event wait). Rows ``[local_lo, local_hi)``
+    are this rank's own tokens: before the wait, received row r of them is
+    ``source[source_rows[r - local_lo]]`` (source: the dispatch's x [T, H]; source_rows int32
+    [local_hi - local_lo], meaningful for rows with a valid slot), or None where the transport
+    names no early rows."""
 
     local_lo: int
     local_hi: int
     wait: Callable[[], None]
+    source: torch.Tensor | None = None
+    source_rows: torch.Tensor | None = None
 
 
 def _rows_ready() -> None:

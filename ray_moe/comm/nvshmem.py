@@ -410,7 +410,9 @@ class SymmetricBuffer:
         layout, :class:`~ray_moe.comm.base.RowsInFlight`: rows ``[rank*C, (rank+1)*C)`` of recv_x
         are ready on the current stream, the others once its ``wait()`` made the current stream
         wait for the side stream. Peer path only (no remote peer: :attr:`early_ok`). On the CPU
-        (the interpreter) everything runs in order and ``wait`` does nothing."""
+        (the interpreter) everything runs in order and ``wait`` does nothing. The own rows are named
+        by ``source_rows`` (int32 [C]: the token of each; written before the meta wait), so the
+        experts can read them from x before they are copied."""
         if not self.early_ok:
             raise NVSHMEMError("dispatch_early needs every peer reached through peer pointers (no remote peer)")
         geo = self.geo
@@ -422,18 +424,20 @@ class SymmetricBuffer:
         key = self._key("dispatch_early", cap, x, dest_rank, dest_slot, weight)
         outs = self._dispatch_outputs(T, K, cap, x.dtype, x.device)
         pos, smeta, rmeta, recv_x, recv_slot, recv_w = outs
+        ltok = torch.empty(cap, dtype=torch.int32, device=x.device)
+        outs = (*outs, ltok)
         ch = self.dch
         args = (geo, ch.addrs, x, pos, smeta, recv_x, rmeta, self.err)
         kw = dict(dest_rank=dest_rank, dest_slot=dest_slot, weight=weight, out_slot=recv_slot, out_w=recv_w,
                   scratch=self.scratch, compute_layout=True, spin_limit=self.spin_limit, tuning=self.tuning,
-                  capacity=cap, launcher=self.launcher, interleave_ok=False, meta_first=True)
+                  capacity=cap, launcher=self.launcher, interleave_ok=False, meta_first=True, ltok=ltok)
         wait_key = ("meta_wait", self.spin_limit)
         layout = NVSHMEMLayout(T, K, pos, smeta, rmeta, dest_rank, cap)
         lo, hi = geo.rank * cap, (geo.rank + 1) * cap
         if side is None:
             launch_dispatch(*args, phase=3, key=_with(key, 3), **kw)
             launch_meta_wait(geo, ch.addrs, self.err, self.spin_limit, self.launcher, wait_key)
-            return recv_x, recv_slot, recv_w, layout, RowsInFlight(lo, hi, _ready)
+            return recv_x, recv_slot, recv_w, layout, RowsInFlight(lo, hi, _ready, x, ltok)
         main = torch.cuda.current_stream(x.device)
         side.wait_stream(main)
         for t in (x, dest_rank, dest_slot, weight, *outs):  # used on both streams: freed after both
@@ -443,7 +447,8 @@ class SymmetricBuffer:
             done = torch.cuda.Event()
             done.record(side)
         launch_meta_wait(geo, ch.addrs, self.err, self.spin_limit, self.launcher, wait_key)
-        return recv_x, recv_slot, recv_w, layout, RowsInFlight(lo, hi, lambda: torch.cuda.current_stream().wait_event(done))
+        return recv_x, recv_slot, recv_w, layout, RowsInFlight(
+            lo, hi, lambda: torch.cuda.current_stream().wait_event(done), x, ltok)
 
     @property
     def early_ok(self) -> bool:

@@ -187,6 +187,27 @@ def _pad_meta(out_slot_ptr, out_w_ptr, s, tot, T_cap, pid, rrow, kcol, G: tl.con
 
 
 @triton.jit
+def _send_rows(x_ptr, r, rmask, posm, wcol, hcol, me, T_cap, out_x_ptr, dst_tbl, W: tl.constexpr, H: tl.constexpr,
+               BLOCK_H: tl.constexpr, ROW_ELEMS: tl.constexpr, ELEM: tl.constexpr, CM_BYTES: tl.constexpr,
+               ALIGNED: tl.constexpr):
+    """Token rows ``r`` (mask ``rmask``) of x to every destination at their rows ``posm`` [R, W]
+    (-1: not sent): this rank's own into out_x's block ``me``, the peers' into their regions."""
+    for hb in tl.static_range(0, H, BLOCK_H):
+        h = hb + hcol
+        hm = h < H
+        xt = tl.load(_rows_of(x_ptr, r, h, H, BLOCK_H, ALIGNED), mask=rmask[:, None] & hm[None, :], other=0.0)
+        for d in tl.static_range(W):
+            pd = _column(posm, wcol, d)
+            ok = rmask & (pd >= 0)
+            if d == me:
+                dst = _rows_of(out_x_ptr, me * T_cap + pd, h, H, BLOCK_H, ALIGNED)
+                tl.store(dst, xt, mask=ok[:, None] & hm[None, :])
+            else:
+                rows = _row_block(tl.load(dst_tbl + d) + CM_BYTES, pd, h, ROW_ELEMS, ELEM, BLOCK_H)
+                tl.store(rows, xt, mask=ok[:, None] & hm[None, :])
+
+
+@triton.jit
 def _chunk_meta(region):
     """(start, end, total) of the chunk meta at byte address ``region`` (this program's entry)."""
     cm = tl.load(region.to(tl.pointer_type(tl.int32)) + tl.arange(0, 4), cache_modifier=".cg")
@@ -218,6 +239,7 @@ def _dispatch_kernel(
     ctr_ptr, err_ptr,
     pprog_tbl, prog_ptr, done_ptr,  # INTERLEAVE's progress words (ChannelAddrs)
     pmflag_tbl, mflag_ptr, mcopied_ptr,  # META_FIRST's words (ChannelAddrs)
+    ltok_ptr,  # META_FIRST: int32 [T_cap], the token of each row this rank sends itself
     me, T_cap, REGION, spin_limit,
     W: tl.constexpr, W_PAD: tl.constexpr, H: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
     KMAX: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
@@ -316,21 +338,9 @@ def _dispatch_kernel(
                              mask=rmask[:, None] & (kcol[None, :] < K), other=-1)
                 wt = tl.load(weight_ptr + r[:, None] * K + kcol[None, :],
                              mask=rmask[:, None] & (kcol[None, :] < K), other=0.0)
-            for hb in tl.static_range(0, H, BLOCK_H):
-                h = hb + hcol
-                hm = h < H
-                xt = tl.load(_rows_of(x_ptr, r, h, H, BLOCK_H, ALIGNED),
-                             mask=rmask[:, None] & hm[None, :], other=0.0)
-                for d in tl.static_range(W):
-                    pd = _column(posm, wcol, d)
-                    ok = rmask & (pd >= 0)
-                    if d == me:
-                        dst = _rows_of(out_x_ptr, me * T_cap + pd, h, H, BLOCK_H, ALIGNED)
-                        tl.store(dst, xt, mask=ok[:, None] & hm[None, :])
-                    elif not META_FIRST:  # (META_FIRST: the peers' rows follow the meta exchange)
-                        rows = _row_block(tl.load(dst_tbl + d) + CM_BYTES, pd, h, ROW_ELEMS, ELEM, BLOCK_H)
-                        tl.store(rows, xt,
-                                 mask=ok[:, None] & hm[None, :])
+            if not META_FIRST:  # (META_FIRST: every row follows the meta exchange)
+                _send_rows(x_ptr, r, rmask, posm, wcol, hcol, me, T_cap, out_x_ptr, dst_tbl,
+                           W, H, BLOCK_H, ROW_ELEMS, ELEM, CM_BYTES, ALIGNED)
             if HAS_META:
                 kmask = kcol[None, :] < K
                 for d in tl.static_range(W):
@@ -343,6 +353,8 @@ def _dispatch_kernel(
                         row = (me * T_cap + pd)[:, None] * K + kcol[None, :]
                         tl.store(out_slot_ptr + row, slot, mask=ok[:, None] & kmask)
                         tl.store(out_w_ptr + row, wgt, mask=ok[:, None] & kmask)
+                        if META_FIRST:
+                            tl.store(ltok_ptr + pd, r, mask=ok)
                     else:
                         mrow = _row_block(tl.load(dst_tbl + d) + meta_base, pd, kcol, 2 * KMAX, tl.int32, K_PAD)
                         tl.store(mrow, slot, mask=ok[:, None] & kmask)
@@ -371,9 +383,9 @@ def _dispatch_kernel(
                             tl.store(done_ptr + s * G + pid, got - st)
         if META_FIRST:
             # ---------------- the meta exchange: the peers' slots and weights of this program's
-            # chunk and every source's meta padding land here before any peer row is sent, then
-            # mcopied tells the receiving side's stream (launch_meta_wait) that the routing of the
-            # received rows and this rank's own rows are in place
+            # chunk and every source's meta padding land here before any row is sent, then mcopied
+            # tells the receiving side's stream (launch_meta_wait) that the routing of the received
+            # rows and ltok (where this rank's own rows are in x) are in place
             for d in tl.static_range(W):
                 if d != me:  # the call number itself: only some dispatches of the channel are meta-first
                     _publish(tl.load(pmflag_tbl + d) + pid * 8, n.to(tl.int64) + 1)
@@ -393,23 +405,14 @@ def _dispatch_kernel(
                 _pad_meta(out_slot_ptr, out_w_ptr, s, tot, T_cap, pid, rrow, kcol, G, K, K_PAD, BLOCK_R)
             tl.debug_barrier()
             tl.atomic_xchg(mcopied_ptr + pid, 1, sem="release", scope="gpu")
-            # ---------------- then the rows to the peers
+            # ---------------- then the rows, this rank's own included
             for tb in range(t0, t1, BLOCK_R):
                 r = tb + rrow
                 rmask = r < t1
                 posm = tl.load(pos_ptr + r[:, None] * W + wcol[None, :],
                                mask=rmask[:, None] & (wcol[None, :] < W), other=-1)
-                for hb in tl.static_range(0, H, BLOCK_H):
-                    h = hb + hcol
-                    hm = h < H
-                    xt = tl.load(_rows_of(x_ptr, r, h, H, BLOCK_H, ALIGNED),
-                                 mask=rmask[:, None] & hm[None, :], other=0.0)
-                    for d in tl.static_range(W):
-                        if d != me:
-                            pd = _column(posm, wcol, d)
-                            ok = rmask & (pd >= 0)
-                            rows = _row_block(tl.load(dst_tbl + d) + CM_BYTES, pd, h, ROW_ELEMS, ELEM, BLOCK_H)
-                            tl.store(rows, xt, mask=ok[:, None] & hm[None, :])
+                _send_rows(x_ptr, r, rmask, posm, wcol, hcol, me, T_cap, out_x_ptr, dst_tbl,
+                           W, H, BLOCK_H, ROW_ELEMS, ELEM, CM_BYTES, ALIGNED)
         # ---------------- the arrival signal (peer path)
         for d in tl.static_range(W):
             if d != me:
@@ -883,7 +886,8 @@ def _dispatch_checks(geo, T_cap, x, pos, smeta, out_x, rmeta, dest_rank, dest_sl
         _check(out_w, "out_w", (W * T_cap, K), torch.float32, dev)
 
 
-def _dispatch_varying(x, pos, smeta, out_x, rmeta, dest_rank, dest_slot, weight, out_slot, out_w, scratch) -> dict:
+def _dispatch_varying(x, pos, smeta, out_x, rmeta, dest_rank, dest_slot, weight, out_slot, out_w, scratch,
+                      ltok=None) -> dict:
     """The arguments of :func:`_dispatch_kernel` that change from call to call (tensors and T)."""
     has_meta = weight is not None
     scnt, sflag = scratch if scratch is not None else (_nz(pos), _nz(pos))
@@ -894,7 +898,7 @@ def _dispatch_varying(x, pos, smeta, out_x, rmeta, dest_rank, dest_slot, weight,
         x_ptr=x, dest_rank_ptr=dest_rank, dest_slot_ptr=_nz(dest_slot) if has_meta else pos,
         weight_ptr=_nz(weight) if has_meta else x, T=T, pos_ptr=pos, smeta_ptr=_nz(smeta),
         scnt_ptr=scnt, sflag_ptr=sflag, out_x_ptr=out_x, out_slot_ptr=out_slot if has_meta else pos,
-        out_w_ptr=out_w if has_meta else x, rmeta_ptr=rmeta,
+        out_w_ptr=out_w if has_meta else x, rmeta_ptr=rmeta, ltok_ptr=pos if ltok is None else ltok,
     )
 
 
@@ -926,6 +930,7 @@ def launch_dispatch(
     compute_layout: bool = False, spin_limit: int = 1 << 25,
     tuning: Tuning | None = None, capacity: int | None = None, launcher: "Launcher | None" = None,
     key: tuple | None = None, interleave_ok: bool = True, arrived: bool = False, meta_first: bool = False,
+    ltok: torch.Tensor | None = None,
 ) -> None:
     """Dispatch-like exchange: rows of x [T, H] go to out_x [W*C, H] of their destinations, where
     C = ``capacity`` (rows per source this call; default the buffer's T_cap, at most that).
@@ -942,19 +947,21 @@ def launch_dispatch(
     put signals on one SM, so the kernel's programs do not spin on them.
 
     ``meta_first`` (phase 3, peer path, with the row meta and ``compute_layout``): each program
-    writes this rank's own rows and every peer's slots and weights first, copies out the meta the
-    peers sent it (and pads every source's), sets its ``mcopied`` word, and only then sends the
-    rows to the peers and receives theirs. :func:`launch_meta_wait` on another stream then lets
+    writes every destination's slots and weights first, and ``ltok`` int32 [C] (the token of
+    each row this rank sends itself), copies out the meta the peers sent it (and pads every
+    source's), sets its ``mcopied`` word, and only then sends the rows (its own included) and
+    receives the peers'. :func:`launch_meta_wait` on another stream then lets
     the routing of the received rows and the experts of this rank's own rows run while the
     peers' rows are still on the way (the MoE layer's ``early_experts``). Not interleaved.
     """
     tu = tuning or Tuning()
     T_cap = capacity or geo.capacity
     launcher = launcher or Launcher(fast=False)
-    if meta_first and (phase != 3 or weight is None or not compute_layout):
-        raise ValueError("meta_first needs phase 3, the row meta (weight, dest_slot) and compute_layout")
+    if meta_first and (phase != 3 or weight is None or not compute_layout or ltok is None):
+        raise ValueError("meta_first needs phase 3, the row meta (weight, dest_slot), compute_layout and ltok")
     interleave = tu.interleave and interleave_ok and phase == 3 and not meta_first
-    varying = _dispatch_varying(x, pos, smeta, out_x, rmeta, dest_rank, dest_slot, weight, out_slot, out_w, scratch)
+    varying = _dispatch_varying(x, pos, smeta, out_x, rmeta, dest_rank, dest_slot, weight, out_slot, out_w, scratch,
+                                ltok)
 
     def fixed() -> dict:
         has_meta = weight is not None

@@ -43,11 +43,11 @@ from ray_moe.kernels.routing import PairLayout, pair_layout, pair_layout_local_f
 def _early_split(slot: torch.Tensor, n_slots: int, early: Any) -> tuple[PairLayout, RowSplit]:
     """The pair layout with each group's early rows first, and the up-projection's two launches
     (``early``: :class:`ray_moe.model.experts.EarlyRows`)."""
-    layout, local_end = pair_layout_local_first(slot, n_slots, early.lo, early.hi)
     d = max(0, min(early.slots, n_slots))
-    off = layout.offsets
-    rest_starts = torch.cat([local_end[:d], off[d:n_slots]]) if d else off[:n_slots]
-    return layout, RowSplit(first=(off[:d], local_end[:d]), rest=(rest_starts, off[1:]), wait=early.wait)
+    layout, local_end, rest_start = pair_layout_local_first(slot, n_slots, early.lo, early.hi, d)
+    source = None if early.source is None else (early.source, early.source_rows, early.lo)
+    return layout, RowSplit(first=(layout.offsets[:d], local_end[:d]), rest=(rest_start, layout.offsets[1:]),
+                            wait=early.wait, first_source=source)
 
 
 class _ExpertFFN(torch.autograd.Function):

@@ -153,13 +153,15 @@ def _tile_of_groups(starts_ptr, ends_ptr, n_groups, tile_m, BLOCK_M: tl.constexp
 @triton.jit
 def _grouped_rows_kernel(
     a_ptr, b_ptr, out_ptr, out2_ptr, aux_ptr, weight_ptr, dw_ptr, starts_ptr, ends_ptr, sorted_pair_ptr,
-    n_groups, max_m_tiles, N, KD, half, n_pos,
+    row_map_ptr, row_lo, n_groups, max_m_tiles, N, KD, half, n_pos,
     stride_am, stride_bg, stride_bk, stride_bn, stride_om, stride_o2m, stride_xm,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr, SAVE_AUX: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUPS_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ROW_MAP: tl.constexpr = False,
 ):
-    """See the module docstring. ``half`` = I: column offset of the up half in w13 / h13 / dh13."""
+    """See the module docstring. ``half`` = I: column offset of the up half in w13 / h13 / dh13.
+    ROW_MAP (with GATHER_A): row r of the gathered rows is row ``row_map[r - row_lo]`` of a."""
     num_n = tl.cdiv(N, BLOCK_N)
     tile_m, pid_n = swizzle(tl.program_id(0), max_m_tiles, num_n, GROUP_M)
     group, row_start, row_end, total = _tile_of_groups(starts_ptr, ends_ptr, n_groups, tile_m, BLOCK_M, GROUPS_PAD)
@@ -176,6 +178,8 @@ def _grouped_rows_kernel(
         pair = rm  # not read
     if GATHER_A:
         a_row = (pair // TOP_K).to(tl.int64)
+        if ROW_MAP:
+            a_row = tl.load(row_map_ptr + (a_row - row_lo), mask=row_ok, other=0).to(tl.int64)
     else:
         a_row = rm.to(tl.int64)
     a_ptrs = a_ptr + a_row[:, None] * stride_am + rk[None, :]
@@ -344,10 +348,11 @@ def _launch_rows(
     layout: PairLayout, top_k: int, gather_a: bool, epilogue: int, n_cols: int, kd: int, half: int,
     cfg: GemmConfig, out2: torch.Tensor | None = None, aux: torch.Tensor | None = None,
     weight: torch.Tensor | None = None, dw: torch.Tensor | None = None, save_aux: bool = False,
-    groups: tuple[torch.Tensor, torch.Tensor] | None = None,
+    groups: tuple[torch.Tensor, torch.Tensor] | None = None, row_map: tuple[torch.Tensor, int] | None = None,
 ) -> None:
     """``groups``: int32 (starts [G], ends [G]) of the row groups to compute, group g with
-    b[g] (default: the layout's, ``offsets[:-1]`` and ``offsets[1:]``)."""
+    b[g] (default: the layout's, ``offsets[:-1]`` and ``offsets[1:]``). ``row_map`` (int32
+    tensor, lo), with ``gather_a``: the pair's row r is read from row ``row_map[r - lo]`` of a."""
     n_pos = layout.sorted_pair.numel()
     starts, ends = groups if groups is not None else (layout.offsets, layout.offsets[1:])
     n_groups = ends.numel()
@@ -361,7 +366,7 @@ def _launch_rows(
             grouped_tma.launch_rows_tma(
                 a=a, b=b, b_kmajor=b_kmajor, out=out, starts=starts, ends=ends, sorted_pair=layout.sorted_pair,
                 top_k=top_k, gather_a=gather_a, epilogue=epilogue, n_cols=n_cols, kd=kd, half=half, cfg=cfg,
-                dot_precision=_dot_precision(a.dtype), aux=aux, weight=weight, save_aux=save_aux,
+                dot_precision=_dot_precision(a.dtype), aux=aux, weight=weight, save_aux=save_aux, row_map=row_map,
             )
             return
     max_m_tiles = triton.cdiv(n_pos, cfg.block_m) + n_groups
@@ -370,15 +375,15 @@ def _launch_rows(
     _grouped_rows_kernel[grid](
         a, b, out, dummy if out2 is None else out2, dummy if aux is None else aux,
         dummy if weight is None else weight, dummy if dw is None else dw,
-        starts, ends, layout.sorted_pair,
-        n_groups, max_m_tiles, n_cols, kd, half, n_pos,
+        starts, ends, layout.sorted_pair, layout.sorted_pair if row_map is None else row_map[0],
+        0 if row_map is None else row_map[1], n_groups, max_m_tiles, n_cols, kd, half, n_pos,
         a.stride(0), b_strides[0], b_strides[1], b_strides[2], out.stride(0),
         0 if out2 is None else out2.stride(0), 0 if aux is None else aux.stride(0),
         TOP_K=top_k, GATHER_A=gather_a, EPILOGUE=epilogue, SAVE_AUX=save_aux,
         EVEN_K=kd % cfg.block_k == 0, DOT_PRECISION=_dot_precision(a.dtype),
         GROUPS_PAD=triton.next_power_of_2(n_groups),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ROW_MAP=row_map is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -401,6 +406,9 @@ class RowSplit:
     first: tuple[torch.Tensor, torch.Tensor]
     rest: tuple[torch.Tensor, torch.Tensor]
     wait: Callable[[], None]
+    # (source [T, H], source_rows int32 [C], lo): the first launch reads received row r from
+    # source[source_rows[r - lo]] (the dispatch's input: its own rows are not copied yet)
+    first_source: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
 
 def gate_up_swiglu(
@@ -430,14 +438,17 @@ def gate_up_swiglu(
     cfg = cfg or default_config("gate_up", x.dtype, x.device)
     act = torch.empty(P, I, dtype=x.dtype, device=x.device)
     h13 = torch.empty(P, I2, dtype=x.dtype, device=x.device) if save_preact else None
-    phases = [(None, None)] if split is None else [(split.first, None), (split.rest, split.wait)]
-    for groups, before in phases:
+    phases = [(None, None, x, None)] if split is None else [
+        (split.first, None, *((x, None) if split.first_source is None else
+                              (split.first_source[0], split.first_source[1:]))),
+        (split.rest, split.wait, x, None)]
+    for groups, before, a, row_map in phases:
         if before is not None:
             before()
         _launch_rows(
-            a=x, b=w13, b_strides=(w13.stride(0), w13.stride(1), w13.stride(2)), out=act, aux=h13,
+            a=a, b=w13, b_strides=(w13.stride(0), w13.stride(1), w13.stride(2)), out=act, aux=h13,
             layout=layout, top_k=top_k, gather_a=True, epilogue=EPI_SWIGLU.value, n_cols=I, kd=H, half=I, cfg=cfg,
-            save_aux=save_preact, groups=groups,
+            save_aux=save_preact, groups=groups, row_map=row_map,
         )
     return act, h13
 

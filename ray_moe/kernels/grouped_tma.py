@@ -110,13 +110,14 @@ def _group_of(tile_m, g, starts, ends, tiles, cum, BLOCK_M: tl.constexpr):
 @triton.jit
 def _rows_tile(
     tile_m, pid_n, g, starts, ends, tiles, cum,
-    a_ptr, a_desc, b_desc, out_ptr, aux_ptr, weight_ptr, sorted_pair_ptr,
+    a_ptr, a_desc, b_desc, out_ptr, aux_ptr, weight_ptr, sorted_pair_ptr, row_map_ptr, row_lo,
     N, KD, half, b_group_rows, stride_am, stride_om, stride_xm,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, B_KMAJOR: tl.constexpr, EPILOGUE: tl.constexpr,
     SAVE_AUX: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_MAP: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] output tile: main loop over the contraction, then the epilogue."""
+    """One [BLOCK_M, BLOCK_N] output tile: main loop over the contraction, then the epilogue.
+    ROW_MAP (with GATHER_A): gathered row r is row ``row_map[r - row_lo]`` of A."""
     group, row_start, row_end = _group_of(tile_m, g, starts, ends, tiles, cum, BLOCK_M)
     rm = row_start + tl.arange(0, BLOCK_M)
     row_ok = rm < row_end
@@ -124,7 +125,10 @@ def _rows_tile(
     rk = tl.arange(0, BLOCK_K)
     if GATHER_A:
         pair = tl.load(sorted_pair_ptr + rm, mask=row_ok, other=0)
-        a_rows = a_ptr + (pair // TOP_K).to(tl.int64)[:, None] * stride_am
+        a_row = (pair // TOP_K).to(tl.int64)
+        if ROW_MAP:
+            a_row = tl.load(row_map_ptr + (a_row - row_lo), mask=row_ok, other=0).to(tl.int64)
+        a_rows = a_ptr + a_row[:, None] * stride_am
     b_row0 = group * b_group_rows
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -161,11 +165,12 @@ def _rows_tile(
 @triton.jit
 def _rows_tma_kernel(
     a_ptr, a_desc, b_desc, out_ptr, aux_ptr, weight_ptr, starts_ptr, ends_ptr, sorted_pair_ptr,
-    n_groups, max_m_tiles, N, KD, half, b_group_rows, stride_am, stride_om, stride_xm,
+    row_map_ptr, row_lo, n_groups, max_m_tiles, N, KD, half, b_group_rows, stride_am, stride_om, stride_xm,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, B_KMAJOR: tl.constexpr, EPILOGUE: tl.constexpr,
     SAVE_AUX: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUPS_PAD: tl.constexpr,
     PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr, NUM_PROGS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ROW_MAP: tl.constexpr = False,
 ):
     """See the module docstring. B tile of group s: N-major form rows ``s*b_group_rows + k``,
     columns ``n`` (and ``half + n`` for the up half); K-major form (``B_KMAJOR``) rows
@@ -177,21 +182,23 @@ def _rows_tma_kernel(
         for tile in tl.range(tl.program_id(0), total_m * num_n, NUM_PROGS, flatten=FLATTEN):
             tile_m, pid_n = swizzle(tile, total_m, num_n, GROUP_M)
             _rows_tile(tile_m, pid_n, g, starts, ends, tiles, cum, a_ptr, a_desc, b_desc, out_ptr, aux_ptr,
-                       weight_ptr, sorted_pair_ptr, N, KD, half, b_group_rows, stride_am, stride_om, stride_xm,
-                       TOP_K, GATHER_A, B_KMAJOR, EPILOGUE, SAVE_AUX, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                       weight_ptr, sorted_pair_ptr, row_map_ptr, row_lo, N, KD, half, b_group_rows, stride_am,
+                       stride_om, stride_xm, TOP_K, GATHER_A, B_KMAJOR, EPILOGUE, SAVE_AUX, EVEN_K, DOT_PRECISION,
+                       BLOCK_M, BLOCK_N, BLOCK_K, ROW_MAP)
     else:
         tile_m, pid_n = swizzle(tl.program_id(0), max_m_tiles, num_n, GROUP_M)
         if tile_m < total_m:
             _rows_tile(tile_m, pid_n, g, starts, ends, tiles, cum, a_ptr, a_desc, b_desc, out_ptr, aux_ptr,
-                       weight_ptr, sorted_pair_ptr, N, KD, half, b_group_rows, stride_am, stride_om, stride_xm,
-                       TOP_K, GATHER_A, B_KMAJOR, EPILOGUE, SAVE_AUX, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                       weight_ptr, sorted_pair_ptr, row_map_ptr, row_lo, N, KD, half, b_group_rows, stride_am,
+                       stride_om, stride_xm, TOP_K, GATHER_A, B_KMAJOR, EPILOGUE, SAVE_AUX, EVEN_K, DOT_PRECISION,
+                       BLOCK_M, BLOCK_N, BLOCK_K, ROW_MAP)
 
 
 def launch_rows_tma(
     *, a: torch.Tensor, b: torch.Tensor, b_kmajor: bool, out: torch.Tensor, starts: torch.Tensor,
     ends: torch.Tensor, sorted_pair: torch.Tensor, top_k: int, gather_a: bool, epilogue: int, n_cols: int, kd: int, half: int,
     cfg, dot_precision: str, aux: torch.Tensor | None = None, weight: torch.Tensor | None = None,
-    save_aux: bool = False,
+    save_aux: bool = False, row_map: tuple[torch.Tensor, int] | None = None,
 ) -> None:
     """Launch :func:`_rows_tma_kernel`. ``b``: the stacked weights [S, rows, cols], contiguous,
     whose 2-D view [S*rows, cols] backs B's descriptor (``b_kmajor``: rows index n, else k).
@@ -211,13 +218,14 @@ def launch_rows_tma(
     dummy = out
     _rows_tma_kernel[grid](
         a, a_desc, b_desc, out, dummy if aux is None else aux, dummy if weight is None else weight,
-        starts, ends, sorted_pair, n_groups, max_m_tiles, n_cols, kd, half, rows,
+        starts, ends, sorted_pair, sorted_pair if row_map is None else row_map[0],
+        0 if row_map is None else row_map[1], n_groups, max_m_tiles, n_cols, kd, half, rows,
         a.stride(0), out.stride(0), 0 if aux is None else aux.stride(0),
         TOP_K=top_k, GATHER_A=gather_a, B_KMAJOR=b_kmajor, EPILOGUE=epilogue, SAVE_AUX=save_aux,
         EVEN_K=kd % cfg.block_k == 0, DOT_PRECISION=dot_precision, GROUPS_PAD=triton.next_power_of_2(n_groups),
         PERSISTENT=cfg.persistent, FLATTEN=cfg.persistent and cfg.flatten, NUM_PROGS=progs,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ROW_MAP=row_map is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 

@@ -29,17 +29,20 @@ from ray_moe.model.router import route
 
 @dataclass(frozen=True)
 class EarlyRows:
-    """Rows of the experts' input that are ready before the others (a dispatch still receiving the
-    peers' rows, :class:`~ray_moe.comm.base.RowsInFlight`): rows ``[lo, hi)`` now, every row once
-    ``wait()`` has made the current stream wait. With ``slots`` = D the Triton experts run the
-    up-projection of those rows for the first D slots before the wait, beside the transfer, and
-    everything else after it: each group's GEMM tiles stay whole except the first D slots',
-    whose weights are read twice."""
+    """Rows of the experts' input that can be read before the others arrive (a dispatch still
+    receiving the peers' rows, :class:`~ray_moe.comm.base.RowsInFlight`): rows ``[lo, hi)`` now,
+    from ``source[source_rows[r - lo]]`` where ``source`` is given (else from x itself), every
+    row of x once ``wait()`` has made the current stream wait. With ``slots`` = D the Triton
+    experts run the up-projection of those rows for the first D slots before the wait, beside
+    the transfer, and everything else after it: each group's GEMM tiles stay whole except the
+    first D slots', whose weights are read twice."""
 
     lo: int
     hi: int
     slots: int
     wait: Callable[[], None]
+    source: torch.Tensor | None = None  # [T, H], x's dtype
+    source_rows: torch.Tensor | None = None  # int32 [hi - lo]
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:

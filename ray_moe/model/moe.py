@@ -294,7 +294,8 @@ class MoELayer(nn.Module):
             deferral = self.wgrad_deferral
             recv_x, recv_slot, recv_w, layout, in_flight = dispatch_early(
                 self.transport, x, weights, dest_rank, dest_slot, after_backward=deferral.join if deferral else None)
-            early = EarlyRows(in_flight.local_lo, in_flight.local_hi, self.early_experts, in_flight.wait)
+            early = EarlyRows(in_flight.local_lo, in_flight.local_hi, self.early_experts, in_flight.wait,
+                              in_flight.source, in_flight.source_rows)
             out = combine(self.transport, experts(recv_x, recv_slot, recv_w, self.w13, self.w2, deferral, early), layout)
             pairs = (recv_slot >= 0).sum()
         else:

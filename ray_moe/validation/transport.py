@@ -162,6 +162,10 @@ def check_dispatch(worker: Any, case: Case) -> dict[str, Any]:
         want = _canonical(*_reference_received(own, me))
         errors["early_rows"] = 0.0 if (got[0].shape == want[0].shape and torch.equal(got[1], want[1])
                                         and torch.equal(got[0].float(), want[0].to(dtype).float())) else float("inf")
+        if in_flight.source is not None:  # and where in the dispatch's input each of them is
+            valid = (early[1][lo:hi] >= 0).any(1)
+            named = in_flight.source[in_flight.source_rows.long()[valid]]
+            errors["early_source_rows"] = 0.0 if torch.equal(named, early[0][lo:hi][valid]) else float("inf")
     if getattr(tr, "owns_dispatch_outputs", False) and x.numel():  # (an empty call allocates anew)
         same = all(a.data_ptr() == b.data_ptr() for a, b in zip(owned[:3], out2[:3]))
         errors["reused_outputs"] = 0.0 if same else float("inf")

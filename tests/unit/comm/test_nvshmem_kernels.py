@@ -77,7 +77,7 @@ def test_kernels_compile_for_hopper_with_vector_row_access():
     disp = {**common, "x_ptr": "*bf16", "dest_slot_ptr": "*i32", "weight_ptr": "*fp32", "smeta_ptr": "*i32",
             "scnt_ptr": "*i32", "sflag_ptr": "*i32", "out_x_ptr": "*bf16", "out_slot_ptr": "*i32",
             "out_w_ptr": "*fp32", "pprog_tbl": "*i64", "prog_ptr": "*i64", "done_ptr": "*i32",
-            "pmflag_tbl": "*i64", "mflag_ptr": "*i64", "mcopied_ptr": "*i32"}
+            "pmflag_tbl": "*i64", "mflag_ptr": "*i64", "mcopied_ptr": "*i32", "ltok_ptr": "*i32"}
     comb = {**common, "src_ptr": "*bf16", "side_ptr": "*fp32", "out_ptr": "*bf16", "gw_ptr": "*fp32",
             "smeta_ptr": "*i32", "pprog_tbl": "*i64", "prog_ptr": "*i64", "done_ptr": "*i32"}
 

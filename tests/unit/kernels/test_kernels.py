@@ -266,8 +266,11 @@ def _deferral_check() -> dict:
 def _early_rows_check() -> dict:
     """expert_ffn_triton with EarlyRows (the up-projection in two launches around the wait) against
     the one-launch experts on the same rows: equal outputs and gradients for D = 0, some, every
-    slot and past the slots, the ready rows at the start, in the middle and nowhere; the wait
-    called once per forward. Also for the TMA plan (its persistent kernel takes the groups too)."""
+    slot and past the slots, the ready rows at the start, in the middle and nowhere, read from x
+    or from another tensor through a row map (the dispatch's input, ``source``); the wait called
+    once per forward. Also for the TMA plan (its persistent kernel takes the groups too). And
+    pair_layout_local_first's order against a torch one."""
+    from ray_moe.kernels.routing import pair_layout_local_first, pair_layout_reference
     import dataclasses
 
     from ray_moe.kernels import expert_ffn_triton
@@ -282,10 +285,16 @@ def _early_rows_check() -> dict:
     go = torch.randn(case["x"].shape)
     for plan_name, plan in (("default", None), ("tma", tma)):
         grads_ref = None
-        for lo, hi, d in ((0, 0, 0), (0, 4, 2), (3, 7, 5), (2, 9, 9), (0, 9, 1)):
+        for lo, hi, d, mapped in ((0, 0, 0, False), (0, 4, 2, False), (3, 7, 5, True), (2, 9, 9, False),
+                                  (0, 9, 1, True)):
             leaves = {n: case[n].clone().requires_grad_() for n in ("x", "weight", "w13", "w2")}
             calls = []
-            early = None if grads_ref is None else EarlyRows(lo, hi, d, lambda: calls.append(1))
+            source = rows = None
+            if mapped:  # the ready rows at shuffled places of a larger tensor
+                rows = torch.randperm(20)[: hi - lo].to(torch.int32)
+                source = torch.randn(20, case["x"].shape[1])
+                source[rows.long()] = case["x"][lo:hi]
+            early = None if grads_ref is None else EarlyRows(lo, hi, d, lambda: calls.append(1), source, rows)
             y = expert_ffn_triton(leaves["x"], case["slot"], leaves["weight"], leaves["w13"], leaves["w2"],
                                   plan=plan, early=early)
             y.backward(go)
@@ -293,9 +302,22 @@ def _early_rows_check() -> dict:
             if grads_ref is None:
                 grads_ref = got
                 continue
-            key = f"{plan_name} rows [{lo}, {hi}) D={d}"
+            key = f"{plan_name} rows [{lo}, {hi}) D={d}{' mapped' if mapped else ''}"
             out[key] = max(rel_err(a, b) for a, b in zip(got, grads_ref))
             out[key + " waits"] = float(len(calls))
+    slot = torch.randint(-1, 6, (30, 3))
+    layout, local_end, rest_start = pair_layout_local_first(slot, 6, 7, 19, n_early=4)
+    ref = pair_layout_reference(slot, 6)
+    rows = layout.sorted_pair.long() // 3
+    ok = torch.equal(layout.offsets, ref.offsets)
+    for g in range(6):
+        a, m, b = int(layout.offsets[g]), int(local_end[g]), int(layout.offsets[g + 1])
+        ok &= bool(((rows[a:m] >= 7) & (rows[a:m] < 19)).all()) and not bool(((rows[m:b] >= 7) & (rows[m:b] < 19)).any())
+        ok &= all(bool((part[1:] > part[:-1]).all()) for part in (layout.sorted_pair[a:m], layout.sorted_pair[m:b]))
+        ok &= sorted(layout.sorted_pair[a:b].tolist()) == sorted(ref.sorted_pair[a:b].tolist())
+        ok &= int(rest_start[g]) == (m if g < 4 else a)
+    ok &= torch.equal(layout.pair_pos[layout.sorted_pair.long()], torch.arange(slot.numel(), dtype=torch.int32))
+    out["local_first_layout"] = 0.0 if ok else float("inf")
     return out
 
 
@@ -440,37 +462,13 @@ def test_delayed_weight_gradients_equal_autograds_under_interpreter(interpreter_
 @pytest.mark.interpreter_script(*INTERPRETER_CHECKS)
 def test_early_rows_split_equals_one_launch_under_interpreter(interpreter_results):
     """moe.early_experts' two up-projection launches around the rows' wait give the one-launch
-    experts' outputs and gradients, and the wait runs once per forward."""
+    experts' outputs and gradients (the ready rows read from x or through a row map from another
+    tensor), and the wait runs once per forward; the local-first pair layout lists each group's
+    ready rows first, both parts in pair order, with the second launch's starts."""
     r = interpreter_results["early_rows"]
-    assert len(r) == 16, r
+    assert len(r) == 17 and r.pop("local_first_layout") == 0.0, r
     assert all(v < 1e-5 for k, v in r.items() if not k.endswith("waits")), r
     assert all(v == 1.0 for k, v in r.items() if k.endswith("waits")), r
-
-
-def test_local_first_pair_layout_lists_the_ready_rows_first():
-    """pair_layout_local_first (pure torch part + the layout kernels' reference on the CPU): the
-    groups of pair_layout, each with the pairs of rows [lo, hi) first, both parts in pair order."""
-    pytest.importorskip("triton")
-    import ray_moe.kernels.routing as routing
-
-    torch.manual_seed(5)
-    slot = torch.randint(-1, 6, (30, 3))
-    orig = routing.pair_layout
-    routing.pair_layout = routing.pair_layout_reference  # the Triton kernels need a GPU or the interpreter
-    try:
-        layout, local_end = routing.pair_layout_local_first(slot, 6, 7, 19)
-    finally:
-        routing.pair_layout = orig
-    ref = routing.pair_layout_reference(slot, 6)
-    assert torch.equal(layout.offsets, ref.offsets)
-    rows = layout.sorted_pair.long() // 3
-    for s in range(6):
-        a, m, b = int(layout.offsets[s]), int(local_end[s]), int(layout.offsets[s + 1])
-        assert ((rows[a:m] >= 7) & (rows[a:m] < 19)).all() and not ((rows[m:b] >= 7) & (rows[m:b] < 19)).any()
-        for part in (layout.sorted_pair[a:m], layout.sorted_pair[m:b]):
-            assert (part[1:] > part[:-1]).all()
-        assert sorted(layout.sorted_pair[a:b].tolist()) == sorted(ref.sorted_pair[a:b].tolist())
-    assert torch.equal(layout.pair_pos[layout.sorted_pair.long()], torch.arange(slot.numel(), dtype=torch.int32))
 
 
 @pytest.mark.interpreter_script(*INTERPRETER_CHECKS)
