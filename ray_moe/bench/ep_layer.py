@@ -366,7 +366,7 @@ def ep_layer_rows(
     worker group of ``world_size`` ranks to run on (else one is started and closed here).
     ``profile``: also the kernels of one step of every EP variant (rank 0) against a rank's own
     compute, by how much longer EP spends in each (:func:`kernel_diff_rows`); ``trace_dir``: each
-    profiled rank's Chrome trace kept there (``ep_c<C>_p<G>_il<...>_dw<0|1>_rank<r>.json.gz``,
+    profiled rank's Chrome trace kept there (``ep_c<C>_p<G>_il<...>_dw<0|1>_ee<D>_rank<r>.json.gz``,
     read them with ``python -m ray_moe.bench.timeline``). ``rounds``: every variant runs that many
     times, every other round in reverse order, and each timing is its median over the rounds
     (profiles and traces come from the first round)."""

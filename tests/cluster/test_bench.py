@@ -72,7 +72,7 @@ def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
                                              for v in variants for i in (0, 1)]
     # every rank's trace of every variant, kept (readable by the timeline's listing)
     kept = sorted(p.name for p in (tmp_path / "traces").iterdir())
-    assert kept == sorted(f"ep_c{c}_p0_ilNone_dw{d}_rank{r}.json.gz" for c in ("1", "1-2-1") for d in (0, 1)
+    assert kept == sorted(f"ep_c{c}_p0_ilNone_dw{d}_ee0_rank{r}.json.gz" for c in ("1", "1-2-1") for d in (0, 1)
                           for r in (0, 1))
     from ray_moe.bench.timeline import load_trace
     assert load_trace(str(tmp_path / "traces" / kept[0]))  # CPU operators: events, no kernels

@@ -18,6 +18,7 @@ from ray_moe.bench.layer import parse_args
     (["--sections", "ep", "--world-size", "2", "--ep-chunks", "1,0"], "--ep-chunks='1,0' must be a comma list of integers >= 1"),
     (["--sections", "ep", "--world-size", "2", "--ep-chunks", "1-x"], "or of dash-joined relative sizes (e.g. 1,2,1-6-1)"),
     (["--sections", "ep", "--world-size", "2", "--ep-programs", "x"], "--ep-programs='x' must be comma-separated"),
+    (["--sections", "ep", "--world-size", "2", "--ep-early", "-1"], "--ep-early=-1 must be integers >= 0"),
     (["--sections", "ep", "--world-size", "2", "--ep-interleave", "2"], "--ep-interleave=2 must be a comma list"),
     (["--sections", "ep", "--world-size", "2", "--ep-profile-steps", "0"], "--ep-profile-steps must be >= 1"),
     (["--sections", "ep", "--world-size", "2", "--ep-rounds", "0"], "--ep-rounds must be >= 1"),
