@@ -118,8 +118,8 @@ class RowsInFlight:
     source_rows: torch.Tensor | None = None
 
 
-def _rows_ready() -> None:
-    """The wait of a dispatch whose rows are all in place."""
+def rows_ready() -> None:
+    """The ``wait`` of a :class:`RowsInFlight` whose rows are all in place: nothing to wait for."""
 
 
 class Transport(ABC):
@@ -196,7 +196,7 @@ class Transport(ABC):
         dispatches in full and names no early rows."""
         kw = {} if capacity is None else {"capacity": capacity}
         recv_x, recv_slot, recv_w, layout = self.dispatch_forward(x, weight, dest_rank, dest_slot, **kw)
-        return recv_x, recv_slot, recv_w, layout, RowsInFlight(0, 0, _rows_ready)
+        return recv_x, recv_slot, recv_w, layout, RowsInFlight(0, 0, rows_ready)
 
     def reserve(self, spec: BufferSpec) -> None:
         """Make the transport's buffers hold ``spec`` (collective where buffers are symmetric:

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from ray_moe.comm.base import BufferSpec, Layout, RowsInFlight, Transport, TransportSpec
+from ray_moe.comm.base import BufferSpec, Layout, RowsInFlight, Transport, TransportSpec, rows_ready
 from ray_moe.comm.nvshmem_kernels import (
     ERROR_WORDS,
     ChannelAddrs,
@@ -403,16 +403,15 @@ class SymmetricBuffer:
 
     def dispatch_early(self, x: torch.Tensor, weight: torch.Tensor, dest_rank: torch.Tensor,
                        dest_slot: torch.Tensor, capacity: int | None = None, side: Any = None):
-        """:meth:`dispatch` whose peer rows arrive behind the current stream's back: the exchange
-        runs on the ``side`` stream (``meta_first``: this rank's own rows and every received row's
-        slot and weight first), the current stream waits only for that first part
-        (:func:`~ray_moe.comm.nvshmem_kernels.launch_meta_wait`). → recv_x, recv_slot, recv_w,
-        layout, :class:`~ray_moe.comm.base.RowsInFlight`: rows ``[rank*C, (rank+1)*C)`` of recv_x
-        are ready on the current stream, the others once its ``wait()`` made the current stream
-        wait for the side stream. Peer path only (no remote peer: :attr:`early_ok`). On the CPU
-        (the interpreter) everything runs in order and ``wait`` does nothing. The own rows are named
-        by ``source_rows`` (int32 [C]: the token of each; written before the meta wait), so the
-        experts can read them from x before they are copied."""
+        """:meth:`dispatch` that returns before the rows arrive: the exchange runs on the ``side``
+        stream (``meta_first``: every row's slot and weight first, then the rows), the current
+        stream waits only for the meta (:func:`~ray_moe.comm.nvshmem_kernels.launch_meta_wait`).
+        → recv_x, recv_slot, recv_w, layout, :class:`~ray_moe.comm.base.RowsInFlight`: recv_slot,
+        recv_w and ``source_rows`` (int32 [C]: the token in x of each of this rank's own received
+        rows ``[rank*C, (rank+1)*C)``) are ready on the current stream, so those rows can be read
+        from x at once; recv_x once its ``wait()`` made the current stream wait for the side
+        stream. Peer path only (no remote peer: :attr:`early_ok`). On the CPU (the interpreter)
+        everything runs in order and ``wait`` does nothing."""
         if not self.early_ok:
             raise NVSHMEMError("dispatch_early needs every peer reached through peer pointers (no remote peer)")
         geo = self.geo
@@ -437,7 +436,7 @@ class SymmetricBuffer:
         if side is None:
             launch_dispatch(*args, phase=3, key=_with(key, 3), **kw)
             launch_meta_wait(geo, ch.addrs, self.err, self.spin_limit, self.launcher, wait_key)
-            return recv_x, recv_slot, recv_w, layout, RowsInFlight(lo, hi, _ready, x, ltok)
+            return recv_x, recv_slot, recv_w, layout, RowsInFlight(lo, hi, rows_ready, x, ltok)
         main = torch.cuda.current_stream(x.device)
         side.wait_stream(main)
         for t in (x, dest_rank, dest_slot, weight, *outs):  # used on both streams: freed after both
@@ -553,10 +552,6 @@ class SymmetricBuffer:
             for t in ch.tensors():
                 self.rt.free(t)
         self.dch = self.cch = None  # type: ignore[assignment]
-
-
-def _ready() -> None:
-    """The wait of rows that are already in place."""
 
 
 def _contiguous(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
