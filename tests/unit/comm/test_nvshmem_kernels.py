@@ -208,6 +208,17 @@ def test_launcher_checks_and_binds_once_per_key_then_launches_the_compiled_kerne
         slow.launch(Kernel(), (4,), dict(a_ptr="x", n=n), fixed, 16, ("k",), first={"c": 50})
     assert slow.calls == {"jit": 3, "fast": 0} and len(checks) == 1 and slow.knows(("k",))
     assert [kw["c"] for _, _, kw in calls] == [50, 5, 5]
+    # a caller's own tensors bound for good (buffer-owned outputs): later calls fill in the rest only
+    assert fast.bound(("unknown",), {}) is None and slow.bound(("k",), {}) is None and fast.bound(None, {}) is None
+    out = torch.zeros(4)
+    calls[:] = []
+    bound = fast.bound(("k",), dict(a_ptr=out))
+    bound.launch(dict(n=7))
+    bound.launch(dict(n=9))
+    assert calls == [("fast", (4, 1, 1), (out.data_ptr(), n, 8, 5)) for n in (7, 9)]
+    assert fast.calls["fast"] == 3
+    with pytest.raises(KeyError):  # a per-call argument left out fails loudly
+        fast.bound(("k",), {}).launch(dict(n=1))
 
 
 
