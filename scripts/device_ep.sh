@@ -17,9 +17,13 @@
 # 4 x 3 rounds 166 s). Keep OUT as the tool gives it (an exported OUT=/tmp/... loses the JSON). Next lease:
 #   1. x8: the default steps with T_TESTS=500 and COMM_VARIANTS=r8h4096w16rot,r8h4096w16 (scaling
 #      target >= 0.90 at W=8; never lent so far)
-#   2. after an overlap that keeps the GEMMs whole (tiles waiting on per-source arrival flags):
-#      TESTS_FILES=tests/gpu/test_nvshmem_gpu.py bash scripts/device_ep.sh tests,comm,layer on x2
-#      and x4, with EP_PROFILE=1 (each rank's trace in $OUT/traces_w<W>)
+#   2. first, on x2 (session 18's bound launches of owned calls lost their test result):
+#      TESTS_FILES="tests/gpu/test_nvshmem_gpu.py::test_decoding_layers_with_buffer_owned_outputs
+#      tests/gpu/test_nvshmem_gpu.py::test_validators_and_layer_parity" bash scripts/device_ep.sh tests
+#   3. moe.early_experts (session 18: equal to the oracle, never faster; docs/BENCHMARKS.md) once its
+#      own rows' layout comes from the local routing: EP_CHUNKS=1 EP_PROGRAMS=0,32 EP_EARLY=0,16
+#      EP_ROUNDS=3 ... layer, at W=4 first (the exchange is 2-3x longer there); traces with
+#      EP_PROFILE=1 EP_PROFILE_STEPS=3, and tar $OUT's listings (the tool returns ~8 files)
 # On one GPU, pes2 with every file took ~360 s.
 # Usage (device machine, repo root):  . .devbundle/setup.sh && bash scripts/device_ep.sh [steps]
 # steps (default: pes2,pes4,tests,comm,layer; a failing step does not stop the next one):
