@@ -388,12 +388,8 @@ class SymmetricBuffer:
         overwrites, as DeepEP's low-latency mode returns views of its buffer: for callers that
         consume them first and keep none (decoding). The six allocations are most of a small
         dispatch's host time."""
-        geo = self.geo
+        x, weight, dest_rank, dest_slot, cap = self._dispatch_inputs(x, weight, dest_rank, dest_slot, capacity)
         T, K = dest_rank.shape
-        cap = capacity or geo.capacity
-        x = _contiguous(x)
-        dest_rank, dest_slot = _contiguous(dest_rank, torch.int32), _contiguous(dest_slot, torch.int32)
-        weight = _contiguous(weight, torch.float32)
         if reuse_outputs and self._owned_dispatch:
             fast = self._owned_dispatch.get(self._owned_fast_key(cap, x, K))
             ptrs = (x.data_ptr(), dest_rank.data_ptr(), dest_slot.data_ptr(), weight.data_ptr())
@@ -421,6 +417,12 @@ class SymmetricBuffer:
                 self._owned_dispatch[self._owned_fast_key(cap, x, K)] = (bound, outs)
         return recv_x, recv_slot, recv_w, NVSHMEMLayout(T, K, pos, smeta, rmeta, dest_rank, cap, owned)
 
+    def _dispatch_inputs(self, x, weight, dest_rank, dest_slot, capacity):
+        """A dispatch's inputs as the kernels take them (x contiguous, dest_rank/dest_slot int32,
+        weight float32) and its capacity C (default the buffer's T_cap)."""
+        return (_contiguous(x), _contiguous(weight, torch.float32), _contiguous(dest_rank, torch.int32),
+                _contiguous(dest_slot, torch.int32), capacity or self.geo.capacity)
+
     def _owned_fast_key(self, cap: int, x: torch.Tensor, K: int) -> tuple:
         """What an owned call's bound launch depends on besides the buffer: the call's shapes and
         the tuning (the other inputs are int32/float32 [T, K], contiguous, as dispatch makes them)."""
@@ -440,11 +442,8 @@ class SymmetricBuffer:
         if not self.early_ok:
             raise NVSHMEMError("dispatch_early needs every peer reached through peer pointers (no remote peer)")
         geo = self.geo
+        x, weight, dest_rank, dest_slot, cap = self._dispatch_inputs(x, weight, dest_rank, dest_slot, capacity)
         T, K = dest_rank.shape
-        cap = capacity or geo.capacity
-        x = _contiguous(x)
-        dest_rank, dest_slot = _contiguous(dest_rank, torch.int32), _contiguous(dest_slot, torch.int32)
-        weight = _contiguous(weight, torch.float32)
         key = self._key("dispatch_early", cap, x, dest_rank, dest_slot, weight)
         outs = self._dispatch_outputs(T, K, cap, x.dtype, x.device)
         pos, smeta, rmeta, recv_x, recv_slot, recv_w = outs

@@ -51,10 +51,8 @@ def _pair_key(slot_ptr, idx, n_pairs, n_slots, top_k, lo, hi, LOCAL_FIRST: tl.co
     s = tl.load(slot_ptr + idx, mask=inside, other=-1).to(tl.int32)
     if LOCAL_FIRST:
         row = idx // top_k
-        s = s * 2 + ((row < lo) | (row >= hi)).to(tl.int32)
-        key = tl.where((s >= 0) & (s < n_slots), s, n_slots)
-    else:
-        key = tl.where((s >= 0) & (s < n_slots), s, n_slots)
+        s = s * 2 + ((row < lo) | (row >= hi)).to(tl.int32)  # (slot -1 stays negative)
+    key = tl.where((s >= 0) & (s < n_slots), s, n_slots)
     return tl.where(inside, key, -1)
 
 
