@@ -41,7 +41,7 @@
 #               with Tuning.interleave (EP_DELAY_WGRAD: and moe.delay_wgrad), against
 #               one GPU running T_local and T tokens (EP_PROFILE=1: the kernels of EP_PROFILE_STEPS
 #               (default 1) back-to-back EP steps of every variant, per step and per rank's exchanges,
-#               each rank's Chrome trace kept in $OUT/traces (python -m ray_moe.bench.timeline), against
+#               each rank's kernel listing (python -m ray_moe.bench.timeline) in $OUT/traces_w<W>.tgz, against
 #               a rank's own compute; EP_PROGRAMS, default 0: exchanges on that many SMs, e.g.
 #               16,32 with EP_DELAY_WGRAD=1, which can only overlap the backward exchange with the
 #               weight gradients when the exchange leaves SMs free)
@@ -109,6 +109,15 @@ if [ "$EP_W" -ge 2 ] && has layer; then
     --T $((16384 * EP_W)) --H 4096 --I 1536 --E 64 --K 8 --transport nvshmem --ep-chunks "${EP_CHUNKS:-1,2}" --ep-programs "${EP_PROGRAMS:-0}" --ep-interleave "${EP_INTERLEAVE:-0,1}" --ep-iters "${EP_ITERS:-10}" --ep-rounds "${EP_ROUNDS:-1}" ${EP_PROFILE:+--ep-profile --ep-profile-steps "${EP_PROFILE_STEPS:-1}" --ep-trace-dir "$OUT/traces_w$EP_W"} --ep-delay-wgrad "${EP_DELAY_WGRAD:-0,1}" --ep-early "${EP_EARLY:-0}" ${EP_ARGS:-} \
     --json "$OUT/bench_layer_ep_w$EP_W.json" 2>&1 | quiet | tee "$OUT/bench_layer_w$EP_W.log" | tail -20
   record "bench layer ep W=$EP_W" "see bench_layer_ep_w$EP_W.json" $((SECONDS - t0)); ray_stop
+  if [ -n "${EP_PROFILE:-}" ] && [ -d "$OUT/traces_w$EP_W" ]; then
+    # the device tool returns ~8 files: each trace's kernel listing (what ran beside what, per
+    # stream) in one archive; the raw traces too with EP_KEEP_TRACES=1
+    for f in "$OUT/traces_w$EP_W"/*.json.gz; do
+      python3 -m ray_moe.bench.timeline "$f" --width 48 > "${f%.json.gz}.txt" 2>&1
+      [ "${EP_KEEP_TRACES:-0}" = 1 ] || rm -f "$f"
+    done
+    tar czf "$OUT/traces_w$EP_W.tgz" -C "$OUT" "traces_w$EP_W" && rm -rf "${OUT:?}/traces_w$EP_W"
+  fi
 fi
 if [ "$GPUS" -ge 2 ] && has grad; then
   t0=$SECONDS
