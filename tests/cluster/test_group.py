@@ -48,7 +48,8 @@ def fail_on_rank(worker, bad_rank):
 
 
 def cfg_for(world_size: int, **parallel) -> Config:
-    p = {"world_size": world_size, "device": "cpu", "cpu_per_worker": 0.5, "startup_timeout_s": 60}
+    # 120 s as conftest's groups: actors start slowly beside the interpreter runs on two cores
+    p = {"world_size": world_size, "device": "cpu", "cpu_per_worker": 0.5, "startup_timeout_s": 120}
     p.update(parallel)
     # num_experts and batch_size must be multiples of world_size
     return Config.from_dict({"parallel": p, "moe": {"num_experts": 2 * world_size, "top_k": 1},
