@@ -290,22 +290,21 @@ class MoELayer(nn.Module):
         if len(chunk_weights(self.pipeline_chunks)) > 1:
             out, pairs = pipelined_exchange(self.transport, x, weights, dest_rank, dest_slot, (self.w13, self.w2),
                                             experts, self.pipeline_chunks, deferral=self.wgrad_deferral)
-        elif self.early_experts and self.transport.supports_early_rows:
-            deferral = self.wgrad_deferral
-            recv_x, recv_slot, recv_w, layout, in_flight = dispatch_early(
-                self.transport, x, weights, dest_rank, dest_slot, after_backward=deferral.join if deferral else None)
-            early = EarlyRows(in_flight.local_lo, in_flight.local_hi, self.early_experts, in_flight.wait,
-                              in_flight.source, in_flight.source_rows)
-            out = combine(self.transport, experts(recv_x, recv_slot, recv_w, self.w13, self.w2, deferral, early), layout)
-            pairs = (recv_slot >= 0).sum()
         else:
             deferral = self.wgrad_deferral
-            # without autograd (decoding, evaluation) the received rows are consumed before the next
-            # layer dispatches: the transport may hand out its own outputs instead of allocating
-            recv_x, recv_slot, recv_w, layout = dispatch(self.transport, x, weights, dest_rank, dest_slot,
-                                                         after_backward=deferral.join if deferral else None,
-                                                         reuse_outputs=True)
-            out = combine(self.transport, experts(recv_x, recv_slot, recv_w, self.w13, self.w2, deferral), layout)
+            join = deferral.join if deferral else None
+            early = None
+            if self.early_experts and self.transport.supports_early_rows:
+                recv_x, recv_slot, recv_w, layout, in_flight = dispatch_early(
+                    self.transport, x, weights, dest_rank, dest_slot, after_backward=join)
+                early = EarlyRows(in_flight.local_lo, in_flight.local_hi, self.early_experts, in_flight.wait,
+                                  in_flight.source, in_flight.source_rows)
+            else:
+                # without autograd (decoding, evaluation) the received rows are consumed before the next
+                # layer dispatches: the transport may hand out its own outputs instead of allocating
+                recv_x, recv_slot, recv_w, layout = dispatch(self.transport, x, weights, dest_rank, dest_slot,
+                                                             after_backward=join, reuse_outputs=True)
+            out = combine(self.transport, experts(recv_x, recv_slot, recv_w, self.w13, self.w2, deferral, early), layout)
             pairs = (recv_slot >= 0).sum()
         if not self.recomputing:
             with torch.no_grad():
