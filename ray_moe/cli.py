@@ -4,7 +4,7 @@
     ray-moe prepare --input PATH... --tokenizer DIR --out DIR [--address ADDR]   (token shards)
     ray-moe tokenizer train --vocab-size N --input PATH... --out DIR              (byte-level BPE)
     ray-moe export CHECKPOINT --format hf --out DIR  (a checkpoint or run directory → an HF model directory)
-    ray-moe bench comm|layer|balance|precision|prepare|train|grad_reduce [options]     (see ``ray-moe bench NAME --help``)
+    ray-moe bench comm|layer|balance|precision|prepare|train|grad_reduce|overlap [options]     (see ``ray-moe bench NAME --help``)
     ray-moe smoke --address ADDR                    (validate a cluster before a run)
 
 Exit code 0 on success; on failure a one-line reason on stderr and a non-zero code.
@@ -22,7 +22,7 @@ import threading
 
 from ray_moe import usage
 
-BENCHES = ("comm", "layer", "balance", "precision", "prepare", "train", "grad_reduce")
+BENCHES = ("comm", "layer", "balance", "precision", "prepare", "train", "grad_reduce", "overlap")
 
 
 def _train(args: argparse.Namespace) -> int:

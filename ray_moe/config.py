@@ -142,6 +142,10 @@ class MoEConfig:
     # D > 0 (sequential layer, NVSHMEM peer path): the up-projection of each rank's own rows for
     # its first D expert slots runs while the peers' rows arrive (0: off)
     early_experts: int = 0
+    # each rank's batch as two halves through the blocks, staggered: one half's dispatch and
+    # combine on the side stream beside the other half's attention and experts (>= 2 sequences
+    # per rank; the sequential layer's exchange)
+    two_batch_overlap: bool = False
 
     def check(self) -> None:
         _positive("moe.num_experts", self.num_experts)
@@ -163,6 +167,12 @@ class MoEConfig:
             raise ConfigError(f"moe.delay_wgrad={self.delay_wgrad!r} must be true or false")
         if isinstance(self.early_experts, bool) or not isinstance(self.early_experts, int) or self.early_experts < 0:
             raise ConfigError(f"moe.early_experts={self.early_experts!r} must be an integer >= 0 (0: off)")
+        if not isinstance(self.two_batch_overlap, bool):
+            raise ConfigError(f"moe.two_batch_overlap={self.two_batch_overlap!r} must be true or false")
+        if self.two_batch_overlap and (len(chunk_weights(self.pipeline_chunks)) > 1 or self.early_experts):
+            raise ConfigError("moe.two_batch_overlap runs the sequential layer's exchange: it needs "
+                              f"moe.pipeline_chunks=1 and moe.early_experts=0, got {self.pipeline_chunks!r} "
+                              f"and {self.early_experts}")
 
 
 @dataclass

@@ -53,6 +53,7 @@ import torch
 
 from ray_moe.chunks import chunk_weights, token_chunks
 from ray_moe.comm.base import combine, dispatch
+from ray_moe.comm.streams import run_on
 
 Compute = Callable[..., torch.Tensor]
 
@@ -262,27 +263,15 @@ def _schedule(n: int, send: Callable, work: Callable, back: Callable, side: Any)
     if side is not None:
         side.wait_stream(main)  # the inputs (routing, tokens) are made on the current stream
 
-    def stage(stream, other, fn, *args, after=None):
-        if stream is None:
-            return fn(*args), None
-        with torch.cuda.stream(stream):
-            if after is not None:
-                stream.wait_event(after)
-            r = fn(*args)
-            ev = torch.cuda.Event()
-            ev.record(stream)
-        _used_on(r, other)
-        return r, ev
-
     sent: list[Any] = [None] * n
     done: list[Any] = [None] * n
     if n:
-        sent[0] = stage(side, main, send, 0)
+        sent[0] = run_on(side, main, send, 0)
     for i in range(n):
         if i + 1 < n:
-            sent[i + 1] = stage(side, main, send, i + 1)
-        worked = stage(main if side is not None else None, side, work, i, sent[i][0], after=sent[i][1])
-        done[i] = stage(side, main, back, i, worked[0], after=worked[1])[0]
+            sent[i + 1] = run_on(side, main, send, i + 1)
+        worked = run_on(main, side, work, i, sent[i][0], after=sent[i][1])
+        done[i] = run_on(side, main, back, i, worked[0], after=worked[1])[0]
         sent[i] = None
     if side is not None:
         main.wait_stream(side)
@@ -295,10 +284,3 @@ def _timed(tr: Any, fn: Callable, first: torch.Tensor, *args: Any, **kwargs: Any
     out = fn(first, *args, **kwargs)
     tr.timer.stop(mark)
     return out
-
-
-def _used_on(result: Any, stream: Any) -> None:
-    """record_stream the tensors of a stage's result tuple on the stream that uses them next."""
-    for t in result if isinstance(result, tuple) else (result,):
-        if isinstance(t, torch.Tensor) and t.is_cuda:
-            t.record_stream(stream)

@@ -19,8 +19,10 @@ from torch import nn
 from ray_moe.comm.base import Transport, combine, dispatch, dispatch_early
 from ray_moe.chunks import chunk_weights
 from ray_moe.comm.pipeline import pipelined_exchange
+from ray_moe.comm.streams import run_on, used_on, wait
 from ray_moe.model.expert_choice import ExpertChoice, ExpertImplChooser
 from ray_moe.model.experts import EarlyRows, expert_ffn, resolve_impl
+from ray_moe.model.recompute import checkpointed
 from ray_moe.model.router import SOFTMAX, Routing, balancing_bias_step, load_balancing_loss, route
 from ray_moe.model.wgrad import WgradDeferral
 from ray_moe.placement.placement import ExpertShard, Placement
@@ -119,6 +121,51 @@ class MoELayerSpec:
             raise ValueError(f"delay_wgrad must be true or false, got {self.delay_wgrad!r}")
         if isinstance(self.early_experts, bool) or not isinstance(self.early_experts, int) or self.early_experts < 0:
             raise ValueError(f"early_experts must be an integer >= 0, got {self.early_experts!r}")
+
+
+@dataclass(frozen=True)
+class _Routed:
+    """One call's routing: impl (the experts' implementation); weights float32 [T, K]; ids int64
+    [T, K] logical experts; probs float32 [T, E] or None (the aux loss's); dest_rank, dest_slot
+    int32 [T, K] (the replica picked)."""
+
+    impl: str
+    weights: torch.Tensor
+    ids: torch.Tensor
+    probs: torch.Tensor | None
+    dest_rank: torch.Tensor
+    dest_slot: torch.Tensor
+
+
+@dataclass
+class MoEInFlight:
+    """One :class:`MoELayer` call between its stages (:meth:`MoELayer.start`, ``run_experts``,
+    ``finish``): the routing and input x [T, H], the side stream (None on the CPU), and per stage
+    what it left: the dispatch's (recv_x, recv_slot, recv_w, layout) and its event ``sent``; the
+    received pairs (int64 scalar), the combine's output [T, H] and its event ``combined``."""
+
+    routed: _Routed
+    x: torch.Tensor
+    side: object
+    recv: tuple | None = None
+    sent: object = None
+    pairs: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+    combined: object = None
+
+
+def _current(x: torch.Tensor):
+    """The current CUDA stream of x's device (None on the CPU)."""
+    return torch.cuda.current_stream(x.device) if x.is_cuda else None
+
+
+def _event(t: torch.Tensor):
+    """An event recorded on the current stream after t was made (None on the CPU)."""
+    if not t.is_cuda:
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(t.device))
+    return ev
 
 
 class MoELayer(nn.Module):
@@ -266,6 +313,83 @@ class MoELayer(nn.Module):
         """x: [T, H] (model dtype) → (out [T, H], auxiliary loss float32 scalar). Runs eagerly
         inside a ``torch.compile``'d caller too (a graph break; ``model.compile=blocks`` compiles
         the dense parts around it)."""
+        r = self._route(x)
+        if len(chunk_weights(self.pipeline_chunks)) > 1:
+            out, pairs = pipelined_exchange(self.transport, x, r.weights, r.dest_rank, r.dest_slot, (self.w13, self.w2),
+                                            self._expert_fn(r.impl), self.pipeline_chunks,
+                                            deferral=self.wgrad_deferral)
+        else:
+            deferral = self.wgrad_deferral
+            join = deferral.join if deferral else None
+            early = None
+            if self.early_experts and self.transport.supports_early_rows:
+                recv_x, recv_slot, recv_w, layout, in_flight = dispatch_early(
+                    self.transport, x, r.weights, r.dest_rank, r.dest_slot, after_backward=join)
+                early = EarlyRows(in_flight.local_lo, in_flight.local_hi, self.early_experts, in_flight.wait,
+                                  in_flight.source, in_flight.source_rows)
+            else:
+                # without autograd (decoding, evaluation) the received rows are consumed before the next
+                # layer dispatches: the transport may hand out its own outputs instead of allocating
+                recv_x, recv_slot, recv_w, layout = dispatch(self.transport, x, r.weights, r.dest_rank, r.dest_slot,
+                                                             after_backward=join, reuse_outputs=True)
+            partial = self._expert_fn(r.impl)(recv_x, recv_slot, recv_w, self.w13, self.w2, deferral, early)
+            out = combine(self.transport, partial, layout)
+            pairs = (recv_slot >= 0).sum()
+        if not self.recomputing:
+            self._count(r.ids, pairs)
+        return out, self._aux(r.probs, r.ids, x)
+
+    # ------------------------------------------------------------------ staged (two-batch overlap)
+    def start(self, x: torch.Tensor, token_offset: int = 0) -> "MoEInFlight":
+        """The first stage of a call whose exchanges run on the transport's side stream while the
+        current stream computes something else (the decoder's ``moe.two_batch_overlap``: the other
+        half batch). Routes x [T, H] (model dtype) on the current stream and issues the dispatch
+        on the side stream. ``token_offset``: x's first row in the rank's whole batch (a clone's
+        replica is picked per token index, so the halves pick what the whole batch would).
+        Then :meth:`run_experts`, then :meth:`finish`; every rank calls the stages of its calls
+        in one order (they are collectives). The sequential layer's exchange only: no chunks, no
+        early experts, no reused outputs (two calls are in flight)."""
+        r = self._route(x, token_offset)
+        side = self.transport.comm_stream(x.device)
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(x.device))  # the routing is made on the current stream
+            used_on((x, r.weights, r.dest_rank, r.dest_slot), side)
+        join = self.wgrad_deferral.join if self.wgrad_deferral else None
+        recv, sent = run_on(side, _current(x), lambda: dispatch(self.transport, x, r.weights, r.dest_rank,
+                                                                r.dest_slot, after_backward=join))
+        return MoEInFlight(routed=r, x=x, side=side, recv=recv, sent=sent)
+
+    def run_experts(self, call: "MoEInFlight", recompute: bool = False) -> None:
+        """The second stage: once the dispatch is in, the experts on the current stream, then the
+        combine issued on the side stream. ``recompute``: the experts' activations are recomputed
+        in backward (``model.activation_checkpointing``: moe or full), not kept."""
+        wait(_current(call.x), call.sent)
+        recv_x, recv_slot, recv_w, layout = call.recv
+        fn = self._expert_fn(call.routed.impl)
+        args = (recv_x, recv_slot, recv_w, self.w13, self.w2, self.wgrad_deferral)
+        partial = checkpointed(fn, *args, moe_layers=(self,)) if recompute else fn(*args)
+        call.pairs = (recv_slot >= 0).sum()
+        call.recv = None
+        if call.side is not None:
+            used_on(partial, call.side)
+        (call.out,), call.combined = run_on(call.side, _current(call.x),
+                                            lambda: (combine(self.transport, partial, layout),), after=_event(partial))
+
+    def finish(self, call: "MoEInFlight") -> torch.Tensor:
+        """The last stage: the current stream waits for the combine. Returns out [T, H] (the
+        auxiliary loss of a batch's calls: :meth:`aux_loss`)."""
+        wait(_current(call.x), call.combined)
+        self._count(call.routed.ids, call.pairs)
+        return call.out
+
+    def aux_loss(self, calls: Sequence["MoEInFlight"]) -> torch.Tensor:
+        """The auxiliary loss (float32 scalar) of the tokens of ``calls`` taken as one batch: what
+        :meth:`eager_forward` returns for them in one call (the loss is not a sum over parts)."""
+        probs = torch.cat([c.routed.probs for c in calls]) if self.aux_loss_coef > 0 else None
+        return self._aux(probs, torch.cat([c.routed.ids for c in calls]), calls[0].x)
+
+    # ------------------------------------------------------------------ the stages' parts
+    def _route(self, x: torch.Tensor, token_offset: int = 0) -> "_Routed":
         if x.dim() != 2 or x.shape[1] != self.d_model:
             raise ValueError(f"MoELayer expects x of shape [T, {self.d_model}], got {tuple(x.shape)}")
         if x.dtype != self.w13.dtype:
@@ -275,8 +399,12 @@ class MoELayer(nn.Module):
             x, self.router, self.top_k, fused=impl == "triton", need_probs=self.aux_loss_coef > 0,
             routing=self.routing, score_bias=self.score_bias,
         )
-        dest_rank, dest_slot = self.tables.route(ids, self.rank)  # replicas by global token index
+        dest_rank, dest_slot = self.tables.route(ids, self.rank, token_offset)  # replicas by global token index
+        return _Routed(impl, weights, ids, probs, dest_rank, dest_slot)
 
+    def _expert_fn(self, impl: str) -> Callable[..., torch.Tensor]:
+        """``fn(recv_x, recv_slot, recv_w, w13, w2, deferral=None, early=None) -> partial [R, H]``:
+        the experts over received rows, their implementation measured per shape under ``auto``."""
         def experts(recv_x, recv_slot, recv_w, w13, w2, deferral=None, early=None):
             choice = ExpertChoice(impl)
             if self.expert_impl == "auto" and impl == "triton":
@@ -286,34 +414,16 @@ class MoELayer(nn.Module):
                 choice = self.expert_chooser.choose(recv_x, recv_slot, recv_w, w13, w2, needs_grad)
             return expert_ffn(recv_x, recv_slot, recv_w, w13, w2, choice.impl, wgrad=choice.wgrad, deferral=deferral,
                               early=early)
+        return experts
 
-        if len(chunk_weights(self.pipeline_chunks)) > 1:
-            out, pairs = pipelined_exchange(self.transport, x, weights, dest_rank, dest_slot, (self.w13, self.w2),
-                                            experts, self.pipeline_chunks, deferral=self.wgrad_deferral)
-        else:
-            deferral = self.wgrad_deferral
-            join = deferral.join if deferral else None
-            early = None
-            if self.early_experts and self.transport.supports_early_rows:
-                recv_x, recv_slot, recv_w, layout, in_flight = dispatch_early(
-                    self.transport, x, weights, dest_rank, dest_slot, after_backward=join)
-                early = EarlyRows(in_flight.local_lo, in_flight.local_hi, self.early_experts, in_flight.wait,
-                                  in_flight.source, in_flight.source_rows)
-            else:
-                # without autograd (decoding, evaluation) the received rows are consumed before the next
-                # layer dispatches: the transport may hand out its own outputs instead of allocating
-                recv_x, recv_slot, recv_w, layout = dispatch(self.transport, x, weights, dest_rank, dest_slot,
-                                                             after_backward=join, reuse_outputs=True)
-            out = combine(self.transport, experts(recv_x, recv_slot, recv_w, self.w13, self.w2, deferral, early), layout)
-            pairs = (recv_slot >= 0).sum()
-        if not self.recomputing:
-            with torch.no_grad():
-                self.expert_tokens.scatter_add_(
-                    0, ids.flatten(), torch.ones(ids.numel(), device=ids.device)
-                )
-                self.received_pairs += pairs
+    @torch.no_grad()
+    def _count(self, ids: torch.Tensor, pairs: torch.Tensor) -> None:
+        self.expert_tokens.scatter_add_(0, ids.flatten(), torch.ones(ids.numel(), device=ids.device))
+        self.received_pairs += pairs
+
+    def _aux(self, probs: torch.Tensor | None, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         aux = load_balancing_loss(probs, ids) if self.aux_loss_coef > 0 else x.new_zeros((), dtype=torch.float32)
-        return out, aux * self.aux_loss_coef
+        return aux * self.aux_loss_coef
 
     def update_score_bias(self, tokens: torch.Tensor, rate: float) -> None:
         """One aux-loss-free balancing step of ``score_bias`` from ``tokens`` (float32 [E], the

@@ -1,0 +1,169 @@
+"""``ray-moe bench overlap``: a real architecture's training step at W ranks with each rank's batch
+through the blocks in one pass (the sequential layer) and as two staggered halves
+(``moe.two_batch_overlap``: one half's dispatch and combine beside the other half's attention and
+experts), against one rank running the same tokens per rank (the step expert parallelism would
+take if its exchanges cost nothing: the same FLOPs per GPU, every expert local).
+
+The Trainer at ``--world-size`` ranks (one group for every W-rank variant, a fresh model per run)
+and at one rank, ``--hf-config`` cut to ``--layers`` layers, ``--tokens`` per rank in sequences of
+``--seq-len``, ``--checkpointing``; ``--warmup`` steps, then ``--iters`` timed ones. The variants
+run ``--rounds`` times, every other round in reverse order (ABBA: the GPUs slow as they heat, which
+favours whatever runs first), and each column is the median over the rounds of each round's median
+over steps of the slowest rank. Columns: step, forward, backward (the engine's phases; the
+forward includes waiting for the previous step's overlapped update), ``scaling`` = one rank's step /
+this step, tokens/s per GPU, peak GPU memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ray_moe import usage
+
+VARIANTS = {"sequential": False, "two_batch": True}
+TIME_KEYS = ("step", "forward", "backward")
+
+
+def config_for(args: argparse.Namespace, world_size: int, two_batch: bool, run_dir: str):
+    from ray_moe.config import Config
+
+    return Config.from_dict({
+        "model": {"hf_config": args.hf_config, "hf": {"num_hidden_layers": args.layers}, "seq_len": args.seq_len,
+                  "dtype": args.dtype, "activation_checkpointing": args.checkpointing},
+        "moe": {"two_batch_overlap": two_batch},
+        "parallel": {"world_size": world_size, "device": args.device, "transport": args.transport,
+                     "cpu_per_worker": 1 if args.device != "cpu" else 0.5, "comm_programs": args.comm_programs},
+        "data": {"max_bytes": args.max_bytes},
+        "train": {"batch_size": world_size * (args.tokens // args.seq_len), "steps": 1000, "warmup_steps": 0,
+                  "lr": 3e-4, "plots": False, "run_dir": run_dir, "resume": "false", "overwrite": True},
+    })
+
+
+def _peak(worker: Any) -> float | None:
+    import torch
+
+    dev = worker.engine.device
+    return torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
+
+
+def _reset_peak(worker: Any) -> None:
+    import torch
+
+    if worker.engine.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(worker.engine.device)
+
+
+def run_once(args: argparse.Namespace, group: Any, world_size: int, two_batch: bool) -> dict[str, Any]:
+    """One Trainer on ``group``: medians over ``--iters`` steps of the slowest rank's phases (ms)."""
+    from ray_moe.driver.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        with Trainer(config_for(args, world_size, two_batch, run_dir), progress=False, group=group) as t:
+            for _ in range(args.warmup):
+                t.step()
+            t.group.execute(_reset_peak, timeout=120)
+            steps = [t.step() for _ in range(args.iters)]
+            peaks = t.group.execute(_peak, timeout=120)
+    row = {f"{k}_ms": 1e3 * statistics.median(max(s["time_per_rank"][k]) for s in steps) for k in TIME_KEYS}
+    row["peak_gib"] = max(peaks) if all(p is not None for p in peaks) else None
+    row["loss"] = steps[-1]["loss"]
+    return row
+
+
+def rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every variant at ``--world-size`` in ABBA rounds, then one rank; the scaling against it."""
+    from ray_moe.driver.group import WorkerGroup
+
+    per_round: dict[str, list[dict[str, Any]]] = {v: [] for v in args.variants}
+    with tempfile.TemporaryDirectory() as run_dir:
+        with WorkerGroup(config_for(args, args.world_size, False, run_dir)) as group:
+            for r in range(args.rounds):
+                for v in (args.variants if r % 2 == 0 else args.variants[::-1]):
+                    per_round[v].append(run_once(args, group, args.world_size, VARIANTS[v]))
+                    print(f"  round {r}: W={args.world_size} {v}: step {per_round[v][-1]['step_ms']:.1f} ms", flush=True)
+        one: list[dict[str, Any]] = []
+        with WorkerGroup(config_for(args, 1, False, run_dir)) as group:
+            for r in range(args.rounds):
+                one.append(run_once(args, group, 1, False))
+                print(f"  round {r}: one rank: step {one[-1]['step_ms']:.1f} ms", flush=True)
+    out = []
+    ref = _median_row(one)
+    for name, runs in [("one rank", one)] + [(v, per_round[v]) for v in args.variants]:
+        row = {"variant": name, "world_size": 1 if name == "one rank" else args.world_size, **_median_row(runs),
+               "steps_ms_per_round": [r["step_ms"] for r in runs]}
+        row["scaling"] = ref["step_ms"] / row["step_ms"]
+        row["tokens_per_s_per_gpu"] = args.tokens / (row["step_ms"] / 1e3)
+        out.append(row)
+    return out
+
+
+def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = [f"{k}_ms" for k in TIME_KEYS]
+    row = {k: statistics.median(r[k] for r in runs) for k in keys}
+    peaks = [r["peak_gib"] for r in runs if r["peak_gib"] is not None]
+    row["peak_gib"] = max(peaks) if peaks else None
+    row["loss"] = runs[-1]["loss"]
+    return row
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = usage.ArgumentParser(prog="ray-moe bench overlap", description=__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--variants", default="sequential,two_batch", help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--device", default="auto", help="auto, cuda, cpu")
+    p.add_argument("--transport", default="auto")
+    p.add_argument("--comm-programs", type=int, default=0, help="parallel.comm_programs (NVSHMEM: 0 = every SM)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--hf-config", default="qwen3-30b-a3b", help="an HF preset, cut to --layers layers")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--checkpointing", default="none", choices=("none", "moe", "full"))
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per rank per step (>= 2 sequences)")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--max-bytes", type=int, default=8_000_000, help="corpus size cap (data.max_bytes)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--json", default=None, help="write the rows to this JSON file")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    args.variants = [v for v in args.variants.split(",") if v]
+    if not args.variants or any(v not in VARIANTS for v in args.variants):
+        parser.error(f"--variants={','.join(args.variants)!r} must name some of {', '.join(VARIANTS)}")
+    for name in ("world_size", "layers", "tokens", "seq_len", "rounds", "iters"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.world_size < 2:
+        parser.error("--world-size must be >= 2: one rank exchanges nothing (it is the reference)")
+    if args.tokens % args.seq_len or args.tokens // args.seq_len < 2:
+        parser.error(f"--tokens={args.tokens} must be a multiple of --seq-len={args.seq_len} holding at least two "
+                     "sequences (the two halves)")
+    if args.comm_programs < 0:
+        parser.error(f"--comm-programs must be >= 0, got {args.comm_programs}")
+    from tabulate import tabulate
+
+    print(f"bench overlap: W={args.world_size}, {args.hf_config} x {args.layers} layers, {args.tokens} tokens/rank, "
+          f"checkpointing {args.checkpointing}, {args.rounds} rounds", flush=True)
+    out: dict[str, Any] = {"env": {"host": platform.node(), "date": time.strftime("%Y-%m-%d")}, "args": vars(args),
+                           "rows": rows(args)}
+    cols = ["variant", "world_size"] + [f"{k}_ms" for k in TIME_KEYS] + ["scaling", "tokens_per_s_per_gpu", "peak_gib"]
+    print(tabulate([[r[c] for c in cols] for r in out["rows"]], headers=cols, floatfmt=".3f"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
