@@ -9,9 +9,10 @@ and at one rank, ``--hf-config`` cut to ``--layers`` layers, ``--tokens`` per ra
 ``--seq-len``, ``--checkpointing``; ``--warmup`` steps, then ``--iters`` timed ones. The variants
 run ``--rounds`` times, every other round in reverse order (ABBA: the GPUs slow as they heat, which
 favours whatever runs first), and each column is the median over the rounds of each round's median
-over steps of the slowest rank. Columns: step, forward, backward (the engine's phases; the
-forward includes waiting for the previous step's overlapped update), ``scaling`` = one rank's step /
-this step, tokens/s per GPU, peak GPU memory.
+over steps of the slowest rank. Columns: step, forward, backward, grad sync, update (the engine's
+phases; the forward includes waiting for the previous step's overlapped update), ``scaling`` = one
+rank's step / this step, tokens/s per GPU, peak GPU memory. ``--zero-stage`` (2, as the real jobs)
+applies at W ranks; one rank has nothing to reduce.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 from ray_moe import usage
 
 VARIANTS = {"sequential": False, "two_batch": True}
-TIME_KEYS = ("step", "forward", "backward")
+TIME_KEYS = ("step", "forward", "backward", "grad_sync", "update")
 
 
 def config_for(args: argparse.Namespace, world_size: int, two_batch: bool, run_dir: str):
@@ -39,7 +40,8 @@ def config_for(args: argparse.Namespace, world_size: int, two_batch: bool, run_d
                   "dtype": args.dtype, "activation_checkpointing": args.checkpointing},
         "moe": {"two_batch_overlap": two_batch},
         "parallel": {"world_size": world_size, "device": args.device, "transport": args.transport,
-                     "cpu_per_worker": 1 if args.device != "cpu" else 0.5, "comm_programs": args.comm_programs},
+                     "cpu_per_worker": 1 if args.device != "cpu" else 0.5, "comm_programs": args.comm_programs,
+                     "zero_stage": args.zero_stage if world_size > 1 else 0},
         "data": {"max_bytes": args.max_bytes},
         "train": {"batch_size": world_size * (args.tokens // args.seq_len), "steps": 1000, "warmup_steps": 0,
                   "lr": 3e-4, "plots": False, "run_dir": run_dir, "resume": "false", "overwrite": True},
@@ -125,6 +127,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-config", default="qwen3-30b-a3b", help="an HF preset, cut to --layers layers")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--checkpointing", default="none", choices=("none", "moe", "full"))
+    p.add_argument("--zero-stage", type=int, default=2, choices=(0, 1, 2),
+                   help="parallel.zero_stage at W ranks (2: the replicated gradients reduce-scattered while backward runs)")
     p.add_argument("--tokens", type=int, default=16384, help="tokens per rank per step (>= 2 sequences)")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--max-bytes", type=int, default=8_000_000, help="corpus size cap (data.max_bytes)")
