@@ -89,14 +89,15 @@ def group_for_new(groups, monkeypatch):
 
     import ray_moe.driver.group as group_module
 
+    chosen: dict[int, object] = {}  # world size -> cached group (a test may ask for several sizes)
+
+    def instead(cfg, **_kwargs):
+        assert cfg.parallel.world_size in chosen, (cfg.parallel.world_size, sorted(chosen))
+        return contextlib.nullcontext(chosen[cfg.parallel.world_size])
+
     def use(world_size: int, strategy: str = "PACK"):
-        group = groups(world_size, strategy)
-
-        def instead(cfg, **_kwargs):
-            assert cfg.parallel.world_size == world_size, (cfg.parallel.world_size, world_size)
-            return contextlib.nullcontext(group)
-
+        chosen[world_size] = groups(world_size, strategy)
         monkeypatch.setattr(group_module, "WorkerGroup", instead)
-        return group
+        return chosen[world_size]
 
     return use

@@ -90,3 +90,22 @@ def test_bench_balance_train_mode_on_cpu(group_for_new, tmp_path):
     row = json.loads(out.read_text())["train"][0]
     assert row["clones"] >= 1
     assert row["imbalance_on"] < row["imbalance_off"]
+
+
+def test_bench_overlap_rows_on_cpu(group_for_new, tmp_path):
+    """`bench overlap` on CPU groups: the sequential and the two-batch step at W=2 in ABBA rounds
+    and one rank's, each with its phases, per-round steps and scaling against one rank."""
+    from ray_moe.bench import overlap
+
+    group_for_new(2)
+    group_for_new(1)
+    out = tmp_path / "overlap.json"
+    assert overlap.main(["--hf-config", "qwen3_moe-tiny", "--layers", "2", "--tokens", "64", "--seq-len", "32",
+                         "--device", "cpu", "--dtype", "float32", "--rounds", "2", "--warmup", "1", "--iters", "2",
+                         "--max-bytes", "200000", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["variant"], r["world_size"]) for r in rows] == [("one rank", 1), ("sequential", 2), ("two_batch", 2)]
+    for r in rows:
+        assert len(r["steps_ms_per_round"]) == 2 and r["step_ms"] > 0 and r["scaling"] > 0
+        assert 0 < r["forward_ms"] < r["step_ms"] and r["backward_ms"] > 0
+    assert rows[0]["scaling"] == 1.0

@@ -74,3 +74,18 @@ def test_rounds_take_each_timing_median():
     assert [m["backward_ms"] for m in merged] == [4.0, 10.0]
     assert [m["steady_step_ms"] for m in merged] == [9.0, 14.0]
     assert all(m["kernels"] == {"round": 0} for m in merged)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--world-size", "1"], "--world-size must be >= 2"),
+    (["--tokens", "4096", "--seq-len", "4096"], "holding at least two sequences"),
+    (["--variants", "sequential,nope"], "must name some of sequential, two_batch"),
+    (["--rounds", "0"], "--rounds must be >= 1"),
+    (["--comm-programs", "-1"], "--comm-programs must be >= 0"),
+])
+def test_bench_overlap_bad_values_name_the_flag(argv, says, capsys):
+    from ray_moe.bench import overlap
+
+    with pytest.raises(SystemExit) as exc:
+        overlap.main(argv)
+    assert exc.value.code == 2 and says in capsys.readouterr().err
