@@ -209,6 +209,13 @@ class Transport(ABC):
         default)."""
         return None
 
+    def split_capacity(self, seq_len: int) -> int | None:
+        """The ``capacity`` to pass to a dispatch of the larger half of a rank's sequences of
+        ``seq_len`` tokens (``moe.two_batch_overlap``), the same on every rank: ceil(S/2) · seq_len
+        for the most sequences S a rank may pass (the reserved ``BufferSpec.max_tokens``). None
+        where the transport does not size R from a capacity (the default)."""
+        return None
+
     def comm_stream(self, device: torch.device) -> Any:
         """The side stream communication runs on while expert compute runs on the current one
         (:mod:`ray_moe.comm.pipeline`): one per transport and device, created on first use with

@@ -740,6 +740,13 @@ class NVSHMEMTransport(Transport):
             return None
         return [min(self.buffer.capacity, c) for c in chunk_capacities(self.spec.max_tokens, weights)]
 
+    def split_capacity(self, seq_len: int) -> int | None:
+        """Rows per source of a half batch's dispatch: each half's received rows are W · ceil(S/2) ·
+        seq_len instead of W · T_cap (half the padding to zero and to carry through the experts)."""
+        if self.spec is None or seq_len < 1 or self.spec.max_tokens // seq_len < 2:
+            return None
+        return min(self.buffer.capacity, -(-(self.spec.max_tokens // seq_len) // 2) * seq_len)
+
     @property
     def supports_early_rows(self) -> bool:
         return self.buffer is not None and self.buffer.early_ok

@@ -150,14 +150,16 @@ class DecoderLayer(nn.Module):
         return y.view(x.shape), aux
 
     def staged(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-               token_offset: int = 0) -> Generator[None, None, tuple[torch.Tensor, MoEInFlight | None]]:
+               token_offset: int = 0, capacity: int | None = None
+               ) -> Generator[None, None, tuple[torch.Tensor, MoEInFlight | None]]:
         """The block over x [B, L, H] in three stages, for :meth:`Decoder.hidden_states`' two-batch
         overlap: a generator that yields twice, then returns (the block's output [B, L, H], its
         MoE call or None; the caller takes the auxiliary loss of both halves' calls at once,
         :meth:`MoELayer.aux_loss`). Stage 1: the attention half, the MoE layer's routing, its
         dispatch issued on the side stream; stage 2: the experts, the combine issued, the shared
         expert; stage 3: the current stream waits for the combine, the residual. A dense block
-        computes in stage 1. ``token_offset``: x's first token in the rank's batch. Checkpointing
+        computes in stage 1. ``token_offset``: x's first token in the rank's batch; ``capacity``: the
+        dispatch's (:meth:`~ray_moe.comm.base.Transport.split_capacity`). Checkpointing
         recomputes the compute between the exchanges (the exchanges are not replayed): the
         attention half (full), the experts and the shared expert (moe, full); the received rows
         and the router's input stay saved."""
@@ -172,7 +174,7 @@ class DecoderLayer(nn.Module):
             yield
             return x + y.view(x.shape), None
         moe, shared = self.mlp.routed, self.mlp.shared_experts
-        call = moe.start(h, token_offset)
+        call = moe.start(h, token_offset, capacity)
         yield
         moe.run_experts(call, recompute=ffn)
         z = None
@@ -347,6 +349,8 @@ class Decoder(nn.Module):
         the auxiliary loss float32 scalar, each layer's over both halves)."""
         halves = list(x.tensor_split(2))
         offsets = (0, halves[0].shape[0] * halves[0].shape[1])  # the token index of each half's first row
+        moe = self.moe_layers()
+        capacity = moe[0].transport.split_capacity(x.shape[1]) if moe else None
         aux = x.new_zeros((), dtype=torch.float32)
         running: list[Generator | None] = [None, None]  # each half's previous block, before its last stage
         previous = None
@@ -356,7 +360,7 @@ class Decoder(nn.Module):
                 if running[i] is not None:
                     halves[i], calls[i] = _last_stage(running[i])
                 if layer is not None:
-                    running[i] = layer.staged(halves[i], cos, sin, offsets[i])
+                    running[i] = layer.staged(halves[i], cos, sin, offsets[i], capacity)
                     next(running[i])  # attention, routing, the dispatch issued
             if calls[0] is not None:
                 aux = aux + previous.mlp.routed.aux_loss(calls)

@@ -340,12 +340,13 @@ class MoELayer(nn.Module):
         return out, self._aux(r.probs, r.ids, x)
 
     # ------------------------------------------------------------------ staged (two-batch overlap)
-    def start(self, x: torch.Tensor, token_offset: int = 0) -> "MoEInFlight":
+    def start(self, x: torch.Tensor, token_offset: int = 0, capacity: int | None = None) -> "MoEInFlight":
         """The first stage of a call whose exchanges run on the transport's side stream while the
         current stream computes something else (the decoder's ``moe.two_batch_overlap``: the other
         half batch). Routes x [T, H] (model dtype) on the current stream and issues the dispatch
         on the side stream. ``token_offset``: x's first row in the rank's whole batch (a clone's
-        replica is picked per token index, so the halves pick what the whole batch would).
+        replica is picked per token index, so the halves pick what the whole batch would);
+        ``capacity``: the dispatch's (:meth:`Transport.split_capacity`).
         Then :meth:`run_experts`, then :meth:`finish`; every rank calls the stages of its calls
         in one order (they are collectives). The sequential layer's exchange only: no chunks, no
         early experts, no reused outputs (two calls are in flight)."""
@@ -356,7 +357,7 @@ class MoELayer(nn.Module):
             used_on((x, r.weights, r.dest_rank, r.dest_slot), side)
         join = self.wgrad_deferral.join if self.wgrad_deferral else None
         recv, sent = run_on(side, _current(x), lambda: dispatch(self.transport, x, r.weights, r.dest_rank,
-                                                                r.dest_slot, after_backward=join))
+                                                                r.dest_slot, capacity, after_backward=join))
         return MoEInFlight(routed=r, x=x, side=side, recv=recv, sent=sent)
 
     def run_experts(self, call: "MoEInFlight", recompute: bool = False) -> None:

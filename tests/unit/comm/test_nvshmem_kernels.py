@@ -326,6 +326,10 @@ try:
     bad.append("20 tokens passed a dispatch of capacity 8")
 except ValueError as exc:
     assert "capacity of 8" in str(exc), exc
+# a half batch's capacity (moe.two_batch_overlap): ceil(S/2) sequences of the reserved 24 tokens
+halves = {L: tr.split_capacity(L) for L in (6, 5, 8, 13)}
+if halves != {6: 12, 5: 10, 8: 16, 13: None}:
+    bad.append(f"split capacities {halves}")
 # checks and binding once per call shape: a repeated shape is known, a misaligned chunk is not
 known = len(buf.launcher._fixed)
 tr.dispatch_forward(x.clone(), w.clone(), dr.clone(), ds.clone(), capacity=20)
@@ -353,7 +357,8 @@ print("BAD" if bad else "OK", bad)
 @pytest.mark.interpreter_script(sys.executable, "-c", _W1_SCRIPT)
 def test_symmetric_buffer_on_one_pe_under_the_interpreter(interpreter_scripts):
     """The NVSHMEM buffer's host side with its real kernels (Triton's interpreter, one PE, one
-    program): per-call capacity (rows, padding, all four operations), its bound, the launch keys,
+    program): per-call capacity (rows, padding, all four operations), its bound, a half batch's
+    capacity, the launch keys,
     and the pipelined layer over it equal to the sequential layer over the local transport."""
     pytest.importorskip("triton")
     proc = interpreter_scripts.result(sys.executable, "-c", _W1_SCRIPT)
