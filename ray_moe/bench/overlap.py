@@ -24,11 +24,12 @@ import statistics
 import tempfile
 import time
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Any
 
 from ray_moe import usage
 
-VARIANTS = {"sequential": False, "two_batch": True}
+VARIANTS = MappingProxyType({"sequential": False, "two_batch": True})  # name -> moe.two_batch_overlap
 TIME_KEYS = ("step", "forward", "backward", "grad_sync", "update")
 
 
