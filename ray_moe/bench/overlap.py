@@ -5,13 +5,16 @@ experts), against one rank running the same tokens per rank (the step expert par
 take if its exchanges cost nothing: the same FLOPs per GPU, every expert local).
 
 The Trainer at ``--world-size`` ranks (one group for every W-rank variant, a fresh model per run)
-and at one rank, ``--hf-config`` cut to ``--layers`` layers, ``--tokens`` per rank in sequences of
+and at one rank, ``--hf-config`` cut to each of ``--layers`` depths, ``--tokens`` per rank in sequences of
 ``--seq-len``, ``--checkpointing``; ``--warmup`` steps, then ``--iters`` timed ones. The variants
 run ``--rounds`` times, every other round in reverse order (ABBA: the GPUs slow as they heat, which
 favours whatever runs first), and each column is the median over the rounds of each round's median
 over steps of the slowest rank. Columns: step, forward, backward, grad sync, update (the engine's
 phases; the forward includes waiting for the previous step's overlapped update), ``scaling`` = one
-rank's step / this step, tokens/s per GPU, peak GPU memory. ``--zero-stage`` (2, as the real jobs)
+rank's step / this step, tokens/s per GPU, peak GPU memory. With two or more depths, a ``per layer``
+row per variant: the slope between the first and the last depth, without what does not grow with
+depth (the replicated embedding and LM head's gradients and update: at a 2-layer cut of a model
+with a 151,936-token vocabulary, most of what W ranks lose to one). ``--zero-stage`` (2, as the real jobs)
 applies at W ranks; one rank has nothing to reduce.
 """
 
@@ -33,12 +36,12 @@ VARIANTS = MappingProxyType({"sequential": False, "two_batch": True})  # name ->
 TIME_KEYS = ("step", "forward", "backward", "grad_sync", "update")
 
 
-def config_for(args: argparse.Namespace, world_size: int, two_batch: bool, run_dir: str):
+def config_for(args: argparse.Namespace, world_size: int, two_batch: bool, run_dir: str, layers: int | None = None):
     from ray_moe.config import Config
 
     return Config.from_dict({
-        "model": {"hf_config": args.hf_config, "hf": {"num_hidden_layers": args.layers}, "seq_len": args.seq_len,
-                  "dtype": args.dtype, "activation_checkpointing": args.checkpointing},
+        "model": {"hf_config": args.hf_config, "hf": {"num_hidden_layers": layers or args.layers[0]},
+                  "seq_len": args.seq_len, "dtype": args.dtype, "activation_checkpointing": args.checkpointing},
         "moe": {"two_batch_overlap": two_batch},
         "parallel": {"world_size": world_size, "device": args.device, "transport": args.transport,
                      "cpu_per_worker": 1 if args.device != "cpu" else 0.5, "comm_programs": args.comm_programs,
@@ -63,12 +66,12 @@ def _reset_peak(worker: Any) -> None:
         torch.cuda.reset_peak_memory_stats(worker.engine.device)
 
 
-def run_once(args: argparse.Namespace, group: Any, world_size: int, two_batch: bool) -> dict[str, Any]:
+def run_once(args: argparse.Namespace, group: Any, world_size: int, two_batch: bool, layers: int) -> dict[str, Any]:
     """One Trainer on ``group``: medians over ``--iters`` steps of the slowest rank's phases (ms)."""
     from ray_moe.driver.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as run_dir:
-        with Trainer(config_for(args, world_size, two_batch, run_dir), progress=False, group=group) as t:
+        with Trainer(config_for(args, world_size, two_batch, run_dir, layers), progress=False, group=group) as t:
             for _ in range(args.warmup):
                 t.step()
             t.group.execute(_reset_peak, timeout=120)
@@ -81,29 +84,45 @@ def run_once(args: argparse.Namespace, group: Any, world_size: int, two_batch: b
 
 
 def rows(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every variant at ``--world-size`` in ABBA rounds, then one rank; the scaling against it."""
+    """Per depth in ``--layers``: every variant at ``--world-size`` in ABBA rounds, then one rank,
+    and the scaling against it; with two or more depths also a ``per layer`` row per variant, the
+    slope between the first and the last depth (what the replicated embedding, LM head and the
+    update, whose cost does not grow with depth, leave out) and its scaling."""
     from ray_moe.driver.group import WorkerGroup
 
-    per_round: dict[str, list[dict[str, Any]]] = {v: [] for v in args.variants}
+    runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as run_dir:
         with WorkerGroup(config_for(args, args.world_size, False, run_dir)) as group:
-            for r in range(args.rounds):
-                for v in (args.variants if r % 2 == 0 else args.variants[::-1]):
-                    per_round[v].append(run_once(args, group, args.world_size, VARIANTS[v]))
-                    print(f"  round {r}: W={args.world_size} {v}: step {per_round[v][-1]['step_ms']:.1f} ms", flush=True)
-        one: list[dict[str, Any]] = []
+            for layers in args.layers:
+                for r in range(args.rounds):
+                    for v in (args.variants if r % 2 == 0 else args.variants[::-1]):
+                        runs.setdefault((layers, v), []).append(
+                            run_once(args, group, args.world_size, VARIANTS[v], layers))
+                        print(f"  {layers} layers, round {r}: W={args.world_size} {v}: "
+                              f"step {runs[layers, v][-1]['step_ms']:.1f} ms", flush=True)
         with WorkerGroup(config_for(args, 1, False, run_dir)) as group:
-            for r in range(args.rounds):
-                one.append(run_once(args, group, 1, False))
-                print(f"  round {r}: one rank: step {one[-1]['step_ms']:.1f} ms", flush=True)
+            for layers in args.layers:
+                for r in range(args.rounds):
+                    runs.setdefault((layers, "one rank"), []).append(run_once(args, group, 1, False, layers))
+                    print(f"  {layers} layers, round {r}: one rank: step {runs[layers, 'one rank'][-1]['step_ms']:.1f} ms",
+                          flush=True)
     out = []
-    ref = _median_row(one)
-    for name, runs in [("one rank", one)] + [(v, per_round[v]) for v in args.variants]:
-        row = {"variant": name, "world_size": 1 if name == "one rank" else args.world_size, **_median_row(runs),
-               "steps_ms_per_round": [r["step_ms"] for r in runs]}
-        row["scaling"] = ref["step_ms"] / row["step_ms"]
-        row["tokens_per_s_per_gpu"] = args.tokens / (row["step_ms"] / 1e3)
-        out.append(row)
+    names = ["one rank", *args.variants]
+    for layers in args.layers:
+        ref = _median_row(runs[layers, "one rank"])
+        for name in names:
+            row = {"layers": layers, "variant": name, "world_size": 1 if name == "one rank" else args.world_size,
+                   **_median_row(runs[layers, name]), "steps_ms_per_round": [r["step_ms"] for r in runs[layers, name]]}
+            row["scaling"] = ref["step_ms"] / row["step_ms"]
+            row["tokens_per_s_per_gpu"] = args.tokens / (row["step_ms"] / 1e3)
+            out.append(row)
+    if len(args.layers) >= 2:
+        a, b = args.layers[0], args.layers[-1]
+        slope = {n: {k: (_median_row(runs[b, n])[k] - _median_row(runs[a, n])[k]) / (b - a)
+                     for k in (f"{t}_ms" for t in TIME_KEYS)} for n in names}
+        for name in names:
+            out.append({"layers": "per layer", "variant": name, "world_size": 1 if name == "one rank" else args.world_size,
+                        **slope[name], "scaling": slope["one rank"]["step_ms"] / slope[name]["step_ms"]})
     return out
 
 
@@ -126,7 +145,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--comm-programs", type=int, default=0, help="parallel.comm_programs (NVSHMEM: 0 = every SM)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--hf-config", default="qwen3-30b-a3b", help="an HF preset, cut to --layers layers")
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--layers", default="2", help="comma list of depths (num_hidden_layers); two or more: "
+                   "also the per-layer slope between the first and the last")
     p.add_argument("--checkpointing", default="none", choices=("none", "moe", "full"))
     p.add_argument("--zero-stage", type=int, default=2, choices=(0, 1, 2),
                    help="parallel.zero_stage at W ranks (2: the replicated gradients reduce-scattered while backward runs)")
@@ -144,9 +164,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]
+    raw = args.layers
+    try:
+        args.layers = [int(v) for v in raw.split(",")]
+    except ValueError:
+        args.layers = []
+    if not args.layers or any(v < 1 for v in args.layers) or len(set(args.layers)) != len(args.layers):
+        parser.error(f"--layers={raw!r} must be a comma list of distinct integers >= 1")
     if not args.variants or any(v not in VARIANTS for v in args.variants):
         parser.error(f"--variants={','.join(args.variants)!r} must name some of {', '.join(VARIANTS)}")
-    for name in ("world_size", "layers", "tokens", "seq_len", "rounds", "iters"):
+    for name in ("world_size", "tokens", "seq_len", "rounds", "iters"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.world_size < 2:
@@ -158,12 +185,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--comm-programs must be >= 0, got {args.comm_programs}")
     from tabulate import tabulate
 
-    print(f"bench overlap: W={args.world_size}, {args.hf_config} x {args.layers} layers, {args.tokens} tokens/rank, "
+    print(f"bench overlap: W={args.world_size}, {args.hf_config} x {','.join(map(str, args.layers))} layers, {args.tokens} tokens/rank, "
           f"checkpointing {args.checkpointing}, {args.rounds} rounds", flush=True)
     out: dict[str, Any] = {"env": {"host": platform.node(), "date": time.strftime("%Y-%m-%d")}, "args": vars(args),
                            "rows": rows(args)}
-    cols = ["variant", "world_size"] + [f"{k}_ms" for k in TIME_KEYS] + ["scaling", "tokens_per_s_per_gpu", "peak_gib"]
-    print(tabulate([[r[c] for c in cols] for r in out["rows"]], headers=cols, floatfmt=".3f"))
+    cols = ["layers", "variant", "world_size"] + [f"{k}_ms" for k in TIME_KEYS] + ["scaling", "tokens_per_s_per_gpu",
+                                                                                    "peak_gib"]
+    print(tabulate([[r.get(c) for c in cols] for r in out["rows"]], headers=cols, floatfmt=".3f"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

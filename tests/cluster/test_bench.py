@@ -93,19 +93,24 @@ def test_bench_balance_train_mode_on_cpu(group_for_new, tmp_path):
 
 
 def test_bench_overlap_rows_on_cpu(group_for_new, tmp_path):
-    """`bench overlap` on CPU groups: the sequential and the two-batch step at W=2 in ABBA rounds
-    and one rank's, each with its phases, per-round steps and scaling against one rank."""
+    """`bench overlap` on CPU groups: per depth the sequential and the two-batch step at W=2 in ABBA
+    rounds and one rank's, each with its phases, per-round steps and scaling against one rank; and
+    per variant the per-layer slope between the two depths."""
     from ray_moe.bench import overlap
 
     group_for_new(2)
     group_for_new(1)
     out = tmp_path / "overlap.json"
-    assert overlap.main(["--hf-config", "qwen3_moe-tiny", "--layers", "2", "--tokens", "64", "--seq-len", "32",
+    assert overlap.main(["--hf-config", "qwen3_moe-tiny", "--layers", "2,3", "--tokens", "64", "--seq-len", "32",
                          "--device", "cpu", "--dtype", "float32", "--rounds", "2", "--warmup", "1", "--iters", "2",
                          "--max-bytes", "200000", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["variant"], r["world_size"]) for r in rows] == [("one rank", 1), ("sequential", 2), ("two_batch", 2)]
-    for r in rows:
+    names = ["one rank", "sequential", "two_batch"]
+    assert [(r["layers"], r["variant"]) for r in rows] == [(d, n) for d in (2, 3, "per layer") for n in names]
+    assert [r["world_size"] for r in rows[:3]] == [1, 2, 2]
+    for r in rows[:6]:
         assert len(r["steps_ms_per_round"]) == 2 and r["step_ms"] > 0 and r["scaling"] > 0
         assert 0 < r["forward_ms"] < r["step_ms"] and r["backward_ms"] > 0
-    assert rows[0]["scaling"] == 1.0
+    assert rows[0]["scaling"] == 1.0 and rows[6]["scaling"] == 1.0
+    for per, two, three in zip(rows[6:], rows[:3], rows[3:6]):
+        assert abs(per["step_ms"] - (three["step_ms"] - two["step_ms"])) < 1e-9

@@ -82,6 +82,8 @@ def test_rounds_take_each_timing_median():
     (["--variants", "sequential,nope"], "must name some of sequential, two_batch"),
     (["--rounds", "0"], "--rounds must be >= 1"),
     (["--comm-programs", "-1"], "--comm-programs must be >= 0"),
+    (["--layers", "2,x"], "--layers='2,x' must be a comma list of distinct integers >= 1"),
+    (["--layers", "2,2"], "--layers='2,2' must be a comma list of distinct integers >= 1"),
 ])
 def test_bench_overlap_bad_values_name_the_flag(argv, says, capsys):
     from ray_moe.bench import overlap
