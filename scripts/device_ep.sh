@@ -14,16 +14,16 @@
 # costs the step 5-17 %, so no chunked overlap wins; docs/BENCHMARKS.md, "Session 16"). Session 17
 # (H200 x2, x4): the power-capped GEMMs slow several % as the GPU heats, so compare variants with
 # EP_ROUNDS >= 3 (ABBA order, medians; layer at W=2 with 4 variants x 4 rounds 144 s, W=4 with
-# 4 x 3 rounds 166 s). Keep OUT as the tool gives it (an exported OUT=/tmp/... loses the JSON). Next lease:
+# 4 x 3 rounds 166 s). Keep OUT as the tool gives it (an exported OUT=/tmp/... loses the JSON). Session 19
+# (H200 x2, x4): bench overlap ~110 s per depth at W=2 and W=4 (2 rounds); the two-batch parity tests
+# ~75 s at W=4. Next lease:
 #   1. x8: the default steps with T_TESTS=500 and COMM_VARIANTS=r8h4096w16rot,r8h4096w16 (scaling
-#      target >= 0.90 at W=8; never lent so far)
-#   2. first, on x2 (session 18's bound launches of owned calls lost their test result):
-#      TESTS_FILES="tests/gpu/test_nvshmem_gpu.py::test_decoding_layers_with_buffer_owned_outputs
-#      tests/gpu/test_nvshmem_gpu.py::test_validators_and_layer_parity" bash scripts/device_ep.sh tests
-#   3. moe.early_experts (session 18: equal to the oracle, never faster; docs/BENCHMARKS.md) once its
-#      own rows' layout comes from the local routing: EP_CHUNKS=1 EP_PROGRAMS=0,32 EP_EARLY=0,16
-#      EP_ROUNDS=3 ... layer, at W=4 first (the exchange is 2-3x longer there); traces with
-#      EP_PROFILE=1 EP_PROFILE_STEPS=3, and tar $OUT's listings (the tool returns ~8 files)
+#      target >= 0.90 at W=8; never lent so far), and OV_PROGRAMS=32 bash scripts/device_ep.sh overlap
+#      (moe.two_batch_overlap where 7/8 of the rows go away)
+#   2. why the two-batch backward loses at W=2 (session 19: +2.5 ms at 2 layers): a profile of its step
+#      (the per-half weight gradients and their addition are the suspect)
+#   3. what W ranks lose to one rank outside the layers at W=4 (session 19: ~22 ms of backward and
+#      ~6 ms of update that do not grow with depth; ZeRO-2 of the 2 x 311 M embedding/LM-head parameters)
 # On one GPU, pes2 with every file took ~360 s.
 # Usage (device machine, repo root):  . .devbundle/setup.sh && bash scripts/device_ep.sh [steps]
 # steps (default: pes2,pes4,tests,comm,layer; a failing step does not stop the next one):
