@@ -20,7 +20,8 @@
 #   1. x8: the default steps with T_TESTS=500 and COMM_VARIANTS=r8h4096w16rot,r8h4096w16 (scaling
 #      target >= 0.90 at W=8; never lent so far), and OV_PROGRAMS=32 bash scripts/device_ep.sh overlap
 #      (moe.two_batch_overlap where 7/8 of the rows go away)
-#   2. why the two-batch backward loses at W=2 (session 19: +2.5 ms at 2 layers): a profile of its step
+#   2. why the two-batch backward loses at W=2 (session 19: +2.5 ms at 2 layers): OV_PROFILE=1 OV_PROGRAMS=32
+#      OV_LAYERS=2 bash scripts/device_ep.sh overlap, each rank's kernel listing per variant
 #      (the per-half weight gradients and their addition are the suspect)
 #   3. what W ranks lose to one rank outside the layers at W=4 (session 19: ~22 ms of backward and
 #      ~6 ms of update that do not grow with depth; ZeRO-2 of the 2 x 311 M embedding/LM-head parameters)
@@ -48,7 +49,9 @@
 #   overlap     bench overlap at W = all GPUs (OV_WORLD: fewer; skipped on one GPU; not in the default list):
 #               Qwen3-30B-A3B cut to OV_LAYERS (2,4) layers and the per-layer slope, 16384 tokens per rank, the step with each rank's
 #               batch in one pass and as two staggered halves (moe.two_batch_overlap), OV_ROUNDS (2) ABBA
-#               rounds, against one rank; OV_PROGRAMS: parallel.comm_programs (0: every SM); OV_CKPT: checkpointing
+#               rounds, against one rank; OV_PROGRAMS: parallel.comm_programs (0: every SM); OV_CKPT: checkpointing;
+#               OV_PROFILE=1: one profiled step per run of the first round, every rank's kernel listing in
+#               $OUT/traces_overlap_w<W>.tgz
 #   grad        bench grad_reduce at W = all GPUs (skipped on one GPU; not in the default list):
 #               issue 27's exposed replicated-gradient reduction, ZeRO stages 0, 1, 2, Qwen3-30B-A3B
 #               cut to 2 layers; fits the `comm,layer` call (`comm,layer,grad`)
@@ -80,6 +83,16 @@ pytest_step() {  # name timeout files...: pytest with a per-test limit; the last
   ray_stop
 }
 ray_stop() { python3 -c 'import sys; from ray.scripts.scripts import main; sys.argv=["ray","stop","--force"]; main()' >/dev/null 2>&1; }
+archive_traces() {  # $OUT/$1/*.json.gz -> each trace's kernel listing, all in $OUT/$1.tgz
+  # the device tool returns ~8 files: each trace's listing (what ran beside what, per stream) in one
+  # archive; the raw traces too with EP_KEEP_TRACES=1
+  [ -d "$OUT/$1" ] || return 0
+  for f in "$OUT/$1"/*.json.gz; do
+    python3 -m ray_moe.bench.timeline "$f" --width 48 > "${f%.json.gz}.txt" 2>&1
+    [ "${EP_KEEP_TRACES:-0}" = 1 ] || rm -f "$f"
+  done
+  tar czf "$OUT/$1.tgz" -C "$OUT" "$1" && rm -rf "${OUT:?}/$1"
+}
 mps_start() {  # CUDA MPS lets the spinning exchange kernels of several processes on one GPU run at once
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
@@ -113,22 +126,16 @@ if [ "$EP_W" -ge 2 ] && has layer; then
     --T $((16384 * EP_W)) --H 4096 --I 1536 --E 64 --K 8 --transport nvshmem --ep-chunks "${EP_CHUNKS:-1,2}" --ep-programs "${EP_PROGRAMS:-0}" --ep-interleave "${EP_INTERLEAVE:-0,1}" --ep-iters "${EP_ITERS:-10}" --ep-rounds "${EP_ROUNDS:-1}" ${EP_PROFILE:+--ep-profile --ep-profile-steps "${EP_PROFILE_STEPS:-1}" --ep-trace-dir "$OUT/traces_w$EP_W"} --ep-delay-wgrad "${EP_DELAY_WGRAD:-0,1}" --ep-early "${EP_EARLY:-0}" ${EP_ARGS:-} \
     --json "$OUT/bench_layer_ep_w$EP_W.json" 2>&1 | quiet | tee "$OUT/bench_layer_w$EP_W.log" | tail -20
   record "bench layer ep W=$EP_W" "see bench_layer_ep_w$EP_W.json" $((SECONDS - t0)); ray_stop
-  if [ -n "${EP_PROFILE:-}" ] && [ -d "$OUT/traces_w$EP_W" ]; then
-    # the device tool returns ~8 files: each trace's kernel listing (what ran beside what, per
-    # stream) in one archive; the raw traces too with EP_KEEP_TRACES=1
-    for f in "$OUT/traces_w$EP_W"/*.json.gz; do
-      python3 -m ray_moe.bench.timeline "$f" --width 48 > "${f%.json.gz}.txt" 2>&1
-      [ "${EP_KEEP_TRACES:-0}" = 1 ] || rm -f "$f"
-    done
-    tar czf "$OUT/traces_w$EP_W.tgz" -C "$OUT" "traces_w$EP_W" && rm -rf "${OUT:?}/traces_w$EP_W"
-  fi
+  [ -n "${EP_PROFILE:-}" ] && archive_traces "traces_w$EP_W"
 fi
 if [ "$GPUS" -ge 2 ] && has overlap; then
   t0=$SECONDS; OV_W=${OV_WORLD:-$GPUS}
   timeout "${T_OVERLAP:-420}" python3 -m ray_moe.cli bench overlap --world-size "$OV_W" --layers "${OV_LAYERS:-2,4}" \
     --checkpointing "${OV_CKPT:-none}" --comm-programs "${OV_PROGRAMS:-0}" --rounds "${OV_ROUNDS:-2}" ${OV_ARGS:-} \
+    ${OV_PROFILE:+--trace-dir "$OUT/traces_overlap_w$OV_W"} \
     --json "$OUT/bench_overlap_w${OV_W}_g${OV_PROGRAMS:-0}.json" 2>&1 | quiet | tee "$OUT/bench_overlap_w${OV_W}_g${OV_PROGRAMS:-0}.log" | tail -12
   record "bench overlap W=$OV_W G=${OV_PROGRAMS:-0}" "see bench_overlap_w${OV_W}_g${OV_PROGRAMS:-0}.json" $((SECONDS - t0)); ray_stop
+  [ -n "${OV_PROFILE:-}" ] && archive_traces "traces_overlap_w$OV_W"
 fi
 if [ "$GPUS" -ge 2 ] && has grad; then
   t0=$SECONDS

@@ -11,7 +11,8 @@ run ``--rounds`` times, every other round in reverse order (ABBA: the GPUs slow 
 favours whatever runs first), and each column is the median over the rounds of each round's median
 over steps of the slowest rank. Columns: step, forward, backward, grad sync, update (the engine's
 phases; the forward includes waiting for the previous step's overlapped update), ``scaling`` = one
-rank's step / this step, tokens/s per GPU, peak GPU memory. With two or more depths, a ``per layer``
+rank's step / this step, tokens/s per GPU, peak GPU memory (``--trace-dir``: one more step of each
+run in the first round under torch.profiler, every rank's trace kept). With two or more depths, a ``per layer``
 row per variant: the slope between the first and the last depth, without what does not grow with
 depth (the replicated embedding and LM head's gradients and update: at a 2-layer cut of a model
 with a 151,936-token vocabulary, most of what W ranks lose to one). ``--zero-stage`` (2, as the real jobs)
@@ -66,8 +67,42 @@ def _reset_peak(worker: Any) -> None:
         torch.cuda.reset_peak_memory_stats(worker.engine.device)
 
 
-def run_once(args: argparse.Namespace, group: Any, world_size: int, two_batch: bool, layers: int) -> dict[str, Any]:
-    """One Trainer on ``group``: medians over ``--iters`` steps of the slowest rank's phases (ms)."""
+def _profile_start(worker: Any) -> None:
+    """Start torch.profiler in this worker (its GPU's kernels; the CPU's operators without one)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = worker.engine.device.type == "cuda"
+    worker.bench_profiler = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+    worker.bench_profiler.__enter__()
+
+
+def _profile_stop(worker: Any, path: str) -> str:
+    """Stop the worker's profiler and keep its Chrome trace at ``path`` ({rank} filled in), gzipped."""
+    import gzip
+    import os
+    import shutil
+
+    prof = worker.bench_profiler
+    del worker.bench_profiler
+    prof.__exit__(None, None, None)
+    path = path.format(rank=worker.rank_info.rank)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fd, raw = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    finally:
+        os.unlink(raw)
+    return path
+
+
+def run_once(args: argparse.Namespace, group: Any, world_size: int, two_batch: bool, layers: int,
+             trace: str | None = None) -> dict[str, Any]:
+    """One Trainer on ``group``: medians over ``--iters`` steps of the slowest rank's phases (ms).
+    ``trace``: then one more step under torch.profiler on every rank, each rank's Chrome trace kept
+    at ``trace`` (a path with ``{rank}``)."""
     from ray_moe.driver.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as run_dir:
@@ -77,6 +112,10 @@ def run_once(args: argparse.Namespace, group: Any, world_size: int, two_batch: b
             t.group.execute(_reset_peak, timeout=120)
             steps = [t.step() for _ in range(args.iters)]
             peaks = t.group.execute(_peak, timeout=120)
+            if trace:
+                t.group.execute(_profile_start, timeout=120)
+                t.step()
+                t.group.execute(_profile_stop, trace, timeout=300)
     row = {f"{k}_ms": 1e3 * statistics.median(max(s["time_per_rank"][k]) for s in steps) for k in TIME_KEYS}
     row["peak_gib"] = max(peaks) if all(p is not None for p in peaks) else None
     row["loss"] = steps[-1]["loss"]
@@ -96,14 +135,17 @@ def rows(args: argparse.Namespace) -> list[dict[str, Any]]:
             for layers in args.layers:
                 for r in range(args.rounds):
                     for v in (args.variants if r % 2 == 0 else args.variants[::-1]):
+                        trace = (f"{args.trace_dir}/{v}_l{layers}_w{args.world_size}_rank{{rank}}.json.gz"
+                                 if args.trace_dir and r == 0 else None)
                         runs.setdefault((layers, v), []).append(
-                            run_once(args, group, args.world_size, VARIANTS[v], layers))
+                            run_once(args, group, args.world_size, VARIANTS[v], layers, trace))
                         print(f"  {layers} layers, round {r}: W={args.world_size} {v}: "
                               f"step {runs[layers, v][-1]['step_ms']:.1f} ms", flush=True)
         with WorkerGroup(config_for(args, 1, False, run_dir)) as group:
             for layers in args.layers:
                 for r in range(args.rounds):
-                    runs.setdefault((layers, "one rank"), []).append(run_once(args, group, 1, False, layers))
+                    trace = f"{args.trace_dir}/one_rank_l{layers}_rank{{rank}}.json.gz" if args.trace_dir and r == 0 else None
+                    runs.setdefault((layers, "one rank"), []).append(run_once(args, group, 1, False, layers, trace))
                     print(f"  {layers} layers, round {r}: one rank: step {runs[layers, 'one rank'][-1]['step_ms']:.1f} ms",
                           flush=True)
     out = []
@@ -156,6 +198,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--trace-dir", default=None,
+                   help="after each run's timed steps in the first round, one step under torch.profiler on every "
+                        "rank: its Chrome trace kept here (read with python -m ray_moe.bench.timeline TRACE)")
     p.add_argument("--json", default=None, help="write the rows to this JSON file")
     return p
 

@@ -103,9 +103,12 @@ def test_bench_overlap_rows_on_cpu(group_for_new, tmp_path):
     out = tmp_path / "overlap.json"
     assert overlap.main(["--hf-config", "qwen3_moe-tiny", "--layers", "2,3", "--tokens", "64", "--seq-len", "32",
                          "--device", "cpu", "--dtype", "float32", "--rounds", "2", "--warmup", "1", "--iters", "2",
-                         "--max-bytes", "200000", "--json", str(out)]) == 0
+                         "--max-bytes", "200000", "--trace-dir", str(tmp_path / "traces"), "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     names = ["one rank", "sequential", "two_batch"]
+    traces = sorted(p.name for p in (tmp_path / "traces").iterdir())  # one profiled step per run of round 0
+    assert traces == sorted([f"{v}_l{d}_w2_rank{r}.json.gz" for v in ("sequential", "two_batch") for d in (2, 3)
+                             for r in (0, 1)] + [f"one_rank_l{d}_rank0.json.gz" for d in (2, 3)]), traces
     assert [(r["layers"], r["variant"]) for r in rows] == [(d, n) for d in (2, 3, "per layer") for n in names]
     assert [r["world_size"] for r in rows[:3]] == [1, 2, 2]
     for r in rows[:6]:
