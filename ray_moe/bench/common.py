@@ -1,6 +1,7 @@
-"""What the one-process benchmarks (``bench train``, ``bench precision``) share: the device from
-``--device``, synchronisation, peak-memory windows, freeing an engine's memory before the next is
-built, and the RankInfo of the one rank they run (no group)."""
+"""What the benchmarks share: the device from ``--device``, synchronisation, peak-memory windows
+(also on a group's workers: ``bench grad_reduce``, ``bench overlap``), freeing an engine's memory
+before the next is built, and the RankInfo of the one rank the one-process benchmarks (``bench
+train``, ``bench precision``) run (no group)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,16 @@ def peak_gib(device: torch.device, base: int = 0) -> float | None:
         return None
     torch.cuda.synchronize(device)
     return (torch.cuda.max_memory_allocated(device) - base) / 2**30
+
+
+def reset_worker_peak(worker) -> None:
+    """On a worker of a group (``group.execute(reset_worker_peak)``): :func:`reset_peak` of its engine's device."""
+    reset_peak(worker.engine.device)
+
+
+def worker_peak_gib(worker) -> float | None:
+    """On a worker of a group: :func:`peak_gib` of its engine's device since :func:`reset_worker_peak`."""
+    return peak_gib(worker.engine.device)
 
 
 def one_rank(device: torch.device) -> RankInfo:

@@ -26,20 +26,6 @@ from ray_moe import usage
 TIME_KEYS = ("step", "forward", "backward", "grad_sync", "grad_reduce", "update")
 
 
-def _peak(worker: Any) -> float | None:
-    import torch
-
-    dev = worker.engine.device
-    return torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
-
-
-def _reset_peak(worker: Any) -> None:
-    import torch
-
-    if worker.engine.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(worker.engine.device)
-
-
 def config_for(args: argparse.Namespace, stage: int, run_dir: str):
     from ray_moe.config import Config
 
@@ -67,6 +53,7 @@ def stage_rows(args: argparse.Namespace, group: Any = None) -> list[dict[str, An
     """One row per ZeRO stage; ``group``: an existing worker group of ``--world-size`` ranks."""
     import tempfile
 
+    from ray_moe.bench.common import reset_worker_peak, worker_peak_gib
     from ray_moe.driver.trainer import Trainer
 
     rows = []
@@ -76,9 +63,9 @@ def stage_rows(args: argparse.Namespace, group: Any = None) -> list[dict[str, An
             with Trainer(cfg, progress=False, group=group) as t:
                 for _ in range(args.warmup):
                     t.step()
-                t.group.execute(_reset_peak, timeout=120)
+                t.group.execute(reset_worker_peak, timeout=120)
                 steps = [t.step() for _ in range(args.iters)]
-                peaks = t.group.execute(_peak, timeout=120)
+                peaks = t.group.execute(worker_peak_gib, timeout=120)
         med = {k: 1e3 * statistics.median(max(s["time_per_rank"][k]) for s in steps) for k in TIME_KEYS}
         rows.append({"stage": stage, **{f"{k}_ms": v for k, v in med.items()},
                      "exposed_pct": 100 * med["grad_reduce"] / med["step"],

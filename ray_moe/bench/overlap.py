@@ -53,20 +53,6 @@ def config_for(args: argparse.Namespace, world_size: int, two_batch: bool, run_d
     })
 
 
-def _peak(worker: Any) -> float | None:
-    import torch
-
-    dev = worker.engine.device
-    return torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
-
-
-def _reset_peak(worker: Any) -> None:
-    import torch
-
-    if worker.engine.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(worker.engine.device)
-
-
 def _profile_start(worker: Any) -> None:
     """Start torch.profiler in this worker (its GPU's kernels; the CPU's operators without one)."""
     from torch.profiler import ProfilerActivity, profile
@@ -103,15 +89,16 @@ def run_once(args: argparse.Namespace, group: Any, world_size: int, two_batch: b
     """One Trainer on ``group``: medians over ``--iters`` steps of the slowest rank's phases (ms).
     ``trace``: then one more step under torch.profiler on every rank, each rank's Chrome trace kept
     at ``trace`` (a path with ``{rank}``)."""
+    from ray_moe.bench.common import reset_worker_peak, worker_peak_gib
     from ray_moe.driver.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as run_dir:
         with Trainer(config_for(args, world_size, two_batch, run_dir, layers), progress=False, group=group) as t:
             for _ in range(args.warmup):
                 t.step()
-            t.group.execute(_reset_peak, timeout=120)
+            t.group.execute(reset_worker_peak, timeout=120)
             steps = [t.step() for _ in range(args.iters)]
-            peaks = t.group.execute(_peak, timeout=120)
+            peaks = t.group.execute(worker_peak_gib, timeout=120)
             if trace:
                 t.group.execute(_profile_start, timeout=120)
                 t.step()
