@@ -41,3 +41,18 @@ def wait(stream: Any, event: Any) -> None:
     """``stream`` waits for ``event`` (no-op without either: the CPU, or nothing in flight)."""
     if stream is not None and event is not None:
         stream.wait_event(event)
+
+
+def current(t: torch.Tensor) -> Any:
+    """The current CUDA stream of t's device (None on the CPU)."""
+    return torch.cuda.current_stream(t.device) if t.is_cuda else None
+
+
+def made(t: torch.Tensor) -> Any:
+    """An event on the current stream after the work queued so far, t's making among it (None on
+    the CPU): what a stage on another stream waits for before it reads t."""
+    if not t.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(t.device))
+    return event

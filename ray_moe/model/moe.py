@@ -19,7 +19,7 @@ from torch import nn
 from ray_moe.comm.base import Transport, combine, dispatch, dispatch_early
 from ray_moe.chunks import chunk_weights
 from ray_moe.comm.pipeline import pipelined_exchange
-from ray_moe.comm.streams import run_on, used_on, wait
+from ray_moe.comm.streams import current, made, run_on, used_on, wait
 from ray_moe.model.expert_choice import ExpertChoice, ExpertImplChooser
 from ray_moe.model.experts import EarlyRows, expert_ffn, resolve_impl
 from ray_moe.model.recompute import checkpointed
@@ -152,20 +152,6 @@ class MoEInFlight:
     pairs: torch.Tensor | None = None
     out: torch.Tensor | None = None
     combined: object = None
-
-
-def _current(x: torch.Tensor):
-    """The current CUDA stream of x's device (None on the CPU)."""
-    return torch.cuda.current_stream(x.device) if x.is_cuda else None
-
-
-def _event(t: torch.Tensor):
-    """An event recorded on the current stream after t was made (None on the CPU)."""
-    if not t.is_cuda:
-        return None
-    ev = torch.cuda.Event()
-    ev.record(torch.cuda.current_stream(t.device))
-    return ev
 
 
 class MoELayer(nn.Module):
@@ -353,10 +339,10 @@ class MoELayer(nn.Module):
         r = self._route(x, token_offset)
         side = self.transport.comm_stream(x.device)
         if side is not None:
-            side.wait_stream(torch.cuda.current_stream(x.device))  # the routing is made on the current stream
+            side.wait_stream(current(x))  # the routing is made on the current stream
             used_on((x, r.weights, r.dest_rank, r.dest_slot), side)
         join = self.wgrad_deferral.join if self.wgrad_deferral else None
-        recv, sent = run_on(side, _current(x), lambda: dispatch(self.transport, x, r.weights, r.dest_rank,
+        recv, sent = run_on(side, current(x), lambda: dispatch(self.transport, x, r.weights, r.dest_rank,
                                                                 r.dest_slot, capacity, after_backward=join))
         return MoEInFlight(routed=r, x=x, side=side, recv=recv, sent=sent)
 
@@ -364,7 +350,7 @@ class MoELayer(nn.Module):
         """The second stage: once the dispatch is in, the experts on the current stream, then the
         combine issued on the side stream. ``recompute``: the experts' activations are recomputed
         in backward (``model.activation_checkpointing``: moe or full), not kept."""
-        wait(_current(call.x), call.sent)
+        wait(current(call.x), call.sent)
         recv_x, recv_slot, recv_w, layout = call.recv
         fn = self._expert_fn(call.routed.impl)
         args = (recv_x, recv_slot, recv_w, self.w13, self.w2, self.wgrad_deferral)
@@ -373,13 +359,13 @@ class MoELayer(nn.Module):
         call.recv = None
         if call.side is not None:
             used_on(partial, call.side)
-        (call.out,), call.combined = run_on(call.side, _current(call.x),
-                                            lambda: (combine(self.transport, partial, layout),), after=_event(partial))
+        (call.out,), call.combined = run_on(call.side, current(call.x),
+                                            lambda: (combine(self.transport, partial, layout),), after=made(partial))
 
     def finish(self, call: "MoEInFlight") -> torch.Tensor:
         """The last stage: the current stream waits for the combine. Returns out [T, H] (the
         auxiliary loss of a batch's calls: :meth:`aux_loss`)."""
-        wait(_current(call.x), call.combined)
+        wait(current(call.x), call.combined)
         self._count(call.routed.ids, call.pairs)
         return call.out
 
