@@ -22,7 +22,8 @@
 #      (moe.two_batch_overlap where 7/8 of the rows go away)
 #   2. why the two-batch backward loses at W=2 (session 19: +2.5 ms at 2 layers): OV_PROFILE=1 OV_PROGRAMS=32
 #      OV_LAYERS=2 bash scripts/device_ep.sh overlap, each rank's kernel listing per variant
-#      (the per-half weight gradients and their addition are the suspect)
+#      (the per-half weight gradients and their addition are the suspect; also try OV_ARGS="--set
+#      moe.delay_wgrad=true": each half's weight gradients and their addition on the deferral's stream)
 #   3. what W ranks lose to one rank outside the layers at W=4 (session 19: ~22 ms of backward and
 #      ~6 ms of update that do not grow with depth; ZeRO-2 of the 2 x 311 M embedding/LM-head parameters)
 # On one GPU, pes2 with every file took ~360 s.

@@ -40,7 +40,7 @@ TIME_KEYS = ("step", "forward", "backward", "grad_sync", "update")
 def config_for(args: argparse.Namespace, world_size: int, two_batch: bool, run_dir: str, layers: int | None = None):
     from ray_moe.config import Config
 
-    return Config.from_dict({
+    config = Config.from_dict({
         "model": {"hf_config": args.hf_config, "hf": {"num_hidden_layers": layers or args.layers[0]},
                   "seq_len": args.seq_len, "dtype": args.dtype, "activation_checkpointing": args.checkpointing},
         "moe": {"two_batch_overlap": two_batch},
@@ -51,6 +51,7 @@ def config_for(args: argparse.Namespace, world_size: int, two_batch: bool, run_d
         "train": {"batch_size": world_size * (args.tokens // args.seq_len), "steps": 1000, "warmup_steps": 0,
                   "lr": 3e-4, "plots": False, "run_dir": run_dir, "resume": "false", "overwrite": True},
     })
+    return config.with_overrides(args.set) if args.set else config
 
 
 def _profile_start(worker: Any) -> None:
@@ -185,6 +186,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="more config overrides for every run (e.g. moe.delay_wgrad=true)")
     p.add_argument("--trace-dir", default=None,
                    help="after each run's timed steps in the first round, one step under torch.profiler on every "
                         "rank: its Chrome trace kept here (read with python -m ray_moe.bench.timeline TRACE)")
@@ -215,6 +218,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "sequences (the two halves)")
     if args.comm_programs < 0:
         parser.error(f"--comm-programs must be >= 0, got {args.comm_programs}")
+    try:
+        config_for(args, args.world_size, True, "runs/bench-overlap-check")
+    except ValueError as exc:  # ConfigError: a bad --set names the key
+        parser.error(f"--set: {exc}")
     from tabulate import tabulate
 
     print(f"bench overlap: W={args.world_size}, {args.hf_config} x {','.join(map(str, args.layers))} layers, {args.tokens} tokens/rank, "

@@ -84,6 +84,8 @@ def test_rounds_take_each_timing_median():
     (["--comm-programs", "-1"], "--comm-programs must be >= 0"),
     (["--layers", "2,x"], "--layers='2,x' must be a comma list of distinct integers >= 1"),
     (["--layers", "2,2"], "--layers='2,2' must be a comma list of distinct integers >= 1"),
+    (["--set", "moe.pipeline_chunks=2"], "--set: moe.two_batch_overlap runs the sequential layer's exchange"),
+    (["--set", "moe.nope=1"], "--set: "),
 ])
 def test_bench_overlap_bad_values_name_the_flag(argv, says, capsys):
     from ray_moe.bench import overlap
