@@ -55,3 +55,16 @@ def test_config_refuses_two_batch_beside_chunks_or_early_experts(tmp_path, other
         small_config(tmp_path, world_size=1, **{"moe.two_batch_overlap": True, other.split("=")[0]: other.split("=")[1]})
     with pytest.raises(ConfigError, match="moe.two_batch_overlap='yes' must be true or false"):
         small_config(tmp_path, world_size=1, **{"moe.two_batch_overlap": "'yes'"})
+
+
+def test_the_trainer_advises_fewer_exchange_sms_for_two_batch(tmp_path):
+    """One warning line where the two halves meet NVSHMEM exchanges on every SM, none elsewhere."""
+    from ray_moe.comm.base import TransportSpec
+    from ray_moe.driver.trainer import two_batch_advice
+
+    on = small_config(tmp_path, world_size=1, **{"moe.two_batch_overlap": True})
+    off = small_config(tmp_path, world_size=1)
+    every_sm, some = TransportSpec("nvshmem"), TransportSpec("nvshmem", comm_programs=32)
+    assert "parallel.comm_programs: 32" in two_batch_advice(on, every_sm)
+    assert two_batch_advice(on, some) is None and two_batch_advice(off, every_sm) is None
+    assert two_batch_advice(on, TransportSpec("gloo")) is None and two_batch_advice(on, None) is None
