@@ -66,7 +66,7 @@ def groups(ray_cluster):
                 made.pop(next(iter(made))).close()
             cfg = Config.from_dict({
                 "parallel": {"world_size": world_size, "device": "cpu", "cpu_per_worker": 0.5,
-                             "placement_strategy": strategy, "startup_timeout_s": 120},
+                             "placement_strategy": strategy, "startup_timeout_s": 240},
                 "moe": {"num_experts": 8},
             })
             made[key] = WorkerGroup(cfg)

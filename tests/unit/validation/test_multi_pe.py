@@ -19,7 +19,7 @@ def test_exchange_kernels_across_two_pes_under_the_interpreter(multi_pe_run):
     then a combine one rank runs alone times out with an
     error that names the peer, the program and the value its wait wanted and saw."""
     pytest.importorskip("triton")
-    code, text = multi_pe_run[2].result(timeout_s=600)
+    code, text = multi_pe_run[2].result(timeout_s=1200)
     assert code == 0 and text.startswith("OK"), text[-4000:]
 
 
@@ -28,5 +28,5 @@ def test_exchange_kernels_across_three_pes_under_the_interpreter(multi_pe_run):
     order (``Tuning.rotate_peers``, the default from three ranks): every transport edge case and
     the EP layer against the oracle on every rank."""
     pytest.importorskip("triton")
-    code, text = multi_pe_run[3].result(timeout_s=600)
+    code, text = multi_pe_run[3].result(timeout_s=1200)
     assert code == 0 and text.startswith("OK"), text[-4000:]
