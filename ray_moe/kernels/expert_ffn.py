@@ -69,6 +69,10 @@ class _ExpertFFN(torch.autograd.Function):
         ctx.top_k = K
         ctx.plan = plan
         ctx.deferral = deferral
+        # The deferral sets .grad on the parameters themselves. Under activation checkpointing
+        # (saved-tensor hooks) ctx.saved_tensors hands back new tensors sharing their storage, and a
+        # .grad set on those is lost: keep the parameters (leaves, alive anyway) on ctx instead.
+        ctx.params = (w13, w2) if deferral is not None else None
         return out
 
     @staticmethod
@@ -106,7 +110,7 @@ class _ExpertFFN(torch.autograd.Function):
             return g13, g2
 
         if ctx.deferral is not None and (need13 or need2):
-            ctx.deferral.launch((w13, w2), weight_grads, (x, dh13, aw, grad_out, *layout_t))
+            ctx.deferral.launch(ctx.params, weight_grads, (x, dh13, aw, grad_out, *layout_t))
         else:
             dw13, dw2 = weight_grads()
         return dx, None, dweight, dw13, dw2, None, None, None

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
@@ -240,27 +241,34 @@ def _zero_tail_check() -> dict:
 def _deferral_check() -> dict:
     """expert_ffn_triton with a WgradDeferral (inline here: no CUDA stream) against plain autograd:
     autograd gets no weight gradients, the deferral adds them to .grad, a second backward
-    accumulates, and dx / dweight are unchanged."""
+    accumulates, and dx / dweight are unchanged; also under activation checkpointing (saved-tensor
+    hooks, where ctx.saved_tensors are not the parameters themselves)."""
+    from torch.utils.checkpoint import checkpoint
+
     from ray_moe.kernels import expert_ffn_triton
     from ray_moe.model.wgrad import WgradDeferral
 
     case = random_case(*INTERP_CASES["random"], torch.float32, "cpu", seed=13)
     go = torch.randn(case["x"].shape)
     runs = []
-    for deferral in (None, WgradDeferral("cpu")):
+    for deferral, recompute in ((None, False), (WgradDeferral("cpu"), False), (WgradDeferral("cpu"), True)):
         leaves = {n: case[n].clone().requires_grad_() for n in ("x", "weight", "w13", "w2")}
         grads = []
         for _ in range(2):  # the second backward accumulates into .grad
-            out = expert_ffn_triton(leaves["x"], case["slot"], leaves["weight"], leaves["w13"], leaves["w2"],
-                                    deferral=deferral)
+            def experts(x, weight, w13, w2):
+                return expert_ffn_triton(x, case["slot"], weight, w13, w2, deferral=deferral)
+
+            args = (leaves["x"], leaves["weight"], leaves["w13"], leaves["w2"])
+            out = checkpoint(experts, *args, use_reentrant=False) if recompute else experts(*args)
             out.backward(go)
             if deferral is not None:
                 deferral.join()
-            grads.append([leaves[n].grad.clone() for n in ("x", "weight", "w13", "w2")])
+            grads.append([leaves[n].grad.clone() if leaves[n].grad is not None else torch.full_like(leaves[n], math.nan)
+                          for n in ("x", "weight", "w13", "w2")])
         runs.append(grads)
     names = ("dx", "dweight", "dw13", "dw2")
-    return {f"{n} after {i + 1}": rel_err(runs[1][i][j], runs[0][i][j])
-            for i in range(2) for j, n in enumerate(names)}
+    return {f"{n} after {i + 1}{' recomputed' if r == 2 else ''}": rel_err(runs[r][i][j], runs[0][i][j])
+            for r in (1, 2) for i in range(2) for j, n in enumerate(names)}
 
 
 def _early_rows_check() -> dict:
@@ -454,9 +462,10 @@ def test_steady_analysis_splits_steps_and_finds_device_waits():
 @pytest.mark.interpreter_script(*INTERPRETER_CHECKS)
 def test_delayed_weight_gradients_equal_autograds_under_interpreter(interpreter_results):
     """moe.delay_wgrad's deferral (inline off CUDA) gives autograd's weight gradients, accumulated
-    over two backwards, and leaves dx and the routing-weight gradient as they were."""
+    over two backwards, also under activation checkpointing, and leaves dx and the routing-weight
+    gradient as they were."""
     errs = interpreter_results["wgrad_deferral"]
-    assert len(errs) == 8 and all(v < 1e-6 for v in errs.values()), errs
+    assert len(errs) == 16 and all(v < 1e-6 for v in errs.values()), errs
 
 
 @pytest.mark.interpreter_script(*INTERPRETER_CHECKS)
