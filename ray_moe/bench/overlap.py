@@ -54,24 +54,26 @@ def config_for(args: argparse.Namespace, world_size: int, two_batch: bool, run_d
     return config.with_overrides(args.set) if args.set else config
 
 
-def _profile_start(worker: Any) -> None:
-    """Start torch.profiler in this worker (its GPU's kernels; the CPU's operators without one)."""
-    from torch.profiler import ProfilerActivity, profile
+def _profiled_step(worker: Any, path: str) -> str:
+    """One more training step on this worker under torch.profiler (its GPU's kernels; the CPU's
+    operators without one), its Chrome trace kept at ``path`` ({rank} filled in), gzipped.
 
-    cuda = worker.engine.device.type == "cuda"
-    worker.bench_profiler = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
-    worker.bench_profiler.__enter__()
-
-
-def _profile_stop(worker: Any, path: str) -> str:
-    """Stop the worker's profiler and keep its Chrome trace at ``path`` ({rank} filled in), gzipped."""
+    Profiler and step run in one call: the actors answer calls on two threads (health checks
+    answer while a step runs), and CUPTI refuses a profiler started on another thread than the
+    step's ("External init callback must run in same thread as registerClient": session 20's
+    first W=2 traces held 20 kernels)."""
     import gzip
     import os
     import shutil
 
-    prof = worker.bench_profiler
-    del worker.bench_profiler
-    prof.__exit__(None, None, None)
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = worker.engine.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        worker.step()
+        if cuda:
+            torch.cuda.synchronize(worker.engine.device)
     path = path.format(rank=worker.rank_info.rank)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fd, raw = tempfile.mkstemp(suffix=".json")
@@ -101,9 +103,7 @@ def run_once(args: argparse.Namespace, group: Any, world_size: int, two_batch: b
             steps = [t.step() for _ in range(args.iters)]
             peaks = t.group.execute(worker_peak_gib, timeout=120)
             if trace:
-                t.group.execute(_profile_start, timeout=120)
-                t.step()
-                t.group.execute(_profile_stop, trace, timeout=300)
+                t.group.execute(_profiled_step, trace, timeout=300)
     row = {f"{k}_ms": 1e3 * statistics.median(max(s["time_per_rank"][k]) for s in steps) for k in TIME_KEYS}
     row["peak_gib"] = max(peaks) if all(p is not None for p in peaks) else None
     row["loss"] = steps[-1]["loss"]

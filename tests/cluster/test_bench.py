@@ -3,6 +3,7 @@ except that they exist and cloning fixes the measured imbalance)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 
@@ -109,6 +110,10 @@ def test_bench_overlap_rows_on_cpu(group_for_new, tmp_path):
     traces = sorted(p.name for p in (tmp_path / "traces").iterdir())  # one profiled step per run of round 0
     assert traces == sorted([f"{v}_l{d}_w2_rank{r}.json.gz" for v in ("sequential", "two_batch") for d in (2, 3)
                              for r in (0, 1)] + [f"one_rank_l{d}_rank0.json.gz" for d in (2, 3)]), traces
+    for name in traces:  # a whole step's operators in each (a profiler started off the step's thread saw ~none)
+        with gzip.open(tmp_path / "traces" / name) as f:
+            ops = [e for e in json.load(f)["traceEvents"] if str(e.get("name", "")).startswith("aten::")]
+        assert len(ops) > 100, (name, len(ops))
     assert [(r["layers"], r["variant"]) for r in rows] == [(d, n) for d in (2, 3, "per layer") for n in names]
     assert [r["world_size"] for r in rows[:3]] == [1, 2, 2]
     for r in rows[:6]:
