@@ -86,10 +86,11 @@ pytest_step() {  # name timeout files...: pytest with a per-test limit; the last
 ray_stop() { python3 -c 'import sys; from ray.scripts.scripts import main; sys.argv=["ray","stop","--force"]; main()' >/dev/null 2>&1; }
 archive_traces() {  # $OUT/$1/*.json.gz -> each trace's kernel listing, all in $OUT/$1.tgz
   # the device tool returns ~8 files: each trace's listing (what ran beside what, per stream) in one
-  # archive; the raw traces too with EP_KEEP_TRACES=1
+  # archive; the raw traces too with EP_KEEP_TRACES=1. $2: the listing starts after the last kernel
+  # named so (default nccl, the layer bench's barrier; '' for a training step's own reductions)
   [ -d "$OUT/$1" ] || return 0
   for f in "$OUT/$1"/*.json.gz; do
-    python3 -m ray_moe.bench.timeline "$f" --width 48 > "${f%.json.gz}.txt" 2>&1
+    python3 -m ray_moe.bench.timeline "$f" --width 48 --after "${2-nccl}" > "${f%.json.gz}.txt" 2>&1
     [ "${EP_KEEP_TRACES:-0}" = 1 ] || rm -f "$f"
   done
   tar czf "$OUT/$1.tgz" -C "$OUT" "$1" && rm -rf "${OUT:?}/$1"
@@ -136,7 +137,7 @@ if [ "$GPUS" -ge 2 ] && has overlap; then
     ${OV_PROFILE:+--trace-dir "$OUT/traces_overlap_w$OV_W"} \
     --json "$OUT/bench_overlap_w${OV_W}_g${OV_PROGRAMS:-0}.json" 2>&1 | quiet | tee "$OUT/bench_overlap_w${OV_W}_g${OV_PROGRAMS:-0}.log" | tail -12
   record "bench overlap W=$OV_W G=${OV_PROGRAMS:-0}" "see bench_overlap_w${OV_W}_g${OV_PROGRAMS:-0}.json" $((SECONDS - t0)); ray_stop
-  [ -n "${OV_PROFILE:-}" ] && archive_traces "traces_overlap_w$OV_W"
+  [ -n "${OV_PROFILE:-}" ] && archive_traces "traces_overlap_w$OV_W" ""
 fi
 if [ "$GPUS" -ge 2 ] && has grad; then
   t0=$SECONDS

@@ -55,13 +55,13 @@ def config_for(args: argparse.Namespace, world_size: int, two_batch: bool, run_d
 
 
 def _profiled_step(worker: Any, path: str) -> str:
-    """One more training step on this worker under torch.profiler (its GPU's kernels; the CPU's
-    operators without one), its Chrome trace kept at ``path`` ({rank} filled in), gzipped.
+    """One more training step on this worker under torch.profiler (the CPU's operators, and its
+    GPU's kernels where it has one), its Chrome trace kept at ``path`` ({rank} filled in), gzipped.
 
-    Profiler and step run in one call: the actors answer calls on two threads (health checks
-    answer while a step runs), and CUPTI refuses a profiler started on another thread than the
-    step's ("External init callback must run in same thread as registerClient": session 20's
-    first W=2 traces held 20 kernels)."""
+    Profiler and step run in one worker call, so nothing else the actor's second thread answers
+    meanwhile (a health check) lands between them. Read the trace with ``python -m
+    ray_moe.bench.timeline --after '' TRACE``: its default starts the listing after the last NCCL
+    kernel, which in a ZeRO step is the closing all-gather."""
     import gzip
     import os
     import shutil
@@ -70,7 +70,7 @@ def _profiled_step(worker: Any, path: str) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     cuda = worker.engine.device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
         worker.step()
         if cuda:
             torch.cuda.synchronize(worker.engine.device)

@@ -136,15 +136,20 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ray_moe.bench.timeline", description=main.__doc__)
     p.add_argument("traces", nargs="+", help="Chrome traces (.json or .json.gz)")
     p.add_argument("--width", type=int, default=60, help="characters of each kernel name")
+    p.add_argument("--after", default="nccl",
+                   help="start after the last kernel whose name starts with this (default nccl: the barrier "
+                        "before `bench layer --ep-profile`'s steps); '' lists every kernel (a training "
+                        "step's own NCCL reductions, `bench overlap`)")
     args = p.parse_args(argv)
+    skip = (args.after,) if args.after else ()
     for path in args.traces:
         try:
             events = load_trace(path)
         except (OSError, ValueError) as exc:
             p.exit(2, f"{path}: not a readable Chrome trace ({exc})\n")
         print(f"# {path}")
-        print("\n".join(stream_listing(events, width=args.width)))
-        gaps = timeline_gaps(events, skip=("nccl",))
+        print("\n".join(stream_listing(events, skip=skip, width=args.width)))
+        gaps = timeline_gaps(events, skip=skip)
         print(f"wall {gaps['wall_us'] / 1e3:.3f} ms, busy {gaps['busy_us'] / 1e3:.3f}, idle {gaps['idle_us'] / 1e3:.3f}, "
               f"beside other kernels {gaps['overlap_us'] / 1e3:.3f}")
     return 0

@@ -77,3 +77,24 @@ def test_stream_listing_orders_kernels_with_their_streams(tmp_path, capsys):
     assert main([str(path)]) == 0
     out = capsys.readouterr().out
     assert "_dispatch_kernel" in out and "wall 2.500 ms, busy 2.500, idle 0.000, beside other kernels 1.000" in out
+
+
+
+def _listed_kernel(name: str, ts: float, dur: float) -> dict:
+    return {"cat": "kernel", "ph": "X", "name": name, "ts": ts, "dur": dur, "args": {"stream": 7}}
+
+
+def test_listing_starts_after_the_last_nccl_kernel_unless_told_otherwise(tmp_path, capsys):
+    """The default skips what ran before the layer bench's barrier (the last NCCL kernel); a
+    training step's own reductions (a ZeRO step ends with an all-gather) need ``--after ''``,
+    which lists every kernel."""
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": [
+        _listed_kernel("gemm_a", 0, 10), _listed_kernel("ncclDevKernel_AllGather", 20, 5), _listed_kernel("gemm_b", 30, 10)]}))
+    assert main([str(trace)]) == 0
+    default = capsys.readouterr().out
+    assert "gemm_b" in default and "gemm_a" not in default and "ncclDev" not in default
+    assert main([str(trace), "--after", ""]) == 0
+    whole = capsys.readouterr().out
+    assert all(k in whole for k in ("gemm_a", "ncclDevKernel_AllGather", "gemm_b"))
+    assert "wall 0.040 ms" in whole
