@@ -146,6 +146,10 @@ class MoEConfig:
     # combine on the side stream beside the other half's attention and experts (>= 2 sequences
     # per rank; the sequential layer's exchange)
     two_batch_overlap: bool = False
+    # the Triton experts' row GEMMs (down-projection, dx) on Hopper: persistent (one program per SM
+    # walking the tiles, the fastest alone) | tiles (one program per tile: beside an exchange that
+    # holds SMs, the hardware fills the SMs left, where a persistent grid's last programs wait)
+    expert_grid: str = "persistent"
 
     def check(self) -> None:
         _positive("moe.num_experts", self.num_experts)
@@ -169,6 +173,7 @@ class MoEConfig:
             raise ConfigError(f"moe.early_experts={self.early_experts!r} must be an integer >= 0 (0: off)")
         if not isinstance(self.two_batch_overlap, bool):
             raise ConfigError(f"moe.two_batch_overlap={self.two_batch_overlap!r} must be true or false")
+        _choice("moe.expert_grid", self.expert_grid, ("persistent", "tiles"))  # experts.EXPERT_GRIDS
         if self.two_batch_overlap and (len(chunk_weights(self.pipeline_chunks)) > 1 or self.early_experts):
             raise ConfigError("moe.two_batch_overlap runs the sequential layer's exchange: it needs "
                               f"moe.pipeline_chunks=1 and moe.early_experts=0, got {self.pipeline_chunks!r} "

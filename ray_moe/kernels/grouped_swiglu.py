@@ -26,7 +26,7 @@ Weight layout: w13 [S, H, 2I] (gate = [..., :I], up = [..., I:]), w2 [S, I, H].
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -121,11 +121,16 @@ class KernelPlan:
     wgrad: str = "triton"  # triton | grouped_mm | quack: who computes dW13 and dW2 (WGRAD_BACKENDS)
 
 
-def default_plan(dtype: torch.dtype, device: torch.device) -> KernelPlan:
-    """The plan used when none is given."""
+def default_plan(dtype: torch.dtype, device: torch.device, persistent: bool = True) -> KernelPlan:
+    """The plan used when none is given. ``persistent=False``: the row GEMMs that default to a
+    persistent grid (down, dx on Hopper) launch one program per tile instead, for GEMMs that run
+    beside a kernel holding some SMs (an exchange): the hardware then fills the SMs left as tiles
+    finish, where a persistent grid's programs that found no SM wait for the exchange to end."""
     fused = device.type != "cuda" or dtype == torch.float32  # the interpreter tests the fused epilogue
     roles = ("gate_up", "down", "dact", "dx", "wgrad13", "wgrad2")
     cfgs = {r: default_config(r, dtype, device) for r in roles}
+    if not persistent:
+        cfgs = {r: replace(c, persistent=False, flatten=False) for r, c in cfgs.items()}
     if fused:
         cfgs["dact"] = default_config("dact_fused", dtype, device)
     return KernelPlan(**cfgs, fused_dact=fused, dual_wgrad13=not fused)

@@ -45,6 +45,9 @@ class EarlyRows:
     source_rows: torch.Tensor | None = None  # int32 [hi - lo]
 
 
+EXPERT_GRIDS = ("persistent", "tiles")  # the Triton row GEMMs' grid (kernels.grouped_swiglu.default_plan)
+
+
 def swiglu(h: torch.Tensor) -> torch.Tensor:
     """[N, 2I] gate|up → [N, I]."""
     gate, up = h.chunk(2, dim=-1)
@@ -61,6 +64,7 @@ def expert_ffn(
     wgrad: str = "triton",
     deferral=None,
     early=None,
+    grid: str = "persistent",
 ) -> torch.Tensor:
     """Weighted SwiGLU experts over received rows.
 
@@ -78,6 +82,8 @@ def expert_ffn(
         early: an :class:`EarlyRows` (rows of x still arriving): with
             triton the up-projection of the ready rows' first slots runs before its ``wait()``;
             the other impls wait first.
+        grid: with triton, the row GEMMs' grid on Hopper (:data:`EXPERT_GRIDS`): persistent, or
+            tiles (one program per tile, for experts that run beside an exchange holding SMs).
     Returns:
         [R, H] in x.dtype: sum_k weight[r, k] * expert_{slot[r, k]}(x[r]); rows with no valid k are 0.
         Differentiable w.r.t. x, weight, w13 and w2.
@@ -97,7 +103,11 @@ def expert_ffn(
         from ray_moe.kernels import expert_ffn_triton
         from ray_moe.kernels.grouped_swiglu import default_plan
 
-        plan = None if wgrad == "triton" else replace(default_plan(x.dtype, x.device), wgrad=wgrad)
+        if grid not in EXPERT_GRIDS:
+            raise ValueError(f"grid {grid!r} is not one of {', '.join(EXPERT_GRIDS)}")
+        plan = None
+        if wgrad != "triton" or grid != "persistent":
+            plan = replace(default_plan(x.dtype, x.device, persistent=grid == "persistent"), wgrad=wgrad)
         return expert_ffn_triton(x, slot, weight, w13, w2, plan=plan, deferral=deferral, early=early)
     raise ValueError(f"expert impl {impl!r} is not one of auto, loop, grouped_mm, triton")
 

@@ -21,7 +21,7 @@ from ray_moe.chunks import chunk_weights
 from ray_moe.comm.pipeline import pipelined_exchange
 from ray_moe.comm.streams import current, made, run_on, used_on, wait
 from ray_moe.model.expert_choice import ExpertChoice, ExpertImplChooser
-from ray_moe.model.experts import EarlyRows, expert_ffn, resolve_impl
+from ray_moe.model.experts import EXPERT_GRIDS, EarlyRows, expert_ffn, resolve_impl
 from ray_moe.model.recompute import checkpointed
 from ray_moe.model.router import SOFTMAX, Routing, balancing_bias_step, load_balancing_loss, route
 from ray_moe.model.wgrad import WgradDeferral
@@ -81,7 +81,9 @@ class MoELayerSpec:
     transport that can return before the peers' rows arrive (``supports_early_rows``: NVSHMEM's
     peer path), the up-projection of each rank's own rows for its first D slots runs while the
     peers' rows are on the way (:class:`~ray_moe.model.experts.EarlyRows`; the same GEMM
-    tiles otherwise, so the experts' GEMMs do not shrink as with chunks); 0: off; seed: with
+    tiles otherwise, so the experts' GEMMs do not shrink as with chunks); 0: off; expert_grid:
+    the Triton experts' row GEMMs on a persistent grid or one program per tile
+    (:data:`~ray_moe.model.experts.EXPERT_GRIDS`); seed: with
     the layer index, seeds the router and every logical expert.
     """
 
@@ -97,6 +99,7 @@ class MoELayerSpec:
     pipeline_chunks: int | tuple[int, ...] = 1
     delay_wgrad: bool = False
     early_experts: int = 0
+    expert_grid: str = "persistent"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -121,6 +124,8 @@ class MoELayerSpec:
             raise ValueError(f"delay_wgrad must be true or false, got {self.delay_wgrad!r}")
         if isinstance(self.early_experts, bool) or not isinstance(self.early_experts, int) or self.early_experts < 0:
             raise ValueError(f"early_experts must be an integer >= 0, got {self.early_experts!r}")
+        if self.expert_grid not in EXPERT_GRIDS:
+            raise ValueError(f"expert_grid={self.expert_grid!r} is not one of {', '.join(EXPERT_GRIDS)}")
 
 
 @dataclass(frozen=True)
@@ -229,6 +234,7 @@ class MoELayer(nn.Module):
     routing = property(lambda self: self.spec.routing)
     pipeline_chunks = property(lambda self: self.spec.pipeline_chunks)
     early_experts = property(lambda self: self.spec.early_experts)
+    expert_grid = property(lambda self: self.spec.expert_grid)
 
     def join_wgrad(self) -> None:
         """Make the current stream wait for weight gradients still running on the deferral's side
@@ -400,7 +406,7 @@ class MoELayer(nn.Module):
                     early.wait()  # the first call of a shape times the candidates on every row
                 choice = self.expert_chooser.choose(recv_x, recv_slot, recv_w, w13, w2, needs_grad)
             return expert_ffn(recv_x, recv_slot, recv_w, w13, w2, choice.impl, wgrad=choice.wgrad, deferral=deferral,
-                              early=early)
+                              early=early, grid=self.expert_grid)
         return experts
 
     @torch.no_grad()

@@ -87,6 +87,27 @@ def test_expert_ffn_bf16_kernel_variants(variant, R, K, S, H, I, pattern):
     assert errs["empty_slot_grad"] == 0.0, errs
 
 
+@pytest.mark.parametrize("R,K,S,H,I,pattern", [CASES[0], (2048, 8, 64, 512, 256, "random")])
+def test_expert_ffn_bf16_on_the_tile_grid(R, K, S, H, I, pattern):
+    """moe.expert_grid=tiles: the default plan with its persistent row GEMMs (down, dx) launched
+    one program per tile, through expert_ffn's ``grid``, equal to the reference."""
+    from ray_moe.kernels.grouped_swiglu import default_plan
+
+    plan = default_plan(torch.bfloat16, torch.device("cuda"), persistent=False)
+    assert not plan.down.persistent and not plan.dx.persistent
+    errs = check_expert_ffn(random_case(R, K, S, H, I, pattern, torch.bfloat16, "cuda", 6), plan=plan)
+    for name in ("out", "dx", "dweight", "dw13", "dw2"):
+        assert errs[name] <= TOL, f"tiles {name}: relative error {errs[name]:.3g} > {TOL} ({errs})"
+    assert errs["empty_slot_grad"] == 0.0, errs
+    from ray_moe.model.experts import expert_ffn
+    from ray_moe.validation.kernels import rel_err
+
+    case = random_case(R, K, S, H, I, pattern, torch.bfloat16, "cuda", 7)
+    args = (case["x"], case["slot"], case["weight"], case["w13"], case["w2"])
+    tiles, persistent = (expert_ffn(*args, impl="triton", grid=g) for g in ("tiles", "persistent"))
+    assert rel_err(tiles, persistent) <= 1e-3  # the same tiles and K loop, another launch order
+
+
 def test_pair_layout_and_topk_match_references():
     from ray_moe.kernels.routing import (
         pair_layout,
