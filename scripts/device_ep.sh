@@ -16,16 +16,18 @@
 # EP_ROUNDS >= 3 (ABBA order, medians; layer at W=2 with 4 variants x 4 rounds 144 s, W=4 with
 # 4 x 3 rounds 166 s). Keep OUT as the tool gives it (an exported OUT=/tmp/... loses the JSON). Session 19
 # (H200 x2, x4): bench overlap ~110 s per depth at W=2 and W=4 (2 rounds); the two-batch parity tests
-# ~75 s at W=4. Next lease:
+# ~75 s at W=4. Session 20 (H200 x2, x4): -k two_batch over test_nvshmem_gpu.py + test_models_gpu.py
+# 170 s at W=2, 182 s at W=4; overlap with OV_ROUNDS=1 ~100 s. Whole-step listings need
+# EP_KEEP_TRACES=1 only to re-read them offline (the .txt listings now start at the first kernel).
+# Next lease:
 #   1. x8: the default steps with T_TESTS=500 and COMM_VARIANTS=r8h4096w16rot,r8h4096w16 (scaling
 #      target >= 0.90 at W=8; never lent so far), and OV_PROGRAMS=32 bash scripts/device_ep.sh overlap
 #      (moe.two_batch_overlap where 7/8 of the rows go away)
-#   2. why the two-batch backward loses at W=2 (session 19: +2.5 ms at 2 layers): OV_PROFILE=1 OV_PROGRAMS=32
-#      OV_LAYERS=2 bash scripts/device_ep.sh overlap, each rank's kernel listing per variant
-#      (the per-half weight gradients and their addition are the suspect; also try OV_ARGS="--set
-#      moe.delay_wgrad=true": each half's weight gradients and their addition on the deferral's stream)
-#   3. what W ranks lose to one rank outside the layers at W=4 (session 19: ~22 ms of backward and
-#      ~6 ms of update that do not grow with depth; ZeRO-2 of the 2 x 311 M embedding/LM-head parameters)
+#   2. once built: ZeRO's update and all-gathers beside the next forward (session 20: 13.6 ms exposed
+#      after backward at W=4, 2 layers): OV_PROFILE=1 OV_PROGRAMS=32 OV_LAYERS=2,4 ... overlap, the
+#      update_ms column against one rank's
+#   3. once built: the halves' weight gradients accumulated in the Triton wgrad epilogue (session 20:
+#      +1.8 ms of per-half weight gradients and additions at W=2, 2 layers)
 # On one GPU, pes2 with every file took ~360 s.
 # Usage (device machine, repo root):  . .devbundle/setup.sh && bash scripts/device_ep.sh [steps]
 # steps (default: pes2,pes4,tests,comm,layer; a failing step does not stop the next one):
