@@ -59,7 +59,9 @@ def _profiled_step(worker: Any, path: str) -> str:
     GPU's kernels where it has one), its Chrome trace kept at ``path`` ({rank} filled in), gzipped.
 
     Profiler and step run in one worker call, so nothing else the actor's second thread answers
-    meanwhile (a health check) lands between them. Read the trace with ``python -m
+    meanwhile (a health check) lands between them; every rank's profiler is running before any
+    rank starts the step (a barrier), else a rank's first exchange holds its wait for a peer still
+    starting its profiler (200 ms at W=2 in session 20). Read the trace with ``python -m
     ray_moe.bench.timeline --after '' TRACE``: its default starts the listing after the last NCCL
     kernel, which in a ZeRO step is the closing all-gather."""
     import gzip
@@ -69,8 +71,12 @@ def _profiled_step(worker: Any, path: str) -> str:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    import torch.distributed as dist
+
     cuda = worker.engine.device.type == "cuda"
     with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        if worker.engine.distributed:
+            dist.barrier()
         worker.step()
         if cuda:
             torch.cuda.synchronize(worker.engine.device)
