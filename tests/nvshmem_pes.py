@@ -211,8 +211,26 @@ def run_programs_in_threads() -> None:
             patch_scope.restore()
         self._restore_args_dev(args_dev, args_hst, kwargs, kwargs_hst)
 
+    # A nested @triton.jit call patches triton.language while iterating its module's globals
+    # (_patch_lang), and its first call grows those globals (rewrite → _compile_and_exec): two
+    # programs doing both at once failed one CI run with "dictionary changed size during
+    # iteration". Both are quick host steps; the lock serialises them, never the programs' waits.
+    rewrite_lock = threading.Lock()
+
+    def device_call(self, *args, **kwargs):
+        with rewrite_lock:
+            it._patch_lang(self.fn)
+            fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise it.InterpreterError(repr(e)) from e
+
     assert triton.__version__.split(".")[0] == "3", "written against Triton 3's interpreter"
+    assert "_patch_lang(self.fn)" in inspect.getsource(it.InterpretedFunction.__call__), \
+        "InterpretedFunction.__call__ changed: re-check device_call against it"
     it.GridExecutor.__call__ = call
+    it.InterpretedFunction.__call__ = device_call
 
 
 def make_transport(runtime: FileRuntime, spin_limit: int, tuning: dict | None = None, programs: int = 1,
