@@ -284,14 +284,12 @@ def _profiled_step(run_steps: Any, device: torch.device, steps: int = 1, dist_tr
     (:func:`ray_moe.bench.timeline.timeline_gaps`, with ``steps``; none on the CPU).
     ``dist_transport``: the layer exchanges with other ranks (they start together). ``keep_trace``:
     a path (``.json.gz``) to keep the Chrome trace at, to read the streams' timeline offline."""
-    import gzip
     import os
-    import shutil
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
 
-    from ray_moe.bench.timeline import load_trace, timeline_gaps
+    from ray_moe.bench.timeline import keep_gzipped, load_trace, timeline_gaps
 
     cuda = device.type == "cuda"
     barrier = "nccl"  # kernels of the barrier below, left out of both results
@@ -316,9 +314,7 @@ def _profiled_step(run_steps: Any, device: torch.device, steps: int = 1, dist_tr
         prof.export_chrome_trace(path)
         timeline = {**timeline_gaps(load_trace(path), skip=(barrier,)), "steps": steps}
         if keep_trace:
-            os.makedirs(os.path.dirname(keep_trace) or ".", exist_ok=True)
-            with open(path, "rb") as src, gzip.open(keep_trace, "wb") as dst:
-                shutil.copyfileobj(src, dst)
+            keep_gzipped(path, keep_trace)
     finally:
         os.unlink(path)
     return kernels, timeline

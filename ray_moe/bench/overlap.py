@@ -64,14 +64,13 @@ def _profiled_step(worker: Any, path: str) -> str:
     starting its profiler (200 ms at W=2 in session 20). Read the trace with ``python -m
     ray_moe.bench.timeline --after '' TRACE``: its default starts the listing after the last NCCL
     kernel, which in a ZeRO step is the closing all-gather."""
-    import gzip
     import os
-    import shutil
 
     import torch
+    import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    import torch.distributed as dist
+    from ray_moe.bench.timeline import keep_gzipped
 
     cuda = worker.engine.device.type == "cuda"
     with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
@@ -80,17 +79,13 @@ def _profiled_step(worker: Any, path: str) -> str:
         worker.step()
         if cuda:
             torch.cuda.synchronize(worker.engine.device)
-    path = path.format(rank=worker.rank_info.rank)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fd, raw = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
         prof.export_chrome_trace(raw)
-        with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
-            shutil.copyfileobj(src, dst)
+        return keep_gzipped(raw, path.format(rank=worker.rank_info.rank))
     finally:
         os.unlink(raw)
-    return path
 
 
 def run_once(args: argparse.Namespace, group: Any, world_size: int, two_batch: bool, layers: int,

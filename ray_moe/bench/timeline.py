@@ -28,6 +28,18 @@ def load_trace(path: str) -> list[dict]:
         return json.load(f).get("traceEvents", [])
 
 
+def keep_gzipped(raw: str, path: str) -> str:
+    """Copy the Chrome trace at ``raw`` (as torch.profiler exports it) to ``path`` gzipped, the
+    form :func:`load_trace` reads and the benches keep (its directory made). Returns ``path``."""
+    import os
+    import shutil
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    return path
+
+
 def stream_listing(events: list[dict], skip: tuple[str, ...] = ("nccl",), width: int = 60) -> list[str]:
     """One line per kernel in start order, after the last kernel named with a ``skip`` prefix:
     start and end (ms from the first kernel), duration (ms), the stream it ran on, its name; so
