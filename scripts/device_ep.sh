@@ -52,7 +52,8 @@
 #   overlap     bench overlap at W = all GPUs (OV_WORLD: fewer; skipped on one GPU; not in the default list):
 #               Qwen3-30B-A3B cut to OV_LAYERS (2,4) layers and the per-layer slope, 16384 tokens per rank, the step with each rank's
 #               batch in one pass and as two staggered halves (moe.two_batch_overlap), OV_ROUNDS (2) ABBA
-#               rounds, against one rank; OV_PROGRAMS: parallel.comm_programs (0: every SM); OV_CKPT: checkpointing;
+#               rounds, against one rank; OV_VARIANTS: bench overlap's --variants (e.g.
+#               sequential,param_gather,param_gather+bf16_reduce); OV_PROGRAMS: parallel.comm_programs (0: every SM); OV_CKPT: checkpointing;
 #               OV_PROFILE=1: one profiled step per run of the first round, every rank's kernel listing in
 #               $OUT/traces_overlap_w<W>.tgz
 #   grad        bench grad_reduce at W = all GPUs (skipped on one GPU; not in the default list):
@@ -135,7 +136,8 @@ fi
 if [ "$GPUS" -ge 2 ] && has overlap; then
   t0=$SECONDS; OV_W=${OV_WORLD:-$GPUS}
   timeout "${T_OVERLAP:-420}" python3 -m ray_moe.cli bench overlap --world-size "$OV_W" --layers "${OV_LAYERS:-2,4}" \
-    --checkpointing "${OV_CKPT:-none}" --comm-programs "${OV_PROGRAMS:-0}" --rounds "${OV_ROUNDS:-2}" ${OV_ARGS:-} \
+    --checkpointing "${OV_CKPT:-none}" --comm-programs "${OV_PROGRAMS:-0}" --rounds "${OV_ROUNDS:-2}" \
+    --variants "${OV_VARIANTS:-sequential,two_batch}" ${OV_ARGS:-} \
     ${OV_PROFILE:+--trace-dir "$OUT/traces_overlap_w$OV_W"} \
     --json "$OUT/bench_overlap_w${OV_W}_g${OV_PROGRAMS:-0}.json" 2>&1 | quiet | tee "$OUT/bench_overlap_w${OV_W}_g${OV_PROGRAMS:-0}.log" | tail -12
   record "bench overlap W=$OV_W G=${OV_PROGRAMS:-0}" "see bench_overlap_w${OV_W}_g${OV_PROGRAMS:-0}.json" $((SECONDS - t0)); ray_stop

@@ -33,17 +33,32 @@ from typing import Any
 
 from ray_moe import usage
 
-VARIANTS = MappingProxyType({"sequential": False, "two_batch": True})  # name -> moe.two_batch_overlap
+# A variant is one of these, or several joined by "+" (their overrides together): at W ranks
+# "sequential" is the default step, each rank's batch through the blocks in one pass.
+VARIANTS = MappingProxyType({
+    "sequential": {},
+    "two_batch": {"moe.two_batch_overlap": True},  # two staggered halves
+    "param_gather": {"parallel.overlap_param_gather": True},  # ZeRO's update beside the next forward
+    "bf16_reduce": {"parallel.grad_reduce_dtype": "bfloat16"},
+})
+
+
+def variant_overrides(name: str) -> dict[str, Any]:
+    """The config overrides of a variant name ("a+b": a's and b's together)."""
+    out: dict[str, Any] = {}
+    for part in name.split("+"):
+        out.update(VARIANTS[part])
+    return out
 TIME_KEYS = ("step", "forward", "backward", "grad_sync", "update")
 
 
-def config_for(args: argparse.Namespace, world_size: int, two_batch: bool, run_dir: str, layers: int | None = None):
+def config_for(args: argparse.Namespace, world_size: int, variant: str, run_dir: str, layers: int | None = None):
+    """The Trainer's config of one run: ``variant``'s overrides at W ranks (one rank: none)."""
     from ray_moe.config import Config
 
     config = Config.from_dict({
         "model": {"hf_config": args.hf_config, "hf": {"num_hidden_layers": layers or args.layers[0]},
                   "seq_len": args.seq_len, "dtype": args.dtype, "activation_checkpointing": args.checkpointing},
-        "moe": {"two_batch_overlap": two_batch},
         "parallel": {"world_size": world_size, "device": args.device, "transport": args.transport,
                      "cpu_per_worker": 1 if args.device != "cpu" else 0.5, "comm_programs": args.comm_programs,
                      "zero_stage": args.zero_stage if world_size > 1 else 0},
@@ -51,7 +66,9 @@ def config_for(args: argparse.Namespace, world_size: int, two_batch: bool, run_d
         "train": {"batch_size": world_size * (args.tokens // args.seq_len), "steps": 1000, "warmup_steps": 0,
                   "lr": 3e-4, "plots": False, "run_dir": run_dir, "resume": "false", "overwrite": True},
     })
-    return config.with_overrides(args.set) if args.set else config
+    over = variant_overrides(variant) if world_size > 1 else {}
+    over = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in over.items()] + list(args.set)
+    return config.with_overrides(over) if over else config
 
 
 def _profiled_step(worker: Any, path: str) -> str:
@@ -88,7 +105,7 @@ def _profiled_step(worker: Any, path: str) -> str:
         os.unlink(raw)
 
 
-def run_once(args: argparse.Namespace, group: Any, world_size: int, two_batch: bool, layers: int,
+def run_once(args: argparse.Namespace, group: Any, world_size: int, variant: str, layers: int,
              trace: str | None = None) -> dict[str, Any]:
     """One Trainer on ``group``: medians over ``--iters`` steps of the slowest rank's phases (ms).
     ``trace``: then one more step under torch.profiler on every rank, each rank's Chrome trace kept
@@ -97,7 +114,7 @@ def run_once(args: argparse.Namespace, group: Any, world_size: int, two_batch: b
     from ray_moe.driver.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as run_dir:
-        with Trainer(config_for(args, world_size, two_batch, run_dir, layers), progress=False, group=group) as t:
+        with Trainer(config_for(args, world_size, variant, run_dir, layers), progress=False, group=group) as t:
             for _ in range(args.warmup):
                 t.step()
             t.group.execute(reset_worker_peak, timeout=120)
@@ -120,21 +137,21 @@ def rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as run_dir:
-        with WorkerGroup(config_for(args, args.world_size, False, run_dir)) as group:
+        with WorkerGroup(config_for(args, args.world_size, "sequential", run_dir)) as group:
             for layers in args.layers:
                 for r in range(args.rounds):
                     for v in (args.variants if r % 2 == 0 else args.variants[::-1]):
                         trace = (f"{args.trace_dir}/{v}_l{layers}_w{args.world_size}_rank{{rank}}.json.gz"
                                  if args.trace_dir and r == 0 else None)
                         runs.setdefault((layers, v), []).append(
-                            run_once(args, group, args.world_size, VARIANTS[v], layers, trace))
+                            run_once(args, group, args.world_size, v, layers, trace))
                         print(f"  {layers} layers, round {r}: W={args.world_size} {v}: "
                               f"step {runs[layers, v][-1]['step_ms']:.1f} ms", flush=True)
-        with WorkerGroup(config_for(args, 1, False, run_dir)) as group:
+        with WorkerGroup(config_for(args, 1, "sequential", run_dir)) as group:
             for layers in args.layers:
                 for r in range(args.rounds):
                     trace = f"{args.trace_dir}/one_rank_l{layers}_rank{{rank}}.json.gz" if args.trace_dir and r == 0 else None
-                    runs.setdefault((layers, "one rank"), []).append(run_once(args, group, 1, False, layers, trace))
+                    runs.setdefault((layers, "one rank"), []).append(run_once(args, group, 1, "sequential", layers, trace))
                     print(f"  {layers} layers, round {r}: one rank: step {runs[layers, 'one rank'][-1]['step_ms']:.1f} ms",
                           flush=True)
     out = []
@@ -170,7 +187,9 @@ def _parser() -> argparse.ArgumentParser:
     p = usage.ArgumentParser(prog="ray-moe bench overlap", description=__doc__,
                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--variants", default="sequential,two_batch", help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default="sequential,two_batch",
+                   help=f"comma list of variants, each one of {', '.join(VARIANTS)} or several joined by '+' "
+                        "(e.g. two_batch+param_gather)")
     p.add_argument("--device", default="auto", help="auto, cuda, cpu")
     p.add_argument("--transport", default="auto")
     p.add_argument("--comm-programs", type=int, default=0, help="parallel.comm_programs (NVSHMEM: 0 = every SM)")
@@ -207,8 +226,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.layers = []
     if not args.layers or any(v < 1 for v in args.layers) or len(set(args.layers)) != len(args.layers):
         parser.error(f"--layers={raw!r} must be a comma list of distinct integers >= 1")
-    if not args.variants or any(v not in VARIANTS for v in args.variants):
-        parser.error(f"--variants={','.join(args.variants)!r} must name some of {', '.join(VARIANTS)}")
+    if not args.variants or any(part not in VARIANTS for v in args.variants for part in v.split("+")):
+        parser.error(f"--variants={','.join(args.variants)!r} must name some of {', '.join(VARIANTS)} "
+                     "(or several joined by '+')")
     for name in ("world_size", "tokens", "seq_len", "rounds", "iters"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -220,9 +240,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.comm_programs < 0:
         parser.error(f"--comm-programs must be >= 0, got {args.comm_programs}")
     try:
-        config_for(args, args.world_size, True, "runs/bench-overlap-check")
-    except ValueError as exc:  # ConfigError: a bad --set names the key
-        parser.error(f"--set: {exc}")
+        for v in args.variants:
+            where = "--set" if args.set else f"--variants={v}"
+            config_for(args, args.world_size, v, "runs/bench-overlap-check")
+    except ValueError as exc:  # ConfigError: names the key
+        parser.error(f"{where}: {exc}")
     from tabulate import tabulate
 
     print(f"bench overlap: W={args.world_size}, {args.hf_config} x {','.join(map(str, args.layers))} layers, {args.tokens} tokens/rank, "

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ray_moe import checkpoint
 from ray_moe.arch import ArchSpec, ResolvedArch
 from ray_moe.comm.base import BufferSpec, Transport
-from ray_moe.config import Config, element_size
+from ray_moe.config import DTYPES, Config, element_size
 from ray_moe.device import synchronize
 from ray_moe.model.build import build_model
 from ray_moe.model.interface import LanguageModel
@@ -135,15 +135,26 @@ class Engine:
             [(names[id(p)], p) for p in self.replicated], no_weight_decay(self.model),
             group=dist.new_group(list(range(self.world_size))), weight_decay=t.weight_decay,
             betas=(t.beta1, t.beta2), eps=t.eps, state_dtype=STATE_DTYPES[t.optimizer_state_dtype],
-            bucket_size=self.config.parallel.grad_bucket_size, shard_grads=self.config.parallel.zero_stage >= 2)
+            bucket_size=self.config.parallel.grad_bucket_size, shard_grads=self.config.parallel.zero_stage >= 2,
+            grad_dtype=DTYPES[self.config.parallel.grad_reduce_dtype])
 
     def _update_overlap(self) -> UpdateOverlap:
         """The side stream and block events of ``train.overlap_update`` over the one-pass
-        parameters; blocks with clone slots wait for the whole update (their clones are refreshed
-        after it)."""
+        parameters, and with ``parallel.overlap_param_gather`` ZeRO's sharded ones too; blocks
+        with clone slots wait for the whole update (their clones are refreshed after it)."""
         named = self.optimizer.one_pass_named()
+        if self.zero_beside:
+            by_id = {id(p): n for n, p in self.model.named_parameters()}
+            named = [(by_id[id(p)], p) for b in self.zero.buckets for p in b.params] + named
         late = {1 + layer.layer_idx for layer in self.model.moe_layers() if layer.placement.clone_slots}
         return UpdateOverlap(self.model, [n for n, _ in named], [p for _, p in named], self.device, late)
+
+    @property
+    def zero_beside(self) -> bool:
+        """Whether ZeRO's update and all-gathers run on the overlapped update's side stream
+        (``parallel.overlap_param_gather`` on CUDA with sharded replicated state)."""
+        return (self.zero is not None and self.config.parallel.overlap_param_gather
+                and self.config.train.overlap_update and self.device.type == "cuda")
 
     def settle(self) -> None:
         """Let the current stream wait for a pending overlapped update (before anything reads the
@@ -237,11 +248,13 @@ class Engine:
         if finite:
             clip = self.config.train.grad_clip
             scale = (clip / (grad_norm + 1e-6) if clip > 0 and grad_norm > clip else 1.0) / self.grad_divisor
+            beside = self.zero_beside
             if self.overlap is not None:  # on a side stream; the next forward waits block by block
-                self.overlap.launch(lambda done: self._update(lr, scale, done), self.optimizer.pending_grads())
+                self.overlap.launch(lambda done: self._update(lr, scale, done, zero=beside),
+                                    self.optimizer.pending_grads())
             else:
                 self._update(lr, scale)
-            if self.zero:
+            if self.zero and not beside:
                 self.zero.step(lr, scale)
             self.opt_steps += 1
             self.update_routing_bias()
@@ -266,9 +279,13 @@ class Engine:
                      "step": t3 - t0, "comm": self.transport.timer.pop()},
         }
 
-    def _update(self, lr: float, scale: float, done: Callable[[torch.Tensor | None], None] | None = None) -> None:
+    def _update(self, lr: float, scale: float, done: Callable[[torch.Tensor | None], None] | None = None,
+                zero: bool = False) -> None:
         """The optimizer's update (``done``: :meth:`MixedPrecisionAdamW.step`'s), then the clone
-        slots refreshed from their owners."""
+        slots refreshed from their owners; ``zero``: ZeRO's sharded update and all-gathers first
+        (in forward order: the embeddings' are what the next forward needs first)."""
+        if zero:
+            self.zero.step(lr, scale, done)
         self.optimizer.step(lr, scale, done)
         self.push_clones()
 
@@ -315,7 +332,8 @@ class Engine:
         else:
             replicated = [opt.grad(p) for p in self.replicated]
             if self.distributed:
-                flat = torch.cat([g.reshape(-1).float() for g in replicated])
+                flat = torch.cat([g.reshape(-1).to(DTYPES[self.config.parallel.grad_reduce_dtype])
+                                  for g in replicated])
                 dist.all_reduce(flat)
                 offset = 0
                 for g in replicated:

@@ -23,12 +23,19 @@ Here they are split over the W ranks:
   on a process group of its own, so it never interleaves with the expert-parallel transport's
   collectives in backward. :meth:`finish` zero-fills what backward did not reach, launches the
   rest and waits.
+- **Reduction dtype.** ``grad_dtype`` float32 (the default, as torchtitan's FSDP reduces) or
+  bfloat16 (Megatron's default): the bucket buffers and the reduce-scatter in that dtype, half the
+  bytes over the wire and in the buffers; the reduced chunk is widened into the float32 ``grad``.
 - **Update.** Each rank updates its chunks with the one-pass AdamW
   (:func:`ray_moe.worker.adamw_kernel.adamw_step`; at most two launches per bucket: within a
   bucket the decayed parameters come first), the reduced *sums* scaled by ``grad_scale``
   (clipping and the 1/W of the mean folded in), writes the rounded chunk and all-gathers it in the
   parameters' dtype into the bucket's buffer (free by then; at stage 2 a transient one), from
-  which the parameters are copied.
+  which the parameters are copied. Buckets go in forward order (the embeddings' first), each
+  bucket's all-gather beside the next bucket's update, and ``done(param)`` is called after each
+  parameter is copied: :class:`~ray_moe.worker.overlap.UpdateOverlap` runs all of it on a side
+  stream beside the next forward (``parallel.overlap_param_gather``, Megatron's
+  ``--overlap-param-gather``), each block waiting only for its own parameters.
 
 Why hand-written: FSDP2's ``fully_shard`` shards the parameters themselves (ZeRO-3: an all-gather
 in every forward and backward) and owns their mixed precision, where ray_moe keeps its own float32
@@ -44,7 +51,7 @@ whole tensors, so a checkpoint moves between world sizes and between sharded and
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -60,9 +67,11 @@ ALIGN = 64  # elements: every chunk starts on a 256-byte boundary (float32)
 
 @dataclass
 class _Bucket:
-    """One bucket. ``flat`` float32 [W * chunk]: the gradients (then the gathered parameters);
-    ``grad``, ``master`` float32 [chunk], ``exp_avg``/``exp_avg_sq`` [chunk] in the state dtype,
-    ``send`` [chunk] in the parameters' dtype (the master for float32 parameters): this rank's."""
+    """One bucket. ``flat`` [W * chunk] in the reduction dtype: the gradients (then the gathered
+    parameters); ``grad``, ``master`` float32 [chunk], ``exp_avg``/``exp_avg_sq`` [chunk] in the
+    state dtype, ``send`` [chunk] in the parameters' dtype (the master for float32 parameters):
+    this rank's; ``reduced`` [chunk] in the reduction dtype where that is not float32 (the
+    reduce-scatter's output, widened into ``grad``)."""
 
     params: tuple[torch.Tensor, ...]
     names: tuple[str, ...]
@@ -75,6 +84,7 @@ class _Bucket:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     send: torch.Tensor
+    reduced: torch.Tensor | None = None
     got: list[bool] = field(default_factory=list)
     work: object = None
 
@@ -98,6 +108,7 @@ class ShardedReplicatedState:
         state_dtype: the moments' dtype (float32 or bfloat16).
         bucket_size: elements per bucket (a parameter larger than it gets a bucket of its own).
         shard_grads: ZeRO stage 2 (gradient buffers live only until their bucket is reduced).
+        grad_dtype: the reduction's dtype (float32 or bfloat16).
 
     One step: :meth:`begin` before backward, :meth:`finish` after it (returns Σ g² of this rank's
     reduced chunks), :meth:`step` when the step is not skipped.
@@ -105,9 +116,10 @@ class ShardedReplicatedState:
 
     def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]], no_decay: Collection[str], *,
                  group: dist.ProcessGroup, weight_decay: float, betas: tuple[float, float], eps: float,
-                 state_dtype: torch.dtype, bucket_size: int, shard_grads: bool = False) -> None:
+                 state_dtype: torch.dtype, bucket_size: int, shard_grads: bool = False,
+                 grad_dtype: torch.dtype = torch.float32) -> None:
         self.group = group
-        self.shard_grads = shard_grads
+        self.shard_grads, self.grad_dtype = shard_grads, grad_dtype
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.weight_decay, self.betas, self.eps, self.state_dtype = weight_decay, betas, eps, state_dtype
         self.steps = 0  # updates applied (the bias corrections' counter)
@@ -148,9 +160,12 @@ class ShardedReplicatedState:
             exp_avg=torch.zeros(chunk, dtype=self.state_dtype, device=device),
             exp_avg_sq=torch.zeros(chunk, dtype=self.state_dtype, device=device),
             send=master if dtype == torch.float32 else torch.empty(chunk, dtype=dtype, device=device),
+            reduced=None if self.grad_dtype == torch.float32 else torch.zeros(chunk, dtype=self.grad_dtype, device=device),
             got=[False] * len(members))
         if self.shard_grads:
             b.flat = None
+        elif self.grad_dtype != torch.float32:  # (the float32 one above only seeded the master)
+            b.flat = torch.zeros(W * chunk, dtype=self.grad_dtype, device=device)
         for i, p in enumerate(b.params):
             self._where[id(p)] = (b, i)
         self.buckets.append(b)
@@ -177,9 +192,9 @@ class ShardedReplicatedState:
         self._launch_ready()
 
     def _buffer(self, b: _Bucket) -> torch.Tensor:
-        """The bucket's float32 gradient buffer (stage 2: taken now, the padding zeroed)."""
+        """The bucket's gradient buffer in the reduction dtype (stage 2: taken now, the padding zeroed)."""
         if b.flat is None:
-            b.flat = torch.empty(b.chunk * self.world_size, dtype=torch.float32, device=b.grad.device)
+            b.flat = torch.empty(b.chunk * self.world_size, dtype=self.grad_dtype, device=b.grad.device)
             n = b.offsets[-1] + b.params[-1].numel()
             b.flat[n:].zero_()
         return b.flat
@@ -187,7 +202,8 @@ class ShardedReplicatedState:
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and all(self.buckets[self._next].got):
             b = self.buckets[self._next]
-            b.work = _reduce_scatter(b.grad, self._buffer(b), group=self.group, async_op=True)
+            out = b.grad if b.reduced is None else b.reduced
+            b.work = _reduce_scatter(out, self._buffer(b), group=self.group, async_op=True)
             if self.shard_grads:  # the collective holds the buffer until it is waited for
                 b.flat = None
                 self._in_flight.append(b)
@@ -216,37 +232,51 @@ class ShardedReplicatedState:
             if b.work is not None:
                 b.work.wait()
                 b.work = None
+            if b.reduced is not None:
+                b.grad.copy_(b.reduced)
         self._in_flight = []
         norms = torch._foreach_norm([b.grad for b in self.buckets], 2, dtype=torch.float32)
         return torch.stack(norms).square().sum()
 
     # ------------------------------------------------------------------ update
     @torch.no_grad()
-    def step(self, lr: float, grad_scale: float) -> None:
+    def step(self, lr: float, grad_scale: float, done: Callable[[torch.Tensor], None] | None = None) -> None:
         """AdamW on this rank's chunks with gradients × ``grad_scale``, then every parameter ←
-        the all-gathered rounded masters."""
+        the all-gathered rounded masters; bucket by bucket in forward order, each bucket's
+        all-gather beside the next one's update. ``done(param)``: called after each parameter is
+        copied (on the current stream's timeline: what follows on it sees the new value)."""
+        self.steps += 1
+        order = self.buckets[::-1]  # built from the last parameter backward: reversed, the forward's order
+        pending = None
+        for b in order:
+            self._update_chunk(b, lr, grad_scale)
+            out = self._scratch(b, b.dtype)  # the gradient buffer is free until the next backward
+            work = _all_gather(out, b.send, group=self.group, async_op=True)
+            if pending is not None:
+                self._take_gathered(*pending, done)
+            pending = (b, out, work)
+        if pending is not None:
+            self._take_gathered(*pending, done)
+
+    def _update_chunk(self, b: _Bucket, lr: float, grad_scale: float) -> None:
         from ray_moe.worker.adamw_kernel import adamw_step
 
-        self.steps += 1
         b1, b2 = self.betas
-        for b in self.buckets:
-            start = self.rank * b.chunk  # this chunk's place in the bucket
-            cut = min(max(b.decayed - start, 0), b.chunk)  # [0, cut) decays
-            for lo, hi, decay in ((0, cut, self.weight_decay), (cut, b.chunk, 0.0)):
-                if hi > lo:
-                    adamw_step(b.grad[lo:hi], b.master[lo:hi], b.exp_avg[lo:hi], b.exp_avg_sq[lo:hi],
-                               b.send[lo:hi], lr=lr, beta1=b1, beta2=b2, eps=self.eps, weight_decay=decay,
-                               step=self.steps, grad_scale=grad_scale)
-        self._gather_params()
+        start = self.rank * b.chunk  # this chunk's place in the bucket
+        cut = min(max(b.decayed - start, 0), b.chunk)  # [0, cut) decays
+        for lo, hi, decay in ((0, cut, self.weight_decay), (cut, b.chunk, 0.0)):
+            if hi > lo:
+                adamw_step(b.grad[lo:hi], b.master[lo:hi], b.exp_avg[lo:hi], b.exp_avg_sq[lo:hi],
+                           b.send[lo:hi], lr=lr, beta1=b1, beta2=b2, eps=self.eps, weight_decay=decay,
+                           step=self.steps, grad_scale=grad_scale)
 
-    def _gather_params(self) -> None:
-        works = []
-        for b in self.buckets:  # the gradient buffer is free until the next backward
-            out = self._scratch(b, b.dtype)
-            works.append((b, out, _all_gather(out, b.send, group=self.group, async_op=True)))
-        for b, out, work in works:
-            work.wait()
-            torch._foreach_copy_(list(b.params), b.views(out))
+    @staticmethod
+    def _take_gathered(b: _Bucket, out: torch.Tensor, work, done: Callable[[torch.Tensor], None] | None) -> None:
+        work.wait()  # (NCCL: the current stream waits for the collective, the host does not)
+        torch._foreach_copy_(list(b.params), b.views(out))
+        if done is not None:
+            for p in b.params:
+                done(p)
 
     # ------------------------------------------------------------------ checkpoints
     @torch.no_grad()
@@ -286,9 +316,10 @@ class ShardedReplicatedState:
 
     def _scratch(self, b: _Bucket, dtype: torch.dtype) -> torch.Tensor:
         """A whole bucket's worth of ``dtype`` outside backward: the gradient buffer (stage 1;
-        free between the reduction and the next backward), or a transient one (stage 2)."""
+        free between the reduction and the next backward), or a transient one (stage 2, or a
+        buffer of narrower elements)."""
         n = b.chunk * self.world_size
-        if b.flat is None:
+        if b.flat is None or b.flat.element_size() < dtype.itemsize:
             return torch.empty(n, dtype=dtype, device=b.grad.device)
         return b.flat.view(dtype)[:n]
 

@@ -72,6 +72,21 @@ def test_sharded_equals_unsharded_with_clones_and_replans(groups, tmp_path, worl
     assert max(z_held) < held[0] / world_size + 3 * 64 * world_size * 20
 
 
+@pytest.mark.parametrize("stage", [0, 1])
+def test_bf16_gradient_reduction_follows_float32(groups, tmp_path, stage):
+    """parallel.grad_reduce_dtype=bfloat16 (stage 0's all-reduce, stage 1's reduce-scatter): the
+    same run within bf16's rounding of the summed gradients, and it learns."""
+    over = {"balance.enabled": False, "balance.clone_slots": 0, "train.steps": 8}
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = _config(tmp_path, f"{dtype}{stage}", 2, stage, **over, **{"parallel.grad_reduce_dtype": dtype})
+        with Trainer(cfg, progress=False, group=groups(2)) as t:
+            losses[dtype] = [t.step()["loss"] for _ in range(8)]
+    assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=2e-2)
+    assert losses["bfloat16"] != losses["float32"]  # (the reduction did change dtype)
+    assert losses["bfloat16"][-1] < losses["bfloat16"][0]
+
+
 def test_checkpoints_move_between_world_sizes_and_sharding(groups, tmp_path):
     """Stage 1 at W=2 → unsharded at W=4, stage 2 at W=4 and W=1 (where nothing is sharded);
     unsharded at W=2 → stage 1 at W=2: every restore continues like the uninterrupted run."""
@@ -118,7 +133,9 @@ def run(rank, world, port, out):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     kw = dict(weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
     results = {}
-    for dtype, moments, stage2 in ((torch.float32, torch.float32, False), (torch.bfloat16, torch.bfloat16, True)):
+    cases = ((torch.float32, torch.float32, False, torch.float32), (torch.bfloat16, torch.bfloat16, True, torch.float32),
+             (torch.bfloat16, torch.float32, False, torch.bfloat16))  # the last: the reduction in bf16
+    for dtype, moments, stage2, grad_dtype in cases:
         ref, z = model(dtype), model(dtype)
         exempt = no_weight_decay(ref)
         masters = [p.detach().float().clone() for p in ref.parameters()]
@@ -127,7 +144,8 @@ def run(rank, world, port, out):
                                  {"params": [m for n, m in zip(names, masters) if n in exempt], "weight_decay": 0.0}],
                                 lr=1e-2, foreach=False, **kw)
         zero = ShardedReplicatedState(list(z.named_parameters()), exempt, group=dist.new_group([0, 1, 2]),
-                                      state_dtype=moments, bucket_size=300, shard_grads=stage2, **kw)
+                                      state_dtype=moments, bucket_size=300, shard_grads=stage2, grad_dtype=grad_dtype,
+                                      **kw)
         assert len(zero.buckets) > 2
         for step in range(5):
             g = torch.Generator().manual_seed(100 * step + rank)
@@ -144,20 +162,28 @@ def run(rank, world, port, out):
             flat = torch.cat([p.grad.reshape(-1).float() for p in ref.parameters()])
             dist.all_reduce(flat)
             ref_sq = float(flat.square().sum())
-            if moments == torch.float32 or step == 0:  # (the bf16 case's reference is not updated)
+            if grad_dtype == torch.bfloat16:  # W sums rounded to bf16 (~2**-8 each)
+                if step == 0:
+                    assert abs(float(sq) - ref_sq) <= 2e-2 * ref_sq, (float(sq), ref_sq)
+            elif moments == torch.float32 or step == 0:  # (the bf16 case's reference is not updated)
                 assert abs(float(sq) - ref_sq) <= 1e-5 * ref_sq, (float(sq), ref_sq)
             o = 0
             for m in masters:
                 m.grad = flat[o:o + m.numel()].view_as(m) / world
                 o += m.numel()
-            if moments == torch.float32:
+            if moments == torch.float32 and grad_dtype == torch.float32:
                 opt.step()
                 with torch.no_grad():
                     for p, m in zip(ref.parameters(), masters):
                         p.copy_(m)
-            zero.step(1e-2, 1.0 / world)
+            seen = []
+            zero.step(1e-2, 1.0 / world, done=seen.append)
+            # done(p) once per parameter, bucket by bucket in forward order (the first parameters first)
+            assert [id(p) for p in seen] == [id(p) for b in zero.buckets[::-1] for p in b.params]
+            assert sorted(map(id, seen)) == sorted(map(id, z.parameters()))
+            assert zero.buckets[-1].params[-1] is next(z.parameters())  # (the embedding's bucket goes first)
         state = zero.gather_state()
-        if moments == torch.float32:
+        if moments == torch.float32 and grad_dtype == torch.float32:
             for p, q, m, n in zip(ref.parameters(), z.parameters(), masters, names):
                 torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7, msg=n)
                 if rank == 0:
@@ -170,7 +196,7 @@ def run(rank, world, port, out):
                 assert torch.equal(mine, q.detach().float()), n
                 if rank == 0:
                     assert torch.equal(q.detach(), state[n]["master"].to(dtype)), n
-                    assert state[n]["exp_avg"].dtype == torch.bfloat16
+                    assert state[n]["exp_avg"].dtype == moments
     if rank == 0:
         open(out, "w").write("ok")
     dist.destroy_process_group()
@@ -183,8 +209,9 @@ if __name__ == "__main__":
 
 def test_sharded_state_at_three_ranks_equals_allreduce_adamw(tmp_path):
     """W=3 (uneven chunks, padding, several buckets) over gloo in three processes: stage 1 with
-    float32 parameters equals all-reduce + torch's AdamW; stage 2 with bf16 parameters and moments
-    leaves every rank with the same parameters, the rounded masters."""
+    float32 parameters equals all-reduce + torch's AdamW; stage 2 with bf16 parameters and moments,
+    and stage 1 reducing in bf16, leave every rank with the same parameters, the rounded masters;
+    the update reports each parameter once, in forward order (what the overlapped update waits on)."""
     import subprocess
 
     from tests.cluster.conftest import free_port

@@ -61,13 +61,15 @@ def test_bench_grad_reduce_on_two_gpus(tmp_path):
     assert rows[2]["peak_gib"] < rows[0]["peak_gib"]
 
 
-@pytest.mark.parametrize("stage", [0, 1])
-def test_overlapped_update_follows_the_update_in_place_on_two_gpus(tmp_path, stage):
+@pytest.mark.parametrize("stage,gather", [(0, False), (1, False), (2, True)])
+def test_overlapped_update_follows_the_update_in_place_on_two_gpus(tmp_path, stage, gather):
     """train.overlap_update over NVSHMEM with hot-expert clones (re-planned every 4 steps: their
     blocks wait for the whole update, the clones refreshed after it), a checkpoint at step 6,
-    ZeRO stage 0 (the replicated gradients all-reduced) or 1 (their update on the main stream,
-    its all-gathers beside the clone push on the side stream): the same losses as the update in
-    place, and it learns. W=2, or every GPU up to RAY_MOE_TEST_GPUS (one rank each)."""
+    ZeRO stage 0 (the replicated gradients all-reduced), 1 (their update on the main stream) or 2
+    with ``parallel.overlap_param_gather`` (their update and NCCL all-gathers on the side stream
+    too, beside the next forward's NVSHMEM exchanges on every SM, gradients reduced in bf16 in
+    both runs): the same losses as the update in place, and it learns. W=2, or every GPU up to
+    RAY_MOE_TEST_GPUS (one rank each)."""
     _two_gpus()
     from ray_moe.config import Config
     from ray_moe.driver.trainer import Trainer
@@ -81,6 +83,8 @@ def test_overlapped_update_follows_the_update_in_place_on_two_gpus(tmp_path, sta
         cfg = Config.from_yaml("jobs/gpu_2x.yaml", [
             f"parallel.world_size={W}", f"parallel.zero_stage={stage}", "parallel.grad_bucket_size=200000",
             "train.optimizer_state_dtype=bfloat16", f"train.overlap_update={str(overlap).lower()}",
+            f"parallel.overlap_param_gather={str(gather and overlap).lower()}",
+            f"parallel.grad_reduce_dtype={'bfloat16' if gather else 'float32'}",
             "balance.enabled=true", "balance.clone_slots=1", "balance.interval=4",
             "train.steps=12", "train.eval_interval=0", "train.checkpoint_interval=6", "train.plots=false",
             f"train.run_dir={tmp_path / str(overlap)}", "model.n_layers=2", "model.d_model=256", "model.n_heads=4",

@@ -560,6 +560,8 @@ def test_job_files_load(path):
     ("train.loss_impl", "full", "auto, chunked, fused, liger"),
     ("train.optimizer_state_dtype", "float16", "float32, bfloat16"),
     ("parallel.zero_stage", 3, "0, 1, 2"), ("parallel.grad_bucket_size", 0, "> 0"),
+    ("parallel.grad_reduce_dtype", "float16", "float32, bfloat16"),
+    ("parallel.overlap_param_gather", "yes", "must be true or false"),
 ])
 def test_precision_keys_rejected(key, value, fragment):
     reject({key: value}, f"{key}=", fragment)
@@ -575,6 +577,15 @@ def test_zero_stages_need_masters():
     reject({"parallel.zero_stage": 2, "train.master_weights": False, "parallel.world_size": 1},
            "parallel.zero_stage=2", "master_weights=true")
     assert build({"parallel.zero_stage": 1}).parallel.zero_stage == 1
+
+
+def test_overlap_param_gather_needs_zero_and_the_overlapped_update():
+    reject({"parallel.overlap_param_gather": True}, "parallel.overlap_param_gather=true", "zero_stage 1 or 2")
+    reject({"parallel.overlap_param_gather": True, "parallel.zero_stage": 2, "train.overlap_update": False},
+           "parallel.overlap_param_gather=true", "train.overlap_update=true")
+    cfg = build({"parallel.overlap_param_gather": True, "parallel.zero_stage": 1,
+                 "parallel.grad_reduce_dtype": "bfloat16"})
+    assert cfg.parallel.overlap_param_gather and cfg.parallel.grad_reduce_dtype == "bfloat16"
 
 
 def test_bf16_moments_accepted_with_masters_only():

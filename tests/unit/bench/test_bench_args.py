@@ -86,6 +86,10 @@ def test_rounds_take_each_timing_median():
     (["--layers", "2,2"], "--layers='2,2' must be a comma list of distinct integers >= 1"),
     (["--set", "moe.pipeline_chunks=2"], "--set: moe.two_batch_overlap runs the sequential layer's exchange"),
     (["--set", "moe.nope=1"], "--set: "),
+    (["--variants", "sequential+nope"], "must name some of sequential, two_batch, param_gather, bf16_reduce"),
+    (["--variants", "param_gather", "--zero-stage", "0"],
+     "--variants=param_gather: parallel.overlap_param_gather=true overlaps ZeRO's all-gathers: it needs "
+     "parallel.zero_stage 1 or 2"),
 ])
 def test_bench_overlap_bad_values_name_the_flag(argv, says, capsys):
     from ray_moe.bench import overlap
@@ -93,3 +97,17 @@ def test_bench_overlap_bad_values_name_the_flag(argv, says, capsys):
     with pytest.raises(SystemExit) as exc:
         overlap.main(argv)
     assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_bench_overlap_variants_join_their_overrides():
+    from ray_moe.bench import overlap
+
+    assert overlap.variant_overrides("sequential") == {}
+    assert overlap.variant_overrides("two_batch+param_gather+bf16_reduce") == {
+        "moe.two_batch_overlap": True, "parallel.overlap_param_gather": True, "parallel.grad_reduce_dtype": "bfloat16"}
+    args = overlap._parser().parse_args(["--set", "train.steps=5"])
+    args.layers, args.variants = [2], ["two_batch+bf16_reduce"]
+    cfg = overlap.config_for(args, 2, "two_batch+bf16_reduce", "runs/x")
+    assert cfg.moe.two_batch_overlap and cfg.parallel.grad_reduce_dtype == "bfloat16" and cfg.train.steps == 5
+    one = overlap.config_for(args, 1, "two_batch+bf16_reduce", "runs/x")  # the reference: no variant
+    assert not one.moe.two_batch_overlap and one.parallel.grad_reduce_dtype == "float32"
