@@ -14,6 +14,12 @@ the forward (:meth:`UpdateOverlap.wait_group`), each block's in a forward pre-ho
 ``model.layers[i]``, and all of it in a pre-hook on ``model.norm`` (the LM head's weight is read
 after it). A model without ``layers`` and ``norm`` waits for everything before its forward.
 
+Collectives: a parameter may be reported with the collective that writes it (ZeRO's all-gathers,
+``parallel.overlap_param_gather``: NCCL runs them on its own stream, after the side stream's
+update of their chunk). Its block then also waits for that collective, on the main stream
+(``work.wait()``), and the side stream never waits for one: the experts' update runs while the
+replicated parameters travel.
+
 Safety:
 - the side stream first waits for the main stream (backward, the norm, the gradient reductions);
 - every gradient the update reads is marked as used by the side stream (``record_stream``), so
@@ -80,6 +86,7 @@ class UpdateOverlap:
         self._prelude: torch.cuda.Event | None = None  # after every parameter not reported one by one
         self._final: torch.cuda.Event | None = None
         self._left: Counter = Counter()
+        self._works: dict[int, list] = {}  # group -> collectives writing its parameters, while pending
         self._hooks = []
         if self.blockwise:
             for i, layer in enumerate(layers):
@@ -94,8 +101,9 @@ class UpdateOverlap:
                grads: Sequence[torch.Tensor]) -> None:
         """Run ``update(done)`` on the side stream. ``update`` calls ``done(None)`` once every
         parameter it does not report one by one is updated, then ``done(param)`` after each of the
-        ``params`` given at construction (:meth:`MixedPrecisionAdamW.step`'s protocol); groups with
-        none of those wait for ``done(None)``'s event, unreported work for the final one.
+        ``params`` given at construction (:meth:`MixedPrecisionAdamW.step`'s protocol), or
+        ``done(param, work)`` where a collective ``work`` writes it (:meth:`ShardedReplicatedState.step`'s);
+        groups with none of those wait for ``done(None)``'s event, unreported work for the final one.
         ``grads``: every tensor the update reads that the main stream made and may free meanwhile."""
         self.wait_all()  # (the previous update: done by now in any forward, kept for direct calls)
         main = torch.cuda.current_stream(self.device)
@@ -104,12 +112,13 @@ class UpdateOverlap:
             g.record_stream(self.stream)
         self._left = Counter(self._total)
         self._prelude = None
+        self._works = {}
         with torch.cuda.stream(self.stream):
             update(self._done)
             self._final = torch.cuda.Event()
             self._final.record(self.stream)
 
-    def _done(self, param: torch.Tensor | None) -> None:
+    def _done(self, param: torch.Tensor | None, work=None) -> None:
         if param is None:
             self._prelude = torch.cuda.Event()
             self._prelude.record(self.stream)
@@ -117,6 +126,10 @@ class UpdateOverlap:
         g = self._group.get(id(param))
         if g is None:
             return
+        if work is not None:
+            works = self._works.setdefault(g, [])
+            if not any(w is work for w in works):
+                works.append(work)
         self._left[g] -= 1
         if self._left[g] == 0 and g not in self._late and g != self.final:
             ev = torch.cuda.Event()
@@ -134,6 +147,8 @@ class UpdateOverlap:
         ev = self._events.pop(group, None)
         if ev is not None:
             torch.cuda.current_stream(self.device).wait_event(ev)
+            for work in self._works.pop(group, ()):
+                work.wait()
         elif group in self._late or group == self.final:
             self.wait_all()
         elif group not in self._total:  # none of its parameters reported one by one
@@ -149,8 +164,12 @@ class UpdateOverlap:
         if self._final is None:
             return
         torch.cuda.current_stream(self.device).wait_event(self._final)
+        for works in self._works.values():
+            for work in works:
+                work.wait()
         self._final = self._prelude = None
         self._events.clear()
+        self._works = {}
 
     def close(self) -> None:
         self.wait_all()

@@ -32,12 +32,14 @@ Here they are split over the W ranks:
   (:func:`ray_moe.worker.adamw_kernel.adamw_step`; at most two launches per bucket: within a
   bucket the decayed parameters come first), the reduced *sums* scaled by ``grad_scale``
   (clipping and the 1/W of the mean folded in), writes the rounded chunk and all-gathers it in the
-  parameters' dtype into the bucket's buffer (free by then; at stage 2 a transient one), from
-  which the parameters are copied. Buckets go in forward order (the embeddings' first), each
-  bucket's all-gather beside the next bucket's update, and ``done(param)`` is called after each
-  parameter is copied: :class:`~ray_moe.worker.overlap.UpdateOverlap` runs all of it on a side
-  stream beside the next forward (``parallel.overlap_param_gather``, Megatron's
-  ``--overlap-param-gather``), each block waiting only for its own parameters.
+  parameters' dtype into the parameters themselves (below).
+- **Parameters in bucket buffers.** As Megatron's param-and-grad buffers: each bucket's parameters
+  are views into one contiguous buffer (``pbuf``, [W * chunk] in their dtype, bucket order), so
+  the all-gather writes them in place, no copy. Buckets go in forward order (the embeddings'
+  first), each all-gather beside the next bucket's update, and ``done(param, work)`` hands each
+  parameter's collective to :class:`~ray_moe.worker.overlap.UpdateOverlap`, which runs the update
+  on a side stream beside the next forward (``parallel.overlap_param_gather``, Megatron's
+  ``--overlap-param-gather``): each block's forward waits for its own buckets' all-gathers only.
 
 Why hand-written: FSDP2's ``fully_shard`` shards the parameters themselves (ZeRO-3: an all-gather
 in every forward and backward) and owns their mixed precision, where ray_moe keeps its own float32
@@ -72,7 +74,8 @@ class _Bucket:
     """One bucket. ``flat`` [W * chunk] in the reduction dtype: the gradients (then the gathered
     parameters); ``grad`` [chunk] in the reduction dtype (this rank's reduced sums), ``master``
     float32 [chunk], ``exp_avg``/``exp_avg_sq`` [chunk] in the state dtype, ``send`` [chunk] in
-    the parameters' dtype (the master for float32 parameters): this rank's."""
+    the parameters' dtype (the master for float32 parameters): this rank's; ``pbuf`` [W * chunk] in
+    the parameters' dtype: the parameters' own storage (each is a view of it)."""
 
     params: tuple[torch.Tensor, ...]
     names: tuple[str, ...]
@@ -85,6 +88,7 @@ class _Bucket:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     send: torch.Tensor
+    pbuf: torch.Tensor
     got: list[bool] = field(default_factory=list)
     work: object = None
 
@@ -160,7 +164,10 @@ class ShardedReplicatedState:
             exp_avg=torch.zeros(chunk, dtype=self.state_dtype, device=device),
             exp_avg_sq=torch.zeros(chunk, dtype=self.state_dtype, device=device),
             send=master if dtype == torch.float32 else torch.empty(chunk, dtype=dtype, device=device),
-            got=[False] * len(members))
+            pbuf=torch.zeros(W * chunk, dtype=dtype, device=device), got=[False] * len(members))
+        for p, v in zip(b.params, b.views(b.pbuf), strict=True):  # the parameters move into the bucket's buffer
+            v.copy_(p.detach())
+            p.data = v
         if self.shard_grads:
             b.flat = None
         elif self.grad_dtype != torch.float32:  # (the float32 one above only seeded the master)
@@ -236,23 +243,27 @@ class ShardedReplicatedState:
 
     # ------------------------------------------------------------------ update
     @torch.no_grad()
-    def step(self, lr: float, grad_scale: float, done: Callable[[torch.Tensor], None] | None = None) -> None:
+    def step(self, lr: float, grad_scale: float, done: Callable[[torch.Tensor, object], None] | None = None) -> None:
         """AdamW on this rank's chunks with gradients × ``grad_scale``, then every parameter ←
-        the all-gathered rounded masters; bucket by bucket in forward order, each bucket's
-        all-gather beside the next one's update. ``done(param)``: called after each parameter is
-        copied (on the current stream's timeline: what follows on it sees the new value)."""
+        the all-gathered rounded masters (in place: the parameters live in the buckets' buffers);
+        bucket by bucket in forward order, each bucket's all-gather beside the next one's update.
+
+        ``done(param, work)``: called for each parameter once its bucket's all-gather is issued;
+        the caller then makes whatever reads the parameter wait for ``work`` (``work.wait()`` on
+        the reading stream: NCCL orders the stream, the host does not block). Without ``done``,
+        the current stream waits for every all-gather before this returns."""
         self.steps += 1
-        order = self.buckets[::-1]  # built from the last parameter backward: reversed, the forward's order
-        pending = None
-        for b in order:
+        works = []
+        for b in self.buckets[::-1]:  # built from the last parameter backward: reversed, the forward's order
             self._update_chunk(b, lr, grad_scale)
-            out = self._scratch(b, b.dtype)  # the gradient buffer is free until the next backward
-            work = _all_gather(out, b.send, group=self.group, async_op=True)
-            if pending is not None:
-                self._take_gathered(*pending, done)
-            pending = (b, out, work)
-        if pending is not None:
-            self._take_gathered(*pending, done)
+            work = _all_gather(b.pbuf, b.send, group=self.group, async_op=True)
+            if done is None:
+                works.append(work)
+            else:
+                for p in b.params:
+                    done(p, work)
+        for work in works:
+            work.wait()
 
     def _update_chunk(self, b: _Bucket, lr: float, grad_scale: float) -> None:
         from ray_moe.worker.adamw_kernel import adamw_step
@@ -265,14 +276,6 @@ class ShardedReplicatedState:
                 adamw_step(b.grad[lo:hi], b.master[lo:hi], b.exp_avg[lo:hi], b.exp_avg_sq[lo:hi],
                            b.send[lo:hi], lr=lr, beta1=b1, beta2=b2, eps=self.eps, weight_decay=decay,
                            step=self.steps, grad_scale=grad_scale)
-
-    @staticmethod
-    def _take_gathered(b: _Bucket, out: torch.Tensor, work, done: Callable[[torch.Tensor], None] | None) -> None:
-        work.wait()  # (NCCL: the current stream waits for the collective, the host does not)
-        torch._foreach_copy_(list(b.params), b.views(out))
-        if done is not None:
-            for p in b.params:
-                done(p)
 
     # ------------------------------------------------------------------ checkpoints
     @torch.no_grad()

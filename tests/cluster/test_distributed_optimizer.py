@@ -176,8 +176,13 @@ def run(rank, world, port, out):
                 with torch.no_grad():
                     for p, m in zip(ref.parameters(), masters):
                         p.copy_(m)
-            seen = []
-            zero.step(1e-2, 1.0 / world, done=seen.append)
+            seen, works = [], []
+            zero.step(1e-2, 1.0 / world, done=lambda p, w: (seen.append(p), works.append(w)))
+            for w in works:
+                w.wait()
+            for b in zero.buckets:  # the parameters live in their bucket's buffer: gathered in place
+                for p, v in zip(b.params, b.views(b.pbuf)):
+                    assert p.data_ptr() == v.data_ptr() and p.shape == v.shape
             # done(p) once per parameter, bucket by bucket in forward order (the first parameters first)
             assert [id(p) for p in seen] == [id(p) for b in zero.buckets[::-1] for p in b.params]
             assert sorted(map(id, seen)) == sorted(map(id, z.parameters()))

@@ -129,3 +129,65 @@ def test_the_forward_waits_block_by_block(monkeypatch):
     ov.close()
     model(torch.zeros(1, 2))
     assert fake.log == []
+
+
+def test_a_block_waits_for_the_collectives_that_write_its_parameters(monkeypatch):
+    """ZeRO's parameters reported with their all-gathers (parallel.overlap_param_gather): a block
+    waits for its event, then on the main stream for each collective writing its parameters (one
+    bucket's work once, however many of its parameters); the side stream never waits for one;
+    the final norm's wait_all waits for the collectives not yet waited for."""
+    from torch import nn
+
+    from ray_moe.worker.overlap import UpdateOverlap
+
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+
+    class Work:
+        def __init__(self, name):
+            self.name = name
+
+        def wait(self):
+            fake.log.append(("main waits work", self.name))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = nn.Embedding(4, 2)
+            self.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+            self.norm = nn.LayerNorm(2)
+
+        def forward(self, x):
+            x = self.embed_tokens(x)
+            for layer in self.layers:
+                x = layer(x)
+            return self.norm(x)
+
+    model = Model()
+    zero = [("embed_tokens.weight", model.embed_tokens.weight), ("layers.0.bias", model.layers[0].bias),
+            ("layers.1.bias", model.layers[1].bias), ("norm.weight", model.norm.weight)]
+    experts = [("layers.0.weight", model.layers[0].weight), ("layers.1.weight", model.layers[1].weight)]
+    named = zero + experts
+    ov = UpdateOverlap(model, [n for n, _ in named], [p for _, p in named], torch.device("cpu"))
+    emb, mid, last = Work("emb"), Work("mid"), Work("last")
+
+    def update(done):
+        done(model.embed_tokens.weight, emb)  # group 0 complete → e1
+        done(model.layers[0].bias, mid)
+        done(model.layers[1].bias, mid)  # one bucket, two blocks
+        done(model.norm.weight, last)  # the final group: no event
+        done(None)  # → e2
+        done(model.layers[0].weight)  # → e3 (block 0)
+        done(model.layers[1].weight)  # → e4 (block 1)
+    ov.launch(update, [])
+    assert fake.log == [("side waits main",), ("record", "e1"), ("record", "e2"), ("record", "e3"),
+                        ("record", "e4"), ("record", "e5")]  # e5: the final event
+    fake.log.clear()
+    ov.wait_group(0)
+    model(torch.zeros(1, dtype=torch.long))
+    assert fake.log == [("main waits", "e1"), ("main waits work", "emb"),
+                        ("main waits", "e3"), ("main waits work", "mid"),
+                        ("main waits", "e4"), ("main waits work", "mid"),
+                        ("main waits", "e5"), ("main waits work", "last")]
+    assert not ov.pending
+    ov.close()
