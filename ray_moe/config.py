@@ -201,10 +201,10 @@ class ParallelConfig:
     # the replicated gradients' reduction: float32 (torchtitan's FSDP default) or bfloat16
     # (Megatron's default: half the bytes of the reduce-scatter and of the bucket buffers)
     grad_reduce_dtype: str = "float32"
-    # zero_stage 1, 2 on CUDA: the sharded update and its all-gathers on train.overlap_update's side
-    # stream beside the next forward, each block waiting for its own parameters (Megatron's
-    # --overlap-param-gather); off: on the main stream after backward
-    overlap_param_gather: bool = False
+    # where zero_stage is 1 or 2 and train.overlap_update runs (CUDA): the sharded update and its
+    # all-gathers on the update's side stream beside the next forward, each block waiting for its
+    # own parameters (Megatron's --overlap-param-gather); false: on the main stream after backward
+    overlap_param_gather: bool = True
     nvshmem_spin_limit: int = 1 << 25  # NVSHMEM: polls of a flag before a device-side wait gives up
     fast_launch: bool = True  # NVSHMEM: repeated exchange launches skip Triton's argument binding
     # NVSHMEM: remote peers' arrivals waited for by one program ahead of the receiving kernel, not by
@@ -221,9 +221,6 @@ class ParallelConfig:
         _choice("parallel.grad_reduce_dtype", self.grad_reduce_dtype, tuple(DTYPES))
         if not isinstance(self.overlap_param_gather, bool):
             raise ConfigError(f"parallel.overlap_param_gather={self.overlap_param_gather!r} must be true or false")
-        if self.overlap_param_gather and not self.zero_stage:
-            raise ConfigError("parallel.overlap_param_gather=true overlaps ZeRO's all-gathers: it needs "
-                              "parallel.zero_stage 1 or 2 (or parallel.overlap_param_gather=false)")
         _choice("parallel.device", self.device, ("auto", "cpu", "cuda"))
         _choice(
             "parallel.placement_strategy",
@@ -507,9 +504,6 @@ class Config:
         error = self.world_size_error(p.world_size, num_experts=resolved.spec.num_experts)
         if error:
             raise ConfigError(error)
-        if p.overlap_param_gather and not t.overlap_update:
-            raise ConfigError("parallel.overlap_param_gather=true runs on the overlapped update's side stream: it "
-                              "needs train.overlap_update=true (or parallel.overlap_param_gather=false)")
         if p.zero_stage and not t.master_weights:
             raise ConfigError(f"parallel.zero_stage={p.zero_stage} shards float32 masters and needs "
                               "train.master_weights=true (or parallel.zero_stage=0)")

@@ -38,7 +38,8 @@ from ray_moe import usage
 VARIANTS = MappingProxyType({
     "sequential": {},
     "two_batch": {"moe.two_batch_overlap": True},  # two staggered halves
-    "param_gather": {"parallel.overlap_param_gather": True},  # ZeRO's update beside the next forward
+    "param_gather": {"parallel.overlap_param_gather": True},  # ZeRO's update beside the next forward (the default)
+    "no_param_gather": {"parallel.overlap_param_gather": False},  # ZeRO's update after backward, main stream
     "bf16_reduce": {"parallel.grad_reduce_dtype": "bfloat16"},
 })
 

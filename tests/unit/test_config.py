@@ -579,13 +579,11 @@ def test_zero_stages_need_masters():
     assert build({"parallel.zero_stage": 1}).parallel.zero_stage == 1
 
 
-def test_overlap_param_gather_needs_zero_and_the_overlapped_update():
-    reject({"parallel.overlap_param_gather": True}, "parallel.overlap_param_gather=true", "zero_stage 1 or 2")
-    reject({"parallel.overlap_param_gather": True, "parallel.zero_stage": 2, "train.overlap_update": False},
-           "parallel.overlap_param_gather=true", "train.overlap_update=true")
-    cfg = build({"parallel.overlap_param_gather": True, "parallel.zero_stage": 1,
+def test_overlap_param_gather_and_the_reduction_dtype():
+    assert Config().parallel.overlap_param_gather is True and Config().parallel.grad_reduce_dtype == "float32"
+    cfg = build({"parallel.overlap_param_gather": False, "parallel.zero_stage": 1,
                  "parallel.grad_reduce_dtype": "bfloat16"})
-    assert cfg.parallel.overlap_param_gather and cfg.parallel.grad_reduce_dtype == "bfloat16"
+    assert not cfg.parallel.overlap_param_gather and cfg.parallel.grad_reduce_dtype == "bfloat16"
 
 
 def test_bf16_moments_accepted_with_masters_only():
