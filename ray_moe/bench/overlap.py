@@ -11,7 +11,9 @@ run ``--rounds`` times, every other round in reverse order (ABBA: the GPUs slow 
 favours whatever runs first), and each column is the median over the rounds of each round's median
 over steps of the slowest rank. Columns: step, forward, backward, grad sync, update (the engine's
 phases; the forward includes waiting for the previous step's overlapped update), ``scaling`` = one
-rank's step / this step, tokens/s per GPU, peak GPU memory (``--trace-dir``: one more step of each
+rank's step / this step, tokens/s per GPU, peak GPU memory, ``imbalance`` (max over ranks / mean of
+the (token, expert) pairs each rank computed, averaged over layers: the slowest rank's experts set
+the step, and a fresh model routes unevenly; the ``rebalance`` variant re-clones hot experts) (``--trace-dir``: one more step of each
 run in the first round under torch.profiler, every rank's trace kept). With two or more depths, a ``per layer``
 row per variant: the slope between the first and the last depth, without what does not grow with
 depth (the replicated embedding and LM head's gradients and update: at a 2-layer cut of a model
@@ -41,6 +43,9 @@ VARIANTS = MappingProxyType({
     "param_gather": {"parallel.overlap_param_gather": True},  # ZeRO's update beside the next forward (the default)
     "no_param_gather": {"parallel.overlap_param_gather": False},  # ZeRO's update after backward, main stream
     "bf16_reduce": {"parallel.grad_reduce_dtype": "bfloat16"},
+    # hot experts re-cloned from the routing measured every 2 steps (a fresh model routes unevenly:
+    # at W=4 one rank's grouped GEMMs took 3.6x another's in session 21's trace)
+    "rebalance": {"balance.enabled": True, "balance.interval": 2, "balance.clone_slots": 4, "balance.ema": 0.0},
 })
 
 
@@ -124,6 +129,7 @@ def run_once(args: argparse.Namespace, group: Any, world_size: int, variant: str
             if trace:
                 t.group.execute(_profiled_step, trace, timeout=300)
     row = {f"{k}_ms": 1e3 * statistics.median(max(s["time_per_rank"][k]) for s in steps) for k in TIME_KEYS}
+    row["imbalance"] = statistics.median(s.get("imbalance", 1.0) for s in steps)
     row["peak_gib"] = max(peaks) if all(p is not None for p in peaks) else None
     row["loss"] = steps[-1]["loss"]
     return row
@@ -180,6 +186,7 @@ def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     row = {k: statistics.median(r[k] for r in runs) for k in keys}
     peaks = [r["peak_gib"] for r in runs if r["peak_gib"] is not None]
     row["peak_gib"] = max(peaks) if peaks else None
+    row["imbalance"] = statistics.median(r["imbalance"] for r in runs)
     row["loss"] = runs[-1]["loss"]
     return row
 
@@ -253,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out: dict[str, Any] = {"env": {"host": platform.node(), "date": time.strftime("%Y-%m-%d")}, "args": vars(args),
                            "rows": rows(args)}
     cols = ["layers", "variant", "world_size"] + [f"{k}_ms" for k in TIME_KEYS] + ["scaling", "tokens_per_s_per_gpu",
-                                                                                    "peak_gib"]
+                                                                                    "peak_gib", "imbalance"]
     print(tabulate([[r.get(c) for c in cols] for r in out["rows"]], headers=cols, floatfmt=".3f"))
     if args.json:
         with open(args.json, "w") as f:

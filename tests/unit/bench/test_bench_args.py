@@ -87,7 +87,7 @@ def test_rounds_take_each_timing_median():
     (["--set", "moe.pipeline_chunks=2"], "--set: moe.two_batch_overlap runs the sequential layer's exchange"),
     (["--set", "moe.nope=1"], "--set: "),
     (["--variants", "sequential+nope"],
-     "must name some of sequential, two_batch, param_gather, no_param_gather, bf16_reduce"),
+     "must name some of sequential, two_batch, param_gather, no_param_gather, bf16_reduce, rebalance"),
 ])
 def test_bench_overlap_bad_values_name_the_flag(argv, says, capsys):
     from ray_moe.bench import overlap
@@ -107,5 +107,7 @@ def test_bench_overlap_variants_join_their_overrides():
     args.layers, args.variants = [2], ["two_batch+bf16_reduce"]
     cfg = overlap.config_for(args, 2, "two_batch+bf16_reduce", "runs/x")
     assert cfg.moe.two_batch_overlap and cfg.parallel.grad_reduce_dtype == "bfloat16" and cfg.train.steps == 5
+    re = overlap.config_for(args, 2, "rebalance", "runs/x")
+    assert re.balance.enabled and re.balance.clone_slots >= 1 and re.balance.interval <= args.warmup
     one = overlap.config_for(args, 1, "two_batch+bf16_reduce", "runs/x")  # the reference: no variant
     assert not one.moe.two_batch_overlap and one.parallel.grad_reduce_dtype == "float32"
