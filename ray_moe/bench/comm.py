@@ -195,6 +195,8 @@ def bench_worker(worker: Any, params: dict) -> list[dict]:
             del g, y
         except Exception as exc:  # report, keep benchmarking
             rec["graph_error"] = f"{type(exc).__name__}: {exc}"
+        if T <= params.get("floor_max_tokens", 1024):
+            rec["floor"] = _latency_floor(tr, buf, x, w, dr, ds, iters)
         buf.check()
         # fewer SMs for the exchange (what an overlap with expert compute could afford)
         rec["programs"] = {}
@@ -270,6 +272,47 @@ def bench_worker(worker: Any, params: dict) -> list[dict]:
         buf.close()  # the next size allocates its own (collective)
         torch.cuda.empty_cache()
         out.append(rec)
+    return out
+
+
+def _latency_floor(tr: Any, buf: Any, x, w, dr, ds, iters: int) -> dict[str, Any]:
+    """A small pair's fixed parts (:mod:`ray_moe.bench.latency_floor`), seconds: the dispatch and
+    the combine each replayed alone from a CUDA graph, two empty launches and two of the layout's
+    grid-wide wait (G programs) from a graph, and the one-way latency of a signal between ranks 0
+    and 1 (1000 round trips in one kernel; other ranks idle through it; None without a peer
+    pointer). ``floor_errors``: 1 if a wait of these kernels timed out. Every rank runs it."""
+    from ray_moe.bench.latency_floor import empty_kernel, grid_sync, ping_pong
+    from ray_moe.device import capture_graph
+
+    dev, me = x.device, tr.rank
+    out: dict[str, Any] = {}
+    g, _ = capture_graph(lambda: buf.dispatch(x, w, dr, ds))
+    out["graph_dispatch_s"] = _time(g.replay, iters)
+    r = buf.dispatch(x, w, dr, ds)
+    g2, _ = capture_graph(lambda: buf.combine(r[0], r[3]))
+    out["graph_combine_s"] = _time(g2.replay, iters)
+    err = torch.zeros(1, dtype=torch.int32, device=dev)
+    word = torch.zeros(1, dtype=torch.int32, device=dev)
+    g3, _ = capture_graph(lambda: (empty_kernel(word), empty_kernel(word)))
+    out["graph_two_empty_s"] = _time(g3.replay, iters)
+    flags = torch.zeros(buf.geo.num_programs, dtype=torch.int32, device=dev)
+    g4, _ = capture_graph(lambda: (grid_sync(flags, err), grid_sync(flags, err)))
+    out["graph_two_grid_syncs_s"] = _time(g4.replay, iters)
+    del g, g2, g3, g4
+    sym = tr.runtime.alloc(8)  # collective: one symmetric int64 word per rank
+    local, rounds, calls = sym.view(torch.int64), 1000, [0]
+    peer_addr = tr.runtime.peer_ptr(local.data_ptr(), 1 - me) if me < 2 else 0
+
+    def bounce() -> None:
+        if peer_addr:
+            ping_pong(local, peer_addr, err, base=calls[0] * rounds, rounds=rounds, first=me == 0)
+        calls[0] += 1
+
+    t = _time(bounce, 3)
+    out["one_way_s"] = t / (2 * rounds) if peer_addr else None
+    tr.runtime.barrier()
+    tr.runtime.free(sym)
+    out["floor_errors"] = int(err.item())
     return out
 
 
@@ -376,6 +419,22 @@ def _host_profile(buf: Any, pair: Any, x: torch.Tensor, w: torch.Tensor, dr: tor
     return out
 
 
+FLOOR_KEYS = ("graph_dispatch", "graph_combine", "graph_two_empty", "graph_two_grid_syncs", "one_way")
+
+
+def _floor_summary(recs: list[dict]) -> dict[str, Any]:
+    """The latency floor's parts in µs, each the slowest rank's (empty where not measured)."""
+    floors = [r["floor"] for r in recs if "floor" in r]
+    if not floors:
+        return {}
+    out: dict[str, Any] = {}
+    for key in FLOOR_KEYS:
+        values = [f[f"{key}_s"] for f in floors if f.get(f"{key}_s") is not None]
+        out[f"floor_{key}_us"] = max(values) * 1e6 if values else None
+    out["floor_errors"] = max(f["floor_errors"] for f in floors)
+    return out
+
+
 def _summarise(per_rank: list[list[dict]]) -> list[dict]:
     rows = []
     for i, rec0 in enumerate(per_rank[0]):
@@ -402,6 +461,7 @@ def _summarise(per_rank: list[list[dict]]) -> list[dict]:
             "ce_ceiling_GBps": ceilings["ceiling"], "sm_ceiling_GBps": ceilings["sm_ceiling"],
             "dispatch_vs_ceiling": (dbytes / d / 1e9) / cbw if cbw == cbw else float("nan"),
             "graph_error": rec0.get("graph_error"),
+            **_floor_summary(recs),
             "round_trip_rel_err": max(v.get("round_trip_rel_err", 0.0) for r in recs
                                       for v in [*r["variants"].values(), *r.get("programs", {}).values()]),
         })
@@ -491,9 +551,18 @@ def main(argv: list[str] | None = None) -> int:
         print("\nwith G programs (SMs) instead of all, variant as above:")
         print(tabulate(table, headers=["T_local", "G", "dispatch_us", "combine_us", "graph_pair_us",
                                        "dispatch_GBps", "combine_GBps"], floatfmt=".1f"))
+    floor_rows = [[r["T_local"], r["graph_pair_us"], *(r[f"floor_{k}_us"] for k in FLOOR_KEYS)]
+                  for r in rows if "floor_one_way_us" in r]
+    if floor_rows:
+        print("\nsmall T, replayed from CUDA graphs (µs): the pair, its two kernels alone, and its fixed parts "
+              "(ray_moe.bench.latency_floor)")
+        print(tabulate(floor_rows, headers=["T_local", "pair", "dispatch", "combine", "2 empty launches",
+                                            "2 grid syncs", "one-way signal"], floatfmt=".2f"))
     bad = [r["T_local"] for r in rows if not r["round_trip_rel_err"] <= 1e-2]
+    bad += [r["T_local"] for r in rows if r.get("floor_errors")]
     if bad:
-        print(f"ERROR: combine(dispatch(x)) != x * ranks at T_local={bad} (round_trip_rel_err > 1e-2)")
+        print(f"ERROR: at T_local={bad} combine(dispatch(x)) != x * ranks (round_trip_rel_err > 1e-2) or a "
+              "latency-floor kernel's wait timed out (floor_errors)")
     for r in rows:
         if r["graph_error"]:
             print(f"T={r['T_local']}: CUDA graph failed: {r['graph_error']}")

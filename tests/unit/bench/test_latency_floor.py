@@ -1,0 +1,87 @@
+"""The latency-floor kernels (ray_moe/bench/latency_floor.py) under Triton's interpreter: the
+ping-pong between two processes sharing a file (a peer pointer is the same offset in this
+process's mapping of it, as tests/nvshmem_pes.py does for NVSHMEM), its bounded wait without a
+peer, and the grid-wide wait's device-side launch count."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+_SCRIPT = r"""
+import sys
+import torch
+from ray_moe.bench.latency_floor import ping_pong
+path, rank, rounds, spin = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+words = torch.from_file(path, shared=True, size=2, dtype=torch.int64)
+local, peer = words[rank:rank + 1], words[1 - rank:2 - rank]
+err = torch.zeros(1, dtype=torch.int32)
+for call in range(2):
+    ping_pong(local, peer.data_ptr(), err, base=call * rounds, rounds=rounds, first=rank == 0, spin_limit=spin)
+print(int(local.item()), int(err.item()))
+"""
+
+
+def _env() -> dict:
+    return dict(os.environ, TRITON_INTERPRET="1",
+                PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+
+
+def _ranks(tmp_path, ranks, rounds, spin):
+    path = tmp_path / "words"
+    path.write_bytes(bytes(16))
+    script = tmp_path / "pp.py"
+    script.write_text(_SCRIPT)
+    procs = [subprocess.Popen([sys.executable, str(script), str(path), str(r), str(rounds), str(spin)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()) for r in ranks]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-2000:]
+        outs.append(tuple(int(v) for v in out.split()))
+    return outs
+
+
+def test_ping_pong_bounces_between_two_processes(tmp_path):
+    """Two calls of 3 round trips: each rank's word ends at 6 (the peer added to it once per
+    round), and no wait timed out."""
+    assert _ranks(tmp_path, (0, 1), rounds=3, spin=1 << 30) == [(6, 0), (6, 0)]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_ping_pong_without_a_peer_gives_up_and_says_so(tmp_path, rank):
+    """No peer: the wait ends after spin_limit polls with err set, and the rank sends nothing more."""
+    (word, err), = _ranks(tmp_path, (rank,), rounds=3, spin=50)
+    assert err == 1 and word == 0
+
+
+def test_grid_sync_counts_launches_on_the_device(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from ray_moe.bench.latency_floor import empty_kernel, grid_sync
+
+    flags, err = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    for _ in range(3):  # one program: the launch count it keeps is the only wait
+        grid_sync(flags, err, spin_limit=50)
+    assert flags.tolist() == [3] and err.item() == 0
+    late = torch.tensor([5, 0], dtype=torch.int32)  # program 1 never catches up with program 0 here
+    grid_sync(late, err, spin_limit=50)  # (the interpreter runs programs one after another)
+    assert err.item() == 1
+    out = torch.zeros(4, dtype=torch.int32)
+    empty_kernel(out)
+    assert out.tolist() == [1, 1, 1, 1]
+
+
+def test_bench_comm_reports_each_part_as_the_slowest_ranks():
+    from ray_moe.bench.comm import _floor_summary
+
+    part = lambda d, one_way, errors=0: {"floor": {  # noqa: E731
+        "graph_dispatch_s": d, "graph_combine_s": 2 * d, "graph_two_empty_s": 1e-6, "graph_two_grid_syncs_s": 3e-6,
+        "one_way_s": one_way, "floor_errors": errors}}
+    row = _floor_summary([part(10e-6, 1e-6), part(12e-6, None, 1)])
+    assert row["floor_graph_dispatch_us"] == pytest.approx(12.0) and row["floor_graph_combine_us"] == pytest.approx(24.0)
+    assert row["floor_one_way_us"] == pytest.approx(1.0) and row["floor_errors"] == 1  # (rank 2 bounced nothing)
+    assert _floor_summary([{"T": 16384}]) == {}
