@@ -19,13 +19,16 @@
 # ~75 s at W=4. Session 20 (H200 x2, x4): -k two_batch over test_nvshmem_gpu.py + test_models_gpu.py
 # 170 s at W=2, 182 s at W=4; overlap with OV_ROUNDS=1 ~100 s. Whole-step listings need
 # EP_KEEP_TRACES=1 only to re-read them offline (the .txt listings now start at the first kernel).
+# Session 21 (H200 x2/x4, H100 x2/x4): overlap with 3 variants x 2 rounds at 2 layers 110-160 s (W=2, W=4);
+# comm at COMM_TOKENS=128 with the latency floor 31-44 s; tests/gpu/test_zero_gpu.py's overlapped-update
+# cases 100-130 s, the compiled-blocks ZeRO test 81 s. Done since: ZeRO's update beside the next forward
+# (parallel.overlap_param_gather, the default), bf16 reduction, the imbalance column and rebalance variant.
 # Next lease:
 #   1. x8: the default steps with T_TESTS=500 and COMM_VARIANTS=r8h4096w16rot,r8h4096w16 (scaling
 #      target >= 0.90 at W=8; never lent so far), and OV_PROGRAMS=32 bash scripts/device_ep.sh overlap
 #      (moe.two_batch_overlap where 7/8 of the rows go away)
-#   2. once built: ZeRO's update and all-gathers beside the next forward (session 20: 13.6 ms exposed
-#      after backward at W=4, 2 layers): OV_PROFILE=1 OV_PROGRAMS=32 OV_LAYERS=2,4 ... overlap, the
-#      update_ms column against one rank's
+#   2. the W-rank step at 4 layers with what session 21 built: OV_VARIANTS=no_param_gather,sequential,
+#      rebalance+bf16_reduce OV_LAYERS=2,4 ... overlap (session 21 measured 2 layers only)
 #   3. once built: the halves' weight gradients accumulated in the Triton wgrad epilogue (session 20:
 #      +1.8 ms of per-half weight gradients and additions at W=2, 2 layers)
 # On one GPU, pes2 with every file took ~360 s.
