@@ -402,9 +402,10 @@ class MoELayer(nn.Module):
             choice = ExpertChoice(impl)
             if self.expert_impl == "auto" and impl == "triton":
                 needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (recv_x, recv_w, w13, w2))
-                if early is not None and not self.expert_chooser.knows(recv_x, recv_slot, w13, needs_grad):
+                if early is not None and not self.expert_chooser.knows(recv_x, recv_slot, w13, needs_grad,
+                                                                       self.expert_grid):
                     early.wait()  # the first call of a shape times the candidates on every row
-                choice = self.expert_chooser.choose(recv_x, recv_slot, recv_w, w13, w2, needs_grad)
+                choice = self.expert_chooser.choose(recv_x, recv_slot, recv_w, w13, w2, needs_grad, self.expert_grid)
             return expert_ffn(recv_x, recv_slot, recv_w, w13, w2, choice.impl, wgrad=choice.wgrad, deferral=deferral,
                               early=early, grid=self.expert_grid)
         return experts

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import sysconfig
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
