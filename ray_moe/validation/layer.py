@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ray_moe.config import torch_dtype
 from ray_moe.model.experts import reference_moe
-from ray_moe.model.moe import MoELayer, MoELayerSpec
+from ray_moe.model.moe import MoELayer
 from ray_moe.placement.clones import reduce_clone_grads
 from ray_moe.placement.placement import Placement
 from ray_moe.validation.cases import Case
