@@ -59,20 +59,43 @@ def test_ping_pong_without_a_peer_gives_up_and_says_so(tmp_path, rank):
     assert err == 1 and word == 0
 
 
-def test_grid_sync_counts_launches_on_the_device(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from ray_moe.bench.latency_floor import empty_kernel, grid_sync
+_GRID_SCRIPT = r"""
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+from ray_moe.bench.latency_floor import empty_kernel, grid_sync
+flags, err = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+for _ in range(3):  # one program: the launch count it keeps is the only wait
+    grid_sync(flags, err, spin_limit=50)
+assert flags.tolist() == [3] and err.item() == 0, (flags, err)
+late = torch.tensor([5, 0], dtype=torch.int32)  # program 1 never catches up with program 0 here
+grid_sync(late, err, spin_limit=50)  # (the interpreter runs programs one after another)
+assert err.item() == 1
+out = torch.zeros(4, dtype=torch.int32)
+empty_kernel(out)
+assert out.tolist() == [1, 1, 1, 1]
+print("grid sync ok")
+"""
 
-    flags, err = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
-    for _ in range(3):  # one program: the launch count it keeps is the only wait
-        grid_sync(flags, err, spin_limit=50)
-    assert flags.tolist() == [3] and err.item() == 0
-    late = torch.tensor([5, 0], dtype=torch.int32)  # program 1 never catches up with program 0 here
-    grid_sync(late, err, spin_limit=50)  # (the interpreter runs programs one after another)
-    assert err.item() == 1
-    out = torch.zeros(4, dtype=torch.int32)
-    empty_kernel(out)
-    assert out.tolist() == [1, 1, 1, 1]
+
+@pytest.mark.interpreter_script(sys.executable, "-c", _GRID_SCRIPT)
+def test_grid_sync_counts_launches_on_the_device(interpreter_scripts):
+    """The grid-wide wait keeps each program's launch count on the device (a graph replays the
+    launch unchanged) and gives up, saying so, when a program never catches up."""
+    interpreter_scripts.assert_prints(_GRID_SCRIPT, "grid sync ok")
+
+
+def test_the_floor_kernels_compile_for_hopper():
+    from ray_moe.bench.latency_floor import _empty_kernel, _grid_sync_kernel, _ping_pong_kernel
+    from tests.support import compile_for_sm90
+
+    assert compile_for_sm90(_empty_kernel, {"out_ptr": "*i32"}, {}, num_warps=1)["cubin"]
+    for first in (True, False):
+        sig = {"local_ptr": "*i64", "peer_addr": "i64", "err_ptr": "*i32", "base": "i64", "rounds": "i32",
+               "spin_limit": "i32", "FIRST": "constexpr"}
+        assert compile_for_sm90(_ping_pong_kernel, sig, {"FIRST": first}, num_warps=1)["cubin"]
+    sig = {"flags_ptr": "*i32", "err_ptr": "*i32", "spin_limit": "i32", "G": "constexpr", "G_PAD": "constexpr"}
+    assert compile_for_sm90(_grid_sync_kernel, sig, {"G": 132, "G_PAD": 256}, num_warps=16)["cubin"]
 
 
 def test_bench_comm_reports_each_part_as_the_slowest_ranks():
