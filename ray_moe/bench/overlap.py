@@ -55,6 +55,8 @@ def variant_overrides(name: str) -> dict[str, Any]:
     for part in name.split("+"):
         out.update(VARIANTS[part])
     return out
+
+
 TIME_KEYS = ("step", "forward", "backward", "grad_sync", "update")
 
 

@@ -150,28 +150,21 @@ class ShardedReplicatedState:
         n, W = sum(sizes), self.world_size
         chunk = -(-n // (W * ALIGN)) * ALIGN
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        device = members[0][1].device
-        flat = torch.zeros(W * chunk, dtype=torch.float32, device=device)
+        device, dtype = members[0][1].device, members[0][1].dtype
+        pbuf = torch.zeros(W * chunk, dtype=dtype, device=device)  # the parameters move into it (views)
         for (_, p), o in zip(members, offsets, strict=True):
-            flat[o: o + p.numel()].copy_(p.detach().reshape(-1))
-        mine = slice(self.rank * chunk, (self.rank + 1) * chunk)
-        master = flat[mine].clone()
-        dtype = members[0][1].dtype
+            pbuf[o: o + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = pbuf[o: o + p.numel()].view_as(p)
+        master = pbuf[self.rank * chunk: (self.rank + 1) * chunk].to(torch.float32, copy=True)
         b = _Bucket(
             params=tuple(p for _, p in members), names=tuple(n for n, _ in members), offsets=tuple(offsets),
             decayed=sum(s for (name, _), s in zip(members, sizes, strict=True) if name not in no_decay),
-            chunk=chunk, flat=flat, grad=torch.zeros(chunk, dtype=self.grad_dtype, device=device), master=master,
+            chunk=chunk, flat=None if self.shard_grads else torch.zeros(W * chunk, dtype=self.grad_dtype, device=device),
+            grad=torch.zeros(chunk, dtype=self.grad_dtype, device=device), master=master,
             exp_avg=torch.zeros(chunk, dtype=self.state_dtype, device=device),
             exp_avg_sq=torch.zeros(chunk, dtype=self.state_dtype, device=device),
             send=master if dtype == torch.float32 else torch.empty(chunk, dtype=dtype, device=device),
-            pbuf=torch.zeros(W * chunk, dtype=dtype, device=device), got=[False] * len(members))
-        for p, v in zip(b.params, b.views(b.pbuf), strict=True):  # the parameters move into the bucket's buffer
-            v.copy_(p.detach())
-            p.data = v
-        if self.shard_grads:
-            b.flat = None
-        elif self.grad_dtype != torch.float32:  # (the float32 one above only seeded the master)
-            b.flat = torch.zeros(W * chunk, dtype=self.grad_dtype, device=device)
+            pbuf=pbuf, got=[False] * len(members))
         for i, p in enumerate(b.params):
             self._where[id(p)] = (b, i)
         self.buckets.append(b)
