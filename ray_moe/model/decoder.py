@@ -190,6 +190,15 @@ class DecoderLayer(nn.Module):
         return (self.mlp.routed,) if isinstance(self.mlp, MoEBlock) else ()
 
 
+def _run_forward_pre_hooks(module: nn.Module, *args: object) -> None:
+    """What ``module(*args)`` runs before its forward: its forward pre-hooks. The staged path drives
+    a block through :meth:`Block.staged`, not through the module call, and the hooks registered on
+    a block must still run first: ``train.overlap_update``'s wait for the block's parameters (the
+    previous step's update and ZeRO's all-gathers, still on their streams) is one."""
+    for hook in list(module._forward_pre_hooks.values()):
+        hook(module, args)
+
+
 def _last_stage(block: Generator) -> tuple[torch.Tensor, MoEInFlight | None]:
     """Run a :meth:`DecoderLayer.staged` generator's last stage; its return value."""
     try:
@@ -360,6 +369,8 @@ class Decoder(nn.Module):
                 if running[i] is not None:
                     halves[i], calls[i] = _last_stage(running[i])
                 if layer is not None:
+                    if i == 0:
+                        _run_forward_pre_hooks(layer, halves[0], cos, sin)
                     running[i] = layer.staged(halves[i], cos, sin, offsets[i], capacity)
                     next(running[i])  # attention, routing, the dispatch issued
             if calls[0] is not None:

@@ -41,6 +41,24 @@ def test_two_halves_give_the_one_pass_results(tmp_path, mode, batch):
     assert torch.equal(c1, c0) and torch.equal(p1, p0) and c0.sum() == 3 * ids.numel() * 2
 
 
+@pytest.mark.parametrize("tbo", [False, True])
+def test_each_blocks_pre_hooks_run_before_its_compute(tmp_path, tbo):
+    """A block's forward pre-hooks (train.overlap_update's wait for the block's parameters is one)
+    run once per forward, before any of the block's submodules, on the staged two-batch path as on
+    the one-pass path: the staged path does not call the block module."""
+    model = build(small_config(tmp_path, world_size=1, **{"moe.two_batch_overlap": tbo, "model.n_layers": 3}),
+                  LocalTransport())
+    log = []
+    for i, block in enumerate(model.layers):
+        block.register_forward_pre_hook(lambda *_, i=i: log.append(("pre", i)))
+        for child in block.children():
+            child.register_forward_pre_hook(lambda *_, i=i: log.append(("compute", i)))
+    model.hidden_states(torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0)))
+    assert [e for e in log if e[0] == "pre"] == [("pre", i) for i in range(3)]
+    for i in range(3):
+        assert log.index(("pre", i)) < log.index(("compute", i)), log
+
+
 def test_one_sequence_runs_the_blocks_in_one_pass(tmp_path):
     """With one sequence per rank there is nothing to stagger: the sequential blocks run."""
     ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
