@@ -27,6 +27,8 @@
 #   1. x8: the default steps with T_TESTS=500 and COMM_VARIANTS=r8h4096w16rot,r8h4096w16 (scaling
 #      target >= 0.90 at W=8; never lent so far), and OV_PROGRAMS=32 bash scripts/device_ep.sh overlap
 #      (moe.two_batch_overlap where 7/8 of the rows go away)
+#   1b. re-time the two-batch step (session 21 fixed its missing per-block waits on the CPU only):
+#      OV_PROGRAMS=32 OV_VARIANTS=sequential,two_batch OV_LAYERS=2,4 ... overlap at W=4 (session 19's -1.5 %)
 #   2. the W-rank step at 4 layers with what session 21 built: OV_VARIANTS=no_param_gather,sequential,
 #      rebalance+bf16_reduce OV_LAYERS=2,4 ... overlap (session 21 measured 2 layers only)
 #   3. once built: the halves' weight gradients accumulated in the Triton wgrad epilogue (session 20:
