@@ -231,6 +231,12 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
     return out
 
 
+def _imbalance(pairs: list[float]) -> float:
+    """max / mean of the ranks' received pairs (1.0 when balanced, or when none were counted)."""
+    mean = sum(pairs) / len(pairs) if pairs else 0.0
+    return max(pairs) / mean if mean > 0 else 1.0
+
+
 def _chosen_impls(layer: Any, x: torch.Tensor) -> str:
     """The expert implementations the layer's chooser picked, e.g. ``triton+mm_wgrad``, or the one
     that ran where nothing was chosen (``moe.expert_impl`` set, or not the Triton kernels' GPU).
@@ -456,6 +462,9 @@ def ep_layer_rows(
                                              for ranks in by_round[c, p, il, dw, ee]],
                      "steady_device_steps_ms_per_rank": [r["steady_device_steps_ms"] for r in res],
                      "host_syncs_per_step": max(r["host_syncs_per_step"] for r in res),
+                     # max over ranks / mean of the (token, expert) pairs each rank computed: the
+                     # slowest rank's experts set the step (the reference, one GPU, has none)
+                     "imbalance": _imbalance([r["received_pairs"] for r in res]),
                      "first_host_sync": next((r["first_host_sync"] for r in res if r["first_host_sync"]), ""),
                      "expert_impl": "/".join(sorted({r["expert_impl"] for r in res}))})
     refs = [("one GPU, T/W tokens", local, spec_ep), ("one GPU, all T tokens", full, spec_full)]
