@@ -195,7 +195,7 @@ def bench_worker(worker: Any, params: dict) -> list[dict]:
             del g, y
         except Exception as exc:  # report, keep benchmarking
             rec["graph_error"] = f"{type(exc).__name__}: {exc}"
-        if T <= params.get("floor_max_tokens", 1024):
+        if T <= FLOOR_MAX_TOKENS:
             rec["floor"] = _latency_floor(tr, buf, x, w, dr, ds, iters)
         buf.check()
         # fewer SMs for the exchange (what an overlap with expert compute could afford)
@@ -419,6 +419,7 @@ def _host_profile(buf: Any, pair: Any, x: torch.Tensor, w: torch.Tensor, dr: tor
     return out
 
 
+FLOOR_MAX_TOKENS = 1024  # the latency floor is timed beside the pair up to this T_local
 FLOOR_KEYS = ("graph_dispatch", "graph_combine", "graph_two_empty", "graph_two_grid_syncs", "one_way")
 
 

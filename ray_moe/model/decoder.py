@@ -192,7 +192,7 @@ class DecoderLayer(nn.Module):
 
 def _run_forward_pre_hooks(module: nn.Module, *args: object) -> None:
     """What ``module(*args)`` runs before its forward: its forward pre-hooks. The staged path drives
-    a block through :meth:`Block.staged`, not through the module call, and the hooks registered on
+    a block through :meth:`DecoderLayer.staged`, not through the module call, and the hooks registered on
     a block must still run first: ``train.overlap_update``'s wait for the block's parameters (the
     previous step's update and ZeRO's all-gathers, still on their streams) is one."""
     for hook in list(module._forward_pre_hooks.values()):
