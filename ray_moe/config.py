@@ -199,7 +199,9 @@ class ParallelConfig:
     zero_stage: int = 0
     grad_bucket_size: int = 40_000_000  # elements per gradient bucket (zero_stage 1, 2)
     # the replicated gradients' reduction: float32 (torchtitan's FSDP default) or bfloat16
-    # (Megatron's default: half the bytes of the reduce-scatter and of the bucket buffers)
+    # (Megatron's default: half the bytes of the reduce-scatter and of the bucket buffers), and the
+    # hot-expert clones' gradient sums on their owners (bfloat16: rounded into the experts' bf16
+    # gradients, which the one-pass update reads with no float32 copy)
     grad_reduce_dtype: str = "float32"
     # where zero_stage is 1 or 2 and train.overlap_update runs (CUDA): the sharded update and its
     # all-gathers on the update's side stream beside the next forward, each block waiting for its

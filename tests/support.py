@@ -79,3 +79,60 @@ def compile_for_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps:
 
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm
+
+
+def clone_grads_three_ways(worker) -> dict:
+    """One forward and backward of the engine's next batch, its clone gradients reduced three ways:
+    after backward in place (:func:`reduce_clone_grads`, the reference), and by the engine's
+    :class:`CloneGradReduction` launched from backward's hooks with float32 and with rounded sums.
+    Returns each way's expert gradients (float32) and how many layers backward launched itself."""
+    from ray_moe.placement.clones import reduce_clone_grads
+
+    e = worker.engine
+    e.settle()  # (an overlapped update still in flight)
+    layers = e.model.moe_layers()
+    assert any(layer.placement.clones() for layer in layers)  # the re-plans placed clones
+    x, y = e.batch("train", e.step)
+    out = {}
+    for way in ("reference", "float32", "rounded"):
+        ce, aux = e.loss(x, y)
+        e.optimizer.zero_grad()
+        if way != "reference":
+            e.clone_grads.rounded = way == "rounded"
+            e.clone_grads.max_in_flight = 1  # rounded: the last layer's sums added during backward
+            e.clone_grads.begin()
+        (ce + aux).backward()
+        if way == "rounded":
+            e.clone_grads.finish(lambda p: p.grad)
+        e.optimizer.gather_grads()
+        if way == "float32":
+            e.clone_grads.finish(e.optimizer.grad)
+        if way == "reference":
+            for layer in layers:
+                reduce_clone_grads(layer, layer.placement, [e.optimizer.grad(layer.w13), e.optimizer.grad(layer.w2)])
+        out[way] = [e.optimizer.grad(p).float().clone() for layer in layers for p in (layer.w13, layer.w2)]
+        out[f"{way}_launched"] = 0 if way == "reference" else e.clone_grads.launched_in_backward
+        e.optimizer.drop_grads()
+    e.clone_grads.rounded, e.clone_grads.max_in_flight = False, 2
+    return out
+
+
+def check_clone_grads_three_ways(out: dict, layers: int, exact: bool) -> None:
+    """:func:`clone_grads_three_ways`' result: every layer launched by backward itself, float32
+    sums equal to the reference and rounded ones within one bf16 rounding of it. ``exact`` (CPU):
+    elementwise, float32 bit for bit; else (GPU kernels, whose sums may run in another order each
+    time) each slot's gradient within 2^-7 of the reference's norm, which a clone's contribution
+    lost or added twice would exceed."""
+    import torch
+
+    assert out["float32_launched"] == out["rounded_launched"] == layers, out
+    for ref, f32, rounded in zip(out["reference"], out["float32"], out["rounded"], strict=True):
+        if exact:
+            assert torch.equal(f32, ref)
+            torch.testing.assert_close(rounded, ref, rtol=2 ** -8, atol=1e-30)
+            continue
+        for got in (f32, rounded):
+            err = (got - ref).flatten(1).norm(dim=1)
+            assert bool((err <= 2 ** -7 * ref.flatten(1).norm(dim=1) + 1e-12).all()), (err, ref.flatten(1).norm(dim=1))
+    if exact:
+        assert any(not torch.equal(r, ref) for r, ref in zip(out["rounded"], out["reference"]))

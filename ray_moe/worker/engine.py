@@ -35,9 +35,10 @@ from ray_moe.model.interface import LanguageModel
 from ray_moe.model.loss import lm_loss, resolve_loss_impl
 from ray_moe.model.moe import pop_loads
 from ray_moe.model.state import persistent_buffers
-from ray_moe.placement.clones import push_clone_weights, reduce_clone_grads
+from ray_moe.placement.clones import push_clone_weights
 from ray_moe.placement.placement import Placement, expert_shard
 from ray_moe.topology import RankInfo
+from ray_moe.worker.clone_grads import CloneGradReduction
 from ray_moe.worker.data import open_corpus
 from ray_moe.worker.optim import STATE_DTYPES, MixedPrecisionAdamW, no_weight_decay
 from ray_moe.worker.overlap import UpdateOverlap
@@ -106,11 +107,18 @@ class Engine:
         self.loss_impl = resolve_loss_impl(t.loss_impl, device)  # may refuse: before the ZeRO group exists
         # the replicated parameters' state sharded over the ranks (parallel.zero_stage 1, 2)
         self.zero = self._sharded_replicated_state() if config.parallel.zero_stage else None
+        self.clone_grads = None
         try:
+            # hot-expert clones' gradients leave for their owners while backward runs
+            rounded = config.parallel.grad_reduce_dtype != "float32"
+            if any(layer.placement.clone_slots for layer in self.model.moe_layers()):
+                group = dist.new_group(list(range(self.world_size))) if self.distributed else None
+                self.clone_grads = CloneGradReduction(self.model.moe_layers(), group, rounded)
             self.optimizer = MixedPrecisionAdamW(
                 self.model, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay,
                 impl=t.optimizer_impl, master_weights=t.master_weights, state_dtype=t.optimizer_state_dtype,
                 exclude=frozenset(self.zero.names) if self.zero else frozenset(), alone=not self.distributed,
+                rounded_clone_sums=rounded,
             )
         except BaseException:  # a half-built engine is never closed by anyone else
             self.close()
@@ -233,6 +241,8 @@ class Engine:
         self.optimizer.zero_grad()
         if self.zero:
             self.zero.begin()  # replicated gradients reduce-scattered as backward produces them
+        if self.clone_grads:
+            self.clone_grads.begin()  # clones' gradients sent to their owners as backward produces them
         loss.backward()
         for layer in self.model.moe_layers():  # weight gradients still on a side stream (moe.delay_wgrad)
             layer.join_wgrad()
@@ -290,13 +300,18 @@ class Engine:
         self.push_clones()
 
     def close(self) -> None:
-        """Release what outlives the engine's memory: the ZeRO state's gradient hooks and its
-        process group (a new engine on the same ranks makes its own; without this every engine
+        """Release what outlives the engine's memory: the ZeRO state's and the clone reduction's
+        gradient hooks and their process groups (a new engine on the same ranks makes its own; without this every engine
         built on a group, e.g. one per Trainer on a kept group, would leave a communicator
         behind). Every rank calls it (the group's destruction is local). Idempotent."""
         if getattr(self, "overlap", None) is not None:
             self.overlap.close()
             self.overlap = None
+        if getattr(self, "clone_grads", None) is not None:
+            self.clone_grads.close()
+            if self.clone_grads.group is not None and dist.is_initialized():
+                dist.destroy_process_group(self.clone_grads.group)
+            self.clone_grads = None
         if self.zero is not None:
             self.zero.close()
             if self.distributed and dist.is_initialized():
@@ -318,9 +333,11 @@ class Engine:
         during backward at ZeRO stage 1 or 2; an expert's already summed by combine's
         backward): the mean's 1/W is folded into the update's gradient scale and into the norm."""
         opt = self.optimizer
+        if self.clone_grads and self.clone_grads.rounded:  # the clone sums into the bf16 gradients
+            self.clone_grads.finish(lambda p: p.grad)
         opt.gather_grads()
-        for layer in self.model.moe_layers():
-            reduce_clone_grads(layer, layer.placement, grads=[opt.grad(layer.w13), opt.grad(layer.w2)])
+        if self.clone_grads and not self.clone_grads.rounded:  # into the float32 master gradients
+            self.clone_grads.finish(opt.grad)
         sharded = [opt.grad(p) for p in self.sharded]
         local = _sum_of_squares(sharded, self.device)  # Σ over ranks: the expert-shard grads' part
         replicated = []

@@ -25,13 +25,17 @@ that nothing reduces in float32 (the expert weights' under ``onepass``; on one r
 every parameter's) is read by the one-pass kernel in the compute dtype and never copied: 2 bytes
 instead of 4 until the update ends.
 
-Gradient reduction precision: float32. The cross-rank sums (replicated gradients all-reduced,
-clone gradients added onto their owners) run on the float32 master gradients. A bf16 reduction
+Gradient reduction precision: float32 by default (``parallel.grad_reduce_dtype``; bfloat16 is
+Megatron's default). The cross-rank sums (replicated gradients all-reduced, clone gradients added
+onto their owners) run on the float32 master gradients. A bf16 reduction
 would round every partial sum to 8 significant bits, an error that grows with the number of
 ranks, to save bytes on the smaller part of an MoE model (attention, embeddings, norms, routers:
 expert gradients are never all-reduced, since combine's backward already brings every rank's
 tokens to the expert's rank, where the weight-gradient GEMM sums them with float32
-accumulation); and the float32 gradients are needed for the update anyway.
+accumulation); and the float32 gradients are needed for the update anyway. With bfloat16 the
+clone sums are rounded once into the experts' bf16 gradients (``rounded_clone_sums``), which the
+one-pass update then reads as it is, and ZeRO's buckets reduce in bf16
+(:mod:`ray_moe.worker.zero`).
 
 No weight decay (decided per tensor, for any architecture): tensors of rank < 2 (norm weights,
 biases, scales), the weights of embedding modules (``nn.Embedding``: also an LM head tied to
@@ -71,19 +75,21 @@ def _resolve_impl(impl: str, tensors: Iterable[torch.Tensor]) -> str:
     return impl
 
 
-def _one_pass_eligible(p: torch.Tensor, master: torch.Tensor, alone: bool = False) -> bool:
+def _one_pass_eligible(p: torch.Tensor, master: torch.Tensor, alone: bool = False,
+                       rounded_clone_sums: bool = False) -> bool:
     """Whether the one-pass kernel can read ``p``'s gradient in the compute dtype: nothing reduces
     it in float32 first. Expert weights with a separate float32 master and no clone slots: their
     gradient is summed on the expert's rank by the weight-gradient GEMM (float32 accumulation) and
-    never reduced again (layers with clone slots keep the float32 path: clone gradients are added
-    onto the owners in float32). ``alone`` (one rank): the replicated parameters too, whose
-    gradients no rank then all-reduces."""
+    never reduced again (layers with clone slots keep the float32 path, where clone gradients are
+    added onto the owners in float32, unless ``rounded_clone_sums``: those sums are rounded into
+    the compute-dtype gradient, ``parallel.grad_reduce_dtype: bfloat16``). ``alone`` (one rank):
+    the replicated parameters too, whose gradients no rank then all-reduces."""
     if master is p:
         return False
     shard = expert_shard(p)
     if shard is None:
         return alone
-    return p.shape[0] == len(shard.native_experts)
+    return rounded_clone_sums or p.shape[0] == len(shard.native_experts)
 
 
 class MixedPrecisionAdamW:
@@ -114,6 +120,9 @@ class MixedPrecisionAdamW:
             (``onepass``) their compute-dtype gradients are read as they are, like the expert
             weights', with no float32 copy (6 of ~32 bytes per parameter, and a norm read of 2
             bytes instead of 4).
+        rounded_clone_sums: clone gradients are added onto their owners in the compute dtype
+            (:class:`ray_moe.worker.clone_grads.CloneGradReduction`, ``rounded``), so the one-pass
+            update reads the gradients of expert weights with clone slots as they are too.
 
     Masters carry the parameters' ``expert_shard`` marks and are saved under the parameters'
     names (:meth:`named_masters`), with their AdamW state (:attr:`state`, keyed by master).
@@ -132,6 +141,7 @@ class MixedPrecisionAdamW:
         state_dtype: str = "float32",
         exclude: Collection[str] = (),
         alone: bool = False,
+        rounded_clone_sums: bool = False,
     ) -> None:
         named = [(n, p) for n, p in model.named_parameters() if n not in exclude]
         self.names = tuple(n for n, _ in named)
@@ -159,7 +169,7 @@ class MixedPrecisionAdamW:
             if bf16_state or (self.impl == "onepass" and m is not p))
         # compute parameters whose own (compute-dtype) gradient the kernel reads: no float32 copy
         self._one_pass_ids = frozenset(
-            id(p) for p, m, _ in self._one_pass if self.impl == "onepass" and _one_pass_eligible(p, m, alone))
+            id(p) for p, m, _ in self._one_pass if self.impl == "onepass" and _one_pass_eligible(p, m, alone, rounded_clone_sums))
         # (parameter, master) pairs whose parameter the update refreshes from its master (the
         # one-pass kernel writes its parameters itself)
         kernel_params = frozenset(id(p) for p, _, _ in self._one_pass)

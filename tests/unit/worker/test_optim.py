@@ -272,3 +272,24 @@ def test_one_pass_kernel_equals_its_reference_under_the_interpreter(interpreter_
     pytest.importorskip("triton")
     r = interpreter_scripts.result(sys.executable, "-c", _ONE_PASS_SCRIPT)
     assert "adamw kernel ok" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("rounded", [False, True])
+def test_expert_weights_with_clone_slots_read_in_bf16_only_where_clone_sums_are_rounded(rounded):
+    """An expert weight with a clone slot (one native expert, two slots) keeps the float32 gradient
+    copy (its clone's gradient is added onto the owner in float32), unless the clone sums are
+    rounded into the bf16 gradient (``parallel.grad_reduce_dtype: bfloat16``): then the one-pass
+    update reads it as it is, and the update equals the one through the float32 copy of the same
+    bf16 gradient."""
+    out = {}
+    for flag in (False, rounded):
+        model = Tiny(torch.bfloat16)
+        model.experts.expert_shard = ExpertShard((2,))  # slot 0 native, slot 1 a clone
+        opt = MixedPrecisionAdamW(model, impl="onepass", rounded_clone_sums=flag, **HYPER)
+        assert (id(model.experts) in opt._one_pass_ids) == flag
+        _set_grads(model, 1)
+        opt.gather_grads()
+        assert opt.grad(model.experts).dtype == (torch.bfloat16 if flag else torch.float32)
+        opt.step(lr=HYPER["lr"])
+        out[flag] = model.experts.detach().clone()
+    assert torch.equal(out[False], out[rounded])
