@@ -149,12 +149,15 @@ class Engine:
     def _update_overlap(self) -> UpdateOverlap:
         """The side stream and block events of ``train.overlap_update`` over the one-pass
         parameters, and with ``parallel.overlap_param_gather`` ZeRO's sharded ones too; blocks
-        with clone slots wait for the whole update (their clones are refreshed after it)."""
+        with clone slots whose expert weights are not updated one by one wait for the whole update
+        (their clones are refreshed after it; the others' right after their own, :meth:`_update`)."""
         named = self.optimizer.one_pass_named()
         if self.zero_beside:
             by_id = {id(p): n for n, p in self.model.named_parameters()}
             named = [(by_id[id(p)], p) for b in self.zero.buckets for p in b.params] + named
-        late = {1 + layer.layer_idx for layer in self.model.moe_layers() if layer.placement.clone_slots}
+        one_by_one = {id(p) for _, p in named}
+        late = {1 + layer.layer_idx for layer in self.model.moe_layers()
+                if layer.placement.clone_slots and not {id(layer.w13), id(layer.w2)} <= one_by_one}
         return UpdateOverlap(self.model, [n for n, _ in named], [p for _, p in named], self.device, late)
 
     @property
@@ -291,13 +294,25 @@ class Engine:
 
     def _update(self, lr: float, scale: float, done: Callable[[torch.Tensor | None], None] | None = None,
                 zero: bool = False) -> None:
-        """The optimizer's update (``done``: :meth:`MixedPrecisionAdamW.step`'s), then the clone
-        slots refreshed from their owners; ``zero``: ZeRO's sharded update and all-gathers first
-        (in forward order: the embeddings' are what the next forward needs first)."""
+        """The optimizer's update (``done``: :meth:`MixedPrecisionAdamW.step`'s) and the clone
+        slots refreshed from their owners: each MoE layer's as soon as its expert weights are
+        updated, before ``done`` hears of them (so the block's event covers its clones), the rest
+        after the update; ``zero``: ZeRO's sharded update and all-gathers first (in forward
+        order: the embeddings' are what the next forward needs first)."""
         if zero:
             self.zero.step(lr, scale, done)
-        self.optimizer.step(lr, scale, done)
-        self.push_clones()
+        left = {id(p): layer for layer in self.model.moe_layers() if layer.placement.clones()
+                for p in (layer.w13, layer.w2)}
+
+        def pushing(param: torch.Tensor | None, *work) -> None:
+            layer = left.pop(id(param), None)
+            if layer is not None and id(layer.w13) not in left and id(layer.w2) not in left:
+                push_clone_weights(layer, layer.placement)
+            done(param, *work)
+
+        self.optimizer.step(lr, scale, pushing if done is not None else None)
+        for layer in {id(layer): layer for layer in left.values()}.values():  # not reported one by one
+            push_clone_weights(layer, layer.placement)
 
     def close(self) -> None:
         """Release what outlives the engine's memory: the ZeRO state's and the clone reduction's

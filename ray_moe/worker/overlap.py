@@ -24,8 +24,10 @@ Safety:
 - the side stream first waits for the main stream (backward, the norm, the gradient reductions);
 - every gradient the update reads is marked as used by the side stream (``record_stream``), so
   freeing it on the host does not hand its memory to the next forward while the update reads it;
-- a group whose block has clone slots (hot-expert re-cloning) gets no early event: its clones are
-  refreshed from the owners after the update, so its forward waits for everything;
+- a block's clones (hot-expert re-cloning) are refreshed from their owners on the side stream
+  right after its expert weights' update, before its event (the engine's ``_update``); a group
+  whose expert weights are not reported one by one gets no early event (``late_groups``): its
+  clones are refreshed after the whole update, so its forward waits for everything;
 - anything else that reads parameters or optimizer state between steps (evaluation, generation,
   checkpoints, new placements, loading) calls :meth:`UpdateOverlap.wait_all` first.
 
@@ -67,7 +69,8 @@ class UpdateOverlap:
         names: the parameter names the update covers, in the order it updates them.
         params: those parameters (same order).
         device: the CUDA device.
-        late_groups: groups that must wait for the whole update (blocks with clone slots).
+        late_groups: groups that must wait for the whole update (blocks whose clones are
+            refreshed after it).
     """
 
     def __init__(self, model: nn.Module, names: Sequence[str], params: Sequence[torch.Tensor],
