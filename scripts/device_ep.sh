@@ -23,15 +23,19 @@
 # comm at COMM_TOKENS=128 with the latency floor 31-44 s; tests/gpu/test_zero_gpu.py's overlapped-update
 # cases 100-130 s, the compiled-blocks ZeRO test 81 s. Done since: ZeRO's update beside the next forward
 # (parallel.overlap_param_gather, the default), bf16 reduction, the imbalance column and rebalance variant.
+# Session 22 (H200 x2): the four overlapped-update cases + the clone-gradient test 150-160 s; overlap with
+# 4 variants x 2 rounds at 2 layers 174 s, 3 variants x 1 round at 2,4 layers 138-142 s, 1 variant at
+# 8 layers 60-66 s (peak 61 GiB at W=2, 89 GiB one rank); layer with 1 variant x 3 rounds 92 s. Done
+# since: the two-batch step re-timed at W=2 after the race fix (still slower), clone gradients sent
+# during backward (rebalance+bf16_reduce the fastest W=2 step: 0.958 at 2 layers, 0.975 at 4).
 # Next lease:
 #   1. x8: the default steps with T_TESTS=500 and COMM_VARIANTS=r8h4096w16rot,r8h4096w16 (scaling
 #      target >= 0.90 at W=8; never lent so far), and OV_PROGRAMS=32 bash scripts/device_ep.sh overlap
 #      (moe.two_batch_overlap where 7/8 of the rows go away)
-#   1b. re-time the two-batch step (session 21 fixed its missing per-block waits on the CPU only):
-#      OV_PROGRAMS=32 OV_VARIANTS=sequential,two_batch OV_LAYERS=2,4 ... overlap at W=4 (session 19's -1.5 %)
-#   2. the W-rank step at 4 layers with what session 21 built: OV_VARIANTS=no_param_gather,sequential,
-#      rebalance+bf16_reduce OV_LAYERS=2,4 ... overlap (session 21 measured 2 layers only)
-#   3. once built: the halves' weight gradients accumulated in the Triton wgrad epilogue (session 20:
+#   1b. x4: re-time the two-batch step after session 21's race fix (re-timed at W=2 only):
+#      OV_PROGRAMS=32 OV_VARIANTS=sequential,two_batch OV_LAYERS=2,4 ... overlap at W=4 (session 19's -1.5 %),
+#      and OV_VARIANTS=sequential,rebalance+bf16_reduce at W=4 (session 22's clone gradients, timed at W=2 only)
+#   2. once built: the halves' weight gradients accumulated in the Triton wgrad epilogue (session 20:
 #      +1.8 ms of per-half weight gradients and additions at W=2, 2 layers)
 # On one GPU, pes2 with every file took ~360 s.
 # Usage (device machine, repo root):  . .devbundle/setup.sh && bash scripts/device_ep.sh [steps]
