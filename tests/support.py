@@ -102,11 +102,15 @@ def clone_grads_three_ways(worker) -> dict:
             e.clone_grads.max_in_flight = 1  # rounded: the last layer's sums added during backward
             e.clone_grads.begin()
         (ce + aux).backward()
+        for layer in layers:
+            layer.join_wgrad()
+        if way != "reference":
+            e.clone_grads.launch_rest()
         if way == "rounded":
-            e.clone_grads.finish(lambda p: p.grad)
+            e.clone_grads.add_received(lambda p: p.grad)
         e.optimizer.gather_grads()
         if way == "float32":
-            e.clone_grads.finish(e.optimizer.grad)
+            e.clone_grads.add_received(e.optimizer.grad)
         if way == "reference":
             for layer in layers:
                 reduce_clone_grads(layer, layer.placement, [e.optimizer.grad(layer.w13), e.optimizer.grad(layer.w2)])
@@ -118,14 +122,14 @@ def clone_grads_three_ways(worker) -> dict:
 
 
 def check_clone_grads_three_ways(out: dict, layers: int, exact: bool) -> None:
-    """:func:`clone_grads_three_ways`' result: every layer launched by backward itself, float32
+    """:func:`clone_grads_three_ways`' result: ``layers`` launched by backward itself, float32
     sums equal to the reference and rounded ones within one bf16 rounding of it. ``exact`` (CPU):
     elementwise, float32 bit for bit; else (GPU kernels, whose sums may run in another order each
     time) each slot's gradient within 2^-7 of the reference's norm, which a clone's contribution
     lost or added twice would exceed."""
     import torch
 
-    assert out["float32_launched"] == out["rounded_launched"] == layers, out
+    assert out["float32_launched"] == out["rounded_launched"] == layers, out  # (0: all after backward)
     for ref, f32, rounded in zip(out["reference"], out["float32"], out["rounded"], strict=True):
         if exact:
             assert torch.equal(f32, ref)

@@ -14,18 +14,20 @@ layer that at 48 layers outgrows what re-cloning saves. So, like ZeRO's reduce-s
   runs on the process group's stream, beside backward's kernels) and the clone slots zeroed.
   Layers launch strictly in backward order (last layer first) on every rank, DDP's rule, so the
   collectives match across ranks whatever order the hooks fire in, on a process group of their own.
-  Layers whose hooks never fire (``moe.delay_wgrad`` writes weight gradients outside autograd)
-  launch in :meth:`CloneGradReduction.finish`.
+  Layers whose weight gradients a side stream writes (``moe.delay_wgrad``: their hooks fire while
+  those are still being written) launch after backward and the join, in
+  :meth:`CloneGradReduction.launch_rest`; every launch sends the compute-dtype gradients.
 - **Add.** The owners' sums are float32 (the default, ``parallel.grad_reduce_dtype: float32``):
-  they are added into the optimizer's float32 master gradients in :meth:`finish`, after
-  :meth:`~ray_moe.worker.optim.MixedPrecisionAdamW.gather_grads`, bit for bit the in-place
-  reduction's result. With ``bfloat16`` they are rounded once into the compute-dtype gradient
+  they are added into the optimizer's float32 master gradients after
+  :meth:`~ray_moe.worker.optim.MixedPrecisionAdamW.gather_grads`
+  (:meth:`CloneGradReduction.add_received`), bit for bit the in-place reduction's result with
+  float32 masters. With ``bfloat16`` they are rounded once into the compute-dtype gradient
   (summed in float32, as Megatron's bf16 gradient reduction rounds): then each layer's adds run in
   backward, two launches later (bounding the received rows kept), and the optimizer reads the
   layer's bf16 gradient directly (the one-pass update, no float32 copy).
 
 Memory: with float32 sums every layer's received rows (and, until its exchange is waited for,
-its send buffer) stay until :meth:`CloneGradReduction.finish`: per layer, the rows of the clones
+its send buffer) stay until :meth:`CloneGradReduction.add_received`: per layer, the rows of the clones
 that name this rank as owner, in the compute dtype (~9.4 MB a row for Qwen3-30B-A3B's experts in
 bf16; with 4 clone slots per rank ~38 MB a layer on average), at backward's peak. Rounded sums
 keep at most ``max_in_flight`` layers' rows.
@@ -49,8 +51,8 @@ class CloneGradReduction:
         layers: the model's MoE layers (those with clone slots take part), in model order.
         group: the process group of the exchanges (None: the default group).
         rounded: the owners' sums rounded into the compute-dtype gradients during backward
-            (``parallel.grad_reduce_dtype: bfloat16``); else added in :meth:`finish` into the
-            gradients it is given (the float32 master gradients).
+            (``parallel.grad_reduce_dtype: bfloat16``); else added by :meth:`add_received` into
+            the gradients it is given (the float32 master gradients).
         max_in_flight: with ``rounded``, the layers whose received rows are kept before the oldest
             one's are added (its exchange then waited for, on NCCL by the stream only).
     """
@@ -65,7 +67,7 @@ class CloneGradReduction:
         self._got: list[set[int]] = []
         self._next = 0
         self._in_flight: list[tuple[torch.nn.Module, RowExchange]] = []
-        self.launched_in_backward = 0  # layers the last backward launched itself (not finish)
+        self.launched_in_backward = 0  # layers the last backward launched itself (not launch_rest)
 
     def begin(self) -> None:
         """Before backward: from now on each layer's clone gradients leave once backward made them."""
@@ -77,35 +79,42 @@ class CloneGradReduction:
 
     @torch.no_grad()
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
-        if not self._armed:  # a backward outside a training step
+        # (a layer whose weight gradients a side stream writes, moe.delay_wgrad, also fires these
+        # hooks, with its gradients still being written: it waits for launch_rest, after the join)
+        if not self._armed or self.order[i].wgrad_deferral is not None:
             return
         self._got[i].add(id(p))
-        self._launch_ready(lambda layer: [layer.w13.grad, layer.w2.grad])
+        self._launch_ready()
 
-    def _launch_ready(self, grads_of: Callable[[torch.nn.Module], list[torch.Tensor]]) -> None:
+    def _launch_ready(self) -> None:
         while self._next < len(self.order) and len(self._got[self._next]) == 2:
             layer = self.order[self._next]
             self._next += 1
             self.launched_in_backward += self._armed
-            exchange = launch_clone_grads(layer.placement, layer.rank, grads_of(layer), self.group)
+            exchange = launch_clone_grads(layer.placement, layer.rank, _grads(layer), self.group)
             if exchange is None:
                 continue
             self._in_flight.append((layer, exchange))
             while self.rounded and self._armed and len(self._in_flight) > self.max_in_flight:
                 done, oldest = self._in_flight.pop(0)
-                add_clone_grads(oldest, [done.w13.grad, done.w2.grad])
+                add_clone_grads(oldest, _grads(done))
 
     @torch.no_grad()
-    def finish(self, grad_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """After backward (rounded: before the optimizer gathers the gradients; else after, with
-        ``grad_of`` its master gradient of a parameter): the layers not yet launched, launched from
-        ``grad_of``'s gradients, and every owner's sum added into ``grad_of``'s."""
+    def launch_rest(self) -> None:
+        """After backward and the weight gradients' join: the layers backward did not launch, from
+        their compute-dtype gradients (every launch sends those, so all ranks' exchanges match)."""
         if not self._armed:
             return
         for got, layer in zip(self._got, self.order):
             got.update((id(layer.w13), id(layer.w2)))
         self._armed = False
-        self._launch_ready(lambda layer: [grad_of(layer.w13), grad_of(layer.w2)])
+        self._launch_ready()
+
+    @torch.no_grad()
+    def add_received(self, grad_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """After :meth:`launch_rest`: every owner's sums added into ``grad_of(param)`` (rounded:
+        the compute-dtype gradient, before the optimizer gathers it; else its float32 master
+        gradient, after)."""
         for layer, exchange in self._in_flight:
             add_clone_grads(exchange, [grad_of(layer.w13), grad_of(layer.w2)])
         self._in_flight = []
@@ -115,3 +124,11 @@ class CloneGradReduction:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _grads(layer: torch.nn.Module) -> list[torch.Tensor]:
+    """The layer's ``w13``/``w2`` compute-dtype gradients (zeros where backward left none)."""
+    for p in (layer.w13, layer.w2):
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return [layer.w13.grad, layer.w2.grad]

@@ -296,7 +296,7 @@ class Engine:
                 zero: bool = False) -> None:
         """The optimizer's update (``done``: :meth:`MixedPrecisionAdamW.step`'s) and the clone
         slots refreshed from their owners: each MoE layer's as soon as its expert weights are
-        updated, before ``done`` hears of them (so the block's event covers its clones), the rest
+        updated, before ``done`` hears of the last of them (so the block's event covers its clones), the rest
         after the update; ``zero``: ZeRO's sharded update and all-gathers first (in forward
         order: the embeddings' are what the next forward needs first)."""
         if zero:
@@ -348,11 +348,14 @@ class Engine:
         during backward at ZeRO stage 1 or 2; an expert's already summed by combine's
         backward): the mean's 1/W is folded into the update's gradient scale and into the norm."""
         opt = self.optimizer
-        if self.clone_grads and self.clone_grads.rounded:  # the clone sums into the bf16 gradients
-            self.clone_grads.finish(lambda p: p.grad)
+        clones = self.clone_grads
+        if clones:
+            clones.launch_rest()  # the layers backward did not launch (moe.delay_wgrad)
+            if clones.rounded:  # the clone sums into the bf16 gradients
+                clones.add_received(lambda p: p.grad)
         opt.gather_grads()
-        if self.clone_grads and not self.clone_grads.rounded:  # into the float32 master gradients
-            self.clone_grads.finish(opt.grad)
+        if clones and not clones.rounded:  # into the float32 master gradients
+            clones.add_received(opt.grad)
         sharded = [opt.grad(p) for p in self.sharded]
         local = _sum_of_squares(sharded, self.device)  # Σ over ranks: the expert-shard grads' part
         replicated = []
