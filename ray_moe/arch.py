@@ -248,7 +248,8 @@ class ArchSpec:
                         moments: str = "float32", zero_stage: int = 0, elem: int = 2,
                         bucket_size: int = 40_000_000) -> dict[str, float]:
         """Training state of one rank of ``world_size`` (expert parallel over all ranks, the rest
-        replicated): its parameters (replicated + E/W + ``clone_slots`` experts per MoE layer).
+        replicated): its parameters (replicated + E/W + ``clone_slots`` experts per MoE layer; a
+        clone slot holds its weight and gradient, no master or moments).
 
         ``state_bytes`` (kept for the README's first table): params × ``bytes_per_param`` (16 =
         bf16 weight + bf16 gradient + fp32 master + fp32 Adam moments). The rest follows what
@@ -271,15 +272,16 @@ class ArchSpec:
             raise ArchError(f"zero_stage={zero_stage} is not allowed; choose 0, 1 or 2")
         c = self.param_counts()
         n_moe = sum(self.moe_layers)
-        experts = n_moe * (self.num_experts // world_size + clone_slots) * c["per_expert"]
+        native = n_moe * (self.num_experts // world_size) * c["per_expert"]
+        experts = native + n_moe * clone_slots * c["per_expert"]  # clone slots: weights and gradients
         rep = c["replicated"]
         params = rep + experts
         W = world_size
         shard = W if zero_stage and W > 1 else 1
         moment_bytes = 8 if moments == "float32" else 4
         weights = params * elem
-        masters = experts * 4 + rep * 4 / shard
-        moment_total = experts * moment_bytes + rep * moment_bytes / shard
+        masters = native * 4 + rep * 4 / shard  # (no master nor moments for a clone slot)
+        moment_total = native * moment_bytes + rep * moment_bytes / shard
         if shard > 1:
             buckets = rep * 4 if zero_stage == 1 else min(rep, 2 * bucket_size) * 4  # float32 buffers
             grads_backward = experts * elem + buckets + rep * 4 / W  # + the reduced chunks

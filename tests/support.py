@@ -104,17 +104,22 @@ def clone_grads_three_ways(worker) -> dict:
         (ce + aux).backward()
         for layer in layers:
             layer.join_wgrad()
-        if way != "reference":
+        if way == "reference":  # every slot's gradient in float32, the clones' added in place
+            whole = [[p.grad.float() for p in (layer.w13, layer.w2)] for layer in layers]
+            for layer, grads in zip(layers, whole):
+                reduce_clone_grads(layer, layer.placement, grads)
+            n = layers[0].placement.experts_per_rank
+            out[way] = [g[:n].clone() for grads in whole for g in grads]
+        else:
             e.clone_grads.launch_rest()
         if way == "rounded":
             e.clone_grads.add_received(lambda p: p.grad)
         e.optimizer.gather_grads()
         if way == "float32":
             e.clone_grads.add_received(e.optimizer.grad)
-        if way == "reference":
-            for layer in layers:
-                reduce_clone_grads(layer, layer.placement, [e.optimizer.grad(layer.w13), e.optimizer.grad(layer.w2)])
-        out[way] = [e.optimizer.grad(p).float().clone() for layer in layers for p in (layer.w13, layer.w2)]
+        if way != "reference":  # the native slots (the master gradients': clone slots have none)
+            n = layers[0].placement.experts_per_rank
+            out[way] = [e.optimizer.grad(p)[:n].float().clone() for layer in layers for p in (layer.w13, layer.w2)]
         out[f"{way}_launched"] = 0 if way == "reference" else e.clone_grads.launched_in_backward
         e.optimizer.drop_grads()
     e.clone_grads.rounded, e.clone_grads.max_in_flight = False, 2

@@ -23,7 +23,9 @@ of backward, 18 during the update. With ``train.optimizer_state_dtype: bfloat16`
 take 2 bytes each (DeepSeek-V3's recipe; float32 masters and gradients kept): 12 and 14. A gradient
 that nothing reduces in float32 (the expert weights' under ``onepass``; on one rank, ``alone``,
 every parameter's) is read by the one-pass kernel in the compute dtype and never copied: 2 bytes
-instead of 4 until the update ends.
+instead of 4 until the update ends. An expert weight's clone slots (hot-expert re-cloning) hold
+only the weight and its gradient: the master and moments cover the native slots (a clone's
+gradient goes to its owner and its weight comes from the owner after the update).
 
 Gradient reduction precision: float32 by default (``parallel.grad_reduce_dtype``; bfloat16 is
 Megatron's default). The cross-rank sums (replicated gradients all-reduced, clone gradients added
@@ -146,6 +148,8 @@ class MixedPrecisionAdamW:
         named = [(n, p) for n, p in model.named_parameters() if n not in exclude]
         self.names = tuple(n for n, _ in named)
         self.params = tuple(p for _, p in named)
+        # an expert weight's clone slots get no master (nor moments): their gradients go to the
+        # owners and their weights come from them, so the master covers the native slots only
         self.masters = tuple(_master(p) if master_weights and p.dtype != torch.float32 else p for p in self.params)
         self._index = {id(p): i for i, p in enumerate(self.params)}
         # (compute parameter, master) pairs that are distinct tensors
@@ -200,8 +204,8 @@ class MixedPrecisionAdamW:
 
     def grad(self, param: torch.Tensor) -> torch.Tensor:
         """The gradient the update will read for ``param``, from :meth:`gather_grads` until the
-        update: the float32 master gradient, or, for a one-pass parameter, its own (compute-dtype)
-        gradient."""
+        update: the float32 master gradient (of an expert weight with clone slots, its native
+        slots'), or, for a one-pass parameter, its own (compute-dtype) gradient, every slot."""
         if id(param) in self._one_pass_ids:
             return param.grad
         return self.master(param).grad
@@ -222,7 +226,7 @@ class MixedPrecisionAdamW:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 continue
-            m.grad = torch.zeros_like(m) if p.grad is None else p.grad.to(torch.float32)
+            m.grad = torch.zeros_like(m) if p.grad is None else _like(p.grad, m).to(torch.float32)
             p.grad = None
 
     def drop_grads(self) -> None:
@@ -268,7 +272,7 @@ class MixedPrecisionAdamW:
         finally:
             self.inner.grad_scale = None
         if self._refreshed:  # compute parameters ← the updated masters, rounded to their dtype
-            torch._foreach_copy_([p for p, _ in self._refreshed], [m for _, m in self._refreshed])
+            torch._foreach_copy_([_like(p, m) for p, m in self._refreshed], [m for _, m in self._refreshed])
         if done is not None:
             done(None)
         self._one_pass_step(lr, clip_coef, done)
@@ -286,8 +290,8 @@ class MixedPrecisionAdamW:
                              exp_avg_sq=torch.zeros_like(m, dtype=self.state_dtype),
                              step=torch.zeros((), dtype=torch.float32))
             state["step"] = state["step"].cpu() + 1  # a host counter: the bias corrections are host floats
-            grad = p.grad if id(p) in self._one_pass_ids else m.grad
-            adamw_step(grad, m, state["exp_avg"], state["exp_avg_sq"], p, lr=lr, beta1=b1, beta2=b2,
+            grad = _like(p.grad, m) if id(p) in self._one_pass_ids else m.grad
+            adamw_step(grad, m, state["exp_avg"], state["exp_avg_sq"], _like(p, m), lr=lr, beta1=b1, beta2=b2,
                        eps=self.eps, weight_decay=decay, step=int(state["step"]), grad_scale=clip_coef)
             if done is not None:
                 done(p)
@@ -298,7 +302,7 @@ class MixedPrecisionAdamW:
         and put the step counters where this update kernel keeps them (fused: float32 on the
         masters' device)."""
         if self._copies:  # compute parameters from the loaded masters, all of them
-            torch._foreach_copy_([p for p, _ in self._copies], [m for _, m in self._copies])
+            torch._foreach_copy_([_like(p, m) for p, m in self._copies], [m for _, m in self._copies])
         for _, m, _ in self._one_pass:  # the kernel's moments in their storage dtype, a host step
             state = self.state.get(m)
             if state:
@@ -372,9 +376,17 @@ def _state_dtype(name: str) -> torch.dtype:
 
 
 def _master(p: torch.Tensor) -> torch.Tensor:
-    """A float32 copy of ``p`` with its ``expert_shard`` mark."""
-    m = torch.empty_like(p, dtype=torch.float32, requires_grad=False).copy_(p.detach())
+    """A float32 copy of ``p`` with its ``expert_shard`` mark; of an expert weight with clone
+    slots, of its native slots only."""
     shard = expert_shard(p)
+    native = p.detach() if shard is None else p.detach()[: len(shard.native_experts)]
+    m = torch.empty_like(native, dtype=torch.float32, requires_grad=False).copy_(native)
     if shard is not None:
         m.expert_shard = shard
     return m
+
+
+def _like(t: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    """``t`` (a compute parameter or its gradient) where its master mirrors it: the native slots
+    of an expert weight with clone slots (a contiguous view), else ``t`` itself."""
+    return t if t.shape == master.shape else t[: master.shape[0]]

@@ -293,3 +293,32 @@ def test_expert_weights_with_clone_slots_read_in_bf16_only_where_clone_sums_are_
         opt.step(lr=HYPER["lr"])
         out[flag] = model.experts.detach().clone()
     assert torch.equal(out[False], out[rounded])
+
+
+@pytest.mark.parametrize("impl,rounded", [("onepass", False), ("onepass", True), ("foreach", False)])
+def test_clone_slots_hold_no_master_or_moments(impl, rounded):
+    """An expert weight with two native slots and one clone slot: its master and moments cover the
+    native slots only (a checkpoint saves those), the update moves the native slots exactly as it
+    moves the same weight without the clone slot, and leaves the clone slot to the owners' push."""
+    g = torch.Generator().manual_seed(3)
+    native = torch.randn(2, 6, 4, generator=g).to(torch.bfloat16)
+    grads = [torch.randn(3, 6, 4, generator=g).to(torch.bfloat16) for _ in range(3)]
+    out = {}
+    for slots in (2, 3):
+        model = nn.Module()
+        model.experts = nn.Parameter(torch.cat([native, torch.full((slots - 2, 6, 4), 7.0, dtype=torch.bfloat16)]))
+        model.experts.expert_shard = ExpertShard((4, 5))
+        opt = MixedPrecisionAdamW(model, impl=impl, rounded_clone_sums=rounded, **HYPER)
+        m = opt.master(model.experts)
+        assert m.shape == (2, 6, 4) and expert_shard(m) == ExpertShard((4, 5))
+        for grad in grads:
+            model.experts.grad = grad[:slots].clone()
+            opt.gather_grads()
+            assert opt.grad(model.experts).shape[0] == (slots if id(model.experts) in opt._one_pass_ids else 2)
+            opt.step(lr=HYPER["lr"], clip_coef=0.5)
+        assert opt.state[m]["exp_avg"].shape == (2, 6, 4)
+        if slots == 3:
+            assert bool((model.experts[2] == 7.0).all())  # the clone slot: the owners' push writes it
+        out[slots] = (model.experts.detach()[:2].clone(), m.clone(), opt.state[m]["exp_avg_sq"].clone())
+    for a, b in zip(out[2], out[3], strict=True):
+        assert torch.equal(a, b)
