@@ -246,7 +246,7 @@ class ArchSpec:
 
     def memory_per_rank(self, world_size: int, clone_slots: int = 0, bytes_per_param: int = 16, *,
                         moments: str = "float32", zero_stage: int = 0, elem: int = 2,
-                        bucket_size: int = 40_000_000) -> dict[str, float]:
+                        bucket_size: int = 40_000_000, grad_reduce_dtype: str = "float32") -> dict[str, float]:
         """Training state of one rank of ``world_size`` (expert parallel over all ranks, the rest
         replicated): its parameters (replicated + E/W + ``clone_slots`` experts per MoE layer; a
         clone slot holds its weight and gradient, no master or moments).
@@ -260,7 +260,8 @@ class ArchSpec:
         reduced chunks at 1, the reduced chunks and two buckets in flight at 2) and while they are
         reduced and applied (``grads_update``: float32 master gradients and the flat float32
         all-reduce buffer at W ≥ 2 and stage 0; on one rank the bf16 gradients, which the one-pass
-        update reads as they are), and the totals ``backward_bytes`` (what
+        update reads as they are; with clone slots and float32 ``grad_reduce_dtype``, the experts'
+        float32 master gradients, into which the clone sums go), and the totals ``backward_bytes`` (what
         activations come on top of) and ``update_bytes`` (activations freed). Stages 1 and 2
         divide the replicated masters and moments by W. Activations are separate
         (:meth:`activation_bytes_per_token`, :meth:`peak_bytes_per_rank`)."""
@@ -282,15 +283,18 @@ class ArchSpec:
         weights = params * elem
         masters = native * 4 + rep * 4 / shard  # (no master nor moments for a clone slot)
         moment_total = native * moment_bytes + rep * moment_bytes / shard
+        # the experts' gradients the update reads: bf16 as backward left them, or, where clone sums
+        # are added in float32, the native slots' float32 master gradients
+        expert_update = native * 4 if clone_slots and grad_reduce_dtype == "float32" else experts * elem
         if shard > 1:
             buckets = rep * 4 if zero_stage == 1 else min(rep, 2 * bucket_size) * 4  # float32 buffers
             grads_backward = experts * elem + buckets + rep * 4 / W  # + the reduced chunks
-            grads_update = grads_backward
+            grads_update = grads_backward - experts * elem + expert_update
         else:
             grads_backward = params * elem
             # W ≥ 2: the float32 master gradients + the flat all-reduce buffer; one rank: the bf16
             # gradients, read as they are by the one-pass update (CUDA's default, ``alone``)
-            grads_update = experts * elem + (rep * 8 if W > 1 else rep * elem)
+            grads_update = expert_update + (rep * 8 if W > 1 else rep * elem)
         fixed = weights + masters + moment_total
         return {"params": params, "state_bytes": params * bytes_per_param,
                 "replicated_bytes": rep * bytes_per_param, "weights": weights, "masters": masters,
@@ -324,12 +328,13 @@ class ArchSpec:
 
     def peak_bytes_per_rank(self, world_size: int, tokens: int, checkpointing: str, *, clone_slots: int = 0,
                             moments: str = "float32", zero_stage: int = 0,
-                            elem: int = 2, loss_chunk: int = 0) -> dict[str, float]:
+                            elem: int = 2, loss_chunk: int = 0, grad_reduce_dtype: str = "float32") -> dict[str, float]:
         """One rank's peak memory for a training step (what ``torch.cuda.max_memory_allocated``
         reports; allocator slack not counted): the state at the end of backward plus the largest
         of the end of forward (saved activations + the loss's forward) and the peak of backward
         (activations with the working set + the loss's kept gradients), or the update's state."""
-        state = self.memory_per_rank(world_size, clone_slots, moments=moments, zero_stage=zero_stage, elem=elem)
+        state = self.memory_per_rank(world_size, clone_slots, moments=moments, zero_stage=zero_stage, elem=elem,
+                                     grad_reduce_dtype=grad_reduce_dtype)
         loss = self.loss_bytes(tokens, elem, loss_chunk)
         saved = tokens * self.activation_bytes_per_token(checkpointing, world_size, elem)
         backward = tokens * self.activation_peak_bytes_per_token(checkpointing, world_size, elem)

@@ -194,3 +194,18 @@ def test_checkpoint_compatibility_names_the_architecture(tmp_path):
     wider = hf.with_overrides(["model.hf.moe_intermediate_size=64"])
     with pytest.raises(ConfigError, match="moe.expert_hidden=64 but checkpoint .* has 128"):
         check_compatible(meta, wider, tmp_path, wider.resolve_arch())
+
+
+def test_clone_slots_add_weights_and_gradients_but_no_optimizer_state():
+    """A clone slot holds its bf16 weight and gradient (4 bytes a parameter at the end of backward),
+    no float32 master or moments; at the update, with float32 clone sums, the experts' gradients
+    are the native slots' float32 master gradients, with bf16 ones the bf16 gradients of every slot."""
+    q = ArchSpec.from_hf(preset("qwen3-30b-a3b"))
+    per_slot = sum(q.moe_layers) * q.param_counts()["per_expert"]
+    native = per_slot * q.num_experts // 8
+    base, cloned = q.memory_per_rank(8, zero_stage=2), q.memory_per_rank(8, 2, zero_stage=2)
+    assert cloned["masters"] == base["masters"] and cloned["moments"] == base["moments"]
+    assert cloned["backward_bytes"] - base["backward_bytes"] == pytest.approx(2 * per_slot * (2 + 2))
+    assert cloned["grads_update"] - base["grads_update"] == pytest.approx(native * 4 - native * 2)
+    rounded = q.memory_per_rank(8, 2, zero_stage=2, grad_reduce_dtype="bfloat16")
+    assert rounded["grads_update"] - base["grads_update"] == pytest.approx(2 * per_slot * 2)
