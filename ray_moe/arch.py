@@ -249,10 +249,15 @@ class ArchSpec:
                         bucket_size: int = 40_000_000, grad_reduce_dtype: str = "float32") -> dict[str, float]:
         """Training state of one rank of ``world_size`` (expert parallel over all ranks, the rest
         replicated): its parameters (replicated + E/W + ``clone_slots`` experts per MoE layer; a
-        clone slot holds its weight and gradient, no master or moments).
+        clone slot holds its weight and gradient, no master or moments, as with bf16 weights and
+        float32 masters; a float32 model's parameters are their own masters, ``elem`` 4 is
+        approximate).
 
         ``state_bytes`` (kept for the README's first table): params × ``bytes_per_param`` (16 =
-        bf16 weight + bf16 gradient + fp32 master + fp32 Adam moments). The rest follows what
+        bf16 weight + bf16 gradient + fp32 master + fp32 Adam moments; clone slots charged the
+        same, unlike the rest, which follows the optimizer). Not counted: the clone gradients'
+        exchange buffers (float32 sums keep each layer's received rows until after backward,
+        ``worker/clone_grads.py``: about n_moe × clone_slots × per_expert × ``elem`` bytes). The rest follows what
         the optimizer holds (``elem``-byte weights: 2 for bf16): ``weights``, ``masters``
         (float32), ``moments`` (2 × 4 or, ``moments="bfloat16"``, 2 × 2 bytes), the gradients at
         the end of backward (``grads_backward``: bf16 for the experts; for the replicated
@@ -292,9 +297,10 @@ class ArchSpec:
             grads_update = grads_backward - experts * elem + expert_update
         else:
             grads_backward = params * elem
-            # W ≥ 2: the float32 master gradients + the flat all-reduce buffer; one rank: the bf16
+            # W ≥ 2: the float32 master gradients + the flat all-reduce buffer (in grad_reduce_dtype); one rank: the bf16
             # gradients, read as they are by the one-pass update (CUDA's default, ``alone``)
-            grads_update = expert_update + (rep * 8 if W > 1 else rep * elem)
+            reduce_bytes = 4 if grad_reduce_dtype == "float32" else 2
+            grads_update = expert_update + (rep * (4 + reduce_bytes) if W > 1 else rep * elem)
         fixed = weights + masters + moment_total
         return {"params": params, "state_bytes": params * bytes_per_param,
                 "replicated_bytes": rep * bytes_per_param, "weights": weights, "masters": masters,

@@ -30,7 +30,8 @@ Memory: with float32 sums every layer's received rows (and, until its exchange i
 its send buffer) stay until :meth:`CloneGradReduction.add_received`: per layer, the rows of the clones
 that name this rank as owner, in the compute dtype (~9.4 MB a row for Qwen3-30B-A3B's experts in
 bf16; with 4 clone slots per rank ~38 MB a layer on average), at backward's peak. Rounded sums
-keep at most ``max_in_flight`` layers' rows.
+keep at most ``max_in_flight`` layers' rows during backward; layers launched after it (``moe.delay_wgrad``)
+all keep theirs until :meth:`CloneGradReduction.add_received`, when the activations are gone.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ take 2 bytes each (DeepSeek-V3's recipe; float32 masters and gradients kept): 12
 that nothing reduces in float32 (the expert weights' under ``onepass``; on one rank, ``alone``,
 every parameter's) is read by the one-pass kernel in the compute dtype and never copied: 2 bytes
 instead of 4 until the update ends. An expert weight's clone slots (hot-expert re-cloning) hold
-only the weight and its gradient: the master and moments cover the native slots (a clone's
+only the weight and its gradient (with float32 masters of bf16 weights; a float32 parameter is its
+own master and keeps its moments for every slot): the master and moments cover the native slots (a clone's
 gradient goes to its owner and its weight comes from the owner after the update).
 
 Gradient reduction precision: float32 by default (``parallel.grad_reduce_dtype``; bfloat16 is
@@ -301,7 +302,7 @@ class MixedPrecisionAdamW:
         """After a checkpoint filled the masters and :attr:`state`: refresh the compute parameters
         and put the step counters where this update kernel keeps them (fused: float32 on the
         masters' device)."""
-        if self._copies:  # compute parameters from the loaded masters, all of them
+        if self._copies:  # compute parameters from the loaded masters (native slots; clones: the owners' push)
             torch._foreach_copy_([_like(p, m) for p, m in self._copies], [m for _, m in self._copies])
         for _, m, _ in self._one_pass:  # the kernel's moments in their storage dtype, a host step
             state = self.state.get(m)
@@ -389,4 +390,8 @@ def _master(p: torch.Tensor) -> torch.Tensor:
 def _like(t: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
     """``t`` (a compute parameter or its gradient) where its master mirrors it: the native slots
     of an expert weight with clone slots (a contiguous view), else ``t`` itself."""
-    return t if t.shape == master.shape else t[: master.shape[0]]
+    if t.shape == master.shape:
+        return t
+    if t.shape[1:] != master.shape[1:] or t.shape[0] < master.shape[0]:
+        raise ValueError(f"a tensor of shape {tuple(t.shape)} does not hold the slots of a master {tuple(master.shape)}")
+    return t[: master.shape[0]]
