@@ -311,8 +311,9 @@ class Engine:
             done(param, *work)
 
         self.optimizer.step(lr, scale, pushing if done is not None else None)
-        for layer in {id(layer): layer for layer in left.values()}.values():  # not reported one by one
-            push_clone_weights(layer, layer.placement)
+        for layer in self.model.moe_layers():  # those whose expert weights were not reported one by one
+            if id(layer.w13) in left or id(layer.w2) in left:
+                push_clone_weights(layer, layer.placement)
 
     def close(self) -> None:
         """Release what outlives the engine's memory: the ZeRO state's and the clone reduction's
