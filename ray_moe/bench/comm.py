@@ -12,8 +12,9 @@ each rank measures, in the same run:
 - the peer-copy ceilings: the same number of bytes into the peers' symmetric memory through
   their NVLink peer pointers, all ranks at once, by ``copy_`` (the copy engines, a stream per
   peer: ``ce_ceiling_GBps``) and by SM stores to every peer from one grid
-  (:mod:`ray_moe.bench.copy_ceiling`: ``sm_ceiling_GBps``); ``dispatch_vs_ceiling`` is against
-  the higher.
+  (:mod:`ray_moe.bench.copy_ceiling`: ``sm_ceiling_GBps``), and by both at once, the copy
+  engines taking part of the bytes (``hybrid_ceiling_GBps``); ``dispatch_vs_ceiling`` is against
+  the highest.
 
 "bytes" are what left this rank for other ranks (rank-dedup rows x (H x 2 + meta) for NVSHMEM,
 (token, k) rows for NCCL); GB/s = bytes / time. The table shows the slowest rank's numbers.
@@ -267,12 +268,41 @@ def bench_worker(worker: Any, params: dict) -> list[dict]:
             targets = [v[off:off + n16] for v in views]
             rec["sm_ceiling_s"] = _time(lambda: peer_copy(src[:n16], targets), iters)
             rec["sm_ceiling_bytes"] = n16 * len(views)
+            # both at once: the copy engines move the first part of the bytes while the SMs store
+            # the rest, at the split that ends both together (so a hybrid exchange's bound, and
+            # whether the NVLinks carry more than either alone)
+            f = rec["sm_ceiling_s"] / (rec["sm_ceiling_s"] + rec["ceiling_s"])
+            rec["hybrid_ceiling_s"], rec["hybrid_frac"] = min(
+                (_time(_hybrid_copy(src, views, streams, main, off, n16, q), iters), q)
+                for q in (round(f, 2), round(f - 0.1, 2), round(f + 0.1, 2)))
+            rec["hybrid_ceiling_bytes"] = n16 * len(views)
         dist.barrier()
         torch.cuda.synchronize()
         buf.close()  # the next size allocates its own (collective)
         torch.cuda.empty_cache()
         out.append(rec)
     return out
+
+
+def _hybrid_copy(src, views, streams, main, off: int, n: int, frac: float):
+    """A copy of src[:n] into every peer view at byte ``off``: the first ``frac`` of the bytes by
+    the copy engines (a stream per peer), the rest by SM stores (one grid), at once."""
+    from ray_moe.bench.copy_ceiling import peer_copy
+
+    k = int(n * min(max(frac, 0.0), 1.0)) // 16 * 16
+    rest = [v[off + k:off + n] for v in views]
+
+    def run() -> None:
+        for v, s in zip(views, streams):
+            s.wait_stream(main)
+            with torch.cuda.stream(s):
+                v[off:off + k].copy_(src[:k])
+        if n > k:
+            peer_copy(src[k:n], rest)
+        for s in streams:
+            main.wait_stream(s)
+
+    return run
 
 
 def _latency_floor(tr: Any, buf: Any, x, w, dr, ds, iters: int) -> dict[str, Any]:
@@ -448,7 +478,7 @@ def _summarise(per_rank: list[list[dict]]) -> list[dict]:
         dbytes = max(r["dispatch_bytes"] for r in recs)
         cbytes = max(r["combine_bytes"] for r in recs)
         ceilings = {}
-        for kind in ("ceiling", "sm_ceiling"):  # the copy engines', the SMs' (the slowest rank's)
+        for kind in ("ceiling", "sm_ceiling", "hybrid_ceiling"):  # copy engines, SMs, both (slowest rank)
             t = max(r.get(f"{kind}_s", float("nan")) for r in recs)
             ceilings[kind] = max(r.get(f"{kind}_bytes", 0) for r in recs) / t / 1e9 if t == t else float("nan")
         cbw = max((b for b in ceilings.values() if b == b), default=float("nan"))  # the higher bounds
@@ -460,6 +490,7 @@ def _summarise(per_rank: list[list[dict]]) -> list[dict]:
             "nccl_dispatch_us": nd * 1e6, "nccl_combine_us": nc * 1e6,
             "speedup_vs_nccl": (nd + nc) / dc, "ceiling_GBps": cbw,
             "ce_ceiling_GBps": ceilings["ceiling"], "sm_ceiling_GBps": ceilings["sm_ceiling"],
+            "hybrid_ceiling_GBps": ceilings["hybrid_ceiling"], "hybrid_frac": rec0.get("hybrid_frac"),
             "dispatch_vs_ceiling": (dbytes / d / 1e9) / cbw if cbw == cbw else float("nan"),
             "graph_error": rec0.get("graph_error"),
             **_floor_summary(recs),
@@ -534,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = _summarise(per_rank)
     cols = ["T_local", "variant", "dispatch_us", "combine_us", "pair_us", "owned_pair_us", "graph_pair_us", "dispatch_MB",
             "dispatch_GBps", "combine_GBps", "nccl_dispatch_us", "nccl_combine_us", "speedup_vs_nccl",
-            "ce_ceiling_GBps", "sm_ceiling_GBps", "dispatch_vs_ceiling", "round_trip_rel_err"]
+            "ce_ceiling_GBps", "sm_ceiling_GBps", "hybrid_ceiling_GBps", "dispatch_vs_ceiling", "round_trip_rel_err"]
     print(f"W={W} on {devices[0]}, H={a.hidden} K={a.top_k} E={a.experts} bf16"
           f"{' force_remote_path' if a.force_remote else ''}{' one_sm_wait' if a.one_sm_wait else ''}")
     print(tabulate([[f"{r[c]:.1e}" if c == "round_trip_rel_err" else r[c] for c in cols] for r in rows],
