@@ -343,6 +343,74 @@ def _latency_floor(tr: Any, buf: Any, x, w, dr, ds, iters: int) -> dict[str, Any
     tr.runtime.barrier()
     tr.runtime.free(sym)
     out["floor_errors"] = int(err.item())
+    out.update(_dispatch_alone_grid_layout(buf, x, w, dr, ds, iters))
+    try:
+        out["stages"] = _stages(buf, x, w, dr, ds, iters)
+    except Exception as exc:  # report, keep benchmarking (the stamps compile a variant of their own)
+        out["stages_error"] = f"{type(exc).__name__}: {exc}"
+        print(f"rank {me}: stamped exchange failed: {out['stages_error']}", flush=True)
+    return out
+
+
+def _dispatch_alone_grid_layout(buf: Any, x, w, dr, ds, iters: int) -> dict[str, float]:
+    """The dispatch alone from a CUDA graph with the grid-wide layout (``local_layout_tokens=0``):
+    what the small-T layout, counted by every program itself, saves against ``graph_dispatch_s``."""
+    from ray_moe.comm.nvshmem_kernels import Tuning
+    from ray_moe.device import capture_graph
+
+    kept = buf.tuning
+    buf.tuning = Tuning(**{**vars(kept), "local_layout_tokens": 0})
+    try:
+        g, _ = capture_graph(lambda: buf.dispatch(x, w, dr, ds))
+        return {"graph_dispatch_grid_layout_s": _time(g.replay, iters)}
+    finally:
+        buf.tuning = kept
+
+
+def _stages(buf: Any, x, w, dr, ds, iters: int) -> dict[str, dict[str, float]]:
+    """Where a small exchange's time goes inside its kernels: the dispatch and the combine each
+    replayed alone from a CUDA graph with every program's timer stamped at its steps
+    (``SymmetricBuffer.stamps``; nvshmem_kernels.DISPATCH_STAMPS / COMBINE_STAMPS), the last
+    replay's stamps read. Per step, µs since the step before (a step the variant skips, e.g. the
+    interleaved dispatch's separate wait, is folded into the next): the median and the largest
+    over the programs with tokens, and "spread": the last program's start after the first's."""
+    from ray_moe.comm.nvshmem_kernels import COMBINE_STAMPS, DISPATCH_STAMPS, STAMP_SLOTS
+    from ray_moe.device import capture_graph
+
+    G, T = buf.geo.num_programs, x.shape[0]
+    buf.stamps = torch.zeros(2, G, int(STAMP_SLOTS), dtype=torch.int64, device=x.device)
+    try:
+        g, _ = capture_graph(lambda: buf.dispatch(x, w, dr, ds))
+        _time(g.replay, iters)
+        dispatch = buf.stamps[0].cpu()
+        r = buf.dispatch(x, w, dr, ds)
+        g2, _ = capture_graph(lambda: buf.combine(r[0], r[3]))
+        _time(g2.replay, iters)
+        combine = buf.stamps[1].cpu()
+    finally:
+        buf.stamps = None
+    active = min(G, -(-T // max(1, -(-T // G)))) if T else 0  # programs whose token chunk is not empty
+    return {"dispatch": stage_times(dispatch[:active], DISPATCH_STAMPS),
+            "combine": stage_times(combine[:active], COMBINE_STAMPS)}
+
+
+def stage_times(stamps: torch.Tensor, names: tuple[str, ...]) -> dict[str, float]:
+    """stamps int64 [P, slots] (ns, 0: not stamped) → {step: median µs, step + " max": largest µs,
+    "spread": µs between the first and the last program's start, "total": median µs start to end}."""
+    out: dict[str, float] = {}
+    if stamps.numel() == 0:
+        return out
+    st = stamps.double()
+    out["spread"] = float(st[:, 0].max() - st[:, 0].min()) / 1e3
+    prev = st[:, 0]
+    for i, name in enumerate(names[1:], start=1):
+        cur = st[:, i]
+        if not bool((cur > 0).all()):
+            continue
+        d = (cur - prev) / 1e3
+        out[name], out[name + " max"] = float(d.median()), float(d.max())
+        prev = cur
+    out["total"] = float((prev - st[:, 0]).median()) / 1e3
     return out
 
 
@@ -450,7 +518,8 @@ def _host_profile(buf: Any, pair: Any, x: torch.Tensor, w: torch.Tensor, dr: tor
 
 
 FLOOR_MAX_TOKENS = 1024  # the latency floor is timed beside the pair up to this T_local
-FLOOR_KEYS = ("graph_dispatch", "graph_combine", "graph_two_empty", "graph_two_grid_syncs", "one_way")
+FLOOR_KEYS = ("graph_dispatch", "graph_combine", "graph_two_empty", "graph_two_grid_syncs", "one_way",
+              "graph_dispatch_grid_layout")
 
 
 def _floor_summary(recs: list[dict]) -> dict[str, Any]:
@@ -589,7 +658,14 @@ def main(argv: list[str] | None = None) -> int:
         print("\nsmall T, replayed from CUDA graphs (µs): the pair, its two kernels alone, and its fixed parts "
               "(ray_moe.bench.latency_floor)")
         print(tabulate(floor_rows, headers=["T_local", "pair", "dispatch", "combine", "2 empty launches",
-                                            "2 grid syncs", "one-way signal"], floatfmt=".2f"))
+                                            "2 grid syncs", "one-way signal", "dispatch, grid layout"],
+                       floatfmt=".2f"))
+        for i, r in enumerate(rows):  # each rank's steps inside the kernels (µs, median over programs)
+            for rank in per_rank:
+                stages = rank[i].get("floor", {}).get("stages")
+                for kind, st in (stages or {}).items():
+                    print(f"T_local={r['T_local']} rank {rank[i]['rank']} {kind}: "
+                          + ", ".join(f"{k} {v:.2f}" for k, v in st.items()))
     bad = [r["T_local"] for r in rows if not r["round_trip_rel_err"] <= 1e-2]
     bad += [r["T_local"] for r in rows if r.get("floor_errors")]
     if bad:

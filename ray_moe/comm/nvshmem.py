@@ -362,6 +362,9 @@ class SymmetricBuffer:
         self.interleave_ok = bool(interleave_ok) and not self.any_remote
         self.one_sm_wait = bool(one_sm_wait) and self.any_remote
         self.launcher = Launcher(fast=fast_launch_works(dev) if fast_launch is None else fast_launch, device=dev)
+        # int64 [2, G, STAMP_SLOTS]: when set, every dispatch-like (0) and combine-like (1) call writes
+        # each program's timer at its steps (nvshmem_kernels.DISPATCH_STAMPS / COMBINE_STAMPS)
+        self.stamps: torch.Tensor | None = None
         self._owned: dict[tuple, tuple] = {}  # call key -> dispatch outputs (dispatch's reuse_outputs)
         # the launches of owned calls with every owned tensor bound (_owned_fast_key -> BoundLaunch, ...)
         self._owned_dispatch: dict[tuple, tuple] = {}
@@ -426,7 +429,7 @@ class SymmetricBuffer:
     def _owned_fast_key(self, cap: int, x: torch.Tensor, K: int) -> tuple:
         """What an owned call's bound launch depends on besides the buffer: the call's shapes and
         the tuning (the other inputs are int32/float32 [T, K], contiguous, as dispatch makes them)."""
-        return cap, x.shape, x.dtype, K, self.tuning.key()
+        return cap, x.shape, x.dtype, K, self.tuning.key(), None if self.stamps is None else self.stamps.data_ptr()
 
     def dispatch_early(self, x: torch.Tensor, weight: torch.Tensor, dest_rank: torch.Tensor,
                        dest_slot: torch.Tensor, capacity: int | None = None, side: Any = None):
@@ -494,7 +497,8 @@ class SymmetricBuffer:
         out = torch.empty(layout.num_tokens, self.geo.hidden, dtype=partial.dtype, device=partial.device)
         fast_key = None
         if layout.owned and not self.any_remote:  # an owned layout: its tensors stay, bind them
-            fast_key = (layout.capacity, partial.shape, partial.dtype, layout.pos.data_ptr(), self.tuning.key())
+            fast_key = (layout.capacity, partial.shape, partial.dtype, layout.pos.data_ptr(), self.tuning.key(),
+                        None if self.stamps is None else self.stamps.data_ptr())
             fast = self._owned_combine.get(fast_key)
             sp, op = partial.data_ptr(), out.data_ptr()
             if fast is not None and layout.num_tokens and not (sp | op) % 16:
@@ -538,12 +542,13 @@ class SymmetricBuffer:
             if t.numel() == 0 or t.data_ptr() % 16:
                 return None
         return (op, capacity, self.spin_limit, self.tuning.key(),
+                None if self.stamps is None else self.stamps.data_ptr(),
                 *[(t.shape, t.dtype, t.is_cuda) for t in tensors])
 
     def _dispatch_like(self, x, pos, smeta, out_x, rmeta, capacity, key, kw) -> None:
         ch = self.dch
         kw = dict(kw, spin_limit=self.spin_limit, tuning=self.tuning, capacity=capacity, launcher=self.launcher,
-                  interleave_ok=self.interleave_ok)
+                  interleave_ok=self.interleave_ok, stamps=None if self.stamps is None else self.stamps[0])
         args = (self.geo, ch.addrs, x, pos, smeta, out_x, rmeta, self.err)
         if not self.any_remote:
             launch_dispatch(*args, phase=3, key=_with(key, 3), **kw)
@@ -560,7 +565,8 @@ class SymmetricBuffer:
         ch = self.cch
         args = (self.geo, ch.addrs, src, layout.rmeta, layout.pos, out, self.err)
         kw = dict(kw, spin_limit=self.spin_limit, tuning=self.tuning, capacity=layout.capacity,
-                  launcher=self.launcher, smeta=layout.smeta, interleave_ok=self.interleave_ok)
+                  launcher=self.launcher, smeta=layout.smeta, interleave_ok=self.interleave_ok,
+                  stamps=None if self.stamps is None else self.stamps[1])
         if not self.any_remote:
             launch_combine(*args, phase=3, key=_with(key, 3), **kw)
             return

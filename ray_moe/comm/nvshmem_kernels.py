@@ -41,6 +41,13 @@ import triton.language as tl
 # int32 words of a buffer's device error record, written by the wait that timed out (the last one)
 ERROR_WORDS = ("code", "peer", "program", "wanted_lo", "wanted_hi", "seen_lo", "seen_hi", "spare")
 
+# timer slots per program of a stamped exchange (:func:`_stamp`), and what each kernel's slots
+# mark (each after the step named: the stage's time is its slot minus the one before)
+STAMP_SLOTS: tl.constexpr = tl.constexpr(8)
+DISPATCH_STAMPS = ("start", "layout", "ack wait", "rows out", "arrival signal", "peers' arrival",
+                   "copy-out", "acknowledge")
+COMBINE_STAMPS = ("start", "ack wait", "rows out", "arrival signal", "peers' arrival", "sums", "acknowledge")
+
 # ----------------------------------------------------------------------------------- helpers
 
 
@@ -78,6 +85,16 @@ def _publish(addr, value):
     """Make this program's earlier stores visible, then set the (peer) word at ``addr`` to ``value``."""
     tl.debug_barrier()
     tl.atomic_xchg(addr.to(tl.pointer_type(tl.int64)), value, sem="release", scope="sys")
+
+
+@triton.jit
+def _stamp(stamp_ptr, pid, i: tl.constexpr, STAMPS: tl.constexpr):
+    """STAMPS: the global nanosecond timer into stamp_ptr[pid, i] (int64 [G, STAMP_SLOTS]): where
+    a program's time goes, read by ``bench comm``'s latency floor. Compiled out otherwise."""
+    if STAMPS:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                      pack=1)
+        tl.store(stamp_ptr + pid * STAMP_SLOTS + i, t)
 
 
 @triton.jit
@@ -240,13 +257,14 @@ def _dispatch_kernel(
     pprog_tbl, prog_ptr, done_ptr,  # INTERLEAVE's progress words (ChannelAddrs)
     pmflag_tbl, mflag_ptr, mcopied_ptr,  # META_FIRST's words (ChannelAddrs)
     ltok_ptr,  # META_FIRST: int32 [T_cap], the token of each row this rank sends itself
+    stamp_ptr,  # STAMPS: int64 [G, STAMP_SLOTS] (_stamp)
     me, T_cap, REGION, spin_limit,
     W: tl.constexpr, W_PAD: tl.constexpr, H: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
     KMAX: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
     CM_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
     HAS_META: tl.constexpr, COMPUTE_LAYOUT: tl.constexpr, PHASE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, ALIGNED: tl.constexpr, INTERLEAVE: tl.constexpr,
-    ARRIVED: tl.constexpr, META_FIRST: tl.constexpr,
+    ARRIVED: tl.constexpr, META_FIRST: tl.constexpr, LAYOUT_BLOCK: tl.constexpr, STAMPS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     ELEM = x_ptr.dtype.element_ty
@@ -259,10 +277,26 @@ def _dispatch_kernel(
     rrow = tl.arange(0, BLOCK_R)
     meta_base = CM_BYTES + T_cap.to(tl.int64) * ROW_BYTES
     region_sz = REGION.to(tl.int64)
+    _stamp(stamp_ptr, pid, 0, STAMPS)
 
     if PHASE % 2 == 1:
         # ---------------- layout: this chunk's rows per destination, then a prefix over chunks
-        if COMPUTE_LAYOUT:
+        if COMPUTE_LAYOUT and LAYOUT_BLOCK > 0:
+            # small T (LAYOUT_BLOCK >= T): every program counts every token itself, so none waits
+            # for the others' counts (the grid-wide wait below costs a small exchange ~1.5-3 µs)
+            ra = tl.arange(0, LAYOUT_BLOCK)
+            dra = tl.load(dest_rank_ptr + ra[:, None] * K + kcol[None, :],
+                          mask=(ra[:, None] < T) & (kcol[None, :] < K), other=-1)
+            hita = tl.max((dra[:, :, None] == wcol[None, None, :]).to(tl.int32), axis=1)
+            start = tl.sum(tl.where(ra[:, None] < t0, hita, 0), axis=0)
+            cnt = tl.sum(tl.where((ra[:, None] >= t0) & (ra[:, None] < t1), hita, 0), axis=0)
+            total = tl.sum(hita, axis=0)
+            sm = smeta_ptr + pid * W * 4 + wcol * 4
+            tl.store(sm, start, mask=wcol < W)
+            tl.store(sm + 1, start + cnt, mask=wcol < W)
+            tl.store(sm + 2, total, mask=wcol < W)
+            tl.store(sm + 3, tl.zeros_like(total), mask=wcol < W)
+        elif COMPUTE_LAYOUT:
             cnt = tl.zeros([W_PAD], dtype=tl.int32)
             for tb in range(t0, t1, BLOCK_R):
                 r = tb + rrow
@@ -299,12 +333,14 @@ def _dispatch_kernel(
         else:
             sm = smeta_ptr + pid * W * 4 + wcol * 4
             start = tl.load(sm, mask=wcol < W, other=0)
+        _stamp(stamp_ptr, pid, 1, STAMPS)
         # ---------------- back-pressure: every program of each peer read our previous writes
         if n > 0:
             for d in tl.static_range(W):
                 if d != me:
                     _wait_ge(ack_ptr + d, n.to(tl.int64) * G, spin_limit, err_ptr, 2, d)
             tl.debug_barrier()
+        _stamp(stamp_ptr, pid, 2, STAMPS)
         # ---------------- chunk meta first: an interleaved receiver reads it while rows arrive
         for d in tl.static_range(W):
             if d != me:
@@ -413,11 +449,13 @@ def _dispatch_kernel(
                                mask=rmask[:, None] & (wcol[None, :] < W), other=-1)
                 _send_rows(x_ptr, r, rmask, posm, wcol, hcol, me, T_cap, out_x_ptr, dst_tbl,
                            W, H, BLOCK_H, ROW_ELEMS, ELEM, CM_BYTES, ALIGNED)
+        _stamp(stamp_ptr, pid, 3, STAMPS)
         # ---------------- the arrival signal (peer path)
         for d in tl.static_range(W):
             if d != me:
                 if tl.load(remote_tbl + d) == 0:
                     _signal(tl.load(pflag_tbl + d) + pid * 8, 1)
+        _stamp(stamp_ptr, pid, 4, STAMPS)
 
     if PHASE >= 2:
         tl.debug_barrier()
@@ -445,6 +483,7 @@ def _dispatch_kernel(
                 elif not ARRIVED:  # (ARRIVED: one program waited for the put's signal before)
                     _wait_ge(rsig_ptr + s, n.to(tl.int64) + 1, spin_limit, err_ptr, 3, s)
                 tl.debug_barrier()
+                _stamp(stamp_ptr, pid, 5, STAMPS)
                 cm, st, en = _chunk_meta(region + pid * 16)
                 _copy_in(region, st, en, s, out_x_ptr, out_slot_ptr, out_w_ptr, T_cap, meta_base,
                          rrow, hcol, kcol, ELEM, ROW_ELEMS, H, K, K_PAD, KMAX, CM_BYTES, HAS_META and not META_FIRST,
@@ -466,9 +505,11 @@ def _dispatch_kernel(
                              mask=jm[:, None] & (h[None, :] < H))
             if HAS_META and not META_FIRST:
                 _pad_meta(out_slot_ptr, out_w_ptr, s, tot, T_cap, pid, rrow, kcol, G, K, K_PAD, BLOCK_R)
+            _stamp(stamp_ptr, pid, 6, STAMPS)
             if s != me:
                 if tl.load(remote_tbl + s) == 0:
                     _signal(tl.load(pack_tbl + s), 1)
+        _stamp(stamp_ptr, pid, 7, STAMPS)
         tl.store(ctr_ptr + pid, n + 1)
 
 
@@ -541,12 +582,14 @@ def _combine_kernel(
     ctr_ptr, err_ptr,
     smeta_ptr,  # int32 [G, W, 4] from the dispatch: which rows of each peer hold this chunk's tokens
     pprog_tbl, prog_ptr, done_ptr,  # INTERLEAVE's progress words (ChannelAddrs)
+    stamp_ptr,  # STAMPS: int64 [G, STAMP_SLOTS] (_stamp)
     me, T_cap, REGION, spin_limit,
     W: tl.constexpr, W_PAD: tl.constexpr, H: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
     KMAX: tl.constexpr, G: tl.constexpr,
     CM_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
     HAS_META: tl.constexpr, PHASE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
     ALIGNED: tl.constexpr, ROTATE: tl.constexpr, INTERLEAVE: tl.constexpr, ARRIVED: tl.constexpr,
+    STAMPS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     ELEM = src_ptr.dtype.element_ty
@@ -560,6 +603,7 @@ def _combine_kernel(
     meta_base = CM_BYTES + T_cap.to(tl.int64) * ROW_BYTES
     region_sz = REGION.to(tl.int64)
     t0, t1 = _chunk(T, pid, G)
+    _stamp(stamp_ptr, pid, 0, STAMPS)
 
     if PHASE % 2 == 1:
         if n > 0:
@@ -567,6 +611,7 @@ def _combine_kernel(
                 if d != me:
                     _wait_ge(ack_ptr + d, n.to(tl.int64) * G, spin_limit, err_ptr, 2, d)
             tl.debug_barrier()
+        _stamp(stamp_ptr, pid, 1, STAMPS)
         if INTERLEAVE:  # progress word = (call + 1) << 32 | rows sent back so far in this call
             for d in tl.static_range(W):
                 if d != me:
@@ -619,7 +664,9 @@ def _combine_kernel(
                                                BLOCK_R, BLOCK_H, ALIGNED)
                                 tl.store(done_ptr + pid, tb + BLOCK_R - t0)
                 if tl.load(remote_tbl + s) == 0:
+                    _stamp(stamp_ptr, pid, 2, STAMPS)
                     _signal(tl.load(pflag_tbl + s) + pid * 8, 1)
+        _stamp(stamp_ptr, pid, 3, STAMPS)
 
     if PHASE >= 2:
         if INTERLEAVE:
@@ -644,14 +691,17 @@ def _combine_kernel(
                     elif not ARRIVED:
                         _wait_ge(rsig_ptr + d, n.to(tl.int64) + 1, spin_limit, err_ptr, 4, d)
             tl.debug_barrier()
+            _stamp(stamp_ptr, pid, 4, STAMPS)
             for tb in range(t0, t1, BLOCK_R):
                 _combine_block(tb, t1, pid, me, src_ptr, side_ptr, pos_ptr, dest_rank_ptr, out_ptr, gw_ptr,
                                recv_base, region_sz, meta_base, T_cap, rrow, hcol, kcol, wcol, ELEM, ROW_ELEMS,
                                W, H, K, K_PAD, KMAX, CM_BYTES, HAS_META, BLOCK_R, BLOCK_H, ALIGNED)
+        _stamp(stamp_ptr, pid, 5, STAMPS)
         for d in tl.static_range(W):
             if d != me:
                 if tl.load(remote_tbl + d) == 0:
                     _signal(tl.load(pack_tbl + d), 1)
+        _stamp(stamp_ptr, pid, 6, STAMPS)
         tl.store(ctr_ptr + pid, n + 1)
 
 
@@ -811,12 +861,17 @@ class Tuning:
     2048 or more elements at two ranks (:meth:`for_hidden`): on H100
     x2 at T_local=16384, H=4096 the dispatch+combine pair took 857 µs against 985 (dispatch 0.82
     of the copy ceiling against 0.78), at 4096 250 against 263 µs (docs/BENCHMARKS.md, session 11).
+
+    ``local_layout_tokens``: dispatches of at most this many tokens compute their layout without
+    the grid-wide wait, every program counting all tokens itself (:func:`local_layout_block`;
+    0: never), which shortens a small exchange's chain (issue 23's small-T latency).
     """
 
     def __init__(self, block_r: int = 8, block_h: int = 1024, num_warps: int = 8,
-                 rotate_peers: bool = False, interleave: bool = False) -> None:
+                 rotate_peers: bool = False, interleave: bool = False, local_layout_tokens: int = 1024) -> None:
         self.block_r, self.block_h, self.num_warps = block_r, block_h, num_warps
         self.rotate_peers, self.interleave = bool(rotate_peers), bool(interleave)
+        self.local_layout_tokens = int(local_layout_tokens)
 
     @classmethod
     def for_hidden(cls, hidden: int, world_size: int) -> "Tuning":
@@ -831,7 +886,8 @@ class Tuning:
         return cls(rotate_peers=rotate)
 
     def key(self) -> tuple:
-        return (self.block_r, self.block_h, self.num_warps, self.rotate_peers, self.interleave)
+        return (self.block_r, self.block_h, self.num_warps, self.rotate_peers, self.interleave,
+                self.local_layout_tokens)
 
 
 def _check(t: torch.Tensor, name: str, shape: tuple, dtype=None, device=None) -> None:
@@ -903,9 +959,9 @@ def _dispatch_varying(x, pos, smeta, out_x, rmeta, dest_rank, dest_slot, weight,
 
 
 def _dispatch_fixed(geo, ch, err, phase, T_cap, K, has_meta, compute_layout, spin_limit, tu, aligned,
-                    interleave, arrived=False, meta_first=False) -> dict:
+                    interleave, arrived=False, meta_first=False, T=0, stamps=None) -> dict:
     """The rest of :func:`_dispatch_kernel`'s arguments (constexprs included): functions of the
-    buffer and of the call's key."""
+    buffer and of the call's key (T: the call's tokens, which the key fixes)."""
     W, G, H = geo.world_size, geo.num_programs, geo.hidden
     return dict(
         dst_tbl=ch.dst_tbl, pflag_tbl=ch.pflag_tbl, pack_tbl=ch.pack_tbl, remote_tbl=ch.remote_tbl,
@@ -917,8 +973,19 @@ def _dispatch_fixed(geo, ch, err, phase, T_cap, K, has_meta, compute_layout, spi
         BLOCK_R=tu.block_r, BLOCK_H=min(tu.block_h, _pow2(H)), ALIGNED=aligned,
         pprog_tbl=ch.pprog_tbl, prog_ptr=ch.prog, done_ptr=ch.done, INTERLEAVE=interleave,
         ARRIVED=arrived, pmflag_tbl=ch.pmflag_tbl, mflag_ptr=ch.mflag, mcopied_ptr=ch.mcopied,
-        META_FIRST=meta_first,
+        META_FIRST=meta_first, LAYOUT_BLOCK=local_layout_block(T, K, W, tu) if compute_layout else 0,
+        stamp_ptr=err if stamps is None else stamps, STAMPS=stamps is not None,
     )
+
+
+def local_layout_block(T: int, K: int, W: int, tuning: "Tuning") -> int:
+    """The dispatch kernel's LAYOUT_BLOCK for T tokens: a power of two >= T where every program
+    may count all T tokens itself (T <= ``tuning.local_layout_tokens`` and a [block, K, W] tile
+    of at most 16384 elements), else 0: the grid-wide prefix."""
+    block = _pow2(max(T, 1))
+    if 1 <= T <= tuning.local_layout_tokens and block * _pow2(K) * _pow2(W) <= 16384:
+        return block
+    return 0
 
 
 def launch_dispatch(
@@ -930,7 +997,7 @@ def launch_dispatch(
     compute_layout: bool = False, spin_limit: int = 1 << 25,
     tuning: Tuning | None = None, capacity: int | None = None, launcher: "Launcher | None" = None,
     key: tuple | None = None, interleave_ok: bool = True, arrived: bool = False, meta_first: bool = False,
-    ltok: torch.Tensor | None = None,
+    ltok: torch.Tensor | None = None, stamps: torch.Tensor | None = None,
 ) -> None:
     """Dispatch-like exchange: rows of x [T, H] go to out_x [W*C, H] of their destinations, where
     C = ``capacity`` (rows per source this call; default the buffer's T_cap, at most that).
@@ -953,6 +1020,9 @@ def launch_dispatch(
     receives the peers'. :func:`launch_meta_wait` on another stream then lets
     the routing of the received rows and the experts of this rank's own rows run while the
     peers' rows are still on the way (the MoE layer's ``early_experts``). Not interleaved.
+
+    ``stamps`` int64 [G, STAMP_SLOTS]: each program's timer at :data:`DISPATCH_STAMPS` (part of
+    the key: a stamped call compiles its own kernel).
     """
     tu = tuning or Tuning()
     T_cap = capacity or geo.capacity
@@ -969,7 +1039,8 @@ def launch_dispatch(
         _dispatch_checks(geo, T_cap, x, pos, smeta, out_x, rmeta, dest_rank, dest_slot, weight, out_slot, out_w,
                          scratch, compute_layout, has_meta, K)
         return _dispatch_fixed(geo, ch, err, phase, T_cap, K, has_meta, compute_layout, spin_limit, tu,
-                               _aligned_rows(varying["x_ptr"], out_x), interleave, arrived, meta_first)
+                               _aligned_rows(varying["x_ptr"], out_x), interleave, arrived, meta_first,
+                               x.shape[0], stamps)
 
     launcher.launch(_dispatch_kernel, (geo.num_programs,), varying, fixed, tu.num_warps, key,
                     first={"spin_limit": _first_spin(spin_limit)})
@@ -1009,7 +1080,7 @@ def _combine_varying(src, rmeta, pos, out, side, dest_rank, gw, smeta) -> dict:
 
 
 def _combine_fixed(geo, ch, err, phase, T_cap, K, has_meta, spin_limit, tu, aligned, interleave,
-                   arrived=False) -> dict:
+                   arrived=False, stamps=None) -> dict:
     """The rest of :func:`_combine_kernel`'s arguments (constexprs included)."""
     W, G, H = geo.world_size, geo.num_programs, geo.hidden
     return dict(
@@ -1020,7 +1091,7 @@ def _combine_fixed(geo, ch, err, phase, T_cap, K, has_meta, spin_limit, tu, alig
         CM_BYTES=geo.cm_bytes, ROW_BYTES=geo.row_bytes, HAS_META=has_meta, PHASE=phase,
         BLOCK_R=tu.block_r, BLOCK_H=min(tu.block_h, _pow2(H)), ALIGNED=aligned, ROTATE=tu.rotate_peers,
         pprog_tbl=ch.pprog_tbl, prog_ptr=ch.prog, done_ptr=ch.done, INTERLEAVE=interleave,
-        ARRIVED=arrived,
+        ARRIVED=arrived, stamp_ptr=err if stamps is None else stamps, STAMPS=stamps is not None,
     )
 
 
@@ -1031,7 +1102,7 @@ def launch_combine(
     smeta: torch.Tensor | None = None,
     spin_limit: int = 1 << 25, tuning: Tuning | None = None, capacity: int | None = None,
     launcher: "Launcher | None" = None, key: tuple | None = None, interleave_ok: bool = True,
-    arrived: bool = False,
+    arrived: bool = False, stamps: torch.Tensor | None = None,
 ) -> None:
     """Combine-like exchange: rows src [W*C, H] go back to their sources, summed per token
     (C = ``capacity``, as the dispatch that made the layout used).
@@ -1041,7 +1112,7 @@ def launch_combine(
     dest_rank[t, k], k] (the routing-weight gradient). ``launcher``/``key``: see
     :func:`launch_dispatch`. ``tuning.interleave`` (phase 3 only) sums each block of tokens as soon
     as its rows are back, between the sends; it needs the dispatch's ``smeta`` int32 [G, W, 4].
-    ``arrived``: as in :func:`launch_dispatch`.
+    ``arrived``: as in :func:`launch_dispatch`; ``stamps``: as there, at :data:`COMBINE_STAMPS`.
     """
     tu = tuning or Tuning()
     T_cap = capacity or geo.capacity
@@ -1053,7 +1124,7 @@ def launch_combine(
         _combine_checks(geo, T_cap, src, rmeta, pos, out, side, dest_rank, gw, smeta)
         K = side.shape[1] if side is not None else 1
         return _combine_fixed(geo, ch, err, phase, T_cap, K, side is not None, spin_limit, tu,
-                              _aligned_rows(src, varying["out_ptr"]), interleave, arrived)
+                              _aligned_rows(src, varying["out_ptr"]), interleave, arrived, stamps)
 
     launcher.launch(_combine_kernel, (geo.num_programs,), varying, fixed, tu.num_warps, key,
                     first={"spin_limit": _first_spin(spin_limit)})

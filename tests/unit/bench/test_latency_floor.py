@@ -108,3 +108,19 @@ def test_bench_comm_reports_each_part_as_the_slowest_ranks():
     assert row["floor_graph_dispatch_us"] == pytest.approx(12.0) and row["floor_graph_combine_us"] == pytest.approx(24.0)
     assert row["floor_one_way_us"] == pytest.approx(1.0) and row["floor_errors"] == 1  # (rank 2 bounced nothing)
     assert _floor_summary([{"T": 16384}]) == {}
+    assert row["floor_graph_dispatch_grid_layout_us"] is None  # (not measured by these records)
+
+
+def test_stage_times_fold_a_skipped_step_into_the_next():
+    """bench comm's per-step reading of the exchange kernels' timer stamps: medians over the
+    programs, a slot a variant does not stamp (0) folded into the next step, the start spread."""
+    from ray_moe.bench.comm import stage_times
+
+    names = ("start", "a", "b", "c")
+    st = torch.tensor([[1000, 3000, 0, 9000], [2000, 3000, 0, 6000], [4000, 9000, 0, 12000]], dtype=torch.int64)
+    out = stage_times(st, names)
+    assert out["spread"] == pytest.approx(3.0)
+    assert out["a"] == pytest.approx(2.0) and out["a max"] == pytest.approx(5.0)
+    assert "b" not in out and out["c"] == pytest.approx(3.0) and out["c max"] == pytest.approx(6.0)
+    assert out["total"] == pytest.approx(8.0)  # per program 8, 4, 8 µs
+    assert stage_times(st[:0], names) == {}
