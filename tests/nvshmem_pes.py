@@ -46,17 +46,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # what the suite runs (tests/unit/validation/test_multi_pe.py): two ranks of two programs each
-# (concurrent, as on the GPU), the default tuning on every edge case (small: the layout counted
-# by every program, Tuning.local_layout_tokens) and the interleaved exchange with the grid-wide
-# layout on FEW_CASES, then the remote path (staging and puts), its signals waited for by the
-# receiving kernel and by one program ahead of it
-SUITE_ARGS = ("--world-size", "2", "--programs", "2", "--tunings",
-              '[{}, {"block_r": 4, "interleave": true, "local_layout_tokens": 0}]',
+# (concurrent, as on the GPU), the default tuning on every edge case and the interleaved exchange
+# on FEW_CASES, then the remote path (staging and puts), its signals waited for by the receiving
+# kernel and by one program ahead of it
+SUITE_ARGS = ("--world-size", "2", "--programs", "2", "--tunings", '[{}, {"block_r": 4, "interleave": true}]',
               "--remote", "kernel,one_sm", "--early-layer")
 # and three ranks with the default tuning, whose combine sends in ring order from three ranks on
-# (Tuning.rotate_peers): the order every rank's peers see differs only there (~17 s, 30 s of CPU),
-# and the grid-wide layout on FEW_CASES
-SUITE_ARGS_W3 = ("--world-size", "3", "--programs", "2", "--tunings", '[{}, {"local_layout_tokens": 0}]')
+# (Tuning.rotate_peers): the order every rank's peers see differs only there (~17 s, 30 s of CPU)
+SUITE_ARGS_W3 = ("--world-size", "3", "--programs", "2", "--tunings", "[{}]")
 
 
 class BackgroundRun:

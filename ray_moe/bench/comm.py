@@ -197,7 +197,7 @@ def bench_worker(worker: Any, params: dict) -> list[dict]:
         except Exception as exc:  # report, keep benchmarking
             rec["graph_error"] = f"{type(exc).__name__}: {exc}"
         if T <= FLOOR_MAX_TOKENS:
-            rec["floor"] = _latency_floor(tr, buf, x, w, dr, ds, iters)
+            rec["floor"] = _latency_floor(tr, buf, x, w, dr, ds, iters, names)
         buf.check()
         # fewer SMs for the exchange (what an overlap with expert compute could afford)
         rec["programs"] = {}
@@ -305,12 +305,13 @@ def _hybrid_copy(src, views, streams, main, off: int, n: int, frac: float):
     return run
 
 
-def _latency_floor(tr: Any, buf: Any, x, w, dr, ds, iters: int) -> dict[str, Any]:
+def _latency_floor(tr: Any, buf: Any, x, w, dr, ds, iters: int, variants: list[str]) -> dict[str, Any]:
     """A small pair's fixed parts (:mod:`ray_moe.bench.latency_floor`), seconds: the dispatch and
     the combine each replayed alone from a CUDA graph, two empty launches and two of the layout's
     grid-wide wait (G programs) from a graph, and the one-way latency of a signal between ranks 0
     and 1 (1000 round trips in one kernel; other ranks idle through it; None without a peer
-    pointer). ``floor_errors``: 1 if a wait of these kernels timed out. Every rank runs it."""
+    pointer). ``floor_errors``: 1 if a wait of these kernels timed out. ``stages``: per launch
+    variant (:data:`VARIANTS`), where the kernels' time goes (:func:`_stages`). Every rank runs it."""
     from ray_moe.bench.latency_floor import empty_kernel, grid_sync, ping_pong
     from ray_moe.device import capture_graph
 
@@ -343,28 +344,19 @@ def _latency_floor(tr: Any, buf: Any, x, w, dr, ds, iters: int) -> dict[str, Any
     tr.runtime.barrier()
     tr.runtime.free(sym)
     out["floor_errors"] = int(err.item())
-    out.update(_dispatch_alone_grid_layout(buf, x, w, dr, ds, iters))
-    try:
-        out["stages"] = _stages(buf, x, w, dr, ds, iters)
-    except Exception as exc:  # report, keep benchmarking (the stamps compile a variant of their own)
-        out["stages_error"] = f"{type(exc).__name__}: {exc}"
-        print(f"rank {me}: stamped exchange failed: {out['stages_error']}", flush=True)
-    return out
-
-
-def _dispatch_alone_grid_layout(buf: Any, x, w, dr, ds, iters: int) -> dict[str, float]:
-    """The dispatch alone from a CUDA graph with the grid-wide layout (``local_layout_tokens=0``):
-    what the small-T layout, counted by every program itself, saves against ``graph_dispatch_s``."""
     from ray_moe.comm.nvshmem_kernels import Tuning
-    from ray_moe.device import capture_graph
 
-    kept = buf.tuning
-    buf.tuning = Tuning(**{**vars(kept), "local_layout_tokens": 0})
-    try:
-        g, _ = capture_graph(lambda: buf.dispatch(x, w, dr, ds))
-        return {"graph_dispatch_grid_layout_s": _time(g.replay, iters)}
-    finally:
-        buf.tuning = kept
+    kept, out["stages"] = buf.tuning, {}
+    for name in variants:
+        buf.tuning = Tuning(**VARIANTS[name])
+        try:
+            out["stages"][name] = _stages(buf, x, w, dr, ds, iters)
+        except Exception as exc:  # report, keep benchmarking (the stamps compile variants of their own)
+            out["stages_error"] = f"{type(exc).__name__}: {exc}"
+            print(f"rank {me}: stamped exchange failed: {out['stages_error']}", flush=True)
+            break
+    buf.tuning = kept
+    return out
 
 
 def _stages(buf: Any, x, w, dr, ds, iters: int) -> dict[str, dict[str, float]]:
@@ -518,8 +510,7 @@ def _host_profile(buf: Any, pair: Any, x: torch.Tensor, w: torch.Tensor, dr: tor
 
 
 FLOOR_MAX_TOKENS = 1024  # the latency floor is timed beside the pair up to this T_local
-FLOOR_KEYS = ("graph_dispatch", "graph_combine", "graph_two_empty", "graph_two_grid_syncs", "one_way",
-              "graph_dispatch_grid_layout")
+FLOOR_KEYS = ("graph_dispatch", "graph_combine", "graph_two_empty", "graph_two_grid_syncs", "one_way")
 
 
 def _floor_summary(recs: list[dict]) -> dict[str, Any]:
@@ -658,14 +649,16 @@ def main(argv: list[str] | None = None) -> int:
         print("\nsmall T, replayed from CUDA graphs (µs): the pair, its two kernels alone, and its fixed parts "
               "(ray_moe.bench.latency_floor)")
         print(tabulate(floor_rows, headers=["T_local", "pair", "dispatch", "combine", "2 empty launches",
-                                            "2 grid syncs", "one-way signal", "dispatch, grid layout"],
+                                            "2 grid syncs", "one-way signal"],
                        floatfmt=".2f"))
-        for i, r in enumerate(rows):  # each rank's steps inside the kernels (µs, median over programs)
+        print("\nsteps inside the kernels alone, replayed from CUDA graphs (µs since the step before; median "
+              "and largest over the programs with tokens)")
+        for i, r in enumerate(rows):
             for rank in per_rank:
-                stages = rank[i].get("floor", {}).get("stages")
-                for kind, st in (stages or {}).items():
-                    print(f"T_local={r['T_local']} rank {rank[i]['rank']} {kind}: "
-                          + ", ".join(f"{k} {v:.2f}" for k, v in st.items()))
+                for variant, stages in rank[i].get("floor", {}).get("stages", {}).items():
+                    for kind, st in stages.items():
+                        print(f"T_local={r['T_local']} {variant} rank {rank[i]['rank']} {kind}: "
+                              + ", ".join(f"{k} {v:.2f}" for k, v in st.items()))
     bad = [r["T_local"] for r in rows if not r["round_trip_rel_err"] <= 1e-2]
     bad += [r["T_local"] for r in rows if r.get("floor_errors")]
     if bad:

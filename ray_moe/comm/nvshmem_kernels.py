@@ -264,7 +264,7 @@ def _dispatch_kernel(
     CM_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
     HAS_META: tl.constexpr, COMPUTE_LAYOUT: tl.constexpr, PHASE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, ALIGNED: tl.constexpr, INTERLEAVE: tl.constexpr,
-    ARRIVED: tl.constexpr, META_FIRST: tl.constexpr, LAYOUT_BLOCK: tl.constexpr, STAMPS: tl.constexpr,
+    ARRIVED: tl.constexpr, META_FIRST: tl.constexpr, STAMPS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     ELEM = x_ptr.dtype.element_ty
@@ -281,22 +281,7 @@ def _dispatch_kernel(
 
     if PHASE % 2 == 1:
         # ---------------- layout: this chunk's rows per destination, then a prefix over chunks
-        if COMPUTE_LAYOUT and LAYOUT_BLOCK > 0:
-            # small T (LAYOUT_BLOCK >= T): every program counts every token itself, so none waits
-            # for the others' counts (the grid-wide wait below costs a small exchange ~1.5-3 µs)
-            ra = tl.arange(0, LAYOUT_BLOCK)
-            dra = tl.load(dest_rank_ptr + ra[:, None] * K + kcol[None, :],
-                          mask=(ra[:, None] < T) & (kcol[None, :] < K), other=-1)
-            hita = tl.max((dra[:, :, None] == wcol[None, None, :]).to(tl.int32), axis=1)
-            start = tl.sum(tl.where(ra[:, None] < t0, hita, 0), axis=0)
-            cnt = tl.sum(tl.where((ra[:, None] >= t0) & (ra[:, None] < t1), hita, 0), axis=0)
-            total = tl.sum(hita, axis=0)
-            sm = smeta_ptr + pid * W * 4 + wcol * 4
-            tl.store(sm, start, mask=wcol < W)
-            tl.store(sm + 1, start + cnt, mask=wcol < W)
-            tl.store(sm + 2, total, mask=wcol < W)
-            tl.store(sm + 3, tl.zeros_like(total), mask=wcol < W)
-        elif COMPUTE_LAYOUT:
+        if COMPUTE_LAYOUT:
             cnt = tl.zeros([W_PAD], dtype=tl.int32)
             for tb in range(t0, t1, BLOCK_R):
                 r = tb + rrow
@@ -861,17 +846,12 @@ class Tuning:
     2048 or more elements at two ranks (:meth:`for_hidden`): on H100
     x2 at T_local=16384, H=4096 the dispatch+combine pair took 857 µs against 985 (dispatch 0.82
     of the copy ceiling against 0.78), at 4096 250 against 263 µs (docs/BENCHMARKS.md, session 11).
-
-    ``local_layout_tokens``: dispatches of at most this many tokens compute their layout without
-    the grid-wide wait, every program counting all tokens itself (:func:`local_layout_block`;
-    0: never), which shortens a small exchange's chain (issue 23's small-T latency).
     """
 
     def __init__(self, block_r: int = 8, block_h: int = 1024, num_warps: int = 8,
-                 rotate_peers: bool = False, interleave: bool = False, local_layout_tokens: int = 1024) -> None:
+                 rotate_peers: bool = False, interleave: bool = False) -> None:
         self.block_r, self.block_h, self.num_warps = block_r, block_h, num_warps
         self.rotate_peers, self.interleave = bool(rotate_peers), bool(interleave)
-        self.local_layout_tokens = int(local_layout_tokens)
 
     @classmethod
     def for_hidden(cls, hidden: int, world_size: int) -> "Tuning":
@@ -886,8 +866,7 @@ class Tuning:
         return cls(rotate_peers=rotate)
 
     def key(self) -> tuple:
-        return (self.block_r, self.block_h, self.num_warps, self.rotate_peers, self.interleave,
-                self.local_layout_tokens)
+        return (self.block_r, self.block_h, self.num_warps, self.rotate_peers, self.interleave)
 
 
 def _check(t: torch.Tensor, name: str, shape: tuple, dtype=None, device=None) -> None:
@@ -959,9 +938,9 @@ def _dispatch_varying(x, pos, smeta, out_x, rmeta, dest_rank, dest_slot, weight,
 
 
 def _dispatch_fixed(geo, ch, err, phase, T_cap, K, has_meta, compute_layout, spin_limit, tu, aligned,
-                    interleave, arrived=False, meta_first=False, T=0, stamps=None) -> dict:
+                    interleave, arrived=False, meta_first=False, stamps=None) -> dict:
     """The rest of :func:`_dispatch_kernel`'s arguments (constexprs included): functions of the
-    buffer and of the call's key (T: the call's tokens, which the key fixes)."""
+    buffer and of the call's key."""
     W, G, H = geo.world_size, geo.num_programs, geo.hidden
     return dict(
         dst_tbl=ch.dst_tbl, pflag_tbl=ch.pflag_tbl, pack_tbl=ch.pack_tbl, remote_tbl=ch.remote_tbl,
@@ -973,19 +952,8 @@ def _dispatch_fixed(geo, ch, err, phase, T_cap, K, has_meta, compute_layout, spi
         BLOCK_R=tu.block_r, BLOCK_H=min(tu.block_h, _pow2(H)), ALIGNED=aligned,
         pprog_tbl=ch.pprog_tbl, prog_ptr=ch.prog, done_ptr=ch.done, INTERLEAVE=interleave,
         ARRIVED=arrived, pmflag_tbl=ch.pmflag_tbl, mflag_ptr=ch.mflag, mcopied_ptr=ch.mcopied,
-        META_FIRST=meta_first, LAYOUT_BLOCK=local_layout_block(T, K, W, tu) if compute_layout else 0,
-        stamp_ptr=err if stamps is None else stamps, STAMPS=stamps is not None,
+        META_FIRST=meta_first, stamp_ptr=err if stamps is None else stamps, STAMPS=stamps is not None,
     )
-
-
-def local_layout_block(T: int, K: int, W: int, tuning: "Tuning") -> int:
-    """The dispatch kernel's LAYOUT_BLOCK for T tokens: a power of two >= T where every program
-    may count all T tokens itself (T <= ``tuning.local_layout_tokens`` and a [block, K, W] tile
-    of at most 16384 elements), else 0: the grid-wide prefix."""
-    block = _pow2(max(T, 1))
-    if 1 <= T <= tuning.local_layout_tokens and block * _pow2(K) * _pow2(W) <= 16384:
-        return block
-    return 0
 
 
 def launch_dispatch(
@@ -1039,8 +1007,7 @@ def launch_dispatch(
         _dispatch_checks(geo, T_cap, x, pos, smeta, out_x, rmeta, dest_rank, dest_slot, weight, out_slot, out_w,
                          scratch, compute_layout, has_meta, K)
         return _dispatch_fixed(geo, ch, err, phase, T_cap, K, has_meta, compute_layout, spin_limit, tu,
-                               _aligned_rows(varying["x_ptr"], out_x), interleave, arrived, meta_first,
-                               x.shape[0], stamps)
+                               _aligned_rows(varying["x_ptr"], out_x), interleave, arrived, meta_first, stamps)
 
     launcher.launch(_dispatch_kernel, (geo.num_programs,), varying, fixed, tu.num_warps, key,
                     first={"spin_limit": _first_spin(spin_limit)})

@@ -38,8 +38,8 @@ def test_default_tuning_interleaves_at_two_ranks_and_rotates_from_three():
     where it was timed faster (two ranks; slower at four), the combine's ring order from three."""
     from ray_moe.comm.nvshmem_kernels import Tuning
 
-    assert Tuning.for_hidden(4096, 2).key() == (8, 4096, 16, False, True, 1024)
-    assert Tuning.for_hidden(4096, 4).key() == (8, 4096, 16, True, False, 1024)  # rotated combine from W=3
+    assert Tuning.for_hidden(4096, 2).key() == (8, 4096, 16, False, True)
+    assert Tuning.for_hidden(4096, 4).key() == (8, 4096, 16, True, False)  # rotated combine from W=3
     assert Tuning.for_hidden(1024, 3).rotate_peers and not Tuning.for_hidden(1024, 2).rotate_peers
     assert Tuning.for_hidden(1024, 2).key() == Tuning().key() and not Tuning().interleave
 
@@ -91,7 +91,7 @@ def test_kernels_compile_for_hopper_with_vector_row_access():
     try:
         ptx = {"dispatch": compile_ptx(dc._dispatch_kernel, disp,
                                        dict(geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=True, PHASE=3,
-                                            INTERLEAVE=False, ARRIVED=False, META_FIRST=False, LAYOUT_BLOCK=0, STAMPS=False))}
+                                            INTERLEAVE=False, ARRIVED=False, META_FIRST=False, STAMPS=False))}
     except RuntimeError as exc:  # no ptxas or backend here
         if "ptxas" in str(exc).lower():
             pytest.skip(str(exc))
@@ -99,10 +99,10 @@ def test_kernels_compile_for_hopper_with_vector_row_access():
     # the copy-out interleaved with the sends (Tuning.interleave) keeps the same accesses, as do the
     # combine's variants below
     ptx["dispatch interleaved"] = compile_ptx(dc._dispatch_kernel, disp, dict(
-        geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=True, PHASE=3, INTERLEAVE=True, ARRIVED=False, META_FIRST=False, LAYOUT_BLOCK=0, STAMPS=False))
+        geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=True, PHASE=3, INTERLEAVE=True, ARRIVED=False, META_FIRST=False, STAMPS=False))
     # the meta-first dispatch (moe.early_experts): own rows and every row's meta, then the peers' rows
     ptx["dispatch meta first"] = compile_ptx(dc._dispatch_kernel, disp, dict(
-        geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=True, PHASE=3, INTERLEAVE=False, ARRIVED=False, META_FIRST=True, LAYOUT_BLOCK=0, STAMPS=False))
+        geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=True, PHASE=3, INTERLEAVE=False, ARRIVED=False, META_FIRST=True, STAMPS=False))
     for rotate in (False, True):  # the ring order of the combine's sends (Tuning.rotate_peers)
         for interleave in (False, True):
             ptx[f"combine rotate={rotate} interleave={interleave}"] = compile_ptx(
@@ -113,22 +113,15 @@ def test_kernels_compile_for_hopper_with_vector_row_access():
     for arrived in (False, True):
         ptx[f"dispatch receive arrived={arrived}"] = compile_ptx(dc._dispatch_kernel, disp, dict(
             geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=False, PHASE=2, INTERLEAVE=False, ARRIVED=arrived,
-            META_FIRST=False, LAYOUT_BLOCK=0, STAMPS=False))
+            META_FIRST=False, STAMPS=False))
         ptx[f"combine receive arrived={arrived}"] = compile_ptx(dc._combine_kernel, comb, dict(
             geo, HAS_META=True, PHASE=2, ROTATE=False, INTERLEAVE=False, ARRIVED=arrived, STAMPS=False))
-    # small T: the layout from every token in each program (Tuning.local_layout_tokens), with no
-    # grid-wide wait: no GPU-scope acquire polls of the other programs' flags are left
-    ptx["dispatch local layout"] = compile_ptx(dc._dispatch_kernel, disp, dict(
-        geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=True, PHASE=3, INTERLEAVE=False, ARRIVED=False, META_FIRST=False,
-        LAYOUT_BLOCK=16, STAMPS=False))
-    grid_polls = [len(re.findall(r"atom\.global\.gpu\.acquire", ptx[k])) for k in ("dispatch", "dispatch local layout")]
-    assert grid_polls[0] > 0 and grid_polls[1] == 0, grid_polls
     # the timer stamps (bench comm's latency floor) read %globaltimer, and only when asked
     stamped = {"dispatch": compile_ptx(dc._dispatch_kernel, disp, dict(
         geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=True, PHASE=3, INTERLEAVE=False, ARRIVED=False, META_FIRST=False,
-        LAYOUT_BLOCK=16, STAMPS=True)), "combine": compile_ptx(dc._combine_kernel, comb, dict(
+        STAMPS=True)), "combine": compile_ptx(dc._combine_kernel, comb, dict(
             geo, HAS_META=True, PHASE=3, ROTATE=False, INTERLEAVE=False, ARRIVED=False, STAMPS=True))}
-    plain = {"dispatch": ptx["dispatch local layout"], "combine": ptx["combine rotate=False interleave=False"]}
+    plain = {"dispatch": ptx["dispatch"], "combine": ptx["combine rotate=False interleave=False"]}
     for kind, text in stamped.items():
         assert "%globaltimer" in text and "%globaltimer" not in plain[kind], kind
     # (a spin polls with system-scope acquire loads: fewer of them once one program waited)
