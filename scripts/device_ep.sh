@@ -28,6 +28,12 @@
 # 8 layers 60-66 s (peak 61 GiB at W=2, 89 GiB one rank); layer with 1 variant x 3 rounds 92 s. Done
 # since: the two-batch step re-timed at W=2 after the race fix (still slower), clone gradients sent
 # during backward (rebalance+bf16_reduce the fastest W=2 step: 0.958 at 2 layers, 0.975 at 4).
+# Session 23 (H100 x2, then H200 x2): the four overlapped-update cases + both clone-gradient cases 215 s
+# on H100; comm COMM_TOKENS=16384,128 (2 variants, now with the hybrid ceiling) 43 s; COMM_TOKENS=128
+# with every variant's timer stamps 43 s; layer 1 variant x 3 rounds 84 s. Done since: session 22's
+# CPU-only GPU checks passed; where the small pair's time goes (the release before each arrival
+# signal, 3.6-4.4 us per kernel: <= 20 us needs flags inside the data); the NVLinks bound both
+# engines at once (a hybrid dispatch gains nothing).
 # Next lease:
 #   1. x8: the default steps with T_TESTS=500 and COMM_VARIANTS=r8h4096w16rot,r8h4096w16 (scaling
 #      target >= 0.90 at W=8; never lent so far), and OV_PROGRAMS=32 bash scripts/device_ep.sh overlap
@@ -37,6 +43,8 @@
 #      and OV_VARIANTS=sequential,rebalance+bf16_reduce at W=4 (session 22's clone gradients, timed at W=2 only)
 #   2. once built: the halves' weight gradients accumulated in the Triton wgrad epilogue (session 20:
 #      +1.8 ms of per-half weight gradients and additions at W=2, 2 layers)
+#   3. one H100: the up-projection's 128x128x64 TMA tiles against the default in a layer A/B
+#      (session 23's sweep on H200: 2.3 % faster alone at T=16384 and 32768)
 # On one GPU, pes2 with every file took ~360 s.
 # Usage (device machine, repo root):  . .devbundle/setup.sh && bash scripts/device_ep.sh [steps]
 # steps (default: pes2,pes4,tests,comm,layer; a failing step does not stop the next one):
