@@ -42,6 +42,7 @@ from ray_moe.worker.clone_grads import CloneGradReduction
 from ray_moe.worker.data import open_corpus
 from ray_moe.worker.optim import STATE_DTYPES, MixedPrecisionAdamW, no_weight_decay
 from ray_moe.worker.overlap import UpdateOverlap
+from ray_moe.worker.step_clock import StepClock
 from ray_moe.worker.zero import ShardedReplicatedState
 
 
@@ -233,14 +234,15 @@ class Engine:
         self.model.train()
         self.transport.timer.pop()  # drop anything timed outside a training step
         t0 = time.perf_counter()
+        clock = StepClock(self.device)  # phase times read after the step's last wait: no sync between phases
         x, y = self.batch("train", self.step)
         mark("start")
+        clock.mark("start")
         ce, aux = self.loss(x, y, mark)
         if poison:
             ce = ce + float("nan")
         loss = ce + aux
-        synchronize(self.device)
-        t1 = time.perf_counter()
+        clock.mark("forward")
         self.optimizer.zero_grad()
         if self.zero:
             self.zero.begin()  # replicated gradients reduce-scattered as backward produces them
@@ -250,12 +252,11 @@ class Engine:
         for layer in self.model.moe_layers():  # weight gradients still on a side stream (moe.delay_wgrad)
             layer.join_wgrad()
         mark("backward")
-        synchronize(self.device)
-        t2 = time.perf_counter()
-        grad_norm, loss_finite, t_reduce = self.sync_grads(ce.detach())
+        clock.mark("backward")
+        grad_norm, loss_finite = self.sync_grads(ce.detach(), clock)
         mark("grad sync")
+        clock.mark("grad sync")  # the norm and the loss check were read on the host: the device is idle
         finite = math.isfinite(grad_norm) and loss_finite
-        t_sync = time.perf_counter()  # the norm and the loss check were read on the host: the device is idle
         lr = self.lr_at(self.step)
         skipped = False
         if finite:
@@ -277,19 +278,23 @@ class Engine:
             self.optimizer.drop_grads()
         self.step += 1
         mark("optimizer")
+        clock.mark("optimizer")
         if self.overlap is not None:  # this stream only: the update stays in flight
             torch.cuda.current_stream(self.device).synchronize()
         else:
             synchronize(self.device)
         self.transport.check()  # device-side timeouts become an error naming the cause
-        t3 = time.perf_counter()
+        t1 = time.perf_counter()
         return {
             "rank": self.rank, "step": self.step, "loss": ce.item(), "aux_loss": float(aux.detach()),
             "tokens": x.numel(), "grad_norm": grad_norm, "lr": lr, "skipped": skipped,
             "nonfinite": not finite, "load": self.expert_load(),
-            "time": {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2,
-                     "grad_sync": t_sync - t2, "grad_reduce": t_reduce, "update": t3 - t_sync,
-                     "step": t3 - t0, "comm": self.transport.timer.pop()},
+            "time": {"forward": clock.seconds("start", "forward"), "backward": clock.seconds("forward", "backward"),
+                     "optimizer": clock.seconds("backward", "optimizer"),
+                     "grad_sync": clock.seconds("backward", "grad sync"),
+                     "grad_reduce": clock.seconds("reduce", "reduced") if self.distributed else 0.0,
+                     "update": clock.seconds("grad sync", "optimizer"),
+                     "step": t1 - t0, "comm": self.transport.timer.pop()},
         }
 
     def _update(self, lr: float, scale: float, done: Callable[[torch.Tensor | None], None] | None = None,
@@ -337,13 +342,13 @@ class Engine:
     def counters(self) -> dict[str, int]:
         return {"step": self.step, "opt_steps": self.opt_steps, "skipped": self.skipped}
 
-    def sync_grads(self, loss: torch.Tensor) -> tuple[float, bool, float]:
+    def sync_grads(self, loss: torch.Tensor, clock: StepClock | None = None) -> tuple[float, bool]:
         """Reduce gradients across ranks into the optimizer's (float32) master gradients; return
-        the global gradient norm (inf if non-finite), whether every rank's ``loss`` (a scalar
-        tensor on this rank's device) is finite, and the seconds the replicated gradients'
-        reduction was exposed after backward (stage 0: all of it; stages 1 and 2: the wait for the
-        buckets still in flight; 0 on one rank). The loss check rides on the norm's all-reduce and
-        host read: one of each per step.
+        the global gradient norm (inf if non-finite) and whether every rank's ``loss`` (a scalar
+        tensor on this rank's device) is finite. ``clock`` gets the marks "reduce" and "reduced"
+        around the replicated gradients' reduction, i.e. its time exposed after backward (stage 0:
+        all of it; stages 1 and 2: the wait for the buckets still in flight), on more than one
+        rank. The loss check rides on the norm's all-reduce and host read: one of each per step.
 
         The gradients are left as sums over ranks (replicated ones summed here, or reduce-scattered
         during backward at ZeRO stage 1 or 2; an expert's already summed by combine's
@@ -360,9 +365,8 @@ class Engine:
         sharded = [opt.grad(p) for p in self.sharded]
         local = _sum_of_squares(sharded, self.device)  # Σ over ranks: the expert-shard grads' part
         replicated = []
-        if self.distributed:
-            synchronize(self.device)  # (the reduction's exposed time, measured alone)
-        t0 = time.perf_counter()
+        if clock is not None and self.distributed:
+            clock.mark("reduce")
         if self.zero:
             local = local + self.zero.finish()  # this rank's chunks of the reduced replicated grads
         else:
@@ -376,10 +380,8 @@ class Engine:
                     n = g.numel()
                     g.copy_(flat[offset: offset + n].view_as(g))
                     offset += n
-        t_reduce = 0.0
-        if self.distributed:
-            synchronize(self.device)
-            t_reduce = time.perf_counter() - t0
+        if clock is not None and self.distributed:
+            clock.mark("reduced")
         # [Σ grad² of what ranks hold apart, ranks whose loss is not finite]: one all-reduce
         reduced = torch.stack([local, (~torch.isfinite(loss.float())).float().to(self.device)])
         if self.distributed:
@@ -387,7 +389,7 @@ class Engine:
         reduced[0] += _sum_of_squares(replicated, self.device)
         total, bad_losses = reduced.tolist()
         total /= self.grad_divisor ** 2
-        return (math.sqrt(total) if math.isfinite(total) else math.inf), bad_losses == 0, t_reduce
+        return (math.sqrt(total) if math.isfinite(total) else math.inf), bad_losses == 0
 
     def update_routing_bias(self) -> None:
         """Aux-loss-free balancing (sigmoid routers with a balancing bias): one bias step per MoE

@@ -70,3 +70,22 @@ def test_gpu_training_learns(tmp_path, transport):
     assert all(math.isfinite(m["loss"]) for m in t.metrics if "loss" in m)
     assert last < first - 0.5, (first, last)
     assert s["rebalances"] >= 2
+
+
+def test_cuda_clock_times_the_device_work_between_marks_without_waiting():
+    import torch
+
+    from ray_moe.worker.step_clock import StepClock
+
+    dev = torch.device("cuda")
+    a = torch.randn(4096, 4096, device=dev)
+    clock = StepClock(dev)
+    clock.mark("start")
+    for _ in range(20):
+        a = a @ a / 64
+    clock.mark("work")
+    clock.mark("none")
+    torch.cuda.current_stream(dev).synchronize()
+    # 20 products of 4096^2 (2.7 TFLOP) take more than 0.1 ms on any GPU; nothing ran between the last two marks
+    assert clock.seconds("start", "work") > 1e-4
+    assert clock.seconds("work", "none") < clock.seconds("start", "work") / 10
