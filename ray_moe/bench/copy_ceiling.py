@@ -33,7 +33,7 @@ def _peer_copy_kernel(src_ptr, dst_tbl, n_words, PEERS: tl.constexpr, BLOCK: tl.
 
 
 def peer_copy(src: torch.Tensor, destinations: list[torch.Tensor], programs: int | None = None,
-              block: int = 4096) -> None:
+              block: int = 4096, table: torch.Tensor | None = None) -> None:
     """Write ``src`` into each of ``destinations`` in one launch (SM stores).
 
     Args:
@@ -42,6 +42,8 @@ def peer_copy(src: torch.Tensor, destinations: list[torch.Tensor], programs: int
             device can store to (peer tensors of symmetric memory, or local ones); written from
             their first byte.
         programs: the grid (default: one program per SM; 4 under Triton's interpreter).
+        table: int64 [len(destinations)], their addresses on src's device
+            (:func:`destination_table`; default: built here, which makes the host wait).
     """
     if src.dtype != torch.uint8 or src.dim() != 1 or not src.is_contiguous():
         raise ValueError(f"src must be a contiguous uint8 vector, got {src.dtype} {tuple(src.shape)}")
@@ -55,9 +57,15 @@ def peer_copy(src: torch.Tensor, destinations: list[torch.Tensor], programs: int
         return
     if programs is None:
         programs = torch.cuda.get_device_properties(src.device).multi_processor_count if src.is_cuda else 4
-    table = torch.tensor([d.data_ptr() for d in destinations], dtype=torch.int64, device=src.device)
+    if table is None:  # (a timed loop passes its own: this host-to-device copy makes the host wait)
+        table = destination_table(destinations, src.device)
     _peer_copy_kernel[(programs,)](src.view(torch.int32), table, n // 4, PEERS=len(destinations), BLOCK=block,
                                    num_warps=8)
+
+
+def destination_table(destinations: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """int64 [len(destinations)]: their addresses, as :func:`peer_copy`'s ``table``."""
+    return torch.tensor([d.data_ptr() for d in destinations], dtype=torch.int64, device=device)
 
 
 def peer_copy_reference(src: torch.Tensor, destinations: list[torch.Tensor]) -> None:

@@ -42,7 +42,11 @@ import triton.language as tl
 ERROR_WORDS = ("code", "peer", "program", "wanted_lo", "wanted_hi", "seen_lo", "seen_hi", "spare")
 
 # timer slots per program of a stamped exchange (:func:`_stamp`), and what each kernel's slots
-# mark (each after the step named: the stage's time is its slot minus the one before)
+# mark (each after the step named: the stage's time is its slot minus the one before). Slots
+# written inside the per-source loops keep the last source's time, so at W=2 a step's share of the
+# own rows' work differs by rank (rank 0's "peers' arrival" includes its own copy-out), and only
+# the last peer is seen at W > 2; one thread stamps, so warps' lag before a barrier counts in the
+# step after it.
 STAMP_SLOTS: tl.constexpr = tl.constexpr(8)
 DISPATCH_STAMPS = ("start", "layout", "ack wait", "rows out", "arrival signal", "peers' arrival",
                    "copy-out", "acknowledge")
@@ -277,7 +281,8 @@ def _dispatch_kernel(
     rrow = tl.arange(0, BLOCK_R)
     meta_base = CM_BYTES + T_cap.to(tl.int64) * ROW_BYTES
     region_sz = REGION.to(tl.int64)
-    _stamp(stamp_ptr, pid, 0, STAMPS)
+    if PHASE != 2:  # (the remote path's receiving launch keeps the sending launch's start)
+        _stamp(stamp_ptr, pid, 0, STAMPS)
 
     if PHASE % 2 == 1:
         # ---------------- layout: this chunk's rows per destination, then a prefix over chunks
@@ -588,7 +593,8 @@ def _combine_kernel(
     meta_base = CM_BYTES + T_cap.to(tl.int64) * ROW_BYTES
     region_sz = REGION.to(tl.int64)
     t0, t1 = _chunk(T, pid, G)
-    _stamp(stamp_ptr, pid, 0, STAMPS)
+    if PHASE != 2:  # (the remote path's receiving launch keeps the sending launch's start)
+        _stamp(stamp_ptr, pid, 0, STAMPS)
 
     if PHASE % 2 == 1:
         if n > 0:

@@ -123,3 +123,15 @@ def test_stage_times_fold_a_skipped_step_into_the_next():
     assert "b" not in out and out["c"] == pytest.approx(3.0) and out["c max"] == pytest.approx(6.0)
     assert out["total"] == pytest.approx(8.0)  # per program 8, 4, 8 µs
     assert stage_times(st[:0], names) == {}
+
+
+def test_stage_times_keep_nanoseconds_of_a_wall_clock_timer():
+    """%globaltimer counts ns since 1970 (~1.8e18): differences must be taken before float64,
+    which only holds every 256th ns at that size."""
+    from ray_moe.bench.comm import stage_times
+
+    base = 1_790_000_000_000_000_000
+    st = torch.tensor([[base, base + 100, base + 170], [base + 30, base + 130, base + 230]], dtype=torch.int64)
+    out = stage_times(st, ("start", "a", "b"))
+    assert out["a"] == pytest.approx(0.1) and out["spread"] == pytest.approx(0.03)
+    assert out["b max"] == pytest.approx(0.1) and out["total"] == pytest.approx(0.17)  # (torch.median: the lower of two)
