@@ -32,8 +32,10 @@
 # on H100; comm COMM_TOKENS=16384,128 (2 variants, now with the hybrid ceiling) 43 s; COMM_TOKENS=128
 # with every variant's timer stamps 43 s; layer 1 variant x 3 rounds 84 s. Done since: session 22's
 # CPU-only GPU checks passed; where the small pair's time goes (the release before each arrival
-# signal, 3.6-4.4 us per kernel: <= 20 us needs flags inside the data); the NVLinks bound both
-# engines at once (a hybrid dispatch gains nothing).
+# signal, 3.6-4.4 us per kernel: <= 20 us needs flags inside the data); the hybrid (copy engines +
+# SMs) ceiling read below the copy engines', but the SM copy waited for the host each call (fixed):
+# re-run COMM_TOKENS=16384 ... comm to settle whether a hybrid dispatch could gain; the stamps then
+# in exact ns (they were rounded to 0.256 us).
 # Next lease:
 #   1. x8: the default steps with T_TESTS=500 and COMM_VARIANTS=r8h4096w16rot,r8h4096w16 (scaling
 #      target >= 0.90 at W=8; never lent so far), and OV_PROGRAMS=32 bash scripts/device_ep.sh overlap
