@@ -28,6 +28,7 @@ class StepClock:
         self._marks: dict[str, object] = {}
 
     def mark(self, name: str) -> None:
+        """Mark ``name`` here: after everything issued so far on the current stream (CUDA), or now."""
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record(torch.cuda.current_stream(self.device))
@@ -36,6 +37,7 @@ class StepClock:
             self._marks[name] = time.perf_counter()
 
     def seconds(self, start: str, end: str) -> float:
+        """Seconds from mark ``start`` to mark ``end`` (KeyError for a name never marked)."""
         a, b = self._marks[start], self._marks[end]
         if self.cuda:
             return a.elapsed_time(b) / 1e3  # type: ignore[attr-defined]
