@@ -398,9 +398,9 @@ def stage_times(stamps: torch.Tensor, names: tuple[str, ...]) -> dict[str, float
     out["spread"] = float(st[:, 0].max() - st[:, 0].min()) / 1e3
     prev = st[:, 0]
     for i, name in enumerate(names[1:], start=1):
-        cur = st[:, i]
-        if not bool((cur > 0).all()):
+        if not bool((stamps[:, i] > 0).all()):  # (a raw 0: a slot this variant does not stamp)
             continue
+        cur = st[:, i]
         d = (cur - prev) / 1e3
         out[name], out[name + " max"] = float(d.median()), float(d.max())
         prev = cur

@@ -362,8 +362,9 @@ class SymmetricBuffer:
         self.interleave_ok = bool(interleave_ok) and not self.any_remote
         self.one_sm_wait = bool(one_sm_wait) and self.any_remote
         self.launcher = Launcher(fast=fast_launch_works(dev) if fast_launch is None else fast_launch, device=dev)
-        # int64 [2, G, STAMP_SLOTS]: when set, every dispatch-like (0) and combine-like (1) call writes
-        # each program's timer at its steps (nvshmem_kernels.DISPATCH_STAMPS / COMBINE_STAMPS)
+        # int64 [2, G, STAMP_SLOTS], contiguous, on the buffer's device: when set, every dispatch-like
+        # (0) and combine-like (1) call except dispatch_early writes each program's timer at its steps
+        # (nvshmem_kernels.DISPATCH_STAMPS / COMBINE_STAMPS); bench comm's latency floor sets it
         self.stamps: torch.Tensor | None = None
         self._owned: dict[tuple, tuple] = {}  # call key -> dispatch outputs (dispatch's reuse_outputs)
         # the launches of owned calls with every owned tensor bound (_owned_fast_key -> BoundLaunch, ...)
