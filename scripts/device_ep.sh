@@ -36,17 +36,21 @@
 # SMs) ceiling read below the copy engines', but the SM copy waited for the host each call (fixed):
 # re-run COMM_TOKENS=16384 ... comm to settle whether a hybrid dispatch could gain; the stamps then
 # in exact ns (they were rounded to 0.256 us).
+# Session 24 (H200 x4): comm W=4 COMM_TOKENS=16384,128 (2 variants) 64 s; comm at W=2 on two of the
+# four GPUs 60-62 s with CUDA_VISIBLE_DEVICES=0,1 COMM_WORLD=2 (a first try with all four visible, right
+# after the W=4 run, hit its 90-s limit after its last variant: not diagnosed); overlap W=4 with 2 variants
+# x 2 layers x 2 rounds 213-226 s; six NVSHMEM tests at W=4 375 s (interleaved copy-out parity 185 s).
+# Done since: the corrected ceilings (W=2: copy engines 356, SMs 353, both 332: the links bound it),
+# where a large dispatch's time goes (COMM_ARGS=--stages: rows at the ceiling, layout 12 us, the last
+# program 34 us behind the median), the two-batch step at W=4 (opt-in stays), rebalance+bf16_reduce at W=4
+# (-8.6 % / -4.3 %).
 # Next lease:
 #   1. x8: the default steps with T_TESTS=500 and COMM_VARIANTS=r8h4096w16rot,r8h4096w16 (scaling
-#      target >= 0.90 at W=8; never lent so far), and OV_PROGRAMS=32 bash scripts/device_ep.sh overlap
-#      (moe.two_batch_overlap where 7/8 of the rows go away)
-#   1b. x4: re-time the two-batch step after session 21's race fix (re-timed at W=2 only):
-#      OV_PROGRAMS=32 OV_VARIANTS=sequential,two_batch OV_LAYERS=2,4 ... overlap at W=4 (session 19's -1.5 %),
-#      and OV_VARIANTS=sequential,rebalance+bf16_reduce at W=4 (session 22's clone gradients, timed at W=2 only)
-#   2. once built: the halves' weight gradients accumulated in the Triton wgrad epilogue (session 20:
+#      target >= 0.90 at W=8; never lent so far), and OV_VARIANTS=sequential,rebalance+bf16_reduce ... overlap
+#   2. once built: work-stealing row blocks in the dispatch (the last program 8 % behind the median at
+#      T_local=16384), then COMM_ARGS=--stages ... comm at W=2 and W=4
+#   3. once built: the halves' weight gradients accumulated in the Triton wgrad epilogue (session 20:
 #      +1.8 ms of per-half weight gradients and additions at W=2, 2 layers)
-#   3. one H100: the up-projection's 128x128x64 TMA tiles against the default in a layer A/B
-#      (session 23's sweep on H200: 2.3 % faster alone at T=16384 and 32768)
 # On one GPU, pes2 with every file took ~360 s.
 # Usage (device machine, repo root):  . .devbundle/setup.sh && bash scripts/device_ep.sh [steps]
 # steps (default: pes2,pes4,tests,comm,layer; a failing step does not stop the next one):
@@ -56,7 +60,7 @@
 #               and with pes2 the HF families' short bf16 training runs and the training tests
 #   tests       one rank per GPU, W = all GPUs (RAY_MOE_TEST_GPUS: fewer): the same GPU tests
 #               (TESTS_FILES: other test files)
-#   comm        bench comm at W = all GPUs (skipped on one GPU): T_local 128, 4096, 16384, also with
+#   comm        bench comm at W = all GPUs (COMM_WORLD: fewer; skipped on one GPU): T_local 128, 4096, 16384, also with
 #               COMM_PROGRAMS (default 16,32,66) programs: eager and graph-replayed, for small-T latency
 #   layer       bench layer --sections ep at W = all GPUs (EP_WORLD: fewer; skipped on one GPU): sequential and
 #               pipelined (EP_CHUNKS, default 1,2; 1-6-1: chunks of those relative sizes; EP_ROUNDS: run them
@@ -137,11 +141,12 @@ done
 if has tests; then
   RAY_MOE_TEST_GPUS=${RAY_MOE_TEST_GPUS:-$GPUS} pytest_step gpu_tests_w$GPUS "${T_TESTS:-420}" ${TESTS_FILES:-tests/gpu/test_nvshmem_gpu.py tests/gpu/test_training_gpu.py}
 fi
-if [ "$GPUS" -ge 2 ] && has comm; then
+CW=${COMM_WORLD:-$GPUS}  # COMM_WORLD: the exchange at fewer ranks than GPUs (W=2 on an x4 lease)
+if [ "$CW" -ge 2 ] && has comm; then
   t0=$SECONDS
-  timeout "${T_COMM:-200}" python3 -m ray_moe.bench.comm --tokens "${COMM_TOKENS:-128,4096,16384}" --variants "${COMM_VARIANTS:-all}" --programs "${COMM_PROGRAMS:-16,32,66}" ${COMM_ARGS:-} \
-    --json "$OUT/bench_comm_w$GPUS.json" 2>&1 | quiet | tee "$OUT/bench_comm.log" | tail -20
-  record "bench comm W=$GPUS" "see bench_comm_w$GPUS.json" $((SECONDS - t0)); ray_stop
+  timeout "${T_COMM:-200}" python3 -m ray_moe.bench.comm --world-size "$CW" --tokens "${COMM_TOKENS:-128,4096,16384}" --variants "${COMM_VARIANTS:-all}" --programs "${COMM_PROGRAMS:-16,32,66}" ${COMM_ARGS:-} \
+    --json "$OUT/bench_comm_w$CW.json" 2>&1 | quiet | tee "$OUT/bench_comm_w$CW.log" | tail -20
+  record "bench comm W=$CW" "see bench_comm_w$CW.json" $((SECONDS - t0)); ray_stop
 fi
 EP_W=${EP_WORLD:-$GPUS}  # EP_WORLD: the layer at fewer ranks than GPUs (W=2 on an x4 lease)
 if [ "$EP_W" -ge 2 ] && has layer; then

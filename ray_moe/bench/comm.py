@@ -198,6 +198,12 @@ def bench_worker(worker: Any, params: dict) -> list[dict]:
             rec["graph_error"] = f"{type(exc).__name__}: {exc}"
         if T <= FLOOR_MAX_TOKENS:
             rec["floor"] = _latency_floor(tr, buf, x, w, dr, ds, iters, names)
+        elif params.get("stages"):  # where a large exchange's time goes (the small ones' always print)
+            kept, rec["stages"] = buf.tuning, {}
+            for name in names:
+                buf.tuning = Tuning(**VARIANTS[name])
+                rec["stages"][name] = _stages(buf, x, w, dr, ds, iters)
+            buf.tuning = kept
         buf.check()
         # fewer SMs for the exchange (what an overlap with expert compute could afford)
         rec["programs"] = {}
@@ -581,6 +587,9 @@ def main(argv: list[str] | None = None) -> int:
                         " launch cache, and a CUDA-graph replay (any world size, also 1)")
     p.add_argument("--profile", action="store_true",
                    help="with --host-cost: time the parts of a call on their own and print cProfile's top functions")
+    p.add_argument("--stages", action="store_true",
+                   help=f"also above T_local={FLOOR_MAX_TOKENS}: where each variant's kernel time goes "
+                        "(every program's timer stamped at its steps; always printed at small T)")
     p.add_argument("--json", default=None, help="write results here")
     a = p.parse_args(argv)
     for flag, value in (("--tokens", a.tokens), ("--programs", a.programs or "1")):
@@ -620,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     })
     params = {"tokens": tokens, "hidden": a.hidden, "top_k": a.top_k, "experts": a.experts,
               "iters": a.iters, "variants": variants,
-              "programs": [int(g) for g in a.programs.split(",") if g]}
+              "programs": [int(g) for g in a.programs.split(",") if g], "stages": a.stages}
     with WorkerGroup(cfg) as group:
         devices = group.execute(lambda w: torch.cuda.get_device_name(w.device), timeout=120)
         per_rank = group.execute(bench_worker, params, timeout=1800)
@@ -653,14 +662,16 @@ def main(argv: list[str] | None = None) -> int:
         print(tabulate(floor_rows, headers=["T_local", "pair", "dispatch", "combine", "2 empty launches",
                                             "2 grid syncs", "one-way signal"],
                        floatfmt=".2f"))
+    stage_recs = [(r, rank[i]) for i, r in enumerate(rows) for rank in per_rank
+                  if rank[i].get("stages") or rank[i].get("floor", {}).get("stages")]
+    if stage_recs:
         print("\nsteps inside the kernels alone, replayed from CUDA graphs (µs since the step before; median "
               "and largest over the programs with tokens)")
-        for i, r in enumerate(rows):
-            for rank in per_rank:
-                for variant, stages in rank[i].get("floor", {}).get("stages", {}).items():
-                    for kind, st in stages.items():
-                        print(f"T_local={r['T_local']} {variant} rank {rank[i]['rank']} {kind}: "
-                              + ", ".join(f"{k} {v:.2f}" for k, v in st.items()))
+        for r, rec in stage_recs:
+            for variant, stages in (rec.get("stages") or rec["floor"]["stages"]).items():
+                for kind, st in stages.items():
+                    print(f"T_local={r['T_local']} {variant} rank {rec['rank']} {kind}: "
+                          + ", ".join(f"{k} {v:.2f}" for k, v in st.items()))
     bad = [r["T_local"] for r in rows if not r["round_trip_rel_err"] <= 1e-2]
     bad += [r["T_local"] for r in rows if r.get("floor_errors")]
     if bad:
