@@ -41,14 +41,14 @@
 # after the W=4 run, hit its 90-s limit after its last variant: not diagnosed); overlap W=4 with 2 variants
 # x 2 layers x 2 rounds 213-226 s; six NVSHMEM tests at W=4 375 s (interleaved copy-out parity 185 s).
 # Done since: the corrected ceilings (W=2: copy engines 356, SMs 353, both 332: the links bound it),
-# where a large dispatch's time goes (COMM_ARGS=--stages: rows at the ceiling, layout 12 us, the last
-# program 34 us behind the median), the two-batch step at W=4 (opt-in stays), rebalance+bf16_reduce at W=4
+# where a large dispatch's time goes (COMM_ARGS=--stages: rows at the ceiling, layout 12 us, the copy-out
+# of the received rows 40-54 us), the two-batch step at W=4 (opt-in stays), rebalance+bf16_reduce at W=4
 # (-8.6 % / -4.3 %).
 # Next lease:
 #   1. x8: the default steps with T_TESTS=500 and COMM_VARIANTS=r8h4096w16rot,r8h4096w16 (scaling
 #      target >= 0.90 at W=8; never lent so far), and OV_VARIANTS=sequential,rebalance+bf16_reduce ... overlap
-#   2. once built: work-stealing row blocks in the dispatch (the last program 8 % behind the median at
-#      T_local=16384), then COMM_ARGS=--stages ... comm at W=2 and W=4
+#   2. once built: the expert GEMM reading the received rows in the symmetric region (no copy-out: 40-54 us
+#      of the 437-us dispatch at T_local=16384), then COMM_ARGS=--stages ... comm at W=2 and W=4
 #   3. once built: the halves' weight gradients accumulated in the Triton wgrad epilogue (session 20:
 #      +1.8 ms of per-half weight gradients and additions at W=2, 2 layers)
 # On one GPU, pes2 with every file took ~360 s.
