@@ -86,13 +86,14 @@ def default_config(role: str, dtype: torch.dtype, device: torch.device) -> GemmC
     if device.type != "cuda" or dtype == torch.float32:
         return GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=2)
     # Hopper: the H100 sweep at T=32768, H=4096, I=1536, E=128, K=8 (docs/BENCHMARKS.md, session 3),
-    # among the variants that also passed the bf16 checks on the GPU (the persistent loop without
-    # flattening was fastest for gate_up / dact / dx by <= 0.3 ms but has not run on a GPU check yet).
-    # Older GPUs: the pointer kernels.
+    # among the variants that also passed the bf16 checks on the GPU. gate_up: session 24's sweep
+    # and layer A/B on H100 (TMA weights, persistent grid: 2.6 % faster alone, the layer's forward
+    # 3-4.6 % faster than the pointer kernel 128x128x64 g16). Older GPUs: the pointer kernels.
     hopper = torch.cuda.get_device_capability(device)[0] >= 9
     flat = dict(tma=hopper, persistent=hopper, flatten=hopper)
     return {
-        "gate_up": GemmConfig(128, 128, 64, 16 if hopper else 8, 8, 3),  # two 128x128 accumulators (pointer kernel)
+        # two 128x128 accumulators (gate | up)
+        "gate_up": GemmConfig(128, 128, 64, 8, 8, 3, tma=hopper, persistent=hopper),
         "down": GemmConfig(128, 256, 64, 8, 8, 3 if hopper else 4, **flat),
         "dact": GemmConfig(128, 256, 64, 8, 8, 3, tma=hopper),  # split: plain GEMM, then the elementwise kernel
         "dact_fused": GemmConfig(128, 128, 64, 8, 8, 4),
@@ -441,6 +442,8 @@ def gate_up_swiglu(
     P = x.shape[0] * top_k
     _check_layout(layout, S, P, x.device)
     cfg = cfg or default_config("gate_up", x.dtype, x.device)
+    if split is not None and cfg.tma:  # the early rows' row_map has run on the GPU with the pointer kernel only
+        cfg = replace(cfg, tma=False, persistent=False, flatten=False)
     act = torch.empty(P, I, dtype=x.dtype, device=x.device)
     h13 = torch.empty(P, I2, dtype=x.dtype, device=x.device) if save_preact else None
     phases = [(None, None, x, None)] if split is None else [

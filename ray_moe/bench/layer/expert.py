@@ -93,24 +93,35 @@ def expert_compute_rows(
 
 
 def expert_ffn_rows(
-    shape: LayerShape, inp: dict[str, torch.Tensor], warmup_ms: int, rep_ms: int, plan: Any = None
+    shape: LayerShape, inp: dict[str, torch.Tensor], warmup_ms: int, rep_ms: int, plan: Any = None,
+    rounds: int = 3,
 ) -> list[dict]:
-    """The expert side of a layer end to end (layout/permutation + GEMMs + combine)."""
+    """The expert side of a layer end to end (layout/permutation + GEMMs + combine), with the
+    default tiles and, where ``plan`` (a ``--sweep``'s fastest tiles) differs from them, with
+    ``plan`` too ("(swept)" rows): both in ``rounds`` ABBA rounds, medians, so that a layer-level
+    A/B of the tiles is not one GPU temperature against another."""
     import dataclasses
+    import statistics
 
     from ray_moe.kernels.expert_ffn import expert_ffn_triton
     from ray_moe.kernels.grouped_swiglu import default_plan
     from ray_moe.model.expert_choice import ExpertImplChooser
     from ray_moe.model.experts import expert_ffn
 
-    base_plan = plan or default_plan(inp["x"].dtype, inp["x"].device)
+    plans = {"": default_plan(inp["x"].dtype, inp["x"].device)}
+    if plan is not None and plan != plans[""]:
+        plans[" (swept)"] = plan
+    else:
+        rounds = 1
 
     def run(impl: str, *args: torch.Tensor) -> torch.Tensor:
-        if impl == "triton":
-            return expert_ffn_triton(*args, plan=base_plan)
-        if impl == "triton+mm_wgrad":
-            return expert_ffn_triton(*args, plan=dataclasses.replace(base_plan, wgrad="grouped_mm"))
-        return expert_ffn(*args, impl=impl)
+        name, _, tag = impl.partition(" ")
+        p = plans[f" {tag}" if tag else ""]
+        if name == "triton":
+            return expert_ffn_triton(*args, plan=p)
+        if name == "triton+mm_wgrad":
+            return expert_ffn_triton(*args, plan=dataclasses.replace(p, wgrad="grouped_mm"))
+        return expert_ffn(*args, impl=name)
 
     x = inp["x"].detach().requires_grad_()
     weight = inp["weight"].detach().requires_grad_()
@@ -118,19 +129,34 @@ def expert_ffn_rows(
     w2 = inp["w2"].detach().requires_grad_()
     slot = inp["slot"]
     go = torch.randn_like(inp["x"])
+    impls = ["grouped_mm"] + [f"{i}{tag}" for tag in plans for i in ("triton", "triton+mm_wgrad")]
+    times: dict[tuple[str, str], list[float]] = {}
+    for r in range(rounds):
+        for impl in (impls if r % 2 == 0 else impls[::-1]):
+            def fwd(impl=impl):
+                with torch.no_grad():
+                    return run(impl, x, slot, weight, w13, w2)
+
+            def fwd_bwd(impl=impl):
+                y = run(impl, x, slot, weight, w13, w2)
+                torch.autograd.grad(y, (x, weight, w13, w2), go)
+
+            for phase, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+                times.setdefault((impl, phase), []).append(median_ms(fn, warmup_ms, rep_ms))
     out = []
-    for impl in ("grouped_mm", "triton", "triton+mm_wgrad"):
-        def fwd(impl=impl):
-            with torch.no_grad():
-                return run(impl, x, slot, weight, w13, w2)
-
-        def fwd_bwd(impl=impl):
-            y = run(impl, x, slot, weight, w13, w2)
-            torch.autograd.grad(y, (x, weight, w13, w2), go)
-
-        for phase, fn, flops in (("fwd", fwd, shape.fwd_flops), ("fwd+bwd", fwd_bwd, 3 * shape.fwd_flops)):
-            ms = median_ms(fn, warmup_ms, rep_ms)
-            out.append({"section": "expert_ffn", "what": f"{impl} {phase}", "ms": ms, "TFLOP/s": tflops(flops, ms)})
+    for impl in impls:
+        for phase, flops in (("fwd", shape.fwd_flops), ("fwd+bwd", 3 * shape.fwd_flops)):
+            ms = statistics.median(times[(impl, phase)])
+            out.append({"section": "expert_ffn", "what": f"{impl} {phase}", "ms": ms, "TFLOP/s": tflops(flops, ms),
+                        "rounds": rounds})
+    for impl in impls[1:3] if len(plans) > 1 else []:
+        with torch.no_grad():  # the swept tiles compute the same layer (a tile that miscomputes shows here)
+            ref, got = run(impl, x, slot, weight, w13, w2).float(), run(f"{impl} (swept)", x, slot, weight, w13, w2).float()
+        err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+        for phase in ("fwd", "fwd+bwd"):
+            out.append({"section": "expert_ffn", "what": f"swept / default tiles, {impl} {phase}",
+                        "ratio": statistics.median(times[(f"{impl} (swept)", phase)])
+                        / statistics.median(times[(impl, phase)]), "rel_err_vs_default": err})
     # what moe.expert_impl=auto picks for this shape (its own shorter measurement, for training)
     chooser = ExpertImplChooser()
     choice = chooser.choose(inp["x"], slot, inp["weight"], inp["w13"], inp["w2"], needs_grad=True)

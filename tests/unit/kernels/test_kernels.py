@@ -276,7 +276,7 @@ def _early_rows_check() -> dict:
     the one-launch experts on the same rows: equal outputs and gradients for D = 0, some, every
     slot and past the slots, the ready rows at the start, in the middle and nowhere, read from x
     or from another tensor through a row map (the dispatch's input, ``source``); the wait called
-    once per forward. Also for the TMA plan (its persistent kernel takes the groups too). And
+    once per forward. Also for a TMA plan (the split's two launches then use the pointer kernel). And
     pair_layout_local_first's order against a torch one."""
     from ray_moe.kernels.routing import pair_layout_local_first, pair_layout_reference
     import dataclasses
