@@ -200,10 +200,15 @@ def bench_worker(worker: Any, params: dict) -> list[dict]:
             rec["floor"] = _latency_floor(tr, buf, x, w, dr, ds, iters, names)
         elif params.get("stages"):  # where a large exchange's time goes (the small ones' always print)
             kept, rec["stages"] = buf.tuning, {}
-            for name in names:
-                buf.tuning = Tuning(**VARIANTS[name])
-                rec["stages"][name] = _stages(buf, x, w, dr, ds, iters)
-            buf.tuning = kept
+            try:
+                for name in names:
+                    buf.tuning = Tuning(**VARIANTS[name])
+                    rec["stages"][name] = _stages(buf, x, w, dr, ds, iters)
+            except Exception as exc:  # report, keep benchmarking (as the latency floor's stamps do)
+                rec["stages_error"] = f"{type(exc).__name__}: {exc}"
+                print(f"rank {me}: stamped exchange failed: {rec['stages_error']}", flush=True)
+            finally:
+                buf.tuning = kept
         buf.check()
         # fewer SMs for the exchange (what an overlap with expert compute could afford)
         rec["programs"] = {}

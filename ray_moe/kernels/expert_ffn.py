@@ -60,7 +60,8 @@ class _ExpertFFN(torch.autograd.Function):
         else:
             layout, split = _early_split(slot, w13.shape[0], early)
         needs_grad = any(ctx.needs_input_grad)
-        act, h13 = gate_up_swiglu(x, layout, K, w13, save_preact=needs_grad, cfg=plan.gate_up, split=split)
+        cfg = plan.gate_up if split is None else (plan.gate_up_split or plan.gate_up)
+        act, h13 = gate_up_swiglu(x, layout, K, w13, save_preact=needs_grad, cfg=cfg, split=split)
         y = down_scaled(act, layout, K, weight, w2, cfg=plan.down)
         del act
         out = gather_sum(y, layout, K)

@@ -87,13 +87,16 @@ def default_config(role: str, dtype: torch.dtype, device: torch.device) -> GemmC
         return GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=2)
     # Hopper: the H100 sweep at T=32768, H=4096, I=1536, E=128, K=8 (docs/BENCHMARKS.md, session 3),
     # among the variants that also passed the bf16 checks on the GPU. gate_up: session 24's sweep
-    # and layer A/B on H100 (TMA weights, persistent grid: 2.6 % faster alone, the layer's forward
-    # 3-4.6 % faster than the pointer kernel 128x128x64 g16). Older GPUs: the pointer kernels.
+    # and layer A/B on H100 (TMA weights, persistent grid: 2.6 % faster alone, the expert FFN's
+    # forward 1.8-4.6 % faster than with the pointer kernel 128x128x64 g16). Older GPUs: the pointer kernels.
     hopper = torch.cuda.get_device_capability(device)[0] >= 9
     flat = dict(tma=hopper, persistent=hopper, flatten=hopper)
     return {
         # two 128x128 accumulators (gate | up)
         "gate_up": GemmConfig(128, 128, 64, 8, 8, 3, tma=hopper, persistent=hopper),
+        # moe.early_experts' two launches (groups, row map): the pointer kernel, the one their GPU
+        # tests ran (the TMA kernel takes both too, checked under the interpreter only)
+        "gate_up_split": GemmConfig(128, 128, 64, 16 if hopper else 8, 8, 3),
         "down": GemmConfig(128, 256, 64, 8, 8, 3 if hopper else 4, **flat),
         "dact": GemmConfig(128, 256, 64, 8, 8, 3, tma=hopper),  # split: plain GEMM, then the elementwise kernel
         "dact_fused": GemmConfig(128, 128, 64, 8, 8, 4),
@@ -117,6 +120,7 @@ class KernelPlan:
     dx: GemmConfig
     wgrad13: GemmConfig
     wgrad2: GemmConfig
+    gate_up_split: GemmConfig | None = None  # the up-projection in two launches (early experts); None: gate_up
     fused_dact: bool = False
     dual_wgrad13: bool = False
     wgrad: str = "triton"  # triton | grouped_mm | quack: who computes dW13 and dW2 (WGRAD_BACKENDS)
@@ -124,11 +128,11 @@ class KernelPlan:
 
 def default_plan(dtype: torch.dtype, device: torch.device, persistent: bool = True) -> KernelPlan:
     """The plan used when none is given. ``persistent=False``: the row GEMMs that default to a
-    persistent grid (down, dx on Hopper) launch one program per tile instead, for GEMMs that run
+    persistent grid (gate_up, down, dx on Hopper) launch one program per tile instead, for GEMMs that run
     beside a kernel holding some SMs (an exchange): the hardware then fills the SMs left as tiles
     finish, where a persistent grid's programs that found no SM wait for the exchange to end."""
     fused = device.type != "cuda" or dtype == torch.float32  # the interpreter tests the fused epilogue
-    roles = ("gate_up", "down", "dact", "dx", "wgrad13", "wgrad2")
+    roles = ("gate_up", "down", "dact", "dx", "wgrad13", "wgrad2", "gate_up_split")
     cfgs = {r: default_config(r, dtype, device) for r in roles}
     if not persistent:
         cfgs = {r: replace(c, persistent=False, flatten=False) for r, c in cfgs.items()}
@@ -442,8 +446,6 @@ def gate_up_swiglu(
     P = x.shape[0] * top_k
     _check_layout(layout, S, P, x.device)
     cfg = cfg or default_config("gate_up", x.dtype, x.device)
-    if split is not None and cfg.tma:  # the early rows' row_map has run on the GPU with the pointer kernel only
-        cfg = replace(cfg, tma=False, persistent=False, flatten=False)
     act = torch.empty(P, I, dtype=x.dtype, device=x.device)
     h13 = torch.empty(P, I2, dtype=x.dtype, device=x.device) if save_preact else None
     phases = [(None, None, x, None)] if split is None else [

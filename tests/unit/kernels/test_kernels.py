@@ -276,7 +276,7 @@ def _early_rows_check() -> dict:
     the one-launch experts on the same rows: equal outputs and gradients for D = 0, some, every
     slot and past the slots, the ready rows at the start, in the middle and nowhere, read from x
     or from another tensor through a row map (the dispatch's input, ``source``); the wait called
-    once per forward. Also for a TMA plan (the split's two launches then use the pointer kernel). And
+    once per forward. Also for the TMA plan (its persistent kernel takes the groups and the row map too). And
     pair_layout_local_first's order against a torch one."""
     from ray_moe.kernels.routing import pair_layout_local_first, pair_layout_reference
     import dataclasses
@@ -288,7 +288,8 @@ def _early_rows_check() -> dict:
     out: dict = {}
     cpu = torch.device("cpu")
     base = gs.default_plan(torch.float32, cpu)
-    tma = dataclasses.replace(base, gate_up=dataclasses.replace(base.gate_up, tma=True, persistent=True))
+    tma_up = dataclasses.replace(base.gate_up, tma=True, persistent=True)
+    tma = dataclasses.replace(base, gate_up=tma_up, gate_up_split=tma_up)
     case = random_case(9, 3, 5, 32, 16, "random", torch.float32, "cpu", seed=21)
     go = torch.randn(case["x"].shape)
     for plan_name, plan in (("default", None), ("tma", tma)):
