@@ -38,7 +38,8 @@
 # in exact ns (they were rounded to 0.256 us).
 # Session 24 (H200 x4): comm W=4 COMM_TOKENS=16384,128 (2 variants) 64 s; comm at W=2 on two of the
 # four GPUs 60-62 s with CUDA_VISIBLE_DEVICES=0,1 COMM_WORLD=2 (a first try with all four visible, right
-# after the W=4 run, hit its 90-s limit after its last variant: not diagnosed); overlap W=4 with 2 variants
+# after the W=4 run, hit its 90-s limit after its last variant: not diagnosed; bench comm's progress lines
+# now carry seconds and name each phase, so a repeat shows where it waits); overlap W=4 with 2 variants
 # x 2 layers x 2 rounds 213-226 s; six NVSHMEM tests at W=4 375 s (interleaved copy-out parity 185 s).
 # Done since: the corrected ceilings (W=2: copy engines 356, SMs 353, both 332: the links bound it),
 # where a large dispatch's time goes (COMM_ARGS=--stages: rows at the ceiling, layout 12 us, the copy-out

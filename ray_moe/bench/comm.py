@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from types import MappingProxyType
 from typing import Any
 
@@ -141,6 +142,12 @@ def bench_worker(worker: Any, params: dict) -> list[dict]:
     H, K, E = params["hidden"], params["top_k"], params["experts"]
     out = []
     nccl = NCCLTextbook(W)
+    t_start = time.perf_counter()
+
+    def progress(T: int, what: str) -> None:  # on the driver's console, so a stall shows where it is
+        if me == 0:  # (a W=4 sweep compiles for minutes)
+            print(f"bench comm [{time.perf_counter() - t_start:.0f} s]: T_local={T} {what}", flush=True)
+
     for T in params["tokens"]:
         iters = params["iters"] if T >= 4096 else params["iters"] * 5
         buf = tr.new_buffer(capacity=T, hidden=H, elem_bytes=2, kmax=max(8, K))
@@ -157,8 +164,7 @@ def bench_worker(worker: Any, params: dict) -> list[dict]:
                                "nccl_bytes": pairs_out * (H * 2 + 8), "variants": {}}
         names = params["variants"]
         for name in names:
-            if me == 0:  # progress on the driver's console (a W=4 sweep compiles for minutes)
-                print(f"bench comm: T_local={T} variant {name}", flush=True)
+            progress(T, f"variant {name}")
             buf.tuning = Tuning(**VARIANTS[name])
             state: dict[str, Any] = {}
 
@@ -179,6 +185,7 @@ def bench_worker(worker: Any, params: dict) -> list[dict]:
         best = min(rec["variants"], key=lambda n: rec["variants"][n]["pair_s"])
         rec["best"] = best
         buf.tuning = Tuning(**VARIANTS[best])
+        progress(T, f"{best}: owned outputs, CUDA graph")
 
         def owned_pair():  # as decoding runs it: the dispatch's outputs owned by the buffer
             r = buf.dispatch(x, w, dr, ds, reuse_outputs=True)
@@ -197,8 +204,10 @@ def bench_worker(worker: Any, params: dict) -> list[dict]:
         except Exception as exc:  # report, keep benchmarking
             rec["graph_error"] = f"{type(exc).__name__}: {exc}"
         if T <= FLOOR_MAX_TOKENS:
+            progress(T, "latency floor and timer stamps")
             rec["floor"] = _latency_floor(tr, buf, x, w, dr, ds, iters, names)
-        elif params.get("stages"):  # where a large exchange's time goes (the small ones' always print)
+        elif params.get("stages"):
+            progress(T, "timer stamps")  # where a large exchange's time goes (the small ones' always print)
             kept, rec["stages"] = buf.tuning, {}
             try:
                 for name in names:
@@ -213,6 +222,7 @@ def bench_worker(worker: Any, params: dict) -> list[dict]:
         # fewer SMs for the exchange (what an overlap with expert compute could afford)
         rec["programs"] = {}
         for G in params.get("programs", []):
+            progress(T, f"{G} programs")
             small = tr.new_buffer(capacity=T, hidden=H, elem_bytes=2, kmax=max(8, K), num_programs=G)
             small.tuning = buf.tuning
             sd: dict[str, Any] = {}
@@ -425,8 +435,6 @@ def host_cost_worker(worker: Any, params: dict) -> list[dict]:
     the launch cache) and on (``owned``: also the dispatch's outputs owned by the buffer, as
     decoding runs it), and replayed from a CUDA graph. ``host_us``: wall time of issuing
     ``iters`` pairs without synchronising, per pair (the host cost where it exceeds the GPU's)."""
-    import time
-
     import torch.distributed as dist
 
     from ray_moe.comm.nvshmem_kernels import Launcher, Tuning
@@ -486,7 +494,6 @@ def _host_profile(buf: Any, pair: Any, x: torch.Tensor, w: torch.Tensor, dr: tor
     import cProfile
     import io
     import pstats
-    import time
 
     def host_us(fn, n: int = iters) -> float:
         fn()
