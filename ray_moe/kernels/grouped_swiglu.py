@@ -59,6 +59,10 @@ class GemmConfig:
     for the operands that are not gathered) where the shapes allow it, else the pointer kernel.
     ``persistent``: (tma only) one program per SM walking the tiles; ``flatten``: let the
     pipeliner overlap a tile's epilogue with the next tile's loads (persistent only).
+    ``one_dot``: (gate_up, pointer kernel) the gate and up columns loaded as one
+    [block_k, 2·block_n] operand for one dot, so the A tile is read once per step instead of
+    twice (SonicMoE's up-projection is one 128×256 tile); where I is not a multiple of 8 or the
+    weights' columns are strided, the two dots. Not yet timed on a GPU: a ``--sweep`` candidate.
     """
 
     block_m: int = 128
@@ -70,6 +74,7 @@ class GemmConfig:
     tma: bool = False
     persistent: bool = False
     flatten: bool = False
+    one_dot: bool = False
 
     def __post_init__(self) -> None:
         if max(self.block_m, self.block_n, self.block_k) > ZERO_TAIL:
@@ -168,10 +173,11 @@ def _grouped_rows_kernel(
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr, SAVE_AUX: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUPS_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ROW_MAP: tl.constexpr = False,
+    ROW_MAP: tl.constexpr = False, ONE_DOT: tl.constexpr = False,
 ):
     """See the module docstring. ``half`` = I: column offset of the up half in w13 / h13 / dh13.
-    ROW_MAP (with GATHER_A): row r of the gathered rows is row ``row_map[r - row_lo]`` of a."""
+    ROW_MAP (with GATHER_A): row r of the gathered rows is row ``row_map[r - row_lo]`` of a.
+    ONE_DOT (EPI_SWIGLU, unit column stride, half % 8 == 0): gate and up columns as one operand."""
     num_n = tl.cdiv(N, BLOCK_N)
     tile_m, pid_n = swizzle(tl.program_id(0), max_m_tiles, num_n, GROUP_M)
     group, row_start, row_end, total = _tile_of_groups(starts_ptr, ends_ptr, n_groups, tile_m, BLOCK_M, GROUPS_PAD)
@@ -197,23 +203,44 @@ def _grouped_rows_kernel(
     up_off = half * stride_bn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, KD, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
-        else:
-            k_ok = (k0 + rk) < KD
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        if EPILOGUE == EPI_SWIGLU:
+    if ONE_DOT:
+        # columns [gate n0 .. n0+BN) | [up half+n0 .. half+n0+BN): two contiguous runs of BLOCK_N
+        # that start at multiples of 8, so the loads stay vectorised
+        c2 = tl.arange(0, 2 * BLOCK_N)
+        n2 = pid_n * BLOCK_N + c2 % BLOCK_N
+        col2 = tl.max_contiguous(tl.multiple_of(tl.where(c2 < BLOCK_N, n2, n2 + half), 8), BLOCK_N)
+        b2_ptrs = b_ptr + group.to(tl.int64) * stride_bg + rk[:, None] * stride_bk + col2[None, :]
+        acc2 = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, KD, BLOCK_K):
             if EVEN_K:
-                b_up = tl.load(b_ptrs + up_off, mask=col_ok[None, :], other=0.0)
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                b2 = tl.load(b2_ptrs, mask=(n2 < N)[None, :], other=0.0)
             else:
-                b_up = tl.load(b_ptrs + up_off, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_bk
+                k_ok = (k0 + rk) < KD
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & (n2 < N)[None, :], other=0.0)
+            acc2 = tl.dot(a, b2, acc2, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            b2_ptrs += BLOCK_K * stride_bk
+        acc, acc_up = tl.split(tl.permute(tl.reshape(acc2, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1)))
+    else:
+        for k0 in range(0, KD, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
+            else:
+                k_ok = (k0 + rk) < KD
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            if EPILOGUE == EPI_SWIGLU:
+                if EVEN_K:
+                    b_up = tl.load(b_ptrs + up_off, mask=col_ok[None, :], other=0.0)
+                else:
+                    b_up = tl.load(b_ptrs + up_off, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K * stride_bk
 
     out_mask = row_ok[:, None] & col_ok[None, :]
     rm64 = rm.to(tl.int64)
@@ -394,6 +421,7 @@ def _launch_rows(
         GROUPS_PAD=triton.next_power_of_2(n_groups),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         ROW_MAP=row_map is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ONE_DOT=cfg.one_dot and epilogue == EPI_SWIGLU.value and half % 8 == 0 and b_strides[2] == 1,
     )
 
 

@@ -62,21 +62,26 @@ def test_expert_ffn_bf16_both_dact_variants(fused_dact):
 
 def _variant_plan(variant: str):
     """The default bf16 plan with every GEMM as the pointer kernel, the TMA kernel (grid), the
-    TMA kernel persistent, or persistent with the flattened loop."""
+    TMA kernel persistent, or persistent with the flattened loop; ``one_dot``: the pointer kernels
+    with the up-projection's gate and up columns in one dot (GemmConfig.one_dot)."""
     import dataclasses
 
     from ray_moe.kernels.grouped_swiglu import default_plan
 
     plan = default_plan(torch.bfloat16, torch.device("cuda"))
     flags = {"pointer": dict(tma=False, persistent=False, flatten=False),
+             "one_dot": dict(tma=False, persistent=False, flatten=False),
              "tma": dict(tma=True, persistent=False, flatten=False),
              "tma_persistent": dict(tma=True, persistent=True, flatten=False),
              "tma_persistent_flat": dict(tma=True, persistent=True, flatten=True)}[variant]
     roles = ("gate_up", "down", "dact", "dx", "wgrad13", "wgrad2")
-    return dataclasses.replace(plan, **{r: dataclasses.replace(getattr(plan, r), **flags) for r in roles})
+    plan = dataclasses.replace(plan, **{r: dataclasses.replace(getattr(plan, r), **flags) for r in roles})
+    if variant == "one_dot":
+        plan = dataclasses.replace(plan, gate_up=dataclasses.replace(plan.gate_up, one_dot=True))
+    return plan
 
 
-@pytest.mark.parametrize("variant", ["pointer", "tma", "tma_persistent", "tma_persistent_flat"])
+@pytest.mark.parametrize("variant", ["pointer", "tma", "tma_persistent", "tma_persistent_flat", "one_dot"])
 @pytest.mark.parametrize("R,K,S,H,I,pattern", [CASES[0], CASES[1], CASES[3], CASES[4], (2048, 8, 64, 512, 256, "random")])
 def test_expert_ffn_bf16_kernel_variants(variant, R, K, S, H, I, pattern):
     """Pointer and Hopper (TMA, persistent) kernels, each on shapes where the descriptors apply and

@@ -248,6 +248,7 @@ def sweep_candidates(role: str) -> list[tuple[Any, bool]]:
               C(64, 256, 64, 8, 8, 3)]
     return {
         "gate_up": [(C(128, 128, 64, 8, 8, 3), False), (C(128, 128, 64, 16, 8, 3), False)]
+        + [(C(128, 128, 64, g, 8, s, one_dot=True), False) for g, s in ((8, 3), (16, 3), (8, 4))]
         + [(c, False) for c in hopper(C(128, 128, 64, 8, 8, 3))] + [(C(128, 128, 64, 8, 8, 4, tma=True), False)]
         + [(c, False) for c in narrow] + [(c, False) for c in hopper(C(64, 128, 64, 8, 4, 4))],
         "down": [(c, False) for c in wide] + [(c, False) for c in hopper(C(128, 256, 64, 8, 8, 4), stages_flat=3)]
@@ -321,7 +322,7 @@ def kernel_rows(
 
 
 def _cfg_name(cfg: Any) -> str:
-    flags = "".join(f" {n}" for n in ("tma", "persistent", "flatten") if getattr(cfg, n, False))
+    flags = "".join(f" {n}" for n in ("tma", "persistent", "flatten", "one_dot") if getattr(cfg, n, False))
     return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} g{cfg.group_m} w{cfg.num_warps} s{cfg.num_stages}{flags}"
 
 

@@ -35,6 +35,7 @@ VARIANT_CASES = {
     "expert_ffn_tma": ("tile_multiples", "odd_shapes"),  # descriptors, and the pointer fallback
     "expert_ffn_tma_persistent": ("tile_multiples",),
     "expert_ffn_mm_wgrad": ("tile_multiples", "odd_shapes"),  # runs, and the 16-byte row rule
+    "expert_ffn_one_dot": ("random", "odd_shapes"),  # one dot (I=24: a masked second column tile); I=19: two
 }
 
 
@@ -167,7 +168,8 @@ def run_interpreter_checks() -> dict:
             results["tma_launches/tile_multiples"] = dict(launches)
         results[f"expert_ffn/{name}"] = check_expert_ffn(case)
         plans = {"expert_ffn_split_dact": split, "expert_ffn_tma": hopper["tma"],
-                 "expert_ffn_tma_persistent": hopper["tma_persistent"], "expert_ffn_mm_wgrad": mm_wgrad}
+                 "expert_ffn_tma_persistent": hopper["tma_persistent"], "expert_ffn_mm_wgrad": mm_wgrad,
+                 "expert_ffn_one_dot": dataclasses.replace(split, gate_up=dataclasses.replace(split.gate_up, one_dot=True))}
         for variant, plan in plans.items():
             if name not in VARIANT_CASES[variant]:
                 continue
