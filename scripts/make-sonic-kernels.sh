@@ -9,7 +9,13 @@
 # Device: carry [".sonicbundle", ".sonickernels"]; `bash scripts/device_step.sh sonic` unpacks it.
 set -euo pipefail
 OUTDIR="${1:-.sonickernels}"
-PY312="${PY312:-$(command -v python3.12 || echo /root/.pyenv/versions/3.12.1/bin/python)}"
+# the first Python 3.12 that runs (a pyenv shim is found by `command -v` yet may refuse to run)
+if [ -z "${PY312:-}" ]; then
+  for c in python3.12 /root/.pyenv/versions/3.12.1/bin/python; do
+    if "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then PY312=$c; break; fi
+  done
+fi
+[ -n "${PY312:-}" ] || { echo "make-sonic-kernels: no Python 3.12 found (set PY312)"; exit 2; }
 VENV=/tmp/sonicenv SITE=/tmp/sonicsite CACHE=/tmp/sonic-qcache
 EXC="$(git rev-parse --git-common-dir)/info/exclude"; mkdir -p "$(dirname "$EXC")"
 grep -qxF "/$OUTDIR/" "$EXC" 2>/dev/null || echo "/$OUTDIR/" >> "$EXC"

@@ -62,7 +62,7 @@ class GemmConfig:
     ``one_dot``: (gate_up, pointer kernel) the gate and up columns loaded as one
     [block_k, 2·block_n] operand for one dot, so the A tile is read once per step instead of
     twice (SonicMoE's up-projection is one 128×256 tile); where I is not a multiple of 8 or the
-    weights' columns are strided, the two dots. Not yet timed on a GPU: a ``--sweep`` candidate.
+    weights' columns are strided, the two dots. The Hopper default since session 25's H100 sweep.
     """
 
     block_m: int = 128
@@ -91,14 +91,15 @@ def default_config(role: str, dtype: torch.dtype, device: torch.device) -> GemmC
     if device.type != "cuda" or dtype == torch.float32:
         return GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=2)
     # Hopper: the H100 sweep at T=32768, H=4096, I=1536, E=128, K=8 (docs/BENCHMARKS.md, session 3),
-    # among the variants that also passed the bf16 checks on the GPU. gate_up: session 24's sweep
-    # and layer A/B on H100 (TMA weights, persistent grid: 2.6 % faster alone, the expert FFN's
-    # forward 1.8-4.6 % faster than with the pointer kernel 128x128x64 g16). Older GPUs: the pointer kernels.
+    # among the variants that also passed the bf16 checks on the GPU. gate_up: session 25's sweep and
+    # layer A/B on H100: one 128x256 dot over the gate and up columns (pointer kernel, 4 stages:
+    # 192 KB of shared memory) is 6.5 % faster alone than session 24's TMA persistent two-dot kernel,
+    # the expert FFN's forward 6 % faster. Older GPUs: the two-dot pointer kernel.
     hopper = torch.cuda.get_device_capability(device)[0] >= 9
     flat = dict(tma=hopper, persistent=hopper, flatten=hopper)
     return {
-        # two 128x128 accumulators (gate | up)
-        "gate_up": GemmConfig(128, 128, 64, 8, 8, 3, tma=hopper, persistent=hopper),
+        # gate | up: one [128, 256] accumulator on Hopper, two 128x128 ones before
+        "gate_up": GemmConfig(128, 128, 64, 8, 8, 4, one_dot=True) if hopper else GemmConfig(128, 128, 64, 8, 8, 3),
         # moe.early_experts' two launches (groups, row map): the pointer kernel, the one their GPU
         # tests ran (the TMA kernel takes both too, checked under the interpreter only)
         "gate_up_split": GemmConfig(128, 128, 64, 16 if hopper else 8, 8, 3),
@@ -133,7 +134,7 @@ class KernelPlan:
 
 def default_plan(dtype: torch.dtype, device: torch.device, persistent: bool = True) -> KernelPlan:
     """The plan used when none is given. ``persistent=False``: the row GEMMs that default to a
-    persistent grid (gate_up, down, dx on Hopper) launch one program per tile instead, for GEMMs that run
+    persistent grid (down, dx on Hopper) launch one program per tile instead, for GEMMs that run
     beside a kernel holding some SMs (an exchange): the hardware then fills the SMs left as tiles
     finish, where a persistent grid's programs that found no SM wait for the exchange to end."""
     fused = device.type != "cuda" or dtype == torch.float32  # the interpreter tests the fused epilogue

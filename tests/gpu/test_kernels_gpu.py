@@ -75,9 +75,9 @@ def _variant_plan(variant: str):
              "tma_persistent": dict(tma=True, persistent=True, flatten=False),
              "tma_persistent_flat": dict(tma=True, persistent=True, flatten=True)}[variant]
     roles = ("gate_up", "down", "dact", "dx", "wgrad13", "wgrad2")
-    plan = dataclasses.replace(plan, **{r: dataclasses.replace(getattr(plan, r), **flags) for r in roles})
-    if variant == "one_dot":
-        plan = dataclasses.replace(plan, gate_up=dataclasses.replace(plan.gate_up, one_dot=True))
+    # one_dot only where asked (the Hopper default's up-projection has it: the other variants test the two dots)
+    plan = dataclasses.replace(plan, **{r: dataclasses.replace(getattr(plan, r), **flags, one_dot=variant == "one_dot")
+                                        for r in roles})
     return plan
 
 

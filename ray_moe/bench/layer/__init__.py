@@ -24,6 +24,7 @@ import torch
 
 from ray_moe import usage
 from ray_moe.bench.layer.expert import (
+    GEMM_ROLES,
     expert_compute_rows,
     expert_ffn_rows,
     kernel_rows,
@@ -100,6 +101,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="layer: SonicMoE forward+backward, or its forward only (its backward GEMMs autotune"
                         " for over ten minutes on a fresh machine)")
     p.add_argument("--sweep", action="store_true", help="time alternative tile configs per kernel")
+    p.add_argument("--sweep-roles", default=None,
+                   help="with --sweep: comma list of the GEMM roles to sweep (gate_up, down, dact, dx, wgrad13,"
+                        " wgrad2; default all); the others keep their default tiles, so the ffn section's"
+                        " swept-vs-default A/B measures these roles' tiles alone")
     p.add_argument("--sonic-precompile", default=None, metavar="DIR",
                    help="no GPU needed: compile every quack GEMM config SonicMoE's autotuner times on sm_90a"
                         " into DIR (carry it as the device's QUACK_CACHE_DIR), then exit")
@@ -181,6 +186,11 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     unknown = set(args.sections.split(",")) - set(SECTIONS)
     if unknown:
         p.error(f"--sections: unknown {', '.join(sorted(unknown))}; known: {', '.join(SECTIONS)}")
+    if args.sweep_roles is not None:
+        bad = set(args.sweep_roles.split(",")) - set(GEMM_ROLES)
+        if bad or not args.sweep:
+            p.error(f"--sweep-roles={args.sweep_roles} must come with --sweep and name roles among "
+                    f"{', '.join(GEMM_ROLES)}")
     for flag in ("ep_iters", "ep_rounds", "ep_profile_steps", "warmup_ms", "rep_ms"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -213,6 +223,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps(counts, indent=1))
         return 1 if any(c["failed"] or not c["configs"] for c in counts.values()) else 0
     sections = set(args.sections.split(","))
+    sweep_roles = tuple(args.sweep_roles.split(",")) if args.sweep_roles else GEMM_ROLES
     if sections == {"ep"}:  # the EP rows alone also run on CPU clusters (gloo)
         rows = ep_rows(shape, args)
         _print_table(rows)
@@ -229,7 +240,7 @@ def main(argv: list[str]) -> int:
     rows: list[dict] = []
     plan = None
     if "kernels" in sections:
-        new, plan = kernel_rows(shape, inp, args.warmup_ms, args.rep_ms, args.sweep)
+        new, plan = kernel_rows(shape, inp, args.warmup_ms, args.rep_ms, args.sweep, sweep_roles)
         _print_table(new)
         print(f"plan used below: {plan}\n", flush=True)
         rows += new

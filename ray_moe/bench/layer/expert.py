@@ -269,12 +269,18 @@ def sweep_candidates(role: str) -> list[tuple[Any, bool]]:
     }[role]
 
 
-def kernel_rows(
-    shape: LayerShape, inp: dict[str, torch.Tensor], warmup_ms: int, rep_ms: int, sweep: bool
-) -> tuple[list[dict], Any]:
-    """Each Triton GEMM alone with the default plan's tiles and (``sweep``) alternatives.
+GEMM_ROLES = ("gate_up", "down", "dact", "dx", "wgrad13", "wgrad2")
 
-    Returns the rows and the fastest KernelPlan found (the default plan without ``sweep``).
+
+def kernel_rows(
+    shape: LayerShape, inp: dict[str, torch.Tensor], warmup_ms: int, rep_ms: int, sweep: bool,
+    sweep_roles: tuple[str, ...] = GEMM_ROLES,
+) -> tuple[list[dict], Any]:
+    """Each Triton GEMM alone with the default plan's tiles and (``sweep``) alternatives for the
+    roles in ``sweep_roles``.
+
+    Returns the rows and the fastest KernelPlan found (the default plan without ``sweep``; the
+    roles outside ``sweep_roles`` keep their default tiles).
     """
     import dataclasses
 
@@ -302,7 +308,8 @@ def kernel_rows(
     for role, (fn, flops) in roles.items():
         flag = {"dact": plan.fused_dact, "wgrad13": plan.dual_wgrad13}.get(role, False)
         default = (getattr(plan, role), flag)
-        candidates = [default] + ([c for c in sweep_candidates(role) if c != default] if sweep else [])
+        swept = sweep and role in sweep_roles
+        candidates = [default] + ([c for c in sweep_candidates(role) if c != default] if swept else [])
         for cfg, fused in candidates:
             try:
                 ms = median_ms(lambda: fn(cfg, fused), warmup_ms, rep_ms)

@@ -292,9 +292,11 @@ def _early_rows_check() -> dict:
     base = gs.default_plan(torch.float32, cpu)
     tma_up = dataclasses.replace(base.gate_up, tma=True, persistent=True)
     tma = dataclasses.replace(base, gate_up=tma_up, gate_up_split=tma_up)
+    one_dot_up = dataclasses.replace(base.gate_up, one_dot=True)  # Hopper's default up-projection
+    one_dot = dataclasses.replace(base, gate_up=one_dot_up, gate_up_split=one_dot_up)
     case = random_case(9, 3, 5, 32, 16, "random", torch.float32, "cpu", seed=21)
     go = torch.randn(case["x"].shape)
-    for plan_name, plan in (("default", None), ("tma", tma)):
+    for plan_name, plan in (("default", None), ("tma", tma), ("one_dot", one_dot)):
         grads_ref = None
         for lo, hi, d, mapped in ((0, 0, 0, False), (0, 4, 2, False), (3, 7, 5, True), (2, 9, 9, False),
                                   (0, 9, 1, True)):
@@ -475,10 +477,11 @@ def test_delayed_weight_gradients_equal_autograds_under_interpreter(interpreter_
 def test_early_rows_split_equals_one_launch_under_interpreter(interpreter_results):
     """moe.early_experts' two up-projection launches around the rows' wait give the one-launch
     experts' outputs and gradients (the ready rows read from x or through a row map from another
-    tensor), and the wait runs once per forward; the local-first pair layout lists each group's
-    ready rows first, both parts in pair order, with the second launch's starts."""
+    tensor), and the wait runs once per forward, with the default, TMA and one-dot up-projections;
+    the local-first pair layout lists each group's ready rows first, both parts in pair order,
+    with the second launch's starts."""
     r = interpreter_results["early_rows"]
-    assert len(r) == 17 and r.pop("local_first_layout") == 0.0, r
+    assert len(r) == 25 and r.pop("local_first_layout") == 0.0, r
     assert all(v < 1e-5 for k, v in r.items() if not k.endswith("waits")), r
     assert all(v == 1.0 for k, v in r.items() if k.endswith("waits")), r
 
