@@ -20,11 +20,13 @@
 #            test_zero_gpu.py): run it first after any change to worker/optim.py (session 9 moved
 #            the fused AdamW update off torch.optim.AdamW; it had run on the CPU only)
 # Budgets (seconds) per step: T_GPUTESTS, T_TRAIN, T_MOMENTS, T_SONIC; the whole must fit one 10-minute call.
-# Next lease (issue 26, one H100): the one-dot up-projection (GemmConfig.one_dot, built in session 24, compiled
-# for sm_90 on the CPU: one m64n256k16 wgmma per step, no spills, never run on a GPU):
-#   python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k one_dot, then
-#   python3 -m ray_moe.cli bench layer --T 32768 --H 4096 --I 1536 --E 128 --K 8 --sections kernels,ffn --sweep
-#   (~140 s per E; session 24: E=128 and E=64 in 284 s); if it wins, the sonic step with the new default.
+# Session 25 (one H100): the one-dot up-projection ran, won (6.5-7 % alone) and is the Hopper default; the sonic
+# step (~130 s with .sonickernels) gave 1.036 / 1.009 fwd+bwd at E=128 / 64, the train step 0.724x torchtitan.
+# Next lease (issue 26): why E=64, T=128's small-T graph forward is 1.12 ms (0.92 in session 4; its kernels sum
+# to ~0.88): python3 -m ray_moe.bench.layer --T 128 --layer-E 64 --small-T 128 --sections small,profile --impls
+# ray_moe. A tile A/B of one GEMM role alone: python3 -m ray_moe.bench.layer ... --sections kernels,ffn --sweep
+# --sweep-roles ROLE (~60-100 s per E). python3 -m ray_moe.bench.layer needs no Ray (the CLI does: use it with
+# .sonicbundle, which cannot travel beside .devbundle).
 set -u
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -243,20 +243,26 @@ def sweep_candidates(role: str) -> list[tuple[Any, bool]]:
                 replace(c, tma=True, persistent=True, flatten=True, num_stages=stages_flat or c.num_stages)]
 
     wide = [C(128, 256, 64, 8, 8, 3), C(128, 256, 64, 8, 8, 4), C(256, 128, 64, 8, 8, 3)]
+    # the persistent flattened default's neighbours: SonicMoE's 256x128 tile, a shallower k-step, a wider swizzle
+    flat_alternatives = [C(*t, tma=True, persistent=True, flatten=True)
+                         for t in ((256, 128, 64, 8, 8, 3), (128, 256, 32, 8, 8, 6), (128, 256, 64, 16, 8, 3))]
     # few rows per expert (small T, decode): narrower tiles, more programs and stages to stream the weights
     narrow = [C(64, 128, 64, 8, 4, 4), C(64, 64, 64, 8, 4, 5), C(128, 64, 64, 8, 4, 4), C(64, 128, 128, 8, 4, 3),
               C(64, 256, 64, 8, 8, 3)]
     return {
         "gate_up": [(C(128, 128, 64, 8, 8, 3), False), (C(128, 128, 64, 16, 8, 3), False)]
-        + [(C(128, 128, 64, g, 8, s, one_dot=True), False) for g, s in ((8, 3), (16, 3), (8, 4))]
+        + [(C(128, 128, bk, g, 8, s, one_dot=True), False)
+           for bk, g, s in ((64, 8, 3), (64, 16, 3), (64, 8, 4), (64, 16, 4), (32, 8, 6), (32, 8, 8))]
         + [(c, False) for c in hopper(C(128, 128, 64, 8, 8, 3))] + [(C(128, 128, 64, 8, 8, 4, tma=True), False)]
         + [(c, False) for c in narrow] + [(c, False) for c in hopper(C(64, 128, 64, 8, 4, 4))],
         "down": [(c, False) for c in wide] + [(c, False) for c in hopper(C(128, 256, 64, 8, 8, 4), stages_flat=3)]
+        + [(c, False) for c in flat_alternatives]
         + [(c, False) for c in narrow] + [(c, False) for c in hopper(C(64, 128, 64, 8, 4, 4))],
         "dact": [(C(128, 256, 64, 8, 8, 3), False), (C(128, 128, 64, 8, 8, 4), False),
                  (C(128, 128, 64, 8, 8, 4), True), (C(128, 128, 64, 8, 8, 3), True)]
         + [(c, False) for c in hopper(C(128, 256, 64, 8, 8, 3))],
-        "dx": [(c, False) for c in wide] + [(c, False) for c in hopper(C(128, 256, 64, 8, 8, 3))],
+        "dx": [(c, False) for c in wide] + [(c, False) for c in hopper(C(128, 256, 64, 8, 8, 3))]
+        + [(c, False) for c in flat_alternatives],
         "wgrad13": [(C(128, 128, 64, 8, 4, 4), False), (C(128, 128, 64, 8, 8, 3), True), (C(128, 128, 64, 8, 8, 4), True),
                     (C(64, 128, 64, 8, 4, 4), True), (C(128, 64, 64, 8, 4, 4), True), (C(128, 64, 64, 8, 4, 5), True),
                     (C(128, 64, 64, 8, 4, 4, tma=True), True), (C(128, 64, 64, 8, 4, 5, tma=True), True),
