@@ -22,9 +22,10 @@
 # Budgets (seconds) per step: T_GPUTESTS, T_TRAIN, T_MOMENTS, T_SONIC; the whole must fit one 10-minute call.
 # Session 25 (one H100): the one-dot up-projection ran, won (6.5-7 % alone) and is the Hopper default; the sonic
 # step (~130 s with .sonickernels) gave 1.036 / 1.009 fwd+bwd at E=128 / 64, the train step 0.724x torchtitan.
-# Next lease (issue 26): why E=64, T=128's small-T graph forward is 1.12 ms (0.92 in session 4; its kernels sum
-# to ~0.88): python3 -m ray_moe.bench.layer --T 128 --layer-E 64 --small-T 128 --sections small,profile --impls
-# ray_moe. A tile A/B of one GEMM role alone: python3 -m ray_moe.bench.layer ... --sections kernels,ffn --sweep
+# Next lease (issue 26): why E=64, T=128's small-T graph forward read 1.12 ms beside SonicMoE in one process and
+# 0.904 ms alone (twice): in one call with .sonicbundle, --sections small --layer-E 64 with --impls ray_moe and with
+# the default ray_moe,sonicmoe (per T ray_moe runs first, so a slow E=64 T=128 follows SonicMoE's E=128 rows).
+# A tile A/B of one GEMM role alone: python3 -m ray_moe.bench.layer ... --sections kernels,ffn --sweep
 # --sweep-roles ROLE (~60-100 s per E). python3 -m ray_moe.bench.layer needs no Ray (the CLI does: use it with
 # .sonicbundle, which cannot travel beside .devbundle).
 set -u

@@ -353,9 +353,16 @@ def small_t_rows(shape: LayerShape, tokens: list[int], dtype: torch.dtype, seed:
                     graph = graph_ms(fn, warmup_ms, rep_ms)
                 gbs = w_bytes / (graph * 1e-3) / 1e9
                 res[name] = {"eager": eager, "graph": graph}
+                note: dict[str, Any] = {"experts touched": touched, "weight MB": w_bytes / 1e6}
+                if name == "ray_moe":  # the chooser's pick for these rows (forward only) and its timings
+                    chooser = layer.expert_chooser
+                    key = chooser.key(x, ids, layer.w13, needs_grad=False, grid=layer.expert_grid)
+                    if key in chooser.choices:
+                        note["expert impl"] = chooser.choices[key].name
+                        note["chooser ms"] = {n: (round(t, 3) if isinstance(t, float) else t)
+                                              for n, t in chooser.timings[key].items()}
                 row.update({"eager ms": eager, "graph ms": graph, "eager / graph": eager / graph,
-                            "weight GB/s (graph)": gbs, "of copy BW": gbs / copy_gbs,
-                            "note": {"experts touched": touched, "weight MB": w_bytes / 1e6}})
+                            "weight GB/s (graph)": gbs, "of copy BW": gbs / copy_gbs, "note": note})
             except Exception as exc:  # a path that cannot be captured is reported, not fatal
                 row["note"] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
             rows.append(row)
