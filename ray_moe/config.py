@@ -146,7 +146,7 @@ class MoEConfig:
     # combine on the side stream beside the other half's attention and experts (>= 2 sequences
     # per rank; the sequential layer's exchange)
     two_batch_overlap: bool = False
-    # the Triton experts' row GEMMs (up- and down-projection, dx) on Hopper: persistent (one program per SM
+    # the Triton experts' row GEMMs (down-projection, dx) on Hopper: persistent (one program per SM
     # walking the tiles, the fastest alone) | tiles (one program per tile: beside an exchange that
     # holds SMs, the hardware fills the SMs left, where a persistent grid's last programs wait)
     expert_grid: str = "persistent"

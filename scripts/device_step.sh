@@ -20,7 +20,7 @@
 #            test_zero_gpu.py): run it first after any change to worker/optim.py (session 9 moved
 #            the fused AdamW update off torch.optim.AdamW; it had run on the CPU only)
 # Budgets (seconds) per step: T_GPUTESTS, T_TRAIN, T_MOMENTS, T_SONIC; the whole must fit one 10-minute call.
-# Session 25 (one H100): the one-dot up-projection ran, won (6.5-7 % alone) and is the Hopper default; the sonic
+# Session 25 (one H100): the one-dot up-projection ran, won (6.5-7.3 % alone) and is the Hopper default; the sonic
 # step (~130 s with .sonickernels) gave 1.036 / 1.009 fwd+bwd at E=128 / 64, the train step 0.724x torchtitan.
 # Next lease (issue 26): why E=64, T=128's small-T graph forward read 1.12 ms beside SonicMoE in one process and
 # 0.904 ms alone (twice): in one call with .sonicbundle, --sections small --layer-E 64 with --impls ray_moe and with

@@ -187,10 +187,11 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if unknown:
         p.error(f"--sections: unknown {', '.join(sorted(unknown))}; known: {', '.join(SECTIONS)}")
     if args.sweep_roles is not None:
+        if not args.sweep:
+            p.error("--sweep-roles needs --sweep (it names the roles the sweep times)")
         bad = set(args.sweep_roles.split(",")) - set(GEMM_ROLES)
-        if bad or not args.sweep:
-            p.error(f"--sweep-roles={args.sweep_roles} must come with --sweep and name roles among "
-                    f"{', '.join(GEMM_ROLES)}")
+        if bad:
+            p.error(f"--sweep-roles: unknown {', '.join(sorted(bad))}; known: {', '.join(GEMM_ROLES)}")
     for flag in ("ep_iters", "ep_rounds", "ep_profile_steps", "warmup_ms", "rep_ms"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")

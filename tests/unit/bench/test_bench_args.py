@@ -23,8 +23,8 @@ from ray_moe.bench.layer import parse_args
     (["--sections", "ep", "--world-size", "2", "--ep-profile-steps", "0"], "--ep-profile-steps must be >= 1"),
     (["--sections", "ep", "--world-size", "2", "--ep-rounds", "0"], "--ep-rounds must be >= 1"),
     (["--sections", "kernels,nope"], "--sections: unknown nope"),
-    (["--sweep", "--sweep-roles", "gate_up,up"], "--sweep-roles=gate_up,up must come with --sweep and name roles"),
-    (["--sweep-roles", "gate_up"], "--sweep-roles=gate_up must come with --sweep"),
+    (["--sweep", "--sweep-roles", "gate_up,up"], "--sweep-roles: unknown up; known: gate_up, down, dact"),
+    (["--sweep-roles", "gate_up"], "--sweep-roles needs --sweep"),
     (["--K", "9", "--E", "8"], "--K 9 is larger than --E 8"),
     (["--H", "0"], "--H must be >= 1"),
 ])
