@@ -25,6 +25,10 @@
 # Next lease (issue 26): why E=64, T=128's small-T graph forward read 1.12 ms beside SonicMoE in one process and
 # 0.904 ms alone (twice): in one call with .sonicbundle, --sections small --layer-E 64 with --impls ray_moe and with
 # the default ray_moe,sonicmoe (per T ray_moe runs first, so a slow E=64 T=128 follows SonicMoE's E=128 rows).
+# model.compile's default: BENCHMARKS session 7 kept it `none` "until compiled training has run at W >= 2 over
+# NVSHMEM"; that ran in session 21 (test_zero_gpu's compiled blocks at W=2) and blocks won every step since
+# (0.724x torchtitan compiled vs 0.917x eager, session 25). Next: a default that compiles on CUDA only, then the
+# GPU suite with it (tests/gpu, pes2) before it lands.
 # A tile A/B of one GEMM role alone: python3 -m ray_moe.bench.layer ... --sections kernels,ffn --sweep
 # --sweep-roles ROLE (~60-100 s per E). python3 -m ray_moe.bench.layer needs no Ray (the CLI does: use it with
 # .sonicbundle, which cannot travel beside .devbundle).
