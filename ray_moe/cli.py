@@ -257,8 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     from ray_moe.config import ConfigError
     from ray_moe.data.errors import DataError
     from ray_moe.data.prepare import PrepareError
-    from ray_moe.driver.group import GroupError
-    from ray_moe.driver.trainer import TrainingError, TrainingInterrupted
+    from ray_moe.driver.errors import GroupError, TrainingError, TrainingInterrupted
     from ray_moe.model.hf import WeightsError
 
     # A command started in the background by a script inherits SIGINT ignored: `kill -INT` must

@@ -30,8 +30,9 @@
 # (0.724x torchtitan compiled vs 0.917x eager, session 25). Next: a default that compiles on CUDA only, then the
 # GPU suite with it (tests/gpu, pes2) before it lands.
 # A tile A/B of one GEMM role alone: python3 -m ray_moe.bench.layer ... --sections kernels,ffn --sweep
-# --sweep-roles ROLE (~60-100 s per E). python3 -m ray_moe.bench.layer needs no Ray (the CLI does: use it with
-# .sonicbundle, which cannot travel beside .devbundle).
+# --sweep-roles ROLE (~60-100 s per E). Single-GPU benches need no Ray (python3 -m ray_moe.bench.layer, and the
+# ray-moe CLI since session 25), so they run with .sonicbundle, which cannot travel beside .devbundle; the pytest
+# GPU tests still need .devbundle (tests/conftest.py imports Ray).
 set -u
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

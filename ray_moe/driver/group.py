@@ -32,6 +32,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ray_moe.arch import ResolvedArch
 from ray_moe.comm import BufferSpec, TransportSpec, choose_transport
 from ray_moe.config import Config, ConfigError, transport_device_error
+from ray_moe.driver.errors import GroupError, WorkerFailure
 from ray_moe.topology import RankInfo, assign_ranks
 from ray_moe.worker.actor import EPWorker
 from ray_moe.worker.engine import buffer_spec
@@ -43,22 +44,6 @@ R = TypeVar("R")
 MULTICAST_OFF = MappingProxyType(
     {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 )
-
-
-class GroupError(RuntimeError):
-    """The worker group could not be started or a worker failed; the message names the cause."""
-
-
-class WorkerFailure(GroupError):
-    """A worker died or did not answer in time.
-
-    Attributes: rank (or None if unknown), cause ('died' | 'timeout' | 'error') and ``where``
-    (node id, host, pid of that rank; empty when unknown).
-    """
-
-    def __init__(self, message: str, rank: int | None, cause: str, where: dict[str, Any] | None = None):
-        super().__init__(message)
-        self.rank, self.cause, self.where = rank, cause, dict(where or {})
 
 
 def connect(address: str | None = None, timeout_s: float = 60.0, **init_kwargs: Any) -> None:

@@ -32,7 +32,8 @@ from ray_moe.checkpoint import (
 )
 from ray_moe.comm.base import TransportSpec
 from ray_moe.config import Config, ConfigError
-from ray_moe.driver.group import GroupError, WorkerFailure, WorkerGroup, connect
+from ray_moe.driver.errors import GroupError, TrainingError, TrainingInterrupted, WorkerFailure
+from ray_moe.driver.group import WorkerGroup, connect
 from ray_moe.driver.loggers import make_sinks
 from ray_moe.driver.metrics import MetricsLog, aggregate_step
 from ray_moe.driver.preflight import preflight
@@ -55,20 +56,6 @@ from ray_moe.worker.actor import EPWorker
 from ray_moe.worker.engine import ModelReport
 
 log = logging.getLogger(__name__)
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (bad data, too many failures, non-finite loss with nonfinite=stop)."""
-
-
-class TrainingInterrupted(TrainingError):
-    """SIGTERM or SIGINT stopped training after a checkpoint. Attributes: signum, step, checkpoint."""
-
-    def __init__(self, signum: int, step: int, checkpoint: Path | None) -> None:
-        name = signal.Signals(signum).name
-        where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint could be written"
-        super().__init__(f"stopped by {name} at step {step} ({where}); continue with train.resume=auto")
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
 
 
 # Errors a worker raises that a new worker group would meet again: not retried, whatever

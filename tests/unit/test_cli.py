@@ -169,3 +169,18 @@ def test_a_missing_data_path_is_one_line_before_anything_starts(tmp_path, capsys
         "nope.txt' does not exist" in err[0], err
     assert not (tmp_path / "run").exists()
 
+
+
+def test_single_gpu_benchmarks_run_without_ray():
+    """`ray-moe bench layer` needs no cluster: without Ray importable (a GPU machine carrying only
+    SonicMoE's wheels) it still answers, here with its one-line error for a bad section."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['ray'] = None\n"  # `import ray` now raises ImportError
+            "from ray_moe.cli import main\n"
+            "sys.exit(main(['bench', 'layer', '--sections', 'nope']))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 2, done.stderr
+    assert "--sections: unknown nope" in done.stderr and "Traceback" not in done.stderr, done.stderr

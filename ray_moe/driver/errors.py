@@ -1,0 +1,38 @@
+"""The driver's errors, in a module without Ray: the CLI names them for its one-line exits, and
+its commands that need no cluster (the single-GPU benchmarks) must not import Ray to do so."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+
+class GroupError(RuntimeError):
+    """The worker group could not be started or a worker failed; the message names the cause."""
+
+
+class WorkerFailure(GroupError):
+    """A worker died or did not answer in time.
+
+    Attributes: rank (or None if unknown), cause ('died' | 'timeout' | 'error') and ``where``
+    (node id, host, pid of that rank; empty when unknown).
+    """
+
+    def __init__(self, message: str, rank: int | None, cause: str, where: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.rank, self.cause, self.where = rank, cause, dict(where or {})
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (bad data, too many failures, non-finite loss with nonfinite=stop)."""
+
+
+class TrainingInterrupted(TrainingError):
+    """SIGTERM or SIGINT stopped training after a checkpoint. Attributes: signum, step, checkpoint."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None) -> None:
+        name = signal.Signals(signum).name
+        where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint could be written"
+        super().__init__(f"stopped by {name} at step {step} ({where}); continue with train.resume=auto")
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
