@@ -10,11 +10,9 @@ The public names below load on first use, so importing a leaf package (``ray_moe
 
 from __future__ import annotations
 
-import importlib
-from types import MappingProxyType
-from typing import Any
+from ray_moe.lazy import lazy_exports
 
-_PUBLIC = MappingProxyType({
+__all__, __getattr__ = lazy_exports(__name__, {
     "Config": "ray_moe.config",
     "ConfigError": "ray_moe.config",
     "Trainer": "ray_moe.driver.trainer",
@@ -29,14 +27,6 @@ _PUBLIC = MappingProxyType({
     "Placement": "ray_moe.placement.placement",
     "CheckpointError": "ray_moe.checkpoint",
 })
-
-__all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _PUBLIC:
-        return getattr(importlib.import_module(_PUBLIC[name]), name)
-    raise AttributeError(f"module 'ray_moe' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

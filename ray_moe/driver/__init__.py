@@ -6,11 +6,9 @@ The names below load on first use, so that importing a Ray-free part of the pack
 
 from __future__ import annotations
 
-import importlib
-from types import MappingProxyType
-from typing import Any
+from ray_moe.lazy import lazy_exports
 
-_PUBLIC = MappingProxyType({
+__all__, __getattr__ = lazy_exports(__name__, {
     "GroupError": "ray_moe.driver.errors",
     "WorkerFailure": "ray_moe.driver.errors",
     "TrainingError": "ray_moe.driver.errors",
@@ -18,11 +16,3 @@ _PUBLIC = MappingProxyType({
     "connect": "ray_moe.driver.group",
     "Trainer": "ray_moe.driver.trainer",
 })
-
-__all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _PUBLIC:
-        return getattr(importlib.import_module(_PUBLIC[name]), name)
-    raise AttributeError(f"module 'ray_moe.driver' has no attribute {name!r}")
