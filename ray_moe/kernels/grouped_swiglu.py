@@ -51,6 +51,10 @@ from ray_moe.kernels.tiles import (
 ZERO_TAIL = 1024
 
 
+# the grouped GEMMs of one expert_ffn call, each a KernelPlan field with its own tiles
+GEMM_ROLES = ("gate_up", "down", "dact", "dx", "wgrad13", "wgrad2")
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     """Tile shape and pipelining of one grouped GEMM launch.
@@ -139,8 +143,7 @@ def default_plan(dtype: torch.dtype, device: torch.device, persistent: bool = Tr
     beside a kernel holding some SMs (an exchange): the hardware then fills the SMs left as tiles
     finish, where a persistent grid's programs that found no SM wait for the exchange to end."""
     fused = device.type != "cuda" or dtype == torch.float32  # the interpreter tests the fused epilogue
-    roles = ("gate_up", "down", "dact", "dx", "wgrad13", "wgrad2", "gate_up_split")
-    cfgs = {r: default_config(r, dtype, device) for r in roles}
+    cfgs = {r: default_config(r, dtype, device) for r in GEMM_ROLES + ("gate_up_split",)}
     if not persistent:
         cfgs = {r: replace(c, persistent=False, flatten=False) for r, c in cfgs.items()}
     if fused:

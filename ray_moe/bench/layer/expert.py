@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from ray_moe.bench.layer.problem import LayerShape, median_ms, tflops
+from ray_moe.kernels.grouped_swiglu import GEMM_ROLES
 
 
 def expert_compute_rows(
@@ -273,9 +274,6 @@ def sweep_candidates(role: str) -> list[tuple[Any, bool]]:
                    (C(128, 256, 64, 8, 8, 4, tma=True), False), (C(128, 128, 64, 8, 4, 4, tma=True), False),
                    (C(128, 128, 32, 8, 8, 6, tma=True), False)],
     }[role]
-
-
-GEMM_ROLES = ("gate_up", "down", "dact", "dx", "wgrad13", "wgrad2")
 
 
 def kernel_rows(
