@@ -59,7 +59,7 @@ SPEC_FIELDS = MappingProxyType({
 })
 ARCHS = ("byte",) + arch.FAMILIES
 CHECKPOINTING = ("none", "moe", "full")
-COMPILE = ("none", "blocks")
+COMPILE = ("auto", "none", "blocks")
 
 
 @dataclass
@@ -77,9 +77,19 @@ class ModelConfig:
     hf: dict = field(default_factory=dict)  # HF config keys on top of hf_config's (or the whole config)
     init_from: str = ""  # HF model directory whose weights the model starts from
     activation_checkpointing: str = "none"  # none | moe | full (recompute per block in backward)
-    # none | blocks: torch.compile each block's dense parts (attention, norms, dense MLP, shared
-    # experts), the MoE layers eager (torchtitan's compile.enable, per block, for components "model")
-    compile: str = "none"
+    # auto | none | blocks: blocks torch.compiles each block's dense parts (attention, norms, dense
+    # MLP, shared experts), the MoE layers eager (torchtitan's compile.enable, per block, for
+    # components "model"); auto is blocks on CUDA and none on the CPU (:meth:`compile_on`)
+    compile: str = "auto"
+
+    def compile_on(self, device_type: str) -> str:
+        """``model.compile`` on a device of ``device_type`` ("cuda" | "cpu"): ``auto`` compiles the
+        blocks on CUDA, where they won every step measured (0.724x torchtitan compiled's step
+        against 0.917x eager, docs/BENCHMARKS.md session 25), and not on the CPU, where compiling
+        costs more than the short runs it serves."""
+        if self.compile == "auto":
+            return "blocks" if device_type == "cuda" else "none"
+        return self.compile
 
     def check(self) -> None:
         _positive("model.n_layers", self.n_layers)

@@ -146,9 +146,7 @@ def ray_moe_rows(args: argparse.Namespace, layers: int, compiled: bool = False) 
     from ray_moe.worker.engine import Engine
 
     device = pick_device(args.device)
-    cfg = engine_config(args, layers)
-    if compiled:
-        cfg = cfg.with_overrides(["model.compile=blocks"])
+    cfg = engine_config(args, layers).with_overrides([f"model.compile={'blocks' if compiled else 'none'}"])
     resolved = cfg.resolve_arch()
     engine = Engine(cfg, one_rank(device), LocalTransport(), device, resolved)
     spec = resolved.spec

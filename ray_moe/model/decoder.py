@@ -263,7 +263,7 @@ class Decoder(nn.Module):
         self.lm_head = skip_init(nn.Linear, H, spec.vocab_size, bias=False, device=device)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        if config.model.compile == "blocks":
+        if config.model.compile_on(torch.device(device).type) == "blocks":
             self.compile_blocks()
         if init:
             self.init_weights(torch.Generator().manual_seed(self.seed))

@@ -617,10 +617,14 @@ def test_progress_off_is_taken_on_the_command_line_and_in_a_file(tmp_path):
         Config().with_overrides(["train.progress=on"])
 
 
-def test_model_compile_takes_none_or_blocks():
-    assert Config().model.compile == "none"
-    assert Config().with_overrides(["model.compile=blocks"]).model.compile == "blocks"
-    reject({"model.compile": True}, "model.compile='true' is not allowed; choose one of none, blocks")
+def test_model_compile_takes_auto_none_or_blocks():
+    assert Config().model.compile == "auto"
+    assert Config().model.compile_on("cuda") == "blocks" and Config().model.compile_on("cpu") == "none"
+    assert Config().model.compile_on("meta") == "none"
+    blocks = Config().with_overrides(["model.compile=blocks"]).model
+    assert blocks.compile == "blocks" and blocks.compile_on("cpu") == "blocks"
+    assert Config().with_overrides(["model.compile=none"]).model.compile_on("cuda") == "none"
+    reject({"model.compile": True}, "model.compile='true' is not allowed; choose one of auto, none, blocks")
     reject({"model.compile": "full"}, "model.compile='full'")
 
 

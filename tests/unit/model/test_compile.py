@@ -166,3 +166,12 @@ def test_the_uncompiled_model_runs_the_eager_regions_and_names_do_not_change(tmp
     compiled = build(cfg.with_overrides(["model.compile=blocks"]), LocalTransport())
     assert all(layer.regions != BlockRegions.eager() for layer in compiled.layers)
     assert list(compiled.state_dict()) == list(model.state_dict())  # checkpoints and HF export unchanged
+
+
+def test_auto_compiles_the_blocks_only_on_cuda(tmp_path):
+    """``model.compile: auto`` (the default) leaves a CPU model's regions eager; the same config
+    on CUDA (``compile_on``, checked without a GPU in tests/unit/test_config.py) compiles them."""
+    cfg = small_config(tmp_path, world_size=1, **{"model.seq_len": 16})
+    assert cfg.model.compile == "auto"
+    model = build(cfg, LocalTransport())
+    assert model.layers[0].regions.attention is DecoderLayer.attention_half
