@@ -40,6 +40,7 @@ from ray_moe.kernels.tiles import (
     EPI_SCALE,
     EPI_SWIGLU,
     EPI_SWIGLU_BWD,
+    load_row_scale,
     store_forward_epilogue,
     swizzle,
 )
@@ -197,6 +198,7 @@ def _grouped_rows_kernel(
         pair = tl.load(sorted_pair_ptr + rm, mask=row_ok, other=0)
     else:
         pair = rm  # not read
+    row_scale = load_row_scale(pair, row_ok, weight_ptr, EPILOGUE, BLOCK_M)
     if GATHER_A:
         a_row = (pair // TOP_K).to(tl.int64)
         if ROW_MAP:
@@ -250,8 +252,8 @@ def _grouped_rows_kernel(
     out_mask = row_ok[:, None] & col_ok[None, :]
     rm64 = rm.to(tl.int64)
     out_ptrs = out_ptr + rm64[:, None] * stride_om + rn[None, :]
-    store_forward_epilogue(acc, acc_up, out_ptrs, out_mask, row_ok, rm64, rn, pair, weight_ptr, aux_ptr, stride_xm,
-                           half, EPILOGUE, SAVE_AUX)
+    store_forward_epilogue(acc, acc_up, out_ptrs, out_mask, rm64, rn, row_scale, aux_ptr, stride_xm, half, EPILOGUE,
+                           SAVE_AUX)
     if EPILOGUE == EPI_SWIGLU_BWD:
         aux_ptrs = aux_ptr + rm64[:, None] * stride_xm + rn[None, :]
         gate = tl.load(aux_ptrs, mask=out_mask, other=0.0).to(tl.float32)

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ray_moe.kernels.tiles import EPI_SCALE, EPI_SWIGLU, store_forward_epilogue, swizzle
+from ray_moe.kernels.tiles import EPI_SCALE, EPI_SWIGLU, load_row_scale, store_forward_epilogue, swizzle
 
 
 def _descriptor_cls():
@@ -130,6 +130,11 @@ def _rows_tile(
             a_row = tl.load(row_map_ptr + (a_row - row_lo), mask=row_ok, other=0).to(tl.int64)
         a_rows = a_ptr + a_row[:, None] * stride_am
     b_row0 = group * b_group_rows
+    if EPILOGUE == EPI_SCALE:
+        pair_e = tl.load(sorted_pair_ptr + rm, mask=row_ok, other=0)
+    else:
+        pair_e = rm  # not read
+    row_scale = load_row_scale(pair_e, row_ok, weight_ptr, EPILOGUE, BLOCK_M)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, KD, BLOCK_K):
@@ -154,12 +159,8 @@ def _rows_tile(
     out_mask = row_ok[:, None] & (rn < N)[None, :]
     rm64 = rm.to(tl.int64)
     out_ptrs = out_ptr + rm64[:, None] * stride_om + rn[None, :]
-    if EPILOGUE == EPI_SCALE:
-        pair_e = tl.load(sorted_pair_ptr + rm, mask=row_ok, other=0)
-    else:
-        pair_e = rm  # not read
-    store_forward_epilogue(acc, acc_up, out_ptrs, out_mask, row_ok, rm64, rn, pair_e, weight_ptr, aux_ptr, stride_xm,
-                           half, EPILOGUE, SAVE_AUX)
+    store_forward_epilogue(acc, acc_up, out_ptrs, out_mask, rm64, rn, row_scale, aux_ptr, stride_xm, half, EPILOGUE,
+                           SAVE_AUX)
 
 
 @triton.jit

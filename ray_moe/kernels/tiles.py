@@ -26,15 +26,28 @@ def swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def load_row_scale(pair, row_ok, weight_ptr, EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """EPI_SCALE's per-row routing weights, float32 [BLOCK_M]: ``weight[pair]`` (``pair`` [BLOCK_M]
+    int: the rows' pair indices, ``row_ok`` their mask); zeros (never read) for other epilogues.
+    Called before the main loop: loaded in the epilogue, these two dependent loads stalled every
+    tile's store (the down-projection 5.2-6.0 % slower than with the plain epilogue, H100)."""
+    if EPILOGUE == EPI_SCALE:
+        row_scale = tl.load(weight_ptr + pair, mask=row_ok, other=0.0)
+    else:
+        row_scale = tl.zeros([BLOCK_M], dtype=tl.float32)
+    return row_scale
+
+
+@triton.jit
 def store_forward_epilogue(
-    acc, acc_up, out_ptrs, out_mask, row_ok, rm64, rn, pair, weight_ptr, aux_ptr, stride_xm, half,
+    acc, acc_up, out_ptrs, out_mask, rm64, rn, row_scale, aux_ptr, stride_xm, half,
     EPILOGUE: tl.constexpr, SAVE_AUX: tl.constexpr,
 ):
     """Store a finished float32 tile ``acc`` [BLOCK_M, BLOCK_N] at ``out_ptrs`` (``out_mask``)
     after the forward epilogue.
 
-    EPI_PLAIN: acc. EPI_SCALE: acc · weight[pair] per row (``pair`` [BLOCK_M] int: the rows' pair
-    indices, ``row_ok`` their mask). EPI_SWIGLU: silu(acc) · acc_up (gate and up tiles of the same
+    EPI_PLAIN: acc. EPI_SCALE: acc · row_scale per row (``row_scale`` float32 [BLOCK_M]: the
+    rows' routing weights, from :func:`load_row_scale` before the main loop). EPI_SWIGLU: silu(acc) · acc_up (gate and up tiles of the same
     columns); with ``SAVE_AUX`` the two pre-activations go first to rows ``rm64`` (int64
     [BLOCK_M]) and columns ``rn`` / ``half + rn`` of ``aux`` (row stride ``stride_xm``), rounded
     to aux's dtype, and the activation is computed from the rounded values so that backward
@@ -43,8 +56,7 @@ def store_forward_epilogue(
     if EPILOGUE == EPI_PLAIN:
         tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=out_mask)
     if EPILOGUE == EPI_SCALE:
-        w = tl.load(weight_ptr + pair, mask=row_ok, other=0.0)
-        tl.store(out_ptrs, (acc * w[:, None]).to(out_ptrs.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptrs, (acc * row_scale[:, None]).to(out_ptrs.dtype.element_ty), mask=out_mask)
     if EPILOGUE == EPI_SWIGLU:
         if SAVE_AUX:
             aux_ptrs = aux_ptr + rm64[:, None] * stride_xm + rn[None, :]
