@@ -1,7 +1,11 @@
 """The memory model of ``python -m ray_moe.arch`` against the GPU: ``ArchSpec.peak_bytes_per_rank``
-(training state + activations with the backward working set + the loss's logits) must be within
-10 % of ``torch.cuda.max_memory_allocated`` over a training step of Qwen3-30B-A3B's real shape
-(vocabulary included) cut to 2 and 4 layers, one rank (all 128 experts), 8 x 1024 tokens.
+(training state + activations with the backward working set + the loss's logits) must bound
+``torch.cuda.max_memory_allocated`` over a training step of Qwen3-30B-A3B's real shape
+(vocabulary included) cut to 2 and 4 layers, one rank (all 128 experts), 8 x 1024 tokens, with the
+blocks eager (``model.compile: none``). The model is an upper bound: measured / model 0.91-0.96
+in session 7, 0.89 at 2 layers with full recompute in session 26 (H100), so the band is
+[0.85, 1]: never under, at most 15 % over. Compiled blocks (``auto``'s choice on CUDA) hold
+fewer activations: 0.85-0.92 of the model (H100, session 26), band [0.8, 1].
 
 Writes ``$OUT/memory_model.json`` (measured, predicted and their parts) when ``OUT`` is set."""
 
@@ -21,7 +25,20 @@ TOKENS, SEQ = 8192, 1024
 
 @pytest.mark.parametrize("layers", [2, 4])
 @pytest.mark.parametrize("checkpointing,moments", [("full", "float32"), ("none", "float32"), ("full", "bfloat16")])
-def test_memory_model_within_ten_percent_of_the_gpu(tmp_path, layers, checkpointing, moments):
+def test_memory_model_bounds_the_gpu_within_fifteen_percent(tmp_path, layers, checkpointing, moments):
+    ratio = _measured_over_predicted(tmp_path, layers, checkpointing, moments, "none")
+    assert 0.85 <= ratio <= 1.0, ratio
+
+
+@pytest.mark.parametrize("checkpointing", ["full", "none"])
+def test_memory_model_bounds_the_compiled_blocks(tmp_path, checkpointing):
+    ratio = _measured_over_predicted(tmp_path, 2, checkpointing, "float32", "blocks")
+    assert 0.8 <= ratio <= 1.0, ratio
+
+
+def _measured_over_predicted(tmp_path, layers: int, checkpointing: str, moments: str, compile_: str) -> float:
+    """One rank's peak memory over a training step against the model's prediction; prints (and
+    appends to ``$OUT/memory_model.json``) the row behind it."""
     from ray_moe.arch import ArchSpec, preset
     from ray_moe.comm.local import LocalTransport
     from ray_moe.config import Config
@@ -31,7 +48,8 @@ def test_memory_model_within_ten_percent_of_the_gpu(tmp_path, layers, checkpoint
     hf = dict(preset("qwen3-30b-a3b"), num_hidden_layers=layers)
     spec = ArchSpec.from_hf(hf)
     cfg = Config.from_dict({
-        "model": {"hf": hf, "seq_len": SEQ, "dtype": "bfloat16", "activation_checkpointing": checkpointing},
+        "model": {"hf": hf, "seq_len": SEQ, "dtype": "bfloat16", "activation_checkpointing": checkpointing,
+                  "compile": compile_},
         "moe": {"aux_loss_coef": 0.001},
         "parallel": {"world_size": 1, "device": "cuda"},
         "data": {"max_bytes": 4_000_000},
@@ -48,7 +66,7 @@ def test_memory_model_within_ten_percent_of_the_gpu(tmp_path, layers, checkpoint
     torch.cuda.synchronize()
     measured = torch.cuda.max_memory_allocated()
     predicted = spec.peak_bytes_per_rank(1, TOKENS, checkpointing, moments=moments)
-    row = {"layers": layers, "checkpointing": checkpointing, "moments": moments, "measured": measured,
+    row = {"layers": layers, "checkpointing": checkpointing, "moments": moments, "compile": compile_, "measured": measured,
            "predicted": predicted["peak"], "ratio": measured / predicted["peak"],
            **{k: predicted[k] for k in ("backward_bytes", "update_bytes", "activations", "loss_forward")}}
     print(json.dumps(row))
@@ -58,4 +76,4 @@ def test_memory_model_within_ten_percent_of_the_gpu(tmp_path, layers, checkpoint
             f.write(json.dumps(row) + "\n")
     del engine
     torch.cuda.empty_cache()
-    assert abs(measured / predicted["peak"] - 1) <= 0.10, row
+    return measured / predicted["peak"]
