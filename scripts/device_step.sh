@@ -22,13 +22,15 @@
 # Budgets (seconds) per step: T_GPUTESTS, T_TRAIN, T_MOMENTS, T_SONIC; the whole must fit one 10-minute call.
 # Session 25 (one H100): the one-dot up-projection ran, won (6.5-7.3 % alone) and is the Hopper default; the sonic
 # step (~130 s with .sonickernels) gave 1.036 / 1.009 fwd+bwd at E=128 / 64, the train step 0.724x torchtitan.
-# Next lease (issue 26): why E=64, T=128's small-T graph forward read 1.12 ms beside SonicMoE in one process and
-# 0.904 ms alone (twice): in one call with .sonicbundle, --sections small --layer-E 64 with --impls ray_moe and with
-# the default ray_moe,sonicmoe (per T ray_moe runs first, so a slow E=64 T=128 follows SonicMoE's E=128 rows).
-# model.compile's default: BENCHMARKS session 7 kept it `none` "until compiled training has run at W >= 2 over
-# NVSHMEM"; that ran in session 21 (test_zero_gpu's compiled blocks at W=2) and blocks won every step since
-# (0.724x torchtitan compiled vs 0.917x eager, session 25). Next: a default that compiles on CUDA only, then the
-# GPU suite with it (tests/gpu, pes2) before it lands.
+# Session 26 (H100, H200): model.compile's default is now auto (blocks on CUDA); tests/gpu file by file passed with it
+# (incremental decoding now held to the eager forward; the memory model re-banded: eager 0.89, compiled 0.85-0.92);
+# the down-projection's scale epilogue no longer stalls (5.4-6.4 % -> 1.6/0 %); a Gluon down-projection is correct
+# but not faster (scripts/gluon_bench.py). Next lease: the multi-PE tests with compile on by default
+# (. .devbundle/setup.sh && bash scripts/device_ep.sh pes2, ~400 s), tests/gpu/test_nvshmem_gpu.py after
+# test_interleaved_copy_out_parity, and, on x2, tests/gpu/test_zero_gpu.py; whether E=64, T=128's small-T graph
+# forward reads slow only beside SonicMoE (--sections small --layer-E 64, --impls ray_moe vs the default, one call
+# with .sonicbundle); which term of the memory model over-counts (measured peak 0.68 GB above the end-of-backward
+# state at 2 layers, the model 4.46 GB).
 # A tile A/B of one GEMM role alone: python3 -m ray_moe.bench.layer ... --sections kernels,ffn --sweep
 # --sweep-roles ROLE (~60-100 s per E). Single-GPU benches need no Ray (python3 -m ray_moe.bench.layer, and the
 # ray-moe CLI since session 25), so they run with .sonicbundle, which cannot travel beside .devbundle; the pytest
