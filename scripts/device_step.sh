@@ -22,9 +22,11 @@
 # Budgets (seconds) per step: T_GPUTESTS, T_TRAIN, T_MOMENTS, T_SONIC; the whole must fit one 10-minute call.
 # Session 25 (one H100): the one-dot up-projection ran, won (6.5-7.3 % alone) and is the Hopper default; the sonic
 # step (~130 s with .sonickernels) gave 1.036 / 1.009 fwd+bwd at E=128 / 64, the train step 0.724x torchtitan.
-# Session 26 (H100, H200): model.compile's default is now auto (blocks on CUDA); tests/gpu file by file passed with it
-# (incremental decoding now held to the eager forward; the memory model re-banded: eager 0.89, compiled 0.85-0.92);
-# the down-projection's scale epilogue no longer stalls (5.4-6.4 % -> 1.6/0 %); a Gluon down-projection is correct
+# Session 26 (H100, H200): model.compile's default is now auto (blocks on CUDA); with it the pipeline, precision,
+# training and transport-spec tests passed, the incremental decoding after holding it to the eager forward, the memory
+# model re-banded (eager 0.89 measured, the new eager band not yet run; compiled 0.85-0.92);
+# the down-projection's scale epilogue loads its weights before the main loop (0-2.3 % from the plain one after;
+# the before-reading was noisy: re-time both with EP_ROUNDS-like rounds); a Gluon down-projection is correct
 # but not faster (scripts/gluon_bench.py). Next lease: the multi-PE tests with compile on by default
 # (. .devbundle/setup.sh && bash scripts/device_ep.sh pes2, ~400 s), tests/gpu/test_nvshmem_gpu.py after
 # test_interleaved_copy_out_parity, and, on x2, tests/gpu/test_zero_gpu.py; whether E=64, T=128's small-T graph

@@ -114,8 +114,6 @@ except Exception as exc:  # pragma: no cover - depends on the installed Triton
     gluon = gl = None  # type: ignore[assignment]
     _GLUON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
-#: SM count used when the launcher is asked for a grid without a device (offline compiles).
-_H100_SMS = 132
 #: Dynamic shared memory of one sm_90 CTA (bytes).
 SM90_SMEM = 232448
 
@@ -312,15 +310,16 @@ TABLE_COLS = 4  # (group, first row, group end, unused) per row tile; row 0 = (t
 
 
 @triton.jit
-def _tile_table_kernel(offsets_ptr, table_ptr, n_groups, max_tiles, BLOCK_M: tl.constexpr,
+def _tile_table_kernel(offsets_ptr, table_ptr, n_groups, n_rows, max_tiles, BLOCK_M: tl.constexpr,
                        GROUPS_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
     """Row tiles of the groups, in group order: table[1 + t] = (group, first row, group end, 0)
     for t < total_m; program 0 also writes table[0] = (total_m, 0, 0, 0). Entries past total_m are
-    written as (0, 0, 0, 0) (never read)."""
+    written as (0, 0, 0, 0) (never read). Group bounds are clamped to ``n_rows``, so offsets past
+    the output's rows never lead to a store past it."""
     g = tl.arange(0, GROUPS_PAD)
     g_ok = g < n_groups
-    starts = tl.load(offsets_ptr + g, mask=g_ok, other=0)
-    ends = tl.load(offsets_ptr + g + 1, mask=g_ok, other=0)
+    starts = tl.minimum(tl.load(offsets_ptr + g, mask=g_ok, other=0), n_rows)
+    ends = tl.minimum(tl.load(offsets_ptr + g + 1, mask=g_ok, other=0), n_rows)
     tiles = tl.where(g_ok, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
     cum = tl.cumsum(tiles, axis=0)  # inclusive
     total = tl.sum(tiles, axis=0)
@@ -358,17 +357,21 @@ def build_tile_table(offsets: torch.Tensor, n_rows: int, block_m: int, table: to
     cap = tile_table_capacity(n_rows, S, block_m)
     if table is None:
         table = torch.empty(1 + cap, TABLE_COLS, dtype=torch.int32, device=offsets.device)
+    elif table.dtype != torch.int32 or table.shape[0] < 1 + cap or table.shape[1:] != (TABLE_COLS,) \
+            or not table.is_contiguous():
+        raise ValueError(f"table must be contiguous int32 [>= {1 + cap}, {TABLE_COLS}], got {table.dtype} "
+                         f"{tuple(table.shape)}")
     pad = max(16, triton.next_power_of_2(max(S, 1)))
     block_t = max(16, min(128, 8192 // pad))
     grid = (triton.cdiv(cap, block_t),)
-    _tile_table_kernel[grid](offsets, table, S, cap, BLOCK_M=block_m, GROUPS_PAD=pad, BLOCK_T=block_t, num_warps=4)
+    _tile_table_kernel[grid](offsets, table, S, n_rows, cap, BLOCK_M=block_m, GROUPS_PAD=pad, BLOCK_T=block_t, num_warps=4)
     return table
 
 
 def tile_table_reference(offsets: torch.Tensor, n_rows: int, block_m: int) -> torch.Tensor:
     """Plain-torch (host) version of :func:`build_tile_table`'s meaningful entries:
     int32 [1 + total_m, 4]."""
-    bounds = offsets.tolist()
+    bounds = [min(b, n_rows) for b in offsets.tolist()]
     rows = []
     for s in range(len(bounds) - 1):
         for r0 in range(bounds[s], bounds[s + 1], block_m):
@@ -521,10 +524,10 @@ def _layouts(cfg: GluonDownConfig):
     return a, b, c
 
 
-def num_programs(device: torch.device | None, cfg: GluonDownConfig, n_rows: int, n_groups: int, n_cols: int) -> int:
-    """CTAs of the persistent launch: one per SM (or ``cfg.num_progs``), at most the tiles."""
-    progs = cfg.num_progs or (torch.cuda.get_device_properties(device).multi_processor_count
-                              if device is not None and device.type == "cuda" else _H100_SMS)
+def persistent_programs(device: torch.device, cfg: GluonDownConfig, n_rows: int, n_groups: int, n_cols: int) -> int:
+    """CTAs of the persistent launch on CUDA ``device``: one per SM (or ``cfg.num_progs``), at
+    most the tiles."""
+    progs = cfg.num_progs or torch.cuda.get_device_properties(device).multi_processor_count
     max_tiles = tile_table_capacity(n_rows, n_groups, cfg.block_m) * triton.cdiv(n_cols, cfg.block_n)
     return max(1, min(progs, max_tiles))
 
@@ -553,7 +556,7 @@ def launch_down_gluon(act: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor
     a_desc = GluonTensorDescriptor.from_tensor(act, [cfg.block_m, cfg.block_k], a_layout)
     b_desc = GluonTensorDescriptor.from_tensor(w2.view(S * I, H), [cfg.block_k, cfg.block_n], b_layout)
     c_desc = GluonTensorDescriptor.from_tensor(out, [cfg.block_m, cfg.block_n], c_layout)
-    progs = num_programs(act.device, cfg, P, S, H)
+    progs = persistent_programs(act.device, cfg, P, S, H)
     _down_ws_kernel[(progs,)](
         a_desc, b_desc, c_desc, out, table, H, I, out.stride(0),
         STAGES=cfg.stages, GROUP_M=cfg.group_m, EPI_TMA=cfg.epi_tma,
@@ -570,6 +573,9 @@ def compile_down_sm90(cfg: GluonDownConfig = DEFAULT_CONFIG) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    reason = gluon_unavailable_reason()
+    if reason:
+        raise RuntimeError(f"compile_down_sm90: {reason}")
     cfg.check()
     a_layout, b_layout, c_layout = _layouts(cfg)
 

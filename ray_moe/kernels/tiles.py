@@ -29,8 +29,9 @@ def swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
 def load_row_scale(pair, row_ok, weight_ptr, EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr):
     """EPI_SCALE's per-row routing weights, float32 [BLOCK_M]: ``weight[pair]`` (``pair`` [BLOCK_M]
     int: the rows' pair indices, ``row_ok`` their mask); zeros (never read) for other epilogues.
-    Called before the main loop: loaded in the epilogue, these two dependent loads stalled every
-    tile's store (the down-projection 5.2-6.0 % slower than with the plain epilogue, H100)."""
+    Called before the main loop: loaded in the epilogue, these two dependent loads stalled
+    every tile's store (the scaled down-projection read 5.4-6.4 % slower than the plain one on
+    an H100, in a noisy run; 0-2.3 % after the move: docs/BENCHMARKS.md, session 26)."""
     if EPILOGUE == EPI_SCALE:
         row_scale = tl.load(weight_ptr + pair, mask=row_ok, other=0.0)
     else:
@@ -47,11 +48,11 @@ def store_forward_epilogue(
     after the forward epilogue.
 
     EPI_PLAIN: acc. EPI_SCALE: acc · row_scale per row (``row_scale`` float32 [BLOCK_M]: the
-    rows' routing weights, from :func:`load_row_scale` before the main loop). EPI_SWIGLU: silu(acc) · acc_up (gate and up tiles of the same
-    columns); with ``SAVE_AUX`` the two pre-activations go first to rows ``rm64`` (int64
-    [BLOCK_M]) and columns ``rn`` / ``half + rn`` of ``aux`` (row stride ``stride_xm``), rounded
-    to aux's dtype, and the activation is computed from the rounded values so that backward
-    recomputes exactly it.
+    rows' routing weights, from :func:`load_row_scale` before the main loop). EPI_SWIGLU:
+    silu(acc) · acc_up (gate and up tiles of the same columns); with ``SAVE_AUX`` the two
+    pre-activations go first to rows ``rm64`` (int64 [BLOCK_M]) and columns ``rn`` /
+    ``half + rn`` of ``aux`` (row stride ``stride_xm``), rounded to aux's dtype, and the
+    activation is computed from the rounded values so that backward recomputes exactly it.
     """
     if EPILOGUE == EPI_PLAIN:
         tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=out_mask)

@@ -168,10 +168,17 @@ def test_the_uncompiled_model_runs_the_eager_regions_and_names_do_not_change(tmp
     assert list(compiled.state_dict()) == list(model.state_dict())  # checkpoints and HF export unchanged
 
 
-def test_auto_compiles_the_blocks_only_on_cuda(tmp_path):
-    """``model.compile: auto`` (the default) leaves a CPU model's regions eager; the same config
-    on CUDA (``compile_on``, checked without a GPU in tests/unit/test_config.py) compiles them."""
+def test_auto_compiles_the_blocks_only_on_cuda(tmp_path, monkeypatch):
+    """``model.compile: auto`` (the default) leaves a CPU model's regions eager; the model asks
+    ``ModelConfig.compile_on`` with its device's type, so the same config compiles on CUDA
+    (``compile_on("cuda") == "blocks"`` is checked in tests/unit/test_config.py)."""
+    from ray_moe.config import ModelConfig
+
     cfg = small_config(tmp_path, world_size=1, **{"model.seq_len": 16})
     assert cfg.model.compile == "auto"
     model = build(cfg, LocalTransport())
     assert model.layers[0].regions.attention is DecoderLayer.attention_half
+    asked = []
+    monkeypatch.setattr(ModelConfig, "compile_on", lambda self, device_type: asked.append(device_type) or "blocks")
+    model = build(cfg, LocalTransport())
+    assert asked == ["cpu"] and model.layers[0].regions.attention is not DecoderLayer.attention_half
