@@ -39,41 +39,38 @@ def _compile(gg, spec: str) -> dict:
         raise
 
 
-def _ptxas_report(ptx: str) -> str | None:
-    """ptxas -v on the kernel's PTX (the compiler's own run does not keep the report)."""
+def _run_tool(tool: str, data: str | bytes, *args: str) -> subprocess.CompletedProcess | None:
+    """Triton's bundled ``tool`` (``ptxas`` | ``cuobjdump``) on ``data`` written to a temporary
+    file; None where this Triton does not ship it."""
     from triton import knobs
 
     try:
-        ptxas = knobs.nvidia.ptxas.path
+        path = getattr(knobs.nvidia, tool).path
     except Exception:  # noqa: BLE001 - tool lookup differs between versions
         return None
-    if not ptxas or not os.path.exists(ptxas):
+    if not path or not os.path.exists(path):
         return None
     with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        run = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(d, "k.cubin")],
-                             capture_output=True, text=True)
+        src = os.path.join(d, "k.ptx" if isinstance(data, str) else "k.cubin")
+        with open(src, "w" if isinstance(data, str) else "wb") as f:
+            f.write(data)
+        return subprocess.run([path, *args, src, *(["-o", os.path.join(d, "out.cubin")] if tool == "ptxas" else [])],
+                              capture_output=True, text=True)
+
+
+def _ptxas_report(ptx: str) -> str | None:
+    """ptxas -v on the kernel's PTX (the compiler's own run does not keep the report)."""
+    run = _run_tool("ptxas", ptx, "-v", "--gpu-name=sm_90a")
+    if run is None:
+        return None
     assert run.returncode == 0, run.stderr
     return run.stderr
 
 
 def _sass(cubin: bytes) -> str | None:
-    from triton import knobs
-
-    try:
-        tool = knobs.nvidia.cuobjdump.path
-    except Exception:  # noqa: BLE001
-        return None
-    if not tool or not os.path.exists(tool):
-        return None
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        run = subprocess.run([tool, "-sass", path], capture_output=True, text=True)
-    return run.stdout if run.returncode == 0 else None
+    """cuobjdump -sass of the cubin; None where it cannot run."""
+    run = _run_tool("cuobjdump", cubin, "-sass")
+    return run.stdout if run is not None and run.returncode == 0 else None
 
 
 @pytest.mark.parametrize("spec,tma_store,wgmma", [
