@@ -46,7 +46,7 @@ def config_for(args: argparse.Namespace, stage: int, run_dir: str):
         "train": {"batch_size": args.world_size * max(1, args.tokens // args.seq_len), "steps": 1000,
                   "warmup_steps": 0, "lr": 3e-4, "optimizer_state_dtype": args.moments, "plots": False,
                   "run_dir": run_dir, "resume": "false", "overwrite": True},
-    })
+    }).with_overrides(args.set)
 
 
 def stage_rows(args: argparse.Namespace, group: Any = None) -> list[dict[str, Any]]:
@@ -99,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-bytes", type=int, default=8_000_000, help="corpus size cap (data.max_bytes)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
+    p.add_overrides()
     p.add_argument("--json", default=None, help="write the rows to this JSON file")
     return p
 
@@ -117,6 +118,10 @@ def main(argv: Sequence[str] | None = None, group: Any = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.world_size < 2:
         parser.error("--world-size must be >= 2: one rank reduces nothing")
+    try:
+        config_for(args, args.stages[0], "runs/bench-grad-reduce-check")
+    except ValueError as exc:  # ConfigError: names the key
+        parser.error(f"--set: {exc}" if args.set else str(exc))
     from tabulate import tabulate
 
     print(f"bench grad_reduce: W={args.world_size}, {args.hf_config or 'byte model'} x {args.layers} layers, "

@@ -216,8 +216,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=8)
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="more config overrides for every run (e.g. moe.delay_wgrad=true)")
+    p.add_overrides()
     p.add_argument("--trace-dir", default=None,
                    help="after each run's timed steps in the first round, one step under torch.profiler on every "
                         "rank: its Chrome trace kept here (read with python -m ray_moe.bench.timeline TRACE)")

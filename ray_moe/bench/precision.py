@@ -79,7 +79,7 @@ def step_config(args: argparse.Namespace, variant: str):
     ]
     if args.data_paths:
         base.append(f"data.paths={json.dumps(args.data_paths)}")
-    return Config().with_overrides([*base, *VARIANTS[variant]])
+    return Config().with_overrides([*base, *VARIANTS[variant], *args.set])
 
 
 def step_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -241,6 +241,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=151936, help="V of the loss section")
     p.add_argument("--loss-chunk", type=int, default=0, help="rows per chunk (0 = automatic)")
     p.add_argument("--loss-iters", type=int, default=3)
+    p.add_overrides("the step and curve sections' runs")
     p.add_argument("--json", default=None, help="write the rows to this JSON file")
     return p
 
@@ -256,6 +257,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                  "iters", "loss_tokens", "vocab", "loss_iters", "curve_steps", "curve_window"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    try:
+        for v in args.variants:
+            step_config(args, v)
+    except ValueError as exc:  # ConfigError: names the key
+        parser.error(f"--set: {exc}" if args.set else f"--variants={v}: {exc}")
     from tabulate import tabulate
 
     device = pick_device(args.device)

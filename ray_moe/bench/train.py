@@ -478,7 +478,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--titan-ac", choices=["none", "selective", "full"], default="none",
                    help="torchtitan's activation checkpointing (its apply_ac; selective is its default, "
                         "full matches model.activation_checkpointing=full)")
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides for ray_moe")
+    p.add_overrides("ray_moe's rows")
     p.add_argument("--json", default=None, help="write the rows and the setup here")
     args = p.parse_args(argv)
     if not all(n.strip().isdigit() and int(n) >= 1 for n in args.layers.split(",")):

@@ -113,3 +113,30 @@ def test_bench_overlap_variants_join_their_overrides():
     assert re.balance.enabled and re.balance.clone_slots >= 1 and re.balance.interval <= args.warmup
     one = overlap.config_for(args, 1, "two_batch+bf16_reduce", "runs/x")  # the reference: no variant
     assert not one.moe.two_batch_overlap and one.parallel.grad_reduce_dtype == "float32"
+
+
+@pytest.mark.parametrize("bench", ["precision", "grad_reduce"])
+def test_set_overrides_are_checked_before_any_run(bench, capsys):
+    """``--set`` (e.g. ``model.compile=none`` to time eager blocks where ``auto`` compiles them):
+    a bad key's value ends in one line naming it, before a model or a cluster is built."""
+    import importlib
+
+    main = importlib.import_module(f"ray_moe.bench.{bench}").main
+    with pytest.raises(SystemExit) as exc:
+        main(["--set", "model.compile=full"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "--set: model.compile='full' is not allowed; choose one of auto, none, blocks" in err
+
+
+def test_set_overrides_reach_the_configs():
+    import argparse
+
+    from ray_moe.bench import grad_reduce, precision
+
+    p_args = precision._parser().parse_args(["--set", "model.compile=none"])
+    assert precision.step_config(p_args, "new").model.compile == "none"
+    g_args = grad_reduce._parser().parse_args(["--set", "model.compile=none"])
+    g_args.stages = [0]
+    assert grad_reduce.config_for(g_args, 0, "runs/x").model.compile == "none"
+    assert isinstance(p_args, argparse.Namespace) and p_args.set == ["model.compile=none"]
