@@ -19,7 +19,6 @@ exchange once launched, and by the engine after backward) makes the current stre
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -92,9 +91,7 @@ class _ExpertFFN(torch.autograd.Function):
             n_valid = layout.offsets[-1]
             pos = layout.pair_pos.long()
             dweight = torch.where(pos < n_valid, dw_pos[pos], 0.0).reshape(weight.shape)
-        wg13, wg2 = plan.wgrad13, plan.wgrad2
-        if plan.fused_dact:  # the fused epilogue leaves dh13/aw rows past offsets[S] unset: no TMA reads
-            wg13, wg2 = replace(wg13, tma=False), replace(wg2, tma=False)
+        wg13, wg2 = plan.wgrad13, plan.wgrad2  # TMA reads past offsets[S]: both dact forms zero ZERO_TAIL rows there
         library = {"grouped_mm": grouped_wgrad_mm, "quack": grouped_wgrad_quack}.get(plan.wgrad)
         need13, need2 = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
 

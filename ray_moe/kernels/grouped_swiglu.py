@@ -14,7 +14,8 @@ Two kernels, each parameterised by constexprs rather than copied:
       SWIGLU      two accumulators gate|up; store silu(g)*u, and g|u when saving pre-activations
       SWIGLU_BWD  acc = grad_out[row] @ w2_s^T; recompute a from the saved g|u; store
                   d(g|u) = weight * swiglu'(acc), weight * a (for dW2), and the partial
-                  router-weight gradient sum_n a * acc for this column tile
+                  router-weight gradient sum_n a * acc for this column tile; extra programs
+                  zero dh13 / aw for ZERO_TAIL rows past the last group
 ``_grouped_wgrad_kernel``: dW_s[m, n] = sum_{p in group s} A[rowA(p), m] * B[rowB(p), n] with
     either side gathered; one program per (group, m tile, n tile), full contraction in registers,
     so an empty group stores exactly zero.
@@ -40,16 +41,13 @@ from ray_moe.kernels.tiles import (
     EPI_SCALE,
     EPI_SWIGLU,
     EPI_SWIGLU_BWD,
+    ZERO_TAIL,
     load_row_scale,
     store_forward_epilogue,
+    store_swiglu_bwd_epilogue,
+    store_zero_tail,
     swizzle,
 )
-
-
-# rows past the last group (offsets[S]) that swiglu_backward_rows zeroes in dh13 and aw: a
-# weight-gradient tile along positions starts inside a group, so it reads at most its block
-# size minus one rows past offsets[S] (GemmConfig's blocks stay within it)
-ZERO_TAIL = 1024
 
 
 # the grouped GEMMs of one expert_ffn call, each a KernelPlan field with its own tiles
@@ -68,6 +66,8 @@ class GemmConfig:
     [block_k, 2·block_n] operand for one dot, so the A tile is read once per step instead of
     twice (SonicMoE's up-projection is one 128×256 tile); where I is not a multiple of 8 or the
     weights' columns are strided, the two dots. The Hopper default since session 25's H100 sweep.
+    ``epi_chunks``: (fused dact) the SwiGLU-backward epilogue walks the accumulator in 1, 2 or 4
+    column slices, so that one slice's gate/up loads, not the whole tile's, sit beside it in registers.
     """
 
     block_m: int = 128
@@ -80,8 +80,12 @@ class GemmConfig:
     persistent: bool = False
     flatten: bool = False
     one_dot: bool = False
+    epi_chunks: int = 1
 
     def __post_init__(self) -> None:
+        if self.epi_chunks not in (1, 2, 4) or (self.epi_chunks > 1 and self.block_n % (16 * self.epi_chunks)):
+            raise ValueError(f"GemmConfig.epi_chunks must be 1, 2 or 4 with slices of at least 16 columns, got "
+                             f"{self.epi_chunks} for block_n={self.block_n}")
         if max(self.block_m, self.block_n, self.block_k) > ZERO_TAIL:
             raise ValueError(f"GemmConfig blocks must be at most {ZERO_TAIL} (ZERO_TAIL), got "
                              f"{self.block_m}x{self.block_n}x{self.block_k}")
@@ -111,7 +115,10 @@ def default_config(role: str, dtype: torch.dtype, device: torch.device) -> GemmC
         "gate_up_split": GemmConfig(128, 128, 64, 16 if hopper else 8, 8, 3),
         "down": GemmConfig(128, 256, 64, 8, 8, 3 if hopper else 4, **flat),
         "dact": GemmConfig(128, 256, 64, 8, 8, 3, tma=hopper),  # split: plain GEMM, then the elementwise kernel
-        "dact_fused": GemmConfig(128, 128, 64, 8, 8, 4),
+        # fused (KernelPlan.fused_dact, not the default: untimed on Hopper): on Hopper the TMA kernel
+        # with the SwiGLU backward in its epilogue, in column slices (epi_chunks) to bound registers
+        "dact_fused": GemmConfig(128, 256, 64, 8, 8, 3, tma=True, epi_chunks=4) if hopper
+        else GemmConfig(128, 128, 64, 8, 8, 4),
         "dx": GemmConfig(128, 256, 64, 8, 8, 3, **flat),
         "wgrad13": GemmConfig(128, 64, 64, 8, 4, 4, tma=hopper),  # dual accumulators (gate|up): 128x128 per program
         "wgrad2": GemmConfig(128, 128, 64, 8, 8, 5 if hopper else 4, tma=hopper),
@@ -179,12 +186,21 @@ def _grouped_rows_kernel(
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr, SAVE_AUX: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUPS_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ROW_MAP: tl.constexpr = False, ONE_DOT: tl.constexpr = False,
+    ROW_MAP: tl.constexpr = False, ONE_DOT: tl.constexpr = False, EPI_CHUNKS: tl.constexpr = 1,
+    ZERO_TAIL: tl.constexpr = 0,
 ):
     """See the module docstring. ``half`` = I: column offset of the up half in w13 / h13 / dh13.
     ROW_MAP (with GATHER_A): row r of the gathered rows is row ``row_map[r - row_lo]`` of a.
-    ONE_DOT (EPI_SWIGLU, unit column stride, half % 8 == 0): gate and up columns as one operand."""
+    ONE_DOT (EPI_SWIGLU, unit column stride, half % 8 == 0): gate and up columns as one operand.
+    EPI_SWIGLU_BWD: EPI_CHUNKS column slices (tiles.store_swiglu_bwd_epilogue); the programs past
+    max_m_tiles * num_n zero ZERO_TAIL rows of out / out2 past the last group (tiles.store_zero_tail)."""
     num_n = tl.cdiv(N, BLOCK_N)
+    if EPILOGUE == EPI_SWIGLU_BWD:
+        t_zero = tl.program_id(0) - max_m_tiles * num_n
+        if t_zero >= 0:
+            store_zero_tail(t_zero, num_n, tl.load(ends_ptr + n_groups - 1), n_pos, N, out_ptr, stride_om, out2_ptr,
+                            stride_o2m, half, ZERO_TAIL, BLOCK_M, BLOCK_N)
+            return
     tile_m, pid_n = swizzle(tl.program_id(0), max_m_tiles, num_n, GROUP_M)
     group, row_start, row_end, total = _tile_of_groups(starts_ptr, ends_ptr, n_groups, tile_m, BLOCK_M, GROUPS_PAD)
     if tile_m >= total:
@@ -255,21 +271,9 @@ def _grouped_rows_kernel(
     store_forward_epilogue(acc, acc_up, out_ptrs, out_mask, rm64, rn, row_scale, aux_ptr, stride_xm, half, EPILOGUE,
                            SAVE_AUX)
     if EPILOGUE == EPI_SWIGLU_BWD:
-        aux_ptrs = aux_ptr + rm64[:, None] * stride_xm + rn[None, :]
-        gate = tl.load(aux_ptrs, mask=out_mask, other=0.0).to(tl.float32)
-        up = tl.load(aux_ptrs + half, mask=out_mask, other=0.0).to(tl.float32)
-        w = tl.load(weight_ptr + pair, mask=row_ok, other=0.0)
-        sig = tl.sigmoid(gate)
-        silu = gate * sig
-        act = silu * up
-        tl.store(dw_ptr + pid_n.to(tl.int64) * n_pos + rm64, tl.sum(act * acc, axis=1), mask=row_ok)
-        d_act = acc * w[:, None]
-        d_up = d_act * silu
-        d_gate = d_act * up * sig * (1.0 + gate * (1.0 - sig))
-        tl.store(out_ptrs, d_gate.to(out_ptr.dtype.element_ty), mask=out_mask)
-        tl.store(out_ptrs + half, d_up.to(out_ptr.dtype.element_ty), mask=out_mask)
-        out2_ptrs = out2_ptr + rm64[:, None] * stride_o2m + rn[None, :]
-        tl.store(out2_ptrs, (act * w[:, None]).to(out2_ptr.dtype.element_ty), mask=out_mask)
+        store_swiglu_bwd_epilogue(acc, rm64, row_ok, pid_n * BLOCK_N, N, row_scale, out_ptr, stride_om, out2_ptr,
+                                  stride_o2m, aux_ptr, stride_xm, half, dw_ptr, pid_n, n_pos, EPI_CHUNKS, BLOCK_M,
+                                  BLOCK_N)
 
 
 @triton.jit
@@ -402,7 +406,8 @@ def _launch_rows(
     n_groups = ends.numel()
     if n_pos == 0 or n_cols == 0 or n_groups == 0:
         return
-    if cfg.tma and epilogue != EPI_SWIGLU_BWD.value:
+    bwd = epilogue == EPI_SWIGLU_BWD.value
+    if cfg.tma:
         from ray_moe.kernels import grouped_tma
 
         b_kmajor = b_strides[1] == 1 and b_strides[2] != 1
@@ -411,10 +416,13 @@ def _launch_rows(
                 a=a, b=b, b_kmajor=b_kmajor, out=out, starts=starts, ends=ends, sorted_pair=layout.sorted_pair,
                 top_k=top_k, gather_a=gather_a, epilogue=epilogue, n_cols=n_cols, kd=kd, half=half, cfg=cfg,
                 dot_precision=_dot_precision(a.dtype), aux=aux, weight=weight, save_aux=save_aux, row_map=row_map,
+                out2=out2, dw=dw, zero_tail=ZERO_TAIL if bwd else 0,
             )
             return
     max_m_tiles = triton.cdiv(n_pos, cfg.block_m) + n_groups
-    grid = (max_m_tiles * triton.cdiv(n_cols, cfg.block_n),)
+    num_n = triton.cdiv(n_cols, cfg.block_n)
+    tail_tiles = triton.cdiv(min(ZERO_TAIL, n_pos), cfg.block_m) if bwd else 0  # no more rows than positions
+    grid = ((max_m_tiles + tail_tiles) * num_n,)
     dummy = out
     _grouped_rows_kernel[grid](
         a, b, out, dummy if out2 is None else out2, dummy if aux is None else aux,
@@ -429,6 +437,7 @@ def _launch_rows(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         ROW_MAP=row_map is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ONE_DOT=cfg.one_dot and epilogue == EPI_SWIGLU.value and half % 8 == 0 and b_strides[2] == 1,
+        EPI_CHUNKS=cfg.epi_chunks if bwd else 1, ZERO_TAIL=ZERO_TAIL if bwd else 0,
     )
 
 
@@ -534,13 +543,13 @@ def swiglu_backward_rows(
     With G[p] = grad_out[row(p)] @ w2_s^T and a = silu(g) * u recomputed from h13:
     dh13[p] = weight * (dg | du), aw[p] = weight * a, and d_weight_pos[p] = <a, G>
     (= <grad_out[row], a @ w2_s>, the router-weight gradient).
-    ``fused``: SwiGLU backward in the GEMM epilogue (one kernel) or a separate elementwise kernel
-    over G stored in grad_out.dtype (two kernels); None → the default plan's choice.
+    ``fused``: SwiGLU backward in the GEMM epilogue (one kernel; with ``cfg.tma`` the Hopper
+    descriptor kernel, ``cfg.epi_chunks`` column slices) or a separate elementwise kernel over G
+    stored in grad_out.dtype (two kernels, G written and read back); None → the default plan's choice.
 
     Args: grad_out [R, H]; weight float32 [R, K]; w2 [S, I, H]; h13 [R*K, 2I] saved pre-activations.
     Returns: dh13 [R*K, 2I], aw [R*K, I] (grad_out.dtype), d_weight_pos float32 [R*K]
-        (0 past offsets[S]; dh13 / aw rows past it are zero for ZERO_TAIL rows in the split form,
-        unset beyond that and when fused).
+        (0 past offsets[S]; dh13 / aw rows past it are zero for ZERO_TAIL rows, unset beyond).
     """
     _check_matrix("grad_out", grad_out)
     _check_same("grad_out", grad_out, "w2", w2)

@@ -353,3 +353,60 @@ def test_router_logits_split_bf16_matches_float32():
     for T, H, E in [(16384, 4096, 64), (7, 200, 6), (0, 64, 8)]:
         errs = check_router_logits(router_logits, T, H, E, "cuda", seed=T)
         assert errs["logits"] < 2e-5 and errs["dw"] < 2e-5 and errs["dx"] < 1e-2, (T, errs)  # dx is bf16
+
+
+_FUSED_DACT_CFGS = {  # the dact_fused sweep's tiles: production 128x256 s3 and 128x128 s4, 1 / 2 / 4 epilogue slices
+    **{f"128x256 s3 chunks{n}": dict(block_n=256, num_stages=3, epi_chunks=n) for n in (1, 2, 4)},
+    "128x256 s3 chunks4 persistent": dict(block_n=256, num_stages=3, epi_chunks=4, persistent=True),
+    **{f"128x128 s4 chunks{n}": dict(block_n=128, num_stages=4, epi_chunks=n) for n in (1, 2, 4)},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(_FUSED_DACT_CFGS))
+@pytest.mark.parametrize("R,K,S,H,I,pattern", [CASES[0], CASES[1], CASES[3], CASES[4], CASES[5],
+                                               (2048, 8, 64, 512, 256, "random"), (1024, 8, 16, 4096, 1536, "random")])
+def test_swiglu_backward_fused_tma_bf16(variant, R, K, S, H, I, pattern, monkeypatch):
+    """The SwiGLU backward in the TMA dact GEMM's epilogue (bf16) against the float32 reference on
+    the valid positions; dh13 / aw zero for the rows past them (the poisoned allocator makes an
+    unset row NaN); the descriptor kernel really ran (every case here has 16-byte rows)."""
+    import dataclasses
+
+    from ray_moe.kernels import grouped_swiglu as gs
+    from ray_moe.kernels import grouped_tma
+    from ray_moe.kernels.routing import pair_layout
+
+    cfg = dataclasses.replace(gs.GemmConfig(128, 256, 64, 8, 8, 3, tma=True), **_FUSED_DACT_CFGS[variant])
+    ran = []
+    real = grouped_tma.launch_rows_tma
+    monkeypatch.setattr(grouped_tma, "launch_rows_tma", lambda *a, **k: (ran.append(k["epilogue"]), real(*a, **k))[1])
+    case = random_case(R, K, S, H, I, pattern, torch.bfloat16, "cuda", 8)
+    lay = pair_layout(case["slot"], S)
+    _, h13 = gs.gate_up_swiglu(case["x"], lay, K, case["w13"])
+    go = torch.randn(R, H, device="cuda", dtype=torch.bfloat16)
+    ref = gs.swiglu_backward_rows_reference(go, lay, K, case["weight"], case["w2"], h13)
+    dh13, aw, dw = gs.swiglu_backward_rows(go, lay, K, case["weight"], case["w2"], h13, cfg=cfg, fused=True)
+    assert gs.EPI_SWIGLU_BWD.value in ran
+    nv = int(lay.offsets[-1])
+    for name, got, want in (("dh13", dh13, ref[0]), ("aw", aw, ref[1]), ("dw", dw, ref[2])):
+        err = rel_err(got[:nv].float(), want[:nv])
+        assert err <= TOL, f"{variant} {name}: relative error {err:.3g} > {TOL}"
+    tail = slice(nv, nv + gs.ZERO_TAIL)
+    assert dh13[tail].eq(0).all() and aw[tail].eq(0).all() and dw[nv:].eq(0).all()
+
+
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_expert_ffn_bf16_fused_tma_dact(chunks):
+    """The layer with the fused TMA dact (the dact_fused role's tiles) and the TMA weight gradients,
+    which read the zeroed rows past the last group."""
+    import dataclasses
+
+    from ray_moe.kernels.grouped_swiglu import default_config, default_plan
+
+    base = default_plan(torch.bfloat16, torch.device("cuda"))
+    dact = dataclasses.replace(default_config("dact_fused", torch.bfloat16, torch.device("cuda")), epi_chunks=chunks)
+    plan = dataclasses.replace(base, fused_dact=True, dact=dact)
+    for R, K, S, H, I, pattern in (CASES[0], CASES[1], (2048, 8, 64, 512, 256, "random")):
+        errs = check_expert_ffn(random_case(R, K, S, H, I, pattern, torch.bfloat16, "cuda", 9), plan=plan)
+        for name in ("out", "dx", "dweight", "dw13", "dw2"):
+            assert errs[name] <= TOL, f"fused dact {name}: relative error {errs[name]:.3g} > {TOL} ({errs})"
+        assert errs["empty_slot_grad"] == 0.0, errs

@@ -98,9 +98,10 @@ def expert_ffn_rows(
     rounds: int = 3,
 ) -> list[dict]:
     """The expert side of a layer end to end (layout/permutation + GEMMs + combine), with the
-    default tiles and, where ``plan`` (a ``--sweep``'s fastest tiles) differs from them, with
-    ``plan`` too ("(swept)" rows): both in ``rounds`` ABBA rounds, medians, so that a layer-level
-    A/B of the tiles is not one GPU temperature against another."""
+    default tiles, where ``plan`` (a ``--sweep``'s fastest tiles) differs from them with ``plan``
+    too ("(swept)" rows), and where the default splits the dSwiGLU step, with it fused into the
+    dact GEMM ("(fused dact)": ``dact_fused`` tiles): all in ``rounds`` ABBA rounds, medians, so
+    that a layer-level A/B of the tiles is not one GPU temperature against another."""
     import dataclasses
     import statistics
 
@@ -109,10 +110,16 @@ def expert_ffn_rows(
     from ray_moe.model.expert_choice import ExpertImplChooser
     from ray_moe.model.experts import expert_ffn
 
-    plans = {"": default_plan(inp["x"].dtype, inp["x"].device)}
-    if plan is not None and plan != plans[""]:
+    from ray_moe.kernels.grouped_swiglu import default_config
+
+    default = default_plan(inp["x"].dtype, inp["x"].device)
+    plans = {"": default}
+    if plan is not None and plan != default:
         plans[" (swept)"] = plan
-    else:
+    fused = dataclasses.replace(default, fused_dact=True, dact=default_config("dact_fused", inp["x"].dtype, inp["x"].device))
+    if fused != default and fused != plan:
+        plans[" (fused dact)"] = fused
+    if len(plans) == 1:
         rounds = 1
 
     def run(impl: str, *args: torch.Tensor) -> torch.Tensor:
@@ -150,14 +157,15 @@ def expert_ffn_rows(
             ms = statistics.median(times[(impl, phase)])
             out.append({"section": "expert_ffn", "what": f"{impl} {phase}", "ms": ms, "TFLOP/s": tflops(flops, ms),
                         "rounds": rounds})
-    for impl in impls[1:3] if len(plans) > 1 else []:
-        with torch.no_grad():  # the swept tiles compute the same layer (a tile that miscomputes shows here)
-            ref, got = run(impl, x, slot, weight, w13, w2).float(), run(f"{impl} (swept)", x, slot, weight, w13, w2).float()
-        err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
-        for phase in ("fwd", "fwd+bwd"):
-            out.append({"section": "expert_ffn", "what": f"swept / default tiles, {impl} {phase}",
-                        "ratio": statistics.median(times[(f"{impl} (swept)", phase)])
-                        / statistics.median(times[(impl, phase)]), "rel_err_vs_default": err})
+    for tag in [t for t in plans if t]:
+        for impl in impls[1:3]:
+            with torch.no_grad():  # the other tiles compute the same layer (a tile that miscomputes shows here)
+                ref, got = run(impl, x, slot, weight, w13, w2).float(), run(f"{impl}{tag}", x, slot, weight, w13, w2).float()
+            err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+            for phase in ("fwd", "fwd+bwd"):
+                out.append({"section": "expert_ffn", "what": f"{tag.strip(' ()')} / default tiles, {impl} {phase}",
+                            "ratio": statistics.median(times[(f"{impl}{tag}", phase)])
+                            / statistics.median(times[(impl, phase)]), "rel_err_vs_default": err})
     # what moe.expert_impl=auto picks for this shape (its own shorter measurement, for training)
     chooser = ExpertImplChooser()
     choice = chooser.choose(inp["x"], slot, inp["weight"], inp["w13"], inp["w2"], needs_grad=True)
@@ -261,7 +269,11 @@ def sweep_candidates(role: str) -> list[tuple[Any, bool]]:
         + [(c, False) for c in narrow] + [(c, False) for c in hopper(C(64, 128, 64, 8, 4, 4))],
         "dact": [(C(128, 256, 64, 8, 8, 3), False), (C(128, 128, 64, 8, 8, 4), False),
                  (C(128, 128, 64, 8, 8, 4), True), (C(128, 128, 64, 8, 8, 3), True)]
-        + [(c, False) for c in hopper(C(128, 256, 64, 8, 8, 3))],
+        + [(c, False) for c in hopper(C(128, 256, 64, 8, 8, 3))]
+        # fused into the TMA kernel's epilogue, in 1, 2 or 4 column slices (registers: docs/KERNELS.md)
+        + [(C(128, 256, 64, 8, 8, 3, tma=True, epi_chunks=n), True) for n in (1, 2, 4)]
+        + [(C(128, 128, 64, 8, 8, 4, tma=True, epi_chunks=n), True) for n in (1, 2, 4)]
+        + [(C(128, 256, 64, 8, 8, 3, tma=True, persistent=True, epi_chunks=4), True)],
         "dx": [(c, False) for c in wide] + [(c, False) for c in hopper(C(128, 256, 64, 8, 8, 3))]
         + [(c, False) for c in flat_alternatives],
         "wgrad13": [(C(128, 128, 64, 8, 4, 4), False), (C(128, 128, 64, 8, 8, 3), True), (C(128, 128, 64, 8, 8, 4), True),
@@ -334,6 +346,7 @@ def kernel_rows(
 
 def _cfg_name(cfg: Any) -> str:
     flags = "".join(f" {n}" for n in ("tma", "persistent", "flatten", "one_dot") if getattr(cfg, n, False))
+    flags += f" chunks{cfg.epi_chunks}" if getattr(cfg, "epi_chunks", 1) > 1 else ""
     return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} g{cfg.group_m} w{cfg.num_warps} s{cfg.num_stages}{flags}"
 
 
