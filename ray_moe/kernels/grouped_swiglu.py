@@ -66,7 +66,7 @@ class GemmConfig:
     [block_k, 2·block_n] operand for one dot, so the A tile is read once per step instead of
     twice (SonicMoE's up-projection is one 128×256 tile); where I is not a multiple of 8 or the
     weights' columns are strided, the two dots. The Hopper default since session 25's H100 sweep.
-    ``epi_chunks``: (fused dact) the SwiGLU-backward epilogue walks the accumulator in 1, 2 or 4
+    ``epi_chunks``: (fused dact) the SwiGLU-backward epilogue walks the accumulator in 1, 2, 4 or 8
     column slices, so that one slice's gate/up loads, not the whole tile's, sit beside it in registers.
     """
 
@@ -83,8 +83,8 @@ class GemmConfig:
     epi_chunks: int = 1
 
     def __post_init__(self) -> None:
-        if self.epi_chunks not in (1, 2, 4) or (self.epi_chunks > 1 and self.block_n % (16 * self.epi_chunks)):
-            raise ValueError(f"GemmConfig.epi_chunks must be 1, 2 or 4 with slices of at least 16 columns, got "
+        if self.epi_chunks not in (1, 2, 4, 8) or (self.epi_chunks > 1 and self.block_n % (16 * self.epi_chunks)):
+            raise ValueError(f"GemmConfig.epi_chunks must be 1, 2, 4 or 8 with slices of at least 16 columns, got "
                              f"{self.epi_chunks} for block_n={self.block_n}")
         if max(self.block_m, self.block_n, self.block_k) > ZERO_TAIL:
             raise ValueError(f"GemmConfig blocks must be at most {ZERO_TAIL} (ZERO_TAIL), got "
@@ -117,7 +117,7 @@ def default_config(role: str, dtype: torch.dtype, device: torch.device) -> GemmC
         "dact": GemmConfig(128, 256, 64, 8, 8, 3, tma=hopper),  # split: plain GEMM, then the elementwise kernel
         # fused (KernelPlan.fused_dact, not the default: untimed on Hopper): on Hopper the TMA kernel
         # with the SwiGLU backward in its epilogue, in column slices (epi_chunks) to bound registers
-        "dact_fused": GemmConfig(128, 256, 64, 8, 8, 3, tma=True, epi_chunks=4) if hopper
+        "dact_fused": GemmConfig(128, 256, 64, 8, 8, 3, tma=True, epi_chunks=8) if hopper
         else GemmConfig(128, 128, 64, 8, 8, 4),
         "dx": GemmConfig(128, 256, 64, 8, 8, 3, **flat),
         "wgrad13": GemmConfig(128, 64, 64, 8, 4, 4, tma=hopper),  # dual accumulators (gate|up): 128x128 per program

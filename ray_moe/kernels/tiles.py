@@ -105,6 +105,23 @@ def _swiglu_bwd_chunk(g, rm64, row_ok, cn, N, row_w, out_ptr, stride_om, out2_pt
 
 
 @triton.jit
+def _swiglu_bwd_slices(t, c0, rm64, row_ok, N, row_w, out_ptr, stride_om, out2_ptr, stride_o2m, aux_ptr, stride_xm, half,
+                       CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """:func:`_swiglu_bwd_chunk` over ``t`` [BLOCK_M, WIDTH] (columns ``c0 + [0, WIDTH)``) cut in
+    CHUNKS equal slices by halving (recursion on the constexpr CHUNKS)."""
+    if CHUNKS == 1:
+        dw = _swiglu_bwd_chunk(t, rm64, row_ok, c0 + tl.arange(0, WIDTH), N, row_w, out_ptr, stride_om, out2_ptr,
+                               stride_o2m, aux_ptr, stride_xm, half)
+    else:
+        left, right = _halves(t, BLOCK_M, WIDTH)
+        dw = _swiglu_bwd_slices(left, c0, rm64, row_ok, N, row_w, out_ptr, stride_om, out2_ptr, stride_o2m, aux_ptr,
+                                stride_xm, half, CHUNKS // 2, BLOCK_M, WIDTH // 2)
+        dw += _swiglu_bwd_slices(right, c0 + WIDTH // 2, rm64, row_ok, N, row_w, out_ptr, stride_om, out2_ptr,
+                                 stride_o2m, aux_ptr, stride_xm, half, CHUNKS // 2, BLOCK_M, WIDTH // 2)
+    return dw
+
+
+@triton.jit
 def store_swiglu_bwd_epilogue(
     acc, rm64, row_ok, n0, N, row_w, out_ptr, stride_om, out2_ptr, stride_o2m, aux_ptr, stride_xm, half,
     dw_ptr, pid_n, n_pos,
@@ -117,34 +134,12 @@ def store_swiglu_bwd_epilogue(
     stores ``out`` = dh13 [P, 2I] = weight · (dG · u · silu'(g) | dG · silu(g)) and ``out2`` =
     aw [P, I] = weight · a (their dtypes), ``row_w`` float32 [BLOCK_M] the rows' routing weights
     (:func:`load_row_scale`), and ``dw[pid_n, p]`` (float32 [num column tiles, n_pos]) =
-    sum over this tile's columns of a · G. ``CHUNKS`` (1, 2 or 4): the tile is processed in that
+    sum over this tile's columns of a · G. ``CHUNKS`` (1, 2, 4 or 8): the tile is processed in that
     many column slices, so that g and u of one slice, not of the whole tile, are live beside
     the accumulator (128×256 fp32 is already 128 registers a thread at 8 warps).
     """
-    if CHUNKS == 1:
-        dw = _swiglu_bwd_chunk(acc, rm64, row_ok, n0 + tl.arange(0, BLOCK_N), N, row_w, out_ptr, stride_om,
-                               out2_ptr, stride_o2m, aux_ptr, stride_xm, half)
-    else:
-        W: tl.constexpr = BLOCK_N // 2
-        left, right = _halves(acc, BLOCK_M, BLOCK_N)
-        if CHUNKS == 2:
-            dw = _swiglu_bwd_chunk(left, rm64, row_ok, n0 + tl.arange(0, W), N, row_w, out_ptr, stride_om,
-                                   out2_ptr, stride_o2m, aux_ptr, stride_xm, half)
-            dw += _swiglu_bwd_chunk(right, rm64, row_ok, n0 + W + tl.arange(0, W), N, row_w, out_ptr, stride_om,
-                                    out2_ptr, stride_o2m, aux_ptr, stride_xm, half)
-        else:
-            tl.static_assert(CHUNKS == 4, "CHUNKS must be 1, 2 or 4")
-            Q: tl.constexpr = BLOCK_N // 4
-            a0, a1 = _halves(left, BLOCK_M, W)
-            dw = _swiglu_bwd_chunk(a0, rm64, row_ok, n0 + tl.arange(0, Q), N, row_w, out_ptr, stride_om,
-                                   out2_ptr, stride_o2m, aux_ptr, stride_xm, half)
-            dw += _swiglu_bwd_chunk(a1, rm64, row_ok, n0 + Q + tl.arange(0, Q), N, row_w, out_ptr, stride_om,
-                                    out2_ptr, stride_o2m, aux_ptr, stride_xm, half)
-            a2, a3 = _halves(right, BLOCK_M, W)
-            dw += _swiglu_bwd_chunk(a2, rm64, row_ok, n0 + 2 * Q + tl.arange(0, Q), N, row_w, out_ptr, stride_om,
-                                    out2_ptr, stride_o2m, aux_ptr, stride_xm, half)
-            dw += _swiglu_bwd_chunk(a3, rm64, row_ok, n0 + 3 * Q + tl.arange(0, Q), N, row_w, out_ptr, stride_om,
-                                    out2_ptr, stride_o2m, aux_ptr, stride_xm, half)
+    dw = _swiglu_bwd_slices(acc, n0, rm64, row_ok, N, row_w, out_ptr, stride_om, out2_ptr, stride_o2m, aux_ptr,
+                            stride_xm, half, CHUNKS, BLOCK_M, BLOCK_N)
     tl.store(dw_ptr + pid_n.to(tl.int64) * n_pos + rm64, dw, mask=row_ok)
 
 

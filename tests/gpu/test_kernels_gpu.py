@@ -355,9 +355,9 @@ def test_router_logits_split_bf16_matches_float32():
         assert errs["logits"] < 2e-5 and errs["dw"] < 2e-5 and errs["dx"] < 1e-2, (T, errs)  # dx is bf16
 
 
-_FUSED_DACT_CFGS = {  # the dact_fused sweep's tiles: production 128x256 s3 and 128x128 s4, 1 / 2 / 4 epilogue slices
-    **{f"128x256 s3 chunks{n}": dict(block_n=256, num_stages=3, epi_chunks=n) for n in (1, 2, 4)},
-    "128x256 s3 chunks4 persistent": dict(block_n=256, num_stages=3, epi_chunks=4, persistent=True),
+_FUSED_DACT_CFGS = {  # the dact sweep's fused tiles: production 128x256 s3 and 128x128 s4, 1-8 epilogue slices
+    **{f"128x256 s3 chunks{n}": dict(block_n=256, num_stages=3, epi_chunks=n) for n in (1, 2, 4, 8)},
+    "128x256 s3 chunks8 persistent": dict(block_n=256, num_stages=3, epi_chunks=8, persistent=True),
     **{f"128x128 s4 chunks{n}": dict(block_n=128, num_stages=4, epi_chunks=n) for n in (1, 2, 4)},
 }
 
@@ -394,7 +394,7 @@ def test_swiglu_backward_fused_tma_bf16(variant, R, K, S, H, I, pattern, monkeyp
     assert dh13[tail].eq(0).all() and aw[tail].eq(0).all() and dw[nv:].eq(0).all()
 
 
-@pytest.mark.parametrize("chunks", [2, 4])
+@pytest.mark.parametrize("chunks", [4, 8])
 def test_expert_ffn_bf16_fused_tma_dact(chunks):
     """The layer with the fused TMA dact (the dact_fused role's tiles) and the TMA weight gradients,
     which read the zeroed rows past the last group."""

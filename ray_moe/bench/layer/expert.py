@@ -270,10 +270,10 @@ def sweep_candidates(role: str) -> list[tuple[Any, bool]]:
         "dact": [(C(128, 256, 64, 8, 8, 3), False), (C(128, 128, 64, 8, 8, 4), False),
                  (C(128, 128, 64, 8, 8, 4), True), (C(128, 128, 64, 8, 8, 3), True)]
         + [(c, False) for c in hopper(C(128, 256, 64, 8, 8, 3))]
-        # fused into the TMA kernel's epilogue, in 1, 2 or 4 column slices (registers: docs/KERNELS.md)
-        + [(C(128, 256, 64, 8, 8, 3, tma=True, epi_chunks=n), True) for n in (1, 2, 4)]
+        # fused into the TMA kernel's epilogue, in 1-8 column slices (registers: docs/KERNELS.md)
+        + [(C(128, 256, 64, 8, 8, 3, tma=True, epi_chunks=n), True) for n in (1, 2, 4, 8)]
         + [(C(128, 128, 64, 8, 8, 4, tma=True, epi_chunks=n), True) for n in (1, 2, 4)]
-        + [(C(128, 256, 64, 8, 8, 3, tma=True, persistent=True, epi_chunks=4), True)],
+        + [(C(128, 256, 64, 8, 8, 3, tma=True, persistent=True, epi_chunks=8), True)],
         "dx": [(c, False) for c in wide] + [(c, False) for c in hopper(C(128, 256, 64, 8, 8, 3))]
         + [(c, False) for c in flat_alternatives],
         "wgrad13": [(C(128, 128, 64, 8, 4, 4), False), (C(128, 128, 64, 8, 8, 3), True), (C(128, 128, 64, 8, 8, 4), True),

@@ -1,5 +1,5 @@
 """The SwiGLU backward fused into the dact GEMM's epilogue (``swiglu_backward_rows(fused=True)``):
-the Hopper descriptor kernel (grid, persistent, persistent + flattened; 1, 2 or 4 epilogue column
+the Hopper descriptor kernel (grid, persistent, persistent + flattened; 1, 2, 4 or 8 epilogue column
 slices) and the pointer kernel, under ``TRITON_INTERPRET=1`` (float32, tiny tiles) against
 ``swiglu_backward_rows_reference``: fresh random inputs, empty experts, every pair to one expert,
 uneven counts, odd sizes (the descriptor's K tail; H not a 16-byte row: the pointer fallback),
@@ -29,7 +29,7 @@ def _configs():
     from ray_moe.kernels.grouped_swiglu import GemmConfig as C
 
     return {
-        **{f"tma chunks{c}": C(16, 64, 16, 2, 4, 2, tma=True, epi_chunks=c) for c in (1, 2, 4)},
+        **{f"tma chunks{c}": C(16, 128, 16, 2, 4, 2, tma=True, epi_chunks=c) for c in (1, 2, 4, 8)},
         "tma persistent chunks2": C(16, 32, 16, 2, 4, 2, tma=True, persistent=True, epi_chunks=2),
         "tma persistent flatten chunks2": C(16, 32, 16, 2, 4, 2, tma=True, persistent=True, flatten=True, epi_chunks=2),
         "pointer chunks2": C(16, 32, 16, 2, 4, 2, epi_chunks=2),
@@ -160,7 +160,7 @@ def test_fused_swiglu_backward_matches_reference(results, name):
 def test_fused_swiglu_backward_zeroes_the_tail(results):
     r = dict(results["zero_tail"])
     assert r.pop("tail_fits") == 1.0, r
-    assert len(r) == 4, r
+    assert len(r) == 5, r
     for cname, v in r.items():
         assert v["valid"] < 1e-5 and v["tail"] == 0.0 and v["beyond_unset"] == 1.0, (cname, v)
 
@@ -177,7 +177,7 @@ def test_epi_chunks_must_divide_the_tile():
     from ray_moe.kernels.grouped_swiglu import GemmConfig
 
     GemmConfig(128, 256, 64, epi_chunks=4)
-    for bad in (dict(epi_chunks=3), dict(block_n=32, epi_chunks=4)):
+    for bad in (dict(epi_chunks=3), dict(epi_chunks=16), dict(block_n=32, epi_chunks=4)):
         with pytest.raises(ValueError):
             GemmConfig(**{"block_m": 128, "block_n": 128, **bad})
 
