@@ -61,6 +61,7 @@ class SmokeOptions:
     bandwidth_iters: int
     cpu_per_worker: float
     transport: str
+    overrides: tuple[str, ...] = ()  # --set KEY=VALUE on top of the tiny model's config
 
 
 def parse_args(argv: list[str] | None) -> SmokeOptions:
@@ -79,9 +80,15 @@ def parse_args(argv: list[str] | None) -> SmokeOptions:
     p.add_argument("--bandwidth-iters", type=int, default=3)
     p.add_argument("--cpu-per-worker", type=float, default=1.0)
     p.add_argument("--transport", default="auto", help="parallel.transport (auto|nvshmem|nccl|gloo)")
+    p.add_overrides("the tiny model's checks and training run")
     a = p.parse_args(argv)
-    return SmokeOptions(a.address, a.world_size, a.device, a.steps, a.json, a.timeout,
-                        a.bandwidth_mib, a.bandwidth_iters, a.cpu_per_worker, a.transport)
+    opts = SmokeOptions(a.address, a.world_size, a.device, a.steps, a.json, a.timeout,
+                        a.bandwidth_mib, a.bandwidth_iters, a.cpu_per_worker, a.transport, tuple(a.set))
+    try:  # a bad override is the user's one-line error before any cluster work, not a failed check after it
+        smoke_config(1, "cpu", opts, "unused")
+    except ValueError as exc:  # ConfigError: names the key and what is allowed
+        p.error(f"--set: {exc}")
+    return opts
 
 
 # ---------------------------------------------------------------------- 1. nodes
@@ -181,7 +188,9 @@ def add_device_rows(report: SmokeReport, node: dict[str, Any], probe: dict[str, 
 
 # ---------------------------------------------------------------------- 2. group checks
 def smoke_config(world_size: int, device: str, opts: SmokeOptions, run_dir: str):
-    """A tiny model on ``world_size`` ranks: small enough for 2 CPU cores, same code paths as a real run."""
+    """A tiny model on ``world_size`` ranks: small enough for 2 CPU cores, same code paths as a real run
+    (``model.compile: auto`` compiles its blocks on CUDA, as a run's would; ``--set model.compile=none``
+    checks the eager ones), then ``opts.overrides``."""
     from ray_moe.config import Config
 
     experts = world_size * math.ceil(8 / world_size)
@@ -196,7 +205,7 @@ def smoke_config(world_size: int, device: str, opts: SmokeOptions, run_dir: str)
         "train": {"steps": max(1, opts.steps), "batch_size": 2 * world_size, "lr": 1e-2,
                   "warmup_steps": 0, "eval_batches": 1, "run_dir": run_dir, "resume": False,
                   "plots": False, "step_timeout_s": opts.timeout},
-    })
+    }).with_overrides(opts.overrides)
 
 
 def rank_where(r: Any) -> dict[str, Any]:
