@@ -128,6 +128,15 @@ mps_start() {  # CUDA MPS lets the spinning exchange kernels of several processe
   PATH=$PATH:/usr/local/nvidia/bin nvidia-cuda-mps-control -d && echo "MPS on" || echo "MPS did not start"
 }
 mps_stop() { echo quit | PATH=$PATH:/usr/local/nvidia/bin nvidia-cuda-mps-control >/dev/null 2>&1; sleep 1; }
+# A step killed by an outer timeout must not leave MPS or a Ray cluster behind for the next call on a warm
+# machine (session 27: after a pes2 step cut short, the next call's W=2 NVSHMEM tests lost their Ray node).
+# bash runs the trap once the foreground command ends, so give each inner timeout (T_*) room inside the outer one.
+cleanup() {
+  [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] && mps_stop
+  ray_stop
+}
+trap cleanup EXIT
+trap 'exit 143' TERM INT
 
 for P in 2 4; do
   has "pes$P" || continue
