@@ -68,6 +68,19 @@ class InterpreterScripts:
         r = self.result(sys.executable, "-c", script)
         assert marker in r.stdout, r.stderr[-3000:]
 
+    def json_or_skip(self, *argv: str) -> dict:
+        """The JSON object on the last stdout line of ``argv`` (a script of checks that prints its
+        results); skips the asking test without Triton or when the interpreter could not run the
+        kernels (the stderr's tail says why)."""
+        import pytest
+
+        pytest.importorskip("triton")
+        proc = self.result(*argv)
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+            pytest.skip("the Triton interpreter could not run the kernels here: " + " | ".join(tail))
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
     def close(self) -> None:
         """End the runner process (at the end of the test session)."""
         with self._cv:

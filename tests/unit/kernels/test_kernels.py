@@ -339,15 +339,7 @@ INTERPRETER_CHECKS = (sys.executable, os.path.abspath(__file__))  # this file as
 
 @pytest.fixture(scope="module")
 def interpreter_results(interpreter_scripts) -> dict:
-    try:
-        import triton  # noqa: F401
-    except ImportError as exc:
-        pytest.skip(f"triton is not installed: {exc}")
-    proc = interpreter_scripts.result(*INTERPRETER_CHECKS)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-        pytest.skip("the Triton interpreter could not run the kernels here: " + " | ".join(tail))
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreter_scripts.json_or_skip(*INTERPRETER_CHECKS)
 
 
 @pytest.mark.interpreter_script(*INTERPRETER_CHECKS)

@@ -137,12 +137,7 @@ INTERPRETER_CHECKS = (sys.executable, os.path.abspath(__file__))
 
 @pytest.fixture(scope="module")
 def results(interpreter_scripts) -> dict:
-    pytest.importorskip("triton")
-    proc = interpreter_scripts.result(*INTERPRETER_CHECKS)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-        pytest.skip("the Triton interpreter could not run the kernels here: " + " | ".join(tail))
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreter_scripts.json_or_skip(*INTERPRETER_CHECKS)
 
 
 @pytest.mark.interpreter_script(*INTERPRETER_CHECKS)
