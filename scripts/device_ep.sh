@@ -128,15 +128,20 @@ mps_start() {  # CUDA MPS lets the spinning exchange kernels of several processe
   PATH=$PATH:/usr/local/nvidia/bin nvidia-cuda-mps-control -d && echo "MPS on" || echo "MPS did not start"
 }
 mps_stop() { echo quit | PATH=$PATH:/usr/local/nvidia/bin nvidia-cuda-mps-control >/dev/null 2>&1; sleep 1; }
-# A step killed by an outer timeout must not leave MPS or a Ray cluster behind for the next call on a warm
-# machine (session 27: after a pes2 step cut short, the next call's W=2 NVSHMEM tests lost their Ray node).
-# bash runs the trap once the foreground command ends, so give each inner timeout (T_*) room inside the outer one.
+# Nothing from an earlier run on a warm machine (an MPS daemon, a Ray cluster) may outlive it into this one: a
+# run cut short by the device tool's limit can leave both (session 27: a pes2 step found call 1's MPS daemon
+# still running; the W=2 NVSHMEM tests after it lost their Ray node, cause not known). So clear them when the
+# script starts and when it exits. A SIGKILL runs no trap, and bash runs one for SIGTERM only after the
+# foreground command ends: give each inner timeout (T_*) room inside the outer one.
 cleanup() {
-  [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] && mps_stop
+  [ -d /tmp/mps-pipe ] && CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe mps_stop
   ray_stop
+  return 0
 }
+cleanup
 trap cleanup EXIT
-trap 'exit 143' TERM INT
+trap 'exit 143' TERM
+trap 'exit 130' INT
 
 for P in 2 4; do
   has "pes$P" || continue

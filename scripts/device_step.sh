@@ -34,14 +34,14 @@
 # with .sonicbundle); which term of the memory model over-counts (measured peak 0.68 GB above the end-of-backward
 # state at 2 layers, the model 4.46 GB).
 # Session 27 (H200 x2 only): with compile on by default, pes2 passed 26 + 3 (8 skipped), ZeRO 7, the memory model's
-# eager band 6 + compiled 2, linear CE 4; the fused dSwiGLU epilogue (GemmConfig.epi_chunks) is correct (23 tests) and
-# level with the split form (E=64, H200): not adopted. Next lease: on x2, tests/gpu/test_zero_gpu.py -k "compiled or
+# eager band 6 + compiled 2, linear CE 4; the fused dSwiGLU epilogue (GemmConfig.epi_chunks) passed 23 of 60 GPU cases (production shape unrun)
+# and timed level with the split form (E=64, H200): not adopted. Next lease: on x2, tests/gpu/test_zero_gpu.py -k "compiled or
 # clone" (~200 s) and TESTS_FILES=tests/gpu/test_nvshmem_gpu.py bash scripts/device_ep.sh tests (W=2 on two GPUs:
-# session 27's run lost its Ray node after a cut-short pes2 step left MPS on); pes2 with PES_FILES=
-# tests/gpu/test_models_gpu.py::test_bf16_equal_to_transformers_on_an_nvshmem_group (5 of 9 cases unrun); the rest of
+# session 27's run lost its Ray node, cause unknown: save raylet logs, dmesg, nvidia-smi); pes2 with PES_FILES=
+# tests/gpu/test_models_gpu.py::test_bf16_equal_to_transformers_on_an_nvshmem_group (6 of 9 cases unrun); the rest of
 # tests/gpu/test_kernels_gpu.py -k "fused or both_dact" (37 of 60 unrun); on an H100 the sonic step and --sweep-roles
 # dact at --E 128; a torch.cuda.memory._record_memory_history timeline of the memory-model step (which moment sets
-# the peak: the measured peak sits 0.65-0.91 GB above the end-of-backward state at every recompute mode).
+# the peak: eager, the measured peak sits 0.65-0.91 GB above the end-of-backward state at every recompute mode; compiled 0.36).
 # A tile A/B of one GEMM role alone: python3 -m ray_moe.bench.layer ... --sections kernels,ffn --sweep
 # --sweep-roles ROLE (~60-100 s per E). Single-GPU benches need no Ray (python3 -m ray_moe.bench.layer, and the
 # ray-moe CLI since session 25), so they run with .sonicbundle, which cannot travel beside .devbundle; the pytest

@@ -70,15 +70,16 @@ class InterpreterScripts:
 
     def json_or_skip(self, *argv: str) -> dict:
         """The JSON object on the last stdout line of ``argv`` (a script of checks that prints its
-        results); skips the asking test without Triton or when the interpreter could not run the
-        kernels (the stderr's tail says why)."""
+        results); skips the asking test without Triton. A script that ends with an error fails
+        the test (its stderr's tail says why): a kernel crashing under the interpreter is a
+        failure, not a skip."""
         import pytest
 
         pytest.importorskip("triton")
         proc = self.result(*argv)
         if proc.returncode != 0:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-            pytest.skip("the Triton interpreter could not run the kernels here: " + " | ".join(tail))
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-8:]
+            pytest.fail(f"interpreter script {argv[1:2]} exited with {proc.returncode}: " + " | ".join(tail))
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
     def close(self) -> None:

@@ -207,6 +207,8 @@ def _rows_tma_kernel(
                        EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, ROW_MAP, EPI_CHUNKS)
         if ZERO_TAIL > 0:
             n_valid = tl.load(ends_ptr + n_groups - 1)
+            # the grid is min(NUM_PROGS, max_m_tiles * num_n) programs and n_tail_tiles <= max_m_tiles * num_n
+            # (max_m_tiles >= cdiv(n_pos, BLOCK_M)), so a grid smaller than NUM_PROGS still covers every tail tile
             for t in range(tl.program_id(0), n_tail_tiles, NUM_PROGS):
                 store_zero_tail(t, num_n, n_valid, n_pos, N, out_ptr, stride_om, out2_ptr, stride_o2m, half,
                                 ZERO_TAIL, BLOCK_M, BLOCK_N)

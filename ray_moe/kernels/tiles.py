@@ -148,7 +148,7 @@ def store_zero_tail(
     t, num_n, n_valid, n_pos, N, out_ptr, stride_om, out2_ptr, stride_o2m, half,
     ZERO_TAIL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Tail tile ``t`` of cdiv(ZERO_TAIL, BLOCK_M) · num_n: zeros in rows [n_valid, n_valid +
+    """Tail tile ``t`` of cdiv(min(ZERO_TAIL, n_pos), BLOCK_M) · num_n: zeros in rows [n_valid, n_valid +
     ZERO_TAIL) ∩ [0, n_pos) of dh13 (``out``, both halves) and aw (``out2``), so that a
     weight-gradient descriptor tile reading past the last group multiplies finite values."""
     rm = n_valid + (t // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -84,10 +84,11 @@ def parse_args(argv: list[str] | None) -> SmokeOptions:
     a = p.parse_args(argv)
     opts = SmokeOptions(a.address, a.world_size, a.device, a.steps, a.json, a.timeout,
                         a.bandwidth_mib, a.bandwidth_iters, a.cpu_per_worker, a.transport, tuple(a.set))
-    try:  # a bad override is the user's one-line error before any cluster work, not a failed check after it
-        smoke_config(1, "cpu", opts, "unused")
-    except ValueError as exc:  # ConfigError: names the key and what is allowed
-        p.error(f"--set: {exc}")
+    if opts.overrides:  # a bad override is the user's one-line error before any cluster work, not a failed check
+        try:
+            smoke_config(1, a.device, opts, "unused")  # the device asked for: a GPU transport needs cuda or auto
+        except ValueError as exc:  # ConfigError: names the key and what is allowed
+            p.error(f"--set: {exc}")
     return opts
 
 

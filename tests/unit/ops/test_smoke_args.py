@@ -28,3 +28,16 @@ def test_bad_override_is_one_line_and_exit_2(override, message, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("ray-moe smoke: error: --set: ")
     assert message in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["--transport", "nccl"],
+    ["--device", "cuda", "--transport", "nvshmem"],
+    ["--device", "cuda", "--transport", "nvshmem", "--set", "model.compile=none"],
+    ["--transport", "nccl", "--set", "model.compile=none"],
+])
+def test_gpu_transports_parse_with_overrides(argv):
+    """The overrides are checked against the device asked for (auto or cuda), so a GPU transport
+    is never refused on this CPU-only check."""
+    opts = parse_args(argv)
+    assert opts.transport == argv[argv.index("--transport") + 1]
