@@ -40,7 +40,8 @@
 # session 27's run lost its Ray node, cause unknown: save raylet logs, dmesg, nvidia-smi); pes2 with PES_FILES=
 # tests/gpu/test_models_gpu.py::test_bf16_equal_to_transformers_on_an_nvshmem_group (6 of 9 cases unrun); the rest of
 # tests/gpu/test_kernels_gpu.py -k "fused or both_dact" (37 of 60 unrun); on an H100 the sonic step and --sweep-roles
-# dact at --E 128; OUT=$OUT pytest tests/gpu/test_memory_model_gpu.py (its memory_model.json rows now carry each
+# dact at --E 128; with .sonicbundle + .sonickernels, python3 -m ray_moe.bench.layer --sections rows,wgrad --layer-E 128,64
+# (new, never run: each row GEMM alone beside the quack kernel SonicMoE runs for it, same run, errors vs float32); OUT=$OUT pytest tests/gpu/test_memory_model_gpu.py (its memory_model.json rows now carry each
 # phase's peak and end state, phase_peak / phase_end: which phase sets the peak, ~140 s; the peak: eager, the measured peak sits 0.65-0.91 GB above the end-of-backward state at every recompute mode; compiled 0.36).
 # A tile A/B of one GEMM role alone: python3 -m ray_moe.bench.layer ... --sections kernels,ffn --sweep
 # --sweep-roles ROLE (~60-100 s per E). Single-GPU benches need no Ray (python3 -m ray_moe.bench.layer, and the

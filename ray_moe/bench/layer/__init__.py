@@ -6,7 +6,7 @@ The sections live in one module each; this one parses the flags and runs them in
   - :mod:`.problem`: the shape, inputs, weights and timing helpers the sections share;
   - :mod:`.expert`: single-GPU expert-side rows (``kernels``, ``expert``, ``ffn``, ``routing``, ``saved``);
   - :mod:`.sonic`: the whole layer beside SonicMoE (``layer``, ``small``; ``--sonic-precompile``);
-  - :mod:`.profiling`: ``profile``, ``steady``, ``wgrad``;
+  - :mod:`.profiling`: ``profile``, ``steady``, ``wgrad``, ``rows``;
   - EP rows (several GPUs, or a CPU cluster) come from :mod:`ray_moe.bench.ep_layer` (``ep``).
 """
 
@@ -32,7 +32,7 @@ from ray_moe.bench.layer.expert import (
     saved_bytes_rows,
 )
 from ray_moe.bench.layer.problem import LayerShape, make_inputs
-from ray_moe.bench.layer.profiling import profile_rows, steady_rows, wgrad_backend_rows
+from ray_moe.bench.layer.profiling import profile_rows, row_gemm_backend_rows, steady_rows, wgrad_backend_rows
 from ray_moe.bench.layer.sonic import (
     SONIC_PRECOMPILE_ENV,
     copy_bandwidth_gbs,
@@ -92,6 +92,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    " as weight bytes/s against the copy bandwidth; profile: kernel time of one training step;"
                    " steady: training steps back to back with the host side (device idle, waits, API calls);"
                    " wgrad: the weight-gradient GEMMs alone per backend (triton, grouped_mm, quack);"
+                   " rows: the four row GEMMs alone, ray_moe's default plan beside SonicMoE's quack kernels;"
                    " chunking: what splitting the tokens into chunks (moe.pipeline_chunks) costs the experts"
                    " alone, no exchange; ep: the expert-parallel layer on --world-size ranks")
     p.add_argument("--layer-E", default=None, help="layer/small/profile: comma list of E (default: --E)")
@@ -149,7 +150,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-SECTIONS = ("kernels", "expert", "ffn", "routing", "saved", "layer", "small", "profile", "steady", "wgrad",
+SECTIONS = ("kernels", "expert", "ffn", "routing", "saved", "layer", "small", "profile", "steady", "wgrad", "rows",
             "chunking", "ep")
 
 
@@ -264,7 +265,7 @@ def main(argv: list[str]) -> int:
     layer_es = [int(e) for e in (args.layer_E or str(shape.E)).split(",")]
     impls = tuple(args.impls.split(","))
     dtype = getattr(torch, args.dtype)
-    if sections & {"layer", "small", "profile", "steady", "wgrad"}:
+    if sections & {"layer", "small", "profile", "steady", "wgrad", "rows"}:
         inp = None
         torch.cuda.empty_cache()
         print(f"device: {torch.cuda.get_device_name()}; sonicmoe: {sonic_import_error() or 'imports'}", flush=True)
@@ -272,7 +273,7 @@ def main(argv: list[str]) -> int:
         copy_gbs = copy_bandwidth_gbs()
         rows.append({"section": "small T", "what": "device copy bandwidth (read + write)", "GB/s": copy_gbs})
         print(f"copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
-    for name_, E in [(n, e) for n in ("layer", "small", "profile", "steady", "wgrad") for e in layer_es]:
+    for name_, E in [(n, e) for n in ("layer", "small", "profile", "steady", "wgrad", "rows") for e in layer_es]:
         eshape = LayerShape(shape.T, shape.H, shape.I, E, shape.K)
         for name, step in (
             ("layer", lambda eshape=eshape: sonic_layer_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms, impls,
@@ -282,6 +283,7 @@ def main(argv: list[str]) -> int:
             ("profile", lambda eshape=eshape: profile_rows(eshape, dtype, args.seed, impls=impls)),
             ("steady", lambda eshape=eshape: steady_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms, impls=impls)),
             ("wgrad", lambda eshape=eshape: wgrad_backend_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms)),
+            ("rows", lambda eshape=eshape: row_gemm_backend_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms)),
         ):
             if name in sections and name == name_:
                 try:

@@ -1,6 +1,7 @@
 """Where a training step's time goes: the ``profile`` (kernel times of one step, in launch
-order), ``steady`` (steps back to back with the host side) and ``wgrad`` (the weight-gradient
-GEMMs per backend) sections of ``ray-moe bench layer``."""
+order), ``steady`` (steps back to back with the host side), ``wgrad`` (the weight-gradient
+GEMMs per backend) and ``rows`` (the row GEMMs beside SonicMoE's quack kernels) sections of
+``ray-moe bench layer``."""
 
 from __future__ import annotations
 
@@ -261,4 +262,120 @@ def _timeline_rows(prof: Any, section: str, min_ms: float = 0.1) -> list[dict]:
     flush()
     rows.append({"section": section, "what": "span first kernel start → last kernel end; idle inside it",
                  "ms": (busy_end - t0) / 1e3, "note": {"idle ms": round(idle, 3)}})
+    return rows
+
+
+def _interleaved(t: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] gate | up (ray_moe's concatenated halves) → gate and up columns interleaved
+    (g0, u0, g1, u1, ...: quack's and SonicMoE's gated layout)."""
+    gate, up = t.chunk(2, dim=-1)
+    return torch.stack((gate, up), dim=-1).flatten(-2)
+
+
+def _concatenated(t: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_interleaved`: [..., 2I] interleaved → gate | up."""
+    return torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
+
+
+def _rel_err_or_why(got: torch.Tensor, want: torch.Tensor) -> str:
+    """``got``'s relative error against ``want`` (float32) as text, or why there is none (a shape
+    that does not match even flattened): a backend's output layout must not cost its timing."""
+    if got.shape != want.shape:
+        if got.numel() != want.numel():
+            return f"shape {tuple(got.shape)} vs {tuple(want.shape)}"
+        got = got.reshape(want.shape)
+    return f"{rel_err_gpu(got.float(), want):.3g}"
+
+
+def row_gemm_backend_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms: int, rep_ms: int) -> list[dict]:
+    """The four row GEMMs at the layer shape, each timed alone twice on the same routing and
+    inputs: ray_moe's default plan and, where quack imports, the quack kernel SonicMoE runs for it
+    (``gemm_gated`` up-projection, ``gemm`` down-projection and dX, ``gemm_dgated`` dSwiGLU; the
+    ``rows`` section). Each output's relative error against the float32 reference is printed
+    beside the time, so a call whose layout differs shows as a large error, not as a fast row.
+
+    What each side does differs where their designs do: ray_moe's down-projection scales its rows
+    by the routing weights in the epilogue (SonicMoE scales in the combine), and its dSwiGLU is
+    the plan's (split: GEMM, then the elementwise kernel) with gate | up halves concatenated,
+    quack's one fused kernel with them interleaved."""
+    from ray_moe.kernels import grouped_swiglu as gs
+    from ray_moe.kernels.quack_wgrad import quack_available
+    from ray_moe.kernels.routing import pair_layout
+    from ray_moe.model.router import route
+
+    device = torch.device("cuda")
+    prob = layer_problem(shape, device, dtype, seed)
+    x, w13, w2, K, E, I = prob["x"], prob["w13"], prob["w2"], shape.K, shape.E, shape.I
+    with torch.no_grad():
+        _, ids, _ = route(x, prob["router"], K, need_probs=False)
+    layout = pair_layout(ids.to(torch.int32), E)
+    g = torch.Generator(device=device).manual_seed(seed + 2)
+    P = shape.T * K
+    weight = torch.rand(shape.T, K, generator=g, device=device)
+    w_pos = weight.reshape(-1)[layout.sorted_pair.long()].contiguous()  # float32 [P], each position's weight
+    go = torch.randn(shape.T, shape.H, generator=g, device=device).to(dtype)
+    plan = gs.default_plan(dtype, device)
+    act, h13 = gs.gate_up_swiglu(x, layout, K, w13, save_preact=True, cfg=plan.gate_up)
+    dh13, _, _ = gs.swiglu_backward_rows(go, layout, K, weight, w2, h13, cfg=plan.dact, fused=plan.fused_dact)
+    gemm = 2.0 * P * shape.H * I
+    ones = torch.ones_like(weight)
+    ref_act, _ = gs.gate_up_swiglu_reference(x, layout, K, w13)
+    refs = {
+        "up-projection + SwiGLU": {"act": ref_act},
+        "down-projection": {"y": gs.down_scaled_reference(act, layout, K, ones, w2)},
+        "dSwiGLU": dict(zip(("dh13", "aw", "dweight"), gs.swiglu_backward_rows_reference(go, layout, K, weight, w2, h13))),
+        "dX rows": {"dx": gs.dgrad_rows_reference(dh13, layout, K, w13)},
+    }
+    flops = {"up-projection + SwiGLU": 2 * gemm, "down-projection": gemm, "dSwiGLU": gemm, "dX rows": 2 * gemm}
+    ours = {
+        "up-projection + SwiGLU": lambda: {"act": gs.gate_up_swiglu(x, layout, K, w13, save_preact=True, cfg=plan.gate_up)[0]},
+        "down-projection": lambda: {"y": gs.down_scaled(act, layout, K, ones, w2, cfg=plan.down)},
+        "dSwiGLU": lambda: dict(zip(("dh13", "aw", "dweight"), gs.swiglu_backward_rows(
+            go, layout, K, weight, w2, h13, cfg=plan.dact, fused=plan.fused_dact))),
+        "dX rows": lambda: {"dx": gs.dgrad_rows(dh13, layout, K, w13, cfg=plan.dx)},
+    }
+    backends = {"ray_moe": ours}
+    if quack_available():
+        from quack.gemm_interface import gemm as q_gemm
+        from quack.gemm_interface import gemm_dgated, gemm_gated
+
+        # the weights in SonicMoE's layout and the views its functional code passes quack
+        # (sonicmoe/functional/forward.py, backward.py): c_fc [S, 2I, H] with gate | up rows
+        # interleaved, c_proj [S, H, I], both contiguous
+        rows_idx = torch.div(layout.sorted_pair, K, rounding_mode="floor").to(torch.int32)
+        offsets = layout.offsets
+        c_fc = _interleaved(w13).transpose(1, 2).contiguous()
+        c_proj = w2.transpose(1, 2).contiguous()
+        h13_i = _interleaved(h13).contiguous()
+        dh13_i = _interleaved(dh13).contiguous()
+
+        def quack_dgated() -> dict[str, torch.Tensor]:
+            dx_i, postact, ds = gemm_dgated(go, c_proj, PreAct=h13_i, activation="swiglu", colvec_scale=w_pos,
+                                            colvec_reduce=True, cu_seqlens_m=offsets, A_idx=rows_idx,
+                                            dynamic_scheduler=False)
+            return {"dh13 interleaved": dx_i, "aw": postact, "dweight": ds}  # compared once concatenated, not timed
+
+        backends["quack (SonicMoE's kernels)"] = {
+            "up-projection + SwiGLU": lambda: {"act": gemm_gated(x, c_fc.transpose(1, 2), activation="swiglu",
+                                                                 cu_seqlens_m=offsets, A_idx=rows_idx)[1]},
+            "down-projection": lambda: {"y": q_gemm(act, c_proj.transpose(1, 2), cu_seqlens_m=offsets)},
+            "dSwiGLU": quack_dgated,
+            "dX rows": lambda: {"dx": q_gemm(dh13_i, c_fc, cu_seqlens_m=offsets, dynamic_scheduler=False)},
+        }
+    rows: list[dict] = []
+    for what, ref in refs.items():
+        for name, fns in backends.items():
+            row: dict[str, Any] = {"section": f"rows T={shape.T} E={E}", "what": f"{what} {name}"}
+            try:
+                got = fns[what]()
+                got = {k.removesuffix(" interleaved"): _concatenated(v) if k.endswith(" interleaved") else v
+                       for k, v in got.items() if v is not None}
+                errs = {k: _rel_err_or_why(v, ref[k]) for k, v in got.items()}
+                ms = median_ms(fns[what], warmup_ms, rep_ms)
+                row.update({"ms": ms, "TFLOP/s": tflops(flops[what], ms),
+                            "rel_err vs float32": ", ".join(f"{k} {e}" for k, e in errs.items())})
+            except Exception as exc:  # a backend that cannot run here is reported, not fatal
+                row["note"] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
+            log(f"rows: {row}")
+            rows.append(row)
     return rows

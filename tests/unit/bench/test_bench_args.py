@@ -140,3 +140,17 @@ def test_set_overrides_reach_the_configs():
     g_args.stages = [0]
     assert grad_reduce.config_for(g_args, 0, "runs/x").model.compile == "none"
     assert isinstance(p_args, argparse.Namespace) and p_args.set == ["model.compile=none"]
+
+
+def test_rows_section_interleaves_gate_and_up_as_sonicmoe_holds_them():
+    """The ``rows`` section hands quack w13 and h13 with gate and up columns interleaved (gate at
+    even columns: SonicMoE's c_fc rows, bench/layer/sonic.py) and reads quack's dSwiGLU output
+    back as ray_moe's concatenated halves."""
+    import torch
+
+    from ray_moe.bench.layer.profiling import _concatenated, _interleaved
+
+    w13 = torch.randn(3, 5, 8)  # [S, H, 2I], I = 4
+    inter = _interleaved(w13)
+    assert torch.equal(inter[..., 0::2], w13[..., :4]) and torch.equal(inter[..., 1::2], w13[..., 4:])
+    assert torch.equal(_concatenated(inter), w13)
