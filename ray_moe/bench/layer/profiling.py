@@ -288,14 +288,14 @@ def _rel_err_or_why(got: torch.Tensor, want: torch.Tensor) -> str:
 
 
 def row_gemm_backend_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms: int, rep_ms: int) -> list[dict]:
-    """The four row GEMMs at the layer shape, each timed alone twice on the same routing and
+    """The four row GEMMs at the layer shape, each timed alone once per side, on the same routing and
     inputs: ray_moe's default plan and, where quack imports, the quack kernel SonicMoE runs for it
     (``gemm_gated`` up-projection, ``gemm`` down-projection and dX, ``gemm_dgated`` dSwiGLU; the
     ``rows`` section). Each output's relative error against the float32 reference is printed
     beside the time, so a call whose layout differs shows as a large error, not as a fast row.
 
-    What each side does differs where their designs do: ray_moe's down-projection scales its rows
-    by the routing weights in the epilogue (SonicMoE scales in the combine), and its dSwiGLU is
+    What each side does differs where their designs do: ray_moe's down-projection runs its scale
+    epilogue (here with weights 1; SonicMoE scales in the combine), and its dSwiGLU is
     the plan's (split: GEMM, then the elementwise kernel) with gate | up halves concatenated,
     quack's one fused kernel with them interleaved."""
     from ray_moe.kernels import grouped_swiglu as gs
