@@ -19,7 +19,6 @@ import torch
 import yaml
 
 from ray_moe import arch
-from ray_moe.chunks import chunk_weights
 
 # The one table of model dtypes: config name → torch dtype (element sizes come from the dtype).
 DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16})
@@ -145,21 +144,6 @@ class MoEConfig:
     aux_loss_coef: float = 0.0
     expert_impl: str = "auto"  # auto | loop | grouped_mm | triton
     bias_update_rate: float = 0.001  # aux-loss-free balancing (sigmoid routers): bias step per update
-    # 1: sequential layer; C > 1: the exchange of each of C chunks overlaps the experts of its
-    # neighbours; a list: relative chunk sizes ([1, 6, 1]: small ends, whose exchanges nothing hides)
-    pipeline_chunks: int | list = 1
-    delay_wgrad: bool = False  # Triton experts: weight gradients on a side stream beside the exchanges
-    # D > 0 (sequential layer, NVSHMEM peer path): the up-projection of each rank's own rows for
-    # its first D expert slots runs while the peers' rows arrive (0: off)
-    early_experts: int = 0
-    # each rank's batch as two halves through the blocks, staggered: one half's dispatch and
-    # combine on the side stream beside the other half's attention and experts (>= 2 sequences
-    # per rank; the sequential layer's exchange)
-    two_batch_overlap: bool = False
-    # the Triton experts' row GEMMs (down-projection, dx) on Hopper: persistent (one program per SM
-    # walking the tiles, the fastest alone) | tiles (one program per tile: beside an exchange that
-    # holds SMs, the hardware fills the SMs left, where a persistent grid's last programs wait)
-    expert_grid: str = "persistent"
 
     def check(self) -> None:
         _positive("moe.num_experts", self.num_experts)
@@ -173,21 +157,6 @@ class MoEConfig:
         _choice("moe.expert_impl", self.expert_impl, ("auto", "loop", "grouped_mm", "triton"))
         if not self.bias_update_rate >= 0:
             raise ConfigError(f"moe.bias_update_rate={self.bias_update_rate} must be >= 0")
-        try:
-            chunk_weights(self.pipeline_chunks)
-        except ValueError as exc:
-            raise ConfigError(f"moe.{exc}") from None
-        if not isinstance(self.delay_wgrad, bool):
-            raise ConfigError(f"moe.delay_wgrad={self.delay_wgrad!r} must be true or false")
-        if isinstance(self.early_experts, bool) or not isinstance(self.early_experts, int) or self.early_experts < 0:
-            raise ConfigError(f"moe.early_experts={self.early_experts!r} must be an integer >= 0 (0: off)")
-        if not isinstance(self.two_batch_overlap, bool):
-            raise ConfigError(f"moe.two_batch_overlap={self.two_batch_overlap!r} must be true or false")
-        _choice("moe.expert_grid", self.expert_grid, ("persistent", "tiles"))  # experts.EXPERT_GRIDS
-        if self.two_batch_overlap and (len(chunk_weights(self.pipeline_chunks)) > 1 or self.early_experts):
-            raise ConfigError("moe.two_batch_overlap runs the sequential layer's exchange: it needs "
-                              f"moe.pipeline_chunks=1 and moe.early_experts=0, got {self.pipeline_chunks!r} "
-                              f"and {self.early_experts}")
 
 
 @dataclass
@@ -219,10 +188,6 @@ class ParallelConfig:
     overlap_param_gather: bool = True
     nvshmem_spin_limit: int = 1 << 25  # NVSHMEM: polls of a flag before a device-side wait gives up
     fast_launch: bool = True  # NVSHMEM: repeated exchange launches skip Triton's argument binding
-    # NVSHMEM: remote peers' arrivals waited for by one program ahead of the receiving kernel, not by
-    # its G programs spinning: with force_remote_path on one node, an exchange on the copy engines
-    # that leaves all SMs but one to the pipelined layer's experts
-    nvshmem_one_sm_wait: bool = False
 
     def check(self) -> None:
         _positive("parallel.world_size", self.world_size)

@@ -102,8 +102,6 @@ def clone_grads_three_ways(worker) -> dict:
             e.clone_grads.max_in_flight = 1  # rounded: the last layer's sums added during backward
             e.clone_grads.begin()
         (ce + aux).backward()
-        for layer in layers:
-            layer.join_wgrad()
         if way == "reference":  # every slot's gradient in float32, the clones' added in place
             whole = [[p.grad.float() for p in (layer.w13, layer.w2)] for layer in layers]
             for layer, grads in zip(layers, whole):

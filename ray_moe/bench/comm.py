@@ -590,8 +590,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--variants", default="all", help=f"comma-separated of {', '.join(VARIANTS)} or all")
     p.add_argument("--force-remote", action="store_true", help="every peer through NVSHMEM puts")
-    p.add_argument("--one-sm-wait", action="store_true",
-                   help="remote peers' arrivals waited for on one SM (parallel.nvshmem_one_sm_wait)")
     p.add_argument("--programs", default="", help="also time the best variant with these G (SMs), e.g. 16,32,64")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or a local cluster)")
     p.add_argument("--host-cost", action="store_true",
@@ -636,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
         "moe": {"num_experts": a.experts, "top_k": a.top_k},
         "train": {"batch_size": W},  # global batch: one sequence of max(tokens) per rank
         "parallel": {"world_size": W, "device": "cuda", "transport": "nvshmem",
-                     "force_remote_path": a.force_remote, "nvshmem_one_sm_wait": a.one_sm_wait,
+                     "force_remote_path": a.force_remote,
                      "startup_timeout_s": 180},
     })
     params = {"tokens": tokens, "hidden": a.hidden, "top_k": a.top_k, "experts": a.experts,
@@ -650,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
             "dispatch_GBps", "combine_GBps", "nccl_dispatch_us", "nccl_combine_us", "speedup_vs_nccl",
             "ce_ceiling_GBps", "sm_ceiling_GBps", "hybrid_ceiling_GBps", "dispatch_vs_ceiling", "round_trip_rel_err"]
     print(f"W={W} on {devices[0]}, H={a.hidden} K={a.top_k} E={a.experts} bf16"
-          f"{' force_remote_path' if a.force_remote else ''}{' one_sm_wait' if a.one_sm_wait else ''}")
+          f"{' force_remote_path' if a.force_remote else ''}")
     print(tabulate([[f"{r[c]:.1e}" if c == "round_trip_rel_err" else r[c] for c in cols] for r in rows],
                    headers=cols, floatfmt=".1f"))
     progs = sorted({g for rank in per_rank for rec in rank for g in rec.get("programs", {})}, key=int)
@@ -714,7 +712,7 @@ def _host_cost_main(a: argparse.Namespace, W: int) -> int:
         "moe": {"num_experts": a.experts, "top_k": a.top_k},
         "train": {"batch_size": W},
         "parallel": {"world_size": W, "device": "cuda", "transport": "nvshmem",
-                     "force_remote_path": a.force_remote, "nvshmem_one_sm_wait": a.one_sm_wait,
+                     "force_remote_path": a.force_remote,
                      "startup_timeout_s": 180},
     })
     params = {"tokens": tokens, "hidden": a.hidden, "top_k": a.top_k, "experts": a.experts, "iters": a.iters,

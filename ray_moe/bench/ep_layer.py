@@ -1,8 +1,7 @@
 """Timing one MoE layer step (forward, backward, clone coherence) on every rank of a live group.
 
-Shared by ``ray-moe bench layer --world-size W`` (EP rows: per-rank time of the sequential and
-the pipelined layer, ``moe.pipeline_chunks``, and of the exchange on fewer SMs, against the
-single-GPU layer) and ``ray-moe bench balance --mode train`` (skewed routing, cloning off vs
+Shared by ``ray-moe bench layer --world-size W`` (EP rows: per-rank time of the layer, and of
+the exchange on fewer SMs or (not) interleaved, against the single-GPU layer) and ``ray-moe bench balance --mode train`` (skewed routing, cloning off vs
 on). The step is what training does per MoE layer: route → dispatch → experts → combine,
 backward, clone gradients onto owners, owners' weights into clones.
 """
@@ -45,13 +44,10 @@ class StepSpec:
     clone_slots: int = 0
     local: bool = False  # run on this rank alone through the identity transport (W = 1)
     seed: int = 0
-    pipeline_chunks: int | tuple[int, ...] = 1  # moe.pipeline_chunks: 1 sequential, C > 1 or relative sizes: pipelined
     comm_programs: int = 0  # NVSHMEM: a buffer with this many programs (SMs) for the run (0: the transport's)
     interleave: bool | None = None  # NVSHMEM: the buffer's Tuning.interleave for the run (None: its default)
     profile: bool = False  # after the timed steps, more under torch.profiler: their kernels' times
     profile_steps: int = 1  # steps profiled back to back (> 1: the steady state), reported per step
-    delay_wgrad: bool = False  # moe.delay_wgrad: the experts' weight gradients beside the dispatch's backward
-    early_experts: int = 0  # moe.early_experts: the own rows' up-projection of the first D slots beside the dispatch
     trace_dir: str = ""  # with profile: keep each rank's Chrome trace there (<trace_name>_rank<r>.json.gz)
     trace_name: str = "ep"
 
@@ -107,7 +103,7 @@ def time_layer_step(worker: Any, spec: StepSpec | dict) -> dict[str, Any]:
 
 
 # torch's warning for one synchronising call in sync debug mode "warn" (its notice that the mode
-# is a prototype also says "Synchronization", and was counted as a sync until session 14)
+# is a prototype also says "Synchronization", and was counted as a sync until 2026-11-26)
 SYNC_WARNING = "called a synchronizing CUDA operation"
 SYNC_COUNT_STEPS = 3  # steady steps run again under the sync debug mode to count host syncs
 STEP_TIMEOUT_S = 1800.0  # one variant's timing on every rank (compiles included); a hang ends named
@@ -137,9 +133,7 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
                      dtype: torch.dtype) -> dict[str, Any]:
     device = worker.device
     E, H, I = spec.num_experts, spec.d_model, spec.hidden
-    layer = MoELayer(MoELayerSpec(H, E, spec.top_k, I, dtype=dtype, expert_impl=spec.impl, seed=spec.seed,
-                                  pipeline_chunks=spec.pipeline_chunks, delay_wgrad=spec.delay_wgrad,
-                                  early_experts=spec.early_experts),
+    layer = MoELayer(MoELayerSpec(H, E, spec.top_k, I, dtype=dtype, expert_impl=spec.impl, seed=spec.seed),
                      transport, placement, device=device)
     g = torch.Generator().manual_seed(spec.seed * 7919 + rank)
     x = torch.randn(spec.tokens, H, generator=g).to(device=device, dtype=dtype)
@@ -147,8 +141,8 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
         with torch.no_grad():  # a constant feature times the bias row skews the logits
             x[:, 0] = 1.0
             layer.router[0] = zipf_router_bias(E, W, spec.zipf_s).to(device)
-    # as in training (x is a hidden state): without it the pipelined layer skipped the experts'
-    # input-gradient GEMMs and the dispatch's backward, which the sequential layer ran anyway
+    # as in training (x is a hidden state): the experts' input-gradient GEMMs and the dispatch's
+    # backward run
     x.requires_grad_()
     grad = torch.randn(spec.tokens, H, generator=g).to(device=device, dtype=dtype)
     distributed = not spec.local and W > 1 and dist.is_initialized()
@@ -217,8 +211,7 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
         "host_syncs_per_step": len(syncs) / SYNC_COUNT_STEPS,
         "first_host_sync": syncs[0] if syncs else "",
         "expert_tokens": tokens.tolist(), "received_pairs": float(pairs),
-        # what moe.expert_impl=auto chose per shape (a pipelined layer's chunks are shapes of
-        # their own), and the candidates' times
+        # what moe.expert_impl=auto chose per shape, and the candidates' times
         "expert_impl": _chosen_impls(layer, x),
         "expert_timings": {str(k): v for k, v in layer.expert_chooser.timings.items()},
         "spec": asdict(spec),
@@ -350,16 +343,12 @@ def tflops(spec: StepSpec, ms: float, backward: bool = False) -> float:
 def ep_layer_rows(
     T: int, H: int, I: int, E: int, K: int, world_size: int, transport: str = "auto",
     address: str | None = None, dtype: str = "bfloat16", impl: str = "auto", iters: int = 10,
-    device: str = "auto", force_remote_path: bool = False, one_sm_wait: bool = False,
-    chunks: tuple[int | tuple[int, ...], ...] = (1,),
+    device: str = "auto", force_remote_path: bool = False,
     comm_programs: tuple[int, ...] = (0,), group: Any = None, interleave: tuple[bool | None, ...] = (None,),
-    profile: bool = False, delay_wgrad: tuple[bool, ...] = (False,), profile_steps: int = 1,
-    trace_dir: str | None = None, rounds: int = 1, early_experts: tuple[int, ...] = (0,),
+    profile: bool = False, profile_steps: int = 1, trace_dir: str | None = None, rounds: int = 1,
 ) -> list[dict]:
-    """Expert-parallel rows: per-rank layer time at T/W tokens per rank, for every pipeline chunk
-    count C (1: the sequential layer), NVSHMEM program count G (0: the transport's),
-    ``interleave`` setting (NVSHMEM's Tuning.interleave), ``delay_wgrad`` setting
-    (moe.delay_wgrad) and ``early_experts`` D (moe.early_experts, sequential layer only), against one
+    """Expert-parallel rows: per-rank layer time at T/W tokens per rank, for every NVSHMEM program
+    count G (0: the transport's) and ``interleave`` setting (NVSHMEM's Tuning.interleave), against one
     GPU running a rank's own compute (T/W tokens on E/W experts; exposed communication: EP minus
     that, also as a fraction of it), T/W tokens on all E experts, and
     all T tokens (scaling efficiency: one GPU's time / (W x EP time)); each phase synchronised
@@ -368,7 +357,7 @@ def ep_layer_rows(
     worker group of ``world_size`` ranks to run on (else one is started and closed here).
     ``profile``: also the kernels of one step of every EP variant (rank 0) against a rank's own
     compute, by how much longer EP spends in each (:func:`kernel_diff_rows`); ``trace_dir``: each
-    profiled rank's Chrome trace kept there (``ep_c<C>_p<G>_il<...>_dw<0|1>_ee<D>_rank<r>.json.gz``,
+    profiled rank's Chrome trace kept there (``ep_p<G>_il<...>_rank<r>.json.gz``,
     read them with ``python -m ray_moe.bench.timeline``). ``rounds``: every variant runs that many
     times, every other round in reverse order, and each timing is its median over the rounds
     (profiles and traces come from the first round)."""
@@ -390,7 +379,7 @@ def ep_layer_rows(
             "moe": {"num_experts": E, "top_k": K, "expert_hidden": I, "expert_impl": impl},
             "parallel": {"world_size": world_size, "transport": transport, "device": device,
                          "cpu_per_worker": 1 if device != "cpu" else 0.5,
-                         "force_remote_path": force_remote_path, "nvshmem_one_sm_wait": one_sm_wait},
+                         "force_remote_path": force_remote_path},
             "train": {"batch_size": world_size},
         })
         ctx: Any = WorkerGroup(cfg)
@@ -416,21 +405,19 @@ def ep_layer_rows(
     with ctx as g:
         # The references run before and after the EP variants and count as their mean, so a
         # GPU whose clocks drift under sustained load cannot favour what runs first; the drift
-        # is reported (H200 x2, session 13: -2.5 to +0.4 %, smaller than the EP variants' spread).
+        # is reported (H200 x2, 2026-11-26: -2.5 to +0.4 %, smaller than the EP variants' spread).
         own_before, full_before = references(g, False)
-        variants = [(c, p, il, dw, ee) for c in chunks for p in comm_programs for il in interleave
-                    for dw in delay_wgrad for ee in early_experts if c == 1 or ee == 0]
+        variants = [(p, il) for p in comm_programs for il in interleave]
         by_round: dict[tuple, list[list[dict]]] = {v: [] for v in variants}
         for r in range(rounds):
             # odd rounds run the variants in reverse (A B B A ...): a GPU that slows as it heats
             # cannot favour whichever variant runs first (power-capped GEMMs drift by several %)
-            for c, p, il, dw, ee in (variants if r % 2 == 0 else variants[::-1]):
+            for p, il in (variants if r % 2 == 0 else variants[::-1]):
                 first = r == 0
-                by_round[c, p, il, dw, ee].append(g.execute(time_layer_step, asdict(StepSpec(
-                    tokens=T // world_size, pipeline_chunks=c, comm_programs=p, interleave=il,
-                    profile=profile and first, profile_steps=profile_steps, delay_wgrad=dw, early_experts=ee,
-                    trace_dir=(trace_dir or "") if first else "",
-                    trace_name=f"ep_c{_chunks_name(c)}_p{p}_il{il}_dw{int(dw)}_ee{ee}", **base)),
+                by_round[p, il].append(g.execute(time_layer_step, asdict(StepSpec(
+                    tokens=T // world_size, comm_programs=p, interleave=il,
+                    profile=profile and first, profile_steps=profile_steps,
+                    trace_dir=(trace_dir or "") if first else "", trace_name=f"ep_p{p}_il{il}", **base)),
                     timeout=STEP_TIMEOUT_S))
         ep = {v: _median_over_rounds(res) for v, res in by_round.items()}
         local = g.execute_on(0, time_layer_step, asdict(StepSpec(tokens=T // world_size, local=True, **base)),
@@ -441,17 +428,12 @@ def ep_layer_rows(
     full = _mean_times(full_before, full_after)
     drift = (full_after["steady_step_ms"] - full_before["steady_step_ms"]) / full_before["steady_step_ms"]
     rows = []
-    for (c, p, il, dw, ee), res in ep.items():
+    for (p, il), res in ep.items():
         f, b = max(r["forward_ms"] for r in res), max(r["backward_ms"] for r in res)
-        what = "EP per rank (max over ranks), " + (
-            "sequential" if c == 1 else f"pipelined, {c} chunks" if isinstance(c, int)
-            else f"pipelined, chunks {_chunks_name(c)}")
-        what += (f", {p} programs" if p else "") + {None: "", True: ", interleaved", False: ", not interleaved"}[il]
-        what += ", delayed wgrad" if dw else ""
-        what += f", early experts {ee}" if ee else ""
-        rows.append({"section": "ep", "what": what, "transport": transport_name, "interleave": il, "delay_wgrad": dw,
-                     "early_experts": ee,
-                     "chunks": c if isinstance(c, int) else _chunks_name(c), "comm_programs": p, "tokens": spec_ep.tokens, "fwd_ms": f,
+        what = "EP per rank (max over ranks)" + (f", {p} programs" if p else "")
+        what += {None: "", True: ", interleaved", False: ", not interleaved"}[il]
+        rows.append({"section": "ep", "what": what, "transport": transport_name, "interleave": il,
+                     "comm_programs": p, "tokens": spec_ep.tokens, "fwd_ms": f,
                      "fwd_TFLOPs": tflops(spec_ep, f), "fwd+bwd_ms": f + b,
                      "fwd+bwd_TFLOPs": tflops(spec_ep, f + b, backward=True),
                      "steady_step_ms": max(r["steady_step_ms"] for r in res),
@@ -459,7 +441,7 @@ def ep_layer_rows(
                      "steady_issue_ms": max(r["steady_issue_ms"] for r in res),
                      "steady_ms_per_rank": [round(r["steady_step_ms"], 3) for r in res],
                      "steady_ms_per_round": [round(max(rk["steady_step_ms"] for rk in ranks), 3)
-                                             for ranks in by_round[c, p, il, dw, ee]],
+                                             for ranks in by_round[p, il]],
                      "steady_device_steps_ms_per_rank": [r["steady_device_steps_ms"] for r in res],
                      "host_syncs_per_step": max(r["host_syncs_per_step"] for r in res),
                      # max over ranks / mean of the (token, expert) pairs each rank computed: the
@@ -481,15 +463,14 @@ def ep_layer_rows(
     # Exposed communication is EP minus a rank's own compute without the exchange: T/W tokens on
     # E/W experts (the same rows per expert as EP, so the same GEMM shapes). "One GPU, T/W tokens"
     # (all E experts at half the rows each) runs less efficient GEMMs, which hid ~0.8 ms of the
-    # exchange in this column before session 11.
+    # exchange in this column before 2026-11-25.
     ref = own if own is not None else local
     lf, lfb = ref["forward_ms"], ref["forward_ms"] + ref["backward_ms"]
     ff, ffb = full["forward_ms"], full["forward_ms"] + full["backward_ms"]
     for r in rows[:len(ep)]:
         rows.append({
-            "section": "ep", "what": "derived", "world_size": world_size, "chunks": r["chunks"],
-            "comm_programs": r["comm_programs"], "interleave": r["interleave"], "delay_wgrad": r["delay_wgrad"],
-            "early_experts": r["early_experts"],
+            "section": "ep", "what": "derived", "world_size": world_size,
+            "comm_programs": r["comm_programs"], "interleave": r["interleave"],
             "scaling_eff_fwd": ff / (world_size * r["fwd_ms"]),
             "scaling_eff_fwd+bwd": ffb / (world_size * r["fwd+bwd_ms"]),
             "exposed_comm_fwd_ms": r["fwd_ms"] - lf,
@@ -510,19 +491,14 @@ def ep_layer_rows(
             first = ranks[0]
             if "kernels" not in first:
                 continue
-            variant = r["what"].removeprefix("EP per rank (max over ranks), ")
+            variant = r["what"].removeprefix("EP per rank (max over ranks)").removeprefix(", ") or "default"
             rows += kernel_diff_rows(first["kernels"], own_after["kernels"], f"a rank's compute (rank 0), {variant}")
             rows += timeline_rows({f"rank 0's EP step, {variant}": first["timeline"]})
             rows += exchange_rows(ranks, variant)
     return rows
 
 
-EXCHANGE_KERNELS = ("_dispatch_kernel", "_combine_kernel", "_arrival_wait_kernel")
-
-
-def _chunks_name(chunks: int | tuple[int, ...]) -> str:
-    """moe.pipeline_chunks as in ``--ep-chunks``: 2, or 1-6-1 for relative sizes."""
-    return str(chunks) if isinstance(chunks, int) else "-".join(map(str, chunks))
+EXCHANGE_KERNELS = ("_dispatch_kernel", "_combine_kernel")
 
 
 def exchange_rows(results: list[dict], variant: str = "") -> list[dict]:

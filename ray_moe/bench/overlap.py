@@ -1,8 +1,7 @@
-"""``ray-moe bench overlap``: a real architecture's training step at W ranks with each rank's batch
-through the blocks in one pass (the sequential layer) and as two staggered halves
-(``moe.two_batch_overlap``: one half's dispatch and combine beside the other half's attention and
-experts), against one rank running the same tokens per rank (the step expert parallelism would
-take if its exchanges cost nothing: the same FLOPs per GPU, every expert local).
+"""``ray-moe bench overlap``: a real architecture's training step at W ranks (the default step, and
+variants of the settings that overlap communication with compute) against one rank running the
+same tokens per rank (the step expert parallelism would take if its exchanges cost nothing: the
+same FLOPs per GPU, every expert local).
 
 The Trainer at ``--world-size`` ranks (one group for every W-rank variant, a fresh model per run)
 and at one rank, ``--hf-config`` cut to each of ``--layers`` depths, ``--tokens`` per rank in sequences of
@@ -39,12 +38,11 @@ from ray_moe import usage
 # "sequential" is the default step, each rank's batch through the blocks in one pass.
 VARIANTS = MappingProxyType({
     "sequential": {},
-    "two_batch": {"moe.two_batch_overlap": True},  # two staggered halves
     "param_gather": {"parallel.overlap_param_gather": True},  # ZeRO's update beside the next forward (the default)
     "no_param_gather": {"parallel.overlap_param_gather": False},  # ZeRO's update after backward, main stream
     "bf16_reduce": {"parallel.grad_reduce_dtype": "bfloat16"},
     # hot experts re-cloned from the routing measured every 2 steps (a fresh model routes unevenly:
-    # at W=4 one rank's grouped GEMMs took 3.6x another's in session 21's trace)
+    # at W=4 one rank's grouped GEMMs took 3.6x another's in a trace of 2026-11-26)
     "rebalance": {"balance.enabled": True, "balance.interval": 2, "balance.clone_slots": 4, "balance.ema": 0.0},
 })
 
@@ -197,9 +195,9 @@ def _parser() -> argparse.ArgumentParser:
     p = usage.ArgumentParser(prog="ray-moe bench overlap", description=__doc__,
                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--variants", default="sequential,two_batch",
+    p.add_argument("--variants", default="sequential",
                    help=f"comma list of variants, each one of {', '.join(VARIANTS)} or several joined by '+' "
-                        "(e.g. two_batch+param_gather)")
+                        "(e.g. bf16_reduce+no_param_gather)")
     p.add_argument("--device", default="auto", help="auto, cuda, cpu")
     p.add_argument("--transport", default="auto")
     p.add_argument("--comm-programs", type=int, default=0, help="parallel.comm_programs (NVSHMEM: 0 = every SM)")
@@ -210,7 +208,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpointing", default="none", choices=("none", "moe", "full"))
     p.add_argument("--zero-stage", type=int, default=2, choices=(0, 1, 2),
                    help="parallel.zero_stage at W ranks (2: the replicated gradients reduce-scattered while backward runs)")
-    p.add_argument("--tokens", type=int, default=16384, help="tokens per rank per step (>= 2 sequences)")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per rank per step")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--max-bytes", type=int, default=8_000_000, help="corpus size cap (data.max_bytes)")
     p.add_argument("--rounds", type=int, default=2)
@@ -243,9 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.world_size < 2:
         parser.error("--world-size must be >= 2: one rank exchanges nothing (it is the reference)")
-    if args.tokens % args.seq_len or args.tokens // args.seq_len < 2:
-        parser.error(f"--tokens={args.tokens} must be a multiple of --seq-len={args.seq_len} holding at least two "
-                     "sequences (the two halves)")
+    if args.tokens % args.seq_len:
+        parser.error(f"--tokens={args.tokens} must be a multiple of --seq-len={args.seq_len}")
     if args.comm_programs < 0:
         parser.error(f"--comm-programs must be >= 0, got {args.comm_programs}")
     try:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,9 +65,6 @@ class TransportSpec:
             where this Triton allows it (False: every call through Triton's JIT).
         ranks_per_gpu: ranks sharing one GPU (``parallel.workers_per_gpu``): NVSHMEM divides the
             SMs among them, since every program of every rank's exchange must be resident at once.
-        one_sm_wait: NVSHMEM: remote peers' arrivals waited for by one program, not by the
-            receiving kernel's G (``parallel.nvshmem_one_sm_wait``; see
-            :class:`~ray_moe.comm.nvshmem.SymmetricBuffer`).
     """
 
     name: str
@@ -77,7 +73,6 @@ class TransportSpec:
     spin_limit: int = 1 << 25
     fast_launch: bool = True
     ranks_per_gpu: int = 1
-    one_sm_wait: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in TRANSPORTS:
@@ -100,28 +95,6 @@ class Layout:
     top_k: int
 
 
-@dataclass(frozen=True)
-class RowsInFlight:
-    """The received rows of a dispatch that returned before all of them arrived
-    (:meth:`Transport.dispatch_forward_early`). Every row's slot and weight (and the padding's)
-    are in place on the current stream; the rows of recv_x once ``wait()`` has made the current
-    stream wait for them (CUDA-graph capturable: an event wait). Rows ``[local_lo, local_hi)``
-    are this rank's own tokens: before the wait, received row r of them is
-    ``source[source_rows[r - local_lo]]`` (source: the dispatch's x [T, H]; source_rows int32
-    [local_hi - local_lo], meaningful for rows with a valid slot), or None where the transport
-    names no early rows."""
-
-    local_lo: int
-    local_hi: int
-    wait: Callable[[], None]
-    source: torch.Tensor | None = None
-    source_rows: torch.Tensor | None = None
-
-
-def rows_ready() -> None:
-    """The ``wait`` of a :class:`RowsInFlight` whose rows are all in place: nothing to wait for."""
-
-
 class Transport(ABC):
     """Moves token rows between the ranks of an expert-parallel group."""
 
@@ -133,7 +106,6 @@ class Transport(ABC):
         self.rank = rank
         self.world_size = world_size
         self.timer = CommTimer()
-        self._comm_streams: dict[int, Any] = {}
 
     @abstractmethod
     def dispatch_forward(
@@ -152,8 +124,8 @@ class Transport(ABC):
             weight: float32 [T, K] routing weights.
             dest_rank: int32 [T, K] destination rank per (token, k).
             dest_slot: int32 [T, K] expert slot on that rank.
-            capacity: the most tokens any rank passes to this call, the same on every rank
-                (:meth:`chunk_capacity`); a transport with fixed-size receive buffers sizes R from
+            capacity: the most tokens any rank passes to this call, the same on every rank;
+                a transport with fixed-size receive buffers sizes R from
                 it. None: the reserved ``BufferSpec.max_tokens``. Transports that size R from
                 the real traffic ignore it.
             reuse_outputs: the caller consumes the outputs (and the layout) before its next
@@ -181,52 +153,9 @@ class Transport(ABC):
     def combine_backward(self, grad_out: torch.Tensor, layout: Layout) -> torch.Tensor:
         """[T, H] output gradient at the source → [R, H] gradient of the partial rows."""
 
-    @property
-    def supports_early_rows(self) -> bool:
-        """Whether :meth:`dispatch_forward_early` returns before the peers' rows arrive."""
-        return False
-
-    def dispatch_forward_early(
-        self, x: torch.Tensor, weight: torch.Tensor, dest_rank: torch.Tensor, dest_slot: torch.Tensor,
-        capacity: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Layout, RowsInFlight]:
-        """:meth:`dispatch_forward` (same arguments and outputs) that may return while the peers'
-        rows are still arriving, plus the :class:`RowsInFlight` saying which rows are ready. The
-        MoE layer's ``early_experts`` runs the experts of its own rows meanwhile. This default
-        dispatches in full and names no early rows."""
-        kw = {} if capacity is None else {"capacity": capacity}
-        recv_x, recv_slot, recv_w, layout = self.dispatch_forward(x, weight, dest_rank, dest_slot, **kw)
-        return recv_x, recv_slot, recv_w, layout, RowsInFlight(0, 0, rows_ready)
-
     def reserve(self, spec: BufferSpec) -> None:
         """Make the transport's buffers hold ``spec`` (collective where buffers are symmetric:
         every rank calls it with the same spec). Transports without fixed buffers ignore it."""
-
-    def chunk_capacity(self, chunks: int | Sequence[int]) -> list[int] | None:
-        """Per chunk, the ``capacity`` to pass to its dispatch when every rank's tokens are split
-        into ``chunks`` (C equal parts or relative sizes, :func:`ray_moe.comm.pipeline.token_chunks`):
-        the same on every rank. None where the transport does not size R from a capacity (the
-        default)."""
-        return None
-
-    def split_capacity(self, seq_len: int) -> int | None:
-        """The ``capacity`` to pass to a dispatch of the larger half of a rank's sequences of
-        ``seq_len`` tokens (``moe.two_batch_overlap``), the same on every rank: ceil(S/2) · seq_len
-        for the most sequences S a rank may pass (the reserved ``BufferSpec.max_tokens``). None
-        where the transport does not size R from a capacity (the default)."""
-        return None
-
-    def comm_stream(self, device: torch.device) -> Any:
-        """The side stream communication runs on while expert compute runs on the current one
-        (:mod:`ray_moe.comm.pipeline`): one per transport and device, created on first use with
-        high priority (its blocks are scheduled first when SMs free up). None on the CPU."""
-        if device.type != "cuda":
-            return None
-        streams = self._comm_streams
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        if idx not in streams:
-            streams[idx] = torch.cuda.Stream(device=idx, priority=-1)  # lower is higher; -1 is always valid
-        return streams[idx]
 
     def check(self) -> None:
         """Raise if a device-side wait timed out since the last check (a host sync: call it
@@ -282,28 +211,21 @@ class CommTimer:
 
 
 class _LayoutBox:
-    """Carries the (non-tensor) layout, and an early dispatch's rows in flight, out of the
-    dispatch autograd node."""
+    """Carries the (non-tensor) layout out of the dispatch autograd node."""
 
     layout: Layout | None = None
-    in_flight: RowsInFlight | None = None
 
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, transport, box, capacity, x, weight, dest_rank, dest_slot, after_backward=None,
-                reuse_outputs=False, early=False):
+    def forward(ctx, transport, box, capacity, x, weight, dest_rank, dest_slot, reuse_outputs=False):
         mark = transport.timer.start(x)
         kw = {} if capacity is None else {"capacity": capacity}
-        if early:
-            recv_x, recv_slot, recv_w, layout, box.in_flight = transport.dispatch_forward_early(
-                x, weight, dest_rank, dest_slot, **kw)
-        else:
-            if reuse_outputs:
-                kw["reuse_outputs"] = True
-            recv_x, recv_slot, recv_w, layout = transport.dispatch_forward(x, weight, dest_rank, dest_slot, **kw)
+        if reuse_outputs:
+            kw["reuse_outputs"] = True
+        recv_x, recv_slot, recv_w, layout = transport.dispatch_forward(x, weight, dest_rank, dest_slot, **kw)
         transport.timer.stop(mark)
-        ctx.transport, ctx.layout, ctx.after_backward = transport, layout, after_backward
+        ctx.transport, ctx.layout = transport, layout
         box.layout = layout
         ctx.mark_non_differentiable(recv_slot)
         return recv_x, recv_slot, recv_w
@@ -320,10 +242,8 @@ class _Dispatch(torch.autograd.Function):
         gx, gw = ctx.transport.dispatch_backward(
             grad_recv_x.contiguous(), grad_recv_w.contiguous(), ctx.layout
         )
-        if ctx.after_backward is not None:  # launched: now wait for what ran beside it
-            ctx.after_backward()
         ctx.transport.timer.stop(mark)
-        return None, None, None, gx, gw, None, None, None, None, None
+        return None, None, None, gx, gw, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -350,42 +270,18 @@ def dispatch(
     dest_rank: torch.Tensor,
     dest_slot: torch.Tensor,
     capacity: int | None = None,
-    after_backward: Callable[[], None] | None = None,
     reuse_outputs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Layout]:
     """Differentiable dispatch (see :meth:`Transport.dispatch_forward` for shapes, ``capacity``
     and ``reuse_outputs``, which applies only with autograd off: with it on, the experts save the
-    received rows for their weight gradients, so they must outlive later dispatches).
-    ``after_backward``: called in backward once the backward exchange is launched (the layer's
-    delayed weight gradients join there, :class:`~ray_moe.model.wgrad.WgradDeferral`)."""
+    received rows for their weight gradients, so they must outlive later dispatches)."""
     box = _LayoutBox()
     reuse = reuse_outputs and not torch.is_grad_enabled()
     recv_x, recv_slot, recv_w = _Dispatch.apply(
-        transport, box, capacity, x, weight, dest_rank.to(torch.int32), dest_slot.to(torch.int32), after_backward,
-        reuse,
+        transport, box, capacity, x, weight, dest_rank.to(torch.int32), dest_slot.to(torch.int32), reuse,
     )
     assert box.layout is not None
     return recv_x, recv_slot, recv_w, box.layout
-
-
-def dispatch_early(
-    transport: Transport,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    dest_rank: torch.Tensor,
-    dest_slot: torch.Tensor,
-    after_backward: Callable[[], None] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Layout, RowsInFlight]:
-    """Differentiable :meth:`Transport.dispatch_forward_early`: as :func:`dispatch`, plus the
-    :class:`RowsInFlight` the caller must ``wait()`` on before it reads rows outside
-    ``[local_lo, local_hi)``. Its backward is :func:`dispatch`'s."""
-    box = _LayoutBox()
-    recv_x, recv_slot, recv_w = _Dispatch.apply(
-        transport, box, None, x, weight, dest_rank.to(torch.int32), dest_slot.to(torch.int32), after_backward,
-        False, True,
-    )
-    assert box.layout is not None and box.in_flight is not None
-    return recv_x, recv_slot, recv_w, box.layout, box.in_flight
 
 
 def combine(transport: Transport, partial: torch.Tensor, layout: Layout) -> torch.Tensor:

@@ -38,14 +38,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
 import torch
 
-from ray_moe.comm.base import BufferSpec, Layout, RowsInFlight, Transport, TransportSpec, rows_ready
+from ray_moe.comm.base import BufferSpec, Layout, Transport, TransportSpec
 from ray_moe.comm.nvshmem_kernels import (
     ERROR_WORDS,
     ChannelAddrs,
@@ -53,12 +52,9 @@ from ray_moe.comm.nvshmem_kernels import (
     Launcher,
     Tuning,
     fast_launch_works,
-    launch_arrival_wait,
     launch_combine,
     launch_dispatch,
-    launch_meta_wait,
 )
-from ray_moe.chunks import chunk_capacities, chunk_weights
 
 log = logging.getLogger(__name__)
 
@@ -236,12 +232,11 @@ class _Channel:
         self.geo, self.remote = geo, remote
         self.recv = rt.alloc(W * geo.region_bytes)
         self.stage = rt.alloc(W * geo.region_bytes) if staging else None
-        self.words = rt.alloc(8 * (3 * W * G + 2 * W)).view(torch.int64)
+        self.words = rt.alloc(8 * (2 * W * G + 2 * W)).view(torch.int64)
         self.flag = self.words[: W * G]
         self.rsig = self.words[W * G: W * G + W]
         self.ack = self.words[W * G + W: W * G + 2 * W]
         self.prog = self.words[W * G + 2 * W: 2 * W * G + 2 * W]  # (call + 1) << 32 | rows sent (interleave)
-        self.mflag = self.words[2 * W * G + 2 * W:]  # meta-first dispatches per source and program
         recv_base, words_base = self.recv.data_ptr(), self.words.data_ptr()
         for name, t in (("receive regions", self.recv), ("staging regions", self.stage)):
             if t is not None and t.data_ptr() % 256:  # the kernels' 16-byte vector accesses rely on it
@@ -249,8 +244,7 @@ class _Channel:
         self.recv_base = recv_base
         self.rsig_base, self.ack_base = words_base + 8 * W * G, words_base + 8 * (W * G + W)
         prog_base = words_base + 8 * (W * G + 2 * W)
-        mflag_base = words_base + 8 * (2 * W * G + 2 * W)
-        dst, pflag, pack, pprog, pmflag = [0] * W, [0] * W, [0] * W, [0] * W, [0] * W
+        dst, pflag, pack, pprog = [0] * W, [0] * W, [0] * W, [0] * W
         for d in range(W):
             if d == me:
                 continue
@@ -261,8 +255,7 @@ class _Channel:
                 pflag[d] = rt.peer_ptr(words_base + 8 * me * G, d)
                 pack[d] = rt.peer_ptr(self.ack_base + 8 * me, d)
                 pprog[d] = rt.peer_ptr(prog_base + 8 * me * G, d)
-                pmflag[d] = rt.peer_ptr(mflag_base + 8 * me * G, d)
-                if not (dst[d] and pflag[d] and pack[d] and pprog[d] and pmflag[d]):
+                if not (dst[d] and pflag[d] and pack[d] and pprog[d]):
                     raise NVSHMEMError(f"rank {me}: no peer pointer to rank {d}; use the remote path")
         dev = self.recv.device
         self.addrs = ChannelAddrs(
@@ -274,15 +267,12 @@ class _Channel:
             ctr=torch.zeros(G, dtype=torch.int32, device=dev),
             pprog_tbl=torch.tensor(pprog, dtype=torch.int64, device=dev), prog=self.prog,
             done=torch.zeros(W * G, dtype=torch.int32, device=dev),
-            pmflag_tbl=torch.tensor(pmflag, dtype=torch.int64, device=dev), mflag=self.mflag,
-            mcopied=torch.zeros(G, dtype=torch.int32, device=dev),
         )
 
     def post_send(self, rt: NVSHMEMRuntime, capacity: int) -> None:
         """Remote peers: put each staged region into the peer's region for this rank, signal += 1.
         A call of ``capacity`` rows per source lays its region out for that many (chunk meta, then
-        ``capacity`` rows, then their row meta: the kernels' ``T_cap``), so only that prefix moves:
-        a pipelined layer's chunks put a chunk's bytes, not the whole buffer's."""
+        ``capacity`` rows, then their row meta: the kernels' ``T_cap``), so only that prefix moves."""
         geo, me = self.geo, self.geo.rank
         nbytes = min(geo.region_bytes, geo.cm_bytes + capacity * (geo.row_bytes + geo.meta_bytes))
         for d, far in enumerate(self.remote):
@@ -315,16 +305,11 @@ class SymmetricBuffer:
             pairs on every rank: :meth:`NVSHMEMTransport.remote_peers` agrees on them).
         interleave_ok: whether :attr:`Tuning.interleave` may apply: no rank of the buffer has a
             remote peer (the same on every rank). At four ranks (two PEs on each of two GPUs) the
-            interleaved exchange once timed out on the device (sessions 11 and 12: a peer late at
-            one dispatch in over a hundred, still compiling the variant); since a kernel variant's
-            first launch waits FIRST_LAUNCH_SPIN_FACTOR times longer, its GPU tests pass there
-            (session 13), so it applies at any world size.
+            interleaved exchange once timed out on the GPU (2026-11-25: a peer late at one dispatch
+            in over a hundred, still compiling the variant); since a kernel variant's first launch
+            waits FIRST_LAUNCH_SPIN_FACTOR times longer, its GPU tests pass there (2026-11-26), so
+            it applies at any world size.
         spin_limit: polls before a device-side wait gives up and raises the error flag.
-        one_sm_wait: remote peers' arrivals are waited for by one program ahead of the receiving
-            kernel (:func:`~ray_moe.comm.nvshmem_kernels.launch_arrival_wait`, bounded and named
-            like every wait), whose G programs then do not spin: while the copy engines move the
-            rows, all SMs but one are free for other streams' work (the pipelined layer's experts).
-            The same on every rank.
         fast_launch: launch repeated calls of a shape through Triton's compiled kernel directly
             (:class:`~ray_moe.comm.nvshmem_kernels.Launcher`); None: where
             :func:`~ray_moe.comm.nvshmem_kernels.fast_launch_works` says this Triton allows it.
@@ -341,7 +326,7 @@ class SymmetricBuffer:
     def __init__(self, runtime: NVSHMEMRuntime, capacity: int, hidden: int, elem_bytes: int, kmax: int,
                  num_programs: int, remote: list[bool], spin_limit: int = 1 << 25,
                  tuning: Tuning | None = None, fast_launch: bool | None = None,
-                 interleave_ok: bool = False, one_sm_wait: bool = False) -> None:
+                 interleave_ok: bool = False) -> None:
         self.rt = runtime
         W, me = runtime.world_size, runtime.rank
         self.geo = Geometry(W, me, max(16, capacity), hidden, elem_bytes, kmax, num_programs)
@@ -360,10 +345,9 @@ class SymmetricBuffer:
         self.tuning = tuning or Tuning.for_hidden(hidden, W)
         self.any_remote = any(self.remote)
         self.interleave_ok = bool(interleave_ok) and not self.any_remote
-        self.one_sm_wait = bool(one_sm_wait) and self.any_remote
         self.launcher = Launcher(fast=fast_launch_works(dev) if fast_launch is None else fast_launch, device=dev)
         # int64 [2, G, STAMP_SLOTS], contiguous, on the buffer's device: when set, every dispatch-like
-        # (0) and combine-like (1) call except dispatch_early writes each program's timer at its steps
+        # (0) and combine-like (1) call writes each program's timer at its steps
         # (nvshmem_kernels.DISPATCH_STAMPS / COMBINE_STAMPS); bench comm's latency floor sets it
         self.stamps: torch.Tensor | None = None
         self._owned: dict[tuple, tuple] = {}  # call key -> dispatch outputs (dispatch's reuse_outputs)
@@ -416,7 +400,7 @@ class SymmetricBuffer:
         if owned and not self.any_remote:  # later calls of the shape: only the inputs change
             bound = self.launcher.bound(_with(key, 3), dict(
                 pos_ptr=pos, smeta_ptr=smeta, scnt_ptr=self.scratch[0], sflag_ptr=self.scratch[1], out_x_ptr=recv_x,
-                out_slot_ptr=recv_slot, out_w_ptr=recv_w, rmeta_ptr=rmeta, ltok_ptr=pos))
+                out_slot_ptr=recv_slot, out_w_ptr=recv_w, rmeta_ptr=rmeta))
             if bound is not None:
                 self._owned_dispatch[self._owned_fast_key(cap, x, K)] = (bound, outs)
         return recv_x, recv_slot, recv_w, NVSHMEMLayout(T, K, pos, smeta, rmeta, dest_rank, cap, owned)
@@ -431,56 +415,6 @@ class SymmetricBuffer:
         """What an owned call's bound launch depends on besides the buffer: the call's shapes and
         the tuning (the other inputs are int32/float32 [T, K], contiguous, as dispatch makes them)."""
         return cap, x.shape, x.dtype, K, self.tuning.key(), None if self.stamps is None else self.stamps.data_ptr()
-
-    def dispatch_early(self, x: torch.Tensor, weight: torch.Tensor, dest_rank: torch.Tensor,
-                       dest_slot: torch.Tensor, capacity: int | None = None, side: Any = None):
-        """:meth:`dispatch` that returns before the rows arrive: the exchange runs on the ``side``
-        stream (``meta_first``: every row's slot and weight first, then the rows), the current
-        stream waits only for the meta (:func:`~ray_moe.comm.nvshmem_kernels.launch_meta_wait`).
-        → recv_x, recv_slot, recv_w, layout, :class:`~ray_moe.comm.base.RowsInFlight`: recv_slot,
-        recv_w and ``source_rows`` (int32 [C]: the token in x of each of this rank's own received
-        rows ``[rank*C, (rank+1)*C)``) are ready on the current stream, so those rows can be read
-        from x at once; recv_x once its ``wait()`` made the current stream wait for the side
-        stream. Peer path only (no remote peer: :attr:`early_ok`). On the CPU (the interpreter)
-        everything runs in order and ``wait`` does nothing."""
-        if not self.early_ok:
-            raise NVSHMEMError("dispatch_early needs every peer reached through peer pointers (no remote peer)")
-        geo = self.geo
-        x, weight, dest_rank, dest_slot, cap = self._dispatch_inputs(x, weight, dest_rank, dest_slot, capacity)
-        T, K = dest_rank.shape
-        key = self._key("dispatch_early", cap, x, dest_rank, dest_slot, weight)
-        outs = self._dispatch_outputs(T, K, cap, x.dtype, x.device)
-        pos, smeta, rmeta, recv_x, recv_slot, recv_w = outs
-        ltok = torch.empty(cap, dtype=torch.int32, device=x.device)
-        outs = (*outs, ltok)
-        ch = self.dch
-        args = (geo, ch.addrs, x, pos, smeta, recv_x, rmeta, self.err)
-        kw = dict(dest_rank=dest_rank, dest_slot=dest_slot, weight=weight, out_slot=recv_slot, out_w=recv_w,
-                  scratch=self.scratch, compute_layout=True, spin_limit=self.spin_limit, tuning=self.tuning,
-                  capacity=cap, launcher=self.launcher, interleave_ok=False, meta_first=True, ltok=ltok)
-        wait_key = ("meta_wait", self.spin_limit)
-        layout = NVSHMEMLayout(T, K, pos, smeta, rmeta, dest_rank, cap)
-        lo, hi = geo.rank * cap, (geo.rank + 1) * cap
-        if side is None:
-            launch_dispatch(*args, phase=3, key=_with(key, 3), **kw)
-            launch_meta_wait(geo, ch.addrs, self.err, self.spin_limit, self.launcher, wait_key)
-            return recv_x, recv_slot, recv_w, layout, RowsInFlight(lo, hi, rows_ready, x, ltok)
-        main = torch.cuda.current_stream(x.device)
-        side.wait_stream(main)
-        for t in (x, dest_rank, dest_slot, weight, *outs):  # used on both streams: freed after both
-            t.record_stream(side)
-        with torch.cuda.stream(side):
-            launch_dispatch(*args, phase=3, key=_with(key, 3), **kw)
-            done = torch.cuda.Event()
-            done.record(side)
-        launch_meta_wait(geo, ch.addrs, self.err, self.spin_limit, self.launcher, wait_key)
-        return recv_x, recv_slot, recv_w, layout, RowsInFlight(
-            lo, hi, lambda: torch.cuda.current_stream().wait_event(done), x, ltok)
-
-    @property
-    def early_ok(self) -> bool:
-        """Whether :meth:`dispatch_early` applies: every peer is reached through peer pointers."""
-        return not self.any_remote
 
     def _dispatch_outputs(self, T: int, K: int, cap: int, dtype: torch.dtype, dev: torch.device) -> tuple:
         """New outputs of a dispatch: pos, smeta, rmeta (the layout) and recv_x, recv_slot, recv_w."""
@@ -556,10 +490,7 @@ class SymmetricBuffer:
             return
         launch_dispatch(*args, phase=1, key=_with(key, 1), **kw)
         ch.post_send(self.rt, capacity or self.geo.capacity)
-        if self.one_sm_wait:
-            launch_arrival_wait(self.geo, ch.addrs, self.err, 3, self.spin_limit, self.launcher,
-                                ("arrival", 3, self.spin_limit))
-        launch_dispatch(*args, phase=2, key=_with(key, 2), arrived=self.one_sm_wait, **kw)
+        launch_dispatch(*args, phase=2, key=_with(key, 2), **kw)
         ch.post_recv(self.rt)
 
     def _combine_like(self, src, layout: NVSHMEMLayout, out, key, kw) -> None:
@@ -573,10 +504,7 @@ class SymmetricBuffer:
             return
         launch_combine(*args, phase=1, key=_with(key, 1), **kw)
         ch.post_send(self.rt, layout.capacity)
-        if self.one_sm_wait:
-            launch_arrival_wait(self.geo, ch.addrs, self.err, 4, self.spin_limit, self.launcher,
-                                ("arrival", 4, self.spin_limit))
-        launch_combine(*args, phase=2, key=_with(key, 2), arrived=self.one_sm_wait, **kw)
+        launch_combine(*args, phase=2, key=_with(key, 2), **kw)
         ch.post_recv(self.rt)
 
     # ---------------------------------------------------------------- health
@@ -640,8 +568,7 @@ class NVSHMEMTransport(Transport):
 
     ``settings`` (:class:`~ray_moe.comm.base.TransportSpec`, the same on every rank):
     ``comm_programs`` is G, the programs (SMs) the exchange kernels of the transport's buffer run
-    on (0: every SM); fewer leave SMs to expert compute that overlaps the exchange
-    (``moe.pipeline_chunks``); it shapes the symmetric buffer. ``fast_launch=False`` turns the
+    on (0: every SM); it shapes the symmetric buffer. ``fast_launch=False`` turns the
     Launcher's direct launches off (every call through Triton's JIT); ``spin_limit`` bounds every
     device-side wait.
     ``ranks_per_gpu`` (``parallel.workers_per_gpu``, a test mode) ranks share this GPU: its SMs are
@@ -669,7 +596,6 @@ class NVSHMEMTransport(Transport):
         self.spec: BufferSpec | None = None
         self.spin_limit = settings.spin_limit
         self.fast_launch = settings.fast_launch and fast_launch_works(device)
-        self.one_sm_wait = settings.one_sm_wait
         if self.force_remote:
             self.name = "nvshmem-remote"
         self.reserve(spec)
@@ -731,38 +657,11 @@ class NVSHMEMTransport(Transport):
         remote, none_remote = self.remote_peers()
         return SymmetricBuffer(self.runtime, capacity, hidden, elem_bytes, kmax, G,
                                remote, spin_limit=spin_limit or self.spin_limit, tuning=tuning,
-                               fast_launch=self.fast_launch, interleave_ok=none_remote,
-                               one_sm_wait=self.one_sm_wait)
+                               fast_launch=self.fast_launch, interleave_ok=none_remote)
 
     # ---------------------------------------------------------------- Transport
     def dispatch_forward(self, x, weight, dest_rank, dest_slot, capacity=None, reuse_outputs=False):
         return self.buffer.dispatch(x, weight, dest_rank, dest_slot, capacity=capacity, reuse_outputs=reuse_outputs)
-
-    def chunk_capacity(self, chunks: int | Sequence[int]) -> list[int] | None:
-        """Per chunk, rows per source of its dispatch when each rank's tokens (at most
-        ``spec.max_tokens``) are split by :func:`ray_moe.comm.pipeline.token_chunks`: the received
-        rows shrink with the chunks instead of staying W * T_cap each."""
-        weights = chunk_weights(chunks)
-        if len(weights) <= 1 or self.spec is None:
-            return None
-        return [min(self.buffer.capacity, c) for c in chunk_capacities(self.spec.max_tokens, weights)]
-
-    def split_capacity(self, seq_len: int) -> int | None:
-        """Rows per source of a half batch's dispatch: each half's received rows are W · ceil(S/2) ·
-        seq_len instead of W · T_cap (half the padding to zero and to carry through the experts)."""
-        if self.spec is None or seq_len < 1 or self.spec.max_tokens // seq_len < 2:
-            return None
-        return min(self.buffer.capacity, -(-(self.spec.max_tokens // seq_len) // 2) * seq_len)
-
-    @property
-    def supports_early_rows(self) -> bool:
-        return self.buffer is not None and self.buffer.early_ok
-
-    def dispatch_forward_early(self, x, weight, dest_rank, dest_slot, capacity=None):
-        if not self.supports_early_rows:  # a remote peer: the whole dispatch, no early rows
-            return super().dispatch_forward_early(x, weight, dest_rank, dest_slot, capacity)
-        side = self.comm_stream(x.device)
-        return self.buffer.dispatch_early(x, weight, dest_rank, dest_slot, capacity=capacity, side=side)
 
     def dispatch_backward(self, grad_recv_x, grad_recv_weight, layout):
         return self.buffer.dispatch_grad(grad_recv_x, grad_recv_weight, layout)
@@ -784,7 +683,7 @@ class NVSHMEMTransport(Transport):
             d.update(capacity=self.buffer.capacity, symmetric_mib=round(self.buffer.symmetric_bytes / 2**20, 1),
                      remote_peers=[i for i, r in enumerate(self.buffer.remote) if r],
                      num_programs=self.buffer.geo.num_programs,
-                     fast_launch=self.buffer.launcher.fast, one_sm_wait=self.buffer.one_sm_wait)
+                     fast_launch=self.buffer.launcher.fast)
         return d
 
     def close(self) -> None:

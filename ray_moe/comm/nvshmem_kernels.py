@@ -259,8 +259,6 @@ def _dispatch_kernel(
     rmeta_ptr,  # int32 [W, G, 4]: per source, the chunk meta that arrived
     ctr_ptr, err_ptr,
     pprog_tbl, prog_ptr, done_ptr,  # INTERLEAVE's progress words (ChannelAddrs)
-    pmflag_tbl, mflag_ptr, mcopied_ptr,  # META_FIRST's words (ChannelAddrs)
-    ltok_ptr,  # META_FIRST: int32 [T_cap], the token of each row this rank sends itself
     stamp_ptr,  # STAMPS: int64 [G, STAMP_SLOTS] (_stamp)
     me, T_cap, REGION, spin_limit,
     W: tl.constexpr, W_PAD: tl.constexpr, H: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
@@ -268,7 +266,7 @@ def _dispatch_kernel(
     CM_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
     HAS_META: tl.constexpr, COMPUTE_LAYOUT: tl.constexpr, PHASE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, ALIGNED: tl.constexpr, INTERLEAVE: tl.constexpr,
-    ARRIVED: tl.constexpr, META_FIRST: tl.constexpr, STAMPS: tl.constexpr,
+    STAMPS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     ELEM = x_ptr.dtype.element_ty
@@ -364,9 +362,8 @@ def _dispatch_kernel(
                              mask=rmask[:, None] & (kcol[None, :] < K), other=-1)
                 wt = tl.load(weight_ptr + r[:, None] * K + kcol[None, :],
                              mask=rmask[:, None] & (kcol[None, :] < K), other=0.0)
-            if not META_FIRST:  # (META_FIRST: every row follows the meta exchange)
-                _send_rows(x_ptr, r, rmask, posm, wcol, hcol, me, T_cap, out_x_ptr, dst_tbl,
-                           W, H, BLOCK_H, ROW_ELEMS, ELEM, CM_BYTES, ALIGNED)
+            _send_rows(x_ptr, r, rmask, posm, wcol, hcol, me, T_cap, out_x_ptr, dst_tbl,
+                       W, H, BLOCK_H, ROW_ELEMS, ELEM, CM_BYTES, ALIGNED)
             if HAS_META:
                 kmask = kcol[None, :] < K
                 for d in tl.static_range(W):
@@ -379,8 +376,6 @@ def _dispatch_kernel(
                         row = (me * T_cap + pd)[:, None] * K + kcol[None, :]
                         tl.store(out_slot_ptr + row, slot, mask=ok[:, None] & kmask)
                         tl.store(out_w_ptr + row, wgt, mask=ok[:, None] & kmask)
-                        if META_FIRST:
-                            tl.store(ltok_ptr + pd, r, mask=ok)
                     else:
                         mrow = _row_block(tl.load(dst_tbl + d) + meta_base, pd, kcol, 2 * KMAX, tl.int32, K_PAD)
                         tl.store(mrow, slot, mask=ok[:, None] & kmask)
@@ -407,38 +402,6 @@ def _dispatch_kernel(
                                      rrow, hcol, kcol, ELEM, ROW_ELEMS, H, K, K_PAD, KMAX, CM_BYTES, HAS_META,
                                      BLOCK_R, BLOCK_H, ALIGNED)
                             tl.store(done_ptr + s * G + pid, got - st)
-        if META_FIRST:
-            # ---------------- the meta exchange: the peers' slots and weights of this program's
-            # chunk and every source's meta padding land here before any row is sent, then mcopied
-            # tells the receiving side's stream (launch_meta_wait) that the routing of the received
-            # rows and ltok (where this rank's own rows are in x) are in place
-            for d in tl.static_range(W):
-                if d != me:  # the call number itself: only some dispatches of the channel are meta-first
-                    _publish(tl.load(pmflag_tbl + d) + pid * 8, n.to(tl.int64) + 1)
-            for s in tl.static_range(W):
-                if s == me:
-                    tot = tl.load(smeta_ptr + pid * W * 4 + me * 4 + 2)
-                else:
-                    _wait_ge(mflag_ptr + s * G + pid, n.to(tl.int64) + 1, spin_limit, err_ptr, 3, s)
-                    tl.debug_barrier()
-                    region = recv_base + s * region_sz
-                    cm, st, en = _chunk_meta(region + pid * 16)
-                    tot = tl.sum(tl.where(tl.arange(0, 4) == 2, cm, 0), axis=0)
-                    for jb in range(st, en, BLOCK_R):
-                        j = jb + rrow
-                        _copy_meta_block(region, j, j < en, (s * T_cap + j).to(tl.int64), out_slot_ptr, out_w_ptr,
-                                         meta_base, kcol, K, K_PAD, KMAX)
-                _pad_meta(out_slot_ptr, out_w_ptr, s, tot, T_cap, pid, rrow, kcol, G, K, K_PAD, BLOCK_R)
-            tl.debug_barrier()
-            tl.atomic_xchg(mcopied_ptr + pid, 1, sem="release", scope="gpu")
-            # ---------------- then the rows, this rank's own included
-            for tb in range(t0, t1, BLOCK_R):
-                r = tb + rrow
-                rmask = r < t1
-                posm = tl.load(pos_ptr + r[:, None] * W + wcol[None, :],
-                               mask=rmask[:, None] & (wcol[None, :] < W), other=-1)
-                _send_rows(x_ptr, r, rmask, posm, wcol, hcol, me, T_cap, out_x_ptr, dst_tbl,
-                           W, H, BLOCK_H, ROW_ELEMS, ELEM, CM_BYTES, ALIGNED)
         _stamp(stamp_ptr, pid, 3, STAMPS)
         # ---------------- the arrival signal (peer path)
         for d in tl.static_range(W):
@@ -470,13 +433,13 @@ def _dispatch_kernel(
             else:
                 if tl.load(remote_tbl + s) == 0:
                     _wait_ge(flag_ptr + s * G + pid, n.to(tl.int64) + 1, spin_limit, err_ptr, 3, s)
-                elif not ARRIVED:  # (ARRIVED: one program waited for the put's signal before)
+                else:
                     _wait_ge(rsig_ptr + s, n.to(tl.int64) + 1, spin_limit, err_ptr, 3, s)
                 tl.debug_barrier()
                 _stamp(stamp_ptr, pid, 5, STAMPS)
                 cm, st, en = _chunk_meta(region + pid * 16)
                 _copy_in(region, st, en, s, out_x_ptr, out_slot_ptr, out_w_ptr, T_cap, meta_base,
-                         rrow, hcol, kcol, ELEM, ROW_ELEMS, H, K, K_PAD, KMAX, CM_BYTES, HAS_META and not META_FIRST,
+                         rrow, hcol, kcol, ELEM, ROW_ELEMS, H, K, K_PAD, KMAX, CM_BYTES, HAS_META,
                          BLOCK_R, BLOCK_H, ALIGNED)
             tl.store(rmeta_ptr + (s * G + pid) * 4 + tl.arange(0, 4), cm)
             tot = tl.sum(tl.where(tl.arange(0, 4) == 2, cm, 0), axis=0)
@@ -493,7 +456,7 @@ def _dispatch_kernel(
                     z = tl.zeros([BLOCK_R, BLOCK_H], dtype=ELEM)
                     tl.store(_rows_of(out_x_ptr, out_row, h, H, BLOCK_H, ALIGNED), z,
                              mask=jm[:, None] & (h[None, :] < H))
-            if HAS_META and not META_FIRST:
+            if HAS_META:
                 _pad_meta(out_slot_ptr, out_w_ptr, s, tot, T_cap, pid, rrow, kcol, G, K, K_PAD, BLOCK_R)
             _stamp(stamp_ptr, pid, 6, STAMPS)
             if s != me:
@@ -578,8 +541,7 @@ def _combine_kernel(
     KMAX: tl.constexpr, G: tl.constexpr,
     CM_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
     HAS_META: tl.constexpr, PHASE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-    ALIGNED: tl.constexpr, ROTATE: tl.constexpr, INTERLEAVE: tl.constexpr, ARRIVED: tl.constexpr,
-    STAMPS: tl.constexpr,
+    ALIGNED: tl.constexpr, ROTATE: tl.constexpr, INTERLEAVE: tl.constexpr, STAMPS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     ELEM = src_ptr.dtype.element_ty
@@ -679,7 +641,7 @@ def _combine_kernel(
                 if d != me:
                     if tl.load(remote_tbl + d) == 0:
                         _wait_ge(flag_ptr + d * G + pid, n.to(tl.int64) + 1, spin_limit, err_ptr, 4, d)
-                    elif not ARRIVED:
+                    else:
                         _wait_ge(rsig_ptr + d, n.to(tl.int64) + 1, spin_limit, err_ptr, 4, d)
             tl.debug_barrier()
             _stamp(stamp_ptr, pid, 4, STAMPS)
@@ -694,59 +656,6 @@ def _combine_kernel(
                     _signal(tl.load(pack_tbl + d), 1)
         _stamp(stamp_ptr, pid, 6, STAMPS)
         tl.store(ctr_ptr + pid, n + 1)
-
-
-# ----------------------------------------------------------------------------------- one-SM wait
-
-
-@triton.jit(do_not_specialize=["spin_limit"])
-def _arrival_wait_kernel(rsig_ptr, remote_tbl, err_ptr, spin_limit, W: tl.constexpr, CODE: tl.constexpr):
-    """One program: wait (bounded, named on timeout like every wait) for the put signal of each
-    remote source, then set it back to 0 (its sender puts again only after this rank's
-    acknowledgement, which follows the receiving kernel): the receiving kernel that follows then
-    runs with ARRIVED, so while rows move one SM waits instead of G."""
-    one = tl.full([], 1, tl.int64)
-    for s in tl.static_range(W):
-        if tl.load(remote_tbl + s) != 0:
-            _wait_ge(rsig_ptr + s, one, spin_limit, err_ptr, CODE, s)
-            tl.atomic_xchg(rsig_ptr + s, 0, sem="relaxed", scope="sys")
-
-
-@triton.jit(do_not_specialize=["spin_limit"])
-def _meta_wait_kernel(mcopied_ptr, err_ptr, spin_limit, me, G: tl.constexpr):
-    """One program: wait (bounded, named on timeout) until every program of this rank's META_FIRST
-    dispatch has set its ``mcopied`` word, then clear them for the next call."""
-    one = tl.full([], 1, tl.int32)
-    for p in range(G):
-        _wait_ge(mcopied_ptr + p, one, spin_limit, err_ptr, 3, me)
-    tl.debug_barrier()
-    for p in range(G):
-        tl.atomic_xchg(mcopied_ptr + p, 0, sem="relaxed", scope="gpu")
-
-
-def launch_meta_wait(geo: Geometry, ch: ChannelAddrs, err: torch.Tensor, spin_limit: int,
-                     launcher: "Launcher", key: tuple) -> None:
-    """:func:`_meta_wait_kernel` on one program, on the current stream: what follows it on that
-    stream may read the received rows' meta (slots, weights, padding) and this rank's own rows of a
-    ``meta_first`` dispatch still running on another stream."""
-
-    def fixed() -> dict:
-        return dict(mcopied_ptr=ch.mcopied, err_ptr=err, spin_limit=spin_limit, me=geo.rank,
-                    G=geo.num_programs)
-
-    launcher.launch(_meta_wait_kernel, (1,), {}, fixed, 1, key, first={"spin_limit": _first_spin(spin_limit)})
-
-
-def launch_arrival_wait(geo: Geometry, ch: ChannelAddrs, err: torch.Tensor, code: int, spin_limit: int,
-                        launcher: "Launcher", key: tuple) -> None:
-    """:func:`_arrival_wait_kernel` on one program for channel ``ch`` (``code``: 3 dispatch-like,
-    4 combine-like, as the receiving kernel's own wait would report)."""
-
-    def fixed() -> dict:
-        return dict(rsig_ptr=ch.rsig, remote_tbl=ch.remote_tbl, err_ptr=err, spin_limit=spin_limit,
-                    W=geo.world_size, CODE=code)
-
-    launcher.launch(_arrival_wait_kernel, (1,), {}, fixed, 1, key, first={"spin_limit": _first_spin(spin_limit)})
 
 
 # ----------------------------------------------------------------------------------- references
@@ -817,19 +726,14 @@ class ChannelAddrs:
     pprog_tbl int64 [W] (address of prog[me, 0] on peer d), prog int64 [W*G] (symmetric: for
     program p of source s, ``(call + 1) << 32`` plus the rows it has sent here in that call; set
     absolutely at each call's start, so a timed-out call never shifts the next) and done int32
-    [W*G] (this rank's work on them so far in the call, ordinary device memory). For a
-    ``meta_first`` dispatch: pmflag_tbl int64 [W] (address of mflag[me, 0] on peer d), mflag int64
-    [W*G] (symmetric: per source and program, the call number + 1 of its last meta-first send) and mcopied int32 [G]
-    (ordinary: 1 once the program's received meta and own rows are in place, cleared by
-    :func:`launch_meta_wait`).
+    [W*G] (this rank's work on them so far in the call, ordinary device memory).
     """
 
     def __init__(self, dst_tbl, pflag_tbl, pack_tbl, remote_tbl, recv_base, flag, rsig, ack, ctr,
-                 pprog_tbl, prog, done, pmflag_tbl, mflag, mcopied):
+                 pprog_tbl, prog, done):
         self.dst_tbl, self.pflag_tbl, self.pack_tbl, self.remote_tbl = dst_tbl, pflag_tbl, pack_tbl, remote_tbl
         self.recv_base, self.flag, self.rsig, self.ack, self.ctr = recv_base, flag, rsig, ack, ctr
         self.pprog_tbl, self.prog, self.done = pprog_tbl, prog, done
-        self.pmflag_tbl, self.mflag, self.mcopied = pmflag_tbl, mflag, mcopied
 
 
 class Tuning:
@@ -927,8 +831,7 @@ def _dispatch_checks(geo, T_cap, x, pos, smeta, out_x, rmeta, dest_rank, dest_sl
         _check(out_w, "out_w", (W * T_cap, K), torch.float32, dev)
 
 
-def _dispatch_varying(x, pos, smeta, out_x, rmeta, dest_rank, dest_slot, weight, out_slot, out_w, scratch,
-                      ltok=None) -> dict:
+def _dispatch_varying(x, pos, smeta, out_x, rmeta, dest_rank, dest_slot, weight, out_slot, out_w, scratch) -> dict:
     """The arguments of :func:`_dispatch_kernel` that change from call to call (tensors and T)."""
     has_meta = weight is not None
     scnt, sflag = scratch if scratch is not None else (_nz(pos), _nz(pos))
@@ -939,12 +842,12 @@ def _dispatch_varying(x, pos, smeta, out_x, rmeta, dest_rank, dest_slot, weight,
         x_ptr=x, dest_rank_ptr=dest_rank, dest_slot_ptr=_nz(dest_slot) if has_meta else pos,
         weight_ptr=_nz(weight) if has_meta else x, T=T, pos_ptr=pos, smeta_ptr=_nz(smeta),
         scnt_ptr=scnt, sflag_ptr=sflag, out_x_ptr=out_x, out_slot_ptr=out_slot if has_meta else pos,
-        out_w_ptr=out_w if has_meta else x, rmeta_ptr=rmeta, ltok_ptr=pos if ltok is None else ltok,
+        out_w_ptr=out_w if has_meta else x, rmeta_ptr=rmeta,
     )
 
 
 def _dispatch_fixed(geo, ch, err, phase, T_cap, K, has_meta, compute_layout, spin_limit, tu, aligned,
-                    interleave, arrived=False, meta_first=False, stamps=None) -> dict:
+                    interleave, stamps=None) -> dict:
     """The rest of :func:`_dispatch_kernel`'s arguments (constexprs included): functions of the
     buffer and of the call's key."""
     W, G, H = geo.world_size, geo.num_programs, geo.hidden
@@ -957,8 +860,7 @@ def _dispatch_fixed(geo, ch, err, phase, T_cap, K, has_meta, compute_layout, spi
         HAS_META=has_meta, COMPUTE_LAYOUT=compute_layout, PHASE=phase,
         BLOCK_R=tu.block_r, BLOCK_H=min(tu.block_h, _pow2(H)), ALIGNED=aligned,
         pprog_tbl=ch.pprog_tbl, prog_ptr=ch.prog, done_ptr=ch.done, INTERLEAVE=interleave,
-        ARRIVED=arrived, pmflag_tbl=ch.pmflag_tbl, mflag_ptr=ch.mflag, mcopied_ptr=ch.mcopied,
-        META_FIRST=meta_first, stamp_ptr=err if stamps is None else stamps, STAMPS=stamps is not None,
+        stamp_ptr=err if stamps is None else stamps, STAMPS=stamps is not None,
     )
 
 
@@ -970,8 +872,7 @@ def launch_dispatch(
     out_w: torch.Tensor | None = None, scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
     compute_layout: bool = False, spin_limit: int = 1 << 25,
     tuning: Tuning | None = None, capacity: int | None = None, launcher: "Launcher | None" = None,
-    key: tuple | None = None, interleave_ok: bool = True, arrived: bool = False, meta_first: bool = False,
-    ltok: torch.Tensor | None = None, stamps: torch.Tensor | None = None,
+    key: tuple | None = None, interleave_ok: bool = True, stamps: torch.Tensor | None = None,
 ) -> None:
     """Dispatch-like exchange: rows of x [T, H] go to out_x [W*C, H] of their destinations, where
     C = ``capacity`` (rows per source this call; default the buffer's T_cap, at most that).
@@ -984,16 +885,7 @@ def launch_dispatch(
     them through Triton's JIT only on the first call of ``key`` (the caller's promise that the
     call's shapes, dtypes and constants are those of that first call). ``tuning.interleave`` applies
     where ``interleave_ok`` (no rank of the buffer has a remote peer: every rank must agree) in
-    phase 3. ``arrived`` (phase 2): :func:`launch_arrival_wait` already waited for the remote peers'
-    put signals on one SM, so the kernel's programs do not spin on them.
-
-    ``meta_first`` (phase 3, peer path, with the row meta and ``compute_layout``): each program
-    writes every destination's slots and weights first, and ``ltok`` int32 [C] (the token of
-    each row this rank sends itself), copies out the meta the peers sent it (and pads every
-    source's), sets its ``mcopied`` word, and only then sends the rows (its own included) and
-    receives the peers'. :func:`launch_meta_wait` on another stream then lets
-    the routing of the received rows and the experts of this rank's own rows run while the
-    peers' rows are still on the way (the MoE layer's ``early_experts``). Not interleaved.
+    phase 3.
 
     ``stamps`` int64 [G, STAMP_SLOTS]: each program's timer at :data:`DISPATCH_STAMPS` (part of
     the key: a stamped call compiles its own kernel).
@@ -1001,11 +893,8 @@ def launch_dispatch(
     tu = tuning or Tuning()
     T_cap = capacity or geo.capacity
     launcher = launcher or Launcher(fast=False)
-    if meta_first and (phase != 3 or weight is None or not compute_layout or ltok is None):
-        raise ValueError("meta_first needs phase 3, the row meta (weight, dest_slot), compute_layout and ltok")
-    interleave = tu.interleave and interleave_ok and phase == 3 and not meta_first
-    varying = _dispatch_varying(x, pos, smeta, out_x, rmeta, dest_rank, dest_slot, weight, out_slot, out_w, scratch,
-                                ltok)
+    interleave = tu.interleave and interleave_ok and phase == 3
+    varying = _dispatch_varying(x, pos, smeta, out_x, rmeta, dest_rank, dest_slot, weight, out_slot, out_w, scratch)
 
     def fixed() -> dict:
         has_meta = weight is not None
@@ -1013,7 +902,7 @@ def launch_dispatch(
         _dispatch_checks(geo, T_cap, x, pos, smeta, out_x, rmeta, dest_rank, dest_slot, weight, out_slot, out_w,
                          scratch, compute_layout, has_meta, K)
         return _dispatch_fixed(geo, ch, err, phase, T_cap, K, has_meta, compute_layout, spin_limit, tu,
-                               _aligned_rows(varying["x_ptr"], out_x), interleave, arrived, meta_first, stamps)
+                               _aligned_rows(varying["x_ptr"], out_x), interleave, stamps)
 
     launcher.launch(_dispatch_kernel, (geo.num_programs,), varying, fixed, tu.num_warps, key,
                     first={"spin_limit": _first_spin(spin_limit)})
@@ -1053,7 +942,7 @@ def _combine_varying(src, rmeta, pos, out, side, dest_rank, gw, smeta) -> dict:
 
 
 def _combine_fixed(geo, ch, err, phase, T_cap, K, has_meta, spin_limit, tu, aligned, interleave,
-                   arrived=False, stamps=None) -> dict:
+                   stamps=None) -> dict:
     """The rest of :func:`_combine_kernel`'s arguments (constexprs included)."""
     W, G, H = geo.world_size, geo.num_programs, geo.hidden
     return dict(
@@ -1064,7 +953,7 @@ def _combine_fixed(geo, ch, err, phase, T_cap, K, has_meta, spin_limit, tu, alig
         CM_BYTES=geo.cm_bytes, ROW_BYTES=geo.row_bytes, HAS_META=has_meta, PHASE=phase,
         BLOCK_R=tu.block_r, BLOCK_H=min(tu.block_h, _pow2(H)), ALIGNED=aligned, ROTATE=tu.rotate_peers,
         pprog_tbl=ch.pprog_tbl, prog_ptr=ch.prog, done_ptr=ch.done, INTERLEAVE=interleave,
-        ARRIVED=arrived, stamp_ptr=err if stamps is None else stamps, STAMPS=stamps is not None,
+        stamp_ptr=err if stamps is None else stamps, STAMPS=stamps is not None,
     )
 
 
@@ -1075,7 +964,7 @@ def launch_combine(
     smeta: torch.Tensor | None = None,
     spin_limit: int = 1 << 25, tuning: Tuning | None = None, capacity: int | None = None,
     launcher: "Launcher | None" = None, key: tuple | None = None, interleave_ok: bool = True,
-    arrived: bool = False, stamps: torch.Tensor | None = None,
+    stamps: torch.Tensor | None = None,
 ) -> None:
     """Combine-like exchange: rows src [W*C, H] go back to their sources, summed per token
     (C = ``capacity``, as the dispatch that made the layout used).
@@ -1085,7 +974,7 @@ def launch_combine(
     dest_rank[t, k], k] (the routing-weight gradient). ``launcher``/``key``: see
     :func:`launch_dispatch`. ``tuning.interleave`` (phase 3 only) sums each block of tokens as soon
     as its rows are back, between the sends; it needs the dispatch's ``smeta`` int32 [G, W, 4].
-    ``arrived``: as in :func:`launch_dispatch`; ``stamps``: as there, at :data:`COMBINE_STAMPS`.
+    ``stamps``: as in :func:`launch_dispatch`, at :data:`COMBINE_STAMPS`.
     """
     tu = tuning or Tuning()
     T_cap = capacity or geo.capacity
@@ -1097,7 +986,7 @@ def launch_combine(
         _combine_checks(geo, T_cap, src, rmeta, pos, out, side, dest_rank, gw, smeta)
         K = side.shape[1] if side is not None else 1
         return _combine_fixed(geo, ch, err, phase, T_cap, K, side is not None, spin_limit, tu,
-                              _aligned_rows(src, varying["out_ptr"]), interleave, arrived, stamps)
+                              _aligned_rows(src, varying["out_ptr"]), interleave, stamps)
 
     launcher.launch(_combine_kernel, (geo.num_programs,), varying, fixed, tu.num_warps, key,
                     first={"spin_limit": _first_spin(spin_limit)})

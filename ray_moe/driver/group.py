@@ -185,8 +185,7 @@ def resolve_transport(config: Config, use_gpu: bool) -> tuple[TransportSpec, str
     name, why = choose_transport(p.transport, use_gpu)
     return TransportSpec(name, force_remote_path=p.force_remote_path, comm_programs=p.comm_programs,
                          spin_limit=p.nvshmem_spin_limit, fast_launch=p.fast_launch,
-                         ranks_per_gpu=p.workers_per_gpu if use_gpu else 1,
-                         one_sm_wait=p.nvshmem_one_sm_wait), why
+                         ranks_per_gpu=p.workers_per_gpu if use_gpu else 1), why
 
 
 def transport_buffers(config: Config, world_size: int, arch: ResolvedArch) -> BufferSpec:

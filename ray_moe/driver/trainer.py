@@ -30,7 +30,6 @@ from ray_moe.checkpoint import (
     scan_checkpoints,
     step_name,
 )
-from ray_moe.comm.base import TransportSpec
 from ray_moe.config import Config, ConfigError
 from ray_moe.driver.errors import GroupError, TrainingError, TrainingInterrupted, WorkerFailure
 from ray_moe.driver.group import WorkerGroup, connect
@@ -78,17 +77,6 @@ def retryable(failure: WorkerFailure) -> bool:
     if names & set(FATAL_ERRORS):
         return False
     return not (isinstance(original, OSError) and original.errno in FATAL_ERRNOS)
-
-
-def two_batch_advice(config: Config, transport: TransportSpec | None) -> str | None:
-    """One line for ``moe.two_batch_overlap`` over NVSHMEM exchanges on every SM (None otherwise):
-    such a spinning grid waits for the SMs the other half's compute holds."""
-    if not config.moe.two_batch_overlap or transport is None or transport.name != "nvshmem" \
-            or transport.comm_programs != 0:
-        return None
-    return ("moe.two_batch_overlap with parallel.comm_programs=0: every exchange runs on every SM and waits for "
-            "the SMs the other half's compute holds (3 % slower steps at W=2 and W=4, docs/BENCHMARKS.md session "
-            "19); parallel.comm_programs: 32 leaves the compute its SMs")
 
 
 class Trainer:
@@ -187,9 +175,6 @@ class Trainer:
             if error:
                 raise ConfigError(error)
         self.group = group
-        advice = two_batch_advice(self.config, getattr(group, "transport_spec", None))
-        if advice:
-            log.warning(advice)
         try:
             reports = group.call(EPWorker.build_engine, self.config.to_dict(), self.arch,
                                  timeout=self.config.parallel.startup_timeout_s + 120)

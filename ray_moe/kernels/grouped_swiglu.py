@@ -12,13 +12,11 @@ Two kernels, each parameterised by constexprs rather than copied:
       PLAIN       store acc                                      (dX rows)
       SCALE       store acc * weight[pair]                       (down GEMM, forward)
       SWIGLU      two accumulators gate|up; store silu(g)*u, and g|u when saving pre-activations
-      SWIGLU_BWD  acc = grad_out[row] @ w2_s^T; recompute a from the saved g|u; store
-                  d(g|u) = weight * swiglu'(acc), weight * a (for dW2), and the partial
-                  router-weight gradient sum_n a * acc for this column tile; extra programs
-                  zero dh13 / aw for ZERO_TAIL rows past the last group
 ``_grouped_wgrad_kernel``: dW_s[m, n] = sum_{p in group s} A[rowA(p), m] * B[rowB(p), n] with
     either side gathered; one program per (group, m tile, n tile), full contraction in registers,
     so an empty group stores exactly zero.
+``_swiglu_bwd_rows_kernel``: the SwiGLU backward per position from G = grad_out[row] @ w2_s^T
+    (a PLAIN row GEMM): d(g|u), weight * a (for dW2) and the router-weight gradient.
 
 Each launcher checks shapes, dtypes and devices; each has a pure-torch reference below it.
 Weight layout: w13 [S, H, 2I] (gate = [..., :I], up = [..., I:]), w2 [S, I, H].
@@ -26,8 +24,7 @@ Weight layout: w13 [S, H, 2I] (gate = [..., :I], up = [..., I:]), w2 [S, I, H].
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -40,12 +37,9 @@ from ray_moe.kernels.tiles import (
     EPI_PLAIN,
     EPI_SCALE,
     EPI_SWIGLU,
-    EPI_SWIGLU_BWD,
     ZERO_TAIL,
     load_row_scale,
     store_forward_epilogue,
-    store_swiglu_bwd_epilogue,
-    store_zero_tail,
     swizzle,
 )
 
@@ -65,9 +59,7 @@ class GemmConfig:
     ``one_dot``: (gate_up, pointer kernel) the gate and up columns loaded as one
     [block_k, 2·block_n] operand for one dot, so the A tile is read once per step instead of
     twice (SonicMoE's up-projection is one 128×256 tile); where I is not a multiple of 8 or the
-    weights' columns are strided, the two dots. The Hopper default since session 25's H100 sweep.
-    ``epi_chunks``: (fused dact) the SwiGLU-backward epilogue walks the accumulator in 1, 2, 4 or 8
-    column slices, so that one slice's gate/up loads, not the whole tile's, sit beside it in registers.
+    weights' columns are strided, the two dots. The Hopper default since the H100 sweep of 2026-11-26.
     """
 
     block_m: int = 128
@@ -80,12 +72,8 @@ class GemmConfig:
     persistent: bool = False
     flatten: bool = False
     one_dot: bool = False
-    epi_chunks: int = 1
 
     def __post_init__(self) -> None:
-        if self.epi_chunks not in (1, 2, 4, 8) or (self.epi_chunks > 1 and self.block_n % (16 * self.epi_chunks)):
-            raise ValueError(f"GemmConfig.epi_chunks must be 1, 2, 4 or 8 with slices of at least 16 columns, got "
-                             f"{self.epi_chunks} for block_n={self.block_n}")
         if max(self.block_m, self.block_n, self.block_k) > ZERO_TAIL:
             raise ValueError(f"GemmConfig blocks must be at most {ZERO_TAIL} (ZERO_TAIL), got "
                              f"{self.block_m}x{self.block_n}x{self.block_k}")
@@ -100,27 +88,18 @@ def default_config(role: str, dtype: torch.dtype, device: torch.device) -> GemmC
     """
     if device.type != "cuda" or dtype == torch.float32:
         return GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=2)
-    # Hopper: the H100 sweep at T=32768, H=4096, I=1536, E=128, K=8 (docs/BENCHMARKS.md, session 3),
-    # among the variants that also passed the bf16 checks on the GPU. gate_up: session 25's sweep and
-    # layer A/B on H100: one 128x256 dot over the gate and up columns (pointer kernel, 4 stages:
-    # 192 KB of shared memory) is 6.5-7.3 % faster alone than session 24's TMA persistent two-dot
+    # Hopper: the H100 sweep at T=32768, H=4096, I=1536, E=128, K=8 (docs/BENCHMARKS.md, 2026-11-23),
+    # among the variants that also passed the bf16 checks on the GPU. gate_up: the sweep and layer
+    # A/B on H100 of 2026-11-26: one 128x256 dot over the gate and up columns (pointer kernel, 4 stages:
+    # 192 KB of shared memory) is 6.5-7.3 % faster alone than the TMA persistent two-dot
     # kernel, the expert FFN's forward 3-6 % faster. Older GPUs: the two-dot pointer kernel.
     hopper = torch.cuda.get_device_capability(device)[0] >= 9
     flat = dict(tma=hopper, persistent=hopper, flatten=hopper)
     return {
         # gate | up: one [128, 256] accumulator on Hopper, two 128x128 ones before
         "gate_up": GemmConfig(128, 128, 64, 8, 8, 4, one_dot=True) if hopper else GemmConfig(128, 128, 64, 8, 8, 3),
-        # moe.early_experts' two launches (groups, row map): the pointer kernel, the one their GPU
-        # tests ran (the TMA kernel takes both too, checked under the interpreter only)
-        "gate_up_split": GemmConfig(128, 128, 64, 16 if hopper else 8, 8, 3),
         "down": GemmConfig(128, 256, 64, 8, 8, 3 if hopper else 4, **flat),
-        "dact": GemmConfig(128, 256, 64, 8, 8, 3, tma=hopper),  # split: plain GEMM, then the elementwise kernel
-        # fused (KernelPlan.fused_dact, not the default): on Hopper the TMA kernel with the SwiGLU
-        # backward in its epilogue, in column slices (epi_chunks) to bound registers. Alone on an
-        # H200 (session 27, E=64) 4 slices took 6.674 ms, 8 slices 6.795, the split default 6.681:
-        # level, so the split form stays the default
-        "dact_fused": GemmConfig(128, 256, 64, 8, 8, 3, tma=True, epi_chunks=4) if hopper
-        else GemmConfig(128, 128, 64, 8, 8, 4),
+        "dact": GemmConfig(128, 256, 64, 8, 8, 3, tma=hopper),  # plain GEMM, then the elementwise kernel
         "dx": GemmConfig(128, 256, 64, 8, 8, 3, **flat),
         "wgrad13": GemmConfig(128, 64, 64, 8, 4, 4, tma=hopper),  # dual accumulators (gate|up): 128x128 per program
         "wgrad2": GemmConfig(128, 128, 64, 8, 8, 5 if hopper else 4, tma=hopper),
@@ -129,10 +108,8 @@ def default_config(role: str, dtype: torch.dtype, device: torch.device) -> GemmC
 
 @dataclass(frozen=True)
 class KernelPlan:
-    """Tiles of every GEMM of one expert_ffn call; whether the SwiGLU backward is fused into the
-    dact GEMM's epilogue (one kernel) or run as GEMM + elementwise kernel (two); whether dW13
-    computes its gate and up halves in one program (two accumulators sharing the x^T tile); and
-    whether the weight gradients run in Triton, through ``torch._grouped_mm`` or through quack's
+    """Tiles of every GEMM of one expert_ffn call; whether dW13 computes its gate and up halves
+    in one program (two accumulators sharing the x^T tile); and whether the weight gradients run in Triton, through ``torch._grouped_mm`` or through quack's
     varlen-K GEMM (``wgrad``, one of :data:`WGRAD_BACKENDS`)."""
 
     gate_up: GemmConfig
@@ -141,24 +118,14 @@ class KernelPlan:
     dx: GemmConfig
     wgrad13: GemmConfig
     wgrad2: GemmConfig
-    gate_up_split: GemmConfig | None = None  # the up-projection in two launches (early experts); None: gate_up
-    fused_dact: bool = False
-    dual_wgrad13: bool = False
+    dual_wgrad13: bool = True
     wgrad: str = "triton"  # triton | grouped_mm | quack: who computes dW13 and dW2 (WGRAD_BACKENDS)
 
 
-def default_plan(dtype: torch.dtype, device: torch.device, persistent: bool = True) -> KernelPlan:
-    """The plan used when none is given. ``persistent=False``: the row GEMMs that default to a
-    persistent grid (down, dx on Hopper) launch one program per tile instead, for GEMMs that run
-    beside a kernel holding some SMs (an exchange): the hardware then fills the SMs left as tiles
-    finish, where a persistent grid's programs that found no SM wait for the exchange to end."""
-    fused = device.type != "cuda" or dtype == torch.float32  # the interpreter tests the fused epilogue
-    cfgs = {r: default_config(r, dtype, device) for r in GEMM_ROLES + ("gate_up_split",)}
-    if not persistent:
-        cfgs = {r: replace(c, persistent=False, flatten=False) for r, c in cfgs.items()}
-    if fused:
-        cfgs["dact"] = default_config("dact_fused", dtype, device)
-    return KernelPlan(**cfgs, fused_dact=fused, dual_wgrad13=not fused)
+def default_plan(dtype: torch.dtype, device: torch.device) -> KernelPlan:
+    """The plan used when none is given: the same kernels on every device and dtype (the CPU
+    interpreter and float32 run the GPU's path with small tiles)."""
+    return KernelPlan(**{r: default_config(r, dtype, device) for r in GEMM_ROLES})
 
 
 @triton.jit
@@ -182,27 +149,17 @@ def _tile_of_groups(starts_ptr, ends_ptr, n_groups, tile_m, BLOCK_M: tl.constexp
 
 @triton.jit
 def _grouped_rows_kernel(
-    a_ptr, b_ptr, out_ptr, out2_ptr, aux_ptr, weight_ptr, dw_ptr, starts_ptr, ends_ptr, sorted_pair_ptr,
-    row_map_ptr, row_lo, n_groups, max_m_tiles, N, KD, half, n_pos,
-    stride_am, stride_bg, stride_bk, stride_bn, stride_om, stride_o2m, stride_xm,
+    a_ptr, b_ptr, out_ptr, aux_ptr, weight_ptr, starts_ptr, ends_ptr, sorted_pair_ptr,
+    n_groups, max_m_tiles, N, KD, half,
+    stride_am, stride_bg, stride_bk, stride_bn, stride_om, stride_xm,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr, SAVE_AUX: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUPS_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ROW_MAP: tl.constexpr = False, ONE_DOT: tl.constexpr = False, EPI_CHUNKS: tl.constexpr = 1,
-    ZERO_TAIL: tl.constexpr = 0,
+    ONE_DOT: tl.constexpr = False,
 ):
-    """See the module docstring. ``half`` = I: column offset of the up half in w13 / h13 / dh13.
-    ROW_MAP (with GATHER_A): row r of the gathered rows is row ``row_map[r - row_lo]`` of a.
-    ONE_DOT (EPI_SWIGLU, unit column stride, half % 8 == 0): gate and up columns as one operand.
-    EPI_SWIGLU_BWD: EPI_CHUNKS column slices (tiles.store_swiglu_bwd_epilogue); the programs past
-    max_m_tiles * num_n zero ZERO_TAIL rows of out / out2 past the last group (tiles.store_zero_tail)."""
+    """See the module docstring. ``half`` = I: column offset of the up half in w13 / h13.
+    ONE_DOT (EPI_SWIGLU, unit column stride, half % 8 == 0): gate and up columns as one operand."""
     num_n = tl.cdiv(N, BLOCK_N)
-    if EPILOGUE == EPI_SWIGLU_BWD:
-        t_zero = tl.program_id(0) - max_m_tiles * num_n
-        if t_zero >= 0:
-            store_zero_tail(t_zero, num_n, tl.load(ends_ptr + n_groups - 1), n_pos, N, out_ptr, stride_om, out2_ptr,
-                            stride_o2m, half, ZERO_TAIL, BLOCK_M, BLOCK_N)
-            return
     tile_m, pid_n = swizzle(tl.program_id(0), max_m_tiles, num_n, GROUP_M)
     group, row_start, row_end, total = _tile_of_groups(starts_ptr, ends_ptr, n_groups, tile_m, BLOCK_M, GROUPS_PAD)
     if tile_m >= total:
@@ -212,15 +169,13 @@ def _grouped_rows_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = rn < N
     rk = tl.arange(0, BLOCK_K)
-    if GATHER_A or EPILOGUE == EPI_SCALE or EPILOGUE == EPI_SWIGLU_BWD:
+    if GATHER_A or EPILOGUE == EPI_SCALE:
         pair = tl.load(sorted_pair_ptr + rm, mask=row_ok, other=0)
     else:
         pair = rm  # not read
     row_scale = load_row_scale(pair, row_ok, weight_ptr, EPILOGUE, BLOCK_M)
     if GATHER_A:
         a_row = (pair // TOP_K).to(tl.int64)
-        if ROW_MAP:
-            a_row = tl.load(row_map_ptr + (a_row - row_lo), mask=row_ok, other=0).to(tl.int64)
     else:
         a_row = rm.to(tl.int64)
     a_ptrs = a_ptr + a_row[:, None] * stride_am + rk[None, :]
@@ -272,10 +227,6 @@ def _grouped_rows_kernel(
     out_ptrs = out_ptr + rm64[:, None] * stride_om + rn[None, :]
     store_forward_epilogue(acc, acc_up, out_ptrs, out_mask, rm64, rn, row_scale, aux_ptr, stride_xm, half, EPILOGUE,
                            SAVE_AUX)
-    if EPILOGUE == EPI_SWIGLU_BWD:
-        store_swiglu_bwd_epilogue(acc, rm64, row_ok, pid_n * BLOCK_N, N, row_scale, out_ptr, stride_om, out2_ptr,
-                                  stride_o2m, aux_ptr, stride_xm, half, dw_ptr, pid_n, n_pos, EPI_CHUNKS, BLOCK_M,
-                                  BLOCK_N)
 
 
 @triton.jit
@@ -396,19 +347,15 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def _launch_rows(
     *, a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, int], out: torch.Tensor,
     layout: PairLayout, top_k: int, gather_a: bool, epilogue: int, n_cols: int, kd: int, half: int,
-    cfg: GemmConfig, out2: torch.Tensor | None = None, aux: torch.Tensor | None = None,
-    weight: torch.Tensor | None = None, dw: torch.Tensor | None = None, save_aux: bool = False,
-    groups: tuple[torch.Tensor, torch.Tensor] | None = None, row_map: tuple[torch.Tensor, int] | None = None,
+    cfg: GemmConfig, aux: torch.Tensor | None = None, weight: torch.Tensor | None = None, save_aux: bool = False,
 ) -> None:
-    """``groups``: int32 (starts [G], ends [G]) of the row groups to compute, group g with
-    b[g] (default: the layout's, ``offsets[:-1]`` and ``offsets[1:]``). ``row_map`` (int32
-    tensor, lo), with ``gather_a``: the pair's row r is read from row ``row_map[r - lo]`` of a."""
+    """One grouped row GEMM over the layout's groups (group s with b[s]): the Hopper descriptor
+    kernel where ``cfg.tma`` asks for it and the shapes allow it, else the pointer kernel."""
     n_pos = layout.sorted_pair.numel()
-    starts, ends = groups if groups is not None else (layout.offsets, layout.offsets[1:])
+    starts, ends = layout.offsets, layout.offsets[1:]
     n_groups = ends.numel()
     if n_pos == 0 or n_cols == 0 or n_groups == 0:
         return
-    bwd = epilogue == EPI_SWIGLU_BWD.value
     if cfg.tma:
         from ray_moe.kernels import grouped_tma
 
@@ -417,29 +364,22 @@ def _launch_rows(
             grouped_tma.launch_rows_tma(
                 a=a, b=b, b_kmajor=b_kmajor, out=out, starts=starts, ends=ends, sorted_pair=layout.sorted_pair,
                 top_k=top_k, gather_a=gather_a, epilogue=epilogue, n_cols=n_cols, kd=kd, half=half, cfg=cfg,
-                dot_precision=_dot_precision(a.dtype), aux=aux, weight=weight, save_aux=save_aux, row_map=row_map,
-                out2=out2, dw=dw, zero_tail=ZERO_TAIL if bwd else 0,
+                dot_precision=_dot_precision(a.dtype), aux=aux, weight=weight, save_aux=save_aux,
             )
             return
     max_m_tiles = triton.cdiv(n_pos, cfg.block_m) + n_groups
-    num_n = triton.cdiv(n_cols, cfg.block_n)
-    tail_tiles = triton.cdiv(min(ZERO_TAIL, n_pos), cfg.block_m) if bwd else 0  # no more rows than positions
-    grid = ((max_m_tiles + tail_tiles) * num_n,)
+    grid = (max_m_tiles * triton.cdiv(n_cols, cfg.block_n),)
     dummy = out
     _grouped_rows_kernel[grid](
-        a, b, out, dummy if out2 is None else out2, dummy if aux is None else aux,
-        dummy if weight is None else weight, dummy if dw is None else dw,
-        starts, ends, layout.sorted_pair, layout.sorted_pair if row_map is None else row_map[0],
-        0 if row_map is None else row_map[1], n_groups, max_m_tiles, n_cols, kd, half, n_pos,
-        a.stride(0), b_strides[0], b_strides[1], b_strides[2], out.stride(0),
-        0 if out2 is None else out2.stride(0), 0 if aux is None else aux.stride(0),
+        a, b, out, dummy if aux is None else aux, dummy if weight is None else weight,
+        starts, ends, layout.sorted_pair, n_groups, max_m_tiles, n_cols, kd, half,
+        a.stride(0), b_strides[0], b_strides[1], b_strides[2], out.stride(0), 0 if aux is None else aux.stride(0),
         TOP_K=top_k, GATHER_A=gather_a, EPILOGUE=epilogue, SAVE_AUX=save_aux,
         EVEN_K=kd % cfg.block_k == 0, DOT_PRECISION=_dot_precision(a.dtype),
         GROUPS_PAD=triton.next_power_of_2(n_groups),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        ROW_MAP=row_map is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ONE_DOT=cfg.one_dot and epilogue == EPI_SWIGLU.value and half % 8 == 0 and b_strides[2] == 1,
-        EPI_CHUNKS=cfg.epi_chunks if bwd else 1, ZERO_TAIL=ZERO_TAIL if bwd else 0,
     )
 
 
@@ -452,24 +392,9 @@ def _check_layout(layout: PairLayout, n_slots: int, n_pairs: int, device: torch.
         raise ValueError(f"layout on {layout.sorted_pair.device}, tensors on {device}")
 
 
-@dataclass(frozen=True)
-class RowSplit:
-    """A grouped GEMM in two launches around a wait: the ``first`` groups' positions (int32 starts
-    [D], ends [D]: group g with weights g), then ``wait()``, then the ``rest`` (starts [S], ends
-    [S]). Together they cover every valid position once (:func:`ray_moe.kernels.expert_ffn`'s
-    early experts: a rank's own rows of the first D experts while the peers' rows arrive)."""
-
-    first: tuple[torch.Tensor, torch.Tensor]
-    rest: tuple[torch.Tensor, torch.Tensor]
-    wait: Callable[[], None]
-    # (source [T, H], source_rows int32 [C], lo): the first launch reads received row r from
-    # source[source_rows[r - lo]] (the dispatch's input: its own rows are not copied yet)
-    first_source: tuple[torch.Tensor, torch.Tensor, int] | None = None
-
-
 def gate_up_swiglu(
     x: torch.Tensor, layout: PairLayout, top_k: int, w13: torch.Tensor,
-    save_preact: bool = True, cfg: GemmConfig | None = None, split: RowSplit | None = None,
+    save_preact: bool = True, cfg: GemmConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """act[p] = silu(x[row(p)] @ gate_s) * (x[row(p)] @ up_s) for every valid position p.
 
@@ -477,8 +402,6 @@ def gate_up_swiglu(
         x: [R, H] float32/bfloat16, row-contiguous. layout: PairLayout of slot [R, top_k].
         w13: [S, H, 2I] same dtype, contiguous.
         save_preact: also return the pre-activations g|u.
-        split: compute ``split.first`` groups, ``split.wait()``, then ``split.rest`` (rows x
-            reads in the first launch must be in place before the call, the others after the wait).
     Returns:
         act [R*K, I] and h13 [R*K, 2I] (or None), x.dtype; rows past offsets[S] are unset.
     """
@@ -494,18 +417,11 @@ def gate_up_swiglu(
     cfg = cfg or default_config("gate_up", x.dtype, x.device)
     act = torch.empty(P, I, dtype=x.dtype, device=x.device)
     h13 = torch.empty(P, I2, dtype=x.dtype, device=x.device) if save_preact else None
-    phases = [(None, None, x, None)] if split is None else [
-        (split.first, None, *((x, None) if split.first_source is None else
-                              (split.first_source[0], split.first_source[1:]))),
-        (split.rest, split.wait, x, None)]
-    for groups, before, a, row_map in phases:
-        if before is not None:
-            before()
-        _launch_rows(
-            a=a, b=w13, b_strides=(w13.stride(0), w13.stride(1), w13.stride(2)), out=act, aux=h13,
-            layout=layout, top_k=top_k, gather_a=True, epilogue=EPI_SWIGLU.value, n_cols=I, kd=H, half=I, cfg=cfg,
-            save_aux=save_preact, groups=groups, row_map=row_map,
-        )
+    _launch_rows(
+        a=x, b=w13, b_strides=(w13.stride(0), w13.stride(1), w13.stride(2)), out=act, aux=h13,
+        layout=layout, top_k=top_k, gather_a=True, epilogue=EPI_SWIGLU.value, n_cols=I, kd=H, half=I, cfg=cfg,
+        save_aux=save_preact,
+    )
     return act, h13
 
 
@@ -538,16 +454,14 @@ def down_scaled(
 
 def swiglu_backward_rows(
     grad_out: torch.Tensor, layout: PairLayout, top_k: int, weight: torch.Tensor, w2: torch.Tensor,
-    h13: torch.Tensor, cfg: GemmConfig | None = None, fused: bool | None = None,
+    h13: torch.Tensor, cfg: GemmConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward through the down GEMM and SwiGLU, per position.
 
     With G[p] = grad_out[row(p)] @ w2_s^T and a = silu(g) * u recomputed from h13:
     dh13[p] = weight * (dg | du), aw[p] = weight * a, and d_weight_pos[p] = <a, G>
-    (= <grad_out[row], a @ w2_s>, the router-weight gradient).
-    ``fused``: SwiGLU backward in the GEMM epilogue (one kernel; with ``cfg.tma`` the Hopper
-    descriptor kernel, ``cfg.epi_chunks`` column slices) or a separate elementwise kernel over G
-    stored in grad_out.dtype (two kernels, G written and read back); None → the default plan's choice.
+    (= <grad_out[row], a @ w2_s>, the router-weight gradient). Two kernels: the row GEMM stores G
+    in grad_out.dtype (``cfg``'s tiles), then an elementwise kernel reads it back.
 
     Args: grad_out [R, H]; weight float32 [R, K]; w2 [S, I, H]; h13 [R*K, 2I] saved pre-activations.
     Returns: dh13 [R*K, 2I], aw [R*K, I] (grad_out.dtype), d_weight_pos float32 [R*K]
@@ -563,20 +477,11 @@ def swiglu_backward_rows(
     if grad_out.shape[1] != H:
         raise ValueError(f"grad_out must have H={H} columns, got {grad_out.shape[1]}")
     _check_layout(layout, S, P, grad_out.device)
-    if fused is None:
-        fused = default_plan(grad_out.dtype, grad_out.device).fused_dact
-    cfg = cfg or default_config("dact_fused" if fused else "dact", grad_out.dtype, grad_out.device)
+    cfg = cfg or default_config("dact", grad_out.dtype, grad_out.device)
     dh13 = torch.empty(P, 2 * I, dtype=grad_out.dtype, device=grad_out.device)
     aw = torch.empty(P, I, dtype=grad_out.dtype, device=grad_out.device)
     weight = weight.contiguous()
     w2_t = (w2.stride(0), w2.stride(2), w2.stride(1))  # B[k=h, n=i] = w2[s, i, h]
-    if fused:
-        dw_part = torch.zeros(triton.cdiv(I, cfg.block_n), P, dtype=torch.float32, device=grad_out.device)
-        _launch_rows(
-            a=grad_out, b=w2, b_strides=w2_t, out=dh13, out2=aw, aux=h13, weight=weight, dw=dw_part,
-            layout=layout, top_k=top_k, gather_a=True, epilogue=EPI_SWIGLU_BWD.value, n_cols=I, kd=H, half=I, cfg=cfg,
-        )
-        return dh13, aw, dw_part.sum(0)
     g = torch.empty(P, I, dtype=grad_out.dtype, device=grad_out.device)
     _launch_rows(
         a=grad_out, b=w2, b_strides=w2_t, out=g,

@@ -18,9 +18,7 @@ these when a :class:`~ray_moe.kernels.grouped_swiglu.GemmConfig` asks for ``tma`
     ``FLATTEN`` lets Triton's pipeliner flatten the tile and k loops into one, so the next
     tile's loads are in flight during this tile's epilogue. Without ``PERSISTENT`` the grid is
     the pointer kernel's (one program per possible tile, early exit).
-    Epilogues: PLAIN, SCALE, SWIGLU (two accumulators, gate and up tiles of the same columns),
-    SWIGLU_BWD (dact: G never leaves registers; :func:`ray_moe.kernels.tiles.store_swiglu_bwd_epilogue`
-    in EPI_CHUNKS column slices; ZERO_TAIL rows past the last group zeroed by extra tiles).
+    Epilogues: PLAIN, SCALE, SWIGLU (two accumulators, gate and up tiles of the same columns).
 
 ``_wgrad_tma_kernel``: dW_s[m, n] = sum_{p in group s} A[rowA(p), m] * B[rowB(p), n] with exactly
     one side gathered (pointer loads, masked to zero outside the group); the side indexed by
@@ -43,11 +41,8 @@ import triton.language as tl
 from ray_moe.kernels.tiles import (
     EPI_SCALE,
     EPI_SWIGLU,
-    EPI_SWIGLU_BWD,
     load_row_scale,
     store_forward_epilogue,
-    store_swiglu_bwd_epilogue,
-    store_zero_tail,
     swizzle,
 )
 
@@ -121,15 +116,13 @@ def _group_of(tile_m, g, starts, ends, tiles, cum, BLOCK_M: tl.constexpr):
 @triton.jit
 def _rows_tile(
     tile_m, pid_n, g, starts, ends, tiles, cum,
-    a_ptr, a_desc, b_desc, out_ptr, out2_ptr, aux_ptr, weight_ptr, dw_ptr, sorted_pair_ptr, row_map_ptr, row_lo,
-    N, KD, half, b_group_rows, n_pos, stride_am, stride_om, stride_o2m, stride_xm,
+    a_ptr, a_desc, b_desc, out_ptr, aux_ptr, weight_ptr, sorted_pair_ptr,
+    N, KD, half, b_group_rows, stride_am, stride_om, stride_xm,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, B_KMAJOR: tl.constexpr, EPILOGUE: tl.constexpr,
     SAVE_AUX: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_MAP: tl.constexpr,
-    EPI_CHUNKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] output tile: main loop over the contraction, then the epilogue.
-    ROW_MAP (with GATHER_A): gathered row r is row ``row_map[r - row_lo]`` of A."""
+    """One [BLOCK_M, BLOCK_N] output tile: main loop over the contraction, then the epilogue."""
     group, row_start, row_end = _group_of(tile_m, g, starts, ends, tiles, cum, BLOCK_M)
     rm = row_start + tl.arange(0, BLOCK_M)
     row_ok = rm < row_end
@@ -138,11 +131,9 @@ def _rows_tile(
     if GATHER_A:
         pair = tl.load(sorted_pair_ptr + rm, mask=row_ok, other=0)
         a_row = (pair // TOP_K).to(tl.int64)
-        if ROW_MAP:
-            a_row = tl.load(row_map_ptr + (a_row - row_lo), mask=row_ok, other=0).to(tl.int64)
         a_rows = a_ptr + a_row[:, None] * stride_am
     b_row0 = group * b_group_rows
-    if EPILOGUE == EPI_SCALE or EPILOGUE == EPI_SWIGLU_BWD:
+    if EPILOGUE == EPI_SCALE:
         pair_e = tl.load(sorted_pair_ptr + rm, mask=row_ok, other=0)
     else:
         pair_e = rm  # not read
@@ -173,75 +164,50 @@ def _rows_tile(
     out_ptrs = out_ptr + rm64[:, None] * stride_om + rn[None, :]
     store_forward_epilogue(acc, acc_up, out_ptrs, out_mask, rm64, rn, row_scale, aux_ptr, stride_xm, half, EPILOGUE,
                            SAVE_AUX)
-    if EPILOGUE == EPI_SWIGLU_BWD:
-        store_swiglu_bwd_epilogue(acc, rm64, row_ok, n0, N, row_scale, out_ptr, stride_om, out2_ptr, stride_o2m,
-                                  aux_ptr, stride_xm, half, dw_ptr, pid_n, n_pos, EPI_CHUNKS, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
 def _rows_tma_kernel(
-    a_ptr, a_desc, b_desc, out_ptr, out2_ptr, aux_ptr, weight_ptr, dw_ptr, starts_ptr, ends_ptr, sorted_pair_ptr,
-    row_map_ptr, row_lo, n_groups, max_m_tiles, n_tail_tiles, N, KD, half, b_group_rows, n_pos,
-    stride_am, stride_om, stride_o2m, stride_xm,
+    a_ptr, a_desc, b_desc, out_ptr, aux_ptr, weight_ptr, starts_ptr, ends_ptr, sorted_pair_ptr,
+    n_groups, max_m_tiles, N, KD, half, b_group_rows,
+    stride_am, stride_om, stride_xm,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, B_KMAJOR: tl.constexpr, EPILOGUE: tl.constexpr,
     SAVE_AUX: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUPS_PAD: tl.constexpr,
     PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr, NUM_PROGS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ROW_MAP: tl.constexpr = False, EPI_CHUNKS: tl.constexpr = 1, ZERO_TAIL: tl.constexpr = 0,
 ):
     """See the module docstring. B tile of group s: N-major form rows ``s*b_group_rows + k``,
     columns ``n`` (and ``half + n`` for the up half); K-major form (``B_KMAJOR``) rows
-    ``s*b_group_rows + n``, columns ``k``, transposed in the dot. ``ZERO_TAIL`` > 0
-    (EPI_SWIGLU_BWD): ``n_tail_tiles`` more tiles zero out / out2's rows past the last group
-    (tiles.store_zero_tail): programs past the grid's GEMM tiles, or a second loop of the
-    persistent programs (after the main one, which keeps the flattened tile loop free of a branch)."""
+    ``s*b_group_rows + n``, columns ``k``, transposed in the dot."""
     g, starts, ends, tiles, cum = _group_table(starts_ptr, ends_ptr, n_groups, BLOCK_M, GROUPS_PAD)
     total_m = tl.sum(tiles, axis=0)
     num_n = tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
         for tile in tl.range(tl.program_id(0), total_m * num_n, NUM_PROGS, flatten=FLATTEN):
             tile_m, pid_n = swizzle(tile, total_m, num_n, GROUP_M)
-            _rows_tile(tile_m, pid_n, g, starts, ends, tiles, cum, a_ptr, a_desc, b_desc, out_ptr, out2_ptr, aux_ptr,
-                       weight_ptr, dw_ptr, sorted_pair_ptr, row_map_ptr, row_lo, N, KD, half, b_group_rows, n_pos,
-                       stride_am, stride_om, stride_o2m, stride_xm, TOP_K, GATHER_A, B_KMAJOR, EPILOGUE, SAVE_AUX,
-                       EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, ROW_MAP, EPI_CHUNKS)
-        if ZERO_TAIL > 0:
-            n_valid = tl.load(ends_ptr + n_groups - 1)
-            # the grid is min(NUM_PROGS, max_m_tiles * num_n) programs and n_tail_tiles <= max_m_tiles * num_n
-            # (max_m_tiles >= cdiv(n_pos, BLOCK_M)), so a grid smaller than NUM_PROGS still covers every tail tile
-            for t in range(tl.program_id(0), n_tail_tiles, NUM_PROGS):
-                store_zero_tail(t, num_n, n_valid, n_pos, N, out_ptr, stride_om, out2_ptr, stride_o2m, half,
-                                ZERO_TAIL, BLOCK_M, BLOCK_N)
+            _rows_tile(tile_m, pid_n, g, starts, ends, tiles, cum, a_ptr, a_desc, b_desc, out_ptr, aux_ptr,
+                       weight_ptr, sorted_pair_ptr, N, KD, half, b_group_rows, stride_am, stride_om, stride_xm,
+                       TOP_K, GATHER_A, B_KMAJOR, EPILOGUE, SAVE_AUX, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N,
+                       BLOCK_K)
     else:
-        pid = tl.program_id(0)
-        if ZERO_TAIL > 0:
-            if pid >= max_m_tiles * num_n:
-                store_zero_tail(pid - max_m_tiles * num_n, num_n, tl.load(ends_ptr + n_groups - 1), n_pos, N,
-                                out_ptr, stride_om, out2_ptr, stride_o2m, half, ZERO_TAIL, BLOCK_M, BLOCK_N)
-                return
-        tile_m, pid_n = swizzle(pid, max_m_tiles, num_n, GROUP_M)
+        tile_m, pid_n = swizzle(tl.program_id(0), max_m_tiles, num_n, GROUP_M)
         if tile_m < total_m:
-            _rows_tile(tile_m, pid_n, g, starts, ends, tiles, cum, a_ptr, a_desc, b_desc, out_ptr, out2_ptr,
-                       aux_ptr, weight_ptr, dw_ptr, sorted_pair_ptr, row_map_ptr, row_lo, N, KD, half,
-                       b_group_rows, n_pos, stride_am, stride_om, stride_o2m, stride_xm, TOP_K, GATHER_A,
-                       B_KMAJOR, EPILOGUE, SAVE_AUX, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, ROW_MAP,
-                       EPI_CHUNKS)
+            _rows_tile(tile_m, pid_n, g, starts, ends, tiles, cum, a_ptr, a_desc, b_desc, out_ptr, aux_ptr,
+                       weight_ptr, sorted_pair_ptr, N, KD, half, b_group_rows, stride_am, stride_om, stride_xm,
+                       TOP_K, GATHER_A, B_KMAJOR, EPILOGUE, SAVE_AUX, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N,
+                       BLOCK_K)
 
 
 def launch_rows_tma(
     *, a: torch.Tensor, b: torch.Tensor, b_kmajor: bool, out: torch.Tensor, starts: torch.Tensor,
     ends: torch.Tensor, sorted_pair: torch.Tensor, top_k: int, gather_a: bool, epilogue: int, n_cols: int, kd: int, half: int,
     cfg, dot_precision: str, aux: torch.Tensor | None = None, weight: torch.Tensor | None = None,
-    save_aux: bool = False, row_map: tuple[torch.Tensor, int] | None = None,
-    out2: torch.Tensor | None = None, dw: torch.Tensor | None = None, zero_tail: int = 0,
+    save_aux: bool = False,
 ) -> None:
     """Launch :func:`_rows_tma_kernel`. ``b``: the stacked weights [S, rows, cols], contiguous,
     whose 2-D view [S*rows, cols] backs B's descriptor (``b_kmajor``: rows index n, else k).
     Group g is positions [starts[g], ends[g]) (int32), computed with b[g]. Caller checks
-    :func:`rows_tma_ok` first. EPI_SWIGLU_BWD: ``out`` dh13 [P, 2I], ``out2`` aw [P, I], ``aux``
-    h13 [P, 2I] (row-contiguous, a's dtype), ``weight`` float32 [P], ``dw`` float32
-    [cdiv(I, block_n), P] (zero-filled: rows past the last group are not written), ``zero_tail``
-    rows past the last group zeroed in out / out2; ``cfg.epi_chunks`` column slices."""
+    :func:`rows_tma_ok` first."""
     n_pos = sorted_pair.numel()
     n_groups = ends.numel()
     S, rows, cols = b.shape
@@ -252,21 +218,17 @@ def launch_rows_tma(
     max_m_tiles = triton.cdiv(n_pos, cfg.block_m) + n_groups
     num_n = triton.cdiv(n_cols, cfg.block_n)
     progs = num_programs(a.device)
-    tail_tiles = triton.cdiv(min(zero_tail, n_pos), cfg.block_m) * num_n  # no more rows than positions
-    grid = (min(progs, max_m_tiles * num_n) if cfg.persistent else max_m_tiles * num_n + tail_tiles,)
+    grid = (min(progs, max_m_tiles * num_n) if cfg.persistent else max_m_tiles * num_n,)
     dummy = out
     _rows_tma_kernel[grid](
-        a, a_desc, b_desc, out, dummy if out2 is None else out2, dummy if aux is None else aux,
-        dummy if weight is None else weight, dummy if dw is None else dw,
-        starts, ends, sorted_pair, sorted_pair if row_map is None else row_map[0],
-        0 if row_map is None else row_map[1], n_groups, max_m_tiles, tail_tiles, n_cols, kd, half, rows, n_pos,
-        a.stride(0), out.stride(0), 0 if out2 is None else out2.stride(0), 0 if aux is None else aux.stride(0),
+        a, a_desc, b_desc, out, dummy if aux is None else aux, dummy if weight is None else weight,
+        starts, ends, sorted_pair, n_groups, max_m_tiles, n_cols, kd, half, rows,
+        a.stride(0), out.stride(0), 0 if aux is None else aux.stride(0),
         TOP_K=top_k, GATHER_A=gather_a, B_KMAJOR=b_kmajor, EPILOGUE=epilogue, SAVE_AUX=save_aux,
         EVEN_K=kd % cfg.block_k == 0, DOT_PRECISION=dot_precision, GROUPS_PAD=triton.next_power_of_2(n_groups),
         PERSISTENT=cfg.persistent, FLATTEN=cfg.persistent and cfg.flatten, NUM_PROGS=progs,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        ROW_MAP=row_map is not None, EPI_CHUNKS=cfg.epi_chunks if epilogue == EPI_SWIGLU_BWD.value else 1,
-        ZERO_TAIL=zero_tail, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -345,61 +307,3 @@ def launch_wgrad_tma(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-
-
-def compile_rows_sm90(cfg, epilogue: int = EPI_SWIGLU_BWD.value, gather_a: bool = True, b_kmajor: bool = True,
-                      zero_tail: int = 1024) -> dict:
-    """Compile :func:`_rows_tma_kernel` for sm_90 without a GPU (Triton's compiler and its bundled
-    ptxas), bf16, specialised as the launcher specialises it on the device for the production
-    shapes (16-byte aligned pointers, sizes and strides multiples of 16). Defaults: the dact GEMM
-    with the fused SwiGLU backward (gathered grad_out rows, K-major w2). Returns ``n_regs``,
-    ``spill_stores`` / ``spill_loads`` (bytes per thread, ptxas -v), ``shared`` (bytes) and the
-    compiled ``asm`` dict."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    fn = _rows_tma_kernel
-    b_block = [cfg.block_n, cfg.block_k] if b_kmajor else [cfg.block_k, cfg.block_n]
-    types = {
-        "a_ptr": "*bf16", "a_desc": "*bf16" if gather_a else f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>",
-        "b_desc": f"tensordesc<bf16[{b_block[0]}, {b_block[1]}]>", "out_ptr": "*bf16", "out2_ptr": "*bf16",
-        "aux_ptr": "*bf16", "weight_ptr": "*fp32", "dw_ptr": "*fp32", "starts_ptr": "*i32", "ends_ptr": "*i32",
-        "sorted_pair_ptr": "*i32", "row_map_ptr": "*i32",
-    }
-    constexprs = dict(
-        TOP_K=8, GATHER_A=gather_a, B_KMAJOR=b_kmajor, EPILOGUE=epilogue, SAVE_AUX=False, EVEN_K=True,
-        DOT_PRECISION="tf32", GROUPS_PAD=128, PERSISTENT=cfg.persistent, FLATTEN=cfg.persistent and cfg.flatten,
-        NUM_PROGS=132, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        ROW_MAP=False, EPI_CHUNKS=cfg.epi_chunks if epilogue == EPI_SWIGLU_BWD.value else 1,
-        ZERO_TAIL=zero_tail if epilogue == EPI_SWIGLU_BWD.value else 0,
-    )
-    signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
-    sixteen = {"N", "KD", "half", "b_group_rows", "n_pos", "stride_am", "stride_om", "stride_o2m", "stride_xm"}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if name in sixteen or signature[name].startswith("*")}
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128),
-                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    return {**_ptxas_usage(compiled.asm["ptx"]), "shared": compiled.metadata.shared, "asm": compiled.asm}
-
-
-def _ptxas_usage(ptx: str) -> dict:
-    """``ptxas -v`` (Triton's bundled one) on ``ptx`` for sm_90a → n_regs, spill_stores,
-    spill_loads (bytes per thread); the compiled object reports them only once loaded on a GPU."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-
-    from triton import knobs
-
-    with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        run = subprocess.run([knobs.nvidia.ptxas.path, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(d, "k.cubin")],
-                             capture_output=True, text=True, check=True)
-    regs = re.search(r"Used (\d+) registers", run.stderr)
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)
-    return {"n_regs": int(regs.group(1)) if regs else None,
-            "spill_stores": int(spill.group(1)) if spill else None, "spill_loads": int(spill.group(2)) if spill else None}

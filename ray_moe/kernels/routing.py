@@ -43,23 +43,18 @@ class PairLayout(NamedTuple):
 
 
 @triton.jit
-def _pair_key(slot_ptr, idx, n_pairs, n_slots, top_k, lo, hi, LOCAL_FIRST: tl.constexpr):
-    """Bucket of each pair: its slot, or n_slots for slot -1 / out of range; -1 past n_pairs.
-    LOCAL_FIRST: 2 * slot for pairs of rows [lo, hi), 2 * slot + 1 for the others, 2 * n_slots
-    for slot -1 (``n_slots`` is then twice the slots)."""
+def _pair_key(slot_ptr, idx, n_pairs, n_slots):
+    """Bucket of each pair: its slot, or n_slots for slot -1 / out of range; -1 past n_pairs."""
     inside = idx < n_pairs
     s = tl.load(slot_ptr + idx, mask=inside, other=-1).to(tl.int32)
-    if LOCAL_FIRST:
-        row = idx // top_k
-        s = s * 2 + ((row < lo) | (row >= hi)).to(tl.int32)  # (slot -1 stays negative)
     key = tl.where((s >= 0) & (s < n_slots), s, n_slots)
     return tl.where(inside, key, -1)
 
 
 @triton.jit
 def _pair_histogram_kernel(
-    slot_ptr, hist_ptr, n_pairs, n_slots, top_k, lo, hi,
-    BLOCK: tl.constexpr, CHUNK: tl.constexpr, BUCKETS: tl.constexpr, LOCAL_FIRST: tl.constexpr,
+    slot_ptr, hist_ptr, n_pairs, n_slots,
+    BLOCK: tl.constexpr, CHUNK: tl.constexpr, BUCKETS: tl.constexpr,
 ):
     """hist[block, b] = number of pairs of this block in bucket b. One program per block."""
     block = tl.program_id(0)
@@ -67,7 +62,7 @@ def _pair_histogram_kernel(
     count = tl.zeros([BUCKETS], dtype=tl.int32)
     for c in range(0, BLOCK, CHUNK):
         idx = block * BLOCK + c + tl.arange(0, CHUNK)
-        key = _pair_key(slot_ptr, idx, n_pairs, n_slots, top_k, lo, hi, LOCAL_FIRST)
+        key = _pair_key(slot_ptr, idx, n_pairs, n_slots)
         count += tl.sum((key[:, None] == buckets[None, :]).to(tl.int32), axis=0)
     tl.store(hist_ptr + block * BUCKETS + buckets, count)
 
@@ -100,8 +95,8 @@ def _pair_scan_kernel(
 
 @triton.jit
 def _pair_scatter_kernel(
-    slot_ptr, base_ptr, sorted_pair_ptr, pair_pos_ptr, n_pairs, n_slots, top_k, lo, hi,
-    BLOCK: tl.constexpr, CHUNK: tl.constexpr, BUCKETS: tl.constexpr, LOCAL_FIRST: tl.constexpr,
+    slot_ptr, base_ptr, sorted_pair_ptr, pair_pos_ptr, n_pairs, n_slots,
+    BLOCK: tl.constexpr, CHUNK: tl.constexpr, BUCKETS: tl.constexpr,
 ):
     """Position of each pair = base[block, key] + rank among earlier pairs of its key in the block."""
     block = tl.program_id(0)
@@ -109,7 +104,7 @@ def _pair_scatter_kernel(
     running = tl.load(base_ptr + block * BUCKETS + buckets)
     for c in range(0, BLOCK, CHUNK):
         idx = block * BLOCK + c + tl.arange(0, CHUNK)
-        key = _pair_key(slot_ptr, idx, n_pairs, n_slots, top_k, lo, hi, LOCAL_FIRST)
+        key = _pair_key(slot_ptr, idx, n_pairs, n_slots)
         onehot = (key[:, None] == buckets[None, :]).to(tl.int32)
         rank = tl.cumsum(onehot, axis=0) - onehot  # earlier pairs of the same key in this chunk
         pos = tl.sum(onehot * (running[None, :] + rank), axis=1)
@@ -119,18 +114,15 @@ def _pair_scatter_kernel(
         running += tl.sum(onehot, axis=0)
 
 
-def pair_layout(slot: torch.Tensor, n_slots: int, local_first: tuple[int, int] | None = None) -> PairLayout:
+def pair_layout(slot: torch.Tensor, n_slots: int) -> PairLayout:
     """Group the (row, k) pairs of ``slot`` by slot with a stable counting sort (no host sync).
 
     Args:
         slot: int32 or int64 [R, K], contiguous; values in [0, n_slots) or -1 (not for this rank).
             Values >= n_slots are treated like -1.
         n_slots: S, the number of local expert slots (>= 1).
-        local_first: (lo, hi): 2S groups instead, group 2s the pairs of slot s from rows [lo, hi),
-            2s + 1 the others (:func:`pair_layout_local_first`).
     Returns:
-        PairLayout(offsets int32 [S+1] (2S+1 with local_first), sorted_pair int32 [R*K], pair_pos
-        int32 [R*K]).
+        PairLayout(offsets int32 [S+1], sorted_pair int32 [R*K], pair_pos int32 [R*K]).
     """
     if slot.dim() != 2:
         raise ValueError(f"slot must be [R, K], got shape {tuple(slot.shape)}")
@@ -142,9 +134,6 @@ def pair_layout(slot: torch.Tensor, n_slots: int, local_first: tuple[int, int] |
     n_pairs = slot.numel()
     if n_pairs >= 2**31:
         raise ValueError(f"{n_pairs} pairs do not fit int32 positions")
-    top_k, (lo, hi) = slot.shape[1], local_first or (0, 0)
-    if local_first is not None:
-        n_slots *= 2
     dev = slot.device
     buckets = triton.next_power_of_2(n_slots + 1)
     chunk = max(16, min(128, 8192 // buckets))
@@ -155,53 +144,12 @@ def pair_layout(slot: torch.Tensor, n_slots: int, local_first: tuple[int, int] |
     offsets_all = torch.empty(buckets, dtype=torch.int32, device=dev)
     sorted_pair = torch.empty(n_pairs, dtype=torch.int32, device=dev)
     pair_pos = torch.empty(n_pairs, dtype=torch.int32, device=dev)
-    local = local_first is not None
-    _pair_histogram_kernel[(n_blocks,)](slot, hist, n_pairs, n_slots, top_k, lo, hi, BLOCK=block, CHUNK=chunk,
-                                        BUCKETS=buckets, LOCAL_FIRST=local)
+    _pair_histogram_kernel[(n_blocks,)](slot, hist, n_pairs, n_slots, BLOCK=block, CHUNK=chunk, BUCKETS=buckets)
     _pair_scan_kernel[(1,)](hist, base, offsets_all, n_blocks, n_slots, BUCKETS=buckets, ROWS=max(1, min(64, 4096 // buckets)))
     _pair_scatter_kernel[(n_blocks,)](
-        slot, base, sorted_pair, pair_pos, n_pairs, n_slots, top_k, lo, hi, BLOCK=block, CHUNK=chunk,
-        BUCKETS=buckets, LOCAL_FIRST=local,
+        slot, base, sorted_pair, pair_pos, n_pairs, n_slots, BLOCK=block, CHUNK=chunk, BUCKETS=buckets,
     )
     return PairLayout(offsets_all[: n_slots + 1], sorted_pair, pair_pos)
-
-
-@triton.jit
-def _split_bounds_kernel(halves_ptr, offsets_ptr, local_end_ptr, rest_start_ptr, n_slots, n_early,
-                         S_PAD: tl.constexpr):
-    """One program: from the 2S+1 offsets of a local-first layout, the S+1 group offsets, each
-    group's end of its local pairs, and where the second launch starts each group (after the
-    local pairs for the first ``n_early`` groups, at the group's start for the others)."""
-    g = tl.arange(0, S_PAD)
-    start = tl.load(halves_ptr + 2 * g, mask=g <= n_slots)
-    tl.store(offsets_ptr + g, start, mask=g <= n_slots)
-    mid = tl.load(halves_ptr + 2 * g + 1, mask=g < n_slots)
-    tl.store(local_end_ptr + g, mid, mask=g < n_slots)
-    tl.store(rest_start_ptr + g, tl.where(g < n_early, mid, start), mask=g < n_slots)
-
-
-def pair_layout_local_first(slot: torch.Tensor, n_slots: int, local_lo: int, local_hi: int,
-                            n_early: int = 0) -> tuple[PairLayout, torch.Tensor, torch.Tensor]:
-    """:func:`pair_layout` whose every group lists the pairs of rows ``[local_lo, local_hi)`` first
-    (then the others, each part in pair order): one sort over 2S buckets, no host sync, four
-    launches.
-
-    Args:
-        slot: int32 or int64 [R, K]; values in [0, n_slots) or -1. local_lo/local_hi: the rows
-            that are ready first (a rank's own tokens among its received rows). n_early: D, the
-            groups whose local pairs a first launch computes (:class:`~ray_moe.kernels.grouped_swiglu.RowSplit`).
-    Returns:
-        (layout over the S groups, local_end int32 [S], rest_start int32 [S]): group s's pairs
-        from the local rows are positions ``[offsets[s], local_end[s])``, the others
-        ``[local_end[s], offsets[s+1])``; rest_start[s] is local_end[s] for s < D, else offsets[s].
-    """
-    halves = pair_layout(slot, n_slots, local_first=(local_lo, local_hi))
-    offsets = torch.empty(n_slots + 1, dtype=torch.int32, device=slot.device)
-    local_end = torch.empty(n_slots, dtype=torch.int32, device=slot.device)
-    rest_start = torch.empty(n_slots, dtype=torch.int32, device=slot.device)
-    _split_bounds_kernel[(1,)](halves.offsets, offsets, local_end, rest_start, n_slots, n_early,
-                               S_PAD=triton.next_power_of_2(n_slots + 1))
-    return PairLayout(offsets, halves.sorted_pair, halves.pair_pos), local_end, rest_start
 
 
 def pair_layout_reference(slot: torch.Tensor, n_slots: int) -> PairLayout:

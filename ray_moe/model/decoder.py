@@ -19,7 +19,7 @@ from the MoE layer's per-expert generators (independent of the world size).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +33,7 @@ from ray_moe.model.attention import Attention
 from ray_moe.model.expert_choice import ExpertImplChooser
 from ray_moe.model.kv_cache import KVCache
 from ray_moe.model.mlp import GatedMLP
-from ray_moe.model.moe import MoEInFlight, MoELayer, MoELayerSpec
+from ray_moe.model.moe import MoELayer, MoELayerSpec
 from ray_moe.model.norm import RMSNorm
 from ray_moe.model.recompute import check_mode, checkpointed
 from ray_moe.model.rope import rope_tables
@@ -149,76 +149,20 @@ class DecoderLayer(nn.Module):
             y, aux = regions.dense(self.mlp, h), h.new_zeros((), dtype=torch.float32)
         return y.view(x.shape), aux
 
-    def staged(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-               token_offset: int = 0, capacity: int | None = None
-               ) -> Generator[None, None, tuple[torch.Tensor, MoEInFlight | None]]:
-        """The block over x [B, L, H] in three stages, for :meth:`Decoder.hidden_states`' two-batch
-        overlap: a generator that yields twice, then returns (the block's output [B, L, H], its
-        MoE call or None; the caller takes the auxiliary loss of both halves' calls at once,
-        :meth:`MoELayer.aux_loss`). Stage 1: the attention half, the MoE layer's routing, its
-        dispatch issued on the side stream; stage 2: the experts, the combine issued, the shared
-        expert; stage 3: the current stream waits for the combine, the residual. A dense block
-        computes in stage 1. ``token_offset``: x's first token in the rank's batch; ``capacity``: the
-        dispatch's (:meth:`~ray_moe.comm.base.Transport.split_capacity`). Checkpointing
-        recomputes the compute between the exchanges (the exchanges are not replayed): the
-        attention half (full), the experts and the shared expert (moe, full); the received rows
-        and the router's input stay saved."""
-        regions = self.regions
-        grad = torch.is_grad_enabled()
-        full, ffn = grad and self.checkpointing == "full", grad and self.checkpointing != "none"
-        x = checkpointed(regions.attention, self, x, cos, sin) if full else regions.attention(self, x, cos, sin)
-        h = regions.ffn_input(self, x)
-        if not isinstance(self.mlp, MoEBlock):
-            y = checkpointed(regions.dense, self.mlp, h) if full else regions.dense(self.mlp, h)
-            yield
-            yield
-            return x + y.view(x.shape), None
-        moe, shared = self.mlp.routed, self.mlp.shared_experts
-        call = moe.start(h, token_offset, capacity)
-        yield
-        moe.run_experts(call, recompute=ffn)
-        z = None
-        if shared is not None:
-            z = checkpointed(regions.dense, shared, h) if ffn else regions.dense(shared, h)
-        yield
-        y = moe.finish(call)
-        if z is not None:
-            y = y + z
-        return x + y.view(x.shape), call
-
     def _moe(self) -> tuple[MoELayer, ...]:
         return (self.mlp.routed,) if isinstance(self.mlp, MoEBlock) else ()
 
 
-def _run_forward_pre_hooks(module: nn.Module, *args: object) -> None:
-    """What ``module(*args)`` runs before its forward: its forward pre-hooks. The staged path drives
-    a block through :meth:`DecoderLayer.staged`, not through the module call, and the hooks registered on
-    a block must still run first: ``train.overlap_update``'s wait for the block's parameters (the
-    previous step's update and ZeRO's all-gathers, still on their streams) is one."""
-    for hook in list(module._forward_pre_hooks.values()):
-        hook(module, args)
-
-
-def _last_stage(block: Generator) -> tuple[torch.Tensor, MoEInFlight | None]:
-    """Run a :meth:`DecoderLayer.staged` generator's last stage; its return value."""
-    try:
-        next(block)
-    except StopIteration as done:
-        return done.value
-    raise RuntimeError("a staged decoder block yielded more than twice")
-
-
 def moe_layer_spec(spec: ArchSpec, config: Config) -> MoELayerSpec:
     """The MoE layer of every routed block of ``spec`` under ``config`` (dtype, expert
-    implementation, aux loss, clone slots, pipelining, delayed weight gradients, seed)."""
+    implementation, aux loss, clone slots, seed)."""
     e = config.moe
     routing = Routing(scoring=spec.scoring, normalize=spec.norm_topk_prob, n_group=spec.n_group,
                       topk_group=spec.topk_group, scale=spec.routed_scaling_factor, bias=spec.score_bias)
     return MoELayerSpec(spec.hidden_size, spec.num_experts, spec.top_k, spec.expert_hidden, routing=routing,
                         dtype=torch_dtype(config.model.dtype), expert_impl=e.expert_impl,
                         aux_loss_coef=e.aux_loss_coef, clone_slots=config.balance.clone_slots,
-                        pipeline_chunks=e.pipeline_chunks, delay_wgrad=e.delay_wgrad,
-                        early_experts=e.early_experts, expert_grid=e.expert_grid, seed=config.train.seed)
+                        seed=config.train.seed)
 
 
 class Decoder(nn.Module):
@@ -239,7 +183,6 @@ class Decoder(nn.Module):
         self.spec = spec
         dtype = torch_dtype(config.model.dtype)
         self.seed = config.train.seed
-        self.two_batch_overlap = config.moe.two_batch_overlap
         H = spec.hidden_size
         layer_spec = moe_layer_spec(spec, config)
         chooser = ExpertImplChooser()  # one per model: layers of one shape share the measurement
@@ -331,55 +274,13 @@ class Decoder(nn.Module):
         else:
             cos, sin = rope_tables(start + L, self.spec.rotary_dim, self.spec.rope_theta, x.device, x.dtype)
             cos, sin = cos[start:], sin[start:]
-        if self.two_batch_overlap and cache is None and x.shape[0] >= 2:
-            x, aux = self._two_batch_layers(x, cos, sin)
-        else:
-            aux = x.new_zeros((), dtype=torch.float32)
-            for i, layer in enumerate(self.layers):
-                x, a = layer(x, cos, sin, cache, i)
-                aux = aux + a
+        aux = x.new_zeros((), dtype=torch.float32)
+        for i, layer in enumerate(self.layers):
+            x, a = layer(x, cos, sin, cache, i)
+            aux = aux + a
         if cache is not None:
             cache.advance(L)
         return self.norm(x), aux
-
-    def _two_batch_layers(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The blocks over x [B, L, H] (B >= 2) as two half batches, staggered so that each half's
-        exchanges run on the side stream beside the other half's compute (``moe.two_batch_overlap``:
-        SGLang's two-batch overlap, DeepSeek's two micro-batches). Per block, in issue order:
-
-            current stream:  attn A | attn B      | experts A   | experts B | attn A (next) ...
-            side stream:            | dispatch A  | dispatch B  | combine A | combine B ...
-
-        so no GEMM gets smaller than half the batch. Autograd's backward walks the same nodes in
-        reverse creation order, so it interleaves the halves alike (each exchange's backward runs
-        on the side stream, where its forward ran). Every rank issues the same exchanges in the
-        same order. Returns what the blocks give in one pass: (the last block's output [B, L, H],
-        the auxiliary loss float32 scalar, each layer's over both halves)."""
-        halves = list(x.tensor_split(2))
-        offsets = (0, halves[0].shape[0] * halves[0].shape[1])  # the token index of each half's first row
-        moe = self.moe_layers()
-        capacity = moe[0].transport.split_capacity(x.shape[1]) if moe else None
-        aux = x.new_zeros((), dtype=torch.float32)
-        running: list[Generator | None] = [None, None]  # each half's previous block, before its last stage
-        previous = None
-        for layer in [*self.layers, None]:
-            calls: list[MoEInFlight | None] = [None, None]
-            for i in (0, 1):
-                if running[i] is not None:
-                    halves[i], calls[i] = _last_stage(running[i])
-                if layer is not None:
-                    if i == 0:
-                        _run_forward_pre_hooks(layer, halves[0], cos, sin)
-                    running[i] = layer.staged(halves[i], cos, sin, offsets[i], capacity)
-                    next(running[i])  # attention, routing, the dispatch issued
-            if calls[0] is not None:
-                aux = aux + previous.mlp.routed.aux_loss(calls)
-            if layer is not None:
-                for i in (0, 1):
-                    next(running[i])  # the experts, the combine issued
-            previous = layer
-        return torch.cat(halves), aux
 
     def new_cache(self, capacity: int) -> KVCache:
         """An empty KV cache for :meth:`hidden_states`, ``capacity`` positions long."""

@@ -96,27 +96,20 @@ class ExpertImplChooser:
         self.timings: dict[tuple, dict[str, float | str]] = {}
 
     @staticmethod
-    def key(x: torch.Tensor, slot: torch.Tensor, w13: torch.Tensor, needs_grad: bool,
-            grid: str = "persistent") -> tuple:
+    def key(x: torch.Tensor, slot: torch.Tensor, w13: torch.Tensor, needs_grad: bool) -> tuple:
         """Rows are bucketed to the next power of two: transports with host-synced splits (NCCL)
         receive a different R every step, and one measurement must serve them all."""
         rows = 1 << max(int(x.shape[0]) - 1, 0).bit_length()
-        return (rows, x.shape[1], slot.shape[1], tuple(w13.shape), x.dtype, str(x.device), needs_grad, grid)
-
-    def knows(self, x: torch.Tensor, slot: torch.Tensor, w13: torch.Tensor, needs_grad: bool,
-              grid: str = "persistent") -> bool:
-        """Whether :meth:`choose` has measured this shape already (it will not run the candidates)."""
-        return self.key(x, slot, w13, needs_grad, grid) in self.choices
+        return (rows, x.shape[1], slot.shape[1], tuple(w13.shape), x.dtype, str(x.device), needs_grad)
 
     def choose(self, x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor, w13: torch.Tensor,
-               w2: torch.Tensor, needs_grad: bool, grid: str = "persistent") -> ExpertChoice:
+               w2: torch.Tensor, needs_grad: bool) -> ExpertChoice:
         """The fastest candidate for this shape (measured now if the shape is new).
 
         Args: the arguments of :func:`ray_moe.model.experts.expert_ffn`: x [R, H], slot int [R, K],
-        weight float32 [R, K], w13 [S, H, 2I], w2 [S, I, H]; needs_grad: time backward too; grid:
-        the Triton row GEMMs' grid the layer runs (``moe.expert_grid``), which the candidates run on.
+        weight float32 [R, K], w13 [S, H, 2I], w2 [S, I, H]; needs_grad: time backward too.
         """
-        key = self.key(x, slot, w13, needs_grad, grid)
+        key = self.key(x, slot, w13, needs_grad)
         hit = self.choices.get(key)
         if hit is not None:
             return hit
@@ -125,7 +118,7 @@ class ExpertImplChooser:
         # The candidates' own forward+backward must not use the saved-tensor hooks of an enclosing
         # activation-checkpointed block: its nested backward would replay the block.
         with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
-            timings = self._measure(x, slot, weight, w13, w2, needs_grad, grid)
+            timings = self._measure(x, slot, weight, w13, w2, needs_grad)
         ok = {n: t for n, t in timings.items() if isinstance(t, float)}
         best = min(ok, key=ok.get) if ok else DEFAULT.name
         choice = next(c for c in self.candidates if c.name == best) if ok else DEFAULT
@@ -135,7 +128,7 @@ class ExpertImplChooser:
                  choice.name, {n: (round(t, 3) if isinstance(t, float) else t) for n, t in timings.items()})
         return choice
 
-    def _measure(self, x, slot, weight, w13, w2, needs_grad, grid="persistent") -> dict[str, float | str]:
+    def _measure(self, x, slot, weight, w13, w2, needs_grad) -> dict[str, float | str]:
         from ray_moe.model.experts import expert_ffn
 
         # views, not copies: cloning w13/w2 would double the expert weights' memory for a moment
@@ -147,8 +140,7 @@ class ExpertImplChooser:
 
         def step(cand: ExpertChoice) -> None:
             with torch.enable_grad() if needs_grad else torch.no_grad():
-                y = expert_ffn(leaves[0], slot, leaves[1], leaves[2], leaves[3], impl=cand.impl, wgrad=cand.wgrad,
-                               grid=grid)
+                y = expert_ffn(leaves[0], slot, leaves[1], leaves[2], leaves[3], impl=cand.impl, wgrad=cand.wgrad)
                 if needs_grad:
                     torch.autograd.grad(y, leaves, grad_out)
 

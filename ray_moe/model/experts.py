@@ -18,34 +18,10 @@ It returns one weighted partial sum per row, ``[R, H]``, ready for combine. Impl
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from ray_moe.model.router import route
-
-
-@dataclass(frozen=True)
-class EarlyRows:
-    """Rows of the experts' input that can be read before the others arrive (a dispatch still
-    receiving the peers' rows, :class:`~ray_moe.comm.base.RowsInFlight`): rows ``[lo, hi)`` now,
-    from ``source[source_rows[r - lo]]`` where ``source`` is given (else from x itself), every
-    row of x once ``wait()`` has made the current stream wait. With ``slots`` = D the Triton
-    experts run the up-projection of those rows for the first D slots before the wait, beside
-    the transfer, and everything else after it: each group's GEMM tiles stay whole except the
-    first D slots', whose weights are read twice."""
-
-    lo: int
-    hi: int
-    slots: int
-    wait: Callable[[], None]
-    source: torch.Tensor | None = None  # [T, H], x's dtype
-    source_rows: torch.Tensor | None = None  # int32 [hi - lo]
-
-
-EXPERT_GRIDS = ("persistent", "tiles")  # the Triton row GEMMs' grid (kernels.grouped_swiglu.default_plan)
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
@@ -62,9 +38,6 @@ def expert_ffn(
     w2: torch.Tensor,
     impl: str = "auto",
     wgrad: str = "triton",
-    deferral=None,
-    early=None,
-    grid: str = "persistent",
 ) -> torch.Tensor:
     """Weighted SwiGLU experts over received rows.
 
@@ -76,14 +49,6 @@ def expert_ffn(
         impl: auto | loop | grouped_mm | triton (auto: triton on Hopper bf16, else loop; MoELayer
             goes further and measures per shape, see ray_moe.model.expert_choice).
         wgrad: with triton, who computes the weight gradients: triton | grouped_mm | quack.
-        deferral: with triton, a :class:`~ray_moe.model.wgrad.WgradDeferral` that computes
-            the weight gradients on its side stream into w13.grad / w2.grad (the other impls
-            ignore it and leave them to autograd).
-        early: an :class:`EarlyRows` (rows of x still arriving): with
-            triton the up-projection of the ready rows' first slots runs before its ``wait()``;
-            the other impls wait first.
-        grid: with triton, the row GEMMs' grid on Hopper (:data:`EXPERT_GRIDS`): persistent, or
-            tiles (one program per tile, for experts that run beside an exchange holding SMs).
     Returns:
         [R, H] in x.dtype: sum_k weight[r, k] * expert_{slot[r, k]}(x[r]); rows with no valid k are 0.
         Differentiable w.r.t. x, weight, w13 and w2.
@@ -91,8 +56,6 @@ def expert_ffn(
     impl = resolve_impl(impl, x)
     if wgrad not in ("triton", "grouped_mm", "quack"):  # kernels.grouped_swiglu.WGRAD_BACKENDS
         raise ValueError(f"wgrad {wgrad!r} is not one of triton, grouped_mm, quack")
-    if early is not None and impl != "triton":
-        early.wait()
     if impl == "loop":
         return _expert_ffn_loop(x, slot, weight, w13, w2)
     if impl == "grouped_mm":
@@ -103,12 +66,8 @@ def expert_ffn(
         from ray_moe.kernels import expert_ffn_triton
         from ray_moe.kernels.grouped_swiglu import default_plan
 
-        if grid not in EXPERT_GRIDS:
-            raise ValueError(f"grid {grid!r} is not one of {', '.join(EXPERT_GRIDS)}")
-        plan = None
-        if wgrad != "triton" or grid != "persistent":
-            plan = replace(default_plan(x.dtype, x.device, persistent=grid == "persistent"), wgrad=wgrad)
-        return expert_ffn_triton(x, slot, weight, w13, w2, plan=plan, deferral=deferral, early=early)
+        plan = None if wgrad == "triton" else replace(default_plan(x.dtype, x.device), wgrad=wgrad)
+        return expert_ffn_triton(x, slot, weight, w13, w2, plan=plan)
     raise ValueError(f"expert impl {impl!r} is not one of auto, loop, grouped_mm, triton")
 
 

@@ -1,4 +1,4 @@
-"""The expert-parallel MoE layer: route → place → dispatch → experts → combine.
+"""The expert-parallel MoE layer: route → dispatch → experts → combine.
 
 Every rank holds the router (replicated) and the weights of its expert *slots*: its E/W native
 experts followed by ``clone_slots`` clones of other ranks' experts (see :mod:`ray_moe.placement`).
@@ -16,15 +16,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ray_moe.comm.base import Transport, combine, dispatch, dispatch_early
-from ray_moe.chunks import chunk_weights
-from ray_moe.comm.pipeline import pipelined_exchange
-from ray_moe.comm.streams import current, made, run_on, used_on, wait
+from ray_moe.comm.base import Transport, combine, dispatch
 from ray_moe.model.expert_choice import ExpertChoice, ExpertImplChooser
-from ray_moe.model.experts import EXPERT_GRIDS, EarlyRows, expert_ffn, resolve_impl
-from ray_moe.model.recompute import checkpointed
+from ray_moe.model.experts import expert_ffn, resolve_impl
 from ray_moe.model.router import SOFTMAX, Routing, balancing_bias_step, load_balancing_loss, route
-from ray_moe.model.wgrad import WgradDeferral
 from ray_moe.placement.placement import ExpertShard, Placement
 
 
@@ -68,23 +63,8 @@ class MoELayerSpec:
     expert_hidden: I, each expert's SwiGLU width (w13 [H, 2I], w2 [I, H]); routing: the router
     variant; dtype: the expert weights' dtype (the router stays float32); expert_impl: auto |
     loop | grouped_mm | triton; aux_loss_coef: the load-balancing loss's weight (0: off);
-    clone_slots: slots per rank for clones of hot experts; pipeline_chunks: C, 1 runs dispatch →
-    experts → combine over all tokens, C > 1 splits each rank's tokens into C chunks whose
-    exchange overlaps the experts of the neighbouring chunks (:mod:`ray_moe.comm.pipeline`; the
-    same results), or a tuple of relative chunk sizes (``(1, 6, 1)``: small first and last
-    chunks, whose exchanges nothing hides); delay_wgrad: with the Triton experts, their weight
-    gradients run on a side stream (:class:`~ray_moe.model.wgrad.WgradDeferral`): in the
-    sequential layer beside the dispatch's backward exchange (the same results in ``.grad``, as
-    ``backward()`` leaves them: ``torch.autograd.grad`` gets none for w13 and w2), in the
-    pipelined layer each chunk's beside the next chunk's backward and the last chunk's return
-    exchange (autograd gets them as usual); early_experts: D > 0, in the sequential layer over a
-    transport that can return before the peers' rows arrive (``supports_early_rows``: NVSHMEM's
-    peer path), the up-projection of each rank's own rows for its first D slots runs while the
-    peers' rows are on the way (:class:`~ray_moe.model.experts.EarlyRows`; the same GEMM
-    tiles otherwise, so the experts' GEMMs do not shrink as with chunks); 0: off; expert_grid:
-    the Triton experts' row GEMMs on a persistent grid or one program per tile
-    (:data:`~ray_moe.model.experts.EXPERT_GRIDS`); seed: with
-    the layer index, seeds the router and every logical expert.
+    clone_slots: slots per rank for clones of hot experts; seed: with the layer index, seeds the
+    router and every logical expert.
     """
 
     hidden: int
@@ -96,16 +76,9 @@ class MoELayerSpec:
     expert_impl: str = "auto"
     aux_loss_coef: float = 0.0
     clone_slots: int = 0
-    pipeline_chunks: int | tuple[int, ...] = 1
-    delay_wgrad: bool = False
-    early_experts: int = 0
-    expert_grid: str = "persistent"
     seed: int = 0
 
     def __post_init__(self) -> None:
-        weights = chunk_weights(self.pipeline_chunks)  # raises ValueError naming what is allowed
-        if not isinstance(self.pipeline_chunks, int):
-            object.__setattr__(self, "pipeline_chunks", weights)  # a list from a config: hashable
         for name in ("hidden", "num_experts", "top_k", "expert_hidden"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -120,12 +93,6 @@ class MoELayerSpec:
             raise ValueError(f"aux_loss_coef={self.aux_loss_coef} must be >= 0")
         if not isinstance(self.routing, Routing):
             raise ValueError(f"routing must be a Routing, got {self.routing!r}")
-        if not isinstance(self.delay_wgrad, bool):
-            raise ValueError(f"delay_wgrad must be true or false, got {self.delay_wgrad!r}")
-        if isinstance(self.early_experts, bool) or not isinstance(self.early_experts, int) or self.early_experts < 0:
-            raise ValueError(f"early_experts must be an integer >= 0, got {self.early_experts!r}")
-        if self.expert_grid not in EXPERT_GRIDS:
-            raise ValueError(f"expert_grid={self.expert_grid!r} is not one of {', '.join(EXPERT_GRIDS)}")
 
 
 @dataclass(frozen=True)
@@ -140,23 +107,6 @@ class _Routed:
     probs: torch.Tensor | None
     dest_rank: torch.Tensor
     dest_slot: torch.Tensor
-
-
-@dataclass
-class MoEInFlight:
-    """One :class:`MoELayer` call between its stages (:meth:`MoELayer.start`, ``run_experts``,
-    ``finish``): the routing and input x [T, H], the side stream (None on the CPU), and per stage
-    what it left: the dispatch's (recv_x, recv_slot, recv_w, layout) and its event ``sent``; the
-    received pairs (int64 scalar), the combine's output [T, H] and its event ``combined``."""
-
-    routed: _Routed
-    x: torch.Tensor
-    side: object
-    recv: tuple | None = None
-    sent: object = None
-    pairs: torch.Tensor | None = None
-    out: torch.Tensor | None = None
-    combined: object = None
 
 
 class MoELayer(nn.Module):
@@ -219,7 +169,6 @@ class MoELayer(nn.Module):
                              persistent=routing.bias)
         self.placement = placement
         self.tables = placement.tables(device)
-        self.wgrad_deferral = WgradDeferral(device) if spec.delay_wgrad else None
         if reset:
             self.reset_parameters()
 
@@ -232,16 +181,6 @@ class MoELayer(nn.Module):
     expert_impl = property(lambda self: self.spec.expert_impl)
     aux_loss_coef = property(lambda self: self.spec.aux_loss_coef)
     routing = property(lambda self: self.spec.routing)
-    pipeline_chunks = property(lambda self: self.spec.pipeline_chunks)
-    early_experts = property(lambda self: self.spec.early_experts)
-    expert_grid = property(lambda self: self.spec.expert_grid)
-
-    def join_wgrad(self) -> None:
-        """Make the current stream wait for weight gradients still running on the deferral's side
-        stream (``spec.delay_wgrad``; the dispatch's backward joins them already, this is for a
-        backward that did not reach it). No-op otherwise."""
-        if self.wgrad_deferral is not None:
-            self.wgrad_deferral.join()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -306,83 +245,21 @@ class MoELayer(nn.Module):
         inside a ``torch.compile``'d caller too (a graph break; ``model.compile=blocks`` compiles
         the dense parts around it)."""
         r = self._route(x)
-        if len(chunk_weights(self.pipeline_chunks)) > 1:
-            out, pairs = pipelined_exchange(self.transport, x, r.weights, r.dest_rank, r.dest_slot, (self.w13, self.w2),
-                                            self._expert_fn(r.impl), self.pipeline_chunks,
-                                            deferral=self.wgrad_deferral)
-        else:
-            deferral = self.wgrad_deferral
-            join = deferral.join if deferral else None
-            early = None
-            if self.early_experts and self.transport.supports_early_rows:
-                recv_x, recv_slot, recv_w, layout, in_flight = dispatch_early(
-                    self.transport, x, r.weights, r.dest_rank, r.dest_slot, after_backward=join)
-                early = EarlyRows(in_flight.local_lo, in_flight.local_hi, self.early_experts, in_flight.wait,
-                                  in_flight.source, in_flight.source_rows)
-            else:
-                # without autograd (decoding, evaluation) the received rows are consumed before the next
-                # layer dispatches: the transport may hand out its own outputs instead of allocating
-                recv_x, recv_slot, recv_w, layout = dispatch(self.transport, x, r.weights, r.dest_rank, r.dest_slot,
-                                                             after_backward=join, reuse_outputs=True)
-            partial = self._expert_fn(r.impl)(recv_x, recv_slot, recv_w, self.w13, self.w2, deferral, early)
-            out = combine(self.transport, partial, layout)
-            pairs = (recv_slot >= 0).sum()
+        # without autograd (decoding, evaluation) the received rows are consumed before the next
+        # layer dispatches: the transport may hand out its own outputs instead of allocating
+        recv_x, recv_slot, recv_w, layout = dispatch(self.transport, x, r.weights, r.dest_rank, r.dest_slot,
+                                                     reuse_outputs=True)
+        choice = ExpertChoice(r.impl)
+        if self.expert_impl == "auto" and r.impl == "triton":
+            needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (recv_x, recv_w, self.w13, self.w2))
+            choice = self.expert_chooser.choose(recv_x, recv_slot, recv_w, self.w13, self.w2, needs_grad)
+        partial = expert_ffn(recv_x, recv_slot, recv_w, self.w13, self.w2, choice.impl, wgrad=choice.wgrad)
+        out = combine(self.transport, partial, layout)
         if not self.recomputing:
-            self._count(r.ids, pairs)
+            self._count(r.ids, (recv_slot >= 0).sum())
         return out, self._aux(r.probs, r.ids, x)
 
-    # ------------------------------------------------------------------ staged (two-batch overlap)
-    def start(self, x: torch.Tensor, token_offset: int = 0, capacity: int | None = None) -> "MoEInFlight":
-        """The first stage of a call whose exchanges run on the transport's side stream while the
-        current stream computes something else (the decoder's ``moe.two_batch_overlap``: the other
-        half batch). Routes x [T, H] (model dtype) on the current stream and issues the dispatch
-        on the side stream. ``token_offset``: x's first row in the rank's whole batch (a clone's
-        replica is picked per token index, so the halves pick what the whole batch would);
-        ``capacity``: the dispatch's (:meth:`Transport.split_capacity`).
-        Then :meth:`run_experts`, then :meth:`finish`; every rank calls the stages of its calls
-        in one order (they are collectives). The sequential layer's exchange only: no chunks, no
-        early experts, no reused outputs (two calls are in flight)."""
-        r = self._route(x, token_offset)
-        side = self.transport.comm_stream(x.device)
-        if side is not None:
-            side.wait_stream(current(x))  # the routing is made on the current stream
-            used_on((x, r.weights, r.dest_rank, r.dest_slot), side)
-        join = self.wgrad_deferral.join if self.wgrad_deferral else None
-        recv, sent = run_on(side, current(x), lambda: dispatch(self.transport, x, r.weights, r.dest_rank,
-                                                                r.dest_slot, capacity, after_backward=join))
-        return MoEInFlight(routed=r, x=x, side=side, recv=recv, sent=sent)
-
-    def run_experts(self, call: "MoEInFlight", recompute: bool = False) -> None:
-        """The second stage: once the dispatch is in, the experts on the current stream, then the
-        combine issued on the side stream. ``recompute``: the experts' activations are recomputed
-        in backward (``model.activation_checkpointing``: moe or full), not kept."""
-        wait(current(call.x), call.sent)
-        recv_x, recv_slot, recv_w, layout = call.recv
-        fn = self._expert_fn(call.routed.impl)
-        args = (recv_x, recv_slot, recv_w, self.w13, self.w2, self.wgrad_deferral)
-        partial = checkpointed(fn, *args, moe_layers=(self,)) if recompute else fn(*args)
-        call.pairs = (recv_slot >= 0).sum()
-        call.recv = None
-        if call.side is not None:
-            used_on(partial, call.side)
-        (call.out,), call.combined = run_on(call.side, current(call.x),
-                                            lambda: (combine(self.transport, partial, layout),), after=made(partial))
-
-    def finish(self, call: "MoEInFlight") -> torch.Tensor:
-        """The last stage: the current stream waits for the combine. Returns out [T, H] (the
-        auxiliary loss of a batch's calls: :meth:`aux_loss`)."""
-        wait(current(call.x), call.combined)
-        self._count(call.routed.ids, call.pairs)
-        return call.out
-
-    def aux_loss(self, calls: Sequence["MoEInFlight"]) -> torch.Tensor:
-        """The auxiliary loss (float32 scalar) of the tokens of ``calls`` taken as one batch: what
-        :meth:`eager_forward` returns for them in one call (the loss is not a sum over parts)."""
-        probs = torch.cat([c.routed.probs for c in calls]) if self.aux_loss_coef > 0 else None
-        return self._aux(probs, torch.cat([c.routed.ids for c in calls]), calls[0].x)
-
-    # ------------------------------------------------------------------ the stages' parts
-    def _route(self, x: torch.Tensor, token_offset: int = 0) -> "_Routed":
+    def _route(self, x: torch.Tensor) -> _Routed:
         if x.dim() != 2 or x.shape[1] != self.d_model:
             raise ValueError(f"MoELayer expects x of shape [T, {self.d_model}], got {tuple(x.shape)}")
         if x.dtype != self.w13.dtype:
@@ -392,23 +269,8 @@ class MoELayer(nn.Module):
             x, self.router, self.top_k, fused=impl == "triton", need_probs=self.aux_loss_coef > 0,
             routing=self.routing, score_bias=self.score_bias,
         )
-        dest_rank, dest_slot = self.tables.route(ids, self.rank, token_offset)  # replicas by global token index
+        dest_rank, dest_slot = self.tables.route(ids, self.rank)
         return _Routed(impl, weights, ids, probs, dest_rank, dest_slot)
-
-    def _expert_fn(self, impl: str) -> Callable[..., torch.Tensor]:
-        """``fn(recv_x, recv_slot, recv_w, w13, w2, deferral=None, early=None) -> partial [R, H]``:
-        the experts over received rows, their implementation measured per shape under ``auto``."""
-        def experts(recv_x, recv_slot, recv_w, w13, w2, deferral=None, early=None):
-            choice = ExpertChoice(impl)
-            if self.expert_impl == "auto" and impl == "triton":
-                needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (recv_x, recv_w, w13, w2))
-                if early is not None and not self.expert_chooser.knows(recv_x, recv_slot, w13, needs_grad,
-                                                                       self.expert_grid):
-                    early.wait()  # the first call of a shape times the candidates on every row
-                choice = self.expert_chooser.choose(recv_x, recv_slot, recv_w, w13, w2, needs_grad, self.expert_grid)
-            return expert_ffn(recv_x, recv_slot, recv_w, w13, w2, choice.impl, wgrad=choice.wgrad, deferral=deferral,
-                              early=early, grid=self.expert_grid)
-        return experts
 
     @torch.no_grad()
     def _count(self, ids: torch.Tensor, pairs: torch.Tensor) -> None:

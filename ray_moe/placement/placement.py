@@ -196,15 +196,13 @@ class PlacementTables:
     version: int
 
     def route(
-        self, expert_ids: torch.Tensor, src_rank: int, token_offset: int = 0
+        self, expert_ids: torch.Tensor, src_rank: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Map logical expert ids to physical (rank, slot), picking a replica per (token, k).
 
         Args:
             expert_ids: int [T, K] logical expert ids of this rank's tokens.
             src_rank: this rank (selects the row of share cdfs).
-            token_offset: added to the token index before hashing (keeps picks stable when a
-                batch is split).
         Returns:
             dest_rank, dest_slot: int32 [T, K]. Sync-free: pure indexing on ``expert_ids``'s device.
         """
@@ -212,7 +210,7 @@ class PlacementTables:
         ids = expert_ids.long()
         if self.rank.shape[1] == 1:  # no clones: a plain gather
             return self.rank[ids, 0], self.slot[ids, 0]
-        tok = torch.arange(T, device=ids.device, dtype=torch.int64).view(T, 1) + token_offset
+        tok = torch.arange(T, device=ids.device, dtype=torch.int64).view(T, 1)
         u = _uniform_hash(tok, ids)  # [T, K] in [0, 1)
         cdf = self.cdf[src_rank][ids]  # [T, K, R]
         r = (cdf <= u.unsqueeze(-1)).sum(-1).clamp_max(self.rank.shape[1] - 1)  # [T, K]

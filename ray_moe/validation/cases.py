@@ -26,11 +26,7 @@ class Case:
     """A seeded global problem every rank builds identically.
 
     tokens_per_rank is cycled over the ranks; placement is a ``Placement.to_dict()`` (None:
-    native); expert_impl, pipeline_chunks and delay_wgrad are the layer's (``moe.expert_impl``,
-    ``moe.pipeline_chunks``: 1 sequential, C > 1 the exchange overlapped with the experts in C
-    chunks of each rank's tokens; ``moe.delay_wgrad``: the experts' weight gradients beside the
-    dispatch's backward; ``moe.early_experts``: D > 0, the own rows' up-projection for the first D
-    slots beside the dispatch where the transport supports it).
+    native); expert_impl is the layer's (``moe.expert_impl``).
     """
 
     num_experts: int = 8
@@ -43,22 +39,17 @@ class Case:
     dtype: str = "float32"
     expert_impl: str = "auto"
     placement: dict | None = None
-    pipeline_chunks: int | list[int] | tuple[int, ...] = 1  # C, or relative chunk sizes
-    delay_wgrad: bool = False
-    early_experts: int = 0
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing {self.routing!r} is not one of {', '.join(ROUTINGS)}")
         object.__setattr__(self, "tokens_per_rank", tuple(self.tokens_per_rank))
-        self.layer_spec()  # the layer-shape rules (pipeline_chunks >= 1, ...) are the layer spec's
+        self.layer_spec()  # the layer-shape rules (top_k <= num_experts, ...) are the layer spec's
 
     def layer_spec(self, dtype: torch.dtype | None = None) -> MoELayerSpec:
         """The MoE layer this case runs (``dtype``: the case's by default)."""
         return MoELayerSpec(self.hidden, self.num_experts, self.top_k, self.expert_hidden,
-                            dtype=dtype or torch_dtype(self.dtype), expert_impl=self.expert_impl,
-                            pipeline_chunks=self.pipeline_chunks, delay_wgrad=self.delay_wgrad,
-                            early_experts=self.early_experts)
+                            dtype=dtype or torch_dtype(self.dtype), expert_impl=self.expert_impl)
 
     def tokens(self, rank: int) -> int:
         return self.tokens_per_rank[rank % len(self.tokens_per_rank)]

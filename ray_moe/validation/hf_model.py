@@ -101,13 +101,12 @@ def probe_names(spec: ArchSpec) -> dict[str, Any]:
 
 def parity_config(path: str | Path, world_size: int, batch: int, seq_len: int, dtype: str = "float32",
                   device: str = "cpu", clone_slots: int = 1, expert_impl: str = "auto",
-                  checkpointing: str = "none", two_batch_overlap: bool = False) -> Config:
+                  checkpointing: str = "none") -> Config:
     """The ray_moe config that loads ``path`` for the comparison."""
     return Config.from_dict({
         "model": {"init_from": str(path), "seq_len": seq_len, "dtype": dtype,
                   "activation_checkpointing": checkpointing},
-        "moe": {"aux_loss_coef": 0.0, "expert_impl": expert_impl, "bias_update_rate": 0.0,
-                "two_batch_overlap": two_batch_overlap},
+        "moe": {"aux_loss_coef": 0.0, "expert_impl": expert_impl, "bias_update_rate": 0.0},
         "parallel": {"world_size": world_size, "device": device},
         "train": {"batch_size": batch},
         "balance": {"clone_slots": clone_slots},

@@ -10,8 +10,7 @@ computed from the global routing. Transport-agnostic: torch/gloo, torch/NCCL and
   token and routing-weight gradients picked per k). Three dispatches run back to back and the
   first one's outputs are checked *after* the others: buffer reuse must not corrupt them. The
   second and third ask for transport-owned outputs (``reuse_outputs``): the third, of another
-  routing, is checked in the storage the second filled, where the transport owns it. A fourth
-  goes through ``dispatch_forward_early`` (the rows it names early must be this rank's own).
+  routing, is checked in the storage the second filled, where the transport owns it.
 - :func:`check_combine`: per-token sums of the partial rows, and the backward of combine.
 
 Routings and edge cases: :class:`~ray_moe.validation.cases.Case` and ``EDGE_CASES``; here the
@@ -120,9 +119,6 @@ def check_dispatch(worker: Any, case: Case) -> dict[str, Any]:
     owned = tr.dispatch_forward(*args, reuse_outputs=True)
     out2 = tr.dispatch_forward(_to(l2["x"], dev, dtype), _to(l2["weight"], dev),
                                _to(l2["dest_rank"], dev), _to(l2["dest_slot"], dev), reuse_outputs=True)
-    # and one that may return before the peers' rows arrive (its own rows and the meta first)
-    *early, in_flight = tr.dispatch_forward_early(*args)
-    in_flight.wait()
     # backward of the first dispatch: grads scaled by this (destination) rank's power of two
     s = _scale(me)
     grad_x = recv_x.float() * s
@@ -131,8 +127,7 @@ def check_dispatch(worker: Any, case: Case) -> dict[str, Any]:
     _sync_check(tr)
 
     errors: dict[str, float] = {}
-    for tag, (rx, rs, rw), rt in (("", (recv_x, recv_slot, recv_w), routing), ("2", out2[:3], routing2),
-                                  ("_early", early[:3], routing)):
+    for tag, (rx, rs, rw), rt in (("", (recv_x, recv_slot, recv_w), routing), ("2", out2[:3], routing2)):
         ref_x, ref_s, ref_w = _reference_received(rt, me)
         ref_x = ref_x.to(dtype)
         cx, cs, cw, valid = _canonical(rx.cpu(), rs.cpu(), rw.cpu())
@@ -155,17 +150,6 @@ def check_dispatch(worker: Any, case: Case) -> dict[str, Any]:
     ref_gw = local["weight"].double() * torch.tensor([_scale(d) for d in range(W)], dtype=torch.float64)[dr]
     errors["grad_x"] = rel_err(gx, ref_gx)
     errors["grad_w"] = rel_err(gw, ref_gw)
-    if in_flight.local_hi > in_flight.local_lo:  # the rows named early are this rank's own tokens
-        own = [r if s == me else {k: v[:0] for k, v in r.items()} for s, r in enumerate(routing)]
-        lo, hi = in_flight.local_lo, in_flight.local_hi
-        got = _canonical(early[0][lo:hi].cpu(), early[1][lo:hi].cpu(), early[2][lo:hi].cpu())
-        want = _canonical(*_reference_received(own, me))
-        errors["early_rows"] = 0.0 if (got[0].shape == want[0].shape and torch.equal(got[1], want[1])
-                                        and torch.equal(got[0].float(), want[0].to(dtype).float())) else float("inf")
-        if in_flight.source is not None:  # and where in the dispatch's input each of them is
-            valid = (early[1][lo:hi] >= 0).any(1)
-            named = in_flight.source[in_flight.source_rows.long()[valid]]
-            errors["early_source_rows"] = 0.0 if torch.equal(named, early[0][lo:hi][valid]) else float("inf")
     if getattr(tr, "owns_dispatch_outputs", False) and x.numel():  # (an empty call allocates anew)
         same = all(a.data_ptr() == b.data_ptr() for a, b in zip(owned[:3], out2[:3]))
         errors["reused_outputs"] = 0.0 if same else float("inf")

@@ -4,19 +4,18 @@ A clone slot's gradient belongs to its owner (:mod:`ray_moe.placement.clones`): 
 every owner adds what its clones computed onto its native slot, and the clone slots are zeroed.
 Done after backward, that is one ``all_to_all_single`` per MoE layer with clones, all exposed, and
 a float32 copy of the layer's gradients: with 4 clone slots, Qwen3-30B-A3B cut to 2 layers spent
-4.9 ms between backward and the update at W=2 instead of 2.3 (H200 ×2, session 22), a cost per
+4.9 ms between backward and the update at W=2 instead of 2.3 (H200 ×2, measured 2026-11-26), a cost per
 layer that at 48 layers outgrows what re-cloning saves. So, like ZeRO's reduce-scatters
 (:mod:`ray_moe.worker.zero`):
 
 - **Launch.** ``post_accumulate_grad`` hooks on each layer's ``w13`` and ``w2`` (non-reentrant
-  recompute and the two-batch halves still accumulate a leaf's gradient once per backward); once
+  recompute still accumulates a leaf's gradient once per backward); once
   both are in, the layer's clone rows are copied out, sent asynchronously (on NCCL the exchange
   runs on the process group's stream, beside backward's kernels) and the clone slots zeroed.
   Layers launch strictly in backward order (last layer first) on every rank, DDP's rule, so the
   collectives match across ranks whatever order the hooks fire in, on a process group of their own.
-  Layers whose weight gradients a side stream writes (``moe.delay_wgrad``: their hooks fire while
-  those are still being written) launch after backward and the join, in
-  :meth:`CloneGradReduction.launch_rest`; every launch sends the compute-dtype gradients.
+  Layers whose hooks did not fire launch after backward, in :meth:`CloneGradReduction.launch_rest`;
+  every launch sends the compute-dtype gradients.
 - **Add.** The owners' sums are float32 (the default, ``parallel.grad_reduce_dtype: float32``):
   they are added into the optimizer's float32 master gradients after
   :meth:`~ray_moe.worker.optim.MixedPrecisionAdamW.gather_grads`
@@ -30,8 +29,8 @@ Memory: with float32 sums every layer's received rows (and, until its exchange i
 its send buffer) stay until :meth:`CloneGradReduction.add_received`: per layer, the rows of the clones
 that name this rank as owner, in the compute dtype (~9.4 MB a row for Qwen3-30B-A3B's experts in
 bf16; with 4 clone slots per rank ~38 MB a layer on average), at backward's peak. Rounded sums
-keep at most ``max_in_flight`` layers' rows during backward; layers launched after it (``moe.delay_wgrad``)
-all keep theirs until :meth:`CloneGradReduction.add_received`, when the activations are gone.
+keep at most ``max_in_flight`` layers' rows during backward; layers launched after it all keep
+theirs until :meth:`CloneGradReduction.add_received`, when the activations are gone.
 """
 
 from __future__ import annotations
@@ -80,9 +79,7 @@ class CloneGradReduction:
 
     @torch.no_grad()
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
-        # (a layer whose weight gradients a side stream writes, moe.delay_wgrad, also fires these
-        # hooks, with its gradients still being written: it waits for launch_rest, after the join)
-        if not self._armed or self.order[i].wgrad_deferral is not None:
+        if not self._armed:
             return
         self._got[i].add(id(p))
         self._launch_ready()
@@ -102,7 +99,7 @@ class CloneGradReduction:
 
     @torch.no_grad()
     def launch_rest(self) -> None:
-        """After backward and the weight gradients' join: the layers backward did not launch, from
+        """After backward: the layers backward did not launch, from
         their compute-dtype gradients (every launch sends those, so all ranks' exchanges match)."""
         if not self._armed:
             return

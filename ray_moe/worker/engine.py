@@ -249,8 +249,6 @@ class Engine:
         if self.clone_grads:
             self.clone_grads.begin()  # clones' gradients sent to their owners as backward produces them
         loss.backward()
-        for layer in self.model.moe_layers():  # weight gradients still on a side stream (moe.delay_wgrad)
-            layer.join_wgrad()
         mark("backward")
         clock.mark("backward")
         grad_norm, loss_finite = self.sync_grads(ce.detach(), clock)
@@ -356,7 +354,7 @@ class Engine:
         opt = self.optimizer
         clones = self.clone_grads
         if clones:
-            clones.launch_rest()  # the layers backward did not launch (moe.delay_wgrad)
+            clones.launch_rest()  # the layers backward did not launch
             if clones.rounded:  # the clone sums into the bf16 gradients
                 clones.add_received(lambda p: p.grad)
         opt.gather_grads()

@@ -8,8 +8,8 @@ import json
 
 
 def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
-    """`bench layer --sections ep` on a CPU group: the sequential and the pipelined layer side by
-    side, the single-rank layer at T/W and at T, and per variant the exposed communication and the
+    """`bench layer --sections ep` on a CPU group: two exchange settings side by side (NVSHMEM's
+    interleave, carried to the transport and unused by gloo), the single-rank layer at T/W and at T, and per variant the exposed communication and the
     scaling efficiency (tiny shapes; only their presence is checked), and with --ep-profile the
     operators of every variant against a rank's own compute and each rank's trace kept, written as
     JSON."""
@@ -19,21 +19,20 @@ def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
     out = tmp_path / "layer.json"
     assert layer.main(["--sections", "ep", "--world-size", "2", "--T", "64", "--H", "16", "--I", "24",
                        "--E", "8", "--K", "2", "--dtype", "float32", "--device", "cpu",
-                       "--ep-iters", "2", "--ep-rounds", "2", "--ep-chunks", "1,1-2-1", "--ep-profile", "--ep-profile-steps", "2", "--ep-delay-wgrad", "0,1",
-                       "--one-sm-wait",  # an NVSHMEM setting: carried to the group's config, unused by gloo
+                       "--ep-iters", "2", "--ep-rounds", "2", "--ep-interleave", "default,1", "--ep-profile",
+                       "--ep-profile-steps", "2", "--force-remote-path",  # NVSHMEM settings: unused by gloo
                        "--ep-trace-dir", str(tmp_path / "traces"), "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     ep = [r for r in rows if r["what"].startswith("EP")]
-    # every variant without and with delayed weight gradients; chunks of relative sizes by name
-    assert [(r["chunks"], r["delay_wgrad"]) for r in ep] == [(1, False), (1, True), ("1-2-1", False), ("1-2-1", True)]
+    # every variant by its exchange setting
+    assert [(r["interleave"], r["comm_programs"]) for r in ep] == [(None, 0), (True, 0)]
     assert all(r["transport"] == "gloo" for r in ep)
     assert all(1.0 <= r["imbalance"] < 2.0 for r in ep)  # random routing over 2 ranks: near 1
-    assert "pipelined, chunks 1-2-1" in ep[2]["what"] and "sequential" in ep[0]["what"]
-    assert "delayed wgrad" in ep[1]["what"]
+    assert ep[0]["what"] == "EP per rank (max over ranks)" and ep[1]["what"].endswith(", interleaved")
     assert {r["what"] for r in rows} >= {"one GPU, T/W tokens", "one GPU, all T tokens",
                                          "one GPU, T/W tokens on E/W experts (a rank's compute)"}
     derived = [r for r in rows if r["what"] == "derived"]
-    assert [d["chunks"] for d in derived] == [1, 1, "1-2-1", "1-2-1"]
+    assert [d["interleave"] for d in derived] == [None, True]
     for d in derived:
         assert d["scaling_eff_fwd"] > 0 and d["scaling_eff_fwd+bwd"] > 0
         assert {"exposed_comm_frac_fwd", "exposed_comm_frac_fwd+bwd", "exposed_comm_fwd_ms"} <= d.keys()
@@ -54,8 +53,7 @@ def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
     assert all(r["host_syncs_per_step"] == 0 for r in rows if r["section"] == "ep" and r["what"] != "derived")
     # --ep-profile: every variant's operators (on the CPU) against a rank's own compute, the
     # exchange's collectives among what EP spends more on
-    variants = ["sequential", "sequential, delayed wgrad", "pipelined, chunks 1-2-1",
-                "pipelined, chunks 1-2-1, delayed wgrad"]
+    variants = ["default", "interleaved"]
     prof = [r for r in rows if r["section"].startswith("ep profile")]
     assert sorted({r["section"] for r in prof}) == sorted(
         f"ep profile: EP vs a rank's compute (rank 0), {v}" for v in variants)
@@ -74,8 +72,7 @@ def test_bench_layer_ep_rows_on_cpu(group_for_new, tmp_path):
                                              for v in variants for i in (0, 1)]
     # every rank's trace of every variant, kept (readable by the timeline's listing)
     kept = sorted(p.name for p in (tmp_path / "traces").iterdir())
-    assert kept == sorted(f"ep_c{c}_p0_ilNone_dw{d}_ee0_rank{r}.json.gz" for c in ("1", "1-2-1") for d in (0, 1)
-                          for r in (0, 1))
+    assert kept == sorted(f"ep_p0_il{il}_rank{r}.json.gz" for il in ("None", "True") for r in (0, 1))
     from ray_moe.bench.timeline import load_trace
     assert load_trace(str(tmp_path / "traces" / kept[0]))  # CPU operators: events, no kernels
 
@@ -95,7 +92,7 @@ def test_bench_balance_train_mode_on_cpu(group_for_new, tmp_path):
 
 
 def test_bench_overlap_rows_on_cpu(group_for_new, tmp_path):
-    """`bench overlap` on CPU groups: per depth the sequential and the two-batch step at W=2 in ABBA
+    """`bench overlap` on CPU groups: per depth the default step and one with bf16 gradient reduction at W=2 in ABBA
     rounds and one rank's, each with its phases, per-round steps and scaling against one rank; and
     per variant the per-layer slope between the two depths."""
     from ray_moe.bench import overlap
@@ -105,11 +102,11 @@ def test_bench_overlap_rows_on_cpu(group_for_new, tmp_path):
     out = tmp_path / "overlap.json"
     assert overlap.main(["--hf-config", "qwen3_moe-tiny", "--layers", "2,3", "--tokens", "64", "--seq-len", "32",
                          "--device", "cpu", "--dtype", "float32", "--rounds", "2", "--warmup", "1", "--iters", "2",
-                         "--max-bytes", "200000", "--trace-dir", str(tmp_path / "traces"), "--json", str(out)]) == 0
+                         "--max-bytes", "200000", "--variants", "sequential,bf16_reduce", "--trace-dir", str(tmp_path / "traces"), "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    names = ["one rank", "sequential", "two_batch"]
+    names = ["one rank", "sequential", "bf16_reduce"]
     traces = sorted(p.name for p in (tmp_path / "traces").iterdir())  # one profiled step per run of round 0
-    assert traces == sorted([f"{v}_l{d}_w2_rank{r}.json.gz" for v in ("sequential", "two_batch") for d in (2, 3)
+    assert traces == sorted([f"{v}_l{d}_w2_rank{r}.json.gz" for v in ("sequential", "bf16_reduce") for d in (2, 3)
                              for r in (0, 1)] + [f"one_rank_l{d}_rank0.json.gz" for d in (2, 3)]), traces
     for name in traces:  # a whole step's operators in each (a profiler started off the step's thread saw ~none)
         with gzip.open(tmp_path / "traces" / name) as f:

@@ -45,23 +45,6 @@ def test_equal_to_transformers_on_a_group(groups, tiny_hf, family, world_size):
         assert_opened_only_owned(path, [r["opened"] for r in results])
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_two_batch_overlap_equal_to_transformers(groups, tiny_hf, family):
-    """``moe.two_batch_overlap`` at W=2 (two sequences per rank: two halves of one, staggered
-    through the blocks) gives transformers' logits and gradients, natively and with clones, under
-    each family's checkpointing (none, moe, full: the recomputed parts between the exchanges)."""
-    path = tiny_hf(family)
-    cfg = parity_config(path, world_size=2, batch=4, seq_len=12, checkpointing=CHECKPOINTING[family],
-                        two_batch_overlap=True)
-    ids = torch.randint(0, 272, (4, 13), generator=torch.Generator().manual_seed(7))
-    results = groups(2).execute(model_parity, cfg, cfg.resolve_arch(), ids, reference(cfg, cfg.resolve_arch(), ids),
-                                timeout=180)
-    for rank, res in enumerate(results):
-        for placement in ("native", "clones"):
-            bad = {k: v for k, v in res[placement].items() if not v <= TOL}
-            assert not bad, f"{family} two-batch rank {rank} {placement}: above {TOL}: {bad}"
-
-
 def assert_opened_only_owned(path: str, opened: list[list[str]]) -> None:
     """Rank r opened every replicated tensor and the routed experts r*E/W .. (r+1)*E/W-1 of each
     MoE layer, each once, and nothing else."""

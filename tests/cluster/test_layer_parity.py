@@ -46,32 +46,3 @@ def test_parity_edge_cases(groups, case):
 def test_parity_edge_cases_w4(groups):
     for case in (dict(routing="empty_rank"), dict(num_experts=4, top_k=1), dict(tokens_per_rank=[2, 0, 5, 1])):
         assert_parity(groups(4, "SPREAD"), seed=3, **case)
-
-
-PIPELINED = [
-    dict(),
-    dict(routing="empty_rank"),
-    dict(routing="empty_expert"),
-    dict(routing="one_expert", top_k=1),  # every token to expert 0, K=1
-    dict(top_k=8),  # K = E
-    dict(tokens_per_rank=[1, 40]),  # uneven, and T < C on one rank
-    dict(tokens_per_rank=[2, 0, 5, 1], top_k=3),  # a rank without tokens
-    dict(clones=True),
-    dict(pipeline_chunks=[1, 4, 2], tokens_per_rank=[9, 40]),  # chunks of unequal sizes, T < C on one rank
-]
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_pipelined_layer_parity(groups, world_size):
-    """moe.pipeline_chunks=3 (and [1, 4, 2]): each rank's tokens in chunks whose exchanges overlap
-    the experts (on gloo the same calls in the same order, no streams) equal the oracle, edge cases
-    included."""
-    from ray_moe.validation.hf_model import clone_placement
-
-    group = groups(world_size, "SPREAD" if world_size == 4 else "PACK")
-    for extra in PIPELINED:
-        extra = dict(extra)
-        if extra.pop("clones", False):
-            extra["placement"] = clone_placement(8, world_size, 1).to_dict()
-        if Case(**extra).applies_to(world_size) is None:
-            assert_parity(group, seed=5, **{"pipeline_chunks": 3, **extra})

@@ -96,18 +96,15 @@ def test_resume_with_recloning_continues_exactly(groups, tmp_path, dtype):
             assert torch.equal(resumed[k], final[k]), k
 
 
-@pytest.mark.parametrize("delay_wgrad", [False, True])
-def test_clone_gradients_leave_during_backward(groups, tmp_path, delay_wgrad):
+def test_clone_gradients_leave_during_backward(groups, tmp_path):
     """bf16 model, W=2, one clone slot, after re-plans placed clones: the clone gradients launched
-    from backward's hooks (one exchange per layer, both layers launched by backward itself; with
-    ``moe.delay_wgrad``, whose side stream writes the weight gradients, none: all after backward)
-    equal the in-place reduction after backward, bit for bit with float32 sums, and within one
+    from backward's hooks (one exchange per layer, both layers launched by backward itself) equal the in-place reduction after backward, bit for bit with float32 sums, and within one
     bf16 rounding of the sum with rounded ones (``parallel.grad_reduce_dtype: bfloat16``)."""
     cfg = small_config(tmp_path, **{"moe.num_experts": 4, "balance.enabled": True, "balance.interval": 2,
                                     "balance.clone_slots": 1, "balance.ema": 0.0, "model.dtype": "bfloat16",
-                                    "parallel.placement_strategy": "SPREAD", "moe.delay_wgrad": delay_wgrad})
+                                    "parallel.placement_strategy": "SPREAD"})
     with Trainer(cfg, progress=False, group=groups(2, "STRICT_SPREAD")) as t:
         for _ in range(3):
             t.step()
         for out in t.group.execute(clone_grads_three_ways):
-            check_clone_grads_three_ways(out, layers=0 if delay_wgrad else 2, exact=True)
+            check_clone_grads_three_ways(out, layers=2, exact=True)

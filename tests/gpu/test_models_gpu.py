@@ -76,15 +76,13 @@ def test_bf16_equal_to_transformers_on_gpu(tmp_path, family):
         assert not bad, f"{family} {placement}: (ours, transformers bf16) relative to fp32: {bad}"
 
 
-@pytest.mark.parametrize("two_batch", ["sequential", "two_batch", "two_batch_delay_wgrad"])
+@pytest.mark.parametrize("recompute", ["none", "family"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_bf16_equal_to_transformers_on_an_nvshmem_group(tmp_path, family, two_batch):
+def test_bf16_equal_to_transformers_on_an_nvshmem_group(tmp_path, family, recompute):
     """W ranks over NVSHMEM (two GPUs, or RAY_MOE_PES_PER_GPU ranks on one): each rank's share of the
     batch, bf16, native placement and clones, as close to transformers' float32 model as
-    transformers' own bf16 model is (or 2e-2). ``two_batch``: ``moe.two_batch_overlap`` (each rank's
-    four sequences as two staggered halves, the exchanges on the side stream), with each family's
-    checkpointing mode (none, moe, full); ``two_batch_delay_wgrad``: also ``moe.delay_wgrad`` (each
-    half's weight gradients on the layer's deferral stream)."""
+    transformers' own bf16 model is (or 2e-2). ``recompute``: no activation checkpointing, or each
+    family's mode (none, moe, full)."""
     pytest.importorskip("transformers")
     pytest.importorskip("nvshmem.core")
     from ray_moe.driver.group import WorkerGroup
@@ -97,12 +95,11 @@ def test_bf16_equal_to_transformers_on_an_nvshmem_group(tmp_path, family, two_ba
     save_tiny_model(family, tmp_path, seed=2, **GPU_SIZE, **PER_FAMILY[family])
     B, L = 4 * W, 64
     ids = torch.randint(0, GPU_SIZE["vocab_size"], (B, L + 1), generator=torch.Generator().manual_seed(1))
-    staggered = two_batch != "sequential"
-    checkpointing = {"qwen3_moe": "none", "mixtral": "moe", "glm4_moe": "full"}[family] if staggered else "none"
+    checkpointing = {"qwen3_moe": "none", "mixtral": "moe", "glm4_moe": "full"}[family] if recompute == "family" \
+        else "none"
     cfg = parity_config(tmp_path, world_size=W, batch=B, seq_len=L, dtype="bfloat16", device="cuda",
-                        checkpointing=checkpointing, two_batch_overlap=staggered)
-    cfg = cfg.with_overrides(["parallel.transport=nvshmem", f"parallel.workers_per_gpu={per_gpu}",
-                              f"moe.delay_wgrad={two_batch == 'two_batch_delay_wgrad'}"])
+                        checkpointing=checkpointing)
+    cfg = cfg.with_overrides(["parallel.transport=nvshmem", f"parallel.workers_per_gpu={per_gpu}"])
     arch = cfg.resolve_arch()
     truth = reference(cfg, arch, ids, dtype=torch.float32, device="cuda", attn_implementation="eager")
     theirs = reference(cfg, arch, ids, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")

@@ -3,9 +3,8 @@
 Covers: UID bootstrap across Ray actors, the kernels' layout against ``layout_reference``, the
 transport validators (fp32 and bf16; also with the dispatch's copy-out interleaved with its
 sends, ``Tuning.interleave``), the full layer's parity with the single-process oracle in
-bf16 (every gradient), sequential and pipelined (``moe.pipeline_chunks``), a larger buffer
-reserved on a live transport, the ``force_remote_path`` variant, CUDA-graph capture and replay of
-a layer's forward+backward (sequential and pipelined), and (with
+bf16 (every gradient), a larger buffer reserved on a live transport, the ``force_remote_path``
+variant, CUDA-graph capture and replay of a layer's forward+backward, and (with
 ``RAY_MOE_TWO_NODE_ADDRESS`` pointing at a cluster of two Ray nodes on one host, see
 ``scripts/nvshmem_device.sh``) two Ray nodes treated as two nodes.
 
@@ -48,7 +47,7 @@ SPIN_LIMIT = int(os.environ.get("RAY_MOE_TEST_SPIN_LIMIT", str(1 << 25)))
 
 
 def _make_group(force_remote: bool = False, address: str | None = None, strategy: str = "PACK",
-                min_gpus: int = 1, spin_limit: int = SPIN_LIMIT, one_sm_wait: bool = False):
+                min_gpus: int = 1, spin_limit: int = SPIN_LIMIT):
     pytest.importorskip("nvshmem.core")
     import ray
 
@@ -67,7 +66,7 @@ def _make_group(force_remote: bool = False, address: str | None = None, strategy
         "parallel": {"world_size": W, "device": "cuda", "transport": "nvshmem",
                      "force_remote_path": force_remote, "placement_strategy": strategy,
                      "startup_timeout_s": 180, "workers_per_gpu": per_gpu,
-                     "nvshmem_spin_limit": spin_limit, "nvshmem_one_sm_wait": one_sm_wait,
+                     "nvshmem_spin_limit": spin_limit,
                      # RAY_MOE_TEST_COMM_PROGRAMS: G, the exchange's programs per rank (0: the SMs
                      # divided among the ranks sharing a GPU), to tell residency from other causes
                      "comm_programs": int(os.environ.get("RAY_MOE_TEST_COMM_PROGRAMS", "0"))},
@@ -82,14 +81,12 @@ def group():
     g.close()
 
 
-@pytest.fixture(params=[False, True], ids=["kernel_waits", "one_sm_waits"])
-def remote_group(group, request):
+@pytest.fixture
+def remote_group(group):
     """Function-scoped: it holds every GPU, and the tests after it make their own groups. Its
-    arrivals are waited for by the receiving kernel, or by one program before it
-    (parallel.nvshmem_one_sm_wait)."""
+    arrivals are waited for by the receiving kernel."""
     group.close()  # one group of two GPUs at a time
-    g = _make_group(force_remote=True, min_gpus=2, one_sm_wait=request.param)
-    g.one_sm_wait = request.param
+    g = _make_group(force_remote=True, min_gpus=2)
     yield g
     g.close()
 
@@ -177,15 +174,11 @@ def _interleave_copy_out(worker, on: bool) -> None:
 def test_interleaved_copy_out_parity(group):
     """The dispatch's copy-out and the combine's sums interleaved with the sends (Tuning.interleave,
     a launch variant ``bench comm`` times) equal the references on every edge case and the oracle
-    in bf16, sequential and pipelined, and a CUDA-graph replay equals eager, at any
-    world size (at W=4, two PEs on each of two GPUs, it once timed out at a peer still compiling:
-    sessions 11-12)."""
+    in bf16, and a CUDA-graph replay equals eager, at any world size (at W=4, two PEs on each of
+    two GPUs, it once timed out at a peer still compiling, 2026-11-25)."""
     group.execute(_interleave_copy_out, True)
     try:
         _check_everything(group, "interleaved copy-out")
-        case = Case(seed=7, dtype="bfloat16", hidden=64, pipeline_chunks=3)
-        for rank, errs in enumerate(group.execute(layer_parity, case, timeout=300)):
-            assert all(v <= BF16_TOL for v in errs.values()), ("pipelined", rank, errs)
         for rank, errs in enumerate(group.execute(_graph_vs_eager, timeout=300)):
             assert all(v <= BF16_TOL for v in errs.values()), ("graph", rank, errs)
     finally:
@@ -236,18 +229,6 @@ def test_interleaved_exchange_on_few_programs(group):
     for rank, worst in enumerate(group.execute(_interleaved_on_few_programs, timeout=300)):
         bad = {k: v for k, v in worst.items() if not v <= 1e-6}
         assert not bad, (rank, bad)
-
-
-def test_layer_parity_with_delayed_weight_gradients(group):
-    """moe.delay_wgrad over the exchange: the experts' weight gradients on a side stream beside
-    the dispatch's backward give the oracle's gradients in bf16, on uneven and empty ranks."""
-    for extra in (dict(tokens_per_rank=(40, 17)), dict(routing="empty_rank")):
-        if Case(**extra).applies_to(group.world_size) is not None:
-            continue
-        case = Case(seed=_seed_without_near_ties(extra, group.world_size), dtype="bfloat16", hidden=64,
-                    delay_wgrad=True, **extra)
-        for rank, errs in enumerate(group.execute(layer_parity, case, timeout=300)):
-            assert all(v <= BF16_TOL for v in errs.values()), (extra, rank, errs)
 
 
 def test_many_layers_reuse_one_buffer(group):
@@ -311,123 +292,6 @@ def test_cuda_graph_replay(group):
         assert all(v <= BF16_TOL for v in errs.values()), (rank, errs)  # index_add order varies
 
 
-def test_pipelined_layer_parity(group):
-    """moe.pipeline_chunks=3 over NVSHMEM (per-chunk capacity, comm on the side stream) equals the
-    oracle in bf16 on the parity cases; so do chunks of unequal sizes (1, 3, 1) with the weight
-    gradients on the deferral's stream (moe.delay_wgrad), on the first cases."""
-    layouts = [dict(pipeline_chunks=3)] * len(PARITY_CASES)
-    layouts[:3] = [dict(pipeline_chunks=[1, 3, 1], delay_wgrad=True, expert_impl="triton")] * 3
-    for extra, layout in zip(PARITY_CASES, layouts):
-        if Case(**extra).applies_to(group.world_size) is not None:
-            continue
-        case = Case(seed=_seed_without_near_ties(extra, group.world_size), dtype="bfloat16", hidden=64,
-                    **layout, **extra)
-        for rank, errs in enumerate(group.execute(layer_parity, case, timeout=300)):
-            bad = {k: v for k, v in errs.items() if not v <= BF16_TOL}
-            assert not bad, f"pipelined rank {rank} case {extra} {layout}: {bad}"
-    group.execute(lambda w: w.transport.check())
-
-
-@pytest.mark.parametrize("chunks, layer_kw", [(3, {}), ((1, 3, 1), dict(impl="triton", delay_wgrad=True))],
-                         ids=["3-chunks", "1-3-1-delayed-wgrad"])
-def test_pipelined_cuda_graph_replay(group, chunks, layer_kw):
-    """The pipelined layer's forward+backward captured in a CUDA graph (side-stream fork and join
-    inside the capture; with delayed weight gradients, the deferral's stream too) replays equal to
-    eager, and eager equals the sequential layer."""
-    res = group.execute(_graph_vs_eager, chunks, timeout=300, **layer_kw)
-    for rank, errs in enumerate(res):
-        assert all(v <= BF16_TOL for v in errs.values()), (rank, errs)
-
-
-def test_layer_parity_with_early_experts(group):
-    """moe.early_experts: the dispatch returns with the own rows and every row's meta in place
-    (meta first), the own rows' up-projection of the first D slots runs while the peers' rows
-    arrive on the comm stream; bf16 parity with the oracle on the parity cases, D of one slot,
-    of every slot, and past the slots, with delayed weight gradients on one case."""
-    layouts = [dict(early_experts=d) for d in (1, 4, 9)]
-    layouts[0] = dict(early_experts=1, delay_wgrad=True)
-    for i, extra in enumerate(PARITY_CASES):
-        if Case(**extra).applies_to(group.world_size) is not None:
-            continue
-        layout = layouts[i % len(layouts)]
-        case = Case(seed=_seed_without_near_ties(extra, group.world_size), dtype="bfloat16", hidden=64,
-                    expert_impl="triton", **layout, **extra)
-        for rank, errs in enumerate(group.execute(layer_parity, case, timeout=300)):
-            bad = {k: v for k, v in errs.items() if not v <= BF16_TOL}
-            assert not bad, f"early experts rank {rank} case {extra} {layout}: {bad}"
-    group.execute(lambda w: w.transport.check())
-
-
-def test_early_experts_cuda_graph_replay(group):
-    """The early-experts layer's forward+backward captured in a CUDA graph (the dispatch on the
-    comm stream, forked and joined inside the capture) replays equal to eager, and eager equals
-    the sequential layer."""
-    res = group.execute(_graph_vs_eager, 1, timeout=300, impl="triton", early_experts=2)
-    for rank, errs in enumerate(res):
-        assert all(v <= BF16_TOL for v in errs.values()), (rank, errs)
-
-
-def _two_batch_graph_vs_eager(worker, delay_wgrad: bool, checkpointing: str) -> dict:
-    """A 2-block bf16 model of the group's config with ``moe.two_batch_overlap`` (each rank's two
-    sequences as staggered halves, the exchanges on the side stream): its forward and backward
-    captured in one CUDA graph, replayed on new token ids, against the same model run eagerly and
-    against the sequential blocks (one pass)."""
-    from ray_moe.model.build import build_model
-
-    base = worker.config.with_overrides([
-        "model.dtype=bfloat16", "model.n_layers=2", "moe.expert_impl=triton", "moe.aux_loss_coef=0.01",
-        f"model.activation_checkpointing={checkpointing}", f"moe.delay_wgrad={str(delay_wgrad).lower()}"])
-
-    def model(two_batch: bool):
-        cfg = base.with_overrides([f"moe.two_batch_overlap={str(two_batch).lower()}"])
-        return build_model(cfg, cfg.resolve_arch(), worker.transport, worker.device)
-
-    dev, W = worker.device, worker.transport.world_size
-    B, L, V = base.train.batch_size // W, base.model.seq_len, base.model.vocab_size
-    captured, eager, sequential = model(True), model(True), model(False)
-    g = torch.Generator().manual_seed(20 + worker.rank_info.rank)
-    ids = torch.randint(0, V, (B, L), generator=g).to(dev)
-
-    def step(m, tokens):
-        h, aux = m.hidden_states(tokens)
-        (h.float().square().mean() + aux).backward()
-        return h, aux
-
-    graph, (h, aux) = capture_graph(lambda: step(captured, ids),
-                                    before_capture=lambda: captured.zero_grad(set_to_none=True))
-    errs = {}
-    for trial in range(3):
-        ids.copy_(torch.randint(0, V, (B, L), generator=g).to(dev))
-        graph.replay()
-        torch.cuda.synchronize()
-        for name, m in (("eager", eager), ("sequential", sequential)):
-            m.zero_grad(set_to_none=True)
-            mh, maux = step(m, ids.clone())
-            errs[f"{name}_h{trial}"] = rel_err(h, mh)
-            errs[f"{name}_aux{trial}"] = rel_err(aux, maux)
-            grads = dict(m.named_parameters())
-            for n, p in captured.named_parameters():
-                if p.grad is not None or grads[n].grad is not None:
-                    errs[f"{name}_grad_{n}_{trial}"] = (float("inf") if p.grad is None or grads[n].grad is None
-                                                         else rel_err(p.grad, grads[n].grad))
-    errs["expert_grads_compared"] = 0.0 if any(".w13" in k for k in errs) else float("inf")
-    worker.transport.check()
-    return errs
-
-
-@pytest.mark.parametrize("delay_wgrad, checkpointing", [(False, "none"), (True, "moe")],
-                         ids=["two_batch", "two_batch_delay_wgrad_moe_ckpt"])
-def test_two_batch_cuda_graph_replay(group, delay_wgrad, checkpointing):
-    """moe.two_batch_overlap's forward+backward through two blocks (attention, routing, the halves'
-    exchanges forked onto the side stream and joined, with delayed weight gradients the deferral's
-    stream too) captured in one CUDA graph replays equal to eager, and eager equals the sequential
-    blocks (bf16)."""
-    res = group.execute(_two_batch_graph_vs_eager, delay_wgrad, checkpointing, timeout=300)
-    for rank, errs in enumerate(res):
-        bad = {k: v for k, v in errs.items() if not v <= BF16_TOL}
-        assert not bad, (rank, bad)
-
-
 def test_layer_parity_with_clones(group):
     """Forced placements that clone experts across ranks (W=2: clones both ways; W=4 and W=8:
     experts with two clones, clones on every rank; random per-source shares with exact zeros):
@@ -450,12 +314,9 @@ def test_force_remote_path(remote_group):
     for rank, d in enumerate(desc):  # every peer through NVSHMEM puts, at any world size
         assert d["remote_peers"] == [p for p in range(W) if p != rank], (rank, d["remote_peers"])
     _check_everything(remote_group, "force_remote_path")
-    # the host-issued puts (and with one_sm_wait the one-program wait) capture in a CUDA graph like
-    # the peer path's kernels
+    # the host-issued puts capture in a CUDA graph like the peer path's kernels
     for rank, errs in enumerate(remote_group.execute(_graph_vs_eager, timeout=300)):
         assert all(v <= BF16_TOL for v in errs.values()), ("graph", rank, errs)
-    for rank, d in enumerate(remote_group.execute(lambda w: w.transport.describe())):
-        assert d.get("one_sm_wait") is remote_group.one_sm_wait, (rank, d)
 
 
 def test_a_killed_worker_ends_the_others_waits_with_a_named_error(group):
@@ -495,14 +356,12 @@ def test_two_ray_nodes_on_one_host():
 
 
 # --------------------------------------------------------------------------- worker functions
-def _layer(worker, seed: int, idx: int = 0, chunks: int | tuple = 1, impl: str = "grouped_mm",
-           delay_wgrad: bool = False, early_experts: int = 0):
+def _layer(worker, seed: int, idx: int = 0, impl: str = "grouped_mm"):
     from ray_moe.comm.base import BufferSpec
     from ray_moe.model.moe import MoELayer, MoELayerSpec
 
     worker.transport.reserve(BufferSpec(max_tokens=64, hidden=64, elem_bytes=2, max_top_k=2))
-    return MoELayer(MoELayerSpec(64, 8, 2, 96, seed=seed, dtype=torch.bfloat16, expert_impl=impl,
-                                 pipeline_chunks=chunks, delay_wgrad=delay_wgrad, early_experts=early_experts),
+    return MoELayer(MoELayerSpec(64, 8, 2, 96, seed=seed, dtype=torch.bfloat16, expert_impl=impl),
                     worker.transport, layer_idx=idx, device=worker.device)
 
 
@@ -581,15 +440,12 @@ def _stacked_layers(worker) -> dict:
     return out
 
 
-def _graph_vs_eager(worker, chunks: int | tuple = 1, **layer_kw) -> dict:
-    """``layer_kw``: impl, delay_wgrad, early_experts of the captured and the eager layer
-    (:func:`_layer`); a pipelined or early-experts layer's eager results are also compared with
-    the sequential layer's."""
+def _graph_vs_eager(worker, **layer_kw) -> dict:
+    """``layer_kw``: the impl of the captured and the eager layer (:func:`_layer`)."""
     dev = worker.device
     torch.manual_seed(10 + worker.rank_info.rank)
-    layer = _layer(worker, 7, chunks=chunks, **layer_kw)
-    eager = _layer(worker, 7, chunks=chunks, **layer_kw)
-    sequential = _layer(worker, 7)
+    layer = _layer(worker, 7, **layer_kw)
+    eager = _layer(worker, 7, **layer_kw)
     sx = torch.randn(40, 64, dtype=torch.bfloat16, device=dev, requires_grad=True)
     sg = torch.randn(40, 64, dtype=torch.bfloat16, device=dev)
     def train_step():
@@ -619,13 +475,5 @@ def _graph_vs_eager(worker, chunks: int | tuple = 1, **layer_kw) -> dict:
         errs[f"grad_x{trial}"] = rel_err(sx.grad, ex.grad)
         errs[f"grad_w13_{trial}"] = rel_err(layer.w13.grad, eager.w13.grad)
         errs[f"grad_router{trial}"] = rel_err(layer.router.grad, eager.router.grad)
-        if chunks != 1 or layer_kw.get("early_experts"):
-            sequential.zero_grad(set_to_none=True)
-            qx = nx.clone().requires_grad_()  # not sx: that is the graph's captured input
-            so, _ = sequential(qx)
-            so.backward(ng)
-            errs[f"sequential_out{trial}"] = rel_err(eo, so)
-            errs[f"sequential_grad_x{trial}"] = rel_err(ex.grad, qx.grad)
-            errs[f"sequential_grad_w13_{trial}"] = rel_err(eager.w13.grad, sequential.w13.grad)
     worker.transport.check()
     return errs

@@ -61,18 +61,16 @@ def test_bench_grad_reduce_on_two_gpus(tmp_path):
     assert rows[2]["peak_gib"] < rows[0]["peak_gib"]
 
 
-@pytest.mark.parametrize("stage,gather,two_batch", [(0, False, False), (1, False, False), (2, True, False),
-                                                    (2, True, True)],
-                         ids=["stage0", "stage1", "stage2_gather", "stage2_gather_two_batch"])
-def test_overlapped_update_follows_the_update_in_place_on_two_gpus(tmp_path, stage, gather, two_batch):
+@pytest.mark.parametrize("stage,gather", [(0, False), (1, False), (2, True)],
+                         ids=["stage0", "stage1", "stage2_gather"])
+def test_overlapped_update_follows_the_update_in_place_on_two_gpus(tmp_path, stage, gather):
     """train.overlap_update over NVSHMEM with hot-expert clones (re-planned every 4 steps: their
     blocks wait for the whole update, the clones refreshed after it), a checkpoint at step 6,
     ZeRO stage 0 (the replicated gradients all-reduced), 1 (their update on the main stream) or 2
     with ``parallel.overlap_param_gather`` (their update and NCCL all-gathers on the side stream
     too, beside the next forward's NVSHMEM exchanges on every SM, gradients reduced in bf16 in
-    both runs): the same losses as the update in place, and it learns. ``two_batch``: both runs with
-    ``moe.two_batch_overlap``, whose blocks run through ``staged`` and must still wait for their
-    parameters' update (session 21's race). W=2, or every GPU up to RAY_MOE_TEST_GPUS (one rank each)."""
+    both runs): the same losses as the update in place, and it learns. W=2, or every GPU up to
+    RAY_MOE_TEST_GPUS (one rank each)."""
     _two_gpus()
     from ray_moe.config import Config
     from ray_moe.driver.trainer import Trainer
@@ -89,7 +87,7 @@ def test_overlapped_update_follows_the_update_in_place_on_two_gpus(tmp_path, sta
             f"parallel.overlap_param_gather={str(gather and overlap).lower()}",
             f"parallel.grad_reduce_dtype={'bfloat16' if gather else 'float32'}",
             "balance.enabled=true", "balance.clone_slots=1", "balance.interval=4",
-            f"moe.two_batch_overlap={str(two_batch).lower()}", "train.steps=12", "train.eval_interval=0", "train.checkpoint_interval=6", "train.plots=false",
+            "train.steps=12", "train.eval_interval=0", "train.checkpoint_interval=6", "train.plots=false",
             f"train.run_dir={tmp_path / str(overlap)}", "model.n_layers=2", "model.d_model=256", "model.n_heads=4",
             "model.seq_len=256", "moe.expert_hidden=256", "train.batch_size=16", "data.max_bytes=2000000",
         ])
@@ -127,13 +125,10 @@ def test_compiled_blocks_train_with_parameters_in_zero_buckets(tmp_path):
     assert losses[2][-1] < losses[2][0]
 
 
-@pytest.mark.parametrize("delay_wgrad", [False, True])
-def test_clone_gradients_leave_during_backward_on_two_gpus(tmp_path, delay_wgrad):
+def test_clone_gradients_leave_during_backward_on_two_gpus(tmp_path):
     """Over NVSHMEM with bf16 parameters and the one-pass update, W=2 (or every GPU up to
     RAY_MOE_TEST_GPUS), one clone slot, after re-plans placed clones: the clone gradients sent from
-    backward's hooks over NCCL (both layers launched by backward itself; with ``moe.delay_wgrad``,
-    whose side stream writes the weight gradients while the hooks fire, none: all after the join)
-    equal the in-place reduction after backward, with float32 sums and with rounded ones
+    backward's hooks over NCCL (both layers launched by backward itself) equal the in-place reduction after backward, with float32 sums and with rounded ones
     (``parallel.grad_reduce_dtype: bfloat16``), within bf16 rounding."""
     _two_gpus()
     from ray_moe.config import Config
@@ -148,10 +143,10 @@ def test_clone_gradients_leave_during_backward_on_two_gpus(tmp_path, delay_wgrad
         "balance.ema=0.0", "train.steps=4", "train.eval_interval=0", "train.checkpoint_interval=0",
         "train.plots=false", f"train.run_dir={tmp_path}", "model.n_layers=2", "model.d_model=256",
         "model.n_heads=4", "model.seq_len=256", "moe.expert_hidden=256", "train.batch_size=16",
-        "data.max_bytes=2000000", f"moe.delay_wgrad={str(delay_wgrad).lower()}",
+        "data.max_bytes=2000000",
     ])
     with Trainer(cfg, progress=False) as t:
         for _ in range(3):
             t.step()
         for out in t.group.execute(clone_grads_three_ways):
-            check_clone_grads_three_ways(out, layers=0 if delay_wgrad else 2, exact=False)
+            check_clone_grads_three_ways(out, layers=2, exact=False)

@@ -13,20 +13,19 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "ray_moe"
 
 # What each part of the package may import (besides itself). Shared base modules first.
-BASE = {"arch", "chunks", "config", "topology", "device", "dirlock", "lazy", "usage"}
+BASE = {"arch", "config", "topology", "device", "dirlock", "lazy", "usage"}
 ALLOWED = {
     "usage": set(),  # the command lines' one-line argument errors
     "lazy": set(),  # package attributes loaded on first use
     "arch": {"usage"},
-    "chunks": set(),  # the pipelined layer's chunk rule (plain arithmetic)
-    "config": {"arch", "chunks"},
+    "config": {"arch"},
     "topology": set(),
     "device": set(),
     "dirlock": set(),
     "kernels": {"device"},
-    "comm": {"chunks", "topology"},
+    "comm": {"topology"},
     "placement": set(),
-    "model": {"arch", "chunks", "config", "comm", "device", "kernels", "placement"},
+    "model": {"arch", "config", "comm", "device", "kernels", "placement"},
     "checkpoint": {"arch", "config", "placement"},
     "data": {"config", "dirlock"},
     "validation": BASE | {"comm", "kernels", "model", "placement"},

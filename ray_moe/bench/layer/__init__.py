@@ -50,15 +50,12 @@ def ep_rows(shape: LayerShape, args: argparse.Namespace) -> list[dict]:
     return ep_layer_rows(shape.T, shape.H, shape.I, shape.E, shape.K, args.world_size,
                          transport=args.transport, address=args.address, dtype=args.dtype,
                          impl=args.impl, iters=args.ep_iters, device=args.device,
-                         force_remote_path=args.force_remote_path, one_sm_wait=args.one_sm_wait,
-                         chunks=parse_chunk_list(args.ep_chunks),
+                         force_remote_path=args.force_remote_path,
                          comm_programs=tuple(int(g) for g in args.ep_programs.split(",")),
                          interleave=tuple(None if v == "default" else bool(int(v))
                                           for v in args.ep_interleave.split(",")),
                          profile=args.ep_profile, profile_steps=args.ep_profile_steps,
-                         trace_dir=args.ep_trace_dir, rounds=args.ep_rounds,
-                         delay_wgrad=tuple(bool(int(v)) for v in args.ep_delay_wgrad.split(",")),
-                         early_experts=tuple(int(v) for v in args.ep_early.split(",")))
+                         trace_dir=args.ep_trace_dir, rounds=args.ep_rounds)
 
 
 def _print_table(rows: list[dict]) -> None:
@@ -93,8 +90,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    " steady: training steps back to back with the host side (device idle, waits, API calls);"
                    " wgrad: the weight-gradient GEMMs alone per backend (triton, grouped_mm, quack);"
                    " rows: the four row GEMMs alone, ray_moe's default plan beside SonicMoE's quack kernels;"
-                   " chunking: what splitting the tokens into chunks (moe.pipeline_chunks) costs the experts"
-                   " alone, no exchange; ep: the expert-parallel layer on --world-size ranks")
+                   " ep: the expert-parallel layer on --world-size ranks")
     p.add_argument("--layer-E", default=None, help="layer/small/profile: comma list of E (default: --E)")
     p.add_argument("--small-T", default="128,1024", help="small: comma list of token counts")
     p.add_argument("--impls", default="ray_moe,sonicmoe", help="layer/small/profile: which layers to run")
@@ -121,23 +117,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ep-rounds", type=int, default=1,
                    help="ep: run the variants this many times, every other round in reverse order, and report"
                         " each timing's median over the rounds (cancels a GPU's drift as it heats)")
-    p.add_argument("--ep-chunks", default="1,4",
-                   help="ep: comma list of moe.pipeline_chunks (1: sequential layer; C > 1: pipelined, side by side;"
-                        " 1-6-1: pipelined in chunks of those relative sizes)")
     p.add_argument("--ep-programs", default="0",
                    help="ep/nvshmem: comma list of programs (SMs) for the exchange kernels (0: every SM)")
     p.add_argument("--ep-interleave", default="default",
                    help="ep/nvshmem: comma list of 0/1/default: the exchange without / with Tuning.interleave (the"
                         " receiving side's work between the sends) or as the buffer's Tuning has it, side by side")
     p.add_argument("--force-remote-path", action="store_true", help="ep/nvshmem: use the inter-node path")
-    p.add_argument("--one-sm-wait", action="store_true",
-                   help="ep/nvshmem: remote peers' arrivals waited for on one SM (parallel.nvshmem_one_sm_wait)")
-    p.add_argument("--ep-delay-wgrad", default="0",
-                   help="ep: comma list of 0/1: every variant without / with moe.delay_wgrad (the experts'"
-                        " weight gradients on a side stream beside the exchanges), side by side")
-    p.add_argument("--ep-early", default="0",
-                   help="ep: comma list of moe.early_experts D for the sequential layer (0: off; D > 0: each rank's"
-                        " own rows' up-projection for its first D slots while the peers' rows arrive), side by side")
     p.add_argument("--ep-profile", action="store_true",
                    help="ep: the kernels of one step of every EP variant (rank 0) against a rank's own compute")
     p.add_argument("--ep-trace-dir", default=None,
@@ -151,20 +136,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 SECTIONS = ("kernels", "expert", "ffn", "routing", "saved", "layer", "small", "profile", "steady", "wgrad", "rows",
-            "chunking", "ep")
-
-
-def parse_chunk_list(value: str) -> tuple[int | tuple[int, ...], ...]:
-    """``--ep-chunks``: "1,2,1-6-1" → (1, 2, (1, 6, 1)): per variant, moe.pipeline_chunks (C, or
-    dash-joined relative chunk sizes). Raises ValueError on anything else."""
-    from ray_moe.chunks import chunk_weights
-
-    out: list[int | tuple[int, ...]] = []
-    for item in value.split(","):
-        parts = tuple(int(v) for v in item.split("-"))
-        chunk_weights(parts[0] if len(parts) == 1 else parts)
-        out.append(parts[0] if len(parts) == 1 else parts)
-    return tuple(out)
+            "ep")
 
 
 def _check_int_list(p: argparse.ArgumentParser, flag: str, value: str, low: int) -> None:
@@ -201,17 +173,9 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error("--sections ep needs --world-size >= 1 (the ranks of the expert-parallel group)")
         if args.T % args.world_size:
             p.error(f"--T {args.T} is not divisible by --world-size {args.world_size} (T is the global token count)")
-        try:
-            parse_chunk_list(args.ep_chunks)
-        except ValueError:
-            p.error(f"--ep-chunks={args.ep_chunks!r} must be a comma list of integers >= 1 or of"
-                    " dash-joined relative sizes (e.g. 1,2,1-6-1)")
         _check_int_list(p, "--ep-programs", args.ep_programs, 0)
-        _check_int_list(p, "--ep-early", args.ep_early, 0)
-        for flag, value, allowed in (("--ep-interleave", args.ep_interleave, ("0", "1", "default")),
-                                     ("--ep-delay-wgrad", args.ep_delay_wgrad, ("0", "1"))):
-            if any(v not in allowed for v in value.split(",")):
-                p.error(f"{flag}={value} must be a comma list of {', '.join(allowed)}")
+        if any(v not in ("0", "1", "default") for v in args.ep_interleave.split(",")):
+            p.error(f"--ep-interleave={args.ep_interleave} must be a comma list of 0, 1, default")
 
 
 def main(argv: list[str]) -> int:
@@ -297,14 +261,6 @@ def main(argv: list[str]) -> int:
                 rows += new
                 _write_json(args.json, shape, args, rows)
                 torch.cuda.empty_cache()
-    if "chunking" in sections:
-        from ray_moe.bench.layer.chunking import chunking_rows
-
-        new = chunking_rows(shape, dtype, args.seed, args.warmup_ms, args.rep_ms)
-        _print_table(new)
-        rows += new
-        _write_json(args.json, shape, args, rows)
-        torch.cuda.empty_cache()
     if "ep" in sections and args.world_size > 0:
         inp = None
         torch.cuda.empty_cache()

@@ -65,7 +65,7 @@ def expert_compute_rows(
 
     def tr_fwd_bwd(mm_wgrad: bool = False):
         _, h13 = tr_fwd()
-        dh13, aw, _ = swiglu_backward_rows(go, layout, K, weight, w2, h13, cfg=plan.dact, fused=plan.fused_dact)
+        dh13, aw, _ = swiglu_backward_rows(go, layout, K, weight, w2, h13, cfg=plan.dact)
         dgrad_rows(dh13, layout, K, w13, cfg=plan.dx)
         if mm_wgrad:
             grouped_wgrad_mm(x, dh13, layout, K, gather_a=True, gather_b=False)
@@ -98,11 +98,9 @@ def expert_ffn_rows(
     rounds: int = 3,
 ) -> list[dict]:
     """The expert side of a layer end to end (layout/permutation + GEMMs + combine), with the
-    default tiles, where ``plan`` (a ``--sweep``'s fastest tiles) differs from them with ``plan``
-    too ("(swept)" rows), and where the default splits the dSwiGLU step, with it fused into the
-    dact GEMM ("(fused dact)": ``dact_fused`` tiles): all in ``rounds`` ABBA rounds, medians, so
-    that a layer-level A/B of the tiles is not one GPU temperature against another."""
-    import dataclasses
+    default tiles and, where ``plan`` (a ``--sweep``'s fastest tiles) differs from them, with
+    ``plan`` too ("(swept)" rows): in ``rounds`` ABBA rounds, medians, so that a layer-level A/B of
+    the tiles is not one GPU temperature against another."""
     import statistics
 
     from ray_moe.kernels.expert_ffn import expert_ffn_triton
@@ -110,15 +108,10 @@ def expert_ffn_rows(
     from ray_moe.model.expert_choice import ExpertImplChooser
     from ray_moe.model.experts import expert_ffn
 
-    from ray_moe.kernels.grouped_swiglu import default_config
-
     default = default_plan(inp["x"].dtype, inp["x"].device)
     plans = {"": default}
     if plan is not None and plan != default:
         plans[" (swept)"] = plan
-    fused = dataclasses.replace(default, fused_dact=True, dact=default_config("dact_fused", inp["x"].dtype, inp["x"].device))
-    if fused != default and fused != plan:
-        plans[" (fused dact)"] = fused
     if len(plans) == 1:
         rounds = 1
 
@@ -241,7 +234,7 @@ def routing_rows(shape: LayerShape, inp: dict[str, torch.Tensor], warmup_ms: int
 
 def sweep_candidates(role: str) -> list[tuple[Any, bool]]:
     """(GemmConfig, variant flag) alternatives timed by ``--sweep`` for one GEMM role; the flag is
-    ``fused_dact`` for dact, ``dual_wgrad13`` for wgrad13, unused otherwise. Pointer-kernel tiles
+    ``dual_wgrad13`` for wgrad13, unused otherwise. Pointer-kernel tiles
     first, then the Hopper variants (TMA descriptors; persistent; persistent + flattened loop)."""
     from dataclasses import replace
 
@@ -267,13 +260,8 @@ def sweep_candidates(role: str) -> list[tuple[Any, bool]]:
         "down": [(c, False) for c in wide] + [(c, False) for c in hopper(C(128, 256, 64, 8, 8, 4), stages_flat=3)]
         + [(c, False) for c in flat_alternatives]
         + [(c, False) for c in narrow] + [(c, False) for c in hopper(C(64, 128, 64, 8, 4, 4))],
-        "dact": [(C(128, 256, 64, 8, 8, 3), False), (C(128, 128, 64, 8, 8, 4), False),
-                 (C(128, 128, 64, 8, 8, 4), True), (C(128, 128, 64, 8, 8, 3), True)]
-        + [(c, False) for c in hopper(C(128, 256, 64, 8, 8, 3))]
-        # fused into the TMA kernel's epilogue, in 1-8 column slices (registers: docs/KERNELS.md)
-        + [(C(128, 256, 64, 8, 8, 3, tma=True, epi_chunks=n), True) for n in (1, 2, 4, 8)]
-        + [(C(128, 128, 64, 8, 8, 4, tma=True, epi_chunks=n), True) for n in (1, 2, 4)]
-        + [(C(128, 256, 64, 8, 8, 3, tma=True, persistent=True, epi_chunks=8), True)],
+        "dact": [(C(128, 256, 64, 8, 8, 3), False), (C(128, 128, 64, 8, 8, 4), False)]
+        + [(c, False) for c in hopper(C(128, 256, 64, 8, 8, 3))],
         "dx": [(c, False) for c in wide] + [(c, False) for c in hopper(C(128, 256, 64, 8, 8, 3))]
         + [(c, False) for c in flat_alternatives],
         "wgrad13": [(C(128, 128, 64, 8, 4, 4), False), (C(128, 128, 64, 8, 8, 3), True), (C(128, 128, 64, 8, 8, 4), True),
@@ -309,12 +297,12 @@ def kernel_rows(
     layout = pair_layout(slot, E)
     act, h13 = gs.gate_up_swiglu(x, layout, K, w13, save_preact=True, cfg=plan.gate_up)
     go = torch.randn_like(x)
-    dh13, aw, _ = gs.swiglu_backward_rows(go, layout, K, weight, w2, h13, cfg=plan.dact, fused=plan.fused_dact)
+    dh13, aw, _ = gs.swiglu_backward_rows(go, layout, K, weight, w2, h13, cfg=plan.dact)
     gemm = 2.0 * P * shape.H * shape.I  # one [P,H]x[H,I] product
     roles: dict[str, tuple[Callable[[Any, bool], Any], float]] = {
         "gate_up": (lambda c, f: gs.gate_up_swiglu(x, layout, K, w13, save_preact=True, cfg=c), 2 * gemm),
         "down": (lambda c, f: gs.down_scaled(act, layout, K, weight, w2, cfg=c), gemm),
-        "dact": (lambda c, f: gs.swiglu_backward_rows(go, layout, K, weight, w2, h13, cfg=c, fused=f), gemm),
+        "dact": (lambda c, f: gs.swiglu_backward_rows(go, layout, K, weight, w2, h13, cfg=c), gemm),
         "dx": (lambda c, f: gs.dgrad_rows(dh13, layout, K, w13, cfg=c), 2 * gemm),
         "wgrad13": (lambda c, f: gs.grouped_wgrad(x, dh13, layout, K, True, False, cfg=c, dual=f), 2 * gemm),
         "wgrad2": (lambda c, f: gs.grouped_wgrad(aw, go, layout, K, False, True, cfg=c), gemm),
@@ -322,7 +310,7 @@ def kernel_rows(
     out = []
     best: dict[str, tuple[float, Any, bool]] = {}
     for role, (fn, flops) in roles.items():
-        flag = {"dact": plan.fused_dact, "wgrad13": plan.dual_wgrad13}.get(role, False)
+        flag = plan.dual_wgrad13 if role == "wgrad13" else False
         default = (getattr(plan, role), flag)
         swept = sweep and role in sweep_roles
         candidates = [default] + ([c for c in sweep_candidates(role) if c != default] if swept else [])
@@ -334,11 +322,10 @@ def kernel_rows(
                     best[role] = (ms, cfg, fused)
             except Exception as exc:  # a config that fails to compile (shared memory) is reported, not fatal
                 row = {"error": f"{type(exc).__name__}: {str(exc)[:80]}"}
-            tag = {"dact": " fused" if fused else " split", "wgrad13": " dual" if fused else ""}.get(role, "")
+            tag = " dual" if role == "wgrad13" and fused else ""
             out.append({"section": "kernels", "what": f"{role}{tag} {_cfg_name(cfg)}{' (default)' if (cfg, fused) == default else ''}", **row})
     picked = dataclasses.replace(
         plan, **{r: best[r][1] for r in best},
-        fused_dact=best["dact"][2] if "dact" in best else plan.fused_dact,
         dual_wgrad13=best["wgrad13"][2] if "wgrad13" in best else plan.dual_wgrad13,
     )
     return out, picked
@@ -346,7 +333,6 @@ def kernel_rows(
 
 def _cfg_name(cfg: Any) -> str:
     flags = "".join(f" {n}" for n in ("tma", "persistent", "flatten", "one_dot") if getattr(cfg, n, False))
-    flags += f" chunks{cfg.epi_chunks}" if getattr(cfg, "epi_chunks", 1) > 1 else ""
     return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} g{cfg.group_m} w{cfg.num_warps} s{cfg.num_stages}{flags}"
 
 

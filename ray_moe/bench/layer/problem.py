@@ -88,17 +88,15 @@ def layer_problem(shape: LayerShape, device: torch.device, dtype: torch.dtype, s
             "router": torch.randn(H, E, generator=g, device=device) / H**0.5}
 
 
-def ray_moe_layer(shape: LayerShape, prob: dict[str, torch.Tensor], impl: str = "auto",
-                  pipeline_chunks: int | tuple[int, ...] = 1) -> Any:
+def ray_moe_layer(shape: LayerShape, prob: dict[str, torch.Tensor], impl: str = "auto") -> Any:
     """``MoELayer`` at W=1 over ``LocalTransport`` (route + experts + combine) holding ``prob``'s
     weights (the layer's own expert initialisation is skipped: the weights are copied in right
-    after); ``pipeline_chunks``: the layer's (its local exchange on the side stream, per chunk)."""
+    after)."""
     from ray_moe.comm.local import LocalTransport
     from ray_moe.model.moe import MoELayer, MoELayerSpec
 
     w13 = prob["w13"]
-    layer = MoELayer(MoELayerSpec(shape.H, shape.E, shape.K, shape.I, dtype=w13.dtype, expert_impl=impl,
-                                  pipeline_chunks=pipeline_chunks),
+    layer = MoELayer(MoELayerSpec(shape.H, shape.E, shape.K, shape.I, dtype=w13.dtype, expert_impl=impl),
                      LocalTransport(), device=w13.device, reset=False)
     with torch.no_grad():
         layer.router.copy_(prob["router"])

@@ -316,7 +316,7 @@ def row_gemm_backend_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warm
     go = torch.randn(shape.T, shape.H, generator=g, device=device).to(dtype)
     plan = gs.default_plan(dtype, device)
     act, h13 = gs.gate_up_swiglu(x, layout, K, w13, save_preact=True, cfg=plan.gate_up)
-    dh13, _, _ = gs.swiglu_backward_rows(go, layout, K, weight, w2, h13, cfg=plan.dact, fused=plan.fused_dact)
+    dh13, _, _ = gs.swiglu_backward_rows(go, layout, K, weight, w2, h13, cfg=plan.dact)
     gemm = 2.0 * P * shape.H * I
     ones = torch.ones_like(weight)
     ref_act, _ = gs.gate_up_swiglu_reference(x, layout, K, w13)
@@ -331,7 +331,7 @@ def row_gemm_backend_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warm
         "up-projection + SwiGLU": lambda: {"act": gs.gate_up_swiglu(x, layout, K, w13, save_preact=True, cfg=plan.gate_up)[0]},
         "down-projection": lambda: {"y": gs.down_scaled(act, layout, K, ones, w2, cfg=plan.down)},
         "dSwiGLU": lambda: dict(zip(("dh13", "aw", "dweight"), gs.swiglu_backward_rows(
-            go, layout, K, weight, w2, h13, cfg=plan.dact, fused=plan.fused_dact))),
+            go, layout, K, weight, w2, h13, cfg=plan.dact))),
         "dX rows": lambda: {"dx": gs.dgrad_rows(dh13, layout, K, w13, cfg=plan.dx)},
     }
     backends = {"ray_moe": ours}

@@ -356,7 +356,7 @@ def small_t_rows(shape: LayerShape, tokens: list[int], dtype: torch.dtype, seed:
                 note: dict[str, Any] = {"experts touched": touched, "weight MB": w_bytes / 1e6}
                 if name == "ray_moe":  # the chooser's pick for these rows (forward only) and its timings
                     chooser = layer.expert_chooser
-                    key = chooser.key(x, ids, layer.w13, needs_grad=False, grid=layer.expert_grid)
+                    key = chooser.key(x, ids, layer.w13, needs_grad=False)
                     if key in chooser.choices:
                         note["expert impl"] = chooser.choices[key].name
                         note["chooser ms"] = {n: (round(t, 3) if isinstance(t, float) else t)

@@ -15,10 +15,8 @@ from ray_moe.bench.layer import parse_args
 @pytest.mark.parametrize("argv, says", [
     (["--sections", "ep", "--world-size", "2", "--T", "63"], "--T 63 is not divisible by --world-size 2"),
     (["--sections", "ep"], "--sections ep needs --world-size >= 1"),
-    (["--sections", "ep", "--world-size", "2", "--ep-chunks", "1,0"], "--ep-chunks='1,0' must be a comma list of integers >= 1"),
-    (["--sections", "ep", "--world-size", "2", "--ep-chunks", "1-x"], "or of dash-joined relative sizes (e.g. 1,2,1-6-1)"),
     (["--sections", "ep", "--world-size", "2", "--ep-programs", "x"], "--ep-programs='x' must be comma-separated"),
-    (["--sections", "ep", "--world-size", "2", "--ep-early", "-1"], "--ep-early=-1 must be integers >= 0"),
+    (["--sections", "ep", "--world-size", "2", "--ep-programs", "-1"], "--ep-programs=-1 must be integers >= 0"),
     (["--sections", "ep", "--world-size", "2", "--ep-interleave", "2"], "--ep-interleave=2 must be a comma list"),
     (["--sections", "ep", "--world-size", "2", "--ep-profile-steps", "0"], "--ep-profile-steps must be >= 1"),
     (["--sections", "ep", "--world-size", "2", "--ep-rounds", "0"], "--ep-rounds must be >= 1"),
@@ -35,11 +33,9 @@ def test_bad_values_name_the_flag(argv, says, capsys):
 
 
 def test_good_values_pass():
-    from ray_moe.bench.layer import parse_chunk_list
-
-    args = parse_args(["--sections", "ep", "--world-size", "2", "--T", "64", "--ep-chunks", "1,2,1-6-1",
-                       "--ep-interleave", "default,1", "--ep-delay-wgrad", "0,1", "--ep-programs", "0,32"])
-    assert args.world_size == 2 and parse_chunk_list(args.ep_chunks) == (1, 2, (1, 6, 1))
+    args = parse_args(["--sections", "ep", "--world-size", "2", "--T", "64",
+                       "--ep-interleave", "default,1", "--ep-programs", "0,32"])
+    assert args.world_size == 2 and args.ep_programs == "0,32" and args.ep_interleave == "default,1"
 
 
 def test_the_cli_prints_no_traceback():
@@ -80,16 +76,16 @@ def test_rounds_take_each_timing_median():
 
 @pytest.mark.parametrize("argv, says", [
     (["--world-size", "1"], "--world-size must be >= 2"),
-    (["--tokens", "4096", "--seq-len", "4096"], "holding at least two sequences"),
-    (["--variants", "sequential,nope"], "must name some of sequential, two_batch"),
+    (["--tokens", "4000", "--seq-len", "4096"], "must be a multiple of --seq-len=4096"),
+    (["--variants", "sequential,nope"], "must name some of sequential, param_gather"),
     (["--rounds", "0"], "--rounds must be >= 1"),
     (["--comm-programs", "-1"], "--comm-programs must be >= 0"),
     (["--layers", "2,x"], "--layers='2,x' must be a comma list of distinct integers >= 1"),
     (["--layers", "2,2"], "--layers='2,2' must be a comma list of distinct integers >= 1"),
-    (["--set", "moe.pipeline_chunks=2"], "--set: moe.two_batch_overlap runs the sequential layer's exchange"),
+    (["--set", "moe.top_k=0"], "--set: moe.top_k=0 must be between 1"),
     (["--set", "moe.nope=1"], "--set: "),
     (["--variants", "sequential+nope"],
-     "must name some of sequential, two_batch, param_gather, no_param_gather, bf16_reduce, rebalance"),
+     "must name some of sequential, param_gather, no_param_gather, bf16_reduce, rebalance"),
 ])
 def test_bench_overlap_bad_values_name_the_flag(argv, says, capsys):
     from ray_moe.bench import overlap
@@ -103,16 +99,17 @@ def test_bench_overlap_variants_join_their_overrides():
     from ray_moe.bench import overlap
 
     assert overlap.variant_overrides("sequential") == {}
-    assert overlap.variant_overrides("two_batch+param_gather+bf16_reduce") == {
-        "moe.two_batch_overlap": True, "parallel.overlap_param_gather": True, "parallel.grad_reduce_dtype": "bfloat16"}
+    assert overlap.variant_overrides("no_param_gather+bf16_reduce") == {
+        "parallel.overlap_param_gather": False, "parallel.grad_reduce_dtype": "bfloat16"}
     args = overlap._parser().parse_args(["--set", "train.steps=5"])
-    args.layers, args.variants = [2], ["two_batch+bf16_reduce"]
-    cfg = overlap.config_for(args, 2, "two_batch+bf16_reduce", "runs/x")
-    assert cfg.moe.two_batch_overlap and cfg.parallel.grad_reduce_dtype == "bfloat16" and cfg.train.steps == 5
+    args.layers, args.variants = [2], ["no_param_gather+bf16_reduce"]
+    cfg = overlap.config_for(args, 2, "no_param_gather+bf16_reduce", "runs/x")
+    assert not cfg.parallel.overlap_param_gather and cfg.parallel.grad_reduce_dtype == "bfloat16"
+    assert cfg.train.steps == 5
     re = overlap.config_for(args, 2, "rebalance", "runs/x")
     assert re.balance.enabled and re.balance.clone_slots >= 1 and re.balance.interval <= args.warmup
-    one = overlap.config_for(args, 1, "two_batch+bf16_reduce", "runs/x")  # the reference: no variant
-    assert not one.moe.two_batch_overlap and one.parallel.grad_reduce_dtype == "float32"
+    one = overlap.config_for(args, 1, "no_param_gather+bf16_reduce", "runs/x")  # the reference: no variant
+    assert one.parallel.overlap_param_gather and one.parallel.grad_reduce_dtype == "float32"
 
 
 @pytest.mark.parametrize("bench", ["precision", "grad_reduce"])

@@ -76,8 +76,7 @@ def test_kernels_compile_for_hopper_with_vector_row_access():
                BLOCK_R=8, BLOCK_H=128, ALIGNED=True)
     disp = {**common, "x_ptr": "*bf16", "dest_slot_ptr": "*i32", "weight_ptr": "*fp32", "smeta_ptr": "*i32",
             "scnt_ptr": "*i32", "sflag_ptr": "*i32", "out_x_ptr": "*bf16", "out_slot_ptr": "*i32",
-            "out_w_ptr": "*fp32", "pprog_tbl": "*i64", "prog_ptr": "*i64", "done_ptr": "*i32",
-            "pmflag_tbl": "*i64", "mflag_ptr": "*i64", "mcopied_ptr": "*i32", "ltok_ptr": "*i32", "stamp_ptr": "*i64"}
+            "out_w_ptr": "*fp32", "pprog_tbl": "*i64", "prog_ptr": "*i64", "done_ptr": "*i32", "stamp_ptr": "*i64"}
     comb = {**common, "src_ptr": "*bf16", "side_ptr": "*fp32", "out_ptr": "*bf16", "gw_ptr": "*fp32",
             "smeta_ptr": "*i32", "pprog_tbl": "*i64", "prog_ptr": "*i64", "done_ptr": "*i32", "stamp_ptr": "*i64"}
 
@@ -91,7 +90,7 @@ def test_kernels_compile_for_hopper_with_vector_row_access():
     try:
         ptx = {"dispatch": compile_ptx(dc._dispatch_kernel, disp,
                                        dict(geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=True, PHASE=3,
-                                            INTERLEAVE=False, ARRIVED=False, META_FIRST=False, STAMPS=False))}
+                                            INTERLEAVE=False, STAMPS=False))}
     except RuntimeError as exc:  # no ptxas or backend here
         if "ptxas" in str(exc).lower():
             pytest.skip(str(exc))
@@ -99,43 +98,28 @@ def test_kernels_compile_for_hopper_with_vector_row_access():
     # the copy-out interleaved with the sends (Tuning.interleave) keeps the same accesses, as do the
     # combine's variants below
     ptx["dispatch interleaved"] = compile_ptx(dc._dispatch_kernel, disp, dict(
-        geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=True, PHASE=3, INTERLEAVE=True, ARRIVED=False, META_FIRST=False, STAMPS=False))
-    # the meta-first dispatch (moe.early_experts): own rows and every row's meta, then the peers' rows
-    ptx["dispatch meta first"] = compile_ptx(dc._dispatch_kernel, disp, dict(
-        geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=True, PHASE=3, INTERLEAVE=False, ARRIVED=False, META_FIRST=True, STAMPS=False))
+        geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=True, PHASE=3, INTERLEAVE=True, STAMPS=False))
     for rotate in (False, True):  # the ring order of the combine's sends (Tuning.rotate_peers)
         for interleave in (False, True):
             ptx[f"combine rotate={rotate} interleave={interleave}"] = compile_ptx(
                 dc._combine_kernel, comb, dict(geo, HAS_META=True, PHASE=3, ROTATE=rotate, INTERLEAVE=interleave,
-                                               ARRIVED=False, STAMPS=False))
-    # the remote path's receive (phase 2), its arrivals waited for by the kernel's programs or by
-    # one program before it (parallel.nvshmem_one_sm_wait): no spin on the put signal in the latter
-    for arrived in (False, True):
-        ptx[f"dispatch receive arrived={arrived}"] = compile_ptx(dc._dispatch_kernel, disp, dict(
-            geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=False, PHASE=2, INTERLEAVE=False, ARRIVED=arrived,
-            META_FIRST=False, STAMPS=False))
-        ptx[f"combine receive arrived={arrived}"] = compile_ptx(dc._combine_kernel, comb, dict(
-            geo, HAS_META=True, PHASE=2, ROTATE=False, INTERLEAVE=False, ARRIVED=arrived, STAMPS=False))
+                                               STAMPS=False))
+    # the remote path's receive (phase 2): its programs wait for the put signals themselves
+    ptx["dispatch receive"] = compile_ptx(dc._dispatch_kernel, disp, dict(
+        geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=False, PHASE=2, INTERLEAVE=False, STAMPS=False))
+    ptx["combine receive"] = compile_ptx(dc._combine_kernel, comb, dict(
+        geo, HAS_META=True, PHASE=2, ROTATE=False, INTERLEAVE=False, STAMPS=False))
     # the timer stamps (bench comm's latency floor) read %globaltimer, and only when asked
     stamped = {"dispatch": compile_ptx(dc._dispatch_kernel, disp, dict(
-        geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=True, PHASE=3, INTERLEAVE=False, ARRIVED=False, META_FIRST=False,
+        geo, G_PAD=4, HAS_META=True, COMPUTE_LAYOUT=True, PHASE=3, INTERLEAVE=False,
         STAMPS=True)), "combine": compile_ptx(dc._combine_kernel, comb, dict(
-            geo, HAS_META=True, PHASE=3, ROTATE=False, INTERLEAVE=False, ARRIVED=False, STAMPS=True))}
+            geo, HAS_META=True, PHASE=3, ROTATE=False, INTERLEAVE=False, STAMPS=True))}
     plain = {"dispatch": ptx["dispatch"], "combine": ptx["combine rotate=False interleave=False"]}
     for kind, text in stamped.items():
         assert "%globaltimer" in text and "%globaltimer" not in plain[kind], kind
-    # (a spin polls with system-scope acquire loads: fewer of them once one program waited)
+    # (a spin polls with system-scope acquire loads: the receiving programs wait for the put signal)
     for kind in ("dispatch", "combine"):
-        spins = [len(re.findall(r"ld\.global\.sys\.acquire", ptx[f"{kind} receive arrived={a}"])) for a in (False, True)]
-        assert spins[1] < spins[0], (kind, spins)
-    # the one program that waits for the remote signals first, then sets them back to 0
-    wait = compile_ptx(dc._arrival_wait_kernel, {"rsig_ptr": "*i64", "remote_tbl": "*i32", "err_ptr": "*i32",
-                                                 "spin_limit": "i32"}, dict(W=2, CODE=3))
-    assert re.search(r"ld\.global\.sys\.acquire", wait) and re.search(r"atom\.[\w.]*sys[\w.]*exch", wait), wait[-2000:]
-    # the one program on the compute stream that waits for a meta-first dispatch's programs
-    meta_wait = compile_ptx(dc._meta_wait_kernel, {"mcopied_ptr": "*i32", "err_ptr": "*i32", "spin_limit": "i32",
-                                                   "me": "i32"}, dict(G=4))
-    assert re.search(r"ld\.global\.sys\.acquire", meta_wait), meta_wait[-2000:]
+        assert re.search(r"ld\.global\.sys\.acquire", ptx[f"{kind} receive"]), kind
     for name, text in ptx.items():
         ops = re.findall(r"\b(?:ld|st)\.global[.\w]*", text)
         assert any(".v4." in op for op in ops), name
@@ -313,7 +297,7 @@ dr = torch.zeros(T, K, dtype=torch.int32)
 ds = torch.randint(-1, 4, (T, K), generator=g, dtype=torch.int32).clamp_min(0)
 w = torch.rand(T, K, generator=g)
 bad = []
-for cap in (None, tr.chunk_capacity(1), 20):
+for cap in (None, 20):
     rx, rs, rw, lay = tr.dispatch_forward(x, w, dr, ds, capacity=cap)
     C = cap or buf.capacity
     if rx.shape != (C, 32) or lay.capacity != C:
@@ -334,10 +318,6 @@ try:
     bad.append("20 tokens passed a dispatch of capacity 8")
 except ValueError as exc:
     assert "capacity of 8" in str(exc), exc
-# a half batch's capacity (moe.two_batch_overlap): ceil(S/2) sequences of the reserved 24 tokens
-halves = {L: tr.split_capacity(L) for L in (6, 5, 8, 13)}
-if halves != {6: 12, 5: 10, 8: 16, 13: None}:
-    bad.append(f"split capacities {halves}")
 # checks and binding once per call shape: a repeated shape is known, a misaligned chunk is not
 known = len(buf.launcher._fixed)
 tr.dispatch_forward(x.clone(), w.clone(), dr.clone(), ds.clone(), capacity=20)
@@ -345,17 +325,17 @@ if len(buf.launcher._fixed) != known:
     bad.append("a repeated call shape made a new launch key")
 if buf._key("dispatch", 20, x[1:], dr[1:]) is not None:
     bad.append("a misaligned tensor got a launch key")
-# the pipelined layer over this transport equals the sequential layer over the local transport
+# the layer over this transport equals the layer over the local transport
 res = []
-for transport, chunks in ((LocalTransport(), 1), (tr, [1, 2, 1])):  # unequal chunks, capacities
-    layer = MoELayer(MoELayerSpec(32, 4, 2, 16, seed=5, pipeline_chunks=chunks), transport)
+for transport in (LocalTransport(), tr):
+    layer = MoELayer(MoELayerSpec(32, 4, 2, 16, seed=5), transport)
     xi = x.clone().requires_grad_()
     out, _ = layer(xi)
     out.backward(torch.ones_like(out))
     res.append([out, xi.grad, layer.router.grad, layer.w13.grad, layer.w2.grad, layer.received_pairs])
 errs = [rel_err(a, b) for a, b in zip(*res)]
 if not all(e <= 1e-6 for e in errs):
-    bad.append(f"pipelined layer over one PE: {errs}")
+    bad.append(f"the layer over one PE: {errs}")
 if int(buf.err[0]):
     bad.append(f"device error flag {buf.err.tolist()}")
 print("BAD" if bad else "OK", bad)
@@ -365,9 +345,8 @@ print("BAD" if bad else "OK", bad)
 @pytest.mark.interpreter_script(sys.executable, "-c", _W1_SCRIPT)
 def test_symmetric_buffer_on_one_pe_under_the_interpreter(interpreter_scripts):
     """The NVSHMEM buffer's host side with its real kernels (Triton's interpreter, one PE, one
-    program): per-call capacity (rows, padding, all four operations), its bound, a half batch's
-    capacity, the launch keys,
-    and the pipelined layer over it equal to the sequential layer over the local transport."""
+    program): per-call capacity (rows, padding, all four operations), its bound, the launch keys,
+    and the layer over it equal to the layer over the local transport."""
     pytest.importorskip("triton")
     proc = interpreter_scripts.result(sys.executable, "-c", _W1_SCRIPT)
     assert proc.stdout.startswith("OK"), (proc.stdout + proc.stderr)[-3000:]

@@ -16,11 +16,10 @@ from tests.support import small_config
 
 def test_the_spec_carries_the_parallel_keys(tmp_path):
     cfg = small_config(tmp_path, **{"parallel.force_remote_path": True, "parallel.comm_programs": 32,
-                                    "parallel.nvshmem_spin_limit": 1000, "parallel.fast_launch": False,
-                                    "parallel.nvshmem_one_sm_wait": True})
+                                    "parallel.nvshmem_spin_limit": 1000, "parallel.fast_launch": False})
     spec, why = resolve_transport(cfg, use_gpu=False)
     assert spec == TransportSpec("gloo", force_remote_path=True, comm_programs=32, spin_limit=1000,
-                                 fast_launch=False, one_sm_wait=True)
+                                 fast_launch=False)
     assert "no GPUs" in why
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.name = "nccl"

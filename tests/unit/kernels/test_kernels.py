@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 
@@ -31,7 +30,6 @@ INTERP_CASES = {
 # Plan variants and the cases they run on under the interpreter (each run is a whole training step
 # of tiny GEMMs at interpreter speed: the matrix is kept small to keep the unit suite fast).
 VARIANT_CASES = {
-    "expert_ffn_split_dact": ("random", "k1_sparse"),
     "expert_ffn_tma": ("tile_multiples", "odd_shapes"),  # descriptors, and the pointer fallback
     "expert_ffn_tma_persistent": ("tile_multiples",),
     "expert_ffn_mm_wgrad": ("tile_multiples", "odd_shapes"),  # runs, and the 16-byte row rule
@@ -141,7 +139,7 @@ def run_interpreter_checks() -> dict:
     results: dict = {}
     import dataclasses
 
-    split = dataclasses.replace(gs.default_plan(torch.float32, torch.device("cpu")), fused_dact=False, dual_wgrad13=True)
+    split = gs.default_plan(torch.float32, torch.device("cpu"))  # the GPU's plan: split dSwiGLU, dual dW13
     mm_wgrad = dataclasses.replace(gs.default_plan(torch.float32, torch.device("cpu")), wgrad="grouped_mm")
     roles = ("gate_up", "down", "dact", "dx", "wgrad13", "wgrad2")
     # the Hopper variants (TMA descriptors; persistent, flattened), emulated by the interpreter
@@ -167,7 +165,7 @@ def run_interpreter_checks() -> dict:
             check_expert_ffn(case, plan=hopper["tma"])
             results["tma_launches/tile_multiples"] = dict(launches)
         results[f"expert_ffn/{name}"] = check_expert_ffn(case)
-        plans = {"expert_ffn_split_dact": split, "expert_ffn_tma": hopper["tma"],
+        plans = {"expert_ffn_tma": hopper["tma"],
                  "expert_ffn_tma_persistent": hopper["tma_persistent"], "expert_ffn_mm_wgrad": mm_wgrad,
                  "expert_ffn_one_dot": dataclasses.replace(split, gate_up=dataclasses.replace(split.gate_up, one_dot=True))}
         for variant, plan in plans.items():
@@ -206,8 +204,6 @@ def run_interpreter_checks() -> dict:
         (b,) = torch.autograd.grad(wr, logits, g)
         topk[f"{T}x{E}k{K}"] = {"ids": bool(torch.equal(i, ir)), "w": rel_err(w, wr), "grad_abs": (a - b).abs().max().item()}
     results["topk_softmax"] = topk
-    results["wgrad_deferral"] = _deferral_check()
-    results["early_rows"] = _early_rows_check()
     results["zero_tail"] = _zero_tail_check()
     return results
 
@@ -229,7 +225,7 @@ def _zero_tail_check() -> dict:
     lay = pair_layout(slot, S)
     nv, tail = int(lay.offsets[-1]), gs.ZERO_TAIL
     _, h13 = gs.gate_up_swiglu(x, lay, K, w13)
-    dh13, aw, dw = gs.swiglu_backward_rows(go, lay, K, weight, w2, h13, fused=False)
+    dh13, aw, dw = gs.swiglu_backward_rows(go, lay, K, weight, w2, h13)
     ref = gs.swiglu_backward_rows_reference(go, lay, K, weight, w2, h13)
     return {
         "tail_fits": float(not R * K > nv + tail),  # the case must leave rows past the tail
@@ -238,100 +234,6 @@ def _zero_tail_check() -> dict:
         "dh13_tail": float(dh13[nv:nv + tail].abs().max()), "aw_tail": float(aw[nv:nv + tail].abs().max()),
         "dw_past": float(dw[nv:].abs().max()),
     }
-
-
-def _deferral_check() -> dict:
-    """expert_ffn_triton with a WgradDeferral (inline here: no CUDA stream) against plain autograd:
-    autograd gets no weight gradients, the deferral adds them to .grad, a second backward
-    accumulates, and dx / dweight are unchanged; also under activation checkpointing (saved-tensor
-    hooks, where ctx.saved_tensors are not the parameters themselves)."""
-    from torch.utils.checkpoint import checkpoint
-
-    from ray_moe.kernels import expert_ffn_triton
-    from ray_moe.model.wgrad import WgradDeferral
-
-    case = random_case(*INTERP_CASES["random"], torch.float32, "cpu", seed=13)
-    go = torch.randn(case["x"].shape)
-    runs = []
-    for deferral, recompute in ((None, False), (WgradDeferral("cpu"), False), (WgradDeferral("cpu"), True)):
-        leaves = {n: case[n].clone().requires_grad_() for n in ("x", "weight", "w13", "w2")}
-        grads = []
-        for _ in range(2):  # the second backward accumulates into .grad
-            def experts(x, weight, w13, w2):
-                return expert_ffn_triton(x, case["slot"], weight, w13, w2, deferral=deferral)
-
-            args = (leaves["x"], leaves["weight"], leaves["w13"], leaves["w2"])
-            out = checkpoint(experts, *args, use_reentrant=False) if recompute else experts(*args)
-            out.backward(go)
-            if deferral is not None:
-                deferral.join()
-            grads.append([leaves[n].grad.clone() if leaves[n].grad is not None else torch.full_like(leaves[n], math.nan)
-                          for n in ("x", "weight", "w13", "w2")])
-        runs.append(grads)
-    names = ("dx", "dweight", "dw13", "dw2")
-    return {f"{n} after {i + 1}{' recomputed' if r == 2 else ''}": rel_err(runs[r][i][j], runs[0][i][j])
-            for r in (1, 2) for i in range(2) for j, n in enumerate(names)}
-
-
-def _early_rows_check() -> dict:
-    """expert_ffn_triton with EarlyRows (the up-projection in two launches around the wait) against
-    the one-launch experts on the same rows: equal outputs and gradients for D = 0, some, every
-    slot and past the slots, the ready rows at the start, in the middle and nowhere, read from x
-    or from another tensor through a row map (the dispatch's input, ``source``); the wait called
-    once per forward. Also for the TMA plan (its persistent kernel takes the groups and the row map too). And
-    pair_layout_local_first's order against a torch one."""
-    from ray_moe.kernels.routing import pair_layout_local_first, pair_layout_reference
-    import dataclasses
-
-    from ray_moe.kernels import expert_ffn_triton
-    from ray_moe.kernels import grouped_swiglu as gs
-    from ray_moe.model.experts import EarlyRows
-
-    out: dict = {}
-    cpu = torch.device("cpu")
-    base = gs.default_plan(torch.float32, cpu)
-    tma_up = dataclasses.replace(base.gate_up, tma=True, persistent=True)
-    tma = dataclasses.replace(base, gate_up=tma_up, gate_up_split=tma_up)
-    one_dot_up = dataclasses.replace(base.gate_up, one_dot=True)  # Hopper's default up-projection
-    one_dot = dataclasses.replace(base, gate_up=one_dot_up, gate_up_split=one_dot_up)
-    case = random_case(9, 3, 5, 32, 16, "random", torch.float32, "cpu", seed=21)
-    go = torch.randn(case["x"].shape)
-    for plan_name, plan in (("default", None), ("tma", tma), ("one_dot", one_dot)):
-        grads_ref = None
-        for lo, hi, d, mapped in ((0, 0, 0, False), (0, 4, 2, False), (3, 7, 5, True), (2, 9, 9, False),
-                                  (0, 9, 1, True)):
-            leaves = {n: case[n].clone().requires_grad_() for n in ("x", "weight", "w13", "w2")}
-            calls = []
-            source = rows = None
-            if mapped:  # the ready rows at shuffled places of a larger tensor
-                rows = torch.randperm(20)[: hi - lo].to(torch.int32)
-                source = torch.randn(20, case["x"].shape[1])
-                source[rows.long()] = case["x"][lo:hi]
-            early = None if grads_ref is None else EarlyRows(lo, hi, d, lambda: calls.append(1), source, rows)
-            y = expert_ffn_triton(leaves["x"], case["slot"], leaves["weight"], leaves["w13"], leaves["w2"],
-                                  plan=plan, early=early)
-            y.backward(go)
-            got = [y.detach()] + [leaves[n].grad for n in ("x", "weight", "w13", "w2")]
-            if grads_ref is None:
-                grads_ref = got
-                continue
-            key = f"{plan_name} rows [{lo}, {hi}) D={d}{' mapped' if mapped else ''}"
-            out[key] = max(rel_err(a, b) for a, b in zip(got, grads_ref))
-            out[key + " waits"] = float(len(calls))
-    slot = torch.randint(-1, 6, (30, 3))
-    layout, local_end, rest_start = pair_layout_local_first(slot, 6, 7, 19, n_early=4)
-    ref = pair_layout_reference(slot, 6)
-    rows = layout.sorted_pair.long() // 3
-    ok = torch.equal(layout.offsets, ref.offsets)
-    for g in range(6):
-        a, m, b = int(layout.offsets[g]), int(local_end[g]), int(layout.offsets[g + 1])
-        ok &= bool(((rows[a:m] >= 7) & (rows[a:m] < 19)).all()) and not bool(((rows[m:b] >= 7) & (rows[m:b] < 19)).any())
-        ok &= all(bool((part[1:] > part[:-1]).all()) for part in (layout.sorted_pair[a:m], layout.sorted_pair[m:b]))
-        ok &= sorted(layout.sorted_pair[a:b].tolist()) == sorted(ref.sorted_pair[a:b].tolist())
-        ok &= int(rest_start[g]) == (m if g < 4 else a)
-    ok &= torch.equal(layout.pair_pos[layout.sorted_pair.long()], torch.arange(slot.numel(), dtype=torch.int32))
-    out["local_first_layout"] = 0.0 if ok else float("inf")
-    return out
 
 
 INTERPRETER_CHECKS = (sys.executable, os.path.abspath(__file__))  # this file as a script: run_interpreter_checks
@@ -454,28 +356,6 @@ def test_steady_analysis_splits_steps_and_finds_device_waits():
     assert rows["host API cudaLaunchKernel"]["calls"] == 2
     wait = rows["device wait: cudaStreamSynchronize"]
     assert wait["ms"] == 0.75 and wait["note"] == {"in op": "aten::item", "stack": ["ray_moe/x.py(3): f"]}
-
-
-@pytest.mark.interpreter_script(*INTERPRETER_CHECKS)
-def test_delayed_weight_gradients_equal_autograds_under_interpreter(interpreter_results):
-    """moe.delay_wgrad's deferral (inline off CUDA) gives autograd's weight gradients, accumulated
-    over two backwards, also under activation checkpointing, and leaves dx and the routing-weight
-    gradient as they were."""
-    errs = interpreter_results["wgrad_deferral"]
-    assert len(errs) == 16 and all(v < 1e-6 for v in errs.values()), errs
-
-
-@pytest.mark.interpreter_script(*INTERPRETER_CHECKS)
-def test_early_rows_split_equals_one_launch_under_interpreter(interpreter_results):
-    """moe.early_experts' two up-projection launches around the rows' wait give the one-launch
-    experts' outputs and gradients (the ready rows read from x or through a row map from another
-    tensor), and the wait runs once per forward, with the default, TMA and one-dot up-projections;
-    the local-first pair layout lists each group's ready rows first, both parts in pair order,
-    with the second launch's starts."""
-    r = interpreter_results["early_rows"]
-    assert len(r) == 25 and r.pop("local_first_layout") == 0.0, r
-    assert all(v < 1e-5 for k, v in r.items() if not k.endswith("waits")), r
-    assert all(v == 1.0 for k, v in r.items() if k.endswith("waits")), r
 
 
 @pytest.mark.interpreter_script(*INTERPRETER_CHECKS)

@@ -139,17 +139,3 @@ def test_chooser_measures_inside_an_activation_checkpointed_block():
     expert_ffn(ref[0], slot, ref[1], ref[2], ref[3], impl="loop").square().sum().backward()
     for a, b in zip(leaves, ref):
         torch.testing.assert_close(a.grad, b.grad)
-
-
-def test_chooser_measures_on_the_layers_grid(monkeypatch):
-    """moe.expert_grid=tiles: the candidates run on the tile grid the layer runs, and that grid is
-    part of the shape key (a persistent-grid layer of the same shape measures its own)."""
-    import ray_moe.model.experts as ex
-
-    seen, real = [], ex.expert_ffn
-    monkeypatch.setattr(ex, "expert_ffn", lambda *a, **k: (seen.append(k.get("grid")), real(*a, **k))[1])
-    ch = ExpertImplChooser(candidates=(ExpertChoice("loop"),), timer=FakeTimer({"loop": 1.0}), rounds=1)
-    x, slot, weight, w13, w2 = _case()
-    ch.choose(x, slot, weight, w13, w2, needs_grad=False, grid="tiles")
-    assert seen == ["tiles"]
-    assert ch.knows(x, slot, w13, False, "tiles") and not ch.knows(x, slot, w13, False)

@@ -19,8 +19,6 @@ def test_layer_rejects_bad_shapes_and_dtypes():
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"pipeline_chunks": 0}, r"pipeline_chunks must be an integer >= 1 or a list of positive integers, got 0"),
-    ({"pipeline_chunks": (1, 0)}, r"pipeline_chunks must be .* got \(1, 0\)"),
     ({"top_k": 5}, "top_k=5 must be <= num_experts=4"),
     ({"hidden": 0}, "hidden must be an integer >= 1"),
     ({"clone_slots": -1}, "clone_slots must be an integer >= 0"),
@@ -36,10 +34,10 @@ def test_layer_spec_owns_the_layer_shape_rules(change, match):
 def test_validation_cases_defer_to_the_layer_spec():
     from ray_moe.validation.cases import Case
 
-    with pytest.raises(ValueError, match="pipeline_chunks must be an integer >= 1 or a list of positive integers, got 0"):
-        Case(pipeline_chunks=0)
-    assert Case(pipeline_chunks=3).layer_spec().pipeline_chunks == 3
-    assert Case(pipeline_chunks=[1, 6, 1]).layer_spec().pipeline_chunks == (1, 6, 1)  # a config's list
+    with pytest.raises(ValueError, match="top_k=9 must be <= num_experts=8"):
+        Case(top_k=9)
+    assert Case(expert_impl="loop", hidden=24).layer_spec().expert_impl == "loop"
+    assert Case(expert_impl="loop", hidden=24).layer_spec().hidden == 24
 
 
 def test_expert_weights_carry_the_shard_mark_and_the_router_does_not():

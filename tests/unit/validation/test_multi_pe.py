@@ -11,12 +11,8 @@ def test_exchange_kernels_across_two_pes_under_the_interpreter(multi_pe_run):
     and both backwards, two calls through one buffer) with the default launch tuning, the ones
     that vary rows per source most with the dispatch's copy-out and the combine's sums
     interleaved with the sends (``Tuning.interleave``), and the EP layer against the
-    single-process oracle, on every rank, also with ``moe.early_experts`` (the meta-first dispatch,
-    the own rows' experts in a launch of their own); the remote path (staging, puts, signals) with the
-    receiving kernel and with one program ahead of it waiting for the signals
-    (``parallel.nvshmem_one_sm_wait``), whose waiting program, left alone, times out with a named
-    error too;
-    then a combine one rank runs alone times out with an
+    single-process oracle, on every rank; the remote path (staging, puts, signals) with the
+    receiving kernel waiting for the signals; then a combine one rank runs alone times out with an
     error that names the peer, the program and the value its wait wanted and saw."""
     pytest.importorskip("triton")
     code, text = multi_pe_run[2].result(timeout_s=1200)
