@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ray_moe.comm.base import Transport, combine, dispatch
+from ray_moe.comm.base import Layout, Transport, combine, dispatch
 from ray_moe.model.expert_choice import ExpertChoice, ExpertImplChooser
 from ray_moe.model.experts import expert_ffn, resolve_impl
 from ray_moe.model.router import SOFTMAX, Routing, balancing_bias_step, load_balancing_loss, route
@@ -109,8 +109,23 @@ class _Routed:
     dest_slot: torch.Tensor
 
 
+@dataclass(frozen=True)
+class _Received:
+    """What one call's dispatch left on this rank: rows x [R, H] (model dtype), slot int32 [R, K]
+    (-1: that k went elsewhere), weight float32 [R, K] (0 there) and the transport's layout (the
+    combine sends the partial rows back by it)."""
+
+    x: torch.Tensor
+    slot: torch.Tensor
+    weight: torch.Tensor
+    layout: Layout
+
+
 class MoELayer(nn.Module):
-    """Expert-parallel SwiGLU MoE layer.
+    """Expert-parallel SwiGLU MoE layer. :meth:`forward` runs four stages, each a method:
+    :meth:`_route` (router, top-k, the replica of each chosen expert), :meth:`_dispatch` (each
+    token row to the ranks of its experts), :meth:`_experts` (the SwiGLU experts over the received
+    rows) and :meth:`_combine` (the weighted partial rows back to their tokens, summed).
 
     Parameters: ``router`` float32 [H, E] (replicated); ``w13`` [S, H, 2I] and ``w2`` [S, I, H]
     in the model dtype, where S = E/W native slots + ``clone_slots``; both carry an
@@ -244,22 +259,18 @@ class MoELayer(nn.Module):
         """x: [T, H] (model dtype) → (out [T, H], auxiliary loss float32 scalar). Runs eagerly
         inside a ``torch.compile``'d caller too (a graph break; ``model.compile=blocks`` compiles
         the dense parts around it)."""
-        r = self._route(x)
-        # without autograd (decoding, evaluation) the received rows are consumed before the next
-        # layer dispatches: the transport may hand out its own outputs instead of allocating
-        recv_x, recv_slot, recv_w, layout = dispatch(self.transport, x, r.weights, r.dest_rank, r.dest_slot,
-                                                     reuse_outputs=True)
-        choice = ExpertChoice(r.impl)
-        if self.expert_impl == "auto" and r.impl == "triton":
-            needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (recv_x, recv_w, self.w13, self.w2))
-            choice = self.expert_chooser.choose(recv_x, recv_slot, recv_w, self.w13, self.w2, needs_grad)
-        partial = expert_ffn(recv_x, recv_slot, recv_w, self.w13, self.w2, choice.impl, wgrad=choice.wgrad)
-        out = combine(self.transport, partial, layout)
+        routed = self._route(x)
+        received = self._dispatch(x, routed)
+        partial = self._experts(received, routed.impl)
+        out = self._combine(partial, received)
         if not self.recomputing:
-            self._count(r.ids, (recv_slot >= 0).sum())
-        return out, self._aux(r.probs, r.ids, x)
+            self._count(routed.ids, (received.slot >= 0).sum())
+        return out, self._aux(routed.probs, routed.ids, x)
 
+    # ------------------------------------------------------------------ the stages
     def _route(self, x: torch.Tensor) -> _Routed:
+        """Router logits, top-k and, per (token, k), the rank and slot of the replica that computes
+        it (a clone's replica is picked per token index)."""
         if x.dim() != 2 or x.shape[1] != self.d_model:
             raise ValueError(f"MoELayer expects x of shape [T, {self.d_model}], got {tuple(x.shape)}")
         if x.dtype != self.w13.dtype:
@@ -271,6 +282,30 @@ class MoELayer(nn.Module):
         )
         dest_rank, dest_slot = self.tables.route(ids, self.rank)
         return _Routed(impl, weights, ids, probs, dest_rank, dest_slot)
+
+    def _dispatch(self, x: torch.Tensor, routed: _Routed) -> _Received:
+        """Each token row, once per rank that holds one of its experts, with its (slot, weight)
+        pairs. Without autograd (decoding, evaluation) the received rows are consumed before the
+        next layer dispatches: the transport may hand out its own outputs instead of allocating."""
+        recv_x, recv_slot, recv_w, layout = dispatch(self.transport, x, routed.weights, routed.dest_rank,
+                                                     routed.dest_slot, reuse_outputs=True)
+        return _Received(recv_x, recv_slot, recv_w, layout)
+
+    def _experts(self, received: _Received, impl: str) -> torch.Tensor:
+        """The SwiGLU experts of this rank's slots over the received rows → partial [R, H], each
+        row the weighted sum of its pairs' expert outputs. Under ``expert_impl: auto`` with the
+        Triton kernels, the implementation (and who computes the weight gradients) is measured
+        once per shape (:class:`~ray_moe.model.expert_choice.ExpertImplChooser`)."""
+        x, slot, weight = received.x, received.slot, received.weight
+        choice = ExpertChoice(impl)
+        if self.expert_impl == "auto" and impl == "triton":
+            needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, self.w13, self.w2))
+            choice = self.expert_chooser.choose(x, slot, weight, self.w13, self.w2, needs_grad)
+        return expert_ffn(x, slot, weight, self.w13, self.w2, choice.impl, wgrad=choice.wgrad)
+
+    def _combine(self, partial: torch.Tensor, received: _Received) -> torch.Tensor:
+        """partial [R, H] back to the ranks of its tokens, summed per token → out [T, H]."""
+        return combine(self.transport, partial, received.layout)
 
     @torch.no_grad()
     def _count(self, ids: torch.Tensor, pairs: torch.Tensor) -> None:
