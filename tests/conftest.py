@@ -108,7 +108,7 @@ def tiny_hf(tmp_path_factory):
     """tiny_hf(family) → the directory of a tiny random transformers model of that family
     (qwen3_moe | mixtral | glm4_moe), saved once per test session (transformers, no download)."""
     pytest.importorskip("transformers")
-    from ray_moe.validation.hf_model import save_tiny_model
+    from tests.hf_parity import save_tiny_model
 
     made: dict[str, str] = {}
 

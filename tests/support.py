@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ray_moe.config import Config
 from ray_moe.topology import RankInfo
 
@@ -143,3 +145,23 @@ def check_clone_grads_three_ways(out: dict, layers: int, exact: bool) -> None:
             assert bool((err <= 2 ** -7 * ref.flatten(1).norm(dim=1) + 1e-12).all()), (err, ref.flatten(1).norm(dim=1))
     if exact:
         assert any(not torch.equal(r, ref) for r, ref in zip(out["rounded"], out["reference"]))
+
+
+def run_all(group: Any, base: Any = None, tol: float | None = None) -> list[str]:
+    """Every edge case through check_dispatch and check_combine on a group (``base``: the
+    :class:`~ray_moe.validation.Case` they vary, default ``Case()``); returns failures."""
+    from ray_moe.validation import EDGE_CASES, Case
+    from ray_moe.validation.transport import check_combine, check_dispatch
+
+    failures = []
+    for extra in EDGE_CASES:
+        case = (base or Case()).but(**extra)
+        if case.applies_to(group.world_size) is not None:
+            continue
+        t = tol if tol is not None else (1e-6 if case.dtype == "float32" else 1e-2)
+        for fn in (check_dispatch, check_combine):
+            for rank, res in enumerate(group.execute(fn, case, timeout=300)):
+                bad = {k: v for k, v in res["errors"].items() if not v <= t}
+                if bad:
+                    failures.append(f"{fn.__name__} rank {rank} case {extra}: {bad}")
+    return failures

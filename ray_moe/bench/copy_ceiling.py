@@ -8,7 +8,7 @@ they bound nothing. :func:`peer_copy` is the SM counterpart: one persistent grid
 program loads a slice of the source once and stores it to every peer, as the dispatch's senders
 do, without its layout, metadata or signals.
 
-Kernel + launcher + reference here; ``bench comm`` times it beside the copy-engine ceiling.
+Kernel + launcher here (its torch reference: tests/references.py); ``bench comm`` times it beside the copy-engine ceiling.
 """
 
 from __future__ import annotations
@@ -67,8 +67,3 @@ def destination_table(destinations: list[torch.Tensor], device: torch.device) ->
     """int64 [len(destinations)]: their addresses, as :func:`peer_copy`'s ``table``."""
     return torch.tensor([d.data_ptr() for d in destinations], dtype=torch.int64, device=device)
 
-
-def peer_copy_reference(src: torch.Tensor, destinations: list[torch.Tensor]) -> None:
-    """:func:`peer_copy` through torch copies (one destination after another)."""
-    for d in destinations:
-        d.view(torch.uint8).view(-1)[:src.numel()].copy_(src)

@@ -27,7 +27,7 @@ Error codes (``err[0]`` holds the largest, ``err[1]`` the peer rank involved):
 1 layout prefix (programs of this rank not co-resident), 2 back-pressure ack from a peer,
 3 rows from a peer (dispatch channel), 4 rows from a peer (combine channel).
 
-Pure-torch references of the layout sit beside the kernels (:func:`layout_reference`).
+The layout's pure-torch reference is the tests' (tests/references.py).
 """
 
 from __future__ import annotations
@@ -661,35 +661,6 @@ def _combine_kernel(
 # ----------------------------------------------------------------------------------- references
 
 
-def chunk_bounds(T: int, G: int) -> list[tuple[int, int]]:
-    """Token chunk of each program: [(t0, t1)] * G, as the kernels compute it."""
-    C = max(1, -(-T // G))
-    out = []
-    for p in range(G):
-        t0 = min(p * C, T)
-        out.append((t0, min(t0 + C, T)))
-    return out
-
-
-def layout_reference(dest_rank: torch.Tensor, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank-dedup layout of one source rank (pure torch; any device).
-
-    Args:
-        dest_rank: int [T, K] destination rank per (token, k).
-        world_size: W.
-    Returns:
-        pos: int32 [T, W]: row of token t in destination d's list (tokens in order), -1 if t does
-            not go to d; counts: int64 [W] rows per destination.
-    """
-    T = dest_rank.shape[0]
-    to_rank = torch.zeros(T, world_size, dtype=torch.bool, device=dest_rank.device)
-    if T:
-        to_rank.scatter_(1, dest_rank.long(), True)
-    csum = to_rank.long().cumsum(0) - to_rank.long()
-    pos = torch.where(to_rank, csum, -1).to(torch.int32)
-    return pos, to_rank.sum(0)
-
-
 # ----------------------------------------------------------------------------------- launchers
 
 
@@ -1038,10 +1009,6 @@ class Launcher:
         self._fixed: dict[tuple, dict] = {}  # key -> the checked constant arguments
         self._entries: dict[tuple, tuple] = {}  # key -> (launch, template, [(index, name)]) with fast
         self.calls = {"jit": 0, "fast": 0}
-
-    def knows(self, key: tuple | None) -> bool:
-        """Whether calls of ``key`` were checked already."""
-        return key is not None and key in self._fixed
 
     def launch(self, kernel, grid: tuple, varying: dict, fixed: Callable[[], dict], num_warps: int,
                key: tuple | None, first: dict | None = None) -> None:

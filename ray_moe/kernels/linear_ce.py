@@ -32,8 +32,8 @@ A counted target outside ``[0, V)`` makes the loss NaN (no out-of-bounds read; t
 non-finite check then skips it) where ``F.cross_entropy`` raises a device-side assert.
 No host synchronisation (the count of rows stays on the device).
 
-:func:`linear_cross_entropy_reference` is the float32 full-logits oracle; :func:`benchmark`
-times both (``python -m ray_moe.kernels.linear_ce``).
+:func:`benchmark` times it beside the full-logits torch loss (``python -m ray_moe.kernels.linear_ce``);
+the float32 full-logits oracle is the tests' (tests/references.py).
 """
 
 from __future__ import annotations
@@ -170,18 +170,6 @@ def linear_cross_entropy(
         if dw is not None:
             add_mm_t(dw, logits, h)
     return loss_rows.sum() * scale[0], dh, dw
-
-
-def linear_cross_entropy_reference(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = IGNORE_INDEX,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The oracle: ``F.cross_entropy`` on the full float32 logits of the float32-upcast inputs.
-    Returns (loss, d hidden, d weight), all float32."""
-    h = hidden.detach().float().requires_grad_()
-    w = weight.detach().float().requires_grad_()
-    loss = torch.nn.functional.cross_entropy(h @ w.t(), targets, ignore_index=ignore_index)
-    dh, dw = torch.autograd.grad(loss, (h, w))
-    return loss.detach(), dh, dw
 
 
 def benchmark(N: int = 16384, H: int = 2048, V: int = 151936, dtype: torch.dtype = torch.bfloat16) -> dict:

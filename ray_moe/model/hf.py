@@ -111,24 +111,6 @@ class TensorSource:
         return self._get(name, row)
 
 
-class DictSource(TensorSource):
-    """Tensors already in memory (e.g. a transformers model's parameters or their gradients)."""
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor]):
-        super().__init__()
-        self.tensors = tensors
-
-    def names(self) -> set[str]:
-        return set(self.tensors)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.tensors[name].shape)
-
-    def _get(self, name: str, row: int | None) -> torch.Tensor:
-        t = self.tensors[name]
-        return t if row is None else t[row]
-
-
 class SafetensorsDir(TensorSource):
     """An HF model directory: ``model.safetensors.index.json`` + shards, or one ``model.safetensors``.
     Files are memory-mapped and opened on first use; a tensor is read when asked for."""

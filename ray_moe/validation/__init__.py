@@ -1,10 +1,9 @@
-"""Oracle comparisons shared by the tests, the GPU tests, the smoke test and the benchmarks.
+"""Oracle comparisons shared by the tests, the smoke test and the benchmarks.
 
 - :mod:`cases`: :class:`Case`, the one description of a seeded problem, and the edge cases.
 - :mod:`errors`: :func:`rel_err`, the one relative-error measure.
 - :mod:`layer`: the EP layer on a live group vs the single-process oracle.
 - :mod:`transport`: dispatch/combine (and their backward) on a live group vs a torch reference.
-- :mod:`kernels`: the Triton expert path vs the exact loop path on random problems.
 """
 
 from ray_moe.validation.cases import EDGE_CASES, ROUTINGS, Case

@@ -184,18 +184,3 @@ def check_combine(worker: Any, case: Case) -> dict[str, Any]:
     errors["combine_grad_padding"] = 0.0 if (pad.numel() == 0 or bool((pad == 0).all())) else float("inf")
     return {"errors": errors}
 
-
-def run_all(group: Any, base: Case | None = None, tol: float | None = None) -> list[str]:
-    """Every edge case through check_dispatch and check_combine on a group; returns failures."""
-    failures = []
-    for extra in EDGE_CASES:
-        case = (base or Case()).but(**extra)
-        if case.applies_to(group.world_size) is not None:
-            continue
-        t = tol if tol is not None else (1e-6 if case.dtype == "float32" else 1e-2)
-        for fn in (check_dispatch, check_combine):
-            for rank, res in enumerate(group.execute(fn, case, timeout=300)):
-                bad = {k: v for k, v in res["errors"].items() if not v <= t}
-                if bad:
-                    failures.append(f"{fn.__name__} rank {rank} case {extra}: {bad}")
-    return failures

@@ -98,6 +98,7 @@ class UpdateOverlap:
 
     @property
     def pending(self) -> bool:
+        """Whether an update launched on the side stream has not been waited for yet."""
         return self._final is not None
 
     def launch(self, update: Callable[[Callable[[torch.Tensor | None], None]], None],
@@ -142,7 +143,7 @@ class UpdateOverlap:
     def wait_group(self, group: int) -> None:
         """The current stream waits for the update of ``group``'s parameters (and everything the
         side stream did before them); without a group event, for the whole update."""
-        if self._final is None:
+        if not self.pending:
             return
         if not self.blockwise:
             self.wait_all()
@@ -164,7 +165,7 @@ class UpdateOverlap:
 
     def wait_all(self) -> None:
         """The current stream waits for the whole pending update; nothing is pending after."""
-        if self._final is None:
+        if not self.pending:
             return
         torch.cuda.current_stream(self.device).wait_event(self._final)
         for works in self._works.values():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ray_moe.validation.hf_model import model_parity, parity_config, reference
+from tests.hf_parity import model_parity, parity_config, reference
 
 FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe")
 TOL = 1e-5

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ray_moe.validation import Case
-from ray_moe.validation.transport import check_combine, check_dispatch, run_all
+from ray_moe.validation.transport import check_combine, check_dispatch
+from tests.support import run_all
 
 
 def test_validators_pass_on_gloo_w2(groups):

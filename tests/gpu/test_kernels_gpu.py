@@ -8,7 +8,7 @@ import torch
 
 from ray_moe.device import capture_graph
 from ray_moe.validation import rel_err
-from ray_moe.validation.kernels import check_expert_ffn, random_case
+from tests.kernel_cases import check_expert_ffn, random_case
 
 pytestmark = pytest.mark.gpu
 
@@ -167,7 +167,8 @@ def test_expert_ffn_bf16_grouped_mm_weight_grads(R, K, S, H, I, pattern):
 def test_gather_pair_rows_copies_the_valid_positions():
     """An EP rank's slots (about half empty: one row per token and destination), H=4096 bf16: the
     valid positions equal the torch gather; a CUDA-graph replay with new slots follows them."""
-    from ray_moe.kernels.gather_sum import gather_pair_rows, gather_pair_rows_reference
+    from ray_moe.kernels.gather_sum import gather_pair_rows
+    from tests.references import gather_pair_rows_reference
     from ray_moe.kernels.routing import pair_layout
 
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -286,7 +287,7 @@ def test_chooser_measures_every_candidate_and_its_choice_is_correct():
 def test_router_logits_split_bf16_matches_float32():
     """route()'s router GEMM on CUDA bf16 (two bf16 halves of the float32 weight, tensor cores)."""
     from ray_moe.model.router import router_logits
-    from ray_moe.validation.kernels import check_router_logits
+    from tests.kernel_cases import check_router_logits
 
     for T, H, E in [(16384, 4096, 64), (7, 200, 6), (0, 64, 8)]:
         errs = check_router_logits(router_logits, T, H, E, "cuda", seed=T)

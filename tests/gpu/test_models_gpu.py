@@ -49,7 +49,7 @@ def test_bf16_equal_to_transformers_on_gpu(tmp_path, family):
     pytest.importorskip("transformers")
     from ray_moe.comm.local import LocalTransport
     from ray_moe.validation.errors import rel_err
-    from ray_moe.validation.hf_model import (
+    from tests.hf_parity import (
         model_parity,
         parity_config,
         reference,
@@ -87,7 +87,7 @@ def test_bf16_equal_to_transformers_on_an_nvshmem_group(tmp_path, family, recomp
     pytest.importorskip("nvshmem.core")
     from ray_moe.driver.group import WorkerGroup
     from ray_moe.validation.errors import rel_err
-    from ray_moe.validation.hf_model import model_parity, parity_config, reference, save_tiny_model
+    from tests.hf_parity import model_parity, parity_config, reference, save_tiny_model
 
     W, per_gpu = gpu_ranks()
     if W < 2:
@@ -119,7 +119,7 @@ def test_incremental_decoding_on_gpu(tmp_path, family):
     from ray_moe.comm.local import LocalTransport
     from ray_moe.config import Config
     from ray_moe.validation.errors import rel_err
-    from ray_moe.validation.hf_model import save_tiny_model
+    from tests.hf_parity import save_tiny_model
     from ray_moe.worker.engine import Engine
     from tests.support import single_rank
 

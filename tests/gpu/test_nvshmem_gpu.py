@@ -23,8 +23,7 @@ import torch
 from ray_moe.device import capture_graph
 from ray_moe.validation import Case, rel_err
 from ray_moe.validation.layer import layer_parity, make_problem
-from ray_moe.validation.transport import run_all
-from tests.support import gpu_ranks
+from tests.support import gpu_ranks, run_all
 
 pytestmark = pytest.mark.gpu
 
@@ -367,7 +366,7 @@ def _layer(worker, seed: int, idx: int = 0, impl: str = "grouped_mm"):
 
 def _layout_vs_reference(worker) -> list[str]:
     from ray_moe.comm.base import BufferSpec
-    from ray_moe.comm.nvshmem_kernels import layout_reference
+    from tests.references import layout_reference
 
     tr, dev = worker.transport, worker.device
     W, me = tr.world_size, tr.rank

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from ray_moe.validation import Case
-from ray_moe.validation.transport import run_all
+from tests.support import run_all
 
 pytestmark = pytest.mark.gpu
 

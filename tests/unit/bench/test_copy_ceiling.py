@@ -15,7 +15,8 @@ _SCRIPT = r"""
 import os
 os.environ["TRITON_INTERPRET"] = "1"
 import torch
-from ray_moe.bench.copy_ceiling import peer_copy, peer_copy_reference
+from ray_moe.bench.copy_ceiling import peer_copy
+from tests.references import peer_copy_reference
 g = torch.Generator().manual_seed(5)
 # a size that is not a multiple of the block nor of the programs' stride; one and three peers;
 # a multiple of the stride; the smallest

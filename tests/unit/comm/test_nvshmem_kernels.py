@@ -10,7 +10,7 @@ import torch
 
 
 def test_layout_reference_and_chunks():
-    from ray_moe.comm.nvshmem_kernels import chunk_bounds, layout_reference
+    from tests.references import chunk_bounds, layout_reference
 
     dr = torch.tensor([[0, 1], [1, 1], [0, 0], [1, 0]], dtype=torch.int32)
     pos, counts = layout_reference(dr, 2)
@@ -184,10 +184,10 @@ def test_launcher_checks_and_binds_once_per_key_then_launches_the_compiled_kerne
         return dict(B=8, c=5)
 
     fast = Launcher(fast=True)
-    assert not fast.knows(("k",))
+    assert ("k",) not in fast._fixed
     # ``first`` (the exchanges' longer spin limit) applies to a key's first launch and keyless ones
     fast.launch(Kernel(), (4,), dict(a_ptr="x", n=2), fixed, 16, ("k",), first={"c": 50})
-    assert fast.knows(("k",))
+    assert ("k",) in fast._fixed
     fast.launch(Kernel(), (4,), dict(a_ptr="y", n=3), fixed, 16, ("k",), first={"c": 50})
     fast.launch(Kernel(), (4,), dict(a_ptr="z", n=4), fixed, 16, None, first={"c": 50})
     assert calls == [("jit", (4,), dict(B=8, c=50, a_ptr="x", n=2, num_warps=16)),
@@ -198,7 +198,7 @@ def test_launcher_checks_and_binds_once_per_key_then_launches_the_compiled_kerne
     slow, checks[:], calls[:] = Launcher(fast=False), [], []
     for n in range(3):
         slow.launch(Kernel(), (4,), dict(a_ptr="x", n=n), fixed, 16, ("k",), first={"c": 50})
-    assert slow.calls == {"jit": 3, "fast": 0} and len(checks) == 1 and slow.knows(("k",))
+    assert slow.calls == {"jit": 3, "fast": 0} and len(checks) == 1 and ("k",) in slow._fixed
     assert [kw["c"] for _, _, kw in calls] == [50, 5, 5]
     # a caller's own tensors bound for good (buffer-owned outputs): later calls fill in the rest only
     assert fast.bound(("unknown",), {}) is None and slow.bound(("k",), {}) is None and fast.bound(None, {}) is None

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ray_moe.validation import rel_err
-from ray_moe.validation.kernels import random_case
+from tests.kernel_cases import random_case
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

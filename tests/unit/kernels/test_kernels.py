@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from ray_moe.validation.kernels import random_case, rel_err
+from tests.kernel_cases import random_case, rel_err
 
 INTERP_CASES = {
     # name: (R, K, S, H, I, pattern); every case runs the default plan, VARIANT_CASES the others
@@ -39,7 +39,7 @@ VARIANT_CASES = {
 
 def _reference_expert_ffn(case: dict[str, torch.Tensor]) -> torch.Tensor:
     """expert_ffn built only from the kernels' pure-torch references."""
-    from ray_moe.kernels.gather_sum import gather_sum_reference
+    from tests.references import gather_sum_reference
     from ray_moe.kernels.grouped_swiglu import (
         down_scaled_reference,
         gate_up_swiglu_reference,
@@ -64,7 +64,7 @@ def test_references_compose_to_loop_path(name):
 
 def test_backward_references_match_autograd():
     """swiglu_backward_rows / dgrad_rows / grouped_wgrad references give autograd's gradients."""
-    from ray_moe.kernels.gather_sum import gather_sum_reference
+    from tests.references import gather_sum_reference
     from ray_moe.kernels.grouped_swiglu import (
         dgrad_rows_reference,
         gate_up_swiglu_reference,
@@ -122,19 +122,15 @@ def test_pair_layout_reference_is_a_stable_grouping():
 def run_interpreter_checks() -> dict:
     """Runs inside the subprocess (TRITON_INTERPRET=1 set before triton is imported)."""
     from ray_moe.kernels import grouped_swiglu as gs
-    from ray_moe.kernels.gather_sum import (
-        gather_pair_rows,
-        gather_pair_rows_reference,
-        gather_sum,
-        gather_sum_reference,
-    )
+    from ray_moe.kernels.gather_sum import gather_pair_rows, gather_sum
+    from tests.references import gather_pair_rows_reference, gather_sum_reference
     from ray_moe.kernels.routing import (
         pair_layout,
         pair_layout_reference,
         topk_softmax,
         topk_softmax_reference,
     )
-    from ray_moe.validation.kernels import check_expert_ffn
+    from tests.kernel_cases import check_expert_ffn
 
     results: dict = {}
     import dataclasses

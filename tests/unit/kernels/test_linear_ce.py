@@ -18,7 +18,8 @@ from ray_moe.model import loss as loss_mod
 
 _SCRIPT = """
 import torch
-from ray_moe.kernels.linear_ce import (ce_rows_, linear_cross_entropy, linear_cross_entropy_reference)
+from ray_moe.kernels.linear_ce import ce_rows_, linear_cross_entropy
+from tests.references import linear_cross_entropy_reference
 from ray_moe.model.loss import lm_loss, resolve_loss_impl
 from ray_moe.validation import rel_err
 g = torch.Generator().manual_seed(0)

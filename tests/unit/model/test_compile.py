@@ -75,11 +75,11 @@ def _byte_config(tmp_path, mode: str) -> Config:
 
 
 def _hf_config(family: str, mode: str, compile_: str = "none") -> Config:
-    """The tiny ``family`` model (:data:`ray_moe.validation.hf_model.TINY`, weights from its own
+    """The tiny ``family`` model (:data:`tests.hf_parity.TINY`, weights from its own
     generator: no transformers needed)."""
     import json
 
-    from ray_moe.validation.hf_model import TINY
+    from tests.hf_parity import TINY
 
     return Config().with_overrides([f"model.hf={json.dumps(dict(TINY[family]))}", "model.seq_len=12",
                                     f"model.activation_checkpointing={mode}", f"model.compile={compile_}",

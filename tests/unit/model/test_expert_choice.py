@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ray_moe.model.expert_choice import DEFAULT, ExpertChoice, ExpertImplChooser
-from ray_moe.validation.kernels import random_case
+from tests.kernel_cases import random_case
 
 
 def _case(R=12, seed=0):

@@ -16,7 +16,7 @@ import torch
 from ray_moe.comm.local import LocalTransport
 from ray_moe.config import Config
 from ray_moe.model.hf import WeightsError
-from ray_moe.validation.hf_model import model_parity, parity_config, reference
+from tests.hf_parity import model_parity, parity_config, reference
 from tests.support import build, single_rank
 
 FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe")
@@ -194,7 +194,7 @@ def test_generate_is_deterministic(tiny_hf, tmp_path):
 
 
 def test_tied_embeddings_equal_to_transformers(tmp_path):
-    from ray_moe.validation.hf_model import save_tiny_model
+    from tests.hf_parity import save_tiny_model
 
     save_tiny_model("qwen3_moe", tmp_path, seed=4, tie_word_embeddings=True, norm_topk_prob=True)
     cfg = parity_config(tmp_path, world_size=1, batch=4, seq_len=12)

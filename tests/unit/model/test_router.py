@@ -9,7 +9,7 @@ def test_split_router_logits_match_float32():
     """The bf16-split router GEMMs (run here with the CPU stand-in for the float32-output mm) give
     float32-accurate logits and gradients."""
     from ray_moe.model.router import SplitRouterLogits
-    from ray_moe.validation.kernels import check_router_logits
+    from tests.kernel_cases import check_router_logits
 
     for T, H, E in [(37, 64, 8), (1, 16, 3), (0, 16, 4)]:
         errs = check_router_logits(SplitRouterLogits.apply, T, H, E, "cpu", seed=T)

@@ -15,6 +15,7 @@ transformers is needed on the driver only (the test extra); the ranks run ray_mo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -27,7 +28,7 @@ from ray_moe.comm.base import BufferSpec
 from ray_moe.config import Config, element_size
 from ray_moe.model.build import build_model
 from ray_moe.model.decoder import MoEBlock
-from ray_moe.model.hf import DictSource, expert_tensors, replicated_tensor
+from ray_moe.model.hf import TensorSource, expert_tensors, replicated_tensor
 from ray_moe.model.loss import lm_loss
 from ray_moe.placement.clones import push_clone_weights, reduce_clone_grads
 from ray_moe.placement.placement import Placement, Replica, expert_shard
@@ -229,3 +230,21 @@ def _reduce_like_engine(model: torch.nn.Module, world_size: int) -> None:
         if expert_shard(p) is None:
             dist.all_reduce(p.grad)
         p.grad.div_(world_size)
+
+
+class DictSource(TensorSource):
+    """Tensors already in memory (e.g. a transformers model's parameters or their gradients)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        super().__init__()
+        self.tensors = tensors
+
+    def names(self) -> set[str]:
+        return set(self.tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def _get(self, name: str, row: int | None) -> torch.Tensor:
+        t = self.tensors[name]
+        return t if row is None else t[row]

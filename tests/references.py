@@ -1,0 +1,73 @@
+"""Pure-torch references of the package's kernels: the tests' oracles (each equals its kernel on
+valid inputs, by another route: torch ops, float32 accumulation, host loops)."""
+
+from __future__ import annotations
+
+import torch
+
+from ray_moe.kernels.linear_ce import IGNORE_INDEX
+from ray_moe.kernels.routing import PairLayout
+
+
+def peer_copy_reference(src: torch.Tensor, destinations: list[torch.Tensor]) -> None:
+    """:func:`peer_copy` through torch copies (one destination after another)."""
+    for d in destinations:
+        d.view(torch.uint8).view(-1)[:src.numel()].copy_(src)
+
+
+def gather_sum_reference(src: torch.Tensor, layout: PairLayout, top_k: int) -> torch.Tensor:
+    """Pure-torch reference of :func:`gather_sum` (float32 accumulation)."""
+    n_valid = int(layout.offsets[-1])
+    pos = layout.pair_pos.long().reshape(-1, top_k)
+    valid = pos < n_valid
+    rows = src.float()[pos.clamp(max=max(n_valid - 1, 0)).reshape(-1)].reshape(*pos.shape, -1) if n_valid else None
+    if rows is None:
+        return torch.zeros(pos.shape[0], src.shape[1], dtype=src.dtype, device=src.device)
+    return (rows * valid.unsqueeze(-1)).sum(1).to(src.dtype)
+
+
+def gather_pair_rows_reference(src: torch.Tensor, layout: PairLayout, top_k: int) -> torch.Tensor:
+    """Pure-torch reference of :func:`gather_pair_rows`'s valid rows: [offsets[S], C]."""
+    n_valid = int(layout.offsets[-1])
+    return src[layout.sorted_pair[:n_valid].long() // top_k]
+
+
+def linear_cross_entropy_reference(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = IGNORE_INDEX,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The oracle: ``F.cross_entropy`` on the full float32 logits of the float32-upcast inputs.
+    Returns (loss, d hidden, d weight), all float32."""
+    h = hidden.detach().float().requires_grad_()
+    w = weight.detach().float().requires_grad_()
+    loss = torch.nn.functional.cross_entropy(h @ w.t(), targets, ignore_index=ignore_index)
+    dh, dw = torch.autograd.grad(loss, (h, w))
+    return loss.detach(), dh, dw
+
+
+def chunk_bounds(T: int, G: int) -> list[tuple[int, int]]:
+    """Token chunk of each program: [(t0, t1)] * G, as the kernels compute it."""
+    C = max(1, -(-T // G))
+    out = []
+    for p in range(G):
+        t0 = min(p * C, T)
+        out.append((t0, min(t0 + C, T)))
+    return out
+
+
+def layout_reference(dest_rank: torch.Tensor, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank-dedup layout of one source rank (pure torch; any device).
+
+    Args:
+        dest_rank: int [T, K] destination rank per (token, k).
+        world_size: W.
+    Returns:
+        pos: int32 [T, W]: row of token t in destination d's list (tokens in order), -1 if t does
+            not go to d; counts: int64 [W] rows per destination.
+    """
+    T = dest_rank.shape[0]
+    to_rank = torch.zeros(T, world_size, dtype=torch.bool, device=dest_rank.device)
+    if T:
+        to_rank.scatter_(1, dest_rank.long(), True)
+    csum = to_rank.long().cumsum(0) - to_rank.long()
+    pos = torch.where(to_rank, csum, -1).to(torch.int32)
+    return pos, to_rank.sum(0)
