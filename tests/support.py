@@ -32,7 +32,7 @@ def gpu_ranks(max_gpus: int | None = None) -> tuple[int, int]:
     GPUs, each shared by ``RAY_MOE_PES_PER_GPU`` ranks (default 1; >1 runs several NVSHMEM PEs on
     one GPU, best under CUDA MPS: ``scripts/device_ep.sh``). ``max_gpus`` defaults to
     ``RAY_MOE_TEST_GPUS`` (2 if unset: the tests' timings were set at W=2; 4 or 8 on a larger
-    lease). Skips the test without a GPU."""
+    machine). Skips the test without a GPU."""
     import os
 
     import pytest

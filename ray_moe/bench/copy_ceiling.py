@@ -3,7 +3,7 @@
 ``bench comm`` compares the dispatch's bandwidth with what a plain copy of the same bytes into
 the peers' symmetric memory achieves. A device-to-device ``copy_`` runs on the copy engines, one
 peer per stream: at two ranks that is a fair ceiling, but at four the dispatch's SM stores
-outpaced the copies to three peers at once (278 against 230 GB/s on H200 x4, session 15), so
+outpaced the copies to three peers at once (278 against 230 GB/s on H200 x4, measured 2026-11-26), so
 they bound nothing. :func:`peer_copy` is the SM counterpart: one persistent grid in which each
 program loads a slice of the source once and stores it to every peer, as the dispatch's senders
 do, without its layout, metadata or signals.

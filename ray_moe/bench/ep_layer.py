@@ -201,10 +201,10 @@ def _time_layer_step(worker: Any, spec: StepSpec, transport: Any, W: int, rank: 
         "backward_ms": statistics.median(bwd),
         "forward_backward_ms": statistics.median([a + b for a, b in zip(fwd, bwd)]),
         "steady_step_ms": steady_ms,
-        # the same loop's device time (first to last event: busy and idle) and the host's time to
+        # the same loop's GPU time (first to last event: busy and idle) and the host's time to
         # issue it: an issue time near the step's says the host, not the GPU, sets the pace
         "steady_device_ms": marks[0].elapsed_time(marks[-1]) / max(1, spec.iters) if cuda else steady_ms,
-        # each steady step's device time, in order (does the loop slow down, or one step?)
+        # each steady step's GPU time, in order (does the loop slow down, or one step?)
         "steady_device_steps_ms": [round(a.elapsed_time(b), 3) for a, b in zip(marks, marks[1:])] if cuda else [],
         "steady_issue_ms": (issued - t0) * 1e3 / max(1, spec.iters),
         # synchronising torch calls per steady step (counted over SYNC_COUNT_STEPS more), and the first

@@ -8,7 +8,7 @@ preset: its vocabulary included, so the embeddings and LM head weigh what they d
 model. Columns, medians over steps of the slowest rank: the step, backward, ``grad_reduce`` (the
 engine's measure: after backward, the time until the replicated gradients are reduced: the
 all-reduce at stage 0, the wait for buckets still in flight at 1 and 2) and its share of the step
-(issue 27's target: ≤ 2 % at W=2), the update, peak GPU memory per rank.
+(the target: ≤ 2 % at W=2), the update, peak GPU memory per rank.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The latency floor of a small exchange: the parts of a dispatch + combine pair no tuning removes.
 
-At T_local=128 and W=2 the pair replayed from a CUDA graph took 25.7-32.7 µs (H200 x2, sessions
-14-17) against issue 23's target of 20, whatever the number of programs. Its fixed parts, each
+At T_local=128 and W=2 the pair replayed from a CUDA graph took 25.7-32.7 µs (H200 x2, measured
+2026-11-26) against a target of 20, whatever the number of programs. Its fixed parts, each
 timed alone here and by ``bench comm`` beside the pair in the same run:
 
 - **two kernel launches from a graph** (:func:`empty_kernel`): the dispatch and the combine are

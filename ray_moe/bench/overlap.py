@@ -84,7 +84,7 @@ def _profiled_step(worker: Any, path: str) -> str:
     Profiler and step run in one worker call, so nothing else the actor's second thread answers
     meanwhile (a health check) lands between them; every rank's profiler is running before any
     rank starts the step (a barrier), else a rank's first exchange holds its wait for a peer still
-    starting its profiler (200 ms at W=2 in session 20). Read the trace with ``python -m
+    starting its profiler (200 ms at W=2, measured 2026-11-26). Read the trace with ``python -m
     ray_moe.bench.timeline --after '' TRACE``: its default starts the listing after the last NCCL
     kernel, which in a ZeRO step is the closing all-gather."""
     import os

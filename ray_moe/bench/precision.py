@@ -7,7 +7,7 @@ step   One rank (W = 1) through ``Engine.train_step`` with ``LocalTransport``: w
        runs on one GPU, without Ray's per-step call (~1 % of the step). Variants, side by side in
        one process (each engine freed before the next is built):
          old          bf16 parameters updated by AdamW directly, one tensor at a time
-                      (``train.master_weights=false train.optimizer_impl=for_loop``): before this change
+                      (``train.master_weights=false train.optimizer_impl=for_loop``)
          new          float32 masters and AdamW state, ``train.optimizer_impl=auto`` (the one-pass
                       kernel for every bf16 parameter on CUDA), updated in place
          new_fused    the same through torch's fused AdamW (float32 gradient copies)
@@ -25,9 +25,9 @@ step   One rank (W = 1) through ``Engine.train_step`` with ``LocalTransport``: w
 curve  ``--curve-steps`` training steps (default 300) of the same model and data with float32 and
        with bf16 AdamW moments (variants ``new`` and ``bf16_moments``): every step's loss, and the
        largest gap of their ``--curve-window``-step running means (the 300-step comparison
-       issue 27 asks for before bf16 moments can become a default).
+       that decides whether bf16 moments can become a default).
 loss   ``lm_loss`` forward+backward at N tokens, vocabulary V, hidden H (bf16): the full fp32 logits
-       (``F.cross_entropy``, the path before this change), chunked, and Liger-Kernel's fused kernel
+       (``F.cross_entropy``), chunked, and Liger-Kernel's fused kernel
        when it imports; peak memory above the inputs, and each one's loss and gradients against
        the full-logits result when that fits.
 """

@@ -110,7 +110,7 @@ def _rows_of(base, rows, cols, ROW_ELEMS: tl.constexpr, COLS: tl.constexpr, ALIG
     emit 16-byte vector accesses. Without them, addresses built from an integer (peer pointers,
     symmetric regions) and even some of ordinary tensors compile to one 2-byte access per element
     (seen in the PTX), which made the NVLink traffic latency-bound. The hints must sit on the op that
-    computes the pointers, hence this helper.
+    computes the pointers, hence this function.
     """
     p = base + rows[:, None].to(tl.int64) * ROW_ELEMS + cols[None, :]
     if ALIGNED:
@@ -714,19 +714,19 @@ class Tuning:
     this rank (at any moment each rank receives from one peer) instead of in rank order (every
     rank writes to the lowest rank first). On by default from three ranks: on H200 x4 at
     T_local=16384, H=4096 the combine took 1205 µs against 2000 in rank order (305 GB/s, 1.10x
-    the dispatch's), and the T_local=128 pair 63 µs against 93 (docs/BENCHMARKS.md, session 15).
+    the dispatch's), and the T_local=128 pair 63 µs against 93 (measured 2026-11-26).
 
     ``interleave`` (calls whose peers are all reached through peer pointers): the senders signal
     a progress word after every block of rows, and between its own sends each program does the
     receiving side's work on what has arrived: the dispatch copies rows out of the symmetric
     region, the combine sums each block of its tokens whose rows every peer has sent back (in
     the same order, so the sums are the same). Otherwise that work follows the whole transfer:
-    ~90 µs of ~477 at T_local=16384, H=4096, W=2 on H100s (docs/BENCHMARKS.md, session 10).
+    ~90 µs of ~477 at T_local=16384, H=4096, W=2 on H100s (measured 2026-11-25).
     Every rank must use the same value; it applies where no rank has a remote peer (see
     :class:`~ray_moe.comm.nvshmem.SymmetricBuffer`'s ``interleave_ok``). On by default for rows of
     2048 or more elements at two ranks (:meth:`for_hidden`): on H100
     x2 at T_local=16384, H=4096 the dispatch+combine pair took 857 µs against 985 (dispatch 0.82
-    of the copy ceiling against 0.78), at 4096 250 against 263 µs (docs/BENCHMARKS.md, session 11).
+    of the copy ceiling against 0.78), at 4096 250 against 263 µs (measured 2026-11-25).
     """
 
     def __init__(self, block_r: int = 8, block_h: int = 1024, num_warps: int = 8,
@@ -739,7 +739,7 @@ class Tuning:
         """Default per row width and world size: for wide rows whole 4096-wide rows, 8 per step,
         16 warps (the fastest of the variants measured on H100 x2 and H200 x2, docs/BENCHMARKS.md),
         interleaved at two ranks, where that was measured faster (pair 13 % on H100 x2); at four
-        ranks the interleaved dispatch was slower (1520 against 1335 µs on H200 x4, session 15).
+        ranks the interleaved dispatch was slower (1520 against 1335 µs on H200 x4, 2026-11-26).
         The combine's sends rotate from three ranks on (``rotate_peers``)."""
         rotate = world_size >= 3
         if hidden >= 2048:

@@ -7,7 +7,7 @@ autotuned per shape by quack itself (two consumer warpgroups per tile, TMA for B
 and groups with no rows store exact zeros (its sm_90 kernel zero-fills the accumulator when a
 group has no k tiles). On an H100 at T=32768, H=4096, I=1536, K=8, E=128, timed alone under the
 same sustained load: dW13 11.0 ms and dW2 5.8 ms against 14.9 and 7.6 ms for the Triton
-kernels, same error against float32 (docs/BENCHMARKS.md, issue 16). Where quack is installed the
+kernels, same error against float32 (measured 2026-11-24). Where quack is installed the
 expert chooser (``moe.expert_impl: auto``) measures it beside the Triton weight gradients and keeps
 whichever is faster for the shape; without quack nothing changes.
 

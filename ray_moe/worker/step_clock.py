@@ -17,7 +17,7 @@ import torch
 class StepClock:
     """Named marks in one step; :meth:`seconds` between two of them after the step's final wait.
 
-    On CUDA a mark is an event recorded on the current stream, so a duration is the device time
+    On CUDA a mark is an event recorded on the current stream, so a duration is the GPU time
     between the work issued before each mark (idle time inside included); ``seconds`` must come
     after that stream was synchronised (or the later event waited for), as the engine's step does.
     """

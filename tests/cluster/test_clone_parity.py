@@ -94,7 +94,7 @@ def test_layer_parity_with_clones(groups, world_size):
 
 
 def test_layer_parity_with_clones_at_eight_ranks(ray_cluster):
-    """W=8 over both simulated nodes (the shape of a one-node 8-GPU lease, tested there with
+    """W=8 over both simulated nodes (the shape of one 8-GPU node, tested there with
     NVSHMEM): one native expert per rank, experts with two clones, a clone on every rank, an
     empty rank; its own group, closed after (the cached ones stay at most four)."""
     from ray_moe.config import Config

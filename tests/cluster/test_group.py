@@ -49,7 +49,7 @@ def fail_on_rank(worker, bad_rank):
 
 def cfg_for(world_size: int, **parallel) -> Config:
     # 240 s as conftest's groups: actors start slowly beside the interpreter runs on two cores (one CI
-    # run under a load average near 10 took more than 120 s, session 19)
+    # run under a load average near 10 took more than 120 s, 2026-11-26)
     p = {"world_size": world_size, "device": "cpu", "cpu_per_worker": 0.5, "startup_timeout_s": 240}
     p.update(parallel)
     # num_experts and batch_size must be multiples of world_size

@@ -3,9 +3,9 @@
 ``torch.cuda.max_memory_allocated`` over a training step of Qwen3-30B-A3B's real shape
 (vocabulary included) cut to 2 and 4 layers, one rank (all 128 experts), 8 x 1024 tokens, with the
 blocks eager (``model.compile: none``). The model is an upper bound: measured / model 0.91-0.96
-in session 7, 0.89 at 2 layers with full recompute in session 26 (H100), so the band is
+(2026-11-25), 0.89 at 2 layers with full recompute (H100, 2026-11-27), so the band is
 [0.85, 1]: never under, at most 15 % over. With compiled blocks (``auto``'s choice on CUDA) the
-GPU peaks lower still: 0.85-0.92 of the model (H100, session 26), band [0.8, 1]. The measured
+GPU peaks lower still: 0.85-0.92 of the model (H100, 2026-11-27), band [0.8, 1]. The measured
 peak does not depend on the recompute mode (the state at the end of backward and the update
 set it, not the activations), so these tests check the model's state terms more than its
 activation terms (``test_activation_memory_per_token`` measures those).

@@ -1,6 +1,6 @@
 """ZeRO stages 1 and 2 of the replicated parameters over NCCL on two GPUs (skipped with fewer):
 they follow stage 0's bf16 run, and ``ray-moe bench grad_reduce`` measures the exposed reduction
-(issue 27's target: ≤ 2 % of the step at W=2; printed and written to $OUT, asserted only to
+(the target: ≤ 2 % of the step at W=2; printed and written to $OUT, asserted only to
 shrink from stage 0)."""
 
 from __future__ import annotations

@@ -76,10 +76,10 @@ def sonic_precompile(shape: LayerShape, cache_dir: str, limit: int | None = None
 
     SonicMoE's first training step autotunes each of its six quack GEMMs (training and inference
     up-projection + SwiGLU, down-projection, dSwiGLU, dX, dW1, dW2: 9 to 22 configs each) by
-    compiling every config in worker processes and timing it; on a fresh device machine that
-    takes longer than one 10-minute command. The compiled objects do not depend on T, E, H or I
-    (quack compiles with symbolic shapes), so they can be built here once, carried, unpacked
-    into the device's ``QUACK_CACHE_DIR``, and the autotuner there only loads and times them:
+    compiling every config in worker processes and timing it; on a fresh GPU machine that
+    takes over ten minutes. The compiled objects do not depend on T, E, H or I
+    (quack compiles with symbolic shapes), so they can be built once without a GPU, copied,
+    unpacked into the GPU machine's ``QUACK_CACHE_DIR``, and the autotuner there only loads and times them:
     SonicMoE still picks its fastest config by measuring every candidate on the device.
 
     This mirrors quack's own worker path (``quack._compile_worker``: fake tensors,

@@ -146,7 +146,7 @@ def test_cross_node_clone_limit(limit):
 
 
 def test_zipf_target_w16_e128_top8():
-    """Issue 6 target: W=16 in 2 nodes, E=128, top-8, Zipf s=1.2 at random positions, 1 clone slot:
+    """The planner's target: W=16 in 2 nodes, E=128, top-8, Zipf s=1.2 at random positions, 1 clone slot:
     imbalance <= 1.05 on the plan's loads and <= 1.10 on fresh batches."""
     W, E, K, T = 16, 128, 8, 2048
     nodes = nodes_of_ranks(W, 2)
