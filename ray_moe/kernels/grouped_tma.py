@@ -64,7 +64,7 @@ def tma_available() -> bool:
 
 def tma_ok(*tensors: torch.Tensor) -> bool:
     """Every tensor can back a 2-D descriptor: at least one row (a descriptor's dimensions are
-    positive: an empty pipeline chunk has none), row-contiguous, 16-byte aligned base and row
+    positive: a call with no rows has none), row-contiguous, 16-byte aligned base and row
     stride, and (on CUDA) a Hopper or newer GPU. The CPU interpreter emulates descriptors."""
     if not tma_available():
         return False
