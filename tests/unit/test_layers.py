@@ -20,6 +20,7 @@ ALLOWED = {
     "arch": {"usage"},
     "chunks": set(),  # the pipelined layer's chunk rule (plain arithmetic)
     "config": {"arch", "chunks"},
+    "config_reference": {"config"},  # docs/CONFIG.md from the config dataclasses
     "topology": set(),
     "device": set(),
     "dirlock": set(),
