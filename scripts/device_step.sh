@@ -19,7 +19,7 @@
 #            ~5 min) and carry .sonicbundle and .sonickernels: this step unpacks them into QUACK_CACHE_DIR
 #   gputests the GPU tests of the optimizer and precision paths (test_precision_gpu.py,
 #            test_zero_gpu.py): run it first after any change to worker/optim.py
-# Budgets (seconds) per step: T_GPUTESTS, T_TRAIN, T_MOMENTS, T_SONIC.
+# Time limits (seconds) per step: T_GPUTESTS, T_TRAIN, T_MOMENTS, T_SONIC.
 # A tile A/B of one GEMM role alone: python3 -m ray_moe.bench.layer ... --sections kernels,ffn --sweep
 # --sweep-roles ROLE (~60-100 s per E). Single-GPU benches need no Ray (python3 -m ray_moe.bench.layer
 # and the ray-moe CLI), so they run with .sonicbundle, which cannot travel beside .devbundle; the
