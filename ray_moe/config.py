@@ -63,12 +63,12 @@ COMPILE = ("auto", "none", "blocks")
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 256
-    n_layers: int = 2
-    d_model: int = 64
-    n_heads: int = 4
-    seq_len: int = 64
-    dense_first_layer: bool = False
+    vocab_size: int = 256  # tokens the model embeds: 256 bytes; with data.datasets at least the tokenizer's
+    n_layers: int = 2  # transformer blocks
+    d_model: int = 64  # hidden size H
+    n_heads: int = 4  # attention heads (divide d_model)
+    seq_len: int = 64  # context length in tokens (bytes on the byte corpus)
+    dense_first_layer: bool = False  # a dense SwiGLU FFN in the first block instead of experts
     dense_hidden: int = 0  # hidden size of a dense first layer; 0 means 4 * d_model
     dtype: str = "float32"  # float32 | bfloat16
     arch: str = "byte"  # byte | qwen3_moe | mixtral | glm4_moe (optional with an HF config: it must agree)
@@ -138,10 +138,10 @@ class ModelConfig:
 
 @dataclass
 class MoEConfig:
-    num_experts: int = 8
-    top_k: int = 2
-    expert_hidden: int = 128
-    aux_loss_coef: float = 0.0
+    num_experts: int = 8  # E, routed experts per MoE layer (divisible by world_size)
+    top_k: int = 2  # K, experts per token, 1 <= K <= E
+    expert_hidden: int = 128  # I, SwiGLU hidden size of each expert
+    aux_loss_coef: float = 0.0  # Switch load-balancing loss weight (computed per rank; 0: off)
     expert_impl: str = "auto"  # auto | loop | grouped_mm | triton
     bias_update_rate: float = 0.001  # aux-loss-free balancing (sigmoid routers): bias step per update
 
@@ -161,14 +161,14 @@ class MoEConfig:
 
 @dataclass
 class ParallelConfig:
-    world_size: int = 2
+    world_size: int = 2  # ranks: one actor per GPU or CPU slot
     transport: str = "auto"  # auto | nvshmem | nccl | gloo
     device: str = "auto"  # auto | cpu | cuda
-    cpu_per_worker: float = 1.0
+    cpu_per_worker: float = 1.0  # CPUs per actor (fractions allowed)
     placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
-    startup_timeout_s: float = 60.0
-    collective_timeout_s: float = 120.0
-    force_remote_path: bool = False
+    startup_timeout_s: float = 60.0  # placement and start-up must finish within this
+    collective_timeout_s: float = 120.0  # torch.distributed timeout: a hung peer becomes an error
+    force_remote_path: bool = False  # NVSHMEM: every peer through the inter-node put path (tests on one host)
     comm_programs: int = 0  # NVSHMEM: SMs the exchange kernels run on (0: all)
     workers_per_gpu: int = 1  # ranks sharing one GPU (tests of multi-rank paths on one GPU; gloo process group)
     # ZeRO for the replicated parameters (experts are sharded by expert parallelism anyway):
@@ -232,7 +232,7 @@ def transport_device_error(transport: str, device: str, why: str = "") -> str | 
 @dataclass
 class DataConfig:
     paths: list = field(default_factory=list)  # files, directories or globs; [] = stdlib sources
-    val_fraction: float = 0.05
+    val_fraction: float = 0.05  # tail of the byte corpus kept for validation
     max_bytes: int = 0  # 0 = whole corpus
     # Prepared token datasets (ray-moe prepare) [{path, weight}]; [] = the byte corpus above.
     datasets: list[dict] = field(default_factory=list)
@@ -266,17 +266,17 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 100
+    steps: int = 100  # steps to train
     batch_size: int = 8  # sequences per step over all ranks (split evenly; W-independent)
-    lr: float = 3e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 10
-    grad_clip: float = 1.0
-    seed: int = 0
+    lr: float = 3e-3  # AdamW peak learning rate: linear warm-up, then cosine to 10 %
+    weight_decay: float = 0.0  # AdamW weight decay (none on 1-D tensors and embeddings)
+    warmup_steps: int = 10  # steps of linear learning-rate warm-up
+    grad_clip: float = 1.0  # global gradient-norm clipping (0: off)
+    seed: int = 0  # initialisation and data seed
     eval_interval: int = 0  # 0 = only at the end
-    eval_batches: int = 4
+    eval_batches: int = 4  # fixed validation batches per evaluation
     checkpoint_interval: int = 0  # 0 = only at the end (when run_dir is set)
-    run_dir: str = "runs/latest"
+    run_dir: str = "runs/latest"  # metrics, plots and checkpoints; relative to storage_path when that is set
     storage_path: str = ""  # base of a relative run_dir (shared storage on a multi-node cluster)
     resume: str = "auto"  # auto (when run_dir has a valid checkpoint) | true (must) | false (fresh run)
     overwrite: bool = False  # a fresh run moves an earlier run's results to run_dir/archive/
@@ -285,14 +285,14 @@ class TrainConfig:
     progress: str = "auto"  # auto (a bar on a terminal, lines otherwise) | bar | lines | off
     loggers: list = field(default_factory=list)  # besides metrics.jsonl: tensorboard, wandb
     max_failures: int = 3  # dead or hung workers recovered from (errors no restart fixes are not retried)
-    step_timeout_s: float = 300.0
-    health_check_interval_s: float = 10.0
+    step_timeout_s: float = 300.0  # a step running longer is a hung worker
+    health_check_interval_s: float = 10.0  # seconds between the driver's worker pings
     nonfinite: str = "skip"  # skip | stop
-    plots: bool = True
+    plots: bool = True  # write PNG plots at the end
     # precision, optimizer and loss (worker/optim.py, model/loss.py)
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay
+    eps: float = 1e-8  # AdamW's epsilon
     master_weights: bool = True  # fp32 masters + fp32 AdamW state; false: update compute-dtype params
     optimizer_impl: str = "auto"  # auto (onepass on CUDA, foreach elsewhere) | onepass | fused | foreach | for_loop
     optimizer_state_dtype: str = "float32"  # AdamW moments: float32 | bfloat16 (DeepSeek-V3; needs master_weights)
@@ -340,9 +340,9 @@ class TrainConfig:
 
 @dataclass
 class BalanceConfig:
-    enabled: bool = False
-    interval: int = 50
-    clone_slots: int = 0
+    enabled: bool = False  # re-clone hot experts every interval steps
+    interval: int = 50  # steps between re-cloning plans
+    clone_slots: int = 0  # expert slots per rank for clones of hot experts
     ema: float = 0.5  # per interval; 0.9 never recovers from a shifting hot set (bench balance)
     max_cross_node_clones: int = -1  # -1 = no limit
 

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Build .sonickernels/sonic_kernels.tgz here, without a GPU: every quack GEMM config SonicMoE's
-# autotuner times on sm_90a, compiled (`ray-moe bench layer --sonic-precompile`), so the device's
-# first SonicMoE step only loads and times them instead of compiling for longer than a 10-minute
-# call (docs/BENCHMARKS.md, issue 16). Needs .sonicbundle/ (bash ../shared/device/make-sonic-bundle.sh);
-# downloads torch 2.11 for Python 3.12 (the device's) into a venv under /tmp (~3 GB, pip works
+# autotuner times on sm_90a, compiled (`ray-moe bench layer --sonic-precompile`), so the GPU
+# machine's first SonicMoE step only loads and times them instead of compiling for longer than a
+# 10-minute command (docs/log/2026-11-23.md). Needs .sonicbundle/ (bash ../shared/device/make-sonic-bundle.sh);
+# downloads torch 2.11 for Python 3.12 (the GPU machine's) into a venv under /tmp (~3 GB, pip works
 # here). ~5 min for 89 configs on 2 cores; the tarball is ~2 MB.
 # Usage (repo root):  bash scripts/make-sonic-kernels.sh        (idempotent)
-# Device: carry [".sonicbundle", ".sonickernels"]; `bash scripts/device_step.sh sonic` unpacks it.
+# GPU machine: carry [".sonicbundle", ".sonickernels"]; `bash scripts/device_step.sh sonic` unpacks it.
 set -euo pipefail
 OUTDIR="${1:-.sonickernels}"
 # the first Python 3.12 that runs (a pyenv shim is found by `command -v` yet may refuse to run)

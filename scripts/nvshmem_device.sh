@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One device call for issue 4: GPU tests, two Ray nodes on one host, the comm benchmark.
-# Usage (device machine, repo root):  . .devbundle/setup.sh && bash scripts/nvshmem_device.sh [steps]
+# The NVSHMEM transport on a GPU machine with two GPUs: its GPU tests, the inter-node test on two Ray
+# nodes of one host (one GPU each: RAY_MOE_TWO_NODE_ADDRESS), the comm benchmark, and the same over
+# the inter-node put path forced on one host (--force-remote).
+# Usage (GPU machine, repo root):  . .devbundle/setup.sh && bash scripts/nvshmem_device.sh [steps]
 # steps: any of tests,twonode,bench,benchremote (default: all); logs go to $OUT.
 set -u
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY_DEDUP_LOGS=0

@@ -19,6 +19,7 @@ ALLOWED = {
     "lazy": set(),  # package attributes loaded on first use
     "arch": {"usage"},
     "config": {"arch"},
+    "config_reference": {"config"},  # docs/CONFIG.md from the config dataclasses
     "topology": set(),
     "device": set(),
     "dirlock": set(),
