@@ -309,7 +309,7 @@ class ArchSpec:
 
     # The backward working set (a layer's gradients and temporaries, which the saved-tensor count
     # misses) as a fraction of the largest layer's saved bytes, per checkpointing mode: measured on
-    # an H100 at Qwen3-30B-A3B's layer shape (2 layers, 8 x 1024 tokens, docs/BENCHMARKS.md:
+    # an H100 at Qwen3-30B-A3B's layer shape (2 layers, 8 x 1024 tokens, measured 2026-11-25:
     # 404,785 / 371,725 / 308,984 bytes per token measured, 261,120 / 290,304 / 138,752 counted).
     BACKWARD_WORKING_SET = MappingProxyType({"none": 1.10, "moe": 0.62, "full": 1.30})
 

@@ -737,7 +737,7 @@ class Tuning:
     @classmethod
     def for_hidden(cls, hidden: int, world_size: int) -> "Tuning":
         """Default per row width and world size: for wide rows whole 4096-wide rows, 8 per step,
-        16 warps (the fastest of the variants measured on H100 x2 and H200 x2, docs/BENCHMARKS.md),
+        16 warps (the fastest of the variants measured on H100 x2 and H200 x2, docs/RESULTS.md#dispatch-w2),
         interleaved at two ranks, where that was measured faster (pair 13 % on H100 x2); at four
         ranks the interleaved dispatch was slower (1520 against 1335 µs on H200 x4, 2026-11-26).
         The combine's sends rotate from three ranks on (``rotate_peers``)."""

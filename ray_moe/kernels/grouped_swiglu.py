@@ -83,12 +83,12 @@ def default_config(role: str, dtype: torch.dtype, device: torch.device) -> GemmC
     """Tile choice per GEMM role (gate_up, down, dact, dx, wgrad13, wgrad2).
 
     Small tiles on the CPU interpreter and for float32 (tests); for bf16/fp16 the best of the
-    sweeps (docs/BENCHMARKS.md): pointer kernels before Hopper; on it TMA / persistent ones, and
+    sweeps (docs/KERNELS.md): pointer kernels before Hopper; on it TMA / persistent ones, and
     the one-dot pointer kernel for the up-projection.
     """
     if device.type != "cuda" or dtype == torch.float32:
         return GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=2)
-    # Hopper: the H100 sweep at T=32768, H=4096, I=1536, E=128, K=8 (docs/BENCHMARKS.md, 2026-11-23),
+    # Hopper: the H100 sweep at T=32768, H=4096, I=1536, E=128, K=8 (2026-11-23),
     # among the variants that also passed the bf16 checks on the GPU. gate_up: the sweep and layer
     # A/B on H100 of 2026-11-26: one 128x256 dot over the gate and up columns (pointer kernel, 4 stages:
     # 192 KB of shared memory) is 6.5-7.3 % faster alone than the TMA persistent two-dot

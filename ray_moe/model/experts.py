@@ -73,7 +73,7 @@ def expert_ffn(
 
 def resolve_impl(impl: str, x: torch.Tensor) -> str:
     """auto → the Triton kernels on CUDA with bf16 on Hopper or newer (they beat the
-    grouped_mm path end to end, see docs/BENCHMARKS.md), loop elsewhere."""
+    grouped_mm path end to end, docs/RESULTS.md#expert-tflops), loop elsewhere."""
     if impl != "auto":
         return impl
     if x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9:
