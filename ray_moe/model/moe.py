@@ -21,7 +21,7 @@ from ray_moe.chunks import chunk_weights
 from ray_moe.comm.pipeline import pipelined_exchange
 from ray_moe.comm.streams import current, made, run_on, used_on, wait
 from ray_moe.model.expert_choice import ExpertChoice, ExpertImplChooser
-from ray_moe.model.experts import EXPERT_GRIDS, EarlyRows, expert_ffn, resolve_impl
+from ray_moe.model.experts import EXPERT_GRIDS, SWIGLU, EarlyRows, ExpertActivation, expert_ffn, resolve_impl
 from ray_moe.model.recompute import checkpointed
 from ray_moe.model.router import SOFTMAX, Routing, balancing_bias_step, load_balancing_loss, route
 from ray_moe.model.wgrad import WgradDeferral
@@ -84,7 +84,11 @@ class MoELayerSpec:
     tiles otherwise, so the experts' GEMMs do not shrink as with chunks); 0: off; expert_grid:
     the Triton experts' row GEMMs on a persistent grid or one program per tile
     (:data:`~ray_moe.model.experts.EXPERT_GRIDS`); seed: with
-    the layer index, seeds the router and every logical expert.
+    the layer index, seeds the router and every logical expert; router_bias: a learned float32
+    [E] bias on the router logits; expert_bias: each expert's up and down projections have biases
+    (``b13`` [S, 2I], ``b2`` [S, H]); activation: the experts' gated activation (gpt-oss's
+    clamped one; experts with biases or another activation than SwiGLU run on grouped_mm where
+    the Triton kernels would).
     """
 
     hidden: int
@@ -101,6 +105,9 @@ class MoELayerSpec:
     early_experts: int = 0
     expert_grid: str = "persistent"
     seed: int = 0
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: ExpertActivation = SWIGLU
 
     def __post_init__(self) -> None:
         weights = chunk_weights(self.pipeline_chunks)  # raises ValueError naming what is allowed
@@ -213,6 +220,12 @@ class MoELayer(nn.Module):
                                         (transport.rank + 1) * placement.experts_per_rank)))
         self.w13.expert_shard = shard
         self.w2.expert_shard = shard
+        self.b13 = self.b2 = None
+        if spec.expert_bias:
+            self.b13 = nn.Parameter(torch.zeros(S, 2 * expert_hidden, dtype=dtype, device=device))
+            self.b2 = nn.Parameter(torch.zeros(S, d_model, dtype=dtype, device=device))
+            self.b13.expert_shard = self.b2.expert_shard = shard
+        self.router_bias = (nn.Parameter(torch.zeros(num_experts, device=device)) if spec.router_bias else None)
         self.register_buffer("expert_tokens", torch.zeros(num_experts, device=device), persistent=False)
         self.register_buffer("received_pairs", torch.zeros(1, device=device), persistent=False)
         self.register_buffer("score_bias", torch.zeros(num_experts, device=device) if routing.bias else None,
@@ -248,8 +261,10 @@ class MoELayer(nn.Module):
         """Deterministic initial router and expert weights, independent of the world size (each
         logical expert from its own generator), and zeroed load counters."""
         self.router.copy_(router_init(self.seed, self.layer_idx, self.d_model, self.num_experts))
-        self.w13.zero_()
-        self.w2.zero_()
+        for p in self.expert_params():
+            p.zero_()
+        if self.router_bias is not None:
+            self.router_bias.zero_()
         for slot, e in enumerate(self.placement.slot_experts()[self.rank].tolist()):
             if e >= 0:
                 w13, w2 = expert_init(self.seed, self.layer_idx, e, self.d_model, self.expert_hidden,
@@ -274,11 +289,23 @@ class MoELayer(nn.Module):
         """Logical ids of the experts this rank owns (slots 0 .. E/W-1)."""
         return self.w13.expert_shard.native_experts
 
+    def expert_params(self) -> list[nn.Parameter]:
+        """The expert-sharded parameters, [S, ...] each: w13, w2 and, with biases, b13, b2 (what
+        clones copy and whose clone-slot gradients go to the owners)."""
+        return [self.w13, self.w2] + ([self.b13, self.b2] if self.b13 is not None else [])
+
     @torch.no_grad()
-    def load_expert(self, slot: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Copy one expert's weights ([H, 2I], [I, H]) into a slot."""
+    def load_expert(self, slot: int, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None = None,
+                    b2: torch.Tensor | None = None) -> None:
+        """Copy one expert's weights ([H, 2I], [I, H]; biases [2I], [H] where the layer has them)
+        into a slot."""
         self.w13[slot].copy_(w13)
         self.w2[slot].copy_(w2)
+        if self.b13 is not None:
+            if b13 is None or b2 is None:
+                raise ValueError("this layer's experts have biases: load_expert needs b13 and b2")
+            self.b13[slot].copy_(b13)
+            self.b2[slot].copy_(b2)
 
     def set_placement(self, placement: Placement) -> None:
         """Switch routing tables (the caller moves clone weights, see ray_moe.placement.clones)."""
@@ -388,9 +415,12 @@ class MoELayer(nn.Module):
         if x.dtype != self.w13.dtype:
             raise TypeError(f"MoELayer expects x of dtype {self.w13.dtype}, got {x.dtype}")
         impl = resolve_impl(self.expert_impl, x)
+        fused_router = impl == "triton"
+        if impl == "triton" and (self.b13 is not None or self.spec.activation != SWIGLU):
+            impl = "grouped_mm"  # no Triton epilogue for biases or the clamped activation yet (experts.expert_ffn)
         weights, ids, probs = route(
-            x, self.router, self.top_k, fused=impl == "triton", need_probs=self.aux_loss_coef > 0,
-            routing=self.routing, score_bias=self.score_bias,
+            x, self.router, self.top_k, fused=fused_router, need_probs=self.aux_loss_coef > 0,
+            routing=self.routing, score_bias=self.score_bias, logit_bias=self.router_bias,
         )
         dest_rank, dest_slot = self.tables.route(ids, self.rank, token_offset)  # replicas by global token index
         return _Routed(impl, weights, ids, probs, dest_rank, dest_slot)
@@ -407,7 +437,7 @@ class MoELayer(nn.Module):
                     early.wait()  # the first call of a shape times the candidates on every row
                 choice = self.expert_chooser.choose(recv_x, recv_slot, recv_w, w13, w2, needs_grad, self.expert_grid)
             return expert_ffn(recv_x, recv_slot, recv_w, w13, w2, choice.impl, wgrad=choice.wgrad, deferral=deferral,
-                              early=early, grid=self.expert_grid)
+                              early=early, grid=self.expert_grid, act=self.spec.activation, b13=self.b13, b2=self.b2)
         return experts
 
     @torch.no_grad()
