@@ -784,7 +784,7 @@ _PRESETS = MappingProxyType({
     "deepseek_v3-tiny": MappingProxyType({
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 256,
         "hidden_size": 96, "intermediate_size": 256, "moe_intermediate_size": 96, "num_hidden_layers": 3,
-        "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 8,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 12,
         "routed_scaling_factor": 2.5, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8,
         "v_head_dim": 16, "qk_nope_head_dim": 16, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2,
         "first_k_dense_replace": 1, "norm_topk_prob": True, "hidden_act": "silu", "max_position_embeddings": 512,
@@ -796,7 +796,7 @@ _PRESETS = MappingProxyType({
     "gpt_oss-tiny": MappingProxyType({
         "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 256, "hidden_size": 96,
         "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 24, "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 32,
+        "head_dim": 24, "num_local_experts": 12, "num_experts_per_tok": 2, "sliding_window": 32,
         "layer_types": ["sliding_attention", "full_attention"], "rope_theta": 150000.0,
         "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                          "original_max_position_embeddings": 128, "truncate": False},
