@@ -297,13 +297,13 @@ class MoELayer(nn.Module):
     @torch.no_grad()
     def load_expert(self, slot: int, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None = None,
                     b2: torch.Tensor | None = None) -> None:
-        """Copy one expert's weights ([H, 2I], [I, H]; biases [2I], [H] where the layer has them)
-        into a slot."""
+        """Copy one expert's weights ([H, 2I], [I, H]) into a slot, and its biases ([2I], [H]) when
+        given (a layer with biases keeps the slot's otherwise: zeros after a reset)."""
         self.w13[slot].copy_(w13)
         self.w2[slot].copy_(w2)
-        if self.b13 is not None:
-            if b13 is None or b2 is None:
-                raise ValueError("this layer's experts have biases: load_expert needs b13 and b2")
+        if (b13 is None) != (b2 is None) or (b13 is not None and self.b13 is None):
+            raise ValueError("load_expert takes both biases or neither, and only for a layer with expert biases")
+        if b13 is not None:
             self.b13[slot].copy_(b13)
             self.b2[slot].copy_(b2)
 
