@@ -89,6 +89,11 @@ def _compiled_flex():
 
 @functools.lru_cache(maxsize=32)
 def _block_mask(length: int, window: int, device: str):
+    return _make_block_mask(length, window, device)
+
+
+def _make_block_mask(length: int, window: int, device: str):
+    """flex attention's block mask of a causal sequence of ``length`` with a ``window`` (0: none)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def causal_window(b, h, q_idx, kv_idx):
@@ -103,12 +108,16 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, windo
     """:func:`attend` over a whole sequence on flex attention (CUDA)."""
     from torch.nn.attention.flex_attention import AuxRequest
 
-    mask = _block_mask(q.shape[2], window, str(q.device))
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if torch.compiler.is_compiling():  # inside a compiled block (model.compile=blocks): traced there
+        mask, flex = _make_block_mask(q.shape[2], window, str(q.device)), flex_attention
+    else:  # eager blocks: the kernel compiled once, the mask built once per shape
+        mask, flex = _block_mask(q.shape[2], window, str(q.device)), _compiled_flex()
     gqa = q.shape[1] != k.shape[1]
     if sinks is None:
-        return _compiled_flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
-    y, aux = _compiled_flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa,
-                              return_aux=AuxRequest(lse=True))
+        return flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+    y, aux = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
     return y * _sink_factor(aux.lse, sinks).to(y.dtype)
 
 
