@@ -51,6 +51,9 @@ ARCHITECTURES = MappingProxyType({
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
 })
+# model_types that are another family's architecture (Kimi K2's config.json names its own type, with
+# DeepseekV3ForCausalLM as the architecture)
+ALIASES = MappingProxyType({"kimi_k2": "deepseek_v3"})
 ATTENTIONS = ("gqa", "mla")
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
@@ -512,6 +515,7 @@ def family_of(hf: Mapping[str, Any]) -> str:
         if model_type is None:
             raise ArchError(f"the HF config has no model_type and architectures={archs} names none of "
                             f"{', '.join(ARCHITECTURES.values())}")
+    model_type = ALIASES.get(model_type, model_type)
     if model_type not in FAMILIES:
         raise ArchError(f"model_type={model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
     return model_type
@@ -732,7 +736,7 @@ _PRESETS = MappingProxyType({
         "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880,
         "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
         "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4,
-        "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "sliding_window": 128,  # layer_types: the published alternation (sliding first), transformers' default
         "rope_theta": 150000, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
                                                "original_max_position_embeddings": 4096, "rope_type": "yarn",
                                                "truncate": False},
@@ -745,7 +749,7 @@ _PRESETS = MappingProxyType({
         "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880,
         "intermediate_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8,
         "head_dim": 64, "num_local_experts": 128, "num_experts_per_tok": 4, "experts_per_token": 4,
-        "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 18,
+        "sliding_window": 128,  # layer_types: the published alternation (sliding first), transformers' default
         "rope_theta": 150000, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
                                                "original_max_position_embeddings": 4096, "rope_type": "yarn",
                                                "truncate": False},

@@ -222,6 +222,25 @@ def test_presets_count_the_published_parameters(name, total, active):
     assert abs(spec.active_params_per_token() / active - 1) < 0.05
 
 
+def test_kimi_k2_model_type_is_deepseek_v3():
+    cfg = preset("kimi-k2")
+    cfg["model_type"] = "kimi_k2"  # what its config.json says
+    assert ArchSpec.from_hf(cfg) == ArchSpec.from_hf(preset("kimi-k2"))
+
+
+def test_bench_expert_cut_keeps_the_groups_valid():
+    """``ray-moe bench train --experts``: DeepSeek-V3 at 16 experts keeps 8 groups of 2 and top-4
+    groups (top-8 of 8 eligible); gpt-oss has no groups."""
+    from ray_moe.bench.train import expert_cut
+
+    cut = expert_cut("deepseek-v3", 16)
+    assert cut == {"n_routed_experts": 16, "n_group": 8, "topk_group": 4}
+    spec = ArchSpec.from_hf({**preset("deepseek-v3"), **cut, "num_hidden_layers": 4})
+    assert spec.num_experts == 16 and spec.top_k == 8
+    assert expert_cut("gpt-oss-20b", 8) == {"num_local_experts": 8} and expert_cut("gpt-oss-20b", 0) == {}
+    assert ArchSpec.from_hf({**preset("gpt-oss-20b"), "num_hidden_layers": 4}).sliding_layers == (True, False) * 2
+
+
 def test_refused_configs_name_the_key():
     with pytest.raises(ArchError, match="model_type='olmoe' is not supported"):
         ArchSpec.from_hf({"model_type": "olmoe"})
