@@ -16,7 +16,8 @@ from ray_moe.validation.hf_model import model_parity, parity_config, reference
 FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe")
 TOL = 1e-5
 # Activation checkpointing per family here: the replay's dispatch/combine must pair up across ranks.
-CHECKPOINTING = {"qwen3_moe": "none", "mixtral": "moe", "glm4_moe": "full"}
+CHECKPOINTING = {"qwen3_moe": "none", "mixtral": "moe", "glm4_moe": "full", "deepseek_v3": "moe", "gpt_oss": "full"}
+NEW_FAMILIES = ("deepseek_v3", "gpt_oss")  # multi-head latent attention; sinks, windows, biased experts
 
 
 def group_for(groups, world_size: int):
@@ -45,7 +46,7 @@ def test_equal_to_transformers_on_a_group(groups, tiny_hf, family, world_size):
         assert_opened_only_owned(path, [r["opened"] for r in results])
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + NEW_FAMILIES)
 def test_two_batch_overlap_equal_to_transformers(groups, tiny_hf, family):
     """``moe.two_batch_overlap`` at W=2 (two sequences per rank: two halves of one, staggered
     through the blocks) gives transformers' logits and gradients, natively and with clones, under
@@ -124,7 +125,6 @@ def test_balancing_bias_same_on_every_rank_and_resumes(groups, tmp_path):
 
 
 # ------------------------------------------------------------------ DeepSeek-V3 and gpt-oss
-NEW_FAMILIES = ("deepseek_v3", "gpt_oss")
 
 
 def _six_experts(family: str, path: Path) -> str:
