@@ -106,8 +106,6 @@ def _make_block_mask(length: int, window: int, device: str):
 def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int,
           sinks: torch.Tensor | None) -> torch.Tensor:
     """:func:`attend` over a whole sequence on flex attention (CUDA)."""
-    from torch.nn.attention.flex_attention import AuxRequest
-
     from torch.nn.attention.flex_attention import flex_attention
 
     if torch.compiler.is_compiling():  # inside a compiled block (model.compile=blocks): traced there
@@ -117,8 +115,14 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, windo
     gqa = q.shape[1] != k.shape[1]
     if sinks is None:
         return flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
-    y, aux = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
-    return y * _sink_factor(aux.lse, sinks).to(y.dtype)
+    try:  # torch >= 2.9 asks for the log-sum-exp with return_aux, older releases with return_lse
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        y, lse = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, return_lse=True)
+    else:
+        y, aux = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+        lse = aux.lse
+    return y * _sink_factor(lse, sinks).to(y.dtype)
 
 
 class Attention(nn.Module):
