@@ -115,13 +115,13 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, windo
     gqa = q.shape[1] != k.shape[1]
     if sinks is None:
         return flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
-    try:  # torch >= 2.9 asks for the log-sum-exp with return_aux, older releases with return_lse
-        from torch.nn.attention.flex_attention import AuxRequest
-    except ImportError:
-        y, lse = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, return_lse=True)
-    else:
-        y, aux = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+    import torch.nn.attention.flex_attention as fa
+
+    if hasattr(fa, "AuxRequest"):  # torch >= 2.9 asks for the log-sum-exp so, older releases with return_lse
+        y, aux = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, return_aux=fa.AuxRequest(lse=True))
         lse = aux.lse
+    else:
+        y, lse = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, return_lse=True)
     return y * _sink_factor(lse, sinks).to(y.dtype)
 
 
