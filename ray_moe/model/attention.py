@@ -183,6 +183,7 @@ class LatentAttention(nn.Module):
         self.interleaved = spec.rope_interleave
         self.scale = spec.attn_scale or D ** -0.5
         qr = spec.q_lora_rank
+        self.q_low_rank = bool(qr)
         if qr:
             self.q_a_proj = skip_init(nn.Linear, H, qr, bias=spec.qkv_bias, device=device)
             self.q_a_layernorm = RMSNorm(qr, self.LATENT_EPS, device)
@@ -201,7 +202,7 @@ class LatentAttention(nn.Module):
         (it holds the latent [B, 1, S, kv_lora_rank] and the rope key [B, 1, S, rotary_dim])."""
         B, L, _ = x.shape
         heads, D, R, V = self.num_heads, self.head_dim, self.rope_dim, self.v_head_dim
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_low_rank else self.q_proj(x)
         q_pass, q_rot = q.view(B, L, heads, D).transpose(1, 2).split([D - R, R], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, R], dim=-1)
         latent = self.kv_a_layernorm(latent).view(B, 1, L, self.kv_lora_rank)
