@@ -35,6 +35,21 @@ def test_full_recompute_equal_to_transformers(tiny_hf, family):
                 "layers.0.mlp.routed.router_bias"} <= set(res["native"])
 
 
+def test_moonlight_style_mla_equal_to_transformers(tmp_path):
+    """MLA without a q rank (one q_proj: Moonlight) and with the rope dims not interleaved, default
+    RoPE: logits and gradients within 1e-5."""
+    save_tiny_model("deepseek_v3", tmp_path, seed=5, q_lora_rank=None, rope_interleave=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+    cfg = parity_config(tmp_path, world_size=1, batch=4, seq_len=12)
+    assert cfg.resolve_arch().spec.yarn is None and cfg.resolve_arch().spec.q_lora_rank == 0
+    ids = batch()
+    res = model_parity(local_worker(), cfg, cfg.resolve_arch(), ids, reference(cfg, cfg.resolve_arch(), ids),
+                       with_clones=False)
+    assert "layers.1.self_attn.q_proj.weight" in res["native"]
+    bad = {k: v for k, v in res["native"].items() if not v <= TOL}
+    assert not bad, bad
+
+
 @pytest.mark.parametrize("family, change", [
     ("gpt_oss", "model.hf.swiglu_limit=7.0"),  # the clamp binds in the tiny model
     ("gpt_oss", "model.hf.sliding_window=64"),  # the window cuts the test sequences
