@@ -63,6 +63,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -138,8 +139,9 @@ def engine_config(args: argparse.Namespace, layers: int):
     return Config().with_overrides(keys)
 
 
-EXPERT_KEYS = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts", "glm4_moe": "n_routed_experts",
-               "deepseek_v3": "n_routed_experts", "gpt_oss": "num_local_experts"}
+EXPERT_KEYS = MappingProxyType({"qwen3_moe": "num_experts", "mixtral": "num_local_experts",
+                                "glm4_moe": "n_routed_experts", "deepseek_v3": "n_routed_experts",
+                                "gpt_oss": "num_local_experts"})
 
 
 def expert_cut(preset: str, experts: int) -> dict[str, Any]:
