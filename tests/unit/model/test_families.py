@@ -267,3 +267,38 @@ def test_refused_configs_name_the_key():
     cfg["num_key_value_heads"] = 2
     with pytest.raises(ArchError, match="num_key_value_heads=2 is not supported for deepseek_v3"):
         ArchSpec.from_hf(cfg)
+
+
+def test_expert_bias_clone_gradients_reach_their_owners_during_backward(tiny_hf):
+    """gpt-oss's expert biases are expert parameters like w13 and w2: with clones of a rank's own
+    experts (W=1), the gradient hooks of :class:`~ray_moe.worker.clone_grads.CloneGradReduction`
+    move every clone slot's w13, w2, b13 and b2 gradient onto its owner during backward, as the
+    after-backward reduction does, and zero the clone slots."""
+    from ray_moe.placement.clones import push_clone_weights, reduce_clone_grads
+    from ray_moe.placement.placement import Placement
+    from ray_moe.validation.hf_model import clone_placement
+    from ray_moe.worker.clone_grads import CloneGradReduction
+
+    cfg = parity_config(tiny_hf("gpt_oss"), world_size=1, batch=4, seq_len=12, clone_slots=2)
+    ids = batch()[:, :-1]
+    grads = []
+    for hooks in (False, True):
+        model = build(cfg, LocalTransport())
+        for layer in model.moe_layers():
+            layer.set_placement(Placement.from_dict(clone_placement(8, 1, 2).to_dict()))
+            push_clone_weights(layer, layer.placement)
+        reduction = CloneGradReduction(model.moe_layers(), None, rounded=True) if hooks else None
+        if reduction:
+            reduction.begin()
+        model(ids)[0].square().mean().backward()
+        if reduction:
+            reduction.launch_rest()
+            reduction.add_received(lambda p: p.grad)
+            reduction.close()
+        else:
+            for layer in model.moe_layers():
+                reduce_clone_grads(layer, layer.placement)
+        grads.append([p.grad.clone() for layer in model.moe_layers() for p in layer.expert_params()])
+    assert len(grads[0]) == 2 * 4
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-8) and a[8:].abs().sum() == 0 and a[:8].abs().sum() > 0
