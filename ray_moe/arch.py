@@ -18,8 +18,11 @@ Five families besides the embedded byte-level model (``model.arch: byte``):
   layers ``layer_types`` names, YaRN, q/k/v/o biases, a router with a bias whose top-k logits go
   through a softmax, experts with biases and the clamped SwiGLU ``(up + 1) · gate · σ(α · gate)``.
 
-Other MoE families (``olmoe``, ``minimax_m2``, ``ernie4_5_moe``, ...) are refused by their
-``model_type``.
+- ``olmoe`` (``OlmoeForCausalLM``): Qwen3-MoE's blocks with the q/k RMSNorm over the whole
+  projection (``qk_norm_whole``), softmax top-k (``norm_topk_prob``), every layer MoE; ``clip_qkv``
+  must be null.
+
+Other MoE families (``minimax_m2``, ``ernie4_5_moe``, ...) are refused by their ``model_type``.
 
 Pure Python (no torch): the driver resolves the architecture while it validates the config, so a
 config.json that ray_moe cannot reproduce exactly is refused before any worker starts, with the
@@ -40,7 +43,7 @@ from typing import Any, Mapping
 
 from ray_moe import usage
 
-FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss")
+FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss", "olmoe")
 BYTE = "byte"  # the embedded byte-level model (``model.arch: byte``): :meth:`ArchSpec.byte`
 POSITIONS = ("rope", "learned")
 INITS = ("normal", "byte")
@@ -50,6 +53,7 @@ ARCHITECTURES = MappingProxyType({
     "glm4_moe": "Glm4MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 })
 # model_types that are another family's architecture (Kimi K2's config.json names its own type, with
 # DeepseekV3ForCausalLM as the architecture)
@@ -149,6 +153,7 @@ class ArchSpec:
     activation: str = "swiglu"  # swiglu | clamped_swiglu (gpt-oss: (up + 1) · gate · σ(α · gate))
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    qk_norm_whole: bool = False  # q/k RMSNorm over the whole projection, not per head (OLMoE)
 
     @classmethod
     def byte(cls, *, vocab_size: int, d_model: int, n_heads: int, n_layers: int, seq_len: int,
@@ -235,6 +240,16 @@ class ArchSpec:
             spec = cls(**common, **_deepseek_v3(c, heads, kv, yarn))
         elif family == "gpt_oss":
             spec = cls(**common, **_gpt_oss(c, L, yarn))
+        elif family == "olmoe":
+            if c.get("clip_qkv", None) is not None:
+                raise ArchError(f"clip_qkv={hf['clip_qkv']} is not supported; supported: null")
+            bias = c.bool("attention_bias", False)
+            I = c.int("intermediate_size")
+            spec = cls(**common, qk_norm=True, qk_norm_whole=True, qkv_bias=bias, o_bias=bias,
+                       num_experts=c.int("num_experts"), top_k=c.int("num_experts_per_tok"), expert_hidden=I,
+                       dense_hidden=I, moe_layers=(True,) * L, scoring="softmax",
+                       norm_topk_prob=c.bool("norm_topk_prob", False), n_group=1, topk_group=1,
+                       routed_scaling_factor=1.0, score_bias=False, shared_hidden=0)
         else:  # glm4_moe
             I_moe = c.int("moe_intermediate_size")
             first_dense = c.int("first_k_dense_replace", 1)
@@ -325,7 +340,8 @@ class ArchSpec:
             return q + kv + heads * V * H + H * self.o_bias
         q, kv = heads * D, self.num_kv_heads * D
         attn = H * (q + 2 * kv) + q * H
-        return attn + (q + 2 * kv) * self.qkv_bias + H * self.o_bias + 2 * D * self.qk_norm + heads * self.attn_sinks
+        norms = (q + kv if self.qk_norm_whole else 2 * D) * self.qk_norm
+        return attn + (q + 2 * kv) * self.qkv_bias + H * self.o_bias + norms + heads * self.attn_sinks
 
     def memory_per_rank(self, world_size: int, clone_slots: int = 0, bytes_per_param: int = 16, *,
                         moments: str = "float32", zero_stage: int = 0, elem: int = 2,
@@ -757,6 +773,14 @@ _PRESETS = MappingProxyType({
         "swiglu_limit": 7.0, "attention_bias": True, "attention_dropout": 0.0, "hidden_act": "silu",
         "router_aux_loss_coef": 0.9, "tie_word_embeddings": False, "initializer_range": 0.02,
         "eos_token_id": 200002, "pad_token_id": 199999,
+    }),
+    "olmoe-1b-7b": MappingProxyType({
+        "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "vocab_size": 50304, "hidden_size": 2048,
+        "intermediate_size": 1024, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False, "hidden_act": "silu",
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None,
+        "attention_bias": False, "attention_dropout": 0.0, "clip_qkv": None, "router_aux_loss_coef": 0.01,
+        "tie_word_embeddings": False, "initializer_range": 0.02, "pad_token_id": 1, "eos_token_id": 50279,
     }),
     "qwen3_moe-tiny": MappingProxyType({
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 256,

@@ -2,8 +2,9 @@
 own sequences):
 
 - :class:`Attention`: grouped-query attention with RoPE (optionally partial; none with learned
-  positions), optional per-head q/k RMSNorm, q/k/v (and o) biases, a sliding window and learned
-  sinks: Qwen3-MoE, Mixtral, GLM-4.5, gpt-oss and the byte model;
+  positions), optional q/k RMSNorm (per head, or over the whole projection: OLMoE), q/k/v (and o)
+  biases, a sliding window and learned sinks: Qwen3-MoE, Mixtral, GLM-4.5, gpt-oss, OLMoE and the
+  byte model;
 - :class:`LatentAttention`: DeepSeek-V3's multi-head latent attention (MLA).
 
 Both call :func:`attend`. The sink of a head is a logit beside the keys that takes part in the
@@ -137,8 +138,11 @@ class Attention(nn.Module):
         self.k_proj = skip_init(nn.Linear, H, spec.num_kv_heads * D, bias=spec.qkv_bias, device=device)
         self.v_proj = skip_init(nn.Linear, H, spec.num_kv_heads * D, bias=spec.qkv_bias, device=device)
         self.o_proj = skip_init(nn.Linear, spec.num_heads * D, H, bias=spec.o_bias, device=device)
-        self.q_norm = RMSNorm(D, spec.rms_norm_eps, device) if spec.qk_norm else None
-        self.k_norm = RMSNorm(D, spec.rms_norm_eps, device) if spec.qk_norm else None
+        # per head (Qwen3-MoE, GLM) or over the whole projection (OLMoE)
+        self.norm_whole = spec.qk_norm_whole
+        q_dim, k_dim = (spec.num_heads * D, spec.num_kv_heads * D) if self.norm_whole else (D, D)
+        self.q_norm = RMSNorm(q_dim, spec.rms_norm_eps, device) if spec.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, spec.rms_norm_eps, device) if spec.qk_norm else None
         self.sinks = nn.Parameter(torch.empty(spec.num_heads, device=device)) if spec.attn_sinks else None
         self.scale = spec.attn_scale or D ** -0.5
         self.window = spec.sliding_window if spec.sliding_layers and spec.sliding_layers[layer] else 0
@@ -149,10 +153,13 @@ class Attention(nn.Module):
         None: no rotation, the positions are in x);
         with ``cache``, x holds the positions after the cached ones (read and extended as ``layer``)."""
         B, L, _ = x.shape
-        q = self.q_proj(x).view(B, L, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, L, self.num_kv_heads, self.head_dim)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.q_norm is not None and self.norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, L, self.num_heads, self.head_dim)
+        k = k.view(B, L, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, L, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cos is not None:

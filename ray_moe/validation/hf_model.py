@@ -69,6 +69,10 @@ TINY = MappingProxyType({
                     max_position_embeddings=128, attention_bias=True,
                     rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
                                          beta_slow=1.0, original_max_position_embeddings=32, truncate=False))),
+    # q/k norms over the whole projection, softmax top-k not renormalised
+    "olmoe": MappingProxyType(dict(model_type="olmoe", vocab_size=272, hidden_size=32, intermediate_size=16,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                  num_experts_per_tok=2, norm_topk_prob=False, max_position_embeddings=128)),
 })
 
 

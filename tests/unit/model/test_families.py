@@ -227,11 +227,12 @@ def test_mxfp4_expert_weights_load_dequantized(tmp_path):
 # ------------------------------------------------------------------------------ presets
 @pytest.mark.parametrize("name, total, active", [
     ("deepseek-v3", 671.0e9, 37e9), ("kimi-k2", 1026e9, 32e9), ("moonlight-16b-a3b", 16.0e9, 2.6e9),
-    ("gpt-oss-20b", 20.9e9, 3.6e9), ("gpt-oss-120b", 116.8e9, 5.1e9),
+    ("gpt-oss-20b", 20.9e9, 3.6e9), ("gpt-oss-120b", 116.8e9, 5.1e9), ("olmoe-1b-7b", 6.9e9, 1.18e9),
 ])
 def test_presets_count_the_published_parameters(name, total, active):
     """Totals as the model cards give them (DeepSeek-V3: 671B without its 14B prediction module;
-    gpt-oss: 20.9B / 116.8B, 3.6B / 5.1B active), within 1%, and active ones within 5%."""
+    gpt-oss: 20.9B / 116.8B, 3.6B / 5.1B active; OLMoE: 6.9B, its card's 1.3B active less the
+    0.1B embedding table ray_moe leaves out), within 1%, and active ones within 5%."""
     spec = ArchSpec.from_hf(preset(name))
     assert abs(spec.param_counts()["total"] / total - 1) < 0.01
     assert abs(spec.active_params_per_token() / active - 1) < 0.05
@@ -257,8 +258,11 @@ def test_bench_expert_cut_keeps_the_groups_valid():
 
 
 def test_refused_configs_name_the_key():
-    with pytest.raises(ArchError, match="model_type='olmoe' is not supported"):
-        ArchSpec.from_hf({"model_type": "olmoe"})
+    for other in ("minimax_m2", "ernie4_5_moe"):
+        with pytest.raises(ArchError, match=f"model_type='{other}' is not supported"):
+            ArchSpec.from_hf({"model_type": other})
+    with pytest.raises(ArchError, match="clip_qkv=8.0 is not supported; supported: null"):
+        ArchSpec.from_hf({**preset("olmoe-1b-7b"), "clip_qkv": 8.0})
     cfg = preset("qwen3_moe-tiny")
     cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
     with pytest.raises(ArchError, match="rope_scaling.rope_type='yarn' is not supported for qwen3_moe"):
