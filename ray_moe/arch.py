@@ -21,8 +21,11 @@ Five families besides the embedded byte-level model (``model.arch: byte``):
 - ``olmoe`` (``OlmoeForCausalLM``): Qwen3-MoE's blocks with the q/k RMSNorm over the whole
   projection (``qk_norm_whole``), softmax top-k (``norm_topk_prob``), every layer MoE; ``clip_qkv``
   must be null.
+- ``minimax_m2`` (``MiniMaxM2ForCausalLM``): OLMoE's whole-projection q/k norms, partial RoPE (the
+  released configs' ``rotary_dim``), sigmoid scores with the balancing bias for the choice and
+  renormalised weights (no groups, no scaling), every layer MoE; Mixtral's checkpoint names.
 
-Other MoE families (``minimax_m2``, ``ernie4_5_moe``, ...) are refused by their ``model_type``.
+Other MoE families (``ernie4_5_moe``, ...) are refused by their ``model_type``.
 
 Pure Python (no torch): the driver resolves the architecture while it validates the config, so a
 config.json that ray_moe cannot reproduce exactly is refused before any worker starts, with the
@@ -43,7 +46,7 @@ from typing import Any, Mapping
 
 from ray_moe import usage
 
-FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss", "olmoe")
+FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss", "olmoe", "minimax_m2")
 BYTE = "byte"  # the embedded byte-level model (``model.arch: byte``): :meth:`ArchSpec.byte`
 POSITIONS = ("rope", "learned")
 INITS = ("normal", "byte")
@@ -54,6 +57,7 @@ ARCHITECTURES = MappingProxyType({
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
 })
 # model_types that are another family's architecture (Kimi K2's config.json names its own type, with
 # DeepseekV3ForCausalLM as the architecture)
@@ -197,6 +201,11 @@ class ArchSpec:
         if c.num("attention_dropout", 0.0) != 0.0:
             raise ArchError(f"attention_dropout={hf['attention_dropout']} is not supported; supported: 0.0")
         theta, partial, yarn = _rope(c, family)
+        if family == "minimax_m2":  # released configs give the rope part as rotary_dim (transformers reads it so)
+            rope = c.get("rope_parameters", None) or {}
+            rotary = c.int("rotary_dim", None)
+            partial = float(rope.get("partial_rotary_factor", c.get("partial_rotary_factor",
+                                                                   rotary / head_dim if rotary else 1.0)))
         rotary_dim = c.int("qk_rope_head_dim") if family == "deepseek_v3" else int(head_dim * partial)
         if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
             raise ArchError(f"partial_rotary_factor={partial} gives a rotary dimension of {rotary_dim} of "
@@ -205,7 +214,7 @@ class ArchSpec:
         common = dict(
             family=family, vocab_size=c.int("vocab_size"), hidden_size=H, num_layers=L, num_heads=heads,
             num_kv_heads=kv, head_dim=head_dim, rotary_dim=rotary_dim, rope_theta=theta,
-            rms_norm_eps=c.num("rms_norm_eps", 1e-6 if family in ("qwen3_moe", "deepseek_v3") else 1e-5),
+            rms_norm_eps=c.num("rms_norm_eps", 1e-6 if family in ("qwen3_moe", "deepseek_v3", "minimax_m2") else 1e-5),
             tie_word_embeddings=c.bool("tie_word_embeddings", False),
             max_position_embeddings=c.int("max_position_embeddings", 32768),
             init_std=c.num("initializer_range", 0.02),
@@ -240,6 +249,18 @@ class ArchSpec:
             spec = cls(**common, **_deepseek_v3(c, heads, kv, yarn))
         elif family == "gpt_oss":
             spec = cls(**common, **_gpt_oss(c, L, yarn))
+        elif family == "minimax_m2":
+            c.require("scoring_func", "sigmoid", ("sigmoid",))
+            c.require("use_routing_bias", True, (True,))
+            c.require("use_qk_norm", True, (True,))
+            c.require("qk_norm_type", "per_layer", ("per_layer",))
+            if c.num("router_jitter_noise", 0.0) != 0.0:
+                raise ArchError(f"router_jitter_noise={hf['router_jitter_noise']} is not supported; supported: 0.0")
+            I = c.int("intermediate_size")
+            spec = cls(**common, qk_norm=True, qk_norm_whole=True, qkv_bias=False, o_bias=False,
+                       num_experts=c.int("num_local_experts"), top_k=c.int("num_experts_per_tok"), expert_hidden=I,
+                       dense_hidden=I, moe_layers=(True,) * L, scoring="sigmoid", norm_topk_prob=True, n_group=1,
+                       topk_group=1, routed_scaling_factor=1.0, score_bias=True, shared_hidden=0)
         elif family == "olmoe":
             if c.get("clip_qkv", None) is not None:
                 raise ArchError(f"clip_qkv={hf['clip_qkv']} is not supported; supported: null")
@@ -555,7 +576,7 @@ def _rope(c: "_Keys", family: str) -> tuple[float, float, Yarn | None]:
         elif kind != "default":
             allowed = "default, yarn" if family in ("deepseek_v3", "gpt_oss") else "default"
             raise ArchError(f"{where}.rope_type={kind!r} is not supported for {family}; supported: {allowed}")
-    default_theta = {"mixtral": 1e6, "gpt_oss": 150000.0}.get(family, 10000.0)
+    default_theta = {"mixtral": 1e6, "gpt_oss": 150000.0, "minimax_m2": 5e6}.get(family, 10000.0)
     theta = float(params.get("rope_theta", c.get("rope_theta", default_theta)))
     partial = 1.0
     if family == "glm4_moe":  # the only family whose transformers code reads it (default 0.5)
@@ -781,6 +802,15 @@ _PRESETS = MappingProxyType({
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None,
         "attention_bias": False, "attention_dropout": 0.0, "clip_qkv": None, "router_aux_loss_coef": 0.01,
         "tie_word_embeddings": False, "initializer_range": 0.02, "pad_token_id": 1, "eos_token_id": 50279,
+    }),
+    "minimax-m2": MappingProxyType({
+        "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "vocab_size": 200064,
+        "hidden_size": 3072, "intermediate_size": 1536, "num_hidden_layers": 62, "num_attention_heads": 48,
+        "num_key_value_heads": 8, "head_dim": 128, "rotary_dim": 64, "num_local_experts": 256,
+        "num_experts_per_tok": 8, "scoring_func": "sigmoid", "use_routing_bias": True, "use_qk_norm": True,
+        "qk_norm_type": "per_layer", "hidden_act": "silu", "max_position_embeddings": 196608, "rms_norm_eps": 1e-6,
+        "rope_theta": 5000000, "router_jitter_noise": 0.0, "attention_dropout": 0.0, "router_aux_loss_coef": 0.001,
+        "tie_word_embeddings": False, "initializer_range": 0.02, "bos_token_id": 200034, "eos_token_id": 200020,
     }),
     "qwen3_moe-tiny": MappingProxyType({
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 256,

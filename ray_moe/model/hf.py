@@ -28,8 +28,9 @@ block, ``quantization_config.weight_block_size``) and gpt-oss's MXFP4 (``X_block
 [..., rows, G, 16], two E2M1 values a byte, low nibble first, and ``X_scales`` uint8 E8M0
 exponents [..., rows, G], one per 32 values; the dequantized [..., rows, 32G] is stored transposed).
 
-``{moe}`` is ``block_sparse_moe`` for Mixtral (``mlp`` in transformers 5's memory), ``mlp`` else;
-``{gate, up, down}`` are ``w1, w3, w2`` for Mixtral, ``gate_proj, up_proj, down_proj`` else. The
+``{moe}`` is ``block_sparse_moe`` for Mixtral and MiniMax-M2 (``mlp`` in transformers 5's memory),
+``mlp`` else; ``{gate, up, down}`` are ``w1, w3, w2`` for those two, ``gate_proj, up_proj, down_proj``
+else; MiniMax-M2's balancing bias is ``{moe}.e_score_correction_bias``. The
 fused 3-D layout of transformers 5 (``experts.gate_up_proj`` [E, 2I, H], gate rows first;
 ``experts.down_proj`` [E, H, I]) is read too. Exports use the per-expert layout of the published
 checkpoints, which every transformers version and vLLM read.
@@ -59,7 +60,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "merges.txt", "vocab.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
                    "chat_template.json")
 _ROUTED = re.compile(r"layers\.(\d+)\.mlp\.routed\.(router|router_bias|score_bias|w13|w2|b13|b2)")
-MTP_FAMILIES = ("glm4_moe", "deepseek_v3")  # checkpoints with num_nextn_predict_layers after the last layer
+MTP_FAMILIES = ("glm4_moe", "deepseek_v3")
+MIXTRAL_NAMES = ("mixtral", "minimax_m2")  # block_sparse_moe, w1/w3/w2 in the published checkpoints  # checkpoints with num_nextn_predict_layers after the last layer
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -72,11 +74,11 @@ class WeightsError(ValueError):
 def _moe_prefixes(spec: ArchSpec, layer: int) -> tuple[str, ...]:
     """Where a layer's MoE block lives in HF names, canonical (hub) first."""
     base = f"model.layers.{layer}."
-    return (base + "block_sparse_moe", base + "mlp") if spec.family == "mixtral" else (base + "mlp",)
+    return (base + "block_sparse_moe", base + "mlp") if spec.family in MIXTRAL_NAMES else (base + "mlp",)
 
 
 def _projections(spec: ArchSpec) -> tuple[str, str, str]:
-    return ("w1", "w3", "w2") if spec.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    return ("w1", "w3", "w2") if spec.family in MIXTRAL_NAMES else ("gate_proj", "up_proj", "down_proj")
 
 
 def hf_names(spec: ArchSpec, name: str) -> tuple[str, ...]:
@@ -88,6 +90,8 @@ def hf_names(spec: ArchSpec, name: str) -> tuple[str, ...]:
             raise ValueError(f"{name} is expert-sharded: use expert_hf_names")
         if spec.family == "gpt_oss":
             leaf = "router.weight" if what == "router" else "router.bias"
+        elif spec.family == "minimax_m2":  # its balancing bias beside the gate, not in it
+            leaf = "gate.weight" if what == "router" else "e_score_correction_bias"
         else:
             leaf = "gate.weight" if what == "router" else "gate.e_score_correction_bias"
         return tuple(f"{p}.{leaf}" for p in _moe_prefixes(spec, layer))

@@ -73,6 +73,12 @@ TINY = MappingProxyType({
     "olmoe": MappingProxyType(dict(model_type="olmoe", vocab_size=272, hidden_size=32, intermediate_size=16,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
                   num_experts_per_tok=2, norm_topk_prob=False, max_position_embeddings=128)),
+    # whole-projection q/k norms, partial RoPE, sigmoid routing with the balancing bias
+    "minimax_m2": MappingProxyType(dict(model_type="minimax_m2", vocab_size=272, hidden_size=32, intermediate_size=16,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       num_local_experts=8, num_experts_per_tok=3, max_position_embeddings=128, eos_token_id=None,
+                       bos_token_id=None, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                               partial_rotary_factor=0.5))),
 })
 
 

@@ -28,7 +28,7 @@ from tests.support import gpu_ranks
 
 pytestmark = pytest.mark.gpu
 
-FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss", "olmoe")
+FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss", "olmoe", "minimax_m2")
 # A size where bf16 rounding is realistic but the run takes seconds.
 GPU_SIZE = dict(vocab_size=1024, hidden_size=256, num_attention_heads=8, num_key_value_heads=4,
                 max_position_embeddings=512)
@@ -46,6 +46,8 @@ PER_FAMILY = {
     "gpt_oss": dict(head_dim=32, intermediate_size=128, num_local_experts=16, num_experts_per_tok=4,
                     num_hidden_layers=3, sliding_window=32),
     "olmoe": dict(intermediate_size=128, num_experts=16, num_experts_per_tok=4, num_hidden_layers=3),
+    "minimax_m2": dict(head_dim=32, intermediate_size=128, num_local_experts=16, num_experts_per_tok=4,
+                       num_hidden_layers=3, eos_token_id=None, bos_token_id=None),
 }
 # transformers' gpt-oss has no SDPA path: its bf16 reference is the eager one
 HF_BF16_ATTENTION = {"gpt_oss": "eager"}
@@ -116,7 +118,7 @@ def test_bf16_equal_to_transformers_on_an_nvshmem_group(tmp_path, family, two_ba
     ids = torch.randint(0, GPU_SIZE["vocab_size"], (B, L + 1), generator=torch.Generator().manual_seed(1))
     staggered = two_batch != "sequential"
     checkpointing = {"qwen3_moe": "none", "mixtral": "moe", "glm4_moe": "full", "deepseek_v3": "full",
-                     "gpt_oss": "moe", "olmoe": "none"}[family] if staggered else "none"
+                     "gpt_oss": "moe", "olmoe": "none", "minimax_m2": "full"}[family] if staggered else "none"
     cfg = parity_config(tmp_path, world_size=W, batch=B, seq_len=L, dtype="bfloat16", device="cuda",
                         checkpointing=checkpointing, two_batch_overlap=staggered)
     cfg = cfg.with_overrides(["parallel.transport=nvshmem", f"parallel.workers_per_gpu={per_gpu}",

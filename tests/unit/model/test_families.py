@@ -228,6 +228,7 @@ def test_mxfp4_expert_weights_load_dequantized(tmp_path):
 @pytest.mark.parametrize("name, total, active", [
     ("deepseek-v3", 671.0e9, 37e9), ("kimi-k2", 1026e9, 32e9), ("moonlight-16b-a3b", 16.0e9, 2.6e9),
     ("gpt-oss-20b", 20.9e9, 3.6e9), ("gpt-oss-120b", 116.8e9, 5.1e9), ("olmoe-1b-7b", 6.9e9, 1.18e9),
+    ("minimax-m2", 229e9, 10e9),
 ])
 def test_presets_count_the_published_parameters(name, total, active):
     """Totals as the model cards give them (DeepSeek-V3: 671B without its 14B prediction module;
@@ -258,7 +259,7 @@ def test_bench_expert_cut_keeps_the_groups_valid():
 
 
 def test_refused_configs_name_the_key():
-    for other in ("minimax_m2", "ernie4_5_moe"):
+    for other in ("ernie4_5_moe", "qwen2_moe"):
         with pytest.raises(ArchError, match=f"model_type='{other}' is not supported"):
             ArchSpec.from_hf({"model_type": other})
     with pytest.raises(ArchError, match="clip_qkv=8.0 is not supported; supported: null"):
@@ -267,6 +268,9 @@ def test_refused_configs_name_the_key():
     cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
     with pytest.raises(ArchError, match="rope_scaling.rope_type='yarn' is not supported for qwen3_moe"):
         ArchSpec.from_hf(cfg)
+    with pytest.raises(ArchError, match="qk_norm_type='per_head' is not supported; supported: per_layer"):
+        ArchSpec.from_hf({**preset("minimax-m2"), "qk_norm_type": "per_head"})
+    assert ArchSpec.from_hf(preset("minimax-m2")).rotary_dim == 64  # its released rotary_dim, of 128
     cfg = preset("deepseek_v3-tiny")
     cfg["num_key_value_heads"] = 2
     with pytest.raises(ArchError, match="num_key_value_heads=2 is not supported for deepseek_v3"):
