@@ -1,6 +1,7 @@
-"""The HF families on worker groups (gloo, CPU): equal to transformers at W=2 and W=4, at the
-native placement and with clones; ``model.init_from`` opens only each rank's tensors; the
-balancing bias is the same on every rank and resumes; ``Trainer.generate``."""
+"""The HF families on worker groups (gloo, CPU): equal to transformers at W=2 and W=4 (DeepSeek-V3
+and gpt-oss at W=2 and W=3), at the native placement and with clones; ``model.init_from`` opens
+only each rank's tensors; the balancing bias is the same on every rank and resumes;
+``Trainer.generate``; DeepSeek-V3 and gpt-oss trained at W=3 export to transformers."""
 
 from __future__ import annotations
 
