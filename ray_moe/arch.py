@@ -1,6 +1,6 @@
 """Architectures: a Hugging Face ``config.json`` (or a named preset) → :class:`ArchSpec`.
 
-Three families besides the embedded byte-level model (``model.arch: byte``):
+Five families besides the embedded byte-level model (``model.arch: byte``):
 
 - ``qwen3_moe`` (``Qwen3MoeForCausalLM``): RMSNorm, RoPE, grouped-query attention with q/k norm,
   softmax top-k (``norm_topk_prob``), routed SwiGLU experts, dense layers from
@@ -10,6 +10,22 @@ Three families besides the embedded byte-level model (``model.arch: byte``):
   sigmoid scores with an ``e_score_correction_bias`` for the choice, group-limited top-k
   (``n_group``, ``topk_group``), ``routed_scaling_factor``, shared experts, the first
   ``first_k_dense_replace`` layers dense, partial rotary.
+- ``deepseek_v3`` (``DeepseekV3ForCausalLM``; Kimi K2 and Moonlight-16B-A3B): GLM's MoE blocks with
+  multi-head latent attention (``attention="mla"``: low-rank q and kv projections with their own
+  norms, a decoupled, interleaved RoPE part, value heads narrower than query/key heads) and YaRN
+  with its softmax-scale correction (``mscale_all_dim``).
+- ``gpt_oss`` (``GptOssForCausalLM``): learned attention sinks, sliding-window attention on the
+  layers ``layer_types`` names, YaRN, q/k/v/o biases, a router with a bias whose top-k logits go
+  through a softmax, experts with biases and the clamped SwiGLU ``(up + 1) · gate · σ(α · gate)``.
+
+- ``olmoe`` (``OlmoeForCausalLM``): Qwen3-MoE's blocks with the q/k RMSNorm over the whole
+  projection (``qk_norm_whole``), softmax top-k (``norm_topk_prob``), every layer MoE; ``clip_qkv``
+  must be null.
+- ``minimax_m2`` (``MiniMaxM2ForCausalLM``): OLMoE's whole-projection q/k norms, partial RoPE (the
+  released configs' ``rotary_dim``), sigmoid scores with the balancing bias for the choice and
+  renormalised weights (no groups, no scaling), every layer MoE; Mixtral's checkpoint names.
+
+Other MoE families (``ernie4_5_moe``, ...) are refused by their ``model_type``.
 
 Pure Python (no torch): the driver resolves the architecture while it validates the config, so a
 config.json that ray_moe cannot reproduce exactly is refused before any worker starts, with the
@@ -21,6 +37,7 @@ dropout, router jitter) must have their neutral value.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +46,7 @@ from typing import Any, Mapping
 
 from ray_moe import usage
 
-FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe")
+FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss", "olmoe", "minimax_m2")
 BYTE = "byte"  # the embedded byte-level model (``model.arch: byte``): :meth:`ArchSpec.byte`
 POSITIONS = ("rope", "learned")
 INITS = ("normal", "byte")
@@ -37,11 +54,40 @@ ARCHITECTURES = MappingProxyType({
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
 })
+# model_types that are another family's architecture (Kimi K2's config.json names its own type, with
+# DeepseekV3ForCausalLM as the architecture)
+ALIASES = MappingProxyType({"kimi_k2": "deepseek_v3"})
+ATTENTIONS = ("gqa", "mla")
+ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
 
 class ArchError(ValueError):
     """An HF config is not one ray_moe can build; the message names the key and what is allowed."""
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN rope scaling (transformers' ``_compute_yarn_parameters``): the inverse frequencies
+    blend interpolated (/ ``factor``) and original ones over a linear ramp between the correction
+    dimensions of ``beta_fast`` / ``beta_slow`` rotations at ``original_max_position_embeddings``
+    (floored/ceiled when ``truncate``); cos and sin are multiplied by ``attention_factor``."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's ``0.1 · mscale · ln(scale) + 1`` (1 for scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 @dataclass(frozen=True)
@@ -94,6 +140,24 @@ class ArchSpec:
     shared_hidden: int
     positions: str = "rope"
     init: str = "normal"
+    # multi-head latent attention (attention="mla"): head_dim is the query/key head dim
+    # (qk_nope + qk_rope), rotary_dim the rope part (the last dims of a head), v_head_dim the value's
+    attention: str = "gqa"
+    q_lora_rank: int = 0  # 0: one q projection
+    kv_lora_rank: int = 0
+    v_head_dim: int = 0  # 0: head_dim
+    rope_interleave: bool = False  # the rope part's dims in (even, odd) pairs (DeepSeek's checkpoints)
+    yarn: Yarn | None = None
+    attn_scale: float = 0.0  # the softmax scale; 0: head_dim ** -0.5
+    sliding_window: int = 0  # keys within this many positions of the query, on sliding_layers
+    sliding_layers: tuple[bool, ...] = ()
+    attn_sinks: bool = False  # a learned logit per head beside the keys (gpt-oss)
+    router_bias: bool = False  # a learned [E] bias on the router logits (gpt-oss)
+    expert_bias: bool = False  # biases on each expert's gate|up and down projections (gpt-oss)
+    activation: str = "swiglu"  # swiglu | clamped_swiglu (gpt-oss: (up + 1) · gate · σ(α · gate))
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    qk_norm_whole: bool = False  # q/k RMSNorm over the whole projection, not per head (OLMoE)
 
     @classmethod
     def byte(cls, *, vocab_size: int, d_model: int, n_heads: int, n_layers: int, seq_len: int,
@@ -124,6 +188,8 @@ class ArchSpec:
         H, heads = c.int("hidden_size"), c.int("num_attention_heads")
         kv = c.int("num_key_value_heads", heads)
         head_dim = c.int("head_dim", None) or 0
+        if family == "deepseek_v3":  # transformers sets head_dim to the rope part; MLA's q/k heads are wider
+            head_dim = c.int("qk_nope_head_dim") + c.int("qk_rope_head_dim")
         if not head_dim:
             if H % heads:
                 raise ArchError(f"hidden_size={H} is not divisible by num_attention_heads={heads} "
@@ -134,8 +200,13 @@ class ArchSpec:
         c.require("hidden_act", "silu", ("silu",))
         if c.num("attention_dropout", 0.0) != 0.0:
             raise ArchError(f"attention_dropout={hf['attention_dropout']} is not supported; supported: 0.0")
-        theta, partial = _rope(c, family)
-        rotary_dim = int(head_dim * partial)
+        theta, partial, yarn = _rope(c, family)
+        if family == "minimax_m2":  # released configs give the rope part as rotary_dim (transformers reads it so)
+            rope = c.get("rope_parameters", None) or {}
+            rotary = c.int("rotary_dim", None)
+            partial = float(rope.get("partial_rotary_factor", c.get("partial_rotary_factor",
+                                                                   rotary / head_dim if rotary else 1.0)))
+        rotary_dim = c.int("qk_rope_head_dim") if family == "deepseek_v3" else int(head_dim * partial)
         if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
             raise ArchError(f"partial_rotary_factor={partial} gives a rotary dimension of {rotary_dim} of "
                             f"head_dim={head_dim}; it must be even and in (0, head_dim]")
@@ -143,7 +214,7 @@ class ArchSpec:
         common = dict(
             family=family, vocab_size=c.int("vocab_size"), hidden_size=H, num_layers=L, num_heads=heads,
             num_kv_heads=kv, head_dim=head_dim, rotary_dim=rotary_dim, rope_theta=theta,
-            rms_norm_eps=c.num("rms_norm_eps", 1e-6 if family == "qwen3_moe" else 1e-5),
+            rms_norm_eps=c.num("rms_norm_eps", 1e-6 if family in ("qwen3_moe", "deepseek_v3", "minimax_m2") else 1e-5),
             tie_word_embeddings=c.bool("tie_word_embeddings", False),
             max_position_embeddings=c.int("max_position_embeddings", 32768),
             init_std=c.num("initializer_range", 0.02),
@@ -174,6 +245,32 @@ class ArchSpec:
                        expert_hidden=I, dense_hidden=I, moe_layers=(True,) * L, scoring="softmax",
                        norm_topk_prob=True, n_group=1, topk_group=1, routed_scaling_factor=1.0,
                        score_bias=False, shared_hidden=0)
+        elif family == "deepseek_v3":
+            spec = cls(**common, **_deepseek_v3(c, heads, kv, yarn))
+        elif family == "gpt_oss":
+            spec = cls(**common, **_gpt_oss(c, L, yarn))
+        elif family == "minimax_m2":
+            c.require("scoring_func", "sigmoid", ("sigmoid",))
+            c.require("use_routing_bias", True, (True,))
+            c.require("use_qk_norm", True, (True,))
+            c.require("qk_norm_type", "per_layer", ("per_layer",))
+            if c.num("router_jitter_noise", 0.0) != 0.0:
+                raise ArchError(f"router_jitter_noise={hf['router_jitter_noise']} is not supported; supported: 0.0")
+            I = c.int("intermediate_size")
+            spec = cls(**common, qk_norm=True, qk_norm_whole=True, qkv_bias=False, o_bias=False,
+                       num_experts=c.int("num_local_experts"), top_k=c.int("num_experts_per_tok"), expert_hidden=I,
+                       dense_hidden=I, moe_layers=(True,) * L, scoring="sigmoid", norm_topk_prob=True, n_group=1,
+                       topk_group=1, routed_scaling_factor=1.0, score_bias=True, shared_hidden=0)
+        elif family == "olmoe":
+            if c.get("clip_qkv", None) is not None:
+                raise ArchError(f"clip_qkv={hf['clip_qkv']} is not supported; supported: null")
+            bias = c.bool("attention_bias", False)
+            I = c.int("intermediate_size")
+            spec = cls(**common, qk_norm=True, qk_norm_whole=True, qkv_bias=bias, o_bias=bias,
+                       num_experts=c.int("num_experts"), top_k=c.int("num_experts_per_tok"), expert_hidden=I,
+                       dense_hidden=I, moe_layers=(True,) * L, scoring="softmax",
+                       norm_topk_prob=c.bool("norm_topk_prob", False), n_group=1, topk_group=1,
+                       routed_scaling_factor=1.0, score_bias=False, shared_hidden=0)
         else:  # glm4_moe
             I_moe = c.int("moe_intermediate_size")
             first_dense = c.int("first_k_dense_replace", 1)
@@ -197,6 +294,16 @@ class ArchSpec:
                        ("expert intermediate size", self.expert_hidden)):
             if v < 1:
                 raise ArchError(f"{key}={v} must be >= 1")
+        if self.attention not in ATTENTIONS:
+            raise ArchError(f"attention={self.attention!r} is not one of {', '.join(ATTENTIONS)}")
+        if self.activation not in ACTIVATIONS:
+            raise ArchError(f"activation={self.activation!r} is not one of {', '.join(ACTIVATIONS)}")
+        if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
+            raise ArchError(f"layer_types has {len(self.sliding_layers)} entries; num_hidden_layers="
+                            f"{self.num_layers}")
+        if any(self.sliding_layers) and self.sliding_window < 1:
+            raise ArchError(f"sliding_window={self.sliding_window} must be >= 1 where layer_types names "
+                            "sliding_attention")
         if self.positions not in POSITIONS:
             raise ArchError(f"positions={self.positions!r} is not one of {', '.join(POSITIONS)}")
         if self.init not in INITS:
@@ -226,23 +333,36 @@ class ArchSpec:
         """Parameters by kind: ``replicated`` (attention, norms, embeddings, head, routers, dense
         and shared MLPs: on every rank), ``per_expert`` (one routed expert's w13 + w2) and
         ``experts`` (all routed experts of all layers); ``total``."""
-        H, D = self.hidden_size, self.head_dim
-        q, kv = self.num_heads * D, self.num_kv_heads * D
-        attn = H * (q + 2 * kv) + q * H
-        attn += (q + 2 * kv) * self.qkv_bias + H * self.o_bias + 2 * D * self.qk_norm
+        H = self.hidden_size
+        attn = self.attention_params()
         n_moe = sum(self.moe_layers)
         n_dense = self.num_layers - n_moe
-        per_expert = 3 * H * self.expert_hidden
+        per_expert = 3 * H * self.expert_hidden + (2 * self.expert_hidden + H) * self.expert_bias
+        router = (H + self.router_bias) * self.num_experts
         replicated = (
             self.num_layers * (attn + 2 * H)  # attention + its two norms
             + n_dense * 3 * H * self.dense_hidden
-            + n_moe * (H * self.num_experts + 3 * H * self.shared_hidden)  # routers, shared experts
+            + n_moe * (router + 3 * H * self.shared_hidden)  # routers, shared experts
             + self.vocab_size * H * (1 if self.tie_word_embeddings else 2) + H  # embeddings, head, final norm
             + (self.max_position_embeddings * H if self.positions == "learned" else 0)
         )
         experts = n_moe * self.num_experts * per_expert
         return {"replicated": replicated, "per_expert": per_expert, "experts": experts,
                 "total": replicated + experts}
+
+    def attention_params(self) -> int:
+        """Parameters of one block's attention: q/k/v/o (GQA) or MLA's low-rank projections and
+        their norms; biases, q/k norms and sinks where the spec has them."""
+        H, D, heads = self.hidden_size, self.head_dim, self.num_heads
+        if self.attention == "mla":
+            qr, kvr, R, V = self.q_lora_rank, self.kv_lora_rank, self.rotary_dim, self.v_head_dim or D
+            q = (H * qr + qr * self.qkv_bias + qr + qr * heads * D) if qr else H * heads * D
+            kv = H * (kvr + R) + (kvr + R) * self.qkv_bias + kvr + kvr * heads * (D - R + V)
+            return q + kv + heads * V * H + H * self.o_bias
+        q, kv = heads * D, self.num_kv_heads * D
+        attn = H * (q + 2 * kv) + q * H
+        norms = (q + kv if self.qk_norm_whole else 2 * D) * self.qk_norm
+        return attn + (q + 2 * kv) * self.qkv_bias + H * self.o_bias + norms + heads * self.attn_sinks
 
     def memory_per_rank(self, world_size: int, clone_slots: int = 0, bytes_per_param: int = 16, *,
                         moments: str = "float32", zero_stage: int = 0, elem: int = 2,
@@ -383,6 +503,10 @@ class ArchSpec:
                           self.expert_hidden, self.top_k)
         norm = (2 * 2 + elem) * H  # float32 copy + its normalised cast
         attn = norm + elem * (3 * q + 4 * kv) + elem * (q + kv) * 2 * self.qk_norm + elem * 2 * q
+        if self.attention == "mla":  # q, the expanded keys and values, the output; the latents and their norm
+            V = self.num_heads * (self.v_head_dim or self.head_dim)
+            lat = self.kv_lora_rank + self.rotary_dim + self.q_lora_rank
+            attn = norm + elem * (3 * q + 2 * q + 2 * V + 2 * V) + (4 + elem) * 2 * lat
         ranks = min(K, world_size) if world_size > 1 else 1
         moe = norm + 12 * self.num_experts + elem * H * ranks + K * 3 * elem * I + 4 * elem * self.shared_hidden
         dense = norm + 4 * elem * self.dense_hidden
@@ -428,25 +552,106 @@ def family_of(hf: Mapping[str, Any]) -> str:
         if model_type is None:
             raise ArchError(f"the HF config has no model_type and architectures={archs} names none of "
                             f"{', '.join(ARCHITECTURES.values())}")
+    model_type = ALIASES.get(model_type, model_type)
     if model_type not in FAMILIES:
         raise ArchError(f"model_type={model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
     return model_type
 
 
-def _rope(c: "_Keys", family: str) -> tuple[float, float]:
-    """(rope_theta, partial_rotary_factor) from ``rope_parameters`` (transformers 5) or the
-    top-level ``rope_theta`` / ``rope_scaling`` / ``partial_rotary_factor`` (older configs)."""
+def _rope(c: "_Keys", family: str) -> tuple[float, float, Yarn | None]:
+    """(rope_theta, partial_rotary_factor, YaRN or None) from ``rope_parameters`` (transformers 5)
+    or the top-level ``rope_theta`` / ``rope_scaling`` / ``partial_rotary_factor`` (older
+    configs). YaRN is read for deepseek_v3 and gpt_oss (whose transformers code this follows;
+    gpt-oss's default is YaRN x32), every other rope type is refused."""
     params = c.get("rope_parameters", None) or {}
     scaling = c.get("rope_scaling", None) or {}
+    if family == "gpt_oss" and not params and not scaling:
+        scaling = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                   "original_max_position_embeddings": 4096}
+    yarn = None
     for where, d in (("rope_parameters", params), ("rope_scaling", scaling)):
         kind = d.get("rope_type", d.get("type", "default"))
-        if kind != "default":
-            raise ArchError(f"{where}.rope_type={kind!r} is not supported; supported: default")
-    theta = float(params.get("rope_theta", c.get("rope_theta", 1e6 if family == "mixtral" else 10000.0)))
+        if kind == "yarn" and family in ("deepseek_v3", "gpt_oss"):
+            yarn = _yarn(c, where, d)
+        elif kind != "default":
+            allowed = "default, yarn" if family in ("deepseek_v3", "gpt_oss") else "default"
+            raise ArchError(f"{where}.rope_type={kind!r} is not supported for {family}; supported: {allowed}")
+    default_theta = {"mixtral": 1e6, "gpt_oss": 150000.0, "minimax_m2": 5e6}.get(family, 10000.0)
+    theta = float(params.get("rope_theta", c.get("rope_theta", default_theta)))
     partial = 1.0
     if family == "glm4_moe":  # the only family whose transformers code reads it (default 0.5)
         partial = float(params.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.5)))
-    return theta, partial
+    return theta, partial, yarn
+
+
+def _yarn(c: "_Keys", where: str, d: Mapping[str, Any]) -> Yarn:
+    """:class:`Yarn` of a ``rope_parameters`` / ``rope_scaling`` dict, as transformers reads it."""
+    if "original_max_position_embeddings" not in d:
+        raise ArchError(f"{where} (yarn) has no 'original_max_position_embeddings'")
+    original = int(d["original_max_position_embeddings"])
+    factor = d.get("factor")
+    factor = float(factor) if factor is not None else c.int("max_position_embeddings") / original
+    attention_factor = d.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = d.get("mscale"), d.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    return Yarn(factor=factor, original_max_position_embeddings=original,
+                beta_fast=float(d.get("beta_fast") or 32), beta_slow=float(d.get("beta_slow") or 1),
+                truncate=bool(d.get("truncate", True)), attention_factor=float(attention_factor))
+
+
+def _rope_dict(c: "_Keys") -> Mapping[str, Any]:
+    return c.get("rope_parameters", None) or c.get("rope_scaling", None) or {}
+
+
+def _deepseek_v3(c: "_Keys", heads: int, kv: int, yarn: Yarn | None) -> dict[str, Any]:
+    """The deepseek_v3 fields of an :class:`ArchSpec` (GLM's MoE blocks + MLA)."""
+    if kv != heads:
+        raise ArchError(f"num_key_value_heads={kv} is not supported for deepseek_v3 (multi-head latent "
+                        f"attention expands every head); supported: num_attention_heads={heads}")
+    for key, allowed in (("topk_method", ("noaux_tc",)), ("scoring_func", ("sigmoid",))):
+        c.require(key, allowed[0], allowed)
+    head_dim = c.int("qk_nope_head_dim") + c.int("qk_rope_head_dim")
+    scale = head_dim ** -0.5
+    rope = _rope_dict(c)
+    if yarn is not None and rope.get("mscale_all_dim"):  # transformers' yarn_apply_mscale
+        m = yarn_mscale(yarn.factor, rope["mscale_all_dim"])
+        scale = scale * m * m
+    I_moe = c.int("moe_intermediate_size")
+    first_dense = c.int("first_k_dense_replace", 3)
+    L = c.int("num_hidden_layers")
+    return dict(qk_norm=False, qkv_bias=c.bool("attention_bias", False), o_bias=c.bool("attention_bias", False),
+                num_experts=c.int("n_routed_experts"), top_k=c.int("num_experts_per_tok"),
+                expert_hidden=I_moe, dense_hidden=c.int("intermediate_size"),
+                moe_layers=tuple(i >= first_dense for i in range(L)), scoring="sigmoid",
+                norm_topk_prob=c.bool("norm_topk_prob", True), n_group=c.int("n_group", 1) or 1,
+                topk_group=c.int("topk_group", 1) or 1, routed_scaling_factor=c.num("routed_scaling_factor", 1.0),
+                score_bias=True, shared_hidden=I_moe * c.int("n_shared_experts", 1),
+                attention="mla", q_lora_rank=c.int("q_lora_rank", None) or 0, kv_lora_rank=c.int("kv_lora_rank"),
+                v_head_dim=c.int("v_head_dim"), rope_interleave=c.bool("rope_interleave", True), yarn=yarn,
+                attn_scale=scale)
+
+
+def _gpt_oss(c: "_Keys", L: int, yarn: Yarn | None) -> dict[str, Any]:
+    """The gpt_oss fields of an :class:`ArchSpec`."""
+    types = c.get("layer_types", None) or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                           for i in range(L)]
+    for t in types:
+        if t not in ("sliding_attention", "full_attention"):
+            raise ArchError(f"layer_types has {t!r}; supported: sliding_attention, full_attention")
+    window = c.int("sliding_window", None) or 0
+    bias = c.bool("attention_bias", True)
+    return dict(qk_norm=False, qkv_bias=bias, o_bias=bias, num_experts=c.int("num_local_experts"),
+                top_k=c.int("num_experts_per_tok"), expert_hidden=c.int("intermediate_size"),
+                dense_hidden=c.int("intermediate_size"), moe_layers=(True,) * L, scoring="softmax",
+                norm_topk_prob=True, n_group=1, topk_group=1, routed_scaling_factor=1.0, score_bias=False,
+                shared_hidden=0, yarn=yarn, sliding_window=window,
+                sliding_layers=tuple(t == "sliding_attention" for t in types), attn_sinks=True, router_bias=True,
+                expert_bias=True, activation="clamped_swiglu", swiglu_alpha=c.num("swiglu_alpha", 1.702),
+                swiglu_limit=c.num("swiglu_limit", 7.0))
 
 
 class _Keys:
@@ -525,6 +730,88 @@ _PRESETS = MappingProxyType({
         "attention_dropout": 0.0, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
         "initializer_range": 0.02, "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338],
     }),
+    "deepseek-v3": MappingProxyType({
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+        "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+        "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+        "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
+        "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                              "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                              "type": "yarn"},
+        "attention_bias": False, "attention_dropout": 0.0, "num_nextn_predict_layers": 1,
+        "tie_word_embeddings": False, "initializer_range": 0.02, "bos_token_id": 0, "eos_token_id": 1,
+    }),
+    "kimi-k2": MappingProxyType({
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 163840,
+        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+        "num_attention_heads": 64, "num_key_value_heads": 64, "n_shared_experts": 1, "n_routed_experts": 384,
+        "routed_scaling_factor": 2.827, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 1, "topk_group": 1,
+        "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
+        "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+        "rope_theta": 50000.0, "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0,
+                                                "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                                "type": "yarn"},
+        "attention_bias": False, "attention_dropout": 0.0, "num_nextn_predict_layers": 0,
+        "tie_word_embeddings": False, "initializer_range": 0.02, "bos_token_id": 163584, "eos_token_id": 163585,
+    }),
+    "moonlight-16b-a3b": MappingProxyType({
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 163840,
+        "hidden_size": 2048, "intermediate_size": 11264, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 2, "n_routed_experts": 64,
+        "routed_scaling_factor": 2.446, "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 1, "topk_group": 1,
+        "num_experts_per_tok": 6, "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
+        "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+        "rope_theta": 50000.0, "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0,
+        "tie_word_embeddings": False, "initializer_range": 0.02, "bos_token_id": 163584, "eos_token_id": 163585,
+    }),
+    "gpt-oss-20b": MappingProxyType({
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880,
+        "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4,
+        "sliding_window": 128,  # layer_types: the published alternation (sliding first), transformers' default
+        "rope_theta": 150000, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                               "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                               "truncate": False},
+        "max_position_embeddings": 131072, "initial_context_length": 4096, "rms_norm_eps": 1e-5,
+        "swiglu_limit": 7.0, "attention_bias": True, "attention_dropout": 0.0, "hidden_act": "silu",
+        "router_aux_loss_coef": 0.9, "tie_word_embeddings": False, "initializer_range": 0.02,
+        "eos_token_id": 200002, "pad_token_id": 199999,
+    }),
+    "gpt-oss-120b": MappingProxyType({
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880,
+        "intermediate_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "head_dim": 64, "num_local_experts": 128, "num_experts_per_tok": 4, "experts_per_token": 4,
+        "sliding_window": 128,  # layer_types: the published alternation (sliding first), transformers' default
+        "rope_theta": 150000, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                               "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                               "truncate": False},
+        "max_position_embeddings": 131072, "initial_context_length": 4096, "rms_norm_eps": 1e-5,
+        "swiglu_limit": 7.0, "attention_bias": True, "attention_dropout": 0.0, "hidden_act": "silu",
+        "router_aux_loss_coef": 0.9, "tie_word_embeddings": False, "initializer_range": 0.02,
+        "eos_token_id": 200002, "pad_token_id": 199999,
+    }),
+    "olmoe-1b-7b": MappingProxyType({
+        "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "vocab_size": 50304, "hidden_size": 2048,
+        "intermediate_size": 1024, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False, "hidden_act": "silu",
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None,
+        "attention_bias": False, "attention_dropout": 0.0, "clip_qkv": None, "router_aux_loss_coef": 0.01,
+        "tie_word_embeddings": False, "initializer_range": 0.02, "pad_token_id": 1, "eos_token_id": 50279,
+    }),
+    "minimax-m2": MappingProxyType({
+        "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "vocab_size": 200064,
+        "hidden_size": 3072, "intermediate_size": 1536, "num_hidden_layers": 62, "num_attention_heads": 48,
+        "num_key_value_heads": 8, "head_dim": 128, "rotary_dim": 64, "num_local_experts": 256,
+        "num_experts_per_tok": 8, "scoring_func": "sigmoid", "use_routing_bias": True, "use_qk_norm": True,
+        "qk_norm_type": "per_layer", "hidden_act": "silu", "max_position_embeddings": 196608, "rms_norm_eps": 1e-6,
+        "rope_theta": 5000000, "router_jitter_noise": 0.0, "attention_dropout": 0.0, "router_aux_loss_coef": 0.001,
+        "tie_word_embeddings": False, "initializer_range": 0.02, "bos_token_id": 200034, "eos_token_id": 200020,
+    }),
     "qwen3_moe-tiny": MappingProxyType({
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 256,
         "hidden_size": 96, "intermediate_size": 256, "moe_intermediate_size": 128, "num_hidden_layers": 3,
@@ -551,6 +838,28 @@ _PRESETS = MappingProxyType({
         "partial_rotary_factor": 0.5, "rope_theta": 10000.0, "attention_bias": True, "use_qk_norm": False,
         "hidden_act": "silu", "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "attention_dropout": 0.0,
         "num_nextn_predict_layers": 0, "tie_word_embeddings": False, "initializer_range": 0.02,
+    }),
+    "deepseek_v3-tiny": MappingProxyType({
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 256,
+        "hidden_size": 96, "intermediate_size": 256, "moe_intermediate_size": 96, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 12,
+        "routed_scaling_factor": 2.5, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8,
+        "v_head_dim": 16, "qk_nope_head_dim": 16, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1, "norm_topk_prob": True, "hidden_act": "silu", "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 128},
+        "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False, "initializer_range": 0.02,
+    }),
+    "gpt_oss-tiny": MappingProxyType({
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 256, "hidden_size": 96,
+        "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 24, "num_local_experts": 12, "num_experts_per_tok": 2, "sliding_window": 32,
+        "layer_types": ["sliding_attention", "full_attention"], "rope_theta": 150000.0,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "original_max_position_embeddings": 128, "truncate": False},
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "swiglu_limit": 7.0, "attention_bias": True,
+        "attention_dropout": 0.0, "hidden_act": "silu", "tie_word_embeddings": False, "initializer_range": 0.02,
     }),
 })
 PRESETS = tuple(_PRESETS)

@@ -51,6 +51,35 @@ TINY = MappingProxyType({
                      n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
                      routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True, use_qk_norm=True,
                      partial_rotary_factor=0.5, max_position_embeddings=128, num_nextn_predict_layers=0)),
+    # MLA with q and kv ranks, interleaved rope, YaRN with its softmax-scale correction
+    "deepseek_v3": MappingProxyType(dict(model_type="deepseek_v3", vocab_size=272, hidden_size=32,
+                        intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
+                        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
+                        num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1,
+                        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                        max_position_embeddings=128, rope_interleave=True,
+                        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0,
+                                             mscale_all_dim=1.0, original_max_position_embeddings=32,
+                                             beta_fast=32, beta_slow=1))),
+    # sinks, a window shorter than the test sequences on layer 0, YaRN, biases, a clamp that binds
+    "gpt_oss": MappingProxyType(dict(model_type="gpt_oss", vocab_size=272, hidden_size=32, intermediate_size=16,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    num_local_experts=8, num_experts_per_tok=2, sliding_window=5,
+                    layer_types=["sliding_attention", "full_attention"], swiglu_limit=1.0,
+                    max_position_embeddings=128, attention_bias=True,
+                    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
+                                         beta_slow=1.0, original_max_position_embeddings=32, truncate=False))),
+    # q/k norms over the whole projection, softmax top-k not renormalised
+    "olmoe": MappingProxyType(dict(model_type="olmoe", vocab_size=272, hidden_size=32, intermediate_size=16,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                  num_experts_per_tok=2, norm_topk_prob=False, max_position_embeddings=128)),
+    # whole-projection q/k norms, partial RoPE, sigmoid routing with the balancing bias
+    "minimax_m2": MappingProxyType(dict(model_type="minimax_m2", vocab_size=272, hidden_size=32, intermediate_size=16,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       num_local_experts=8, num_experts_per_tok=3, max_position_embeddings=128, eos_token_id=None,
+                       bos_token_id=None, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                               partial_rotary_factor=0.5))),
 })
 
 
@@ -87,17 +116,29 @@ def probe_names(spec: ArchSpec) -> dict[str, Any]:
     experts (all of them) are compared."""
     moe = next(i for i, m in enumerate(spec.moe_layers) if m)
     names = ["embed_tokens.weight", f"layers.{moe}.mlp.routed.router"]
-    names += [f"layers.{moe}.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    if spec.qk_norm:
-        names.append(f"layers.{moe}.self_attn.q_norm.weight")
-    if spec.qkv_bias:
-        names.append(f"layers.{moe}.self_attn.q_proj.bias")
+    for layer in sorted({moe, spec.num_layers - 1}):  # gpt-oss: a sliding and a full layer
+        names += [f"layers.{layer}.self_attn.{p}" for p in _attention_probes(spec)]
+    if spec.router_bias:
+        names.append(f"layers.{moe}.mlp.routed.router_bias")
     if spec.shared_hidden:
         names += [f"layers.{moe}.mlp.shared_experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
     dense = next((i for i, m in enumerate(spec.moe_layers) if not m), None)
     if dense is not None:
         names += [f"layers.{dense}.mlp.{p}.weight" for p in ("gate_proj", "down_proj")]
     return {"replicated": names, "moe_layer": moe}
+
+
+def _attention_probes(spec: ArchSpec) -> list[str]:
+    """The attention parameters compared, under ``self_attn.``."""
+    if spec.attention == "mla":
+        q = ["q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"] if spec.q_lora_rank else ["q_proj.weight"]
+        return q + ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"]
+    names = [f"{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    names += ["q_norm.weight"] * spec.qk_norm + ["q_proj.bias"] * spec.qkv_bias + ["o_proj.bias"] * spec.o_bias
+    return names + ["sinks"] * spec.attn_sinks
+
+
+EXPERT_PARTS = ("w13", "w2", "b13", "b2")  # the expert tensors compared (biases where the spec has them)
 
 
 def parity_config(path: str | Path, world_size: int, batch: int, seq_len: int, dtype: str = "float32",
@@ -137,8 +178,8 @@ def reference(config: Config, arch: ResolvedArch, ids: torch.Tensor, dtype: torc
     for name in probes["replicated"]:
         out[name] = replicated_tensor(spec, grads, name).clone()
     for e in range(spec.num_experts):
-        w13, w2 = expert_tensors(spec, grads, probes["moe_layer"], e)
-        out[f"expert.{e}.w13"], out[f"expert.{e}.w2"] = w13.clone(), w2.clone()
+        for part, t in zip(EXPERT_PARTS, expert_tensors(spec, grads, probes["moe_layer"], e)):
+            out[f"expert.{e}.{part}"] = t.clone()
     return out
 
 
@@ -207,8 +248,8 @@ def model_parity(worker: Any, config: Config, arch: ResolvedArch, ids: torch.Ten
             errs[name] = rel_err(params[name].grad, expected[name])
         layer = _moe_layer(model, probes["moe_layer"])
         for slot, e in enumerate(layer.native_experts):
-            errs[f"expert.{e}.w13"] = rel_err(layer.w13.grad[slot], expected[f"expert.{e}.w13"])
-            errs[f"expert.{e}.w2"] = rel_err(layer.w2.grad[slot], expected[f"expert.{e}.w2"])
+            for part, p in zip(EXPERT_PARTS, layer.expert_params()):
+                errs[f"expert.{e}.{part}"] = rel_err(p.grad[slot], expected[f"expert.{e}.{part}"])
         results["native" if placement is None else "clones"] = errs
     return results
 

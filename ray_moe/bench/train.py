@@ -46,6 +46,11 @@ gradients' error against the full-logits float32 oracle, and time ratios against
 the first). Runs on the CPU at tiny sizes (the fused kernel there only under
 ``TRITON_INTERPRET=1``).
 
+``--experts N`` cuts the preset's routed experts so that a layer of a large model's shape fits
+one GPU (DeepSeek-V3: hidden 7168, MLA, experts of 2048, top-8); ``--attention-share`` adds each
+row's attention time (every block's attention half, forward and backward, timed alone) and its
+share of the step.
+
 Both modes print a table and (``--json``) write the rows with the setup.
 """
 
@@ -58,6 +63,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -122,14 +128,68 @@ def engine_config(args: argparse.Namespace, layers: int):
     from ray_moe.config import Config
 
     batch = max(1, args.tokens // args.seq_len)
+    hf = {"num_hidden_layers": layers, **expert_cut(args.preset, args.experts)}
     keys = [
-        f"model.hf_config={args.preset}", f"model.hf={json.dumps({'num_hidden_layers': layers})}",
+        f"model.hf_config={args.preset}", f"model.hf={json.dumps(hf)}",
         f"model.seq_len={args.seq_len}", f"model.dtype={args.dtype}", "parallel.world_size=1",
         f"parallel.device={args.device}", f"data.max_bytes={args.max_bytes}", f"train.batch_size={batch}",
         "train.steps=1000", "train.warmup_steps=0", "train.lr=3e-4", "train.grad_clip=1.0", "train.plots=false",
         *args.set,
     ]
     return Config().with_overrides(keys)
+
+
+EXPERT_KEYS = MappingProxyType({"qwen3_moe": "num_experts", "mixtral": "num_local_experts",
+                                "glm4_moe": "n_routed_experts", "deepseek_v3": "n_routed_experts",
+                                "gpt_oss": "num_local_experts"})
+
+
+def expert_cut(preset: str, experts: int) -> dict[str, Any]:
+    """HF keys that cut ``preset``'s routed experts to ``experts`` (0: none) so that a layer of the
+    real shape fits one GPU: the family's expert count, expert groups at most ``experts / 2`` (each
+    group keeps two, the group score's), ``topk_group`` at most the groups; the first dense layers
+    stay (``--set model.hf.first_k_dense_replace=0`` makes every layer an MoE layer)."""
+    if not experts:
+        return {}
+    from ray_moe.arch import family_of, load_hf_config
+
+    hf = load_hf_config(preset)
+    out: dict[str, Any] = {EXPERT_KEYS[family_of(hf)]: experts}
+    if int(hf.get("n_group") or 1) > 1:
+        groups = min(int(hf["n_group"]), max(1, experts // 2))
+        out.update(n_group=groups, topk_group=min(int(hf.get("topk_group") or 1), groups))
+    return out
+
+
+def attention_ms(engine: Any, args: argparse.Namespace, compiled: bool) -> float:
+    """Milliseconds of every block's attention half (norm, attention, residual; the compiled region
+    with ``compiled``), forward and backward, at the step's batch shape: the median of
+    ``args.iters`` timings after ``args.warmup`` (CUDA events; host time on the CPU)."""
+    from ray_moe.model.rope import rope_tables
+
+    model, spec = engine.model, engine.model.spec
+    device = next(model.parameters()).device
+    dtype = model.embed_tokens.weight.dtype
+    B, L = max(1, args.tokens // args.seq_len), args.seq_len
+    x = torch.randn(B, L, spec.hidden_size, device=device, dtype=dtype, requires_grad=True)
+    cos, sin = rope_tables(L, spec.rotary_dim, spec.rope_theta, device, dtype, spec.yarn)
+
+    def once() -> None:
+        for layer in model.layers:
+            y = layer.regions.attention(layer, x, cos, sin) if compiled else layer.attention_half(x, cos, sin)
+            y.backward(torch.ones_like(y))
+
+    for _ in range(max(args.warmup, 1)):
+        once()
+    times = []
+    for _ in range(args.iters):
+        m = Marks(device)
+        m.mark("start")
+        once()
+        m.mark("attention")
+        times.append(m.ms()["attention"])
+    model.zero_grad(set_to_none=True)
+    return statistics.median(times)
 
 
 def instrumented_step(engine: Any) -> dict[str, float]:
@@ -161,6 +221,9 @@ def ray_moe_rows(args: argparse.Namespace, layers: int, compiled: bool = False) 
                activation_checkpointing=engine.config.model.activation_checkpointing,
                params_replicated=sum(p.numel() for p in engine.replicated),
                params_expert=sum(p.numel() for p in engine.sharded), **first)
+    if args.attention_share:
+        row["attention ms"] = attention_ms(engine, args, compiled)
+        row["attention share"] = row["attention ms"] / row["step ms"]
     del engine
     free(device)
     return row
@@ -478,11 +541,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--titan-ac", choices=["none", "selective", "full"], default="none",
                    help="torchtitan's activation checkpointing (its apply_ac; selective is its default, "
                         "full matches model.activation_checkpointing=full)")
+    p.add_argument("--experts", type=int, default=0,
+                   help="cut the preset's routed experts to this many (0: as published), e.g. a DeepSeek-V3 "
+                        "layer on one GPU; its expert groups follow (see expert_cut)")
+    p.add_argument("--attention-share", action="store_true",
+                   help="also time every block's attention half, forward and backward, alone: the 'attention "
+                        "ms' column and its share of the step")
     p.add_overrides("ray_moe's rows")
     p.add_argument("--json", default=None, help="write the rows and the setup here")
     args = p.parse_args(argv)
     if not all(n.strip().isdigit() and int(n) >= 1 for n in args.layers.split(",")):
         p.error(f"--layers={args.layers!r} must be a comma list of positive integers")
+    if args.experts < 0:
+        p.error(f"--experts={args.experts} must be >= 0")
     if args.titan_compile and args.titan == "no":
         p.error("--titan-compile compiles torchtitan's model; it needs --titan auto or yes")
     return args
@@ -516,6 +587,8 @@ def main(argv: list[str]) -> int:
         _print_table(rows)
     else:
         titan_error = titan_import_error() if args.titan != "no" else "not asked for"
+        if not titan_error and _family(args.preset) != "qwen3_moe":
+            titan_error = f"the torchtitan rows build its Qwen3 model only; --preset {args.preset} is not qwen3_moe"
         if args.titan == "yes" and titan_error:
             print(f"ray-moe bench train: error: --titan yes but torchtitan does not import ({titan_error}); "
                   "build it with scripts/make-titan-bundle.sh", file=sys.stderr)
@@ -546,6 +619,12 @@ def main(argv: list[str]) -> int:
         _print_table(rows)
     _write_json(args, device, titan_error, rows)
     return 0
+
+
+def _family(preset: str) -> str:
+    from ray_moe.arch import family_of, load_hf_config
+
+    return family_of(load_hf_config(preset))
 
 
 def _write_json(args: argparse.Namespace, device: torch.device, titan: str | None, rows: list[dict]) -> None:

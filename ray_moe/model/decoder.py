@@ -1,5 +1,5 @@
 """The one decoder: the byte-level model and the Hugging Face MoE families (Qwen3-MoE, Mixtral,
-GLM-4.5 / DeepSeek-V3-style blocks), built from an :class:`~ray_moe.arch.ArchSpec`.
+GLM-4.5, DeepSeek-V3 with latent attention, gpt-oss), built from an :class:`~ray_moe.arch.ArchSpec`.
 
 Embeddings, attention, norms, dense layers and shared experts are replicated (data parallel);
 every routed-expert FFN is an expert-parallel :class:`~ray_moe.model.moe.MoELayer` (dispatch,
@@ -29,8 +29,9 @@ from torch.nn.utils import skip_init
 from ray_moe.arch import ArchSpec
 from ray_moe.comm.base import Transport
 from ray_moe.config import Config, torch_dtype
-from ray_moe.model.attention import Attention
+from ray_moe.model.attention import Attention, make_attention
 from ray_moe.model.expert_choice import ExpertImplChooser
+from ray_moe.model.experts import ExpertActivation
 from ray_moe.model.kv_cache import KVCache
 from ray_moe.model.mlp import GatedMLP
 from ray_moe.model.moe import MoELayer, MoELayerSpec
@@ -99,10 +100,11 @@ class DecoderLayer(nn.Module):
     eager or compiled; a forward with a KV cache always runs them eagerly: its shapes change every
     token)."""
 
-    def __init__(self, spec: ArchSpec, mlp: nn.Module, checkpointing: str, device: torch.device | str):
+    def __init__(self, spec: ArchSpec, mlp: nn.Module, checkpointing: str, device: torch.device | str,
+                 layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device)
-        self.self_attn = Attention(spec, device)
+        self.self_attn = make_attention(spec, device, layer)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device)
         self.mlp = mlp
         self.checkpointing = check_mode(checkpointing)
@@ -162,7 +164,8 @@ def moe_layer_spec(spec: ArchSpec, config: Config) -> MoELayerSpec:
     return MoELayerSpec(spec.hidden_size, spec.num_experts, spec.top_k, spec.expert_hidden, routing=routing,
                         dtype=torch_dtype(config.model.dtype), expert_impl=e.expert_impl,
                         aux_loss_coef=e.aux_loss_coef, clone_slots=config.balance.clone_slots,
-                        seed=config.train.seed)
+                        seed=config.train.seed, router_bias=spec.router_bias, expert_bias=spec.expert_bias,
+                        activation=ExpertActivation(spec.activation, spec.swiglu_alpha, spec.swiglu_limit))
 
 
 class Decoder(nn.Module):
@@ -200,7 +203,7 @@ class Decoder(nn.Module):
                 mlp: nn.Module = MoEBlock(routed, shared)
             else:
                 mlp = GatedMLP(H, spec.dense_hidden, device)
-            layers.append(DecoderLayer(spec, mlp, config.model.activation_checkpointing, device))
+            layers.append(DecoderLayer(spec, mlp, config.model.activation_checkpointing, device, i))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(H, spec.rms_norm_eps, device)
         self.lm_head = skip_init(nn.Linear, H, spec.vocab_size, bias=False, device=device)
@@ -211,7 +214,7 @@ class Decoder(nn.Module):
         if init:
             self.init_weights(torch.Generator().manual_seed(self.seed))
         for name, p in self.named_parameters():  # experts are built in dtype; routers stay float32
-            if getattr(p, "expert_shard", None) is None and not name.endswith(".router"):
+            if getattr(p, "expert_shard", None) is None and not name.endswith((".router", ".router_bias")):
                 p.data = p.data.to(dtype=dtype)
 
     @torch.no_grad()
@@ -237,6 +240,8 @@ class Decoder(nn.Module):
                     module.bias.zero_()
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+            if isinstance(module, Attention) and module.sinks is not None:
+                module.sinks.copy_(torch.randn(module.sinks.shape, generator=generator) * std)
         if self.embed_positions is not None:
             self.embed_positions.copy_(torch.randn(self.embed_positions.shape, generator=generator) * std)
 
@@ -272,7 +277,8 @@ class Decoder(nn.Module):
             x = x + self.embed_positions[start:start + L]
             cos = sin = None
         else:
-            cos, sin = rope_tables(start + L, self.spec.rotary_dim, self.spec.rope_theta, x.device, x.dtype)
+            cos, sin = rope_tables(start + L, self.spec.rotary_dim, self.spec.rope_theta, x.device, x.dtype,
+                                   self.spec.yarn)
             cos, sin = cos[start:], sin[start:]
         aux = x.new_zeros((), dtype=torch.float32)
         for i, layer in enumerate(self.layers):

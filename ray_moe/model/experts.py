@@ -4,7 +4,9 @@ single-process oracle.
 Weight layout (shared by every implementation and by checkpoints):
     w13: [S, H, 2I]  gate in ``[..., :I]``, up in ``[..., I:]`` (split, not interleaved)
     w2:  [S, I, H]
-    expert(x) = (silu(x @ gate) * (x @ up)) @ w2
+    b13: [S, 2I], b2: [S, H]  optional biases (gpt-oss), in the same layout
+    expert(x) = act(x @ w13 + b13) @ w2 + b2, act (:class:`ExpertActivation`) = silu(gate) * up,
+    or gpt-oss's clamped (up + 1) · gate · σ(α · gate)
 
 ``expert_ffn`` is the expert side of a layer. Its input is what a rank received from dispatch:
 rows ``x [R, H]``, and per row up to K (slot, weight) pairs (slot -1 = that k went elsewhere).
@@ -30,6 +32,32 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+@dataclass(frozen=True)
+class ExpertActivation:
+    """The experts' gated activation, [N, 2I] gate|up → [N, I]: ``swiglu`` (silu(gate) · up) or
+    ``clamped_swiglu`` (gpt-oss: gate clamped above at ``limit``, up to ±``limit``, then
+    (up + 1) · gate · σ(``alpha`` · gate), in transformers' order of operations)."""
+
+    kind: str = "swiglu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("swiglu", "clamped_swiglu"):
+            raise ValueError(f"expert activation {self.kind!r} is not one of swiglu, clamped_swiglu")
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        if self.kind == "swiglu":
+            return swiglu(h)
+        gate, up = h.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+SWIGLU = ExpertActivation()
+
+
 def expert_ffn(
     x: torch.Tensor,
     slot: torch.Tensor,
@@ -38,6 +66,9 @@ def expert_ffn(
     w2: torch.Tensor,
     impl: str = "auto",
     wgrad: str = "triton",
+    act: ExpertActivation = SWIGLU,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Weighted SwiGLU experts over received rows.
 
@@ -49,17 +80,25 @@ def expert_ffn(
         impl: auto | loop | grouped_mm | triton (auto: triton on Hopper bf16, else loop; MoELayer
             goes further and measures per shape, see ray_moe.model.expert_choice).
         wgrad: with triton, who computes the weight gradients: triton | grouped_mm | quack.
+        act: the gated activation (:class:`ExpertActivation`); b13 [S, 2I], b2 [S, H]: optional
+            biases of the up (gate|up) and down projections (both or neither).
     Returns:
         [R, H] in x.dtype: sum_k weight[r, k] * expert_{slot[r, k]}(x[r]); rows with no valid k are 0.
         Differentiable w.r.t. x, weight, w13 and w2.
     """
     impl = resolve_impl(impl, x)
+    if impl == "triton" and (b13 is not None or act != SWIGLU):
+        # The Triton grouped-GEMM kernels have no bias or clamped-SwiGLU epilogue yet: experts with
+        # biases or gpt-oss's activation run on torch._grouped_mm (the same sync-free grouping).
+        impl = "grouped_mm"
+    if (b13 is None) != (b2 is None):
+        raise ValueError("expert biases come in pairs: pass both b13 and b2, or neither")
     if wgrad not in ("triton", "grouped_mm", "quack"):  # kernels.grouped_swiglu.WGRAD_BACKENDS
         raise ValueError(f"wgrad {wgrad!r} is not one of triton, grouped_mm, quack")
     if impl == "loop":
-        return _expert_ffn_loop(x, slot, weight, w13, w2)
+        return _expert_ffn_loop(x, slot, weight, w13, w2, act, b13, b2)
     if impl == "grouped_mm":
-        return _expert_ffn_grouped_mm(x, slot, weight, w13, w2)
+        return _expert_ffn_grouped_mm(x, slot, weight, w13, w2, act, b13, b2)
     if impl == "triton":
         from dataclasses import replace
 
@@ -81,24 +120,32 @@ def resolve_impl(impl: str, x: torch.Tensor) -> str:
     return "loop"
 
 
-def _expert_ffn_loop(x, slot, weight, w13, w2):
+def _expert_ffn_loop(x, slot, weight, w13, w2, act=SWIGLU, b13=None, b2=None):
     R, K = slot.shape
     out = torch.zeros_like(x)
     flat_slot = slot.reshape(-1)
     for s in torch.unique(flat_slot[flat_slot >= 0]).tolist():
         pair = (flat_slot == s).nonzero().squeeze(1)
         rows = pair // K
-        h = swiglu(x[rows] @ w13[s]) @ w2[s]
+        up = x[rows] @ w13[s]
+        if b13 is not None:
+            up = up + b13[s]
+        h = act(up) @ w2[s]
+        if b2 is not None:
+            h = h + b2[s]
         w = weight.reshape(-1)[pair].to(h.dtype).unsqueeze(1)
         out = out.index_add(0, rows, h * w)
     if not out.requires_grad and torch.is_grad_enabled():
         # No pair landed here. Keep the output on the autograd graph anyway: the transports'
         # backward passes are collectives, and every rank must reach them.
-        out = out + 0 * (x.sum() + weight.sum() + w13.sum() + w2.sum()).to(out.dtype)
+        tied = x.sum() + weight.sum() + w13.sum() + w2.sum()
+        if b13 is not None:
+            tied = tied + b13.sum() + b2.sum()
+        out = out + 0 * tied.to(out.dtype)
     return out
 
 
-def _expert_ffn_grouped_mm(x, slot, weight, w13, w2):
+def _expert_ffn_grouped_mm(x, slot, weight, w13, w2, act=SWIGLU, b13=None, b2=None):
     R, K = slot.shape
     S = w13.shape[0]
     key = torch.where(slot >= 0, slot, S).reshape(-1).long()  # padding pairs sort last
@@ -110,8 +157,15 @@ def _expert_ffn_grouped_mm(x, slot, weight, w13, w2):
     valid = (key[order] < S).unsqueeze(1)
     # Rows past the last group are never written by _grouped_mm: mask them in both directions.
     xs = torch.where(valid, x[rows], 0)
-    h = torch.where(valid, torch._grouped_mm(xs, w13, offs=offs), 0)
-    y = torch.where(valid, torch._grouped_mm(swiglu(h), w2, offs=offs), 0)
+    h = torch._grouped_mm(xs, w13, offs=offs)
+    sorted_slot = key[order].clamp(max=S - 1)  # a padding pair's bias row is masked below
+    if b13 is not None:
+        h = h + b13[sorted_slot]
+    h = torch.where(valid, h, 0)
+    y = torch._grouped_mm(act(h), w2, offs=offs)
+    if b2 is not None:
+        y = y + b2[sorted_slot]
+    y = torch.where(valid, y, 0)
     w = weight.reshape(-1)[order].to(y.dtype).unsqueeze(1)
     return torch.zeros_like(x).index_add(0, rows, y * w)
 

@@ -12,8 +12,25 @@ ray_moe (one rank)                          HF checkpoint
 ``layers.i.mlp.routed.w2[slot]`` [I, H]     ``...experts.{e}.{down}.weight`` [H, I]ᵀ
 ==========================================  =================================================
 
-``{moe}`` is ``block_sparse_moe`` for Mixtral (``mlp`` in transformers 5's memory), ``mlp`` else;
-``{gate, up, down}`` are ``w1, w3, w2`` for Mixtral, ``gate_proj, up_proj, down_proj`` else. The
+``layers.i.mlp.routed.router_bias`` [E]     ``model.layers.i.mlp.router.bias`` (gpt-oss; its router weight is
+                                            ``mlp.router.weight``)
+``layers.i.mlp.routed.b13[slot]`` [2I]      gpt-oss: ``...experts.gate_up_proj_bias[e]`` (gate|up interleaved)
+``layers.i.mlp.routed.b2[slot]`` [H]        gpt-oss: ``...experts.down_proj_bias[e]``
+==========================================  =================================================
+
+gpt-oss keeps its experts fused only: ``experts.gate_up_proj`` [E, H, 2I] with gate and up
+interleaved (gate ``[..., ::2]``, up ``[..., 1::2]``), ``experts.down_proj`` [E, I, H]; ray_moe's
+w13 splits them (gate first), and exports write them back fused and interleaved.
+
+Published quantized weights are dequantized as they are read (:class:`DequantizedSource`):
+DeepSeek-V3's FP8 (float8_e4m3fn ``X.weight`` with float32 ``X.weight_scale_inv`` per 128×128
+block, ``quantization_config.weight_block_size``) and gpt-oss's MXFP4 (``X_blocks`` uint8
+[..., rows, G, 16], two E2M1 values a byte, low nibble first, and ``X_scales`` uint8 E8M0
+exponents [..., rows, G], one per 32 values; the dequantized [..., rows, 32G] is stored transposed).
+
+``{moe}`` is ``block_sparse_moe`` for Mixtral and MiniMax-M2 (``mlp`` in transformers 5's memory),
+``mlp`` else; ``{gate, up, down}`` are ``w1, w3, w2`` for those two, ``gate_proj, up_proj, down_proj``
+else; MiniMax-M2's balancing bias is ``{moe}.e_score_correction_bias``. The
 fused 3-D layout of transformers 5 (``experts.gate_up_proj`` [E, 2I, H], gate rows first;
 ``experts.down_proj`` [E, H, I]) is read too. Exports use the per-expert layout of the published
 checkpoints, which every transformers version and vLLM read.
@@ -42,7 +59,9 @@ SINGLE = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "vocab.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
                    "chat_template.json")
-_ROUTED = re.compile(r"layers\.(\d+)\.mlp\.routed\.(router|score_bias|w13|w2)")
+_ROUTED = re.compile(r"layers\.(\d+)\.mlp\.routed\.(router|router_bias|score_bias|w13|w2|b13|b2)")
+MTP_FAMILIES = ("glm4_moe", "deepseek_v3")
+MIXTRAL_NAMES = ("mixtral", "minimax_m2")  # block_sparse_moe, w1/w3/w2 in the published checkpoints  # checkpoints with num_nextn_predict_layers after the last layer
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -55,11 +74,11 @@ class WeightsError(ValueError):
 def _moe_prefixes(spec: ArchSpec, layer: int) -> tuple[str, ...]:
     """Where a layer's MoE block lives in HF names, canonical (hub) first."""
     base = f"model.layers.{layer}."
-    return (base + "block_sparse_moe", base + "mlp") if spec.family == "mixtral" else (base + "mlp",)
+    return (base + "block_sparse_moe", base + "mlp") if spec.family in MIXTRAL_NAMES else (base + "mlp",)
 
 
 def _projections(spec: ArchSpec) -> tuple[str, str, str]:
-    return ("w1", "w3", "w2") if spec.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    return ("w1", "w3", "w2") if spec.family in MIXTRAL_NAMES else ("gate_proj", "up_proj", "down_proj")
 
 
 def hf_names(spec: ArchSpec, name: str) -> tuple[str, ...]:
@@ -67,9 +86,14 @@ def hf_names(spec: ArchSpec, name: str) -> tuple[str, ...]:
     m = _ROUTED.fullmatch(name)
     if m:
         layer, what = int(m.group(1)), m.group(2)
-        if what in ("w13", "w2"):
+        if what in ("w13", "w2", "b13", "b2"):
             raise ValueError(f"{name} is expert-sharded: use expert_hf_names")
-        leaf = "gate.weight" if what == "router" else "gate.e_score_correction_bias"
+        if spec.family == "gpt_oss":
+            leaf = "router.weight" if what == "router" else "router.bias"
+        elif spec.family == "minimax_m2":  # its balancing bias beside the gate, not in it
+            leaf = "gate.weight" if what == "router" else "e_score_correction_bias"
+        else:
+            leaf = "gate.weight" if what == "router" else "gate.e_score_correction_bias"
         return tuple(f"{p}.{leaf}" for p in _moe_prefixes(spec, layer))
     if name == "lm_head.weight":
         return (name,)
@@ -83,9 +107,11 @@ def expert_hf_names(spec: ArchSpec, layer: int, expert: int) -> tuple[tuple[str,
                  for p in _moe_prefixes(spec, layer))
 
 
-def fused_hf_names(spec: ArchSpec, layer: int) -> tuple[tuple[str, str], ...]:
-    """(gate_up_proj, down_proj) names of transformers 5's fused expert tensors of a layer."""
-    return tuple((f"{p}.experts.gate_up_proj", f"{p}.experts.down_proj") for p in _moe_prefixes(spec, layer))
+def fused_hf_names(spec: ArchSpec, layer: int) -> tuple[tuple[str, ...], ...]:
+    """(gate_up_proj, down_proj[, gate_up_proj_bias, down_proj_bias]) names of transformers 5's
+    fused expert tensors of a layer (the biases where the spec's experts have them)."""
+    leaves = ("gate_up_proj", "down_proj") + (("gate_up_proj_bias", "down_proj_bias") if spec.expert_bias else ())
+    return tuple(tuple(f"{p}.experts.{leaf}" for leaf in leaves) for p in _moe_prefixes(spec, layer))
 
 
 # ------------------------------------------------------------------------------------ sources
@@ -188,10 +214,30 @@ def replicated_tensor(spec: ArchSpec, source: TensorSource, name: str, shape: tu
     return t.t() if router else t
 
 
+def _split_interleaved(t: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] with gate and up interleaved (gpt-oss) → [..., 2I] gate | up."""
+    return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+
+
+def _interleave(t: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] gate | up → gate and up interleaved (the inverse of :func:`_split_interleaved`)."""
+    gate, up = t.chunk(2, dim=-1)
+    return torch.stack([gate, up], dim=-1).flatten(-2)
+
+
 def expert_tensors(spec: ArchSpec, source: TensorSource, layer: int, expert: int,
-                   what: str = "the checkpoint") -> tuple[torch.Tensor, torch.Tensor]:
-    """(w13 [H, 2I], w2 [I, H]) of one logical expert from per-expert or fused HF tensors."""
+                   what: str = "the checkpoint") -> tuple[torch.Tensor, ...]:
+    """(w13 [H, 2I], w2 [I, H]) of one logical expert from per-expert or fused HF tensors, and
+    (b13 [2I], b2 [H]) after them where the spec's experts have biases (gpt-oss, fused only)."""
     H, I = spec.hidden_size, spec.expert_hidden
+    if spec.family == "gpt_oss":
+        names = fused_hf_names(spec, layer)[0]
+        E = spec.num_experts
+        shapes = ((E, H, 2 * I), (E, I, H), (E, 2 * I), (E, H))
+        for name, shape in zip(names, shapes):
+            _checked(torch.empty(source.shape(_need(source, (name,), what)), device="meta"), name, shape, what)
+        gate_up, down, gate_up_bias, down_bias = (source.get(n, expert) for n in names)
+        return _split_interleaved(gate_up), down, _split_interleaved(gate_up_bias), down_bias
     for gate, up, down in expert_hf_names(spec, layer, expert):
         if _pick(source, (gate,)):
             g = _checked(source.get(gate), gate, (I, H), what)
@@ -214,7 +260,7 @@ def expected_hf_names(spec: ArchSpec, model: torch.nn.Module, source: TensorSour
     for name, _ in _replicated(model):
         out.add(_pick(source, hf_names(spec, name)) or hf_names(spec, name)[0])
     for layer in _moe_layer_indices(model):
-        fused = [pair for pair in fused_hf_names(spec, layer) if pair[0] in have]
+        fused = [pair for pair in fused_hf_names(spec, layer) if pair[0] in have or spec.family == "gpt_oss"]
         if fused:
             out.update(fused[0])
             continue
@@ -253,9 +299,9 @@ def load_pretrained(model: torch.nn.Module, path: str | Path, hf_config: Mapping
     tensor that is not part of this model.
     """
     spec: ArchSpec = model.spec
-    source = SafetensorsDir(path)
+    source = DequantizedSource(SafetensorsDir(path), hf_config)
     what = f"model.init_from={str(path)!r}"
-    extra = int((hf_config or {}).get("num_nextn_predict_layers", 0) or 0) if spec.family == "glm4_moe" else 0
+    extra = int((hf_config or {}).get("num_nextn_predict_layers", 0) or 0) if spec.family in MTP_FAMILIES else 0
     unexpected = sorted(n for n in source.names() - expected_hf_names(spec, model, source)
                         if not _ignorable(spec, n, extra))
     if unexpected:
@@ -278,7 +324,9 @@ def to_hf(spec: ArchSpec, key: str, tensor: torch.Tensor) -> Iterator[tuple[str,
         return
     if key.startswith("buffer."):
         key = key[len("buffer."):]
-    m = re.fullmatch(r"layers\.(\d+)\.mlp\.routed\.experts\.(\d+)\.(w13|w2)", key)
+    m = re.fullmatch(r"layers\.(\d+)\.mlp\.routed\.experts\.(\d+)\.(w13|w2|b13|b2)", key)
+    if m and spec.family == "gpt_oss":
+        raise ValueError(f"{key}: gpt-oss experts are written fused (write_hf_dir stacks them)")
     if m:
         layer, e, kind = int(m.group(1)), int(m.group(2)), m.group(3)
         gate, up, down = expert_hf_names(spec, layer, e)[0]
@@ -296,6 +344,7 @@ def to_hf(spec: ArchSpec, key: str, tensor: torch.Tensor) -> Iterator[tuple[str,
 def hf_config_for_export(spec: ArchSpec, hf_config: Mapping[str, Any], dtype: str) -> dict[str, Any]:
     """The config.json to write: the run's HF config with its architecture and dtype named."""
     out = dict(hf_config)
+    out.pop("quantization_config", None)  # the weights are written dequantized
     out["architectures"] = [ARCHITECTURES[spec.family]]
     out["model_type"] = spec.family
     out["dtype"] = out["torch_dtype"] = dtype  # transformers 5 reads dtype; 4.x and older tools torch_dtype
@@ -328,8 +377,10 @@ def write_hf_dir(out: str | Path, spec: ArchSpec, hf_config: Mapping[str, Any],
             temp_files.append((name, list(shard)))
             shard, shard_bytes = {}, 0
 
+    stacker = _FusedExperts(spec)
     for key, load in tensors:
-        for hf_name, t in to_hf(spec, key, load()):
+        pairs = stacker.add(key, load) if stacker.takes(key) else to_hf(spec, key, load())
+        for hf_name, t in pairs:
             if not key.startswith("buffer."):
                 t = t.to(dtype)  # buffers (the balancing bias) stay float32, as transformers keeps them
             size = t.numel() * t.element_size()
@@ -359,3 +410,95 @@ def write_hf_dir(out: str | Path, spec: ArchSpec, hf_config: Mapping[str, Any],
         if not copied:
             raise WeightsError(f"data.tokenizer={str(tok)!r} holds none of {', '.join(TOKENIZER_FILES)}")
     return {"files": files + [INDEX, "config.json"] + copied, "tensors": len(weight_map), "bytes": total}
+
+
+class _FusedExperts:
+    """gpt-oss's fused expert tensors for an export: collects a layer's per-expert checkpoint
+    tensors (``...experts.{e}.w13`` etc.) and yields the fused, interleaved HF tensor of a kind once
+    all its experts are in (a checkpoint lists a layer's experts together, so about one layer's
+    experts of one kind are held at a time)."""
+
+    _KEY = re.compile(r"layers\.(\d+)\.mlp\.routed\.experts\.(\d+)\.(w13|w2|b13|b2)")
+    _LEAF = {"w13": "gate_up_proj", "w2": "down_proj", "b13": "gate_up_proj_bias", "b2": "down_proj_bias"}
+
+    def __init__(self, spec: ArchSpec):
+        self.spec = spec
+        self.pending: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+
+    def takes(self, key: str) -> bool:
+        return self.spec.family == "gpt_oss" and self._KEY.fullmatch(key) is not None
+
+    def add(self, key: str, load: Callable[[], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        layer, e, kind = self._KEY.fullmatch(key).groups()
+        got = self.pending.setdefault((int(layer), kind), {})
+        got[int(e)] = load()
+        if len(got) < self.spec.num_experts:
+            return
+        del self.pending[(int(layer), kind)]
+        t = torch.stack([got[i] for i in range(self.spec.num_experts)])
+        if kind in ("w13", "b13"):
+            t = _interleave(t)
+        yield f"model.layers.{layer}.mlp.experts.{self._LEAF[kind]}", t
+
+
+# ------------------------------------------------------------------------------------ quantized
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of FP4 E2M1's codes 0..7 (bit 3: sign)
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """float32 [out, in] of a float8 ``weight`` [out, in] and its float32 ``scale_inv``
+    [ceil(out / bo), ceil(in / bi)] (one factor per ``block`` = (bo, bi) tile, multiplied)."""
+    bo, bi = block
+    out_dim, in_dim = weight.shape
+    s = scale_inv.float().repeat_interleave(bo, 0)[:out_dim].repeat_interleave(bi, 1)[:, :in_dim]
+    return weight.float() * s
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 [..., 32G, rows] of MXFP4 ``blocks`` uint8 [..., rows, G, 16] (two E2M1 codes per
+    byte, the low nibble first) and ``scales`` uint8 [..., rows, G] (E8M0: 2^(s - 127) for each
+    32 values), transposed as gpt-oss stores its parameters ([in, out] per expert)."""
+    lut = torch.tensor(E2M1, dtype=torch.float32)
+    lut = torch.cat([lut, -lut])
+    b = blocks.to(torch.int64)
+    codes = torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2)  # [..., rows, G, 32]
+    values = lut[codes] * torch.exp2(scales.to(torch.float32) - 127.0).unsqueeze(-1)
+    return values.flatten(-2).transpose(-1, -2)
+
+
+class DequantizedSource(TensorSource):
+    """``inner`` with its quantized tensors read dequantized (float32): an FP8 ``X.weight`` with its
+    ``X.weight_scale_inv`` is read as ``X.weight``; MXFP4 ``X_blocks`` / ``X_scales`` as ``X`` (a
+    row of X reads that row of both). The scale tensors are not listed; ``read`` is inner's."""
+
+    def __init__(self, inner: TensorSource, hf_config: Mapping[str, Any] | None = None):
+        super().__init__()
+        self.inner = inner
+        self.read = inner.read
+        q = (hf_config or {}).get("quantization_config") or {}
+        self.block = tuple(q.get("weight_block_size") or (128, 128))
+        have = inner.names()
+        self.fp8 = {n[: -len("_scale_inv")] for n in have if n.endswith(".weight_scale_inv")}
+        self.mxfp4 = {n[: -len("_blocks")] for n in have if n.endswith("_blocks") and n[:-7] + "_scales" in have}
+        hidden = {n + "_scale_inv" for n in self.fp8} | {n + "_blocks" for n in self.mxfp4} | {
+            n + "_scales" for n in self.mxfp4}
+        self._names = (have - hidden) | self.mxfp4
+
+    def names(self) -> set[str]:
+        return self._names
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.mxfp4:
+            *prefix, rows, G, _ = self.inner.shape(name + "_blocks")
+            return (*prefix, 32 * G, rows)
+        return self.inner.shape(name)
+
+    def get(self, name: str, row: int | None = None) -> torch.Tensor:
+        if name in self.mxfp4:
+            return dequantize_mxfp4(self.inner.get(name + "_blocks", row), self.inner.get(name + "_scales", row))
+        t = self.inner.get(name, row)
+        if name in self.fp8:
+            if row is not None:
+                raise WeightsError(f"{name}: a row of an FP8 block-scaled tensor is not read alone")
+            return dequantize_fp8_blocks(t, self.inner.get(name + "_scale_inv"), self.block)
+        return t

@@ -18,7 +18,7 @@ from torch import nn
 
 from ray_moe.comm.base import Layout, Transport, combine, dispatch
 from ray_moe.model.expert_choice import ExpertChoice, ExpertImplChooser
-from ray_moe.model.experts import expert_ffn, resolve_impl
+from ray_moe.model.experts import SWIGLU, ExpertActivation, expert_ffn, resolve_impl
 from ray_moe.model.router import SOFTMAX, Routing, balancing_bias_step, load_balancing_loss, route
 from ray_moe.placement.placement import ExpertShard, Placement
 
@@ -64,7 +64,10 @@ class MoELayerSpec:
     variant; dtype: the expert weights' dtype (the router stays float32); expert_impl: auto |
     loop | grouped_mm | triton; aux_loss_coef: the load-balancing loss's weight (0: off);
     clone_slots: slots per rank for clones of hot experts; seed: with the layer index, seeds the
-    router and every logical expert.
+    router and every logical expert; router_bias: a learned float32 [E] bias on the router logits;
+    expert_bias: each expert's up and down projections have biases (``b13`` [S, 2I], ``b2`` [S, H]);
+    activation: the experts' gated activation (gpt-oss's clamped one; experts with biases or
+    another activation than SwiGLU run on grouped_mm where the Triton kernels would).
     """
 
     hidden: int
@@ -77,6 +80,9 @@ class MoELayerSpec:
     aux_loss_coef: float = 0.0
     clone_slots: int = 0
     seed: int = 0
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: ExpertActivation = SWIGLU
 
     def __post_init__(self) -> None:
         for name in ("hidden", "num_experts", "top_k", "expert_hidden"):
@@ -178,6 +184,12 @@ class MoELayer(nn.Module):
                                         (transport.rank + 1) * placement.experts_per_rank)))
         self.w13.expert_shard = shard
         self.w2.expert_shard = shard
+        self.b13 = self.b2 = None
+        if spec.expert_bias:
+            self.b13 = nn.Parameter(torch.zeros(S, 2 * expert_hidden, dtype=dtype, device=device))
+            self.b2 = nn.Parameter(torch.zeros(S, d_model, dtype=dtype, device=device))
+            self.b13.expert_shard = self.b2.expert_shard = shard
+        self.router_bias = (nn.Parameter(torch.zeros(num_experts, device=device)) if spec.router_bias else None)
         self.register_buffer("expert_tokens", torch.zeros(num_experts, device=device), persistent=False)
         self.register_buffer("received_pairs", torch.zeros(1, device=device), persistent=False)
         self.register_buffer("score_bias", torch.zeros(num_experts, device=device) if routing.bias else None,
@@ -202,8 +214,10 @@ class MoELayer(nn.Module):
         """Deterministic initial router and expert weights, independent of the world size (each
         logical expert from its own generator), and zeroed load counters."""
         self.router.copy_(router_init(self.seed, self.layer_idx, self.d_model, self.num_experts))
-        self.w13.zero_()
-        self.w2.zero_()
+        for p in self.expert_params():
+            p.zero_()
+        if self.router_bias is not None:
+            self.router_bias.zero_()
         for slot, e in enumerate(self.placement.slot_experts()[self.rank].tolist()):
             if e >= 0:
                 w13, w2 = expert_init(self.seed, self.layer_idx, e, self.d_model, self.expert_hidden,
@@ -228,11 +242,23 @@ class MoELayer(nn.Module):
         """Logical ids of the experts this rank owns (slots 0 .. E/W-1)."""
         return self.w13.expert_shard.native_experts
 
+    def expert_params(self) -> list[nn.Parameter]:
+        """The expert-sharded parameters, [S, ...] each: w13, w2 and, with biases, b13, b2 (what
+        clones copy and whose clone-slot gradients go to the owners)."""
+        return [self.w13, self.w2] + ([self.b13, self.b2] if self.b13 is not None else [])
+
     @torch.no_grad()
-    def load_expert(self, slot: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Copy one expert's weights ([H, 2I], [I, H]) into a slot."""
+    def load_expert(self, slot: int, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None = None,
+                    b2: torch.Tensor | None = None) -> None:
+        """Copy one expert's weights ([H, 2I], [I, H]) into a slot, and its biases ([2I], [H]) when
+        given (a layer with biases keeps the slot's otherwise: zeros after a reset)."""
         self.w13[slot].copy_(w13)
         self.w2[slot].copy_(w2)
+        if (b13 is None) != (b2 is None) or (b13 is not None and self.b13 is None):
+            raise ValueError("load_expert takes both biases or neither, and only for a layer with expert biases")
+        if b13 is not None:
+            self.b13[slot].copy_(b13)
+            self.b2[slot].copy_(b2)
 
     def set_placement(self, placement: Placement) -> None:
         """Switch routing tables (the caller moves clone weights, see ray_moe.placement.clones)."""
@@ -276,9 +302,12 @@ class MoELayer(nn.Module):
         if x.dtype != self.w13.dtype:
             raise TypeError(f"MoELayer expects x of dtype {self.w13.dtype}, got {x.dtype}")
         impl = resolve_impl(self.expert_impl, x)
+        fused_router = impl == "triton"
+        if impl == "triton" and (self.b13 is not None or self.spec.activation != SWIGLU):
+            impl = "grouped_mm"  # no Triton epilogue for biases or the clamped activation yet (experts.expert_ffn)
         weights, ids, probs = route(
-            x, self.router, self.top_k, fused=impl == "triton", need_probs=self.aux_loss_coef > 0,
-            routing=self.routing, score_bias=self.score_bias,
+            x, self.router, self.top_k, fused=fused_router, need_probs=self.aux_loss_coef > 0,
+            routing=self.routing, score_bias=self.score_bias, logit_bias=self.router_bias,
         )
         dest_rank, dest_slot = self.tables.route(ids, self.rank)
         return _Routed(impl, weights, ids, probs, dest_rank, dest_slot)
@@ -301,7 +330,8 @@ class MoELayer(nn.Module):
         if self.expert_impl == "auto" and impl == "triton":
             needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, self.w13, self.w2))
             choice = self.expert_chooser.choose(x, slot, weight, self.w13, self.w2, needs_grad)
-        return expert_ffn(x, slot, weight, self.w13, self.w2, choice.impl, wgrad=choice.wgrad)
+        return expert_ffn(x, slot, weight, self.w13, self.w2, choice.impl, wgrad=choice.wgrad,
+                          act=self.spec.activation, b13=self.b13, b2=self.b2)
 
     def _combine(self, partial: torch.Tensor, received: _Received) -> torch.Tensor:
         """partial [R, H] back to the ranks of its tokens, summed per token → out [T, H]."""

@@ -54,7 +54,7 @@ SOFTMAX = Routing()
 
 def route(
     x: torch.Tensor, router_w: torch.Tensor, top_k: int, fused: bool = False, need_probs: bool = True,
-    routing: Routing = SOFTMAX, score_bias: torch.Tensor | None = None,
+    routing: Routing = SOFTMAX, score_bias: torch.Tensor | None = None, logit_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Top-k routing of ``routing``'s kind (default: softmax, renormalised).
 
@@ -67,6 +67,8 @@ def route(
         need_probs: also return per-expert probabilities (for the auxiliary load-balancing loss).
         routing: the variant.
         score_bias: float32 [E], the balancing bias (routing.bias); None for no bias.
+        logit_bias: float32 [E], a learned bias added to the logits (gpt-oss's router; its softmax
+            over the top-k logits is the renormalised softmax top-k); None for none.
     Returns:
         weights: float32 [T, K]; differentiable w.r.t. x and router_w.
         expert_ids: int64 [T, K] logical expert ids.
@@ -74,6 +76,8 @@ def route(
             not needed on the fused path.
     """
     logits = router_logits(x, router_w)
+    if logit_bias is not None:
+        logits = logits + logit_bias
     if routing.scoring == "sigmoid":
         return _route_sigmoid(logits, top_k, routing, score_bias)
     if fused and logits.is_cuda and routing.plain_softmax:

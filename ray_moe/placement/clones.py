@@ -113,10 +113,10 @@ def reduce_clone_grads(layer, placement: Placement, grads: list[torch.Tensor] | 
                        group: dist.ProcessGroup | None = None) -> None:
     """Add every clone slot's gradient onto its owner's native slot, then zero the clone's.
 
-    ``grads``: the gradients to reduce, shaped like ``[layer.w13, layer.w2]`` (default their
+    ``grads``: the gradients to reduce, shaped like ``layer.expert_params()`` (default their
     ``.grad``; the engine passes its float32 master gradients).
     """
-    grads = [layer.w13.grad, layer.w2.grad] if grads is None else grads
+    grads = [p.grad for p in _expert_params(layer)] if grads is None else grads
     if any(g is None for g in grads):
         raise RuntimeError("reduce_clone_grads needs gradients: run backward first")
     exchange = launch_clone_grads(placement, layer.rank, grads, group)
@@ -130,8 +130,14 @@ def push_clone_weights(layer, placement: Placement) -> int:
     if not placement.clones():
         return 0
     moved = 0
-    for dst_slot, _e, rows in _exchange([layer.w13, layer.w2], placement, layer.rank, to_owner=False).received():
-        layer.w13[dst_slot].copy_(rows[0])
-        layer.w2[dst_slot].copy_(rows[1])
+    params = _expert_params(layer)
+    for dst_slot, _e, rows in _exchange(params, placement, layer.rank, to_owner=False).received():
+        for p, r in zip(params, rows):
+            p[dst_slot].copy_(r)
         moved += sum(r.numel() * r.element_size() for r in rows)
     return moved
+
+
+def _expert_params(layer) -> list[torch.Tensor]:
+    """The layer's expert-sharded parameters ([S, ...] each): w13, w2 and any expert biases."""
+    return layer.expert_params() if hasattr(layer, "expert_params") else [layer.w13, layer.w2]

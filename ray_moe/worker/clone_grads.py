@@ -8,8 +8,8 @@ a float32 copy of the layer's gradients: with 4 clone slots, Qwen3-30B-A3B cut t
 layer that at 48 layers outgrows what re-cloning saves. So, like ZeRO's reduce-scatters
 (:mod:`ray_moe.worker.zero`):
 
-- **Launch.** ``post_accumulate_grad`` hooks on each layer's ``w13`` and ``w2`` (non-reentrant
-  recompute still accumulates a leaf's gradient once per backward); once
+- **Launch.** ``post_accumulate_grad`` hooks on each layer's ``w13`` and ``w2`` (and expert biases;
+  non-reentrant recompute still accumulates a leaf's gradient once per backward); once
   both are in, the layer's clone rows are copied out, sent asynchronously (on NCCL the exchange
   runs on the process group's stream, beside backward's kernels) and the clone slots zeroed.
   Layers launch strictly in backward order (last layer first) on every rank, DDP's rule, so the
@@ -62,7 +62,7 @@ class CloneGradReduction:
         self.order = [layer for layer in reversed(layers) if layer.placement.clone_slots]  # backward's order
         self.group, self.rounded, self.max_in_flight = group, rounded, max_in_flight
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
-                       for i, layer in enumerate(self.order) for p in (layer.w13, layer.w2)]
+                       for i, layer in enumerate(self.order) for p in layer.expert_params()]
         self._armed = False
         self._got: list[set[int]] = []
         self._next = 0
@@ -85,7 +85,7 @@ class CloneGradReduction:
         self._launch_ready()
 
     def _launch_ready(self) -> None:
-        while self._next < len(self.order) and len(self._got[self._next]) == 2:
+        while self._next < len(self.order) and len(self._got[self._next]) == len(self.order[self._next].expert_params()):
             layer = self.order[self._next]
             self._next += 1
             self.launched_in_backward += self._armed
@@ -104,7 +104,7 @@ class CloneGradReduction:
         if not self._armed:
             return
         for got, layer in zip(self._got, self.order):
-            got.update((id(layer.w13), id(layer.w2)))
+            got.update(id(p) for p in layer.expert_params())
         self._armed = False
         self._launch_ready()
 
@@ -114,7 +114,7 @@ class CloneGradReduction:
         the compute-dtype gradient, before the optimizer gathers it; else its float32 master
         gradient, after)."""
         for layer, exchange in self._in_flight:
-            add_clone_grads(exchange, [grad_of(layer.w13), grad_of(layer.w2)])
+            add_clone_grads(exchange, [grad_of(p) for p in layer.expert_params()])
         self._in_flight = []
 
     def close(self) -> None:
@@ -125,8 +125,9 @@ class CloneGradReduction:
 
 
 def _grads(layer: torch.nn.Module) -> list[torch.Tensor]:
-    """The layer's ``w13``/``w2`` compute-dtype gradients (zeros where backward left none)."""
-    for p in (layer.w13, layer.w2):
+    """The layer's expert parameters' (``w13``, ``w2``, biases) compute-dtype gradients (zeros where
+    backward left none)."""
+    for p in layer.expert_params():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    return [layer.w13.grad, layer.w2.grad]
+    return [p.grad for p in layer.expert_params()]

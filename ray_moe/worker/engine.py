@@ -158,7 +158,7 @@ class Engine:
             named = [(by_id[id(p)], p) for b in self.zero.buckets for p in b.params] + named
         one_by_one = {id(p) for _, p in named}
         late = {1 + layer.layer_idx for layer in self.model.moe_layers()
-                if layer.placement.clone_slots and not {id(layer.w13), id(layer.w2)} <= one_by_one}
+                if layer.placement.clone_slots and not {id(p) for p in layer.expert_params()} <= one_by_one}
         return UpdateOverlap(self.model, [n for n, _ in named], [p for _, p in named], self.device, late)
 
     @property
@@ -305,17 +305,17 @@ class Engine:
         if zero:
             self.zero.step(lr, scale, done)
         left = {id(p): layer for layer in self.model.moe_layers() if layer.placement.clones()
-                for p in (layer.w13, layer.w2)}
+                for p in layer.expert_params()}
 
         def pushing(param: torch.Tensor | None, *work) -> None:
             layer = left.pop(id(param), None)
-            if layer is not None and id(layer.w13) not in left and id(layer.w2) not in left:
+            if layer is not None and not any(id(p) in left for p in layer.expert_params()):
                 push_clone_weights(layer, layer.placement)
             done(param, *work)
 
         self.optimizer.step(lr, scale, pushing if done is not None else None)
         for layer in self.model.moe_layers():  # those whose expert weights were not reported one by one
-            if id(layer.w13) in left or id(layer.w2) in left:
+            if any(id(p) in left for p in layer.expert_params()):
                 push_clone_weights(layer, layer.placement)
 
     def close(self) -> None:

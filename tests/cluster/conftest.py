@@ -47,8 +47,8 @@ def ray_cluster():
 def groups(ray_cluster):
     """groups(world_size, strategy="PACK") → a cached CPU WorkerGroup of that size (gloo transport).
 
-    The suite asks for four: (1, PACK), (2, PACK), (2, STRICT_SPREAD) and (4, SPREAD) (the last
-    two span both simulated nodes); all four stay up for the whole run.
+    The suite asks for five: (1, PACK), (2, PACK), (2, STRICT_SPREAD), (3, PACK) and (4, SPREAD)
+    (STRICT_SPREAD and SPREAD span both simulated nodes); four stay up at a time.
 
     A test may train on it (``Trainer(config, group=groups(2))``) but must leave it healthy: tests
     that kill, hang or poison workers start their own group.
@@ -67,7 +67,8 @@ def groups(ray_cluster):
             cfg = Config.from_dict({
                 "parallel": {"world_size": world_size, "device": "cpu", "cpu_per_worker": 0.5,
                              "placement_strategy": strategy, "startup_timeout_s": 240},
-                "moe": {"num_experts": 8},
+                "moe": {"num_experts": 8 if 8 % world_size == 0 else 2 * world_size},  # W divides it
+                "train": {"batch_size": 8 if 8 % world_size == 0 else 2 * world_size},
             })
             made[key] = WorkerGroup(cfg)
         else:

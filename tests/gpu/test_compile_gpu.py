@@ -32,6 +32,19 @@ HF = {
                      n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                      attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5, max_position_embeddings=512,
                      num_nextn_predict_layers=0),
+    # MLA (SDPA, v padded to the q/k head dim) with YaRN; gpt-oss: flex attention (sinks, a 64-position
+    # window on layers 0 and 2) traced inside the compiled region, biased clamped experts
+    "deepseek_v3": dict(model_type="deepseek_v3", vocab_size=1024, hidden_size=256, intermediate_size=512,
+                        moe_intermediate_size=128, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=8,
+                        q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                        n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
+                        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                        max_position_embeddings=512,
+                        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0,
+                                             mscale_all_dim=1.0, original_max_position_embeddings=128)),
+    "gpt_oss": dict(model_type="gpt_oss", vocab_size=1024, hidden_size=256, intermediate_size=128,
+                    num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+                    num_local_experts=16, num_experts_per_tok=4, sliding_window=64, max_position_embeddings=512),
 }
 for _hf in HF.values():  # a wider spread than 0.02: routing far from uniform, the blocks far from linear
     _hf["initializer_range"] = 0.1
@@ -59,7 +72,8 @@ def _run(cfg, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("family,checkpointing", [("qwen3_moe", "none"), ("qwen3_moe", "full"), ("glm4_moe", "moe")])
+@pytest.mark.parametrize("family,checkpointing", [("qwen3_moe", "none"), ("qwen3_moe", "full"), ("glm4_moe", "moe"),
+                                                   ("deepseek_v3", "full"), ("gpt_oss", "none")])
 def test_compiled_bf16_as_close_to_fp32_as_eager_bf16(family, checkpointing):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

@@ -7,6 +7,8 @@
   over the KV cache is as close to the fp32 model's hidden states as the bf16 whole-sequence
   forward is; in fp32, greedy ``Engine.generate`` gives transformers' greedy ``generate``.
 - a short training run of each family's tiny job with the Trainer on the GPUs (loss falls).
+- the attention kernels of DeepSeek-V3 and gpt-oss (flex attention with sinks and windows, SDPA
+  with MLA's padded values) against the SDPA/log-sum-exp path the CPU runs, forward and backward.
 - activation memory per token of a Qwen3-30B-A3B-shaped layer for none / moe / full activation
   checkpointing, against :meth:`ray_moe.arch.ArchSpec.activation_bytes_per_token` (printed, and
   written to $OUT/activation_memory.json when OUT is set).
@@ -26,7 +28,7 @@ from tests.support import gpu_ranks
 
 pytestmark = pytest.mark.gpu
 
-FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe")
+FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss", "olmoe", "minimax_m2")
 # A size where bf16 rounding is realistic but the run takes seconds.
 GPU_SIZE = dict(vocab_size=1024, hidden_size=256, num_attention_heads=8, num_key_value_heads=4,
                 max_position_embeddings=512)
@@ -36,7 +38,24 @@ PER_FAMILY = {
     "mixtral": dict(intermediate_size=128, num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=3),
     "glm4_moe": dict(head_dim=32, intermediate_size=512, moe_intermediate_size=128, n_routed_experts=16,
                      num_experts_per_tok=4, n_group=4, topk_group=2, num_hidden_layers=3),
+    # MLA (q/k heads 48 = 32 + 16 rope, values 32: SDPA with v padded), YaRN
+    "deepseek_v3": dict(num_key_value_heads=8, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
+                        qk_rope_head_dim=16, v_head_dim=32, intermediate_size=512, moe_intermediate_size=128,
+                        n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, num_hidden_layers=3),
+    # sinks and a 32-position window on layers 0 and 2 (flex attention), biased clamped experts (grouped_mm)
+    "gpt_oss": dict(head_dim=32, intermediate_size=128, num_local_experts=16, num_experts_per_tok=4,
+                    num_hidden_layers=3, sliding_window=32),
+    "olmoe": dict(intermediate_size=128, num_experts=16, num_experts_per_tok=4, num_hidden_layers=3),
+    "minimax_m2": dict(head_dim=32, intermediate_size=128, num_local_experts=16, num_experts_per_tok=4,
+                       num_hidden_layers=3, eos_token_id=None, bos_token_id=None),
 }
+# transformers' gpt-oss has no SDPA path: its bf16 reference is the eager one
+HF_BF16_ATTENTION = {"gpt_oss": "eager"}
+
+
+def gpu_size(family: str) -> dict:
+    """The GPU test model's HF keys for ``family``."""
+    return {**GPU_SIZE, **PER_FAMILY[family]}
 
 
 def _out(name: str) -> str | None:
@@ -57,12 +76,12 @@ def test_bf16_equal_to_transformers_on_gpu(tmp_path, family):
     )
     from tests.support import single_rank
 
-    save_tiny_model(family, tmp_path, seed=2, **GPU_SIZE, **PER_FAMILY[family])
+    save_tiny_model(family, tmp_path, seed=2, **gpu_size(family))
     B, L = 8, 128
     ids = torch.randint(0, GPU_SIZE["vocab_size"], (B, L + 1), generator=torch.Generator().manual_seed(0))
     cfg = parity_config(tmp_path, world_size=1, batch=B, seq_len=L, dtype="bfloat16", device="cuda")
     truth = reference(cfg, cfg.resolve_arch(), ids, dtype=torch.float32, device="cuda", attn_implementation="eager")
-    theirs = reference(cfg, cfg.resolve_arch(), ids, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
+    theirs = reference(cfg, cfg.resolve_arch(), ids, dtype=torch.bfloat16, device="cuda", attn_implementation=HF_BF16_ATTENTION.get(family, "sdpa"))
     hf_err = {k: rel_err(theirs[k], v) for k, v in truth.items()}
     worker = SimpleNamespace(rank_info=single_rank(), transport=LocalTransport(), device="cuda")
     ours = model_parity(worker, cfg, cfg.resolve_arch(), ids, truth)
@@ -92,17 +111,18 @@ def test_bf16_equal_to_transformers_on_an_nvshmem_group(tmp_path, family, recomp
     W, per_gpu = gpu_ranks()
     if W < 2:
         pytest.skip("needs two ranks (two GPUs, or RAY_MOE_PES_PER_GPU=2)")
-    save_tiny_model(family, tmp_path, seed=2, **GPU_SIZE, **PER_FAMILY[family])
+    save_tiny_model(family, tmp_path, seed=2, **gpu_size(family))
     B, L = 4 * W, 64
     ids = torch.randint(0, GPU_SIZE["vocab_size"], (B, L + 1), generator=torch.Generator().manual_seed(1))
-    checkpointing = {"qwen3_moe": "none", "mixtral": "moe", "glm4_moe": "full"}[family] if recompute == "family" \
+    checkpointing = {"qwen3_moe": "none", "mixtral": "moe", "glm4_moe": "full", "deepseek_v3": "full",
+                     "gpt_oss": "moe", "olmoe": "none", "minimax_m2": "full"}[family] if recompute == "family" \
         else "none"
     cfg = parity_config(tmp_path, world_size=W, batch=B, seq_len=L, dtype="bfloat16", device="cuda",
                         checkpointing=checkpointing)
     cfg = cfg.with_overrides(["parallel.transport=nvshmem", f"parallel.workers_per_gpu={per_gpu}"])
     arch = cfg.resolve_arch()
     truth = reference(cfg, arch, ids, dtype=torch.float32, device="cuda", attn_implementation="eager")
-    theirs = reference(cfg, arch, ids, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
+    theirs = reference(cfg, arch, ids, dtype=torch.bfloat16, device="cuda", attn_implementation=HF_BF16_ATTENTION.get(family, "sdpa"))
     hf_err = {k: rel_err(theirs[k], v) for k, v in truth.items()}
     with WorkerGroup(cfg) as g:
         results = g.execute(model_parity, cfg, arch, ids, truth, timeout=300)
@@ -123,7 +143,7 @@ def test_incremental_decoding_on_gpu(tmp_path, family):
     from ray_moe.worker.engine import Engine
     from tests.support import single_rank
 
-    save_tiny_model(family, tmp_path / "hf", seed=3, **GPU_SIZE, **PER_FAMILY[family])
+    save_tiny_model(family, tmp_path / "hf", seed=3, **gpu_size(family))
     (tmp_path / "corpus.txt").write_text("def f(x):\n    return x\n" * 200)
 
     def engine(dtype: str) -> Engine:
@@ -164,6 +184,8 @@ def test_incremental_decoding_on_gpu(tmp_path, family):
     ("qwen3_moe", "jobs/qwen3_moe_tiny.yaml", "none"),
     ("mixtral", "jobs/mixtral_tiny.yaml", "moe"),
     ("glm4_moe", "jobs/deepseek_tiny.yaml", "full"),
+    ("deepseek_v3", "jobs/deepseek_v3_tiny.yaml", "full"),
+    ("gpt_oss", "jobs/gpt_oss_tiny.yaml", "moe"),
 ])
 def test_short_training_run(tmp_path, family, job, checkpointing):
     from ray_moe.config import Config
@@ -242,3 +264,39 @@ def test_byte_model_norm_is_torch_rmsnorm_on_gpu(tmp_path):
         got = norm(x)
         want = torch.nn.RMSNorm(cfg.model.d_model, device="cuda", dtype=torch.bfloat16)(x)
         assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
+
+
+@pytest.mark.parametrize("case", ["sinks_window", "sinks_full", "window_only", "mla_dims"])
+def test_attention_kernels_on_gpu(case):
+    """:func:`ray_moe.model.attention.attend` on CUDA (flex attention, compiled, for sinks and
+    windows; SDPA with v zero-padded for MLA's unequal head dims) equals the CPU path (SDPA with a
+    boolean mask and the log-sum-exp computed beside it) run in float64, forward and gradients,
+    within bf16 rounding; gpt-oss-20b's heads (64/8 of 64 dims, window 128) and DeepSeek-V3's
+    (q/k 192, v 128) over 1024 positions."""
+    from ray_moe.model.attention import attend
+    from ray_moe.validation.errors import rel_err
+
+    g = torch.Generator().manual_seed(0)
+    B, L = 2, 1024
+    if case == "mla_dims":
+        shapes, window, sinks = ((B, 16, L, 192), (B, 16, L, 192), (B, 16, L, 128)), 0, None
+    else:
+        shapes = ((B, 64, L, 64), (B, 8, L, 64), (B, 8, L, 64))
+        window = 0 if case == "sinks_full" else 128
+        sinks = None if case == "window_only" else torch.randn(64, generator=g)
+    q, k, v = (torch.randn(s, generator=g) for s in shapes)
+    grad = torch.randn(shapes[0][:3] + shapes[2][3:], generator=g)
+    scale = shapes[0][-1] ** -0.5
+
+    def run(device, dtype):
+        leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+        s = sinks.to(device, dtype).requires_grad_() if sinks is not None else None
+        y = attend(*leaves, scale, window, s)
+        y.backward(grad.to(device, dtype))
+        return [y] + [t.grad for t in leaves] + ([s.grad] if s is not None else [])
+
+    exact = run("cpu", torch.float64)
+    ours = run("cuda", torch.bfloat16)
+    errs = [rel_err(a.double().cpu(), b) for a, b in zip(ours, exact)]
+    print(json.dumps({case: errs}))
+    assert max(errs) < 2e-2, errs

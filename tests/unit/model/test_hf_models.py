@@ -19,7 +19,7 @@ from ray_moe.model.hf import WeightsError
 from tests.hf_parity import model_parity, parity_config, reference
 from tests.support import build, single_rank
 
-FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe")
+FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss", "olmoe", "minimax_m2")
 TOL = 1e-5
 
 
