@@ -20,6 +20,8 @@ It returns one weighted partial sum per row, ``[R, H]``, ready for combine. Impl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 

@@ -113,7 +113,7 @@ def test_balancing_bias_same_on_every_rank_and_resumes(groups, tmp_path):
 
 def _six_experts(family: str, path: Path) -> str:
     """A tiny model of ``family`` with 6 experts (W=3 divides them; DeepSeek-V3's in 3 groups)."""
-    from ray_moe.validation.hf_model import save_tiny_model
+    from tests.hf_parity import save_tiny_model
 
     over = {"deepseek_v3": {"n_routed_experts": 6, "n_group": 3}, "gpt_oss": {"num_local_experts": 6}}[family]
     save_tiny_model(family, path, seed=3, **over)

@@ -13,7 +13,7 @@ import torch
 
 from ray_moe.arch import ArchError, ArchSpec, preset
 from ray_moe.comm.local import LocalTransport
-from ray_moe.validation.hf_model import model_parity, parity_config, reference, save_tiny_model
+from tests.hf_parity import model_parity, parity_config, reference, save_tiny_model
 from tests.support import build
 from tests.unit.model.test_hf_models import TOL, batch, local_worker
 
@@ -284,7 +284,7 @@ def test_expert_bias_clone_gradients_reach_their_owners_during_backward(tiny_hf)
     after-backward reduction does, and zero the clone slots."""
     from ray_moe.placement.clones import push_clone_weights, reduce_clone_grads
     from ray_moe.placement.placement import Placement
-    from ray_moe.validation.hf_model import clone_placement
+    from tests.hf_parity import clone_placement
     from ray_moe.worker.clone_grads import CloneGradReduction
 
     cfg = parity_config(tiny_hf("gpt_oss"), world_size=1, batch=4, seq_len=12, clone_slots=2)
