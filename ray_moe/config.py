@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -338,11 +339,11 @@ class TrainConfig:
     def check(self) -> None:
         _positive("train.steps", self.steps, allow_zero=True)
         _positive("train.batch_size", self.batch_size)
-        if not self.lr > 0:
-            raise ConfigError(f"train.lr={self.lr} must be > 0")
+        if not 0 < self.lr < math.inf:
+            raise ConfigError(f"train.lr={self.lr} must be a finite number > 0")
         for key in ("weight_decay", "grad_clip"):
-            if not getattr(self, key) >= 0:
-                raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 0")
+            if not 0 <= getattr(self, key) < math.inf:
+                raise ConfigError(f"train.{key}={getattr(self, key)} must be a finite number >= 0")
         for key in ("warmup_steps", "eval_interval", "checkpoint_interval", "max_failures"):
             _positive(f"train.{key}", getattr(self, key), allow_zero=True)
         _positive("train.eval_batches", self.eval_batches)
@@ -360,7 +361,7 @@ class TrainConfig:
         for key in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ConfigError(f"train.{key}={getattr(self, key)} must be in [0, 1)")
-        if not self.eps > 0:
+        if not 0 < self.eps < math.inf:
             raise ConfigError(f"train.eps={self.eps} must be > 0")
         _choice("train.optimizer_impl", self.optimizer_impl, ("auto", "onepass", "fused", "foreach", "for_loop"))
         _choice("train.optimizer_state_dtype", self.optimizer_state_dtype, ("float32", "bfloat16"))
@@ -519,6 +520,10 @@ class Config:
         if p.zero_stage and not t.master_weights:
             raise ConfigError(f"parallel.zero_stage={p.zero_stage} shards float32 masters and needs "
                               "train.master_weights=true (or parallel.zero_stage=0)")
+        if self.data.val_fraction == 0 and not self.data.datasets and t.eval_interval:
+            raise ConfigError(f"train.eval_interval={t.eval_interval} but data.val_fraction=0 leaves no validation "
+                              "split (the run then never evaluates); set data.val_fraction > 0 or "
+                              "train.eval_interval=0")
         return resolved
 
     def world_size_error(self, world_size: int, what: str = "parallel.world_size",

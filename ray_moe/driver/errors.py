@@ -36,3 +36,12 @@ class TrainingInterrupted(TrainingError):
         where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint could be written"
         super().__init__(f"stopped by {name} at step {step} ({where}); continue with train.resume=auto")
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
+
+
+class CallRejected(TrainingError, ValueError):
+    """A call's arguments or data were refused (on the driver, or by the workers for the same
+    reason): the call ended, the run is where it was (no failure counted, nothing rewound)."""
+
+
+class TrainerClosed(TrainingError):
+    """A :class:`~ray_moe.driver.trainer.Trainer` method was called after ``close()``."""

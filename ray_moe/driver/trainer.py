@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
+import operator
 import shutil
 import signal
 import threading
@@ -32,7 +34,14 @@ from ray_moe.checkpoint import (
 )
 from ray_moe.comm.base import TransportSpec
 from ray_moe.config import Config, ConfigError
-from ray_moe.driver.errors import GroupError, TrainingError, TrainingInterrupted, WorkerFailure
+from ray_moe.driver.errors import (
+    CallRejected,
+    GroupError,
+    TrainerClosed,
+    TrainingError,
+    TrainingInterrupted,
+    WorkerFailure,
+)
 from ray_moe.driver.group import WorkerGroup, connect
 from ray_moe.driver.loggers import make_sinks
 from ray_moe.driver.metrics import MetricsLog, aggregate_step
@@ -64,6 +73,21 @@ log = logging.getLogger(__name__)
 FATAL_ERRORS = ("DataError", "ConfigError", "CheckpointError", "WeightsError", "ArchError", "TrainingError",
                 "OutOfMemoryError")
 FATAL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+# Errors a worker raises for a call's own arguments or data (the user's mistake, not a broken
+# worker): the call ends with one line, the run stays where it was, no failure is counted.
+USER_ERRORS = ("ValueError", "TypeError", "DataError", "ConfigError", "ArchError")
+
+
+def _original(failure: WorkerFailure) -> BaseException | None:
+    """The exception a worker raised (Ray's RayTaskError carries it as ``cause``), or None."""
+    return getattr(failure.__cause__, "cause", None) or failure.__cause__
+
+
+def user_error(failure: WorkerFailure) -> bool:
+    """True when a worker raised an error about the call's arguments or data (USER_ERRORS):
+    not a worker failure; no new group would do better, and the group is still whole."""
+    original = _original(failure) if failure.cause == "error" else None
+    return original is not None and bool({c.__name__ for c in type(original).__mro__} & set(USER_ERRORS))
 
 
 def retryable(failure: WorkerFailure) -> bool:
@@ -71,9 +95,11 @@ def retryable(failure: WorkerFailure) -> bool:
     it is one that no restart fixes (see FATAL_ERRORS, FATAL_ERRNOS)."""
     if failure.cause != "error":
         return True
-    original = getattr(failure.__cause__, "cause", None) or failure.__cause__
+    original = _original(failure)
     if original is None:
         return True
+    if user_error(failure):
+        return False
     names = {c.__name__ for c in type(original).__mro__}
     if names & set(FATAL_ERRORS):
         return False
@@ -111,6 +137,7 @@ class Trainer:
         self.address = address
         self.progress = progress
         self.failures = 0
+        self._closed = False
         self.group: WorkerGroup | None = None
         self._owns_group = group is None
         self.model_report: ModelReport | None = None
@@ -170,8 +197,16 @@ class Trainer:
     @property
     def world_size(self) -> int:
         """The ranks training now (the group's; it can shrink after a failure)."""
-        assert self.group is not None
-        return self.group.world_size
+        return self._live_group().world_size
+
+    def _live_group(self) -> WorkerGroup:
+        """The group this Trainer trains on; :class:`TrainerClosed` after :meth:`close` (or once
+        a failure left it without one)."""
+        if self.group is None:
+            why = "this Trainer is closed" if self._closed else "this Trainer lost its worker group (a recovery failed)"
+            raise TrainerClosed(f"{why}; make a new Trainer for the run (train.resume=auto continues it "
+                                "from its newest checkpoint)")
+        return self.group
 
     # ------------------------------------------------------------------ group life cycle
     def _start_group(self, group: WorkerGroup | None = None, world_size: int | None = None) -> None:
@@ -209,13 +244,17 @@ class Trainer:
         )
 
     def _recover(self, failure: WorkerFailure) -> None:
-        """Tear the group down, start a new one, restore this run's newest valid checkpoint, go on."""
+        """Tear the group down, start a new one, restore this run's newest valid checkpoint, go on.
+        An error a worker raised that no restart fixes (:func:`retryable`) is not a failure: it
+        ends the call in one line and the run stays where it was (nothing counted or rewound)."""
+        if user_error(failure):
+            raise CallRejected(str(failure)) from None
+        if not retryable(failure):
+            raise TrainingError(f"{failure} (not retried: a new worker group would meet it again)") from None
         self.failures += 1
         self.log.event("failure", rank=failure.rank, cause=failure.cause, message=str(failure),
                        step=self.step_count, failures=self.failures, **failure.where)
         log.warning("worker failure (%s) at step %d: %s", failure.cause, self.step_count, failure)
-        if not retryable(failure):
-            raise TrainingError(f"{failure} (not retried: a new worker group would meet it again)") from failure
         if self.failures > self.config.train.max_failures:
             raise TrainingError(
                 f"{failure} (failure {self.failures}, train.max_failures={self.config.train.max_failures})"
@@ -287,10 +326,13 @@ class Trainer:
         ``inject_nan_rank`` makes that rank's loss NaN (fault injection for tests and smoke
         checks: the step must be skipped, or the run stopped, per ``train.nonfinite``).
         """
+        W = self._live_group().world_size
+        if inject_nan_rank is not None and not (_is_int(inject_nan_rank) and 0 <= inject_nan_rank < W):
+            raise CallRejected(f"step: inject_nan_rank={inject_nan_rank!r} must be None or a rank in [0, {W})")
         return self._with_recovery(lambda: self._step_once(inject_nan_rank))
 
     def _step_once(self, poison_rank: int | None = None) -> dict[str, Any]:
-        assert self.group is not None
+        self._live_group()
         t = self.config.train
         now = time.monotonic()
         if now - self._last_health > t.health_check_interval_s:
@@ -314,7 +356,7 @@ class Trainer:
         self.log.record(m)
         if t.checkpoint_interval and self.step_count % t.checkpoint_interval == 0:
             self.save()
-        if t.eval_interval and self.step_count % t.eval_interval == 0:
+        if t.eval_interval and self.step_count % t.eval_interval == 0 and self.has_validation:
             self.evaluate()
         return m
 
@@ -339,7 +381,7 @@ class Trainer:
                     bar.update(m)
                     if self._stop_signal is not None:
                         self._stop_now()
-                if not (done and t.eval_interval and self.step_count % t.eval_interval == 0):
+                if self.has_validation and not (done and t.eval_interval and self.step_count % t.eval_interval == 0):
                     self.evaluate()  # unless the last step just did (step() evaluates every eval_interval)
                 if self.last_checkpoint is None or self.last_checkpoint.name != step_name(self.step_count):
                     self.save()
@@ -368,7 +410,9 @@ class Trainer:
 
     def rebalance(self) -> dict[str, Any]:
         """Plan clone placements from the loads seen so far and apply the changed layers."""
-        assert self.group is not None and self.rebalancer is not None
+        self._live_group()
+        if self.rebalancer is None:
+            raise CallRejected("rebalance needs balance.enabled=true (and balance.clone_slots >= 1)")
         t0 = time.perf_counter()
         changes, report = self.rebalancer.plan()
         moved = 0
@@ -380,8 +424,14 @@ class Trainer:
         return report
 
     def evaluate(self, batches: int | None = None) -> float:
-        """Mean validation loss over ``batches`` (default ``train.eval_batches``) fixed batches."""
-        assert self.group is not None
+        """Mean validation loss over ``batches`` (default ``train.eval_batches``) fixed batches.
+        A run without a validation split (``data.val_fraction=0``) has none to measure: CallRejected."""
+        self._live_group()
+        if batches is not None and not (_is_int(batches) and batches >= 1):
+            raise CallRejected(f"evaluate: batches={batches!r} must be None (train.eval_batches) or an integer >= 1")
+        if not self.has_validation:
+            raise CallRejected("evaluate: this run has no validation split (data.val_fraction=0); set "
+                               "data.val_fraction > 0 to measure one")
         val = self._with_recovery(
             lambda: self.group.call(EPWorker.evaluate, batches, timeout=self.config.train.step_timeout_s)[0]
         )
@@ -390,16 +440,24 @@ class Trainer:
             self._progress.message(f"eval at step {self.step_count}: val_loss {val:.4f}")
         return val
 
+    @property
+    def has_validation(self) -> bool:
+        """False for a byte-corpus run with ``data.val_fraction=0``: it trains on the whole corpus
+        and never evaluates (train() skips its evaluations)."""
+        return bool(self.config.data.datasets) or self.config.data.val_fraction > 0
+
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 200, temperature: float = 0.8,
                  seed: int | None = None) -> str | list[int]:
         """Continue ``prompt`` with the model as trained so far: ``prompt`` and the result are text
         (bytes for the byte-level model, ``data.tokenizer``'s tokens when the run has one) or
         token ids. Returns the prompt followed by ``max_new_tokens`` sampled tokens (greedy at
         ``temperature`` <= 0; ``seed``: the sampling seed, default ``train.seed``). The context is
-        the last ``model.seq_len`` tokens."""
-        assert self.group is not None
+        the last ``model.seq_len`` tokens. Arguments are checked here, before any worker sees
+        them (:class:`CallRejected`, a ValueError, naming what is allowed)."""
+        self._live_group()
         codec = _TextCodec(self.config)
-        ids = codec.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+        ids = generate_ids(prompt, codec, self.arch.spec.vocab_size)
+        check_sampling(max_new_tokens, temperature, seed)
         seed = self.config.train.seed if seed is None else seed
         new = self._with_recovery(lambda: self.group.call(
             EPWorker.generate, ids, max_new_tokens, float(temperature), seed,
@@ -413,7 +471,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
         """Checkpoint the current step under run_dir/checkpoints (atomic)."""
-        assert self.group is not None
+        self._live_group()
         timeout = self.config.train.step_timeout_s
         staging = new_staging_dir(self.run_dir, self.step_count)
         try:
@@ -423,7 +481,7 @@ class Trainer:
             raise
 
     def _save_into(self, staging: Path, timeout: float) -> Path:
-        assert self.group is not None
+        self._live_group()
         files = self.group.call(EPWorker.save_shard, str(staging), timeout=timeout)
         meta = {
             "step": self.step_count,
@@ -448,7 +506,7 @@ class Trainer:
         back too, so the run continues exactly as it would have; at another world size every layer
         starts from its native placement and the load statistics start afresh.
         """
-        assert self.group is not None
+        self._live_group()
         if path is None:
             valid, corrupt = scan_checkpoints(self.run_dir)
             self._report_corrupt(corrupt)
@@ -495,6 +553,7 @@ class Trainer:
     def close(self) -> None:
         """Stop the workers if this Trainer started them (a group passed in stays up); close the
         metrics sinks. Idempotent."""
+        self._closed = True
         if self.group is not None and self._owns_group:
             self.group.close()
         self.group = None
@@ -513,6 +572,48 @@ class Trainer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def generate_ids(prompt: Any, codec: "_TextCodec", vocab_size: int) -> list[int]:
+    """``prompt`` (text, or a sequence of token ids) as token ids in [0, vocab_size); CallRejected
+    for an empty prompt, an id that is not an integer or out of range, or another type."""
+    if isinstance(prompt, str):
+        ids = codec.encode(prompt)
+    elif isinstance(prompt, (list, tuple)) or (hasattr(prompt, "__iter__") and not isinstance(prompt, (bytes, dict))):
+        ids = []
+        for i in prompt:
+            try:
+                if isinstance(i, bool):
+                    raise TypeError
+                ids.append(operator.index(i))  # ints, NumPy's and 0-d integer tensors; not floats
+            except TypeError:
+                raise CallRejected(f"generate: prompt token id {i!r} is not an integer; give text or "
+                                   "integer ids") from None
+    else:
+        raise CallRejected(f"generate: prompt {prompt!r} must be text or a sequence of token ids")
+    if not ids:
+        raise CallRejected("generate: the prompt is empty; give at least one character or token id")
+    lo, hi = min(ids), max(ids)
+    if lo < 0 or hi >= vocab_size:
+        raise CallRejected(f"generate: prompt token ids must be in [0, {vocab_size}) (the model's vocabulary), "
+                           f"got min {lo}, max {hi}")
+    return ids
+
+
+def check_sampling(max_new_tokens: Any, temperature: Any, seed: Any) -> None:
+    """CallRejected unless ``max_new_tokens`` is an integer >= 0, ``temperature`` a finite number
+    >= 0 (0: greedy) and ``seed`` None or an integer."""
+    if not (_is_int(max_new_tokens) and max_new_tokens >= 0):
+        raise CallRejected(f"generate: max_new_tokens={max_new_tokens!r} must be an integer >= 0")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not math.isfinite(temperature) or temperature < 0:
+        raise CallRejected(f"generate: temperature={temperature!r} must be a finite number >= 0 (0: greedy)")
+    if seed is not None and not _is_int(seed):
+        raise CallRejected(f"generate: seed={seed!r} must be None (train.seed) or an integer")
 
 
 class _StopOnSignal:
