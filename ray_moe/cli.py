@@ -255,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     from ray_moe.arch import ArchError
     from ray_moe.checkpoint import CheckpointError
     from ray_moe.config import ConfigError
+    from ray_moe.connect import ConnectError
     from ray_moe.data.errors import DataError
     from ray_moe.data.prepare import PrepareError
     from ray_moe.driver.errors import GroupError, TrainingError, TrainingInterrupted
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ray-moe {args.command}: {exc}", file=sys.stderr)
         return 128 + exc.signum
     except (ConfigError, DataError, GroupError, TrainingError, CheckpointError, WeightsError, ArchError,
-            PrepareError, UsageError) as exc:
+            PrepareError, UsageError, ConnectError) as exc:
         # Named here: Ray must not print the workers' copies of it ("Unhandled error" tracebacks of
         # results dropped on the way out); Ray reads this variable each time it would.
         os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"

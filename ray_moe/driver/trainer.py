@@ -148,7 +148,9 @@ class Trainer:
         self._last_health = time.monotonic()
         self._stop_signal: int | None = None
         self._progress: Progress | None = None
-        # The run directory first: a run that cannot keep its results does not start, and a
+        if group is None:  # a cluster that cannot be reached leaves no run directory behind
+            connect(address, timeout_s=config.parallel.startup_timeout_s)
+        # The run directory next: a run that cannot keep its results does not start, and a
         # directory another run is writing is refused before anything in it is read or changed.
         made = not run_dir_path(config.train).exists()
         self.run_dir = resolve_run_dir(config.train)

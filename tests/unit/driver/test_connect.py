@@ -1,18 +1,17 @@
-"""Connecting to a cluster with token authentication: a refused token (or none) is one line naming
-the fix, after one request instead of ray.init's 20 tries and 20 warnings."""
+"""Connecting to a cluster: an address that is no GCS (refused, silent, an HTTP server), a missing
+or refused token, auto without a cluster: each one line naming the address and the fix, within seconds."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
 import time
 
 import pytest
 
-import ray._raylet
-from ray_moe.driver.group import GroupError, _check_auth, auth_refusal
-
-
-class AuthenticationError(Exception):  # Ray's, matched by name
-    pass
+from ray_moe.connect import ConnectError, auth_refusal, check_gcs, connect, token_problem
+from ray_moe.driver.errors import GroupError
 
 
 def test_no_token_names_the_mode_and_where_the_token_goes(monkeypatch):
@@ -38,23 +37,108 @@ def test_a_wrong_token_names_where_it_came_from(monkeypatch, env, source):
     assert "ray get-auth-token" in line
 
 
-def test_a_refused_token_fails_at_once_and_anything_else_is_left_to_ray_init(monkeypatch):
-    class Refusing:
-        def __init__(self, address, cluster_id):
-            raise AuthenticationError("RPC error: InvalidAuthToken")
+def test_a_refused_token_fails_at_once_naming_where_the_token_came_from(monkeypatch):
+    import subprocess
 
-    class Slow:
-        def __init__(self, address, cluster_id):
-            time.sleep(5)
+    class Refused:
+        stdout = "error AuthenticationError RPC error: InvalidAuthToken\n"
 
-    monkeypatch.setattr(ray._raylet, "GcsClient", Refusing)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: Refused())
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
-    with pytest.raises(GroupError, match="requires token authentication"):
-        _check_auth("10.0.0.1:6379", 5.0)
-    monkeypatch.setattr(ray._raylet, "GcsClient", Slow)
-    t0 = time.monotonic()
-    _check_auth("10.0.0.1:6379", 0.2)  # no answer in time: ray.init says what it says
-    assert time.monotonic() - t0 < 2
+    with pytest.raises(ConnectError, match="requires token authentication"):
+        check_gcs("127.0.0.1:1", probe_s=5.0)
+
+
+@contextlib.contextmanager
+def _server(reply: bytes | None):
+    """A TCP server on 127.0.0.1 that answers each connection with ``reply`` (None: says nothing)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    stop = threading.Event()
+
+    def serve():
+        sock.settimeout(0.2)
+        held = []
+        while not stop.is_set():
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                continue
+            held.append(conn)
+            if reply is not None:
+                with contextlib.suppress(OSError):
+                    conn.recv(1024)
+                    conn.sendall(reply)
+        for conn in held:
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join()
+        sock.close()
+
+
+@pytest.fixture
+def fresh_driver(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh driver process
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init reached with an unusable address"))
+    for key in ("RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
+        monkeypatch.delenv(key, raising=False)
+
+
+def test_an_http_server_is_no_gcs_and_is_named_at_once(fresh_driver):
+    with _server(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n") as address:
+        t0 = time.monotonic()
+        with pytest.raises(ConnectError, match=f"--address '{address}' is an HTTP server .*dashboard.*6379"):
+            connect(address, timeout_s=5)
+        assert time.monotonic() - t0 < 5
+
+
+def test_a_port_that_accepts_but_never_answers_as_a_gcs_is_named_within_the_probe_time(fresh_driver):
+    with _server(None) as address:
+        t0 = time.monotonic()
+        with pytest.raises(ConnectError, match="accepts connections but no Ray GCS answered there within 3s"):
+            check_gcs(address, probe_s=3.0)
+        assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("content", [None, ""])
+def test_a_token_file_that_is_missing_or_empty_is_named_before_ray_is_touched(fresh_driver, monkeypatch, tmp_path,
+                                                                             content):
+    token = tmp_path / "token"
+    if content is not None:
+        token.write_text(content)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    assert str(token) in token_problem()
+    with pytest.raises(ConnectError, match=f"RAY_AUTH_TOKEN_PATH={token} (cannot be read|is empty)"):
+        connect("127.0.0.1:1", timeout_s=5)
+    token.write_text("abc\n")
+    assert token_problem() is None
+
+
+def test_auto_without_a_cluster_here_is_one_line(fresh_driver, monkeypatch):
+    import ray._private.services as services
+
+    def none_here(addr, temp_dir=None):
+        raise ConnectionError("Could not find any running Ray instance.")
+
+    monkeypatch.setattr(services, "canonicalize_bootstrap_address", none_here)
+    with pytest.raises(ConnectError, match="--address auto: no Ray cluster runs on this machine"):
+        connect("auto")
+
+
+def test_the_driver_raises_connection_failures_as_group_errors(fresh_driver):
+    from ray_moe.driver.group import connect as driver_connect
+
+    with pytest.raises(GroupError, match="nothing listens at --address '127.0.0.1:1'"):
+        driver_connect("127.0.0.1:1", timeout_s=5)
 
 
 def test_a_group_that_does_not_fit_names_every_shortfall_gpus_first(monkeypatch):
