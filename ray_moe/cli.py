@@ -13,6 +13,7 @@ Exit code 0 on success; on failure a one-line reason on stderr and a non-zero co
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import os
@@ -22,6 +23,8 @@ import threading
 
 from ray_moe import usage
 
+# A write that fails for one of these reasons is the user's to fix: one line, not a traceback.
+UNWRITABLE = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 BENCHES = ("comm", "layer", "balance", "precision", "prepare", "train", "grad_reduce", "overlap")
 
 
@@ -282,6 +285,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"ray-moe {args.command}: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:
+        if exc.errno not in UNWRITABLE:
+            raise
+        os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"
+        import errno as errno_names
+
+        where = exc.filename or "a file"
+        print(f"ray-moe {args.command}: error: cannot write {where}: {exc.strerror or exc} "
+              f"({errno_names.errorcode.get(exc.errno, exc.errno)}); free space or fix the permissions, then rerun",
+              file=sys.stderr)
+        return 2
     finally:
         if interruptible:
             signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -430,7 +430,12 @@ class Config:
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {exc.start}: "
+                              f"{exc.object[exc.start:exc.start + 1]!r}); give a YAML file (e.g. jobs/tiny.yaml)") from None
+        except OSError as exc:
+            raise ConfigError(f"config file {str(path)!r} cannot be read ({exc.strerror or exc})") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from exc
         if not isinstance(raw, dict):

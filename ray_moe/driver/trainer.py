@@ -41,6 +41,7 @@ from ray_moe.driver.errors import (
     TrainingError,
     TrainingInterrupted,
     WorkerFailure,
+    WriteError,
 )
 from ray_moe.driver.group import WorkerGroup, connect
 from ray_moe.driver.loggers import make_sinks
@@ -56,6 +57,7 @@ from ray_moe.driver.run_dir import (
     plan_start,
     resolve_run_dir,
     run_dir_path,
+    same_run,
     scan,
     set_aside,
 )
@@ -169,10 +171,13 @@ class Trainer:
         """With the run directory locked: plan the start (fresh, resumed or overwritten), open the
         metrics log, start the workers (or build on ``group``), restore, write config.yaml."""
         state = scan(self.run_dir)
-        resume_from = plan_start(state, self.config.train.resume, self.config.train.overwrite)
+        resume_from = plan_start(state, self.config.train.resume, self.config.train.overwrite,
+                                 same_run(self.run_dir, self.config.to_yaml()))
         if resume_from is None and state.has_results:
             archived = archive_results(self.run_dir)
-            log.warning("train.overwrite=true: moved the earlier run in %s to %s", self.run_dir, archived)
+            why = "train.overwrite=true" if self.config.train.overwrite else \
+                "the same run stopped before its first checkpoint"
+            log.warning("%s: moved the earlier results in %s to %s; starting afresh", why, self.run_dir, archived)
         clean_staging(self.run_dir)
         self.log = MetricsLog(self.run_dir / "metrics.jsonl", make_sinks(self.config, self.run_dir))
         if resume_from is not None:
@@ -185,7 +190,10 @@ class Trainer:
         if resume_from is not None:
             self.restore(resume_from)
             self.log.event("resumed", checkpoint=str(resume_from), step=self.step_count)
-        (self.run_dir / "config.yaml").write_text(self.config.to_yaml())
+        try:
+            (self.run_dir / "config.yaml").write_text(self.config.to_yaml())
+        except OSError as exc:
+            raise WriteError(self.run_dir / "config.yaml", exc) from None
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: Iterable[str] = (), **kwargs: Any) -> "Trainer":
@@ -366,7 +374,7 @@ class Trainer:
         """Run until ``steps`` more steps are done (default: up to train.steps), then evaluate,
         checkpoint and plot. Returns the metrics of the steps run.
 
-        SIGTERM or SIGINT (preemption, Ctrl-C) lets the step in flight finish, checkpoints, and
+        SIGTERM, SIGINT or SIGHUP (preemption, Ctrl-C, a closed SSH session) lets the step in flight finish, checkpoints, and
         raises :class:`TrainingInterrupted`; a second SIGINT stops at once.
         """
         t = self.config.train
@@ -475,9 +483,15 @@ class Trainer:
         """Checkpoint the current step under run_dir/checkpoints (atomic)."""
         self._live_group()
         timeout = self.config.train.step_timeout_s
-        staging = new_staging_dir(self.run_dir, self.step_count)
+        try:
+            staging = new_staging_dir(self.run_dir, self.step_count)
+        except OSError as exc:
+            raise WriteError(exc.filename or self.run_dir, exc) from None
         try:
             return self._save_into(staging, timeout)
+        except OSError as exc:  # the driver's part (meta.json, the rename): one line naming the file
+            shutil.rmtree(staging, ignore_errors=True)
+            raise WriteError(exc.filename or staging, exc) from None
         except BaseException:  # the previous checkpoint stays the newest; no .tmp-step_* is left behind
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -619,11 +633,11 @@ def check_sampling(max_new_tokens: Any, temperature: Any, seed: Any) -> None:
 
 
 class _StopOnSignal:
-    """While training: the first SIGTERM or SIGINT asks the Trainer to stop after the step in
+    """While training: the first SIGTERM, SIGINT or SIGHUP asks the Trainer to stop after the step in
     flight (it checkpoints); a second SIGINT raises KeyboardInterrupt at once. Handlers are
     installed only in the main thread and restored on exit."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the SSH session that ran it closed
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer, self.previous = trainer, {}
@@ -631,6 +645,8 @@ class _StopOnSignal:
     def __enter__(self) -> "_StopOnSignal":
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
+                if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                    continue  # nohup: the user asked the run to outlive the terminal
                 self.previous[sig] = signal.signal(sig, self._handle)
         return self
 
