@@ -3,7 +3,7 @@
     ray-moe train --config jobs/tiny.yaml [--address ADDR] [section.key=value ...]
     ray-moe prepare --input PATH... --tokenizer DIR --out DIR [--address ADDR]   (token shards)
     ray-moe tokenizer train --vocab-size N --input PATH... --out DIR              (byte-level BPE)
-    ray-moe export CHECKPOINT --format hf --out DIR  (a checkpoint or run directory → an HF model directory)
+    ray-moe export CHECKPOINT --format hf --out DIR [--replace]  (a checkpoint or run directory → an HF model directory)
     ray-moe bench comm|layer|balance|precision|prepare|train|grad_reduce|overlap [options]     (see ``ray-moe bench NAME --help``)
     ray-moe smoke --address ADDR                    (validate a cluster before a run)
 
@@ -148,8 +148,13 @@ def _export(args: argparse.Namespace) -> int:
 
     out = Path(args.out).expanduser()
     if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {args.out!r} is a file; give a directory (created if missing; the model's "
-                         "files in it are replaced)")
+        raise UsageError(f"--out {args.out!r} is a file; give a directory (a new or empty one, or one to replace "
+                         "whole with --replace)")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and not args.replace:
+        shown = ", ".join(held[:4]) + (f", ... ({len(held)} entries)" if len(held) > 4 else "")
+        raise UsageError(f"--out {args.out!r} is not empty (it holds {shown}); give a new or empty directory, or "
+                         "add --replace to replace it whole with the export")
     path = _export_source(args.checkpoint)
     meta = read_meta(path)
     config = Config.from_plain(meta["config"])
@@ -161,18 +166,46 @@ def _export(args: argparse.Namespace) -> int:
     hf_config = meta.get("hf_config") or config.resolve_arch().hf_config
     spec = ArchSpec.from_hf(hf_config)
     dtype = torch_dtype(args.dtype or config.model.dtype)
+    # Written beside --out, then swapped in whole: the directory never mixes two models, and a
+    # write that fails (a full disk) leaves it as it was.
+    staging = out.parent / f".{out.name}.export-{os.getpid()}"
     try:
-        report = write_hf_dir(out, spec, hf_config, iter_tensors(path, meta), dtype,
+        report = write_hf_dir(staging, spec, hf_config, iter_tensors(path, meta), dtype,
                               max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
                               tokenizer_dir=getattr(config.data, "tokenizer", "") or None)
-    except OSError as exc:
-        raise UsageError(f"--out {args.out!r}: cannot write the model there ({exc.strerror or exc}); choose "
-                         "another directory or free space") from None
-    for name in report["files"]:
-        as_umask_allows(out / name)
+        for name in report["files"]:
+            as_umask_allows(staging / name)
+        _swap_in(staging, out)
+    except Exception as exc:
+        import shutil
+
+        shutil.rmtree(staging, ignore_errors=True)
+        if not isinstance(exc, OSError) and type(exc).__name__ != "SafetensorError":
+            raise
+        code = f" ({errno.errorcode.get(exc.errno, exc.errno)})" if getattr(exc, "errno", None) else ""
+        raise UsageError(f"--out {args.out!r}: cannot write the model there ({getattr(exc, 'strerror', None) or exc}"
+                         f"{code}); {args.out} is as it was: free space or choose another directory") from None
     print(f"exported {str(path)!r} (step {meta['step']}) to {args.out}: {report['tensors']} tensors, "
           f"{report['bytes'] / 1e6:.1f} MB {str(dtype).removeprefix('torch.')}, files: {', '.join(report['files'])}")
     return 0
+
+
+def _swap_in(new, out) -> None:
+    """Put directory ``new`` at ``out``: an existing ``out`` is moved aside first and removed once
+    ``new`` is in place (restored if the rename fails)."""
+    import shutil
+
+    if not out.exists():
+        os.replace(new, out)
+        return
+    old = out.parent / f".{out.name}.replaced-{os.getpid()}"
+    os.replace(out, old)
+    try:
+        os.replace(new, out)
+    except OSError:
+        os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -200,7 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
     e.add_argument("checkpoint", help="a checkpoint directory (step_*) or a run directory (its latest)")
     e.add_argument("--format", choices=("hf",), required=True, help="hf: config.json + safetensors shards")
-    e.add_argument("--out", required=True, help="output directory (created; files in it are replaced)")
+    e.add_argument("--out", required=True, help="output directory: new or empty (a non-empty one needs --replace)")
+    e.add_argument("--replace", action="store_true",
+                   help="replace a non-empty --out whole (everything in it goes) once the export is written")
     e.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="tensor dtype (default: the run's model.dtype)")
     e.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard (GiB)")
