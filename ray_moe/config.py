@@ -135,6 +135,7 @@ class ModelConfig:
             raise ConfigError(f"{where}: {exc}") from None
         if self.arch != "byte" and spec.family != self.arch:
             raise ConfigError(f"model.arch={self.arch} but {where} is a {spec.family} config")
+        _check_hf_keys(self.hf, arch.load_hf_config(source) if source else {}, spec.family)
         return spec, hf
 
 
@@ -457,7 +458,9 @@ class Config:
                 raise ConfigError(f"override {key.strip()}={text!r}: the value is not valid YAML ({exc})") from None
             cfg.set(key.strip(), value)
             explicit[key.strip()] = value
-        cfg._check_explicit(explicit, cfg.validate())
+        # the sizes set before (a byte model's YAML, then model.init_from=DIR) count as given too
+        given = {k: cfg.get(k) for k in HF_DERIVED if cfg.get(k) != Config().get(k)}
+        cfg._check_explicit({**given, **explicit}, cfg.validate())
         return cfg
 
     def copy(self) -> "Config":
@@ -575,6 +578,36 @@ class Config:
                     f"{key}={explicit[key]!r} but model.arch={spec.family} takes it from the HF config "
                     f"({hf_name} = {theirs!r}); change the HF config instead (model.hf.KEY=VALUE)"
                 )
+
+
+# HF keys arch.py reads that a family's transformers config class may not list: older
+# config.json files' rope keys (now in rope_parameters), head_dim (any attention), router noise.
+LEGACY_HF_KEYS = ("rope_theta", "rope_scaling", "partial_rotary_factor", "head_dim", "router_jitter_noise")
+
+
+def _check_hf_keys(overrides: dict, source: dict, family: str) -> None:
+    """Every ``model.hf`` key is one the HF config of ``family`` has: in the source config.json,
+    or an attribute of transformers' config class for the family (a typo would be ignored by the
+    model silently). ConfigError naming the key, a close match and the allowed keys."""
+    unknown = [k for k in overrides if k not in source and k not in LEGACY_HF_KEYS]
+    if not unknown:
+        return
+    try:
+        import inspect
+
+        from transformers import CONFIG_MAPPING
+
+        cls = CONFIG_MAPPING[family]
+    except (ImportError, KeyError):  # no transformers here, or a family it does not know: unchecked
+        return
+    allowed = (set(source) | set(cls().to_dict()) | set(getattr(cls, "attribute_map", {})) | set(LEGACY_HF_KEYS)
+               | (set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}))
+    bad = [k for k in unknown if k not in allowed]
+    if bad:
+        close = difflib.get_close_matches(bad[0], sorted(allowed), n=1, cutoff=0.6)
+        hint = f"; did you mean model.hf.{close[0]}?" if close else ""
+        raise ConfigError(f"model.hf.{bad[0]} is not a key of a {family} HF config{hint} (allowed: "
+                          f"{', '.join(sorted(k for k in allowed if not k.startswith('_')))})")
 
 
 def _sections() -> list[str]:

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import yaml
+
 from ray_moe.checkpoint import (
     CheckpointError,
     check_compatible,
@@ -172,7 +174,7 @@ class Trainer:
         metrics log, start the workers (or build on ``group``), restore, write config.yaml."""
         state = scan(self.run_dir)
         resume_from = plan_start(state, self.config.train.resume, self.config.train.overwrite,
-                                 same_run(self.run_dir, self.config.to_yaml()))
+                                 same_run(self.run_dir, self._config_yaml()))
         if resume_from is None and state.has_results:
             archived = archive_results(self.run_dir)
             why = "train.overwrite=true" if self.config.train.overwrite else \
@@ -191,9 +193,16 @@ class Trainer:
             self.restore(resume_from)
             self.log.event("resumed", checkpoint=str(resume_from), step=self.step_count)
         try:
-            (self.run_dir / "config.yaml").write_text(self.config.to_yaml())
+            (self.run_dir / "config.yaml").write_text(self._config_yaml())
         except OSError as exc:
             raise WriteError(self.run_dir / "config.yaml", exc) from None
+
+    def _config_yaml(self) -> str:
+        """The run's config.yaml: the config as given, its model.arch the family trained (an HF
+        architecture reached through model.init_from or model.hf_config alone says ``byte``)."""
+        saved = self.config.to_dict()
+        saved["model"]["arch"] = self.arch.spec.family if self.arch.hf_config is not None else "byte"
+        return yaml.safe_dump(saved, sort_keys=False)
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: Iterable[str] = (), **kwargs: Any) -> "Trainer":
