@@ -20,12 +20,30 @@ import os
 import signal
 import sys
 import threading
+from types import MappingProxyType
 
 from ray_moe import usage
 
 # A write that fails for one of these reasons is the user's to fix: one line, not a traceback.
 UNWRITABLE = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
-BENCHES = ("comm", "layer", "balance", "precision", "prepare", "train", "grad_reduce", "overlap")
+# name → (what it measures, where it runs): `ray-moe bench --help` lists them.
+BENCH_HELP = MappingProxyType({
+    "comm": ("NVSHMEM dispatch/combine against NCCL's all-to-all exchange, per tokens per rank", "GPUs (>= 2)"),
+    "layer": ("one MoE layer: expert GEMMs, routing, saved activations, the layer beside SonicMoE; "
+              "expert-parallel rows (--sections ep)", "a GPU; --sections ep also on a CPU cluster"),
+    "balance": ("how well clone placement evens skewed routing (--mode sim: simulated routers; train: a run)",
+                "CPU (--mode sim), GPUs or CPU (--mode train --device cpu)"),
+    "precision": ("a training step's phases with each optimizer, and the LM loss's time and memory",
+                  "a GPU, or the CPU with --device cpu (slow)"),
+    "prepare": ("ray-moe prepare's tokens/s against one Python process on the same files", "CPU"),
+    "train": ("one rank's training step of an HF family, phase by phase, beside torchtitan",
+              "a GPU, or the CPU with --device cpu (small --layers)"),
+    "grad_reduce": ("how much of a step the gradient reduction is exposed for at ZeRO stages 0, 1, 2",
+                    "GPUs (>= 2), or a CPU cluster with --device cpu"),
+    "overlap": ("a step at W ranks against one rank running the same tokens per rank",
+                "GPUs (>= 2), or a CPU cluster with --device cpu"),
+})
+BENCHES = tuple(BENCH_HELP)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -264,8 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
     tt.add_argument("--text-field", default="text", help="the text field of .jsonl / column of .parquet")
     tt.add_argument("--min-frequency", type=int, default=2, help="merges need at least this many occurrences")
     tt.set_defaults(fn=_tokenizer_train)
-    b = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES))
-    b.add_argument("name", choices=BENCHES)
+    listing = "\n".join(f"  {name:<12} {what}\n  {'':<12} runs on: {where}" for name, (what, where) in BENCH_HELP.items())
+    b = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES),
+                       description=f"benchmarks (options: ray-moe bench NAME --help):\n{listing}",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("name", choices=BENCHES, help="the benchmark (listed above)")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=_bench)
     s = sub.add_parser("smoke", help="cluster smoke test (see ray-moe smoke --help)")
