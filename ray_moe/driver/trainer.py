@@ -142,6 +142,7 @@ class Trainer:
         self.progress = progress
         self.failures = 0
         self._closed = False
+        self._has_val: bool | None = None
         self.group: WorkerGroup | None = None
         self._owns_group = group is None
         self.model_report: ModelReport | None = None
@@ -401,6 +402,7 @@ class Trainer:
                     if self._stop_signal is not None:
                         self._stop_now()
                 if self.has_validation and not (done and t.eval_interval and self.step_count % t.eval_interval == 0):
+                    bar.message(f"final evaluation: {t.eval_batches} batches (train.eval_batches)")
                     self.evaluate()  # unless the last step just did (step() evaluates every eval_interval)
                 if self.last_checkpoint is None or self.last_checkpoint.name != step_name(self.step_count):
                     self.save()
@@ -449,8 +451,8 @@ class Trainer:
         if batches is not None and not (_is_int(batches) and batches >= 1):
             raise CallRejected(f"evaluate: batches={batches!r} must be None (train.eval_batches) or an integer >= 1")
         if not self.has_validation:
-            raise CallRejected("evaluate: this run has no validation split (data.val_fraction=0); set "
-                               "data.val_fraction > 0 to measure one")
+            raise CallRejected("evaluate: this run has no validation split (data.val_fraction=0, or a dataset "
+                               "prepared with --val-fraction 0); give it one to measure validation loss")
         val = self._with_recovery(
             lambda: self.group.call(EPWorker.evaluate, batches, timeout=self.config.train.step_timeout_s)[0]
         )
@@ -461,9 +463,12 @@ class Trainer:
 
     @property
     def has_validation(self) -> bool:
-        """False for a byte-corpus run with ``data.val_fraction=0``: it trains on the whole corpus
-        and never evaluates (train() skips its evaluations)."""
-        return bool(self.config.data.datasets) or self.config.data.val_fraction > 0
+        """False for a run without a validation split (a byte corpus with ``data.val_fraction=0``,
+        or a prepared dataset made with ``--val-fraction 0``): it never evaluates (train() skips
+        its evaluations; evaluate() says why)."""
+        if self._has_val is None:
+            self._has_val = has_validation_split(self.config)
+        return self._has_val
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 200, temperature: float = 0.8,
                  seed: int | None = None) -> str | list[int]:
@@ -597,6 +602,14 @@ class Trainer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def has_validation_split(config: Config) -> bool:
+    """Whether every batch source of ``config`` has validation data: the byte corpus when
+    ``data.val_fraction > 0``; each prepared dataset when it holds val tokens (its index only is read)."""
+    from ray_moe.worker.data import has_val_split
+
+    return has_val_split(config.data)
 
 
 def _is_int(value: Any) -> bool:

@@ -32,7 +32,7 @@ from ray_moe.data.mixture import window_starts
 from ray_moe.data.shards import PreparedDataset, val_mask
 from ray_moe.data.tokenizer import tokenizer_hash
 
-__all__ = ["Corpus", "DataError", "TokenShards", "open_corpus"]
+__all__ = ["Corpus", "DataError", "TokenShards", "has_val_split", "open_corpus"]
 
 
 def default_paths() -> list[str]:
@@ -184,6 +184,18 @@ class TokenShards:
                             f"{self.vocab_key}={self.vocab_size}; the shard is damaged or from another tokenizer")
         t = torch.from_numpy(win)
         return t[:, :-1], t[:, 1:]
+
+
+def has_val_split(cfg: DataConfig) -> bool:
+    """Whether the run's data has a validation split: the byte corpus when ``val_fraction > 0``;
+    every prepared dataset when it holds val tokens (only its index is read)."""
+    if not cfg.datasets:
+        return cfg.val_fraction > 0
+    for path, _ in cfg.mixture():
+        split = PreparedDataset(path).splits.get("val")
+        if split is None or split.tokens == 0:
+            return False
+    return True
 
 
 def open_corpus(config: Config, vocab_size: int) -> Corpus | TokenShards:

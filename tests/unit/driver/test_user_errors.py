@@ -137,3 +137,15 @@ def test_config_values_no_run_could_use_are_refused(tmp_path, over, match):
 def test_val_fraction_zero_without_periodic_evaluation_is_a_valid_config(tmp_path):
     assert small_config(tmp_path, **{"data.val_fraction": 0}).data.val_fraction == 0
     assert Config().train.lr == 3e-3
+
+
+@pytest.mark.parametrize("val_fraction, has_val", [(0.0, False), (0.3, True)])
+def test_a_prepared_dataset_without_a_val_split_means_no_evaluation(tmp_path, val_fraction, has_val):
+    import numpy as np
+
+    from ray_moe.driver.trainer import has_validation_split
+    from tests.unit.data.shard_helpers import random_files, write_dataset
+
+    write_dataset(tmp_path / "ds", random_files(np.random.default_rng(0), 30), val_fraction=val_fraction)
+    cfg = Config().with_overrides([f"data.datasets=[{tmp_path / 'ds'}]", "model.vocab_size=1024"])
+    assert has_validation_split(cfg) is has_val
