@@ -385,7 +385,7 @@ class Trainer:
         checkpoint and plot. Returns the metrics of the steps run.
 
         SIGTERM, SIGINT or SIGHUP (preemption, Ctrl-C, a closed SSH session) lets the step in flight finish, checkpoints, and
-        raises :class:`TrainingInterrupted`; a second SIGINT stops at once.
+        raises :class:`TrainingInterrupted`; a second signal stops at once.
         """
         t = self.config.train
         target = self.step_count + steps if steps is not None else t.steps
@@ -656,7 +656,7 @@ def check_sampling(max_new_tokens: Any, temperature: Any, seed: Any) -> None:
 
 class _StopOnSignal:
     """While training: the first SIGTERM, SIGINT or SIGHUP asks the Trainer to stop after the step in
-    flight (it checkpoints); a second SIGINT raises KeyboardInterrupt at once. Handlers are
+    flight (it checkpoints); a second signal raises KeyboardInterrupt at once. Handlers are
     installed only in the main thread and restored on exit."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the SSH session that ran it closed
@@ -673,11 +673,11 @@ class _StopOnSignal:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.trainer._stop_signal is not None and signum == signal.SIGINT:
+        if self.trainer._stop_signal is not None:  # asked twice: stop now (a long evaluation included)
             raise KeyboardInterrupt
         self.trainer._stop_signal = signum
-        log.warning("%s: stopping after the step in flight and checkpointing (Ctrl-C again to stop now)",
-                    signal.Signals(signum).name)
+        log.warning("%s: stopping after the step in flight (or the evaluation) and checkpointing; a second "
+                    "signal (Ctrl-C again) stops at once", signal.Signals(signum).name)
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self.previous.items():
