@@ -4,9 +4,13 @@ or refused token, auto without a cluster: each one line naming the address and t
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -157,3 +161,41 @@ def test_a_group_that_does_not_fit_names_every_shortfall_gpus_first(monkeypatch)
                                "total; and 64 CPU (8 per worker) but the Ray cluster has 2 CPU in total; lower "
                                "parallel.world_size or parallel.cpu_per_worker, or add nodes")
     group._check_fits({"CPU": 0.25})  # fits
+
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    return subprocess.run([sys.executable, "-m", "ray_moe.cli", *args], capture_output=True, text=True,
+                          timeout=120, cwd=REPO, env={**clean, "PYTHONPATH": str(REPO), **env})
+
+
+def test_cli_train_with_a_missing_token_file_is_one_line_and_leaves_no_run_dir(tmp_path):
+    r = _cli("train", "--config", "jobs/tiny.yaml", "--address", "127.0.0.1:1", f"train.run_dir={tmp_path / 'run'}",
+             RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(tmp_path / "nowhere"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == [
+        f"ray-moe train: error: RAY_AUTH_TOKEN_PATH={tmp_path / 'nowhere'} cannot be read (No such file or directory); "
+        "point it at the cluster's token file (`ray get-auth-token` on the head prints the token) or unset it"]
+    assert not (tmp_path / "run").exists()  # no .run.lock, no empty metrics.jsonl
+
+
+def test_cli_prepare_and_smoke_name_an_address_that_is_no_gcs(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text("hello\n")
+    from ray_moe.data.tokenizer import train_bpe
+
+    tok = tmp_path / "tok"
+    train_bpe(iter(["hello world, hello ray"] * 20), 300, tok)
+    with _server(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n") as address:
+        t0 = time.monotonic()
+        r = _cli("prepare", "--input", str(text), "--tokenizer", str(tok), "--out", str(tmp_path / "ds"),
+                 "--address", address)
+        assert r.returncode == 2 and f"--address '{address}' is an HTTP server" in r.stderr, r.stderr[-2000:]
+        assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "ds").exists()
+        r = _cli("smoke", "--address", address)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert f"connect on cluster: --address '{address}' is an HTTP server" in r.stdout.strip().splitlines()[-1]
+        assert time.monotonic() - t0 < 60
