@@ -168,3 +168,14 @@ def test_a_second_stop_signal_stops_at_once(tmp_path, monkeypatch):
         with pytest.raises(KeyboardInterrupt):
             t.train()
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_under_nohup_sighup_stays_ignored(tmp_path, monkeypatch):
+    """`nohup ray-moe train ...` asked the run to outlive the terminal: SIGHUP is not taken over."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with _trainer(tmp_path, monkeypatch) as t, trainer_mod._StopOnSignal(t):
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
