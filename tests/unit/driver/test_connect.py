@@ -199,3 +199,28 @@ def test_cli_prepare_and_smoke_name_an_address_that_is_no_gcs(tmp_path):
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
         assert f"connect on cluster: --address '{address}' is an HTTP server" in r.stdout.strip().splitlines()[-1]
         assert time.monotonic() - t0 < 60
+
+
+def test_cli_bench_with_a_refused_address_is_one_line():
+    r = _cli("bench", "comm", "--address", "127.0.0.1:1")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "ray-moe bench: error: nothing listens at --address '127.0.0.1:1': is the Ray head running there "
+        "(`ray start --head`), and is this the head's GCS port (6379 by default; `ray status` on the head prints "
+        "the address)?"]
+
+
+def test_auto_with_a_refused_token_names_the_token_source(fresh_driver, monkeypatch, tmp_path):
+    import ray._private.services as services
+
+    class Refused:
+        stdout = "error AuthenticationError RPC error: InvalidAuthToken\n"
+
+    token = tmp_path / "token"
+    token.write_text("not the cluster's\n")
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    with _server(None) as address:  # the cluster found here answers TCP; its GCS refuses the token
+        monkeypatch.setattr(services, "canonicalize_bootstrap_address", lambda addr, temp_dir=None: address)
+        monkeypatch.setattr(subprocess, "run", lambda *a, **k: Refused())
+        with pytest.raises(ConnectError, match=f"refused this driver's auth token \\(from RAY_AUTH_TOKEN_PATH={token}\\)"):
+            connect("auto", timeout_s=5)
