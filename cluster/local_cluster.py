@@ -300,7 +300,7 @@ def fail_start(state: ClusterState, state_path: Path, why: str) -> int:
 def print_client_info(state: ClusterState, state_path: Path) -> None:
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in state.client_env.items())
     print(f"# {len(state.nodes)} Ray node(s) up; state in {state_path}")
-    print(f"# clients need: export {exports}   (or: eval \"$(python {Path(__file__).name} env --state {state_path})\")")
+    print(f"# clients need: export {exports}   (or: eval \"$(python {os.path.relpath(__file__)} env --state {state_path})\")")
     print(f"# stop with: python {os.path.relpath(__file__)} stop --state {state_path}")  # runnable from here
     print(state.address)
 

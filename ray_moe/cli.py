@@ -3,7 +3,7 @@
     ray-moe train --config jobs/tiny.yaml [--address ADDR] [section.key=value ...]
     ray-moe prepare --input PATH... --tokenizer DIR --out DIR [--address ADDR]   (token shards)
     ray-moe tokenizer train --vocab-size N --input PATH... --out DIR              (byte-level BPE)
-    ray-moe export CHECKPOINT --format hf --out DIR  (a checkpoint or run directory → an HF model directory)
+    ray-moe export CHECKPOINT --format hf --out DIR [--replace]  (a checkpoint or run directory → an HF model directory)
     ray-moe bench comm|layer|balance|precision|prepare|train|grad_reduce|overlap [options]     (see ``ray-moe bench NAME --help``)
     ray-moe smoke --address ADDR                    (validate a cluster before a run)
 
@@ -13,16 +13,37 @@ Exit code 0 on success; on failure a one-line reason on stderr and a non-zero co
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import os
 import signal
 import sys
 import threading
+from types import MappingProxyType
 
 from ray_moe import usage
 
-BENCHES = ("comm", "layer", "balance", "precision", "prepare", "train", "grad_reduce", "overlap")
+# A write that fails for one of these reasons is the user's to fix: one line, not a traceback.
+UNWRITABLE = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+# name → (what it measures, where it runs): `ray-moe bench --help` lists them.
+BENCH_HELP = MappingProxyType({
+    "comm": ("NVSHMEM dispatch/combine against NCCL's all-to-all exchange, per tokens per rank", "GPUs (>= 2)"),
+    "layer": ("one MoE layer: expert GEMMs, routing, saved activations, the layer beside SonicMoE; "
+              "expert-parallel rows (--sections ep)", "a GPU; --sections ep also on a CPU cluster"),
+    "balance": ("how well clone placement evens skewed routing (--mode sim: simulated routers; train: a run)",
+                "CPU (--mode sim), GPUs or CPU (--mode train --device cpu)"),
+    "precision": ("a training step's phases with each optimizer, and the LM loss's time and memory",
+                  "a GPU, or the CPU with --device cpu (slow)"),
+    "prepare": ("ray-moe prepare's tokens/s against one Python process on the same files", "CPU"),
+    "train": ("one rank's training step of an HF family, phase by phase, beside torchtitan",
+              "a GPU, or the CPU with --device cpu (small --layers)"),
+    "grad_reduce": ("how much of a step the gradient reduction is exposed for at ZeRO stages 0, 1, 2",
+                    "GPUs (>= 2), or a CPU cluster with --device cpu"),
+    "overlap": ("a step at W ranks against one rank running the same tokens per rank",
+                "GPUs (>= 2), or a CPU cluster with --device cpu"),
+})
+BENCHES = tuple(BENCH_HELP)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -145,8 +166,13 @@ def _export(args: argparse.Namespace) -> int:
 
     out = Path(args.out).expanduser()
     if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {args.out!r} is a file; give a directory (created if missing; the model's "
-                         "files in it are replaced)")
+        raise UsageError(f"--out {args.out!r} is a file; give a directory (a new or empty one, or one to replace "
+                         "whole with --replace)")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and not args.replace:
+        shown = ", ".join(held[:4]) + (f", ... ({len(held)} entries)" if len(held) > 4 else "")
+        raise UsageError(f"--out {args.out!r} is not empty (it holds {shown}); give a new or empty directory, or "
+                         "add --replace to replace it whole with the export")
     path = _export_source(args.checkpoint)
     meta = read_meta(path)
     config = Config.from_plain(meta["config"])
@@ -158,18 +184,46 @@ def _export(args: argparse.Namespace) -> int:
     hf_config = meta.get("hf_config") or config.resolve_arch().hf_config
     spec = ArchSpec.from_hf(hf_config)
     dtype = torch_dtype(args.dtype or config.model.dtype)
+    # Written beside --out, then swapped in whole: the directory never mixes two models, and a
+    # write that fails (a full disk) leaves it as it was.
+    staging = out.parent / f".{out.name}.export-{os.getpid()}"
     try:
-        report = write_hf_dir(out, spec, hf_config, iter_tensors(path, meta), dtype,
+        report = write_hf_dir(staging, spec, hf_config, iter_tensors(path, meta), dtype,
                               max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
                               tokenizer_dir=getattr(config.data, "tokenizer", "") or None)
-    except OSError as exc:
-        raise UsageError(f"--out {args.out!r}: cannot write the model there ({exc.strerror or exc}); choose "
-                         "another directory or free space") from None
-    for name in report["files"]:
-        as_umask_allows(out / name)
+        for name in report["files"]:
+            as_umask_allows(staging / name)
+        _swap_in(staging, out)
+    except Exception as exc:
+        import shutil
+
+        shutil.rmtree(staging, ignore_errors=True)
+        if not isinstance(exc, OSError) and type(exc).__name__ != "SafetensorError":
+            raise
+        code = f" ({errno.errorcode.get(exc.errno, exc.errno)})" if getattr(exc, "errno", None) else ""
+        raise UsageError(f"--out {args.out!r}: cannot write the model there ({getattr(exc, 'strerror', None) or exc}"
+                         f"{code}); {args.out} is as it was: free space or choose another directory") from None
     print(f"exported {str(path)!r} (step {meta['step']}) to {args.out}: {report['tensors']} tensors, "
           f"{report['bytes'] / 1e6:.1f} MB {str(dtype).removeprefix('torch.')}, files: {', '.join(report['files'])}")
     return 0
+
+
+def _swap_in(new, out) -> None:
+    """Put directory ``new`` at ``out``: an existing ``out`` is moved aside first and removed once
+    ``new`` is in place (restored if the rename fails)."""
+    import shutil
+
+    if not out.exists():
+        os.replace(new, out)
+        return
+    old = out.parent / f".{out.name}.replaced-{os.getpid()}"
+    os.replace(out, old)
+    try:
+        os.replace(new, out)
+    except OSError:
+        os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -197,7 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
     e.add_argument("checkpoint", help="a checkpoint directory (step_*) or a run directory (its latest)")
     e.add_argument("--format", choices=("hf",), required=True, help="hf: config.json + safetensors shards")
-    e.add_argument("--out", required=True, help="output directory (created; files in it are replaced)")
+    e.add_argument("--out", required=True, help="output directory: new or empty (a non-empty one needs --replace)")
+    e.add_argument("--replace", action="store_true",
+                   help="replace a non-empty --out whole (everything in it goes) once the export is written")
     e.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="tensor dtype (default: the run's model.dtype)")
     e.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard (GiB)")
@@ -226,8 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
     tt.add_argument("--text-field", default="text", help="the text field of .jsonl / column of .parquet")
     tt.add_argument("--min-frequency", type=int, default=2, help="merges need at least this many occurrences")
     tt.set_defaults(fn=_tokenizer_train)
-    b = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES))
-    b.add_argument("name", choices=BENCHES)
+    listing = "\n".join(f"  {name:<12} {what}\n  {'':<12} runs on: {where}" for name, (what, where) in BENCH_HELP.items())
+    b = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES),
+                       description=f"benchmarks (options: ray-moe bench NAME --help):\n{listing}",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("name", choices=BENCHES, help="the benchmark (listed above)")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=_bench)
     s = sub.add_parser("smoke", help="cluster smoke test (see ray-moe smoke --help)")
@@ -255,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     from ray_moe.arch import ArchError
     from ray_moe.checkpoint import CheckpointError
     from ray_moe.config import ConfigError
+    from ray_moe.connect import ConnectError
     from ray_moe.data.errors import DataError
     from ray_moe.data.prepare import PrepareError
     from ray_moe.driver.errors import GroupError, TrainingError, TrainingInterrupted
@@ -272,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ray-moe {args.command}: {exc}", file=sys.stderr)
         return 128 + exc.signum
     except (ConfigError, DataError, GroupError, TrainingError, CheckpointError, WeightsError, ArchError,
-            PrepareError, UsageError) as exc:
+            PrepareError, UsageError, ConnectError) as exc:
         # Named here: Ray must not print the workers' copies of it ("Unhandled error" tracebacks of
         # results dropped on the way out); Ray reads this variable each time it would.
         os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"
@@ -281,6 +341,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"ray-moe {args.command}: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:
+        if exc.errno not in UNWRITABLE:
+            raise
+        os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"
+        import errno as errno_names
+
+        where = exc.filename or "a file"
+        print(f"ray-moe {args.command}: error: cannot write {where}: {exc.strerror or exc} "
+              f"({errno_names.errorcode.get(exc.errno, exc.errno)}); free space or fix the permissions, then rerun",
+              file=sys.stderr)
+        return 2
     finally:
         if interruptible:
             signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -133,6 +134,7 @@ class ModelConfig:
             raise ConfigError(f"{where}: {exc}") from None
         if self.arch != "byte" and spec.family != self.arch:
             raise ConfigError(f"model.arch={self.arch} but {where} is a {spec.family} config")
+        _check_hf_keys(self.hf, arch.load_hf_config(source) if source else {}, spec.family)
         return spec, hf
 
 
@@ -303,11 +305,11 @@ class TrainConfig:
     def check(self) -> None:
         _positive("train.steps", self.steps, allow_zero=True)
         _positive("train.batch_size", self.batch_size)
-        if not self.lr > 0:
-            raise ConfigError(f"train.lr={self.lr} must be > 0")
+        if not 0 < self.lr < math.inf:
+            raise ConfigError(f"train.lr={self.lr} must be a finite number > 0")
         for key in ("weight_decay", "grad_clip"):
-            if not getattr(self, key) >= 0:
-                raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 0")
+            if not 0 <= getattr(self, key) < math.inf:
+                raise ConfigError(f"train.{key}={getattr(self, key)} must be a finite number >= 0")
         for key in ("warmup_steps", "eval_interval", "checkpoint_interval", "max_failures"):
             _positive(f"train.{key}", getattr(self, key), allow_zero=True)
         _positive("train.eval_batches", self.eval_batches)
@@ -325,7 +327,7 @@ class TrainConfig:
         for key in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ConfigError(f"train.{key}={getattr(self, key)} must be in [0, 1)")
-        if not self.eps > 0:
+        if not 0 < self.eps < math.inf:
             raise ConfigError(f"train.eps={self.eps} must be > 0")
         _choice("train.optimizer_impl", self.optimizer_impl, ("auto", "onepass", "fused", "foreach", "for_loop"))
         _choice("train.optimizer_state_dtype", self.optimizer_state_dtype, ("float32", "bfloat16"))
@@ -394,7 +396,12 @@ class Config:
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {exc.start}: "
+                              f"{exc.object[exc.start:exc.start + 1]!r}); give a YAML file (e.g. jobs/tiny.yaml)") from None
+        except OSError as exc:
+            raise ConfigError(f"config file {str(path)!r} cannot be read ({exc.strerror or exc})") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from exc
         if not isinstance(raw, dict):
@@ -416,7 +423,9 @@ class Config:
                 raise ConfigError(f"override {key.strip()}={text!r}: the value is not valid YAML ({exc})") from None
             cfg.set(key.strip(), value)
             explicit[key.strip()] = value
-        cfg._check_explicit(explicit, cfg.validate())
+        # the sizes set before (a byte model's YAML, then model.init_from=DIR) count as given too
+        given = {k: cfg.get(k) for k in HF_DERIVED if cfg.get(k) != Config().get(k)}
+        cfg._check_explicit({**given, **explicit}, cfg.validate())
         return cfg
 
     def copy(self) -> "Config":
@@ -484,6 +493,10 @@ class Config:
         if p.zero_stage and not t.master_weights:
             raise ConfigError(f"parallel.zero_stage={p.zero_stage} shards float32 masters and needs "
                               "train.master_weights=true (or parallel.zero_stage=0)")
+        if self.data.val_fraction == 0 and not self.data.datasets and t.eval_interval:
+            raise ConfigError(f"train.eval_interval={t.eval_interval} but data.val_fraction=0 leaves no validation "
+                              "split (the run then never evaluates); set data.val_fraction > 0 or "
+                              "train.eval_interval=0")
         return resolved
 
     def world_size_error(self, world_size: int, what: str = "parallel.world_size",
@@ -530,6 +543,36 @@ class Config:
                     f"{key}={explicit[key]!r} but model.arch={spec.family} takes it from the HF config "
                     f"({hf_name} = {theirs!r}); change the HF config instead (model.hf.KEY=VALUE)"
                 )
+
+
+# HF keys arch.py reads that a family's transformers config class may not list: older
+# config.json files' rope keys (now in rope_parameters), head_dim (any attention), router noise.
+LEGACY_HF_KEYS = ("rope_theta", "rope_scaling", "partial_rotary_factor", "head_dim", "router_jitter_noise")
+
+
+def _check_hf_keys(overrides: dict, source: dict, family: str) -> None:
+    """Every ``model.hf`` key is one the HF config of ``family`` has: in the source config.json,
+    or an attribute of transformers' config class for the family (a typo would be ignored by the
+    model silently). ConfigError naming the key, a close match and the allowed keys."""
+    unknown = [k for k in overrides if k not in source and k not in LEGACY_HF_KEYS]
+    if not unknown:
+        return
+    try:
+        import inspect
+
+        from transformers import CONFIG_MAPPING
+
+        cls = CONFIG_MAPPING[family]
+    except (ImportError, KeyError):  # no transformers here, or a family it does not know: unchecked
+        return
+    allowed = (set(source) | set(cls().to_dict()) | set(getattr(cls, "attribute_map", {})) | set(LEGACY_HF_KEYS)
+               | (set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}))
+    bad = [k for k in unknown if k not in allowed]
+    if bad:
+        close = difflib.get_close_matches(bad[0], sorted(allowed), n=1, cutoff=0.6)
+        hint = f"; did you mean model.hf.{close[0]}?" if close else ""
+        raise ConfigError(f"model.hf.{bad[0]} is not a key of a {family} HF config{hint} (allowed: "
+                          f"{', '.join(sorted(k for k in allowed if not k.startswith('_')))})")
 
 
 def _sections() -> list[str]:

@@ -173,11 +173,22 @@ def rows(args: argparse.Namespace) -> list[dict[str, Any]]:
             out.append(row)
     if len(args.layers) >= 2:
         a, b = args.layers[0], args.layers[-1]
-        slope = {n: {k: (_median_row(runs[b, n])[k] - _median_row(runs[a, n])[k]) / (b - a)
-                     for k in (f"{t}_ms" for t in TIME_KEYS)} for n in names}
+        slope = {n: per_layer(_median_row(runs[a, n]), _median_row(runs[b, n]), b - a) for n in names}
         for name in names:
+            ours, ref = slope[name]["step_ms"], slope["one rank"]["step_ms"]
             out.append({"layers": "per layer", "variant": name, "world_size": 1 if name == "one rank" else args.world_size,
-                        **slope[name], "scaling": slope["one rank"]["step_ms"] / slope[name]["step_ms"]})
+                        **slope[name], "scaling": ref / ours if ours and ref else None})
+    return out
+
+
+def per_layer(first: dict[str, Any], last: dict[str, Any], layers: int) -> dict[str, float | None]:
+    """The two-point slope of each time (ms per added layer) between two depths ``layers`` apart;
+    None where the deeper run was not slower (timing noise larger than a layer's time), never a
+    negative time."""
+    out: dict[str, float | None] = {}
+    for key in (f"{t}_ms" for t in TIME_KEYS):
+        slope = (last[key] - first[key]) / layers
+        out[key] = slope if slope > 0 else None
     return out
 
 

@@ -92,6 +92,7 @@ def _baseline_in_subprocess(files: list[str], tokenizer_dir: str, text_field: st
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
+    from ray_moe.connect import connect
     from ray_moe.data.prepare import prepare
 
     files = pick_files(args.input, int(args.max_mb * 1e6))
@@ -124,11 +125,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                                                 args.text_field, None),
             "one process, 1 thread": lambda _r: _baseline_in_subprocess(base_files, tokenizer, args.text_field, 1),
         }
-        started = not ray.is_initialized()
-        if started and args.address:
-            ray.init(address=args.address, log_to_driver=False)
-        elif started:  # a cluster of this machine's cores, never someone else's
-            ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+        # the address and token checked first (ray_moe.connect); without one, a cluster of this
+        # machine's cores, never someone else's
+        local = {} if args.address else {"num_cpus": os.cpu_count(), "include_dashboard": False}
+        started = connect(args.address or "local", log_to_driver=False, **local)
         try:
             cpus, nodes = ray.cluster_resources().get("CPU", 0), sum(1 for n in ray.nodes() if n["Alive"])
             runs: dict[str, list[dict]] = {name: [] for name in variants}

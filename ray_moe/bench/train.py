@@ -116,6 +116,13 @@ def _print_table(rows: list[dict]) -> None:
     print(tabulate([[r.get(c, "") for c in cols] for r in rows], headers=cols, floatfmt=".3f"), flush=True)
 
 
+def _print_progress(row: dict) -> None:
+    """One row as one line while the bench runs (the table comes once, when every row is in)."""
+    items = [f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
+             if k not in ("model", "layers")]
+    print(f"# {row.get('model')}, {row.get('layers')} layers: " + ", ".join(items), flush=True)
+
+
 def model_flops(spec: Any, tokens: int, seq_len: int) -> float:
     """Training FLOPs of one step: 6·A·T + 6·L·h·d·S·T (see the module docstring)."""
     attn = 6.0 * spec.num_layers * spec.num_heads * spec.head_dim * seq_len
@@ -610,7 +617,7 @@ def main(argv: list[str]) -> int:
                     new = [{"model": name, "layers": layers, "note": f"failed: {type(exc).__name__}: "
                                                                      f"{(str(exc).splitlines() or [''])[0][:200]}"}]
                 free(device)  # here, not in the handler: the traceback's frames hold the failed model until it ends
-                _print_table(new)
+                _print_progress(new[0])  # one line per row as it comes; the table once, at the end
                 rows += new
                 _write_json(args, device, titan_error, rows)
         rows += outside_layer_rows(rows)

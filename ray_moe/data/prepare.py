@@ -374,21 +374,16 @@ def _cluster_failure(exc: BaseException) -> str | None:
 
 
 def _connect(address: str | None) -> bool:
-    """Attach to the cluster at ``address`` (or RAY_ADDRESS), or start a local one; True when
-    this call started Ray (and should shut it down)."""
-    import ray
+    """Attach to the cluster at ``address`` (or RAY_ADDRESS), or start a local one, the address
+    and token checked first (:mod:`ray_moe.connect`); True when this call started Ray (and should
+    shut it down)."""
+    from ray_moe.connect import ConnectError, connect
 
-    if ray.is_initialized():
-        return False
-    address = address or os.environ.get("RAY_ADDRESS")
+    local = {} if (address or os.environ.get("RAY_ADDRESS")) else {"include_dashboard": False}
     try:
-        if address:
-            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
-        else:
-            ray.init(log_to_driver=False, logging_level=logging.WARNING, include_dashboard=False)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise PrepareError(f"cannot connect to Ray at {address or 'a new local cluster'}: {exc}") from None
-    return True
+        return connect(address, log_to_driver=False, logging_level=logging.WARNING, **local)
+    except ConnectError as exc:
+        raise PrepareError(str(exc)) from None
 
 
 # ============================================================================ the driver side

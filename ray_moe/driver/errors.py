@@ -29,10 +29,32 @@ class TrainingError(RuntimeError):
 
 
 class TrainingInterrupted(TrainingError):
-    """SIGTERM or SIGINT stopped training after a checkpoint. Attributes: signum, step, checkpoint."""
+    """SIGTERM, SIGINT or SIGHUP stopped training after a checkpoint. Attributes: signum, step, checkpoint."""
 
     def __init__(self, signum: int, step: int, checkpoint: Path | None) -> None:
         name = signal.Signals(signum).name
         where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint could be written"
         super().__init__(f"stopped by {name} at step {step} ({where}); continue with train.resume=auto")
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
+
+
+class CallRejected(TrainingError, ValueError):
+    """A call's arguments or data were refused (on the driver, or by the workers for the same
+    reason): the call ended, the run is where it was (no failure counted, nothing rewound)."""
+
+
+class TrainerClosed(TrainingError):
+    """A :class:`~ray_moe.driver.trainer.Trainer` method was called after ``close()``."""
+
+
+class WriteError(TrainingError):
+    """A file of the run could not be written (a full disk, a read-only file system, no
+    permission); the message names the path and the errno. Nothing half-written is left."""
+
+    def __init__(self, path: Path | str, exc: OSError) -> None:
+        import errno as errno_names
+
+        code = errno_names.errorcode.get(exc.errno or 0, str(exc.errno))
+        super().__init__(f"cannot write {path}: {exc.strerror or exc} ({code}); free space or fix the "
+                         "permissions, then rerun the same command (it continues from the newest checkpoint)")
+        self.path, self.errno = Path(path), exc.errno

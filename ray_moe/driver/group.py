@@ -32,6 +32,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ray_moe.arch import ResolvedArch
 from ray_moe.comm import BufferSpec, TransportSpec, choose_transport
 from ray_moe.config import Config, ConfigError, transport_device_error
+from ray_moe.connect import ConnectError
+from ray_moe.connect import connect as connect_checked
 from ray_moe.driver.errors import GroupError, WorkerFailure
 from ray_moe.topology import RankInfo, assign_ranks
 from ray_moe.worker.actor import EPWorker
@@ -46,121 +48,13 @@ MULTICAST_OFF = MappingProxyType(
 )
 
 
-def connect(address: str | None = None, timeout_s: float = 60.0, **init_kwargs: Any) -> None:
-    """Attach to a running Ray cluster (``address``, or ``RAY_ADDRESS``) or start a local one.
-
-    An explicit ``host:port`` (or ``ray://host:port``) is checked first, within ``timeout_s``: a
-    name that does not resolve or a port where nothing answers fails at once with a
-    :class:`GroupError` naming the address and the likely fix, instead of Ray's minutes of retries.
-    """
-    if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address and address not in ("auto", "local"):
-        _check_reachable(address, timeout_s)
-        if not address.startswith("ray://"):
-            _check_auth(address, min(timeout_s, 15.0))
+def connect(address: str | None = None, timeout_s: float = 60.0, **init_kwargs: Any) -> bool:
+    """:func:`ray_moe.connect.connect` (the address and token checked first, one line when they
+    fail), its :class:`~ray_moe.connect.ConnectError` raised as the driver's GroupError."""
     try:
-        ray.init(address=address, log_to_driver=True, **init_kwargs)
-    except Exception as exc:  # noqa: BLE001 - auth, version mismatch, no cluster at "auto"
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
-        raise GroupError(f"cannot connect to Ray at {address or 'a new local cluster'!r}: "
-                         f"{type(exc).__name__}: {first}{_auth_hint(exc)}") from None
-
-
-def _check_reachable(address: str, timeout_s: float) -> None:
-    """Resolve the host and open a TCP connection to the port, both within ``timeout_s``."""
-    import concurrent.futures
-    import socket
-
-    target = address.split("://", 1)[-1].rstrip("/")
-    host, sep, port_text = target.rpartition(":")
-    if not sep or not port_text.isdigit():
-        raise GroupError(f"--address {address!r} is not HOST:PORT (e.g. 10.0.0.1:6379, the head's GCS "
-                         "port), ray://HOST:10001, auto or local")
-    host, port = host.strip("[]"), int(port_text)
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    try:
-        pool.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM).result(timeout=timeout_s)
-    except concurrent.futures.TimeoutError:
-        raise GroupError(f"cannot resolve the host of --address {address!r} within {timeout_s:g}s "
-                         "(parallel.startup_timeout_s); check the name and this machine's DNS") from None
-    except socket.gaierror as exc:
-        raise GroupError(f"the host of --address {address!r} does not resolve ({exc.strerror}); "
-                         "check the name, or use the head's IP address") from None
-    finally:
-        pool.shutdown(wait=False)
-    try:
-        with socket.create_connection((host, port), timeout=min(timeout_s, 10.0)):
-            pass
-    except ConnectionRefusedError:
-        raise GroupError(f"nothing listens at --address {address!r}: is the Ray head running there "
-                         "(`ray start --head`), and is this its GCS port (6379 by default)?") from None
-    except TimeoutError:
-        raise GroupError(f"no answer from --address {address!r} within {min(timeout_s, 10.0):g}s: a "
-                         "firewall, a wrong host, or a head that is down") from None
-    except OSError as exc:
-        raise GroupError(f"cannot reach --address {address!r}: {exc.strerror or exc}") from None
-
-
-def _check_auth(address: str, timeout_s: float) -> None:
-    """One request to the GCS at ``address``: a cluster that refuses this driver's auth token (or
-    its lack of one) fails here at once with one line naming the fix, instead of ray.init's 20
-    tries and 20 warnings. Anything else (no answer within ``timeout_s`` included) is left to ray.init."""
-    import tempfile
-    import threading
-
-    from ray._raylet import GcsClient
-
-    outcome: list[BaseException | None] = []
-
-    def probe() -> None:
-        try:
-            GcsClient(address=address, cluster_id=None).cluster_id  # noqa: B018 - the request is the point
-            outcome.append(None)
-        except BaseException as exc:  # noqa: BLE001 - classified below
-            outcome.append(exc)
-
-    with tempfile.TemporaryFile() as quiet:  # Ray's C++ client warns on stderr for a refused token
-        saved = os.dup(2)
-        os.dup2(quiet.fileno(), 2)
-        try:
-            thread = threading.Thread(target=probe, name="ray-auth-probe", daemon=True)
-            thread.start()
-            thread.join(timeout_s)
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-    exc = outcome[0] if outcome else None
-    if exc is not None and type(exc).__name__ == "AuthenticationError":
-        raise GroupError(auth_refusal(address)) from None
-
-
-def auth_refusal(address: str) -> str:
-    """The line for a cluster that refused this driver's token: which token was sent (or that
-    none was) and how to get the cluster's."""
-    get = "get it on the head with `ray get-auth-token`"
-    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
-        return (f"the Ray cluster at {address!r} requires token authentication and this driver sends no token: "
-                f"export RAY_AUTH_MODE=token and give it the cluster's token in ~/.ray/auth_token, "
-                f"RAY_AUTH_TOKEN_PATH=FILE or RAY_AUTH_TOKEN ({get})")
-    if os.environ.get("RAY_AUTH_TOKEN"):
-        source = "RAY_AUTH_TOKEN"
-    elif os.environ.get("RAY_AUTH_TOKEN_PATH"):
-        source = f"RAY_AUTH_TOKEN_PATH={os.environ['RAY_AUTH_TOKEN_PATH']}"
-    else:
-        source = "~/.ray/auth_token"
-    return (f"the Ray cluster at {address!r} refused this driver's auth token (from {source}): it is not the "
-            f"cluster's token (or is missing there); {get} and put it in {source}")
-
-
-def _auth_hint(exc: Exception) -> str:
-    """What to check when a connection fails and token auth may be the cause."""
-    text = f"{type(exc).__name__} {exc}".lower()
-    if "auth" in text or "token" in text or os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
-        return ("; if the cluster uses token auth, export RAY_AUTH_MODE=token and make its token "
-                "available here (~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN)")
-    return ""
+        return connect_checked(address, timeout_s, **init_kwargs)
+    except ConnectError as exc:
+        raise GroupError(str(exc)) from None
 
 
 def use_gpu_for(config: Config) -> bool:

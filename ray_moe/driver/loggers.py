@@ -8,7 +8,10 @@ tokens/s, step time, learning rate, gradient norm, expert-load imbalance.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import re
+import unicodedata
 import uuid
 from pathlib import Path
 from types import MappingProxyType
@@ -32,6 +35,16 @@ def scalars(rec: dict[str, Any]) -> dict[str, float]:
             if isinstance(rec.get(key), (int, float)) and not isinstance(rec.get(key), bool)}
 
 
+def metric_tag(name: str) -> str:
+    """``name`` as a Ray metric tag value: Ray encodes tags as ASCII, so a name with other
+    characters (a run directory ``runs/über``) becomes its ASCII letters, digits and ``._-``
+    plus a short hash of the whole name (distinct runs keep distinct tags)."""
+    if name.isascii() and name.isprintable():
+        return name
+    kept = re.sub(r"[^A-Za-z0-9._-]+", "_", unicodedata.normalize("NFKD", name).encode("ascii", "ignore").decode())
+    return f"{kept.strip('_') or 'run'}-{hashlib.sha1(name.encode('utf-8', 'surrogateescape')).hexdigest()[:8]}"
+
+
 class RayMetricsSink:
     """Gauges through ``ray.util.metrics``: exported by every node's metrics agent to Ray's
     Prometheus endpoint and the dashboard, tagged with the run's name."""
@@ -39,7 +52,7 @@ class RayMetricsSink:
     def __init__(self, run_name: str) -> None:
         from ray.util.metrics import Gauge
 
-        self.tags = {"run": run_name}
+        self.tags = {"run": metric_tag(run_name)}
         # Ray exports application metrics with a "ray_" prefix: these appear as ray_moe_train_loss, ...
         self.gauges = {
             name: Gauge("moe_" + name.replace("/", "_"), description=f"ray_moe {name}",
@@ -51,11 +64,17 @@ class RayMetricsSink:
         pass
 
     def write(self, rec: dict[str, Any]) -> None:
+        if not self.gauges:  # export stopped after an error
+            return
         values = scalars(rec)
         if "loss" in rec:
             values["train/step"] = float(rec["step"])
-        for name, value in values.items():
-            self.gauges[name].set(value, tags=self.tags)
+        try:
+            for name, value in values.items():
+                self.gauges[name].set(value, tags=self.tags)
+        except Exception as exc:  # noqa: BLE001 - Ray's metrics are best effort: training goes on
+            log.warning("Ray metrics export stops: %s: %s", type(exc).__name__, exc)
+            self.gauges = {}
 
     def close(self) -> None:
         pass

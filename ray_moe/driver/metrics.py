@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ray_moe.driver.errors import WriteError
+
 
 def aggregate_step(results: list[dict[str, Any]], wall: float) -> dict[str, Any]:
     """One step's record from every rank's result (``EPWorker.step``), in rank order.
@@ -54,6 +56,29 @@ def aggregate_step(results: list[dict[str, Any]], wall: float) -> dict[str, Any]
 HISTORY_EVENTS = ("failure", "recovered", "resumed", "corrupt_checkpoint", "preempted", "resized")
 
 
+def append_line(path: Path, line: str) -> None:
+    """Append ``line`` to ``path`` whole or not at all (:class:`WriteError` naming the path and
+    errno; a part written before the error is truncated away)."""
+    data = memoryview(line.encode("utf-8"))
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    except OSError as exc:
+        raise WriteError(path, exc) from None
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            while data:
+                data = data[os.write(fd, data):]
+        except OSError as exc:
+            try:
+                os.ftruncate(fd, size)
+            except OSError:
+                pass
+            raise WriteError(path, exc) from None
+    finally:
+        os.close(fd)
+
+
 class MetricsLog:
     """Records of one run, in memory and appended to ``path`` (JSON lines), and handed to the
     run's other sinks (:mod:`ray_moe.driver.loggers`).
@@ -69,7 +94,10 @@ class MetricsLog:
 
     def start_fresh(self) -> None:
         """An empty file (a fresh run; run_dir.plan_start made sure nothing is lost)."""
-        self.path.write_text("")
+        try:
+            self.path.write_text("")
+        except OSError as exc:
+            raise WriteError(self.path, exc) from None
         self.records = []
 
     def load(self) -> None:
@@ -91,16 +119,21 @@ class MetricsLog:
         dropped = len(self.records) - len(keep)
         self.records = keep
         tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-        os.replace(tmp, self.path)
+        try:
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+            os.replace(tmp, self.path)
+        except OSError as exc:  # the file stays as it was
+            tmp.unlink(missing_ok=True)
+            raise WriteError(self.path, exc) from None
         for sink in self.sinks:
             sink.rewind(step)
         return dropped
 
     def record(self, rec: dict[str, Any]) -> None:
+        """Append ``rec`` as one whole line: a write that fails (a full disk) is cut back to the
+        file as it was and raised as :class:`WriteError`, and ``rec`` is not kept."""
+        append_line(self.path, json.dumps(rec) + "\n")
         self.records.append(rec)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
         for sink in self.sinks:
             sink.write(rec)
 

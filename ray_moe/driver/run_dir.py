@@ -5,7 +5,9 @@ files. When a Trainer starts, :func:`plan_start` decides from ``train.resume`` a
 directory holds:
 
 - ``resume: auto`` (the default) continues from the newest valid checkpoint; a directory that holds
-  an earlier run's results but no valid checkpoint is refused (it would be overwritten);
+  an earlier run's results but no valid checkpoint is refused (it would be overwritten), unless its
+  config.yaml is this run's and no checkpoint of it is corrupt: the same run stopped before its
+  first checkpoint (a full disk, a lost terminal) starts over, its results moved to ``archive/``;
 - ``resume: true`` must continue: no valid checkpoint is an error naming the files found;
 - ``resume: false`` starts fresh: an empty or new directory only, unless ``train.overwrite: true``,
   which moves the earlier results into ``archive/<time>/`` first (nothing is deleted).
@@ -202,9 +204,20 @@ def refuse_past_the_end(train: TrainConfig) -> None:
                           "another train.run_dir (nothing was changed)")
 
 
-def plan_start(state: RunDirState, resume: str, overwrite: bool) -> Path | None:
+def same_run(path: Path, config_yaml: str) -> bool:
+    """True when ``path``'s config.yaml is ``config_yaml``: the directory holds an earlier start of
+    this same run (e.g. one stopped before its first checkpoint: a full disk, a lost terminal)."""
+    try:
+        return (path / "config.yaml").read_text() == config_yaml
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def plan_start(state: RunDirState, resume: str, overwrite: bool, same_config: bool = False) -> Path | None:
     """The checkpoint to continue from (None: a fresh run). Raises :class:`RunDirError` when the
-    directory cannot be used as asked (see the module docstring)."""
+    directory cannot be used as asked (see the module docstring). ``same_config``: the directory's
+    config.yaml is this run's; with ``resume: auto``, an earlier start of it that saved no
+    checkpoint (and no corrupt one) starts over, its results moved to ``archive/`` first."""
     where = f"train.run_dir={state.path}"
     corrupt = "; ".join(f"{p.name}: {why}" for p, why in state.corrupt)
     if resume in ("auto", "true") and state.valid:
@@ -217,7 +230,7 @@ def plan_start(state: RunDirState, resume: str, overwrite: bool) -> Path | None:
                           "use train.resume=auto or false to start a fresh run")
     if not state.has_results:
         return None
-    if overwrite:
+    if overwrite or (resume == "auto" and same_config and not state.corrupt and not corrupt_aside(state.path)):
         return None
     how = (f"continue it with train.resume=auto, choose another train.run_dir, or set "
            f"train.overwrite=true to move it to {ARCHIVE}/ and start afresh")

@@ -13,12 +13,16 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
+import operator
 import shutil
 import signal
 import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
+
+import yaml
 
 from ray_moe.checkpoint import (
     CheckpointError,
@@ -31,7 +35,15 @@ from ray_moe.checkpoint import (
     step_name,
 )
 from ray_moe.config import Config, ConfigError
-from ray_moe.driver.errors import GroupError, TrainingError, TrainingInterrupted, WorkerFailure
+from ray_moe.driver.errors import (
+    CallRejected,
+    GroupError,
+    TrainerClosed,
+    TrainingError,
+    TrainingInterrupted,
+    WorkerFailure,
+    WriteError,
+)
 from ray_moe.driver.group import WorkerGroup, connect
 from ray_moe.driver.loggers import make_sinks
 from ray_moe.driver.metrics import MetricsLog, aggregate_step
@@ -46,6 +58,7 @@ from ray_moe.driver.run_dir import (
     plan_start,
     resolve_run_dir,
     run_dir_path,
+    same_run,
     scan,
     set_aside,
 )
@@ -63,6 +76,21 @@ log = logging.getLogger(__name__)
 FATAL_ERRORS = ("DataError", "ConfigError", "CheckpointError", "WeightsError", "ArchError", "TrainingError",
                 "OutOfMemoryError")
 FATAL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+# Errors a worker raises for a call's own arguments or data (the user's mistake, not a broken
+# worker): the call ends with one line, the run stays where it was, no failure is counted.
+USER_ERRORS = ("ValueError", "TypeError", "DataError", "ConfigError", "ArchError")
+
+
+def _original(failure: WorkerFailure) -> BaseException | None:
+    """The exception a worker raised (Ray's RayTaskError carries it as ``cause``), or None."""
+    return getattr(failure.__cause__, "cause", None) or failure.__cause__
+
+
+def user_error(failure: WorkerFailure) -> bool:
+    """True when a worker raised an error about the call's arguments or data (USER_ERRORS):
+    not a worker failure; no new group would do better, and the group is still whole."""
+    original = _original(failure) if failure.cause == "error" else None
+    return original is not None and bool({c.__name__ for c in type(original).__mro__} & set(USER_ERRORS))
 
 
 def retryable(failure: WorkerFailure) -> bool:
@@ -70,9 +98,11 @@ def retryable(failure: WorkerFailure) -> bool:
     it is one that no restart fixes (see FATAL_ERRORS, FATAL_ERRNOS)."""
     if failure.cause != "error":
         return True
-    original = getattr(failure.__cause__, "cause", None) or failure.__cause__
+    original = _original(failure)
     if original is None:
         return True
+    if user_error(failure):
+        return False
     names = {c.__name__ for c in type(original).__mro__}
     if names & set(FATAL_ERRORS):
         return False
@@ -99,6 +129,8 @@ class Trainer:
         self.address = address
         self.progress = progress
         self.failures = 0
+        self._closed = False
+        self._has_val: bool | None = None
         self.group: WorkerGroup | None = None
         self._owns_group = group is None
         self.model_report: ModelReport | None = None
@@ -109,7 +141,9 @@ class Trainer:
         self._last_health = time.monotonic()
         self._stop_signal: int | None = None
         self._progress: Progress | None = None
-        # The run directory first: a run that cannot keep its results does not start, and a
+        if group is None:  # a cluster that cannot be reached leaves no run directory behind
+            connect(address, timeout_s=config.parallel.startup_timeout_s)
+        # The run directory next: a run that cannot keep its results does not start, and a
         # directory another run is writing is refused before anything in it is read or changed.
         made = not run_dir_path(config.train).exists()
         self.run_dir = resolve_run_dir(config.train)
@@ -128,10 +162,13 @@ class Trainer:
         """With the run directory locked: plan the start (fresh, resumed or overwritten), open the
         metrics log, start the workers (or build on ``group``), restore, write config.yaml."""
         state = scan(self.run_dir)
-        resume_from = plan_start(state, self.config.train.resume, self.config.train.overwrite)
+        resume_from = plan_start(state, self.config.train.resume, self.config.train.overwrite,
+                                 same_run(self.run_dir, self._config_yaml()))
         if resume_from is None and state.has_results:
             archived = archive_results(self.run_dir)
-            log.warning("train.overwrite=true: moved the earlier run in %s to %s", self.run_dir, archived)
+            why = "train.overwrite=true" if self.config.train.overwrite else \
+                "the same run stopped before its first checkpoint"
+            log.warning("%s: moved the earlier results in %s to %s; starting afresh", why, self.run_dir, archived)
         clean_staging(self.run_dir)
         self.log = MetricsLog(self.run_dir / "metrics.jsonl", make_sinks(self.config, self.run_dir))
         if resume_from is not None:
@@ -144,7 +181,17 @@ class Trainer:
         if resume_from is not None:
             self.restore(resume_from)
             self.log.event("resumed", checkpoint=str(resume_from), step=self.step_count)
-        (self.run_dir / "config.yaml").write_text(self.config.to_yaml())
+        try:
+            (self.run_dir / "config.yaml").write_text(self._config_yaml())
+        except OSError as exc:
+            raise WriteError(self.run_dir / "config.yaml", exc) from None
+
+    def _config_yaml(self) -> str:
+        """The run's config.yaml: the config as given, its model.arch the family trained (an HF
+        architecture reached through model.init_from or model.hf_config alone says ``byte``)."""
+        saved = self.config.to_dict()
+        saved["model"]["arch"] = self.arch.spec.family if self.arch.hf_config is not None else "byte"
+        return yaml.safe_dump(saved, sort_keys=False)
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: Iterable[str] = (), **kwargs: Any) -> "Trainer":
@@ -158,8 +205,16 @@ class Trainer:
     @property
     def world_size(self) -> int:
         """The ranks training now (the group's; it can shrink after a failure)."""
-        assert self.group is not None
-        return self.group.world_size
+        return self._live_group().world_size
+
+    def _live_group(self) -> WorkerGroup:
+        """The group this Trainer trains on; :class:`TrainerClosed` after :meth:`close` (or once
+        a failure left it without one)."""
+        if self.group is None:
+            why = "this Trainer is closed" if self._closed else "this Trainer lost its worker group (a recovery failed)"
+            raise TrainerClosed(f"{why}; make a new Trainer for the run (train.resume=auto continues it "
+                                "from its newest checkpoint)")
+        return self.group
 
     # ------------------------------------------------------------------ group life cycle
     def _start_group(self, group: WorkerGroup | None = None, world_size: int | None = None) -> None:
@@ -194,13 +249,17 @@ class Trainer:
         )
 
     def _recover(self, failure: WorkerFailure) -> None:
-        """Tear the group down, start a new one, restore this run's newest valid checkpoint, go on."""
+        """Tear the group down, start a new one, restore this run's newest valid checkpoint, go on.
+        An error a worker raised that no restart fixes (:func:`retryable`) is not a failure: it
+        ends the call in one line and the run stays where it was (nothing counted or rewound)."""
+        if user_error(failure):
+            raise CallRejected(str(failure)) from None
+        if not retryable(failure):
+            raise TrainingError(f"{failure} (not retried: a new worker group would meet it again)") from None
         self.failures += 1
         self.log.event("failure", rank=failure.rank, cause=failure.cause, message=str(failure),
                        step=self.step_count, failures=self.failures, **failure.where)
         log.warning("worker failure (%s) at step %d: %s", failure.cause, self.step_count, failure)
-        if not retryable(failure):
-            raise TrainingError(f"{failure} (not retried: a new worker group would meet it again)") from failure
         if self.failures > self.config.train.max_failures:
             raise TrainingError(
                 f"{failure} (failure {self.failures}, train.max_failures={self.config.train.max_failures})"
@@ -272,10 +331,13 @@ class Trainer:
         ``inject_nan_rank`` makes that rank's loss NaN (fault injection for tests and smoke
         checks: the step must be skipped, or the run stopped, per ``train.nonfinite``).
         """
+        W = self._live_group().world_size
+        if inject_nan_rank is not None and not (_is_int(inject_nan_rank) and 0 <= inject_nan_rank < W):
+            raise CallRejected(f"step: inject_nan_rank={inject_nan_rank!r} must be None or a rank in [0, {W})")
         return self._with_recovery(lambda: self._step_once(inject_nan_rank))
 
     def _step_once(self, poison_rank: int | None = None) -> dict[str, Any]:
-        assert self.group is not None
+        self._live_group()
         t = self.config.train
         now = time.monotonic()
         if now - self._last_health > t.health_check_interval_s:
@@ -299,7 +361,7 @@ class Trainer:
         self.log.record(m)
         if t.checkpoint_interval and self.step_count % t.checkpoint_interval == 0:
             self.save()
-        if t.eval_interval and self.step_count % t.eval_interval == 0:
+        if t.eval_interval and self.step_count % t.eval_interval == 0 and self.has_validation:
             self.evaluate()
         return m
 
@@ -307,8 +369,8 @@ class Trainer:
         """Run until ``steps`` more steps are done (default: up to train.steps), then evaluate,
         checkpoint and plot. Returns the metrics of the steps run.
 
-        SIGTERM or SIGINT (preemption, Ctrl-C) lets the step in flight finish, checkpoints, and
-        raises :class:`TrainingInterrupted`; a second SIGINT stops at once.
+        SIGTERM, SIGINT or SIGHUP (preemption, Ctrl-C, a closed SSH session) lets the step in flight finish, checkpoints, and
+        raises :class:`TrainingInterrupted`; a second signal stops at once.
         """
         t = self.config.train
         target = self.step_count + steps if steps is not None else t.steps
@@ -324,7 +386,8 @@ class Trainer:
                     bar.update(m)
                     if self._stop_signal is not None:
                         self._stop_now()
-                if not (done and t.eval_interval and self.step_count % t.eval_interval == 0):
+                if self.has_validation and not (done and t.eval_interval and self.step_count % t.eval_interval == 0):
+                    bar.message(f"final evaluation: {t.eval_batches} batches (train.eval_batches)")
                     self.evaluate()  # unless the last step just did (step() evaluates every eval_interval)
                 if self.last_checkpoint is None or self.last_checkpoint.name != step_name(self.step_count):
                     self.save()
@@ -353,7 +416,9 @@ class Trainer:
 
     def rebalance(self) -> dict[str, Any]:
         """Plan clone placements from the loads seen so far and apply the changed layers."""
-        assert self.group is not None and self.rebalancer is not None
+        self._live_group()
+        if self.rebalancer is None:
+            raise CallRejected("rebalance needs balance.enabled=true (and balance.clone_slots >= 1)")
         t0 = time.perf_counter()
         changes, report = self.rebalancer.plan()
         moved = 0
@@ -365,8 +430,14 @@ class Trainer:
         return report
 
     def evaluate(self, batches: int | None = None) -> float:
-        """Mean validation loss over ``batches`` (default ``train.eval_batches``) fixed batches."""
-        assert self.group is not None
+        """Mean validation loss over ``batches`` (default ``train.eval_batches``) fixed batches.
+        A run without a validation split (``data.val_fraction=0``) has none to measure: CallRejected."""
+        self._live_group()
+        if batches is not None and not (_is_int(batches) and batches >= 1):
+            raise CallRejected(f"evaluate: batches={batches!r} must be None (train.eval_batches) or an integer >= 1")
+        if not self.has_validation:
+            raise CallRejected("evaluate: this run has no validation split (data.val_fraction=0, or a dataset "
+                               "prepared with --val-fraction 0); give it one to measure validation loss")
         val = self._with_recovery(
             lambda: self.group.call(EPWorker.evaluate, batches, timeout=self.config.train.step_timeout_s)[0]
         )
@@ -375,16 +446,27 @@ class Trainer:
             self._progress.message(f"eval at step {self.step_count}: val_loss {val:.4f}")
         return val
 
+    @property
+    def has_validation(self) -> bool:
+        """False for a run without a validation split (a byte corpus with ``data.val_fraction=0``,
+        or a prepared dataset made with ``--val-fraction 0``): it never evaluates (train() skips
+        its evaluations; evaluate() says why)."""
+        if self._has_val is None:
+            self._has_val = has_validation_split(self.config)
+        return self._has_val
+
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 200, temperature: float = 0.8,
                  seed: int | None = None) -> str | list[int]:
         """Continue ``prompt`` with the model as trained so far: ``prompt`` and the result are text
         (bytes for the byte-level model, ``data.tokenizer``'s tokens when the run has one) or
         token ids. Returns the prompt followed by ``max_new_tokens`` sampled tokens (greedy at
         ``temperature`` <= 0; ``seed``: the sampling seed, default ``train.seed``). The context is
-        the last ``model.seq_len`` tokens."""
-        assert self.group is not None
+        the last ``model.seq_len`` tokens. Arguments are checked here, before any worker sees
+        them (:class:`CallRejected`, a ValueError, naming what is allowed)."""
+        self._live_group()
         codec = _TextCodec(self.config)
-        ids = codec.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+        ids = generate_ids(prompt, codec, self.arch.spec.vocab_size)
+        check_sampling(max_new_tokens, temperature, seed)
         seed = self.config.train.seed if seed is None else seed
         new = self._with_recovery(lambda: self.group.call(
             EPWorker.generate, ids, max_new_tokens, float(temperature), seed,
@@ -398,17 +480,23 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
         """Checkpoint the current step under run_dir/checkpoints (atomic)."""
-        assert self.group is not None
+        self._live_group()
         timeout = self.config.train.step_timeout_s
-        staging = new_staging_dir(self.run_dir, self.step_count)
+        try:
+            staging = new_staging_dir(self.run_dir, self.step_count)
+        except OSError as exc:
+            raise WriteError(exc.filename or self.run_dir, exc) from None
         try:
             return self._save_into(staging, timeout)
+        except OSError as exc:  # the driver's part (meta.json, the rename): one line naming the file
+            shutil.rmtree(staging, ignore_errors=True)
+            raise WriteError(exc.filename or staging, exc) from None
         except BaseException:  # the previous checkpoint stays the newest; no .tmp-step_* is left behind
             shutil.rmtree(staging, ignore_errors=True)
             raise
 
     def _save_into(self, staging: Path, timeout: float) -> Path:
-        assert self.group is not None
+        self._live_group()
         files = self.group.call(EPWorker.save_shard, str(staging), timeout=timeout)
         meta = {
             "step": self.step_count,
@@ -433,7 +521,7 @@ class Trainer:
         back too, so the run continues exactly as it would have; at another world size every layer
         starts from its native placement and the load statistics start afresh.
         """
-        assert self.group is not None
+        self._live_group()
         if path is None:
             valid, corrupt = scan_checkpoints(self.run_dir)
             self._report_corrupt(corrupt)
@@ -480,6 +568,7 @@ class Trainer:
     def close(self) -> None:
         """Stop the workers if this Trainer started them (a group passed in stays up); close the
         metrics sinks. Idempotent."""
+        self._closed = True
         if self.group is not None and self._owns_group:
             self.group.close()
         self.group = None
@@ -500,12 +589,62 @@ class Trainer:
         self.close()
 
 
+def has_validation_split(config: Config) -> bool:
+    """Whether every batch source of ``config`` has validation data: the byte corpus when
+    ``data.val_fraction > 0``; each prepared dataset when it holds val tokens (its index only is read)."""
+    from ray_moe.worker.data import has_val_split
+
+    return has_val_split(config.data)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def generate_ids(prompt: Any, codec: "_TextCodec", vocab_size: int) -> list[int]:
+    """``prompt`` (text, or a sequence of token ids) as token ids in [0, vocab_size); CallRejected
+    for an empty prompt, an id that is not an integer or out of range, or another type."""
+    if isinstance(prompt, str):
+        ids = codec.encode(prompt)
+    elif isinstance(prompt, (list, tuple)) or (hasattr(prompt, "__iter__") and not isinstance(prompt, (bytes, dict))):
+        ids = []
+        for i in prompt:
+            try:
+                if isinstance(i, bool):
+                    raise TypeError
+                ids.append(operator.index(i))  # ints, NumPy's and 0-d integer tensors; not floats
+            except TypeError:
+                raise CallRejected(f"generate: prompt token id {i!r} is not an integer; give text or "
+                                   "integer ids") from None
+    else:
+        raise CallRejected(f"generate: prompt {prompt!r} must be text or a sequence of token ids")
+    if not ids:
+        raise CallRejected("generate: the prompt is empty; give at least one character or token id")
+    lo, hi = min(ids), max(ids)
+    if lo < 0 or hi >= vocab_size:
+        raise CallRejected(f"generate: prompt token ids must be in [0, {vocab_size}) (the model's vocabulary), "
+                           f"got min {lo}, max {hi}")
+    return ids
+
+
+def check_sampling(max_new_tokens: Any, temperature: Any, seed: Any) -> None:
+    """CallRejected unless ``max_new_tokens`` is an integer >= 0, ``temperature`` a finite number
+    >= 0 (0: greedy) and ``seed`` None or an integer."""
+    if not (_is_int(max_new_tokens) and max_new_tokens >= 0):
+        raise CallRejected(f"generate: max_new_tokens={max_new_tokens!r} must be an integer >= 0")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not math.isfinite(temperature) or temperature < 0:
+        raise CallRejected(f"generate: temperature={temperature!r} must be a finite number >= 0 (0: greedy)")
+    if seed is not None and not _is_int(seed):
+        raise CallRejected(f"generate: seed={seed!r} must be None (train.seed) or an integer")
+
+
 class _StopOnSignal:
-    """While training: the first SIGTERM or SIGINT asks the Trainer to stop after the step in
-    flight (it checkpoints); a second SIGINT raises KeyboardInterrupt at once. Handlers are
+    """While training: the first SIGTERM, SIGINT or SIGHUP asks the Trainer to stop after the step in
+    flight (it checkpoints); a second signal raises KeyboardInterrupt at once. Handlers are
     installed only in the main thread and restored on exit."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the SSH session that ran it closed
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer, self.previous = trainer, {}
@@ -513,15 +652,17 @@ class _StopOnSignal:
     def __enter__(self) -> "_StopOnSignal":
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
+                if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                    continue  # nohup: the user asked the run to outlive the terminal
                 self.previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.trainer._stop_signal is not None and signum == signal.SIGINT:
+        if self.trainer._stop_signal is not None:  # asked twice: stop now (a long evaluation included)
             raise KeyboardInterrupt
         self.trainer._stop_signal = signum
-        log.warning("%s: stopping after the step in flight and checkpointing (Ctrl-C again to stop now)",
-                    signal.Signals(signum).name)
+        log.warning("%s: stopping after the step in flight (or the evaluation) and checkpointing; a second "
+                    "signal (Ctrl-C again) stops at once", signal.Signals(signum).name)
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self.previous.items():

@@ -11,7 +11,8 @@ are packed, EOS-separated).
 
 The byte corpus (``data.paths``: files, directories or globs, listed by
 :func:`ray_moe.data.inputs.iter_paths`, the walker ``ray-moe prepare`` uses too; default: the
-Python standard library's sources) is read whole into memory on every rank. Token datasets are memory-mapped: each rank maps only the shards its
+Python standard library's sources) is read whole into memory on every rank; its validation split
+is ``data.val_fraction`` of its 4 KiB blocks, evenly spread (:func:`val_bytes`). Token datasets are memory-mapped: each rank maps only the shards its
 windows touch, straight from the dataset directory (nothing goes through the driver).
 """
 
@@ -28,14 +29,28 @@ from ray_moe.config import Config, DataConfig
 from ray_moe.data.errors import DataError
 from ray_moe.data.inputs import binary_reason, iter_paths
 from ray_moe.data.mixture import window_starts
-from ray_moe.data.shards import PreparedDataset
+from ray_moe.data.shards import PreparedDataset, val_mask
 from ray_moe.data.tokenizer import tokenizer_hash
 
-__all__ = ["Corpus", "DataError", "TokenShards", "open_corpus"]
+__all__ = ["Corpus", "DataError", "TokenShards", "has_val_split", "open_corpus"]
 
 
 def default_paths() -> list[str]:
     return [os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py")]
+
+
+VAL_BLOCK = 4096  # bytes per block of the byte corpus's validation rule (fewer in a small corpus)
+
+
+def val_bytes(n: int, val_fraction: float) -> np.ndarray:
+    """bool [n]: the validation bytes of an n-byte corpus. The corpus is cut into blocks of
+    VAL_BLOCK bytes (n // 256 when smaller, so that a corpus has at least 256 blocks) and block b
+    is a validation block by ``ray-moe prepare``'s rule for documents (:func:`val_mask`): a
+    fraction ``val_fraction`` of the blocks, evenly spread over the corpus (not its last part,
+    which for the default corpus is one kind of file)."""
+    block = max(1, min(VAL_BLOCK, n // 256))
+    blocks = val_mask(np.arange(-(-n // block), dtype=np.int64), val_fraction)
+    return np.repeat(blocks, block)[:n]
 
 
 @dataclass
@@ -67,7 +82,8 @@ class Corpus:
             if cfg.max_bytes and total >= cfg.max_bytes:
                 break
         data = b"\n".join(chunks)
-        n_val = int(len(data) * cfg.val_fraction)
+        in_val = val_bytes(len(data), cfg.val_fraction)
+        n_val = int(in_val.sum())
         n_train = len(data) - n_val
         if n_train < min_bytes or (cfg.val_fraction > 0 and n_val < min_bytes):
             raise DataError(
@@ -76,7 +92,8 @@ class Corpus:
                 f"(data.val_fraction={cfg.val_fraction}) for windows of model.seq_len+1"
             )
         t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        return cls(train=t[:n_train].clone(), val=t[n_train:].clone(), files=files)
+        mask = torch.from_numpy(in_val)
+        return cls(train=t[~mask].clone(), val=t[mask].clone(), files=files)
 
     def batch(
         self, split: str, seed: int, step: int, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1
@@ -167,6 +184,18 @@ class TokenShards:
                             f"{self.vocab_key}={self.vocab_size}; the shard is damaged or from another tokenizer")
         t = torch.from_numpy(win)
         return t[:, :-1], t[:, 1:]
+
+
+def has_val_split(cfg: DataConfig) -> bool:
+    """Whether the run's data has a validation split: the byte corpus when ``val_fraction > 0``;
+    every prepared dataset when it holds val tokens (only its index is read)."""
+    if not cfg.datasets:
+        return cfg.val_fraction > 0
+    for path, _ in cfg.mixture():
+        split = PreparedDataset(path).splits.get("val")
+        if split is None or split.tokens == 0:
+            return False
+    return True
 
 
 def open_corpus(config: Config, vocab_size: int) -> Corpus | TokenShards:

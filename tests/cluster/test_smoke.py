@@ -21,6 +21,10 @@ from ray_moe.ops.smoke_report import FAIL, PASS, SKIP
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_CLUSTER = REPO / "cluster" / "local_cluster.py"
+# Time limits scale with the machine: 90 s (smoke --timeout: one probe, start-up or collective)
+# and 120 s (stopping a cluster) held on 8 cores, and were missed on a loaded 2-core machine.
+SLOW = max(1.0, 8 / (os.cpu_count() or 1))
+SMOKE_TIMEOUT_S = int(90 * SLOW)
 
 
 def cluster_env() -> dict[str, str]:
@@ -45,8 +49,9 @@ class LocalClusters:
         for item in env_node:
             cmd += ["--env-node", item]
         self.running.append(state)
-        r = subprocess.run(cmd, env=cluster_env(), capture_output=True, text=True, timeout=240)
+        r = subprocess.run(cmd, env=cluster_env(), capture_output=True, text=True, timeout=240 * SLOW)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert f"python {os.path.relpath(LOCAL_CLUSTER)} env --state {state}" in r.stdout  # runnable as printed
         info = json.loads(state.read_text())
         assert r.stdout.strip().splitlines()[-1] == info["address"]
         return info | {"state_file": str(state)}
@@ -54,7 +59,7 @@ class LocalClusters:
     def stop(self, info: dict) -> None:
         state = Path(info["state_file"])
         r = subprocess.run([sys.executable, str(LOCAL_CLUSTER), "stop", "--state", str(state)],
-                           env=cluster_env(), capture_output=True, text=True, timeout=120)
+                           env=cluster_env(), capture_output=True, text=True, timeout=120 * SLOW)
         self.running.remove(state)
         assert r.returncode == 0, r.stderr
         assert not any(Path(f"/proc/{n['pid']}").exists() for n in info["nodes"])
@@ -73,8 +78,8 @@ def run_smoke(state: dict, tmp_path: Path, *args: str) -> tuple[subprocess.Compl
     out = tmp_path / "smoke.json"
     env = cluster_env() | state["client_env"]
     cmd = [sys.executable, "-m", "ray_moe.cli", "smoke", "--address", state["address"],
-           "--json", str(out), "--timeout", "90", *args]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+           "--json", str(out), "--timeout", str(SMOKE_TIMEOUT_S), *args]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=4 * SMOKE_TIMEOUT_S, cwd=tmp_path)
     return r, (json.loads(out.read_text()) if out.exists() else {})
 
 

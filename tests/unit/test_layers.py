@@ -13,7 +13,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "ray_moe"
 
 # What each part of the package may import (besides itself). Shared base modules first.
-BASE = {"arch", "config", "topology", "device", "dirlock", "lazy", "usage"}
+BASE = {"arch", "config", "connect", "topology", "device", "dirlock", "lazy", "usage"}
 ALLOWED = {
     "usage": set(),  # the command lines' one-line argument errors
     "lazy": set(),  # package attributes loaded on first use
@@ -23,12 +23,13 @@ ALLOWED = {
     "topology": set(),
     "device": set(),
     "dirlock": set(),
+    "connect": set(),  # every Ray connection of the command line, checked first
     "kernels": {"device"},
     "comm": {"topology"},
     "placement": set(),
     "model": {"arch", "config", "comm", "device", "kernels", "placement"},
     "checkpoint": {"arch", "config", "placement"},
-    "data": {"config", "dirlock"},
+    "data": {"config", "connect", "dirlock"},
     "validation": BASE | {"comm", "kernels", "model", "placement"},
     "worker": BASE | {"checkpoint", "comm", "data", "model", "placement"},
     "driver": BASE | {"checkpoint", "comm", "placement", "worker"},
