@@ -160,6 +160,7 @@ class MoEConfig:
     # walking the tiles, the fastest alone) | tiles (one program per tile: beside an exchange that
     # holds SMs, the hardware fills the SMs left, where a persistent grid's last programs wait)
     expert_grid: str = "persistent"
+    expert_precision: str = "bf16"  # bf16 | fp8: the routed experts' GEMMs in block-scaled FP8 (kernels.fp8_expert_ffn)
 
     def check(self) -> None:
         _positive("moe.num_experts", self.num_experts)
@@ -184,6 +185,7 @@ class MoEConfig:
         if not isinstance(self.two_batch_overlap, bool):
             raise ConfigError(f"moe.two_batch_overlap={self.two_batch_overlap!r} must be true or false")
         _choice("moe.expert_grid", self.expert_grid, ("persistent", "tiles"))  # experts.EXPERT_GRIDS
+        _choice("moe.expert_precision", self.expert_precision, ("bf16", "fp8"))  # experts.EXPERT_PRECISIONS
         if self.two_batch_overlap and (len(chunk_weights(self.pipeline_chunks)) > 1 or self.early_experts):
             raise ConfigError("moe.two_batch_overlap runs the sequential layer's exchange: it needs "
                               f"moe.pipeline_chunks=1 and moe.early_experts=0, got {self.pipeline_chunks!r} "

@@ -63,7 +63,7 @@ def e4m3_round(v):
 @triton.jit
 def to_e4m3(v, scale, EXACT_CAST: tl.constexpr):
     """``v / scale`` clamped to ±448 and cast to float8e4nv (``scale`` broadcastable to v)."""
-    q = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
+    q = tl.minimum(tl.maximum(tl.div_rn(v, scale), -448.0), 448.0)  # div_rn: torch's division, not div.full
     if EXACT_CAST:
         q = e4m3_round(q)
     return q.to(tl.float8e4nv)
@@ -72,7 +72,7 @@ def to_e4m3(v, scale, EXACT_CAST: tl.constexpr):
 @triton.jit
 def tile_scale(amax):
     """amax / 448, or 1 where the tile is all zeros."""
-    return tl.where(amax > 0.0, amax / 448.0, 1.0)
+    return tl.where(amax > 0.0, tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
 
 
 @triton.jit

@@ -218,7 +218,8 @@ def moe_layer_spec(spec: ArchSpec, config: Config) -> MoELayerSpec:
                         dtype=torch_dtype(config.model.dtype), expert_impl=e.expert_impl,
                         aux_loss_coef=e.aux_loss_coef, clone_slots=config.balance.clone_slots,
                         pipeline_chunks=e.pipeline_chunks, delay_wgrad=e.delay_wgrad,
-                        early_experts=e.early_experts, expert_grid=e.expert_grid, seed=config.train.seed)
+                        early_experts=e.early_experts, expert_grid=e.expert_grid,
+                        expert_precision=e.expert_precision, seed=config.train.seed)
 
 
 class Decoder(nn.Module):

@@ -46,6 +46,14 @@ class EarlyRows:
 
 
 EXPERT_GRIDS = ("persistent", "tiles")  # the Triton row GEMMs' grid (kernels.grouped_swiglu.default_plan)
+EXPERT_PRECISIONS = ("bf16", "fp8")  # bf16: the weights' dtype; fp8: kernels.fp8_expert_ffn
+
+
+def fp8_weight_cache():
+    """A new :class:`~ray_moe.kernels.fp8_expert_ffn.Fp8WeightCache` (one per layer)."""
+    from ray_moe.kernels.fp8_expert_ffn import Fp8WeightCache
+
+    return Fp8WeightCache()
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
@@ -65,6 +73,8 @@ def expert_ffn(
     deferral=None,
     early=None,
     grid: str = "persistent",
+    precision: str = "bf16",
+    fp8_cache=None,
 ) -> torch.Tensor:
     """Weighted SwiGLU experts over received rows.
 
@@ -84,10 +94,22 @@ def expert_ffn(
             the other impls wait first.
         grid: with triton, the row GEMMs' grid on Hopper (:data:`EXPERT_GRIDS`): persistent, or
             tiles (one program per tile, for experts that run beside an exchange holding SMs).
+        precision: bf16 (the weights' dtype, as above) or fp8 (:data:`EXPERT_PRECISIONS`): every GEMM
+            in block-scaled FP8, Triton on CUDA and the emulating torch references elsewhere, whatever
+            ``impl`` says (:func:`~ray_moe.kernels.fp8_expert_ffn.expert_ffn_fp8`; needs I % 128 == 0).
+        fp8_cache: with fp8, the layer's FP8 weight cache (None: the weights are quantised per call).
     Returns:
         [R, H] in x.dtype: sum_k weight[r, k] * expert_{slot[r, k]}(x[r]); rows with no valid k are 0.
         Differentiable w.r.t. x, weight, w13 and w2.
     """
+    if precision not in EXPERT_PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not one of {', '.join(EXPERT_PRECISIONS)}")
+    if precision == "fp8":
+        from ray_moe.kernels.fp8_expert_ffn import expert_ffn_fp8
+
+        if early is not None:
+            early.wait()
+        return expert_ffn_fp8(x, slot, weight, w13, w2, cache=fp8_cache, deferral=deferral)
     impl = resolve_impl(impl, x)
     if wgrad not in ("triton", "grouped_mm", "quack"):  # kernels.grouped_swiglu.WGRAD_BACKENDS
         raise ValueError(f"wgrad {wgrad!r} is not one of triton, grouped_mm, quack")

@@ -21,7 +21,7 @@ from ray_moe.chunks import chunk_weights
 from ray_moe.comm.pipeline import pipelined_exchange
 from ray_moe.comm.streams import current, made, run_on, used_on, wait
 from ray_moe.model.expert_choice import ExpertChoice, ExpertImplChooser
-from ray_moe.model.experts import EXPERT_GRIDS, EarlyRows, expert_ffn, resolve_impl
+from ray_moe.model.experts import EXPERT_GRIDS, EXPERT_PRECISIONS, EarlyRows, expert_ffn, fp8_weight_cache, resolve_impl
 from ray_moe.model.recompute import checkpointed
 from ray_moe.model.router import SOFTMAX, Routing, balancing_bias_step, load_balancing_loss, route
 from ray_moe.model.wgrad import WgradDeferral
@@ -83,7 +83,9 @@ class MoELayerSpec:
     peers' rows are on the way (:class:`~ray_moe.model.experts.EarlyRows`; the same GEMM
     tiles otherwise, so the experts' GEMMs do not shrink as with chunks); 0: off; expert_grid:
     the Triton experts' row GEMMs on a persistent grid or one program per tile
-    (:data:`~ray_moe.model.experts.EXPERT_GRIDS`); seed: with
+    (:data:`~ray_moe.model.experts.EXPERT_GRIDS`); expert_precision: bf16 (the weights' dtype) or
+    fp8 (every expert GEMM in block-scaled FP8, :mod:`ray_moe.kernels.fp8_expert_ffn`, whatever
+    expert_impl says); seed: with
     the layer index, seeds the router and every logical expert.
     """
 
@@ -100,6 +102,7 @@ class MoELayerSpec:
     delay_wgrad: bool = False
     early_experts: int = 0
     expert_grid: str = "persistent"
+    expert_precision: str = "bf16"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -126,6 +129,8 @@ class MoELayerSpec:
             raise ValueError(f"early_experts must be an integer >= 0, got {self.early_experts!r}")
         if self.expert_grid not in EXPERT_GRIDS:
             raise ValueError(f"expert_grid={self.expert_grid!r} is not one of {', '.join(EXPERT_GRIDS)}")
+        if self.expert_precision not in EXPERT_PRECISIONS:
+            raise ValueError(f"expert_precision={self.expert_precision!r} is not one of {', '.join(EXPERT_PRECISIONS)}")
 
 
 @dataclass(frozen=True)
@@ -220,6 +225,8 @@ class MoELayer(nn.Module):
         self.placement = placement
         self.tables = placement.tables(device)
         self.wgrad_deferral = WgradDeferral(device) if spec.delay_wgrad else None
+        # fp8: the experts' FP8 weight copies, remade once per parameter version (after each update)
+        self.fp8_weights = fp8_weight_cache() if spec.expert_precision == "fp8" else None
         if reset:
             self.reset_parameters()
 
@@ -399,6 +406,9 @@ class MoELayer(nn.Module):
         """``fn(recv_x, recv_slot, recv_w, w13, w2, deferral=None, early=None) -> partial [R, H]``:
         the experts over received rows, their implementation measured per shape under ``auto``."""
         def experts(recv_x, recv_slot, recv_w, w13, w2, deferral=None, early=None):
+            if self.fp8_weights is not None:
+                return expert_ffn(recv_x, recv_slot, recv_w, w13, w2, deferral=deferral, early=early,
+                                  precision="fp8", fp8_cache=self.fp8_weights)
             choice = ExpertChoice(impl)
             if self.expert_impl == "auto" and impl == "triton":
                 needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (recv_x, recv_w, w13, w2))

@@ -278,6 +278,7 @@ TYPE_ERRORS = [
     ("moe.delay_wgrad", "yes", "must be true or false"),
     ("moe.early_experts", -1, "must be an integer >= 0 (0: off)"),
     ("moe.expert_grid", "grid", "is not allowed; choose one of persistent, tiles"),
+    ("moe.expert_precision", "fp16", "is not allowed; choose one of bf16, fp8"),
     ("model.dtype", 32, "must be a string"),
     ("train.run_dir", ["a"], "must be a string"),
     ("data.paths", 3, "must be a list of strings"),
