@@ -89,16 +89,17 @@ def layer_problem(shape: LayerShape, device: torch.device, dtype: torch.dtype, s
 
 
 def ray_moe_layer(shape: LayerShape, prob: dict[str, torch.Tensor], impl: str = "auto",
-                  pipeline_chunks: int | tuple[int, ...] = 1) -> Any:
+                  pipeline_chunks: int | tuple[int, ...] = 1, expert_precision: str = "bf16") -> Any:
     """``MoELayer`` at W=1 over ``LocalTransport`` (route + experts + combine) holding ``prob``'s
     weights (the layer's own expert initialisation is skipped: the weights are copied in right
-    after); ``pipeline_chunks``: the layer's (its local exchange on the side stream, per chunk)."""
+    after); ``pipeline_chunks``: the layer's (its local exchange on the side stream, per chunk);
+    ``expert_precision``: bf16 or fp8 (``moe.expert_precision``)."""
     from ray_moe.comm.local import LocalTransport
     from ray_moe.model.moe import MoELayer, MoELayerSpec
 
     w13 = prob["w13"]
     layer = MoELayer(MoELayerSpec(shape.H, shape.E, shape.K, shape.I, dtype=w13.dtype, expert_impl=impl,
-                                  pipeline_chunks=pipeline_chunks),
+                                  pipeline_chunks=pipeline_chunks, expert_precision=expert_precision),
                      LocalTransport(), device=w13.device, reset=False)
     with torch.no_grad():
         layer.router.copy_(prob["router"])
