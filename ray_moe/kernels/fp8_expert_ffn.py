@@ -190,12 +190,13 @@ class _ExpertFFNFp8(torch.autograd.Function):
 
         def weight_grads():
             g13 = g2 = None
+            tiles = Q.group_tiles(layout.offsets)
             if need13:
                 g13 = ops.wgrad(*ops.quantize_cols(x, layout, K, True), *ops.quantize_cols(dh13, layout, K, False),
-                                layout.offsets, x.dtype)
+                                tiles, x.dtype)
             if need2:
                 g2 = ops.wgrad(*ops.quantize_cols(aw, layout, K, False), *ops.quantize_cols(grad_out, layout, K, True),
-                               layout.offsets, x.dtype)
+                               tiles, x.dtype)
             return g13, g2
 
         if ctx.deferral is not None:

@@ -24,9 +24,9 @@ finds its group from the device-side offsets, nothing waits on the host):
     dtype, act = silu(g)·u computed from the rounded values and written as the down-projection's
     FP8 input with its 1×128 scales: the tile is 128 columns wide, so its row amax is the tile's).
 ``_fp8_wgrad_kernel``: dW[s, m, n] = Σ_{p in group s} A[p, m] B[p, n] from the transposed,
-    position-tiled operands of :func:`~ray_moe.kernels.fp8_quant.quantize_cols` (``at [M, P_pad]``,
-    ``bt [N, P_pad]``); the chunks are the absolute 128-position tiles the scales belong to, masked
-    to the group, so a group that starts inside a tile uses that tile's scale. Empty groups store 0.
+    position-tiled operands of :func:`~ray_moe.kernels.fp8_quant.quantize_cols` (``at [M, ·]``,
+    ``bt [N, ·]``, each group in its own zero-padded 128-position tiles: the chunks are the tiles
+    the scales belong to, and nothing is masked). Empty groups store 0.
 
 Each launcher has a float32 reference computing the same quantised math (dequantise, then a
 float32 matmul); outputs are in ``out_dtype`` (bf16 on the GPU path, the activations' dtype).
@@ -55,15 +55,20 @@ from ray_moe.kernels.tiles import EPI_PLAIN, EPI_SCALE, EPI_SWIGLU, swizzle
 
 @triton.jit
 def _fp8_rows_kernel(
-    a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, out_s_ptr, aux_ptr, weight_ptr, starts_ptr, ends_ptr, sorted_pair_ptr,
-    n_groups, max_m_tiles, N, KD, half,
+    a_ptr, a_desc, as_ptr, b_ptr, b_desc, bs_ptr, out_ptr, out_s_ptr, aux_ptr, weight_ptr, starts_ptr, ends_ptr,
+    sorted_pair_ptr, n_groups, max_m_tiles, N, KD, half, b_group_rows,
     stride_am, stride_asm, stride_bg, stride_bn, stride_bsg, stride_bsn, stride_bsk, stride_om, stride_osm, stride_xm,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr, SAVE_AUX: tl.constexpr,
     GROUPS_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-    EXACT_CAST: tl.constexpr,
+    A_DESC: tl.constexpr, B_DESC: tl.constexpr, EXACT_CAST: tl.constexpr,
 ):
     """See the module docstring. B tile of group s, columns n: rows ``s, n`` of ``bt`` (and
-    ``half + n`` for the up half); its scales ``bs[s, n // 128, kb]`` through the given strides."""
+    ``half + n`` for the up half); its scales ``bs[s, n // 128, kb]`` through the given strides.
+    ``B_DESC``: B through a TMA descriptor over ``bt`` viewed [S * b_group_rows, KD] (a tile past
+    the group's last column reads the next group's rows: finite, and its columns are not stored);
+    ``A_DESC`` (A by position): A through a descriptor over [P, KD] (rows past the group reach only
+    output rows the masked stores drop). Pointer tensors of whole tiles cost registers the
+    SwiGLU form's two accumulators and two chunk products need."""
     num_n = tl.cdiv(N, BLOCK_N)
     tile_m, pid_n = swizzle(tl.program_id(0), max_m_tiles, num_n, GROUP_M)
     group, row_start, row_end, total = _tile_of_groups(starts_ptr, ends_ptr, n_groups, tile_m, BLOCK_M, GROUPS_PAD)
@@ -71,7 +76,8 @@ def _fp8_rows_kernel(
         return
     rm = row_start + tl.arange(0, BLOCK_M)
     row_ok = rm < row_end
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = pid_n * BLOCK_N
+    rn = n0 + tl.arange(0, BLOCK_N)
     col_ok = rn < N
     rk = tl.arange(0, 128)
     if GATHER_A or EPILOGUE == EPI_SCALE:
@@ -85,27 +91,36 @@ def _fp8_rows_kernel(
     if EPILOGUE == EPI_SCALE:
         row_w = tl.load(weight_ptr + pair, mask=row_ok, other=0.0)
     g64 = group.to(tl.int64)
-    a_ptrs = a_ptr + a_row[:, None] * stride_am + rk[None, :]
-    b_ptrs = b_ptr + g64 * stride_bg + rn[:, None].to(tl.int64) * stride_bn + rk[None, :]
     as_ptrs = as_ptr + a_row * stride_asm
     bs_ptrs = bs_ptr + g64 * stride_bsg + (rn // 128) * stride_bsn
-    up_rows = half * stride_bn
     bs_up_ptrs = bs_ptr + g64 * stride_bsg + ((half + rn) // 128) * stride_bsn
+    b_row0 = group * b_group_rows
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kb in range(0, tl.cdiv(KD, 128)):
-        k_ok = (kb * 128 + rk) < KD
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        k = kb * 128 + rk
+        k_ok = k < KD
+        if A_DESC:
+            a = a_desc.load([row_start, kb * 128])
+        else:
+            a = tl.load(a_ptr + a_row[:, None] * stride_am + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+        if B_DESC:
+            b = b_desc.load([b_row0 + n0, kb * 128])
+        else:
+            b = tl.load(b_ptr + g64 * stride_bg + rn[:, None].to(tl.int64) * stride_bn + k[None, :],
+                        mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         sa = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
         sb = tl.load(bs_ptrs + kb * stride_bsk, mask=col_ok, other=0.0)
         acc += tl.dot(a, tl.trans(b), out_dtype=tl.float32) * (sa[:, None] * sb[None, :])
         if EPILOGUE == EPI_SWIGLU:
-            b_up = tl.load(b_ptrs + up_rows, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if B_DESC:
+                b_up = b_desc.load([b_row0 + half + n0, kb * 128])
+            else:
+                b_up = tl.load(b_ptr + g64 * stride_bg + (half + rn)[:, None].to(tl.int64) * stride_bn + k[None, :],
+                               mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             sb_up = tl.load(bs_up_ptrs + kb * stride_bsk, mask=col_ok, other=0.0)
             acc_up += tl.dot(a, tl.trans(b_up), out_dtype=tl.float32) * (sa[:, None] * sb_up[None, :])
-        a_ptrs += 128
-        b_ptrs += 128
 
     rm64 = rm.to(tl.int64)
     out_mask = row_ok[:, None] & col_ok[None, :]
@@ -131,30 +146,37 @@ def _fp8_rows_kernel(
 
 @triton.jit
 def _fp8_wgrad_kernel(
-    at_ptr, ats_ptr, bt_ptr, bts_ptr, out_ptr, offsets_ptr, M, N,
+    at_ptr, at_desc, ats_ptr, bt_ptr, bt_desc, bts_ptr, out_ptr, tiles_ptr, M, N,
     stride_at, stride_ats, stride_bt, stride_bts, stride_og, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, DESC: tl.constexpr,
 ):
-    """See the module docstring: one program per (group, m tile, n tile)."""
+    """See the module docstring: one program per (group, m tile, n tile), over the group's own
+    128-position tiles ``[tiles[s], tiles[s + 1])`` (zero-padded at the group's end, so no masks).
+    ``DESC``: both operands through TMA descriptors ([M | N, positions], tiles [BLOCK_M | BLOCK_N, 128])."""
     group = tl.program_id(1)
     pid_m, pid_n = swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    start = tl.load(offsets_ptr + group)
-    end = tl.load(offsets_ptr + group + 1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    t0 = tl.load(tiles_ptr + group)
+    t1 = tl.load(tiles_ptr + group + 1)
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rn = n0 + tl.arange(0, BLOCK_N)
     m_ok = rm < M
     n_ok = rn < N
     rm64 = rm.to(tl.int64)
     rn64 = rn.to(tl.int64)
     rp = tl.arange(0, 128)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for c0 in range((start // 128) * 128, end, 128):
-        p = c0 + rp
-        p_ok = (p >= start) & (p < end)
-        a = tl.load(at_ptr + rm64[:, None] * stride_at + p[None, :], mask=m_ok[:, None] & p_ok[None, :], other=0.0)
-        b = tl.load(bt_ptr + rn64[:, None] * stride_bt + p[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0.0)
-        sa = tl.load(ats_ptr + rm64 * stride_ats + c0 // 128, mask=m_ok, other=0.0)
-        sb = tl.load(bts_ptr + rn64 * stride_bts + c0 // 128, mask=n_ok, other=0.0)
+    for t in range(t0, t1):
+        c0 = t * 128
+        if DESC:
+            a = at_desc.load([m0, c0])
+            b = bt_desc.load([n0, c0])
+        else:
+            a = tl.load(at_ptr + rm64[:, None] * stride_at + (c0 + rp)[None, :], mask=m_ok[:, None], other=0.0)
+            b = tl.load(bt_ptr + rn64[:, None] * stride_bt + (c0 + rp)[None, :], mask=n_ok[:, None], other=0.0)
+        sa = tl.load(ats_ptr + rm64 * stride_ats + t, mask=m_ok, other=0.0)
+        sb = tl.load(bts_ptr + rn64 * stride_bts + t, mask=n_ok, other=0.0)
         acc += tl.dot(a, tl.trans(b), out_dtype=tl.float32) * (sa[:, None] * sb[None, :])
     out_ptrs = out_ptr + group.to(tl.int64) * stride_og + rm64[:, None] * stride_om + rn[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -173,19 +195,31 @@ def _check_fp8(**tensors: torch.Tensor) -> None:
             raise ValueError(f"{name} must have a contiguous last dimension (K-major), got strides {t.stride()}")
 
 
-def _tiles(device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the row GEMMs: 128×128 (one scale block of
-    the weights per column tile) on the GPU, 16 rows under the interpreter."""
+def _tiles(device: torch.device, epilogue: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a row GEMM: BLOCK_N = 128 (one weight scale
+    block per column tile; the SwiGLU epilogue's act tile is one 1×128 scale tile), BLOCK_K = 128
+    (one promotion chunk). The SwiGLU form holds two accumulators and two chunk products: 64 rows
+    there keep it within 255 registers a thread at 8 warps (ptxas for sm_90a: 128 rows spilled
+    740 bytes); 16 rows under the interpreter."""
     if device.type != "cuda":
         return 16, 128, 4, 1
+    if epilogue == EPI_SWIGLU.value:
+        return 64, 128, 8, 4
     return 128, 128, 8, 3
+
+
+def _descriptors_ok(*tensors: torch.Tensor) -> bool:
+    from ray_moe.kernels.grouped_tma import tma_ok
+
+    return tma_ok(*tensors)
 
 
 def _launch_rows(*, a, a_s, bt, bt_s, out, layout: PairLayout, top_k: int, gather_a: bool, epilogue: int,
                  n_cols: int, kd: int, half: int = 0, out_s=None, aux=None, save_aux: bool = False,
-                 weight=None, block_n: int | None = None) -> None:
+                 weight=None, tma: bool | None = None) -> None:
+    """``tma``: B (and A when taken by position) through TMA descriptors; None: where possible."""
     _check_fp8(a=a, bt=bt)
-    S = bt.shape[0]
+    S, b_rows, _ = bt.shape
     if layout.offsets.numel() != S + 1:
         raise ValueError(f"layout has {layout.offsets.numel() - 1} groups, weights have {S} slots")
     if a_s.dtype != torch.float32 or bt_s.dtype != torch.float32:
@@ -193,26 +227,36 @@ def _launch_rows(*, a, a_s, bt, bt_s, out, layout: PairLayout, top_k: int, gathe
     n_pos = layout.sorted_pair.numel()
     if n_pos == 0:
         return
-    block_m, bn, num_warps, num_stages = _tiles(a.device)
-    block_n = block_n or bn
+    block_m, block_n, num_warps, num_stages = _tiles(a.device, epilogue)
+    b2 = bt.reshape(S * b_rows, bt.shape[2]) if bt.is_contiguous() else None
+    if tma is None:
+        tma = b2 is not None and b2.shape[0] > 0 and _descriptors_ok(b2)
+    a_desc_ok = tma and not gather_a and _descriptors_ok(a)
+    if tma:
+        from ray_moe.kernels.grouped_tma import descriptor
+
+        b_desc = descriptor(b2, (block_n, 128))
+        a_desc = descriptor(a, (block_m, 128)) if a_desc_ok else a
+    else:
+        a_desc, b_desc = a, bt
     max_m_tiles = triton.cdiv(n_pos, block_m) + S
     grid = (max_m_tiles * triton.cdiv(n_cols, block_n),)
     dummy = out
     _fp8_rows_kernel[grid](
-        a, a_s, bt, bt_s, out, dummy if out_s is None else out_s, dummy if aux is None else aux,
+        a, a_desc, a_s, bt, b_desc, bt_s, out, dummy if out_s is None else out_s, dummy if aux is None else aux,
         dummy if weight is None else weight, layout.offsets[:-1], layout.offsets[1:], layout.sorted_pair,
-        S, max_m_tiles, n_cols, kd, half,
+        S, max_m_tiles, n_cols, kd, half, b_rows,
         a.stride(0), a_s.stride(0), bt.stride(0), bt.stride(1), bt_s.stride(0), bt_s.stride(1), bt_s.stride(2),
         out.stride(0), 0 if out_s is None else out_s.stride(0), 0 if aux is None else aux.stride(0),
         TOP_K=top_k, GATHER_A=gather_a, EPILOGUE=epilogue, SAVE_AUX=save_aux,
         GROUPS_PAD=triton.next_power_of_2(S), BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=8,
-        EXACT_CAST=interpreting(), num_warps=num_warps, num_stages=num_stages,
+        A_DESC=a_desc_ok, B_DESC=tma, EXACT_CAST=interpreting(), num_warps=num_warps, num_stages=num_stages,
     )
 
 
 def fp8_gate_up(
     xq: torch.Tensor, xs: torch.Tensor, w13t: torch.Tensor, w13t_s: torch.Tensor, layout: PairLayout, top_k: int,
-    out_dtype: torch.dtype, save_preact: bool = True,
+    out_dtype: torch.dtype, save_preact: bool = True, tma: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Up-projection + SwiGLU, its output quantised for the down-projection.
 
@@ -236,13 +280,13 @@ def fp8_gate_up(
     h13 = torch.empty(P if save_preact else 1, I2, dtype=out_dtype, device=xq.device)
     _launch_rows(a=xq, a_s=xs, bt=w13t, bt_s=w13t_s, out=act_q, out_s=act_s, aux=h13, save_aux=save_preact,
                  layout=layout, top_k=top_k, gather_a=True, epilogue=EPI_SWIGLU.value, n_cols=I, kd=H, half=I,
-                 block_n=TILE)
+                 tma=tma)
     return act_q, act_s, h13 if save_preact else None
 
 
 def fp8_down(
     act_q: torch.Tensor, act_s: torch.Tensor, w2t: torch.Tensor, w2t_s: torch.Tensor, layout: PairLayout,
-    top_k: int, weight: torch.Tensor, out_dtype: torch.dtype,
+    top_k: int, weight: torch.Tensor, out_dtype: torch.dtype, tma: bool | None = None,
 ) -> torch.Tensor:
     """y[p] = weight[pair(p)] · (act[p] @ w2_s): act [P, I] FP8 (1×128), w2 [S, I, H] as its
     K-major copy w2t [S, H, I] with scales [S, cdiv(H, 128), I/128]. Returns y [P, H] out_dtype."""
@@ -252,13 +296,13 @@ def fp8_down(
                          f"{weight.dtype} {tuple(weight.shape)}")
     y = torch.empty(act_q.shape[0], H, dtype=out_dtype, device=act_q.device)
     _launch_rows(a=act_q, a_s=act_s, bt=w2t, bt_s=w2t_s, out=y, weight=weight.contiguous(), layout=layout,
-                 top_k=top_k, gather_a=False, epilogue=EPI_SCALE.value, n_cols=H, kd=I)
+                 top_k=top_k, gather_a=False, epilogue=EPI_SCALE.value, n_cols=H, kd=I, tma=tma)
     return y
 
 
 def fp8_rows(
     a_q: torch.Tensor, a_s: torch.Tensor, bt: torch.Tensor, bt_s: torch.Tensor, layout: PairLayout, top_k: int,
-    gather_a: bool, out_dtype: torch.dtype,
+    gather_a: bool, out_dtype: torch.dtype, tma: bool | None = None,
 ) -> torch.Tensor:
     """out[p] = A[row(p)] @ B_s with B_s given K-major as ``bt[s]`` [N, KD] (block scales
     [S, cdiv(N, 128), cdiv(KD, 128)]); A [R or P, KD] FP8 in 1×128 tiles. The backward's
@@ -270,28 +314,39 @@ def fp8_rows(
     P = layout.sorted_pair.numel()
     out = torch.empty(P, N, dtype=out_dtype, device=a_q.device)
     _launch_rows(a=a_q, a_s=a_s, bt=bt, bt_s=bt_s, out=out, layout=layout, top_k=top_k, gather_a=gather_a,
-                 epilogue=EPI_PLAIN.value, n_cols=N, kd=KD)
+                 epilogue=EPI_PLAIN.value, n_cols=N, kd=KD, tma=tma)
     return out
 
 
 def fp8_wgrad(
-    at: torch.Tensor, at_s: torch.Tensor, bt: torch.Tensor, bt_s: torch.Tensor, offsets: torch.Tensor,
-    out_dtype: torch.dtype,
+    at: torch.Tensor, at_s: torch.Tensor, bt: torch.Tensor, bt_s: torch.Tensor, tiles: torch.Tensor,
+    out_dtype: torch.dtype, tma: bool | None = None,
 ) -> torch.Tensor:
-    """dW[s] = Σ_{p in group s} A[p]ᵀ B[p] from position-tiled transposed operands
-    (:func:`~ray_moe.kernels.fp8_quant.quantize_cols`): at [M, P_pad], bt [N, P_pad] FP8, scales
-    [M | N, P_pad / 128]; offsets int32 [S + 1]. Returns [S, M, N] out_dtype (0 for empty groups)."""
+    """dW[s] = Σ_{p in group s} A[p]ᵀ B[p] from the operands of
+    :func:`~ray_moe.kernels.fp8_quant.quantize_cols`: at [M, 128 · n_tiles], bt [N, 128 · n_tiles]
+    FP8, scales [M | N, n_tiles]; ``tiles`` int32 [S + 1] (:func:`~ray_moe.kernels.fp8_quant.group_tiles`).
+    ``tma``: both operands through descriptors (None: where possible). Returns [S, M, N] out_dtype
+    (0 for empty groups)."""
     _check_fp8(at=at, bt=bt)
     M, N = at.shape[0], bt.shape[0]
-    S = offsets.numel() - 1
+    S = tiles.numel() - 1
     out = torch.empty(S, M, N, dtype=out_dtype, device=at.device)
     if S == 0 or M == 0 or N == 0:
         return out
-    block_m, block_n, num_warps, num_stages = (128, 128, 8, 3) if at.is_cuda else (16, 16, 4, 1)
+    # 128x128, 4 stages: 243 registers, no spills, 128 KB of shared memory (ptxas for sm_90a, descriptors)
+    block_m, block_n, num_warps, num_stages = (128, 128, 8, 4) if at.is_cuda else (16, 16, 4, 1)
+    if tma is None:
+        tma = at.shape[1] > 0 and _descriptors_ok(at, bt)
+    if tma:
+        from ray_moe.kernels.grouped_tma import descriptor
+
+        at_desc, bt_desc = descriptor(at, (block_m, 128)), descriptor(bt, (block_n, 128))
+    else:
+        at_desc, bt_desc = at, bt
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), S)
     _fp8_wgrad_kernel[grid](
-        at, at_s, bt, bt_s, out, offsets, M, N, at.stride(0), at_s.stride(0), bt.stride(0), bt_s.stride(0),
-        out.stride(0), out.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=8,
+        at, at_desc, at_s, bt, bt_desc, bt_s, out, tiles, M, N, at.stride(0), at_s.stride(0), bt.stride(0),
+        bt_s.stride(0), out.stride(0), out.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=8, DESC=tma,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -315,7 +370,7 @@ def _rows_acc_reference(a_q, a_s, bt, bt_s, layout, top_k, gather_a) -> torch.Te
     return out
 
 
-def fp8_gate_up_reference(xq, xs, w13t, w13t_s, layout, top_k, out_dtype, save_preact=True):
+def fp8_gate_up_reference(xq, xs, w13t, w13t_s, layout, top_k, out_dtype, save_preact=True, tma=None):
     """Reference of :func:`fp8_gate_up` (rows past offsets[S]: zeros)."""
     h13 = _rows_acc_reference(xq, xs, w13t, w13t_s, layout, top_k, True).to(out_dtype)
     gate, up = h13.float().chunk(2, dim=1)
@@ -323,7 +378,7 @@ def fp8_gate_up_reference(xq, xs, w13t, w13t_s, layout, top_k, out_dtype, save_p
     return act_q, act_s, h13 if save_preact else None
 
 
-def fp8_down_reference(act_q, act_s, w2t, w2t_s, layout, top_k, weight, out_dtype):
+def fp8_down_reference(act_q, act_s, w2t, w2t_s, layout, top_k, weight, out_dtype, tma=None):
     """Reference of :func:`fp8_down`."""
     acc = _rows_acc_reference(act_q, act_s, w2t, w2t_s, layout, top_k, False)
     n_valid = int(layout.offsets[-1])
@@ -332,16 +387,16 @@ def fp8_down_reference(act_q, act_s, w2t, w2t_s, layout, top_k, weight, out_dtyp
     return (acc * w[:, None]).to(out_dtype)
 
 
-def fp8_rows_reference(a_q, a_s, bt, bt_s, layout, top_k, gather_a, out_dtype):
+def fp8_rows_reference(a_q, a_s, bt, bt_s, layout, top_k, gather_a, out_dtype, tma=None):
     """Reference of :func:`fp8_rows`."""
     return _rows_acc_reference(a_q, a_s, bt, bt_s, layout, top_k, gather_a).to(out_dtype)
 
 
-def fp8_wgrad_reference(at, at_s, bt, bt_s, offsets, out_dtype):
+def fp8_wgrad_reference(at, at_s, bt, bt_s, tiles, out_dtype, tma=None):
     """Reference of :func:`fp8_wgrad`."""
     a, b = dequantize_rows(at, at_s), dequantize_rows(bt, bt_s)
-    offs = offsets.tolist()
-    out = torch.zeros(len(offs) - 1, at.shape[0], bt.shape[0], dtype=torch.float32, device=at.device)
-    for s in range(len(offs) - 1):
-        out[s] = a[:, offs[s]:offs[s + 1]] @ b[:, offs[s]:offs[s + 1]].T
+    t = [v * TILE for v in tiles.tolist()]
+    out = torch.zeros(len(t) - 1, at.shape[0], bt.shape[0], dtype=torch.float32, device=at.device)
+    for s in range(len(t) - 1):
+        out[s] = a[:, t[s]:t[s + 1]] @ b[:, t[s]:t[s + 1]].T
     return out.to(out_dtype)

@@ -7,9 +7,11 @@ numerics; the kernels reproduce them bit for bit on the GPU):
   (x, grad_out, dh13): one float32 scale per row and per 128 columns (1×128 tiles).
 - :func:`quantize_cols`: the operands of the weight-gradient GEMMs, whose contraction runs over
   positions: the rows of group order (gathered through ``sorted_pair // K`` or taken by
-  position) written *transposed*, [C, P_pad], one scale per column and per 128 positions
-  (DeepSeek-V3's 128×1 tiles of the backward), so that both wgrad operands are K-major as
-  Hopper's FP8 tensor cores need. Positions past the last group (``offsets[S]``) are zeros.
+  position) written *transposed*, one scale per column and per 128 positions (DeepSeek-V3's
+  128×1 tiles of the backward), so that both wgrad operands are K-major as Hopper's FP8 tensor
+  cores need. Each group starts a new 128-position tile (its last tile zero-padded): a tile
+  never mixes two experts' rows, and the weight-gradient GEMM needs no masks
+  (:func:`group_tiles` says where each group's tiles are).
 - :func:`quantize_blocks`: the expert weights [S, R, C]: one scale per 128×128 block; the kernel
   writes the FP8 copy and its transpose [S, C, R] in one pass (the forward GEMMs read w13 / w2
   K-major as ``[S, N, K]``, the backward ones the other way round).
@@ -35,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ray_moe.kernels.grouped_swiglu import _tile_of_groups
 from ray_moe.kernels.routing import PairLayout
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -108,12 +111,18 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _quantize_cols_kernel(src_ptr, qt_ptr, st_ptr, sorted_pair_ptr, n_valid_ptr, C, stride_src, stride_qt, stride_st,
-                          TOP_K: tl.constexpr, GATHER: tl.constexpr, BLOCK_C: tl.constexpr,
-                          EXACT_CAST: tl.constexpr):
-    pos = tl.program_id(0) * 128 + tl.arange(0, 128)
+def _quantize_cols_kernel(src_ptr, qt_ptr, st_ptr, sorted_pair_ptr, starts_ptr, ends_ptr, n_groups, C, stride_src,
+                          stride_qt, stride_st, TOP_K: tl.constexpr, GATHER: tl.constexpr, GROUPS_PAD: tl.constexpr,
+                          BLOCK_C: tl.constexpr, EXACT_CAST: tl.constexpr):
+    """Tile t = program 0 of the groups' 128-position tiles (its group found from the offsets on
+    the device, as the row GEMMs find theirs); programs past the last tile return."""
+    t = tl.program_id(0)
+    group, row_start, row_end, total = _tile_of_groups(starts_ptr, ends_ptr, n_groups, t, 128, GROUPS_PAD)
+    if t >= total:
+        return
+    pos = row_start + tl.arange(0, 128)
+    ok = pos < row_end
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    ok = pos < tl.load(n_valid_ptr)
     if GATHER:
         row = (tl.load(sorted_pair_ptr + pos, mask=ok, other=0) // TOP_K).to(tl.int64)
     else:
@@ -124,33 +133,51 @@ def _quantize_cols_kernel(src_ptr, qt_ptr, st_ptr, sorted_pair_ptr, n_valid_ptr,
     scale = tile_scale(tl.max(tl.abs(v), axis=0))  # [BLOCK_C]
     q = to_e4m3(v, scale[None, :], EXACT_CAST)
     c64 = cols.to(tl.int64)
-    tl.store(qt_ptr + c64[None, :] * stride_qt + pos[:, None], q, mask=c_ok[None, :])
-    tl.store(st_ptr + c64 * stride_st + tl.program_id(0), scale, mask=c_ok)
+    tl.store(qt_ptr + c64[None, :] * stride_qt + (t * 128 + tl.arange(0, 128))[:, None], q, mask=c_ok[None, :])
+    tl.store(st_ptr + c64 * stride_st + t, scale, mask=c_ok)
+
+
+def group_tiles(offsets: torch.Tensor) -> torch.Tensor:
+    """int32 [S + 1]: group s's 128-position tiles of :func:`quantize_cols`' layout are
+    ``[tiles[s], tiles[s + 1])`` (cdiv of its size by 128 each; torch ops, sync-free)."""
+    counts = (offsets[1:] - offsets[:-1]).to(torch.int64)
+    return torch.cat([offsets.new_zeros(1), ((counts + TILE - 1) // TILE).cumsum(0).to(offsets.dtype)])
+
+
+def col_tiles(n_pos: int, n_groups: int) -> int:
+    """Tiles :func:`quantize_cols` allocates for ``n_pos`` positions in ``n_groups`` groups: every
+    group may add one partial tile."""
+    return triton.cdiv(n_pos, TILE) + n_groups
 
 
 def quantize_cols(src: torch.Tensor, layout: PairLayout, top_k: int, gather: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group-ordered rows of ``src``, transposed and quantised in 1×128 tiles along positions.
+    """Group-ordered rows of ``src``, transposed and quantised in 1×128 tiles along positions, each
+    group starting a new tile.
 
     Args:
         src: [R, C] rows (``gather``: position p reads row ``sorted_pair[p] // top_k``) or
             [P, C] positions (P = R * top_k), float32/bfloat16, row-contiguous.
-        layout: the PairLayout of the [R, top_k] slots.
+        layout: the PairLayout of the [R, top_k] slots (S groups).
     Returns:
-        qt float8_e4m3fn [C, P_pad] (P_pad = cdiv(P, 128) * 128) and scale float32 [C, P_pad / 128]:
-        qt[c, p] * scale[c, p // 128] ≈ src[row(p), c] for p < offsets[S]; 0 at later positions.
+        qt float8_e4m3fn [C, 128 · n_tiles] and scale float32 [C, n_tiles], n_tiles =
+        :func:`col_tiles` (P, S): the j-th position of group s is column
+        ``128 · tiles[s] + j`` (``tiles`` = :func:`group_tiles`), zeros up to the group's last tile's
+        end, qt[c, ·] · scale[c, tile] ≈ src[row(p), c]. Columns past ``128 · tiles[S]`` are unset.
     """
     if src.dim() != 2 or src.stride(1) != 1:
         raise ValueError(f"src must be a row-contiguous matrix, got shape {tuple(src.shape)} strides {src.stride()}")
     P = layout.sorted_pair.numel()
+    S = layout.offsets.numel() - 1
     C = src.shape[1]
-    p_pad = triton.cdiv(P, TILE) * TILE
-    qt = torch.empty(C, p_pad, dtype=FP8_DTYPE, device=src.device)
-    st = torch.empty(C, p_pad // TILE, dtype=torch.float32, device=src.device)
-    if P and C:
+    n_tiles = col_tiles(P, S)
+    qt = torch.empty(C, n_tiles * TILE, dtype=FP8_DTYPE, device=src.device)
+    st = torch.empty(C, n_tiles, dtype=torch.float32, device=src.device)
+    if P and C and S:
         block_c = 64
-        _quantize_cols_kernel[(p_pad // TILE, triton.cdiv(C, block_c))](
-            src, qt, st, layout.sorted_pair, layout.offsets[-1:], C, src.stride(0), qt.stride(0), st.stride(0),
-            TOP_K=top_k, GATHER=gather, BLOCK_C=block_c, EXACT_CAST=interpreting(), num_warps=4)
+        _quantize_cols_kernel[(n_tiles, triton.cdiv(C, block_c))](
+            src, qt, st, layout.sorted_pair, layout.offsets[:-1], layout.offsets[1:], S, C, src.stride(0),
+            qt.stride(0), st.stride(0), TOP_K=top_k, GATHER=gather, GROUPS_PAD=triton.next_power_of_2(S),
+            BLOCK_C=block_c, EXACT_CAST=interpreting(), num_warps=4)
     return qt, st
 
 
@@ -222,16 +249,19 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def quantize_cols_reference(src: torch.Tensor, layout: PairLayout, top_k: int, gather: bool
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference of :func:`quantize_cols`."""
+    """Reference of :func:`quantize_cols` (the columns past ``128 · tiles[S]`` are zeros here)."""
     P = layout.sorted_pair.numel()
-    n_valid = int(layout.offsets[-1])
-    idx = layout.sorted_pair[:n_valid].long() // top_k if gather else torch.arange(n_valid, device=src.device)
-    rows = torch.zeros(P, src.shape[1], dtype=torch.float32, device=src.device)
-    rows[:n_valid] = src[idx].float()
-    v = _pad_to(rows.t(), 1, TILE)  # [C, P_pad]
-    C, p_pad = v.shape
-    q, scale = _quantize_tiles(v.reshape(C, -1, TILE), (2,))
-    return q.reshape(C, p_pad), scale.reshape(C, -1)
+    S = layout.offsets.numel() - 1
+    n_tiles = col_tiles(P, S)
+    offsets, tiles = layout.offsets.tolist(), group_tiles(layout.offsets).tolist()
+    rows = torch.zeros(n_tiles * TILE, src.shape[1], dtype=torch.float32, device=src.device)
+    for s in range(S):
+        lo, hi = offsets[s], offsets[s + 1]
+        idx = layout.sorted_pair[lo:hi].long() // top_k if gather else torch.arange(lo, hi, device=src.device)
+        rows[tiles[s] * TILE: tiles[s] * TILE + hi - lo] = src[idx].float()
+    C = src.shape[1]
+    q, scale = _quantize_tiles(rows.t().reshape(C, n_tiles, TILE), (2,))
+    return q.reshape(C, n_tiles * TILE), scale.reshape(C, n_tiles)
 
 
 def quantize_blocks_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

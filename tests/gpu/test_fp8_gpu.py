@@ -47,12 +47,16 @@ def test_quantisation_is_bit_exact(R, K, S, H, I, pattern):
     from ray_moe.kernels.routing import pair_layout
 
     layout = pair_layout(case["slot"], S)
-    for a, b in zip(Q.quantize_cols(x, layout, K, True), Q.quantize_cols_reference(x, layout, K, True)):
-        assert _same(a, b)
+    used = int(Q.group_tiles(layout.offsets)[-1])
+    dh = torch.randn(R * K, 2 * I, device="cuda", dtype=torch.bfloat16)
+    for src, gather in ((x, True), (dh, False)):
+        (qt, st), (qr, sr) = Q.quantize_cols(src, layout, K, gather), Q.quantize_cols_reference(src, layout, K, gather)
+        assert _same(st[:, :used], sr[:, :used]) and _same(qt[:, :used * 128], qr[:, :used * 128])
 
 
+@pytest.mark.parametrize("tma", [False, None], ids=["pointers", "descriptors"])
 @pytest.mark.parametrize("R,K,S,H,I,pattern", CASES)
-def test_gemms_against_float32_of_the_same_quantised_inputs(R, K, S, H, I, pattern):
+def test_gemms_against_float32_of_the_same_quantised_inputs(R, K, S, H, I, pattern, tma):
     from ray_moe.kernels.routing import pair_layout
 
     case = random_case(R, K, S, H, I, pattern, torch.bfloat16, "cuda", 1)
@@ -62,26 +66,26 @@ def test_gemms_against_float32_of_the_same_quantised_inputs(R, K, S, H, I, patte
     xq, xs = Q.quantize_rows(case["x"])
     q13, q13t, s13 = Q.quantize_blocks(case["w13"])
     q2, q2t, s2 = Q.quantize_blocks(case["w2"])
-    aq, asc, h13 = G.fp8_gate_up(xq, xs, q13t, s13.transpose(1, 2), layout, K, bf)
+    aq, asc, h13 = G.fp8_gate_up(xq, xs, q13t, s13.transpose(1, 2), layout, K, bf, tma=tma)
     _, _, h13r = G.fp8_gate_up_reference(xq, xs, q13t, s13.transpose(1, 2), layout, K, bf)
     assert ((h13[:n].float() - h13r[:n].float()).abs() <= h13r[:n].float().abs() * 2 ** -7 + 1e-6).all()
     gate, up = h13[:n].float().chunk(2, 1)
     qa, sa = Q.quantize_rows_reference(torch.nn.functional.silu(gate) * up)
     assert (aq[:n].float() != qa.float()).float().mean() < 0.01  # sigmoid's rounding may flip a few
     assert _rel(Q.dequantize_rows(aq[:n], asc[:n]), Q.dequantize_rows(qa, sa)) < 1e-2
-    y = G.fp8_down(aq, asc, q2t, s2.transpose(1, 2), layout, K, case["weight"], torch.float32)
+    y = G.fp8_down(aq, asc, q2t, s2.transpose(1, 2), layout, K, case["weight"], torch.float32, tma=tma)
     yr = G.fp8_down_reference(aq, asc, q2t, s2.transpose(1, 2), layout, K, case["weight"], torch.float32)
     assert _rel(y[:n], yr[:n]) < 1e-5
     gq, gs = Q.quantize_rows(torch.randn(R, H, device="cuda", dtype=bf))
-    g = G.fp8_rows(gq, gs, q2, s2, layout, K, True, torch.float32)
+    g = G.fp8_rows(gq, gs, q2, s2, layout, K, True, torch.float32, tma=tma)
     assert _rel(g[:n], G.fp8_rows_reference(gq, gs, q2, s2, layout, K, True, torch.float32)[:n]) < 1e-5
     dh = torch.randn(R * K, 2 * I, device="cuda", dtype=bf)
     dq, ds = Q.quantize_rows(dh)
-    dx = G.fp8_rows(dq, ds, q13, s13, layout, K, False, torch.float32)
+    dx = G.fp8_rows(dq, ds, q13, s13, layout, K, False, torch.float32, tma=tma)
     assert _rel(dx[:n], G.fp8_rows_reference(dq, ds, q13, s13, layout, K, False, torch.float32)[:n]) < 1e-5
-    args = (*Q.quantize_cols(case["x"], layout, K, True), *Q.quantize_cols(dh, layout, K, False), layout.offsets,
-            torch.float32)
-    dw, dwr = G.fp8_wgrad(*args), G.fp8_wgrad_reference(*args)
+    args = (*Q.quantize_cols(case["x"], layout, K, True), *Q.quantize_cols(dh, layout, K, False),
+            Q.group_tiles(layout.offsets), torch.float32)
+    dw, dwr = G.fp8_wgrad(*args, tma=tma), G.fp8_wgrad_reference(*args)
     assert _rel(dw, dwr) < 1e-5
     empty = (layout.offsets[1:] == layout.offsets[:-1]).cpu()
     assert dw[empty].abs().max().item() == 0 if empty.any() else True

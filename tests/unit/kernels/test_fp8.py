@@ -43,9 +43,12 @@ assert offs[2] == offs[3] and any(o % 128 for o in offs[1:-1]), offs
 dt = torch.bfloat16
 x = torch.randn(R, H, generator=g).to(dt)
 h = torch.randn(R * K, 2 * I, generator=g).to(dt)
+tiles = Q.group_tiles(lay.offsets)
+used = int(tiles[-1])
+assert tiles.tolist() == [0] + torch.tensor([-(-(b - a) // 128) for a, b in zip(offs, offs[1:])]).cumsum(0).tolist()
 for src, gather in ((x, True), (h, False)):
-    for a, b in zip(Q.quantize_cols(src, lay, K, gather), Q.quantize_cols_reference(src, lay, K, gather)):
-        assert (torch.equal(a, b) if a.dtype == torch.float32 else same(a, b))
+    (qt, st), (qr, sr) = Q.quantize_cols(src, lay, K, gather), Q.quantize_cols_reference(src, lay, K, gather)
+    assert torch.equal(st[:, :used], sr[:, :used]) and same(qt[:, :used * 128], qr[:, :used * 128])
 w13 = (torch.randn(S, H, 2 * I, generator=g) / H ** 0.5).to(dt)
 w2 = (torch.randn(S, I, H, generator=g) / I ** 0.5).to(dt)
 weight = torch.rand(R, K, generator=g)
@@ -54,24 +57,33 @@ q13, q13t, s13 = Q.quantize_blocks(w13); q2, q2t, s2 = Q.quantize_blocks(w2)
 def close(a, b, tol=1e-5):
     err = ((a[:n].float() - b[:n].float()).norm() / b[:n].float().norm()).item()
     assert err < tol, err
-# up-projection + SwiGLU: g|u to 1 bf16 ulp; act quantised from the kernel's own g|u, bit for bit
-aq, asc, h13 = G.fp8_gate_up(xq, xs, q13t, s13.transpose(1, 2), lay, K, dt)
-_, _, h13r = G.fp8_gate_up_reference(xq, xs, q13t, s13.transpose(1, 2), lay, K, dt)
-assert ((h13[:n].float() - h13r[:n].float()).abs() <= h13r[:n].float().abs() * 2 ** -7 + 1e-6).all()  # one bf16 ulp
-gate, up = h13[:n].float().chunk(2, 1)
-qa, sa = Q.quantize_rows_reference(torch.nn.functional.silu(gate) * up)
-assert (aq[:n].float() != qa.float()).float().mean() < 0.01
-close(Q.dequantize_rows(aq[:n], asc[:n]), Q.dequantize_rows(qa, sa), 1e-2)
-close(G.fp8_down(aq, asc, q2t, s2.transpose(1, 2), lay, K, weight, torch.float32),
-      G.fp8_down_reference(aq, asc, q2t, s2.transpose(1, 2), lay, K, weight, torch.float32))
+# every GEMM through pointer loads and through TMA descriptors (emulated by the interpreter)
 gq, gs = Q.quantize_rows(torch.randn(R, H, generator=g))
-close(G.fp8_rows(gq, gs, q2, s2, lay, K, True, torch.float32), G.fp8_rows_reference(gq, gs, q2, s2, lay, K, True, torch.float32))
 dq, ds = Q.quantize_rows(h)
-close(G.fp8_rows(dq, ds, q13, s13, lay, K, False, torch.float32),
-      G.fp8_rows_reference(dq, ds, q13, s13, lay, K, False, torch.float32))
-ops = (*Q.quantize_cols(x, lay, K, True), *Q.quantize_cols(h, lay, K, False), lay.offsets, torch.float32)
-dw, dwr = G.fp8_wgrad(*ops), G.fp8_wgrad_reference(*ops)
-assert dw[2].abs().max() == 0 and ((dw - dwr).norm() / dwr.norm()).item() < 1e-5
+for tma in (False, True):
+    # up-projection + SwiGLU: g|u to 1 bf16 ulp; act quantised from the kernel's own g|u, bit for bit
+    aq, asc, h13 = G.fp8_gate_up(xq, xs, q13t, s13.transpose(1, 2), lay, K, dt, tma=tma)
+    _, _, h13r = G.fp8_gate_up_reference(xq, xs, q13t, s13.transpose(1, 2), lay, K, dt)
+    assert ((h13[:n].float() - h13r[:n].float()).abs() <= h13r[:n].float().abs() * 2 ** -7 + 1e-6).all()  # one bf16 ulp
+    gate, up = h13[:n].float().chunk(2, 1)
+    qa, sa = Q.quantize_rows_reference(torch.nn.functional.silu(gate) * up)
+    assert (aq[:n].float() != qa.float()).float().mean() < 0.01
+    close(Q.dequantize_rows(aq[:n], asc[:n]), Q.dequantize_rows(qa, sa), 1e-2)
+    close(G.fp8_down(aq, asc, q2t, s2.transpose(1, 2), lay, K, weight, torch.float32, tma=tma),
+          G.fp8_down_reference(aq, asc, q2t, s2.transpose(1, 2), lay, K, weight, torch.float32))
+    close(G.fp8_rows(gq, gs, q2, s2, lay, K, True, torch.float32, tma=tma),
+          G.fp8_rows_reference(gq, gs, q2, s2, lay, K, True, torch.float32))
+    close(G.fp8_rows(dq, ds, q13, s13, lay, K, False, torch.float32, tma=tma),
+          G.fp8_rows_reference(dq, ds, q13, s13, lay, K, False, torch.float32))
+    ops = (*Q.quantize_cols(x, lay, K, True), *Q.quantize_cols(h, lay, K, False), tiles, torch.float32)
+    dw, dwr = G.fp8_wgrad(*ops, tma=tma), G.fp8_wgrad_reference(*ops)
+    assert dw[2].abs().max() == 0 and ((dw - dwr).norm() / dwr.norm()).item() < 1e-5
+    # against the unpadded float32 product of the same quantised values
+    a, b = Q.dequantize_rows(*ops[:2]), Q.dequantize_rows(*ops[2:4])
+    t = (tiles * 128).tolist()
+    for s_ in range(S):
+        dense = a[:, t[s_]:t[s_ + 1]] @ b[:, t[s_]:t[s_ + 1]].T
+        assert torch.allclose(dw[s_], dense, rtol=1e-4, atol=1e-4)
 print("fp8 kernels ok")
 """
 
