@@ -58,9 +58,9 @@ def e4m3_round(v):
     e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
     inv_step = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2^(3 - e)
     step = ((124 + e) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
-    y = v * inv_step
-    r = (y + 12582912.0) - 12582912.0  # 1.5 * 2^23: float32 addition rounds |y| < 2^22 to nearest even
-    return r * step
+    y = tl.abs(v) * inv_step
+    r = ((y + 12582912.0) - 12582912.0) * step  # 1.5 * 2^23: float32 addition rounds y < 2^22 to nearest even
+    return tl.where(bits < 0, -r, r)  # the sign bit kept: what underflows to zero stays -0, as the cast does
 
 
 @triton.jit

@@ -26,6 +26,8 @@ g = torch.Generator().manual_seed(0)
 # quantisation, bit for bit: values over six decades, a zero tile, ragged edges (300 = 2*128 + 44)
 x = torch.randn(37, 300, generator=g) * torch.logspace(-3, 3, 300)
 x[3, 128:256] = 0
+x[4, :128] = torch.randn(128, generator=g) * torch.logspace(-8, 2, 128)  # underflow to ±0 inside a tile
+x[5, :4] = torch.tensor([-0.0, 0.0, -1e-30, 1e-30])
 for dt in (torch.float32, torch.bfloat16):
     q, s = Q.quantize_rows(x.to(dt)); qr, sr = Q.quantize_rows_reference(x.to(dt))
     assert torch.equal(s, sr) and same(q, qr) and s[3, 1] == 1
