@@ -166,3 +166,21 @@ def test_moe_layer_in_fp8_against_the_oracle():
     assert _rel(out, ref) < 0.08
     assert _rel(x.grad, x_ref.grad) < 0.1 and _rel(layer.w13.grad, w13.grad) < 0.1 and _rel(layer.w2.grad, w2.grad) < 0.1
     assert layer.fp8_weights.quantizations == 1
+
+
+def test_the_update_kernel_moves_the_version_the_weight_cache_keys_on():
+    """The one-pass AdamW kernel writes the compute weights from Triton: it bumps their version
+    counter, so the FP8 copies are remade after every update (else they would go stale)."""
+    from ray_moe.kernels.fp8_expert_ffn import Fp8WeightCache
+    from ray_moe.worker.adamw_kernel import adamw_step
+
+    w13 = torch.randn(2, 256, 256, device="cuda", dtype=torch.bfloat16)
+    w2 = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16)
+    cache = Fp8WeightCache()
+    before = cache.get(w13, w2).w13.clone()
+    master = w13.float()
+    moments = (torch.zeros_like(master), torch.zeros_like(master))
+    adamw_step(torch.ones_like(w13), master, *moments, w13, lr=0.1, beta1=0.9, beta2=0.95, eps=1e-8,
+               weight_decay=0.0, step=1)
+    after = cache.get(w13, w2)
+    assert cache.quantizations == 2 and not torch.equal(after.w13.view(torch.uint8), before.view(torch.uint8))
