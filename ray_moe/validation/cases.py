@@ -46,6 +46,7 @@ class Case:
     pipeline_chunks: int | list[int] | tuple[int, ...] = 1  # C, or relative chunk sizes
     delay_wgrad: bool = False
     early_experts: int = 0
+    expert_precision: str = "bf16"  # moe.expert_precision (fp8: compare with FP8's error bounds)
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
@@ -58,7 +59,7 @@ class Case:
         return MoELayerSpec(self.hidden, self.num_experts, self.top_k, self.expert_hidden,
                             dtype=dtype or torch_dtype(self.dtype), expert_impl=self.expert_impl,
                             pipeline_chunks=self.pipeline_chunks, delay_wgrad=self.delay_wgrad,
-                            early_experts=self.early_experts)
+                            early_experts=self.early_experts, expert_precision=self.expert_precision)
 
     def tokens(self, rank: int) -> int:
         return self.tokens_per_rank[rank % len(self.tokens_per_rank)]
