@@ -242,9 +242,10 @@ def _pad_to(t: torch.Tensor, dim: int, mult: int) -> torch.Tensor:
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of :func:`quantize_rows`."""
     M, C = x.shape
-    v = _pad_to(x.float(), 1, TILE).reshape(M, -1, TILE)
+    n = triton.cdiv(C, TILE)  # (explicit sizes: a reshape to -1 is ambiguous with no rows)
+    v = _pad_to(x.float(), 1, TILE).reshape(M, n, TILE)
     q, scale = _quantize_tiles(v, (2,))
-    return q.reshape(M, -1)[:, :C].contiguous(), scale.reshape(M, -1)
+    return q.reshape(M, n * TILE)[:, :C].contiguous(), scale.reshape(M, n)
 
 
 def quantize_cols_reference(src: torch.Tensor, layout: PairLayout, top_k: int, gather: bool

@@ -184,3 +184,17 @@ def test_the_update_kernel_moves_the_version_the_weight_cache_keys_on():
                weight_decay=0.0, step=1)
     after = cache.get(w13, w2)
     assert cache.quantizations == 2 and not torch.equal(after.w13.view(torch.uint8), before.view(torch.uint8))
+
+
+@pytest.mark.parametrize("R,slot_value", [(0, 0), (5, -1)])
+def test_no_rows_and_no_valid_pairs(R, slot_value):
+    from ray_moe.kernels.fp8_expert_ffn import expert_ffn_fp8
+
+    x = torch.randn(R, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w13 = torch.randn(2, 256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w2 = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    slot = torch.full((R, 2), slot_value, device="cuda")
+    out = expert_ffn_fp8(x, slot, torch.zeros(R, 2, device="cuda"), w13, w2)
+    out.float().sum().backward()
+    assert out.shape == (R, 256) and out.abs().sum().item() == 0
+    assert w13.grad.abs().sum().item() == 0 and w2.grad.abs().sum().item() == 0

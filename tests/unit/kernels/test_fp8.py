@@ -160,6 +160,21 @@ def test_cpu_path_matches_the_oracle_and_float32_within_fp8_error():
     assert got[2][1].abs().max() == 0 and got[3][1].abs().max() == 0  # the empty slot
 
 
+def test_no_rows_and_no_valid_pairs():
+    """A rank may receive no rows, or rows none of whose pairs are its: zeros, zero weight
+    gradients, no error (an error on one rank would leave the others waiting in the combine)."""
+    from ray_moe.kernels.fp8_expert_ffn import expert_ffn_fp8
+
+    for R, slot_value in ((0, 0), (5, -1)):
+        x = torch.randn(R, 64, requires_grad=True)
+        w13 = torch.randn(2, 64, 256, requires_grad=True)
+        w2 = torch.randn(2, 128, 64, requires_grad=True)
+        out = expert_ffn_fp8(x, torch.full((R, 2), slot_value), torch.zeros(R, 2), w13, w2)
+        out.sum().backward()
+        assert out.shape == (R, 64) and out.abs().sum() == 0
+        assert w13.grad.abs().sum() == 0 and w2.grad.abs().sum() == 0
+
+
 def test_weight_cache_quantises_once_per_parameter_version():
     from ray_moe.kernels.fp8_expert_ffn import Fp8WeightCache, expert_ffn_fp8
 
