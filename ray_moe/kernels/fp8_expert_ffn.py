@@ -237,6 +237,9 @@ def expert_ffn_fp8(
         raise TypeError(f"weight must be float32, got {weight.dtype}")
     if x.dtype not in (torch.float32, torch.bfloat16) or w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise TypeError(f"x, w13, w2 must share one dtype in (float32, bfloat16); got {x.dtype}, {w13.dtype}, {w2.dtype}")
+    if x.is_cuda and torch.cuda.get_device_capability(x.device) < (8, 9):
+        raise RuntimeError(f"FP8 experts need FP8 tensor cores (sm_89 or newer; Hopper's are the tuned ones), "
+                           f"this GPU is sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}")
     ops = ops or default_ops(x.device)
     fw = cache.get(w13, w2, ops) if cache is not None else quantize_expert_weights(w13, w2, ops)
     return _ExpertFFNFp8.apply(x.contiguous(), slot.contiguous(), weight.contiguous(), w13, w2, fw, ops, deferral)
