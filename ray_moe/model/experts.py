@@ -14,6 +14,10 @@ It returns one weighted partial sum per row, ``[R, H]``, ready for combine. Impl
 - ``grouped_mm``: ``torch._grouped_mm`` over pairs sorted by slot; sync-free and
   CUDA-graph-friendly (fixed R*K capacity; padding pairs sort last and are masked).
 - ``triton``: the fused kernels in :mod:`ray_moe.kernels` (when present).
+
+``precision="fp8"`` (``moe.expert_precision``) runs every GEMM in block-scaled FP8 instead,
+whatever the implementation: :mod:`ray_moe.kernels.fp8_expert_ffn` (Triton on CUDA, its torch
+references emulating the numerics elsewhere).
 """
 
 from __future__ import annotations
