@@ -32,7 +32,7 @@ from ray_moe.bench.layer.expert import (
     routing_rows,
     saved_bytes_rows,
 )
-from ray_moe.bench.layer.fp8 import fp8_rows
+from ray_moe.bench.layer.fp8 import fp8_layer_rows
 from ray_moe.bench.layer.problem import LayerShape, make_inputs
 from ray_moe.bench.layer.profiling import profile_rows, row_gemm_backend_rows, steady_rows, wgrad_backend_rows
 from ray_moe.bench.layer.sonic import (
@@ -288,7 +288,7 @@ def main(argv: list[str]) -> int:
             ("steady", lambda eshape=eshape: steady_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms, impls=impls)),
             ("wgrad", lambda eshape=eshape: wgrad_backend_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms)),
             ("rows", lambda eshape=eshape: row_gemm_backend_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms)),
-            ("fp8", lambda eshape=eshape: fp8_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms)),
+            ("fp8", lambda eshape=eshape: fp8_layer_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms)),
         ):
             if name in sections and name == name_:
                 try:

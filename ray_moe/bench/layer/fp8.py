@@ -78,7 +78,7 @@ def torchao_expert_ffn(x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor
     return torch.zeros(R, H, dtype=torch.float32, device=x.device).index_add(0, rows, yv).to(x.dtype)
 
 
-def fp8_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms: int, rep_ms: int, rounds: int = 3) -> list[dict]:
+def fp8_layer_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms: int, rep_ms: int, rounds: int = 3) -> list[dict]:
     """The rows of the module docstring for ``shape`` (CUDA; bf16 weights)."""
     from ray_moe.kernels import expert_ffn_triton
     from ray_moe.kernels.fp8_expert_ffn import Fp8WeightCache, expert_ffn_fp8
