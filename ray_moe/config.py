@@ -146,6 +146,7 @@ class MoEConfig:
     aux_loss_coef: float = 0.0  # Switch load-balancing loss weight (computed per rank; 0: off)
     expert_impl: str = "auto"  # auto | loop | grouped_mm | triton
     bias_update_rate: float = 0.001  # aux-loss-free balancing (sigmoid routers): bias step per update
+    expert_precision: str = "bf16"  # bf16 | fp8: the routed experts' GEMMs in block-scaled FP8 (kernels.fp8_expert_ffn)
 
     def check(self) -> None:
         _positive("moe.num_experts", self.num_experts)
@@ -159,6 +160,7 @@ class MoEConfig:
         _choice("moe.expert_impl", self.expert_impl, ("auto", "loop", "grouped_mm", "triton"))
         if not self.bias_update_rate >= 0:
             raise ConfigError(f"moe.bias_update_rate={self.bias_update_rate} must be >= 0")
+        _choice("moe.expert_precision", self.expert_precision, ("bf16", "fp8"))  # experts.EXPERT_PRECISIONS
 
 
 @dataclass

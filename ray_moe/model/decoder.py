@@ -165,7 +165,8 @@ def moe_layer_spec(spec: ArchSpec, config: Config) -> MoELayerSpec:
                         dtype=torch_dtype(config.model.dtype), expert_impl=e.expert_impl,
                         aux_loss_coef=e.aux_loss_coef, clone_slots=config.balance.clone_slots,
                         seed=config.train.seed, router_bias=spec.router_bias, expert_bias=spec.expert_bias,
-                        activation=ExpertActivation(spec.activation, spec.swiglu_alpha, spec.swiglu_limit))
+                        activation=ExpertActivation(spec.activation, spec.swiglu_alpha, spec.swiglu_limit),
+                        expert_precision=e.expert_precision)
 
 
 class Decoder(nn.Module):

@@ -16,6 +16,10 @@ It returns one weighted partial sum per row, ``[R, H]``, ready for combine. Impl
 - ``grouped_mm``: ``torch._grouped_mm`` over pairs sorted by slot; sync-free and
   CUDA-graph-friendly (fixed R*K capacity; padding pairs sort last and are masked).
 - ``triton``: the fused kernels in :mod:`ray_moe.kernels` (when present).
+
+``precision="fp8"`` (``moe.expert_precision``) runs every GEMM in block-scaled FP8 instead,
+whatever the implementation: :mod:`ray_moe.kernels.fp8_expert_ffn` (Triton on CUDA, its torch
+references emulating the numerics elsewhere).
 """
 
 from __future__ import annotations
@@ -26,6 +30,16 @@ import torch
 import torch.nn.functional as F
 
 from ray_moe.model.router import route
+
+
+EXPERT_PRECISIONS = ("bf16", "fp8")  # bf16: the weights' dtype; fp8: kernels.fp8_expert_ffn
+
+
+def fp8_weight_cache():
+    """A new :class:`~ray_moe.kernels.fp8_expert_ffn.Fp8WeightCache` (one per layer)."""
+    from ray_moe.kernels.fp8_expert_ffn import Fp8WeightCache
+
+    return Fp8WeightCache()
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
@@ -71,6 +85,8 @@ def expert_ffn(
     act: ExpertActivation = SWIGLU,
     b13: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
+    precision: str = "bf16",
+    fp8_cache=None,
 ) -> torch.Tensor:
     """Weighted SwiGLU experts over received rows.
 
@@ -84,10 +100,22 @@ def expert_ffn(
         wgrad: with triton, who computes the weight gradients: triton | grouped_mm | quack.
         act: the gated activation (:class:`ExpertActivation`); b13 [S, 2I], b2 [S, H]: optional
             biases of the up (gate|up) and down projections (both or neither).
+        precision: bf16 (the weights' dtype, as above) or fp8 (:data:`EXPERT_PRECISIONS`): every GEMM
+            in block-scaled FP8, Triton on CUDA and the emulating torch references elsewhere, whatever
+            ``impl`` says (:func:`~ray_moe.kernels.fp8_expert_ffn.expert_ffn_fp8`; needs I % 128 == 0).
+        fp8_cache: with fp8, the layer's FP8 weight cache (None: the weights are quantised per call).
     Returns:
         [R, H] in x.dtype: sum_k weight[r, k] * expert_{slot[r, k]}(x[r]); rows with no valid k are 0.
         Differentiable w.r.t. x, weight, w13 and w2.
     """
+    if precision not in EXPERT_PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not one of {', '.join(EXPERT_PRECISIONS)}")
+    if precision == "fp8":
+        from ray_moe.kernels.fp8_expert_ffn import expert_ffn_fp8
+
+        if b13 is not None or act != SWIGLU:
+            raise ValueError("FP8 experts run SwiGLU without biases; these experts have biases or another activation")
+        return expert_ffn_fp8(x, slot, weight, w13, w2, cache=fp8_cache)
     impl = resolve_impl(impl, x)
     if impl == "triton" and (b13 is not None or act != SWIGLU):
         # The Triton grouped-GEMM kernels have no bias or clamped-SwiGLU epilogue yet: experts with

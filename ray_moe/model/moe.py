@@ -18,7 +18,7 @@ from torch import nn
 
 from ray_moe.comm.base import Layout, Transport, combine, dispatch
 from ray_moe.model.expert_choice import ExpertChoice, ExpertImplChooser
-from ray_moe.model.experts import SWIGLU, ExpertActivation, expert_ffn, resolve_impl
+from ray_moe.model.experts import EXPERT_PRECISIONS, SWIGLU, ExpertActivation, expert_ffn, fp8_weight_cache, resolve_impl
 from ray_moe.model.router import SOFTMAX, Routing, balancing_bias_step, load_balancing_loss, route
 from ray_moe.placement.placement import ExpertShard, Placement
 
@@ -67,7 +67,9 @@ class MoELayerSpec:
     router and every logical expert; router_bias: a learned float32 [E] bias on the router logits;
     expert_bias: each expert's up and down projections have biases (``b13`` [S, 2I], ``b2`` [S, H]);
     activation: the experts' gated activation (gpt-oss's clamped one; experts with biases or
-    another activation than SwiGLU run on grouped_mm where the Triton kernels would).
+    another activation than SwiGLU run on grouped_mm where the Triton kernels would);
+    expert_precision: bf16 (the weights' dtype) or fp8 (every expert GEMM in block-scaled FP8,
+    :mod:`ray_moe.kernels.fp8_expert_ffn`, whatever expert_impl says).
     """
 
     hidden: int
@@ -79,6 +81,7 @@ class MoELayerSpec:
     expert_impl: str = "auto"
     aux_loss_coef: float = 0.0
     clone_slots: int = 0
+    expert_precision: str = "bf16"
     seed: int = 0
     router_bias: bool = False
     expert_bias: bool = False
@@ -99,6 +102,8 @@ class MoELayerSpec:
             raise ValueError(f"aux_loss_coef={self.aux_loss_coef} must be >= 0")
         if not isinstance(self.routing, Routing):
             raise ValueError(f"routing must be a Routing, got {self.routing!r}")
+        if self.expert_precision not in EXPERT_PRECISIONS:
+            raise ValueError(f"expert_precision={self.expert_precision!r} is not one of {', '.join(EXPERT_PRECISIONS)}")
 
 
 @dataclass(frozen=True)
@@ -196,6 +201,8 @@ class MoELayer(nn.Module):
                              persistent=routing.bias)
         self.placement = placement
         self.tables = placement.tables(device)
+        # fp8: the experts' FP8 weight copies, remade once per parameter version (after each update)
+        self.fp8_weights = fp8_weight_cache() if spec.expert_precision == "fp8" else None
         if reset:
             self.reset_parameters()
 
@@ -326,6 +333,9 @@ class MoELayer(nn.Module):
         Triton kernels, the implementation (and who computes the weight gradients) is measured
         once per shape (:class:`~ray_moe.model.expert_choice.ExpertImplChooser`)."""
         x, slot, weight = received.x, received.slot, received.weight
+        if self.fp8_weights is not None:
+            return expert_ffn(x, slot, weight, self.w13, self.w2, act=self.spec.activation, b13=self.b13,
+                              b2=self.b2, precision="fp8", fp8_cache=self.fp8_weights)
         choice = ExpertChoice(impl)
         if self.expert_impl == "auto" and impl == "triton":
             needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, self.w13, self.w2))

@@ -39,6 +39,7 @@ class Case:
     dtype: str = "float32"
     expert_impl: str = "auto"
     placement: dict | None = None
+    expert_precision: str = "bf16"  # moe.expert_precision (fp8: compare with FP8's error bounds)
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
@@ -49,7 +50,8 @@ class Case:
     def layer_spec(self, dtype: torch.dtype | None = None) -> MoELayerSpec:
         """The MoE layer this case runs (``dtype``: the case's by default)."""
         return MoELayerSpec(self.hidden, self.num_experts, self.top_k, self.expert_hidden,
-                            dtype=dtype or torch_dtype(self.dtype), expert_impl=self.expert_impl)
+                            dtype=dtype or torch_dtype(self.dtype), expert_impl=self.expert_impl,
+                            expert_precision=self.expert_precision)
 
     def tokens(self, rank: int) -> int:
         return self.tokens_per_rank[rank % len(self.tokens_per_rank)]

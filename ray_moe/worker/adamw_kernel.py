@@ -83,6 +83,9 @@ def adamw_step(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, 
     _adamw_kernel[(triton.cdiv(n, block),)](
         grad, master, exp_avg, exp_avg_sq, param, n, lr, beta1, beta2, eps, weight_decay,
         grad_scale, step_size, inv_sqrt_bc2, BLOCK=block, num_warps=8)
+    # the kernel wrote param in place: say so in its version counter, as a torch in-place op would
+    # (the FP8 experts' weight copies are remade when it moves: kernels.fp8_expert_ffn.Fp8WeightCache)
+    torch.autograd.graph.increment_version(param)
 
 
 @torch.no_grad()

@@ -250,6 +250,8 @@ class ShardedReplicatedState:
         for b in self.buckets[::-1]:  # built from the last parameter backward: reversed, the forward's order
             self._update_chunk(b, lr, grad_scale)
             work = _all_gather(b.pbuf, b.send, group=self.group, async_op=True)
+            for p in b.params:  # written in place through the bucket (the FP8 weight cache keys on versions)
+                torch.autograd.graph.increment_version(p)
             if done is None:
                 works.append(work)
             else:

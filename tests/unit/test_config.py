@@ -276,6 +276,7 @@ TYPE_ERRORS = [
     ("balance.enabled", 1, "must be true or false"),
     ("model.dense_first_layer", 0, "must be true or false"),
     ("parallel.overlap_param_gather", "yes", "must be true or false"),
+    ("moe.expert_precision", "fp16", "is not allowed; choose one of bf16, fp8"),
     ("model.dtype", 32, "must be a string"),
     ("train.run_dir", ["a"], "must be a string"),
     ("data.paths", 3, "must be a list of strings"),

@@ -7,6 +7,7 @@ The sections live in one module each; this one parses the flags and runs them in
   - :mod:`.expert`: single-GPU expert-side rows (``kernels``, ``expert``, ``ffn``, ``routing``, ``saved``);
   - :mod:`.sonic`: the whole layer beside SonicMoE (``layer``, ``small``; ``--sonic-precompile``);
   - :mod:`.profiling`: ``profile``, ``steady``, ``wgrad``, ``rows``;
+  - :mod:`.fp8`: ``fp8``, the MoE layer and the experts in FP8 beside bf16 and torchao's FP8 path;
   - EP rows (several GPUs, or a CPU cluster) come from :mod:`ray_moe.bench.ep_layer` (``ep``).
 """
 
@@ -31,6 +32,7 @@ from ray_moe.bench.layer.expert import (
     routing_rows,
     saved_bytes_rows,
 )
+from ray_moe.bench.layer.fp8 import fp8_layer_rows
 from ray_moe.bench.layer.problem import LayerShape, make_inputs
 from ray_moe.bench.layer.profiling import profile_rows, row_gemm_backend_rows, steady_rows, wgrad_backend_rows
 from ray_moe.bench.layer.sonic import (
@@ -89,6 +91,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    " as weight bytes/s against the copy bandwidth; profile: kernel time of one training step;"
                    " steady: training steps back to back with the host side (device idle, waits, API calls);"
                    " wgrad: the weight-gradient GEMMs alone per backend (triton, grouped_mm, quack);"
+                   " fp8: the layer and the experts with moe.expert_precision fp8 beside bf16 and torchao's"
+                   " FP8 rowwise grouped GEMM (speed-ups and errors, one run);"
                    " rows: the four row GEMMs alone, ray_moe's default plan beside SonicMoE's quack kernels;"
                    " ep: the expert-parallel layer on --world-size ranks")
     p.add_argument("--layer-E", default=None, help="layer/small/profile: comma list of E (default: --E)")
@@ -136,7 +140,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 SECTIONS = ("kernels", "expert", "ffn", "routing", "saved", "layer", "small", "profile", "steady", "wgrad", "rows",
-            "ep")
+            "fp8", "ep")
 
 
 def _check_int_list(p: argparse.ArgumentParser, flag: str, value: str, low: int) -> None:
@@ -229,7 +233,7 @@ def main(argv: list[str]) -> int:
     layer_es = [int(e) for e in (args.layer_E or str(shape.E)).split(",")]
     impls = tuple(args.impls.split(","))
     dtype = getattr(torch, args.dtype)
-    if sections & {"layer", "small", "profile", "steady", "wgrad", "rows"}:
+    if sections & {"layer", "small", "profile", "steady", "wgrad", "rows", "fp8"}:
         inp = None
         torch.cuda.empty_cache()
         print(f"device: {torch.cuda.get_device_name()}; sonicmoe: {sonic_import_error() or 'imports'}", flush=True)
@@ -237,7 +241,7 @@ def main(argv: list[str]) -> int:
         copy_gbs = copy_bandwidth_gbs()
         rows.append({"section": "small T", "what": "device copy bandwidth (read + write)", "GB/s": copy_gbs})
         print(f"copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
-    for name_, E in [(n, e) for n in ("layer", "small", "profile", "steady", "wgrad", "rows") for e in layer_es]:
+    for name_, E in [(n, e) for n in ("layer", "small", "profile", "steady", "wgrad", "rows", "fp8") for e in layer_es]:
         eshape = LayerShape(shape.T, shape.H, shape.I, E, shape.K)
         for name, step in (
             ("layer", lambda eshape=eshape: sonic_layer_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms, impls,
@@ -248,6 +252,7 @@ def main(argv: list[str]) -> int:
             ("steady", lambda eshape=eshape: steady_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms, impls=impls)),
             ("wgrad", lambda eshape=eshape: wgrad_backend_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms)),
             ("rows", lambda eshape=eshape: row_gemm_backend_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms)),
+            ("fp8", lambda eshape=eshape: fp8_layer_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms)),
         ):
             if name in sections and name == name_:
                 try:

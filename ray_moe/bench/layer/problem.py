@@ -88,15 +88,17 @@ def layer_problem(shape: LayerShape, device: torch.device, dtype: torch.dtype, s
             "router": torch.randn(H, E, generator=g, device=device) / H**0.5}
 
 
-def ray_moe_layer(shape: LayerShape, prob: dict[str, torch.Tensor], impl: str = "auto") -> Any:
+def ray_moe_layer(shape: LayerShape, prob: dict[str, torch.Tensor], impl: str = "auto",
+                  expert_precision: str = "bf16") -> Any:
     """``MoELayer`` at W=1 over ``LocalTransport`` (route + experts + combine) holding ``prob``'s
     weights (the layer's own expert initialisation is skipped: the weights are copied in right
-    after)."""
+    after); ``expert_precision``: bf16 or fp8 (``moe.expert_precision``)."""
     from ray_moe.comm.local import LocalTransport
     from ray_moe.model.moe import MoELayer, MoELayerSpec
 
     w13 = prob["w13"]
-    layer = MoELayer(MoELayerSpec(shape.H, shape.E, shape.K, shape.I, dtype=w13.dtype, expert_impl=impl),
+    layer = MoELayer(MoELayerSpec(shape.H, shape.E, shape.K, shape.I, dtype=w13.dtype, expert_impl=impl,
+                                  expert_precision=expert_precision),
                      LocalTransport(), device=w13.device, reset=False)
     with torch.no_grad():
         layer.router.copy_(prob["router"])

@@ -1,0 +1,255 @@
+"""``expert_ffn_fp8``: the SwiGLU experts with every GEMM in block-scaled FP8 (DeepSeek-V3's recipe).
+
+Recipe (E4M3 everywhere, float32 scales, float32 accumulation promoted every 128 of K):
+
+    forward   x → 1×128 tiles ─┐
+              w13 (128×128) ───┴→ gate|up + SwiGLU (g|u saved in x.dtype; act written FP8, 1×128)
+              act ─┐ w2 (128×128) ─┴→ down-projection × routing weight → gather_sum (x.dtype)
+    backward  grad_out → 1×128 tiles; G = grad_out[row] @ w2ᵀ (FP8) → dSwiGLU (elementwise, x.dtype)
+              dh13 → 1×128 tiles; dX rows = dh13 @ w13ᵀ (FP8) → gather_sum
+              dW13 = xᵀ dh13, dW2 = awᵀ grad_out: both operands in 1×128 tiles along positions
+              (the contraction), i.e. 128×1 tiles of the row matrices (DeepSeek-V3's backward tiles)
+
+The weights' FP8 copies (both orientations, one set of block scales) come from an
+:class:`Fp8WeightCache`, made once per parameter version: once per step after the update, not once
+per GEMM or per micro-batch (under CUDA-graph capture once per captured forward, so that a replay
+after an update reads the new weights).
+
+Two implementations of the same math (:class:`Fp8Ops`): the Triton kernels
+(:mod:`~ray_moe.kernels.fp8_quant`, :mod:`~ray_moe.kernels.fp8_grouped`) on CUDA, and the torch
+references (quantise → dequantise → float32 matmul, host loops over groups) elsewhere: the CPU path
+that emulates the numerics, so that layer parity runs in CI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import triton
+
+from ray_moe.kernels import fp8_grouped as G
+from ray_moe.kernels import fp8_quant as Q
+from ray_moe.kernels.gather_sum import gather_sum, gather_sum_reference
+from ray_moe.kernels.routing import PairLayout, pair_layout, pair_layout_reference
+
+
+class Fp8Weights(NamedTuple):
+    """FP8 copies of one layer's expert weights. w13 [S, H, 2I] and w2 [S, I, H] as E4M3 in their
+    own layout (the backward's K-major form) and transposed (``w13t`` [S, 2I, H], ``w2t`` [S, H, I]:
+    the forward's), with float32 scales per 128×128 block of the own layout."""
+
+    w13: torch.Tensor
+    w13t: torch.Tensor
+    w13_s: torch.Tensor  # [S, cdiv(H, 128), 2I/128]
+    w2: torch.Tensor
+    w2t: torch.Tensor
+    w2_s: torch.Tensor  # [S, I/128, cdiv(H, 128)]
+
+
+def _swiglu_bwd_triton(g: torch.Tensor, h13: torch.Tensor, weight: torch.Tensor, layout: PairLayout):
+    """The bf16 path's elementwise SwiGLU backward (:mod:`~ray_moe.kernels.grouped_swiglu`) on G."""
+    from ray_moe.kernels.grouped_swiglu import ZERO_TAIL, _swiglu_bwd_rows_kernel
+
+    P, I = g.shape
+    dh13 = torch.empty(P, 2 * I, dtype=g.dtype, device=g.device)
+    aw = torch.empty(P, I, dtype=g.dtype, device=g.device)
+    dw_pos = torch.empty(P, dtype=torch.float32, device=g.device)
+    if P:
+        block_i = min(256, triton.next_power_of_2(I))
+        block_r = max(1, 2048 // block_i)
+        _swiglu_bwd_rows_kernel[(triton.cdiv(P, block_r),)](
+            g, h13, weight.contiguous(), layout.sorted_pair, layout.offsets[-1:], dh13, aw, dw_pos, P, I,
+            BLOCK_R=block_r, BLOCK_I=block_i, ZERO_TAIL=ZERO_TAIL)
+    return dh13, aw, dw_pos
+
+
+def swiglu_bwd_reference(g: torch.Tensor, h13: torch.Tensor, weight: torch.Tensor, layout: PairLayout):
+    """From G [P, I] and h13 = g|u [P, 2I]: dh13 = w · (dG·u·silu'(g) | dG·silu(g)), aw = w · a,
+    dw_pos = <a, G> (float32; 0 past offsets[S], as are dh13 and aw there). Dtypes: G's."""
+    P, I = g.shape
+    n_valid = int(layout.offsets[-1])
+    w = torch.zeros(P, dtype=torch.float32, device=g.device)
+    w[:n_valid] = weight.reshape(-1).float()[layout.sorted_pair[:n_valid].long()]
+    valid = (torch.arange(P, device=g.device) < n_valid)[:, None]
+    gf = torch.where(valid, g.float(), 0.0)
+    gate, up = torch.where(valid, h13.float(), 0.0).chunk(2, dim=1)
+    sig = torch.sigmoid(gate)
+    act = gate * sig * up
+    d_act = gf * w[:, None]
+    dh13 = torch.cat([d_act * up * sig * (1 + gate * (1 - sig)), d_act * gate * sig], dim=1)
+    return dh13.to(g.dtype), (act * w[:, None]).to(g.dtype), (act * gf).sum(1)
+
+
+@dataclass(frozen=True)
+class Fp8Ops:
+    """One implementation of every step of the FP8 experts (same signatures as the Triton launchers)."""
+
+    quantize_rows: Callable
+    quantize_cols: Callable
+    quantize_blocks: Callable
+    gate_up: Callable
+    down: Callable
+    rows: Callable
+    wgrad: Callable
+    swiglu_bwd: Callable
+    gather_sum: Callable
+    pair_layout: Callable
+
+
+TRITON_OPS = Fp8Ops(Q.quantize_rows, Q.quantize_cols, Q.quantize_blocks, G.fp8_gate_up, G.fp8_down, G.fp8_rows,
+                    G.fp8_wgrad, _swiglu_bwd_triton, gather_sum, pair_layout)
+REFERENCE_OPS = Fp8Ops(Q.quantize_rows_reference, Q.quantize_cols_reference, Q.quantize_blocks_reference,
+                       G.fp8_gate_up_reference, G.fp8_down_reference, G.fp8_rows_reference, G.fp8_wgrad_reference,
+                       swiglu_bwd_reference, gather_sum_reference, pair_layout_reference)
+
+
+def default_ops(device: torch.device) -> Fp8Ops:
+    """The Triton kernels on CUDA, the emulating references elsewhere."""
+    return TRITON_OPS if device.type == "cuda" else REFERENCE_OPS
+
+
+def quantize_expert_weights(w13: torch.Tensor, w2: torch.Tensor, ops: Fp8Ops | None = None) -> Fp8Weights:
+    """:class:`Fp8Weights` of w13 [S, H, 2I] and w2 [S, I, H] (detached; no autograd)."""
+    ops = ops or default_ops(w13.device)
+    with torch.no_grad():
+        q13, q13t, s13 = ops.quantize_blocks(w13.detach())
+        q2, q2t, s2 = ops.quantize_blocks(w2.detach())
+    return Fp8Weights(q13, q13t, s13, q2, q2t, s2)
+
+
+class Fp8WeightCache:
+    """A layer's :class:`Fp8Weights`, remade when w13 or w2 changes.
+
+    The key is each parameter's storage and in-place version counter (``_version``: the
+    optimizer's update bumps it), so every micro-batch and recomputation of a step reuses one
+    quantisation. While a CUDA graph is being captured the copies are made inside the capture
+    every time (a replay after an update must quantise the new values) and not kept.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._weights: Fp8Weights | None = None
+        self.quantizations = 0  # how many times the copies were made (tests, benchmarks)
+
+    @staticmethod
+    def _key_of(*params: torch.Tensor) -> tuple:
+        return tuple((p.data_ptr(), p._version, p.shape, p.dtype, p.device) for p in params)
+
+    def get(self, w13: torch.Tensor, w2: torch.Tensor, ops: Fp8Ops | None = None) -> Fp8Weights:
+        """The FP8 copies of (w13, w2), quantised now only if either changed since the last call."""
+        capturing = w13.is_cuda and torch.cuda.is_current_stream_capturing()
+        key = self._key_of(w13, w2)
+        if capturing or key != self._key or self._weights is None:
+            weights = quantize_expert_weights(w13, w2, ops)
+            self.quantizations += 1
+            if capturing:
+                return weights
+            self._key, self._weights = key, weights
+        return self._weights
+
+
+class _ExpertFFNFp8(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, slot, weight, w13, w2, fw: Fp8Weights, ops: Fp8Ops):
+        R, K = slot.shape
+        layout = ops.pair_layout(slot, w13.shape[0])
+        needs_grad = any(ctx.needs_input_grad)
+        xq, xs = ops.quantize_rows(x)
+        act_q, act_s, h13 = ops.gate_up(xq, xs, fw.w13t, fw.w13_s.transpose(1, 2), layout, K, x.dtype,
+                                        save_preact=needs_grad)
+        y = ops.down(act_q, act_s, fw.w2t, fw.w2_s.transpose(1, 2), layout, K, weight, x.dtype)
+        del act_q, act_s
+        out = ops.gather_sum(y, layout, K)
+        if needs_grad:
+            ctx.save_for_backward(x, weight, h13, *layout)
+        ctx.fw, ctx.ops, ctx.top_k = fw, ops, K
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, h13, *layout_t = ctx.saved_tensors
+        layout = PairLayout(*layout_t)
+        fw, ops, K = ctx.fw, ctx.ops, ctx.top_k
+        grad_out = grad_out.contiguous()
+        gq, gs = ops.quantize_rows(grad_out)
+        g = ops.rows(gq, gs, fw.w2, fw.w2_s, layout, K, True, x.dtype)  # [P, I] = grad_out[row] @ w2_sᵀ
+        dh13, aw, dw_pos = ops.swiglu_bwd(g, h13, weight, layout)
+        del g
+        dx = dweight = None
+        if ctx.needs_input_grad[0]:
+            dq, ds = ops.quantize_rows(dh13)
+            dx = ops.gather_sum(ops.rows(dq, ds, fw.w13, fw.w13_s, layout, K, False, x.dtype), layout, K)
+        if ctx.needs_input_grad[2]:
+            pos = layout.pair_pos.long()
+            dweight = torch.where(pos < layout.offsets[-1], dw_pos[pos], 0.0).reshape(weight.shape)
+        dw13 = dw2 = None
+        tiles = Q.group_tiles(layout.offsets)
+        if ctx.needs_input_grad[3]:
+            dw13 = ops.wgrad(*ops.quantize_cols(x, layout, K, True), *ops.quantize_cols(dh13, layout, K, False),
+                             tiles, x.dtype)
+        if ctx.needs_input_grad[4]:
+            dw2 = ops.wgrad(*ops.quantize_cols(aw, layout, K, False), *ops.quantize_cols(grad_out, layout, K, True),
+                            tiles, x.dtype)
+        return dx, None, dweight, dw13, dw2, None, None
+
+
+def expert_ffn_fp8(
+    x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+    cache: Fp8WeightCache | None = None, ops: Fp8Ops | None = None,
+) -> torch.Tensor:
+    """Weighted SwiGLU experts over received rows, every GEMM in block-scaled FP8.
+
+    Args:
+        x: [R, H] float32 or bfloat16 rows. slot: int [R, K] local slot per (row, k), -1 where not
+            here. weight: float32 [R, K] routing weights. w13 [S, H, 2I], w2 [S, I, H] in x.dtype;
+            I a multiple of 128 (the SwiGLU epilogue quantises whole 128-column tiles).
+        cache: the layer's :class:`Fp8WeightCache` (None: quantise the weights in this call).
+        ops: :data:`TRITON_OPS` or :data:`REFERENCE_OPS` (None: :func:`default_ops` for x's device).
+    Returns:
+        [R, H] in x.dtype, differentiable w.r.t. x, weight, w13, w2 (gradients in x.dtype through the
+        same FP8 recipe; slots with no pairs get exactly zero weight gradients). Sync-free on CUDA.
+    """
+    if x.dim() != 2 or slot.dim() != 2 or weight.shape != slot.shape or slot.shape[0] != x.shape[0]:
+        raise ValueError(f"expected x [R, H], slot [R, K], weight [R, K]; got x {tuple(x.shape)}, "
+                         f"slot {tuple(slot.shape)}, weight {tuple(weight.shape)}")
+    if w13.dim() != 3 or w2.dim() != 3 or w13.shape[1] != x.shape[1] or w13.shape[2] != 2 * w2.shape[1] \
+            or w2.shape[2] != x.shape[1] or w2.shape[0] != w13.shape[0]:
+        raise ValueError(f"expected w13 [S, H, 2I] and w2 [S, I, H] with H={x.shape[1]}; got {tuple(w13.shape)}, "
+                         f"{tuple(w2.shape)}")
+    if w2.shape[1] % Q.TILE:
+        raise ValueError(f"FP8 experts need an expert width I that is a multiple of {Q.TILE}, got {w2.shape[1]}")
+    if weight.dtype != torch.float32:
+        raise TypeError(f"weight must be float32, got {weight.dtype}")
+    if x.dtype not in (torch.float32, torch.bfloat16) or w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise TypeError(f"x, w13, w2 must share one dtype in (float32, bfloat16); got {x.dtype}, {w13.dtype}, {w2.dtype}")
+    if x.is_cuda and torch.cuda.get_device_capability(x.device) < (8, 9):
+        raise RuntimeError(f"FP8 experts need FP8 tensor cores (sm_89 or newer; Hopper's are the tuned ones), "
+                           f"this GPU is sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}")
+    ops = ops or default_ops(x.device)
+    fw = cache.get(w13, w2, ops) if cache is not None else quantize_expert_weights(w13, w2, ops)
+    return _ExpertFFNFp8.apply(x.contiguous(), slot.contiguous(), weight.contiguous(), w13, w2, fw, ops)
+
+
+def expert_ffn_fp8_reference(
+    x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+) -> torch.Tensor:
+    """The forward of :func:`expert_ffn_fp8` written out in torch from the quantisation references
+    (per pair, no grouping): the oracle its CPU path and the kernels are checked against."""
+    R, K = slot.shape
+    q13, _, s13 = Q.quantize_blocks_reference(w13)
+    q2, _, s2 = Q.quantize_blocks_reference(w2)
+    w13f, w2f = Q.dequantize_blocks(q13, s13), Q.dequantize_blocks(q2, s2)
+    xf = Q.dequantize_rows(*Q.quantize_rows_reference(x))
+    out = torch.zeros(R, x.shape[1], dtype=torch.float32, device=x.device)
+    for r in range(R):
+        for k in range(K):
+            s = int(slot[r, k])
+            if s < 0:
+                continue
+            gate, up = (xf[r] @ w13f[s]).to(x.dtype).float().chunk(2)
+            act = Q.dequantize_rows(*Q.quantize_rows_reference((torch.nn.functional.silu(gate) * up)[None]))[0]
+            out[r] += ((act @ w2f[s]) * weight[r, k]).to(x.dtype).float()
+    return out.to(x.dtype)

@@ -1,0 +1,402 @@
+"""Block-scaled FP8 grouped GEMMs of the SwiGLU experts (DeepSeek-V3's recipe, Hopper).
+
+Operands are E4M3 with float32 scales (:mod:`ray_moe.kernels.fp8_quant`): activations and
+gradients in 1×128 tiles, weights in 128×128 blocks. Both operands of every ``tl.dot`` are
+K-major (Hopper's FP8 tensor cores read only that form), so the weights come as the FP8 copy
+whose rows are the output columns: ``bt [S, N, KD]`` (the weight cache keeps both orientations,
+:mod:`ray_moe.kernels.fp8_expert_ffn`).
+
+Promotion: the contraction runs in chunks of 128 (one scale tile); each chunk's dot starts from
+zero and its float32 result is multiplied by ``a_scale[row, chunk] * b_scale[col block, chunk]``
+and added into the float32 accumulator, so the tensor cores' limited-precision accumulation
+spans at most 128 products (DeepSeek-V3 §3.3.2)::
+
+    acc[p, n] = Σ_kb ( Σ_{k in kb} a_q[row(p), k] b_q[n, k] ) · a_s[row(p), kb] · b_s[n // 128, kb]
+
+Kernels (grouped by slot over a :class:`~ray_moe.kernels.routing.PairLayout`, the same
+ragged-tile schedule as the bf16 pointer kernels: the grid is fixed by shapes, each program
+finds its group from the device-side offsets, nothing waits on the host):
+
+``_fp8_rows_kernel``: out[p] = epilogue(acc[p]) for the positions p of each group, A rows gathered
+    through ``sorted_pair // K`` (x, grad_out) or taken by position (act, dh13). Epilogues:
+    PLAIN (bf16 out: G of the SwiGLU backward, dX rows), SCALE (× routing weight: the
+    down-projection), SWIGLU (gate and up accumulators; g|u saved rounded to the activations'
+    dtype, act = silu(g)·u computed from the rounded values and written as the down-projection's
+    FP8 input with its 1×128 scales: the tile is 128 columns wide, so its row amax is the tile's).
+``_fp8_wgrad_kernel``: dW[s, m, n] = Σ_{p in group s} A[p, m] B[p, n] from the transposed,
+    position-tiled operands of :func:`~ray_moe.kernels.fp8_quant.quantize_cols` (``at [M, ·]``,
+    ``bt [N, ·]``, each group in its own zero-padded 128-position tiles: the chunks are the tiles
+    the scales belong to, and nothing is masked). Empty groups store 0.
+
+Each launcher has a float32 reference computing the same quantised math (dequantise, then a
+float32 matmul); outputs are in ``out_dtype`` (bf16 on the GPU path, the activations' dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ray_moe.kernels.fp8_quant import (
+    FP8_DTYPE,
+    TILE,
+    dequantize_blocks,
+    dequantize_rows,
+    interpreting,
+    quantize_rows_reference,
+    tile_scale,
+    to_e4m3,
+)
+from ray_moe.kernels.grouped_swiglu import _tile_of_groups
+from ray_moe.kernels.routing import PairLayout
+from ray_moe.kernels.tiles import EPI_PLAIN, EPI_SCALE, EPI_SWIGLU, swizzle
+
+
+@triton.jit
+def _fp8_rows_kernel(
+    a_ptr, a_desc, as_ptr, b_ptr, b_desc, bs_ptr, out_ptr, out_s_ptr, aux_ptr, weight_ptr, starts_ptr, ends_ptr,
+    sorted_pair_ptr, n_groups, max_m_tiles, N, KD, half, b_group_rows,
+    stride_am, stride_asm, stride_bg, stride_bn, stride_bsg, stride_bsn, stride_bsk, stride_om, stride_osm, stride_xm,
+    TOP_K: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr, SAVE_AUX: tl.constexpr,
+    GROUPS_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    A_DESC: tl.constexpr, B_DESC: tl.constexpr, EXACT_CAST: tl.constexpr,
+):
+    """See the module docstring. B tile of group s, columns n: rows ``s, n`` of ``bt`` (and
+    ``half + n`` for the up half); its scales ``bs[s, n // 128, kb]`` through the given strides.
+    ``B_DESC``: B through a TMA descriptor over ``bt`` viewed [S * b_group_rows, KD] (a tile past
+    the group's last column reads the next group's rows: finite, and its columns are not stored);
+    ``A_DESC`` (A by position): A through a descriptor over [P, KD] (rows past the group reach only
+    output rows the masked stores drop). Pointer tensors of whole tiles cost registers the
+    SwiGLU form's two accumulators and two chunk products need."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    tile_m, pid_n = swizzle(tl.program_id(0), max_m_tiles, num_n, GROUP_M)
+    group, row_start, row_end, total = _tile_of_groups(starts_ptr, ends_ptr, n_groups, tile_m, BLOCK_M, GROUPS_PAD)
+    if tile_m >= total:
+        return
+    rm = row_start + tl.arange(0, BLOCK_M)
+    row_ok = rm < row_end
+    n0 = pid_n * BLOCK_N
+    rn = n0 + tl.arange(0, BLOCK_N)
+    col_ok = rn < N
+    rk = tl.arange(0, 128)
+    if GATHER_A or EPILOGUE == EPI_SCALE:
+        pair = tl.load(sorted_pair_ptr + rm, mask=row_ok, other=0)
+    else:
+        pair = rm  # not read
+    if GATHER_A:
+        a_row = (pair // TOP_K).to(tl.int64)
+    else:
+        a_row = rm.to(tl.int64)
+    if EPILOGUE == EPI_SCALE:
+        row_w = tl.load(weight_ptr + pair, mask=row_ok, other=0.0)
+    g64 = group.to(tl.int64)
+    as_ptrs = as_ptr + a_row * stride_asm
+    bs_ptrs = bs_ptr + g64 * stride_bsg + (rn // 128) * stride_bsn
+    bs_up_ptrs = bs_ptr + g64 * stride_bsg + ((half + rn) // 128) * stride_bsn
+    b_row0 = group * b_group_rows
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(KD, 128)):
+        k = kb * 128 + rk
+        k_ok = k < KD
+        if A_DESC:
+            a = a_desc.load([row_start, kb * 128])
+        else:
+            a = tl.load(a_ptr + a_row[:, None] * stride_am + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+        if B_DESC:
+            b = b_desc.load([b_row0 + n0, kb * 128])
+        else:
+            b = tl.load(b_ptr + g64 * stride_bg + rn[:, None].to(tl.int64) * stride_bn + k[None, :],
+                        mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        sa = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
+        sb = tl.load(bs_ptrs + kb * stride_bsk, mask=col_ok, other=0.0)
+        acc += tl.dot(a, tl.trans(b), out_dtype=tl.float32) * (sa[:, None] * sb[None, :])
+        if EPILOGUE == EPI_SWIGLU:
+            if B_DESC:
+                b_up = b_desc.load([b_row0 + half + n0, kb * 128])
+            else:
+                b_up = tl.load(b_ptr + g64 * stride_bg + (half + rn)[:, None].to(tl.int64) * stride_bn + k[None, :],
+                               mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            sb_up = tl.load(bs_up_ptrs + kb * stride_bsk, mask=col_ok, other=0.0)
+            acc_up += tl.dot(a, tl.trans(b_up), out_dtype=tl.float32) * (sa[:, None] * sb_up[None, :])
+
+    rm64 = rm.to(tl.int64)
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    if EPILOGUE == EPI_PLAIN:
+        tl.store(out_ptr + rm64[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    if EPILOGUE == EPI_SCALE:
+        tl.store(out_ptr + rm64[:, None] * stride_om + rn[None, :], (acc * row_w[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=out_mask)
+    if EPILOGUE == EPI_SWIGLU:
+        gate = acc.to(aux_ptr.dtype.element_ty)
+        up = acc_up.to(aux_ptr.dtype.element_ty)
+        if SAVE_AUX:
+            aux_ptrs = aux_ptr + rm64[:, None] * stride_xm + rn[None, :]
+            tl.store(aux_ptrs, gate, mask=out_mask)
+            tl.store(aux_ptrs + half, up, mask=out_mask)
+        gate = gate.to(tl.float32)
+        act = gate * tl.sigmoid(gate) * up.to(tl.float32)  # [BLOCK_M, 128]: one scale tile per row
+        scale = tile_scale(tl.max(tl.abs(act), axis=1))
+        tl.store(out_ptr + rm64[:, None] * stride_om + rn[None, :], to_e4m3(act, scale[:, None], EXACT_CAST),
+                 mask=out_mask)
+        tl.store(out_s_ptr + rm64 * stride_osm + pid_n, scale, mask=row_ok)
+
+
+@triton.jit
+def _fp8_wgrad_kernel(
+    at_ptr, at_desc, ats_ptr, bt_ptr, bt_desc, bts_ptr, out_ptr, tiles_ptr, M, N,
+    stride_at, stride_ats, stride_bt, stride_bts, stride_og, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, DESC: tl.constexpr,
+):
+    """See the module docstring: one program per (group, m tile, n tile), over the group's own
+    128-position tiles ``[tiles[s], tiles[s + 1])`` (zero-padded at the group's end, so no masks).
+    ``DESC``: both operands through TMA descriptors ([M | N, positions], tiles [BLOCK_M | BLOCK_N, 128])."""
+    group = tl.program_id(1)
+    pid_m, pid_n = swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    t0 = tl.load(tiles_ptr + group)
+    t1 = tl.load(tiles_ptr + group + 1)
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    rm64 = rm.to(tl.int64)
+    rn64 = rn.to(tl.int64)
+    rp = tl.arange(0, 128)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for t in range(t0, t1):
+        c0 = t * 128
+        if DESC:
+            a = at_desc.load([m0, c0])
+            b = bt_desc.load([n0, c0])
+        else:
+            a = tl.load(at_ptr + rm64[:, None] * stride_at + (c0 + rp)[None, :], mask=m_ok[:, None], other=0.0)
+            b = tl.load(bt_ptr + rn64[:, None] * stride_bt + (c0 + rp)[None, :], mask=n_ok[:, None], other=0.0)
+        sa = tl.load(ats_ptr + rm64 * stride_ats + t, mask=m_ok, other=0.0)
+        sb = tl.load(bts_ptr + rn64 * stride_bts + t, mask=n_ok, other=0.0)
+        acc += tl.dot(a, tl.trans(b), out_dtype=tl.float32) * (sa[:, None] * sb[None, :])
+    out_ptrs = out_ptr + group.to(tl.int64) * stride_og + rm64[:, None] * stride_om + rn[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_fp8(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.dtype != FP8_DTYPE:
+            raise TypeError(f"{name} must be {FP8_DTYPE}, got {t.dtype}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension (K-major), got strides {t.stride()}")
+
+
+def _tiles(device: torch.device, epilogue: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a row GEMM: BLOCK_N = 128 (one weight scale
+    block per column tile; the SwiGLU epilogue's act tile is one 1×128 scale tile), BLOCK_K = 128
+    (one promotion chunk). The SwiGLU form holds two accumulators and two chunk products: 64 rows
+    there keep it within 255 registers a thread at 8 warps (ptxas for sm_90a: 128 rows spilled
+    740 bytes); 16 rows under the interpreter."""
+    if device.type != "cuda":
+        return 16, 128, 4, 1
+    if epilogue == EPI_SWIGLU.value:
+        return 64, 128, 8, 4
+    return 128, 128, 8, 3
+
+
+def _descriptors_ok(*tensors: torch.Tensor) -> bool:
+    from ray_moe.kernels.grouped_tma import tma_ok
+
+    return tma_ok(*tensors)
+
+
+def _launch_rows(*, a, a_s, bt, bt_s, out, layout: PairLayout, top_k: int, gather_a: bool, epilogue: int,
+                 n_cols: int, kd: int, half: int = 0, out_s=None, aux=None, save_aux: bool = False,
+                 weight=None, tma: bool | None = None) -> None:
+    """``tma``: B (and A when taken by position) through TMA descriptors; None: where possible."""
+    _check_fp8(a=a, bt=bt)
+    S, b_rows, _ = bt.shape
+    if layout.offsets.numel() != S + 1:
+        raise ValueError(f"layout has {layout.offsets.numel() - 1} groups, weights have {S} slots")
+    if a_s.dtype != torch.float32 or bt_s.dtype != torch.float32:
+        raise TypeError("FP8 scales must be float32")
+    n_pos = layout.sorted_pair.numel()
+    if n_pos == 0:
+        return
+    block_m, block_n, num_warps, num_stages = _tiles(a.device, epilogue)
+    b2 = bt.reshape(S * b_rows, bt.shape[2]) if bt.is_contiguous() else None
+    if tma is None:
+        tma = b2 is not None and b2.shape[0] > 0 and _descriptors_ok(b2)
+    a_desc_ok = tma and not gather_a and _descriptors_ok(a)
+    if tma:
+        from ray_moe.kernels.grouped_tma import descriptor
+
+        b_desc = descriptor(b2, (block_n, 128))
+        a_desc = descriptor(a, (block_m, 128)) if a_desc_ok else a
+    else:
+        a_desc, b_desc = a, bt
+    max_m_tiles = triton.cdiv(n_pos, block_m) + S
+    grid = (max_m_tiles * triton.cdiv(n_cols, block_n),)
+    dummy = out
+    _fp8_rows_kernel[grid](
+        a, a_desc, a_s, bt, b_desc, bt_s, out, dummy if out_s is None else out_s, dummy if aux is None else aux,
+        dummy if weight is None else weight, layout.offsets[:-1], layout.offsets[1:], layout.sorted_pair,
+        S, max_m_tiles, n_cols, kd, half, b_rows,
+        a.stride(0), a_s.stride(0), bt.stride(0), bt.stride(1), bt_s.stride(0), bt_s.stride(1), bt_s.stride(2),
+        out.stride(0), 0 if out_s is None else out_s.stride(0), 0 if aux is None else aux.stride(0),
+        TOP_K=top_k, GATHER_A=gather_a, EPILOGUE=epilogue, SAVE_AUX=save_aux,
+        GROUPS_PAD=triton.next_power_of_2(S), BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=8,
+        A_DESC=a_desc_ok, B_DESC=tma, EXACT_CAST=interpreting(), num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+def fp8_gate_up(
+    xq: torch.Tensor, xs: torch.Tensor, w13t: torch.Tensor, w13t_s: torch.Tensor, layout: PairLayout, top_k: int,
+    out_dtype: torch.dtype, save_preact: bool = True, tma: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Up-projection + SwiGLU, its output quantised for the down-projection.
+
+    Args:
+        xq, xs: x [R, H] in 1×128 tiles (:func:`~ray_moe.kernels.fp8_quant.quantize_rows`).
+        w13t, w13t_s: w13 [S, H, 2I] as its K-major FP8 copy [S, 2I, H] and block scales
+            [S, 2I/128, cdiv(H, 128)] (any strides: the transpose of the blocks' scale is a view).
+        out_dtype: h13's dtype (g|u are rounded to it before the activation, as backward reads them).
+    Returns:
+        act_q float8_e4m3fn [P, I], act_s float32 [P, I/128], h13 [P, 2I] out_dtype (or None);
+        P = R * top_k, rows past offsets[S] unset. Needs I % 128 == 0.
+    """
+    S, I2, H = w13t.shape
+    I = I2 // 2
+    if I % TILE or xq.shape[1] != H:
+        raise ValueError(f"fp8_gate_up needs w13t [S, 2I, H={xq.shape[1]}] with I a multiple of 128, "
+                         f"got {tuple(w13t.shape)}")
+    P = xq.shape[0] * top_k
+    act_q = torch.empty(P, I, dtype=FP8_DTYPE, device=xq.device)
+    act_s = torch.empty(P, I // TILE, dtype=torch.float32, device=xq.device)
+    h13 = torch.empty(P if save_preact else 1, I2, dtype=out_dtype, device=xq.device)
+    _launch_rows(a=xq, a_s=xs, bt=w13t, bt_s=w13t_s, out=act_q, out_s=act_s, aux=h13, save_aux=save_preact,
+                 layout=layout, top_k=top_k, gather_a=True, epilogue=EPI_SWIGLU.value, n_cols=I, kd=H, half=I,
+                 tma=tma)
+    return act_q, act_s, h13 if save_preact else None
+
+
+def fp8_down(
+    act_q: torch.Tensor, act_s: torch.Tensor, w2t: torch.Tensor, w2t_s: torch.Tensor, layout: PairLayout,
+    top_k: int, weight: torch.Tensor, out_dtype: torch.dtype, tma: bool | None = None,
+) -> torch.Tensor:
+    """y[p] = weight[pair(p)] · (act[p] @ w2_s): act [P, I] FP8 (1×128), w2 [S, I, H] as its
+    K-major copy w2t [S, H, I] with scales [S, cdiv(H, 128), I/128]. Returns y [P, H] out_dtype."""
+    S, H, I = w2t.shape
+    if act_q.shape[1] != I or weight.dtype != torch.float32 or weight.numel() != act_q.shape[0]:
+        raise ValueError(f"fp8_down: act [P, I={I}] and float32 weight [P] expected, got {tuple(act_q.shape)}, "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    y = torch.empty(act_q.shape[0], H, dtype=out_dtype, device=act_q.device)
+    _launch_rows(a=act_q, a_s=act_s, bt=w2t, bt_s=w2t_s, out=y, weight=weight.contiguous(), layout=layout,
+                 top_k=top_k, gather_a=False, epilogue=EPI_SCALE.value, n_cols=H, kd=I, tma=tma)
+    return y
+
+
+def fp8_rows(
+    a_q: torch.Tensor, a_s: torch.Tensor, bt: torch.Tensor, bt_s: torch.Tensor, layout: PairLayout, top_k: int,
+    gather_a: bool, out_dtype: torch.dtype, tma: bool | None = None,
+) -> torch.Tensor:
+    """out[p] = A[row(p)] @ B_s with B_s given K-major as ``bt[s]`` [N, KD] (block scales
+    [S, cdiv(N, 128), cdiv(KD, 128)]); A [R or P, KD] FP8 in 1×128 tiles. The backward's
+    G = grad_out[row] @ w2_sᵀ (bt = the w2 copy [S, I, H]) and dX rows dh13 @ w13_sᵀ (bt = w13
+    [S, H, 2I]). Returns [P, N] out_dtype, rows past offsets[S] unset."""
+    S, N, KD = bt.shape
+    if a_q.shape[1] != KD:
+        raise ValueError(f"fp8_rows: A has {a_q.shape[1]} columns, B's contraction is {KD}")
+    P = layout.sorted_pair.numel()
+    out = torch.empty(P, N, dtype=out_dtype, device=a_q.device)
+    _launch_rows(a=a_q, a_s=a_s, bt=bt, bt_s=bt_s, out=out, layout=layout, top_k=top_k, gather_a=gather_a,
+                 epilogue=EPI_PLAIN.value, n_cols=N, kd=KD, tma=tma)
+    return out
+
+
+def fp8_wgrad(
+    at: torch.Tensor, at_s: torch.Tensor, bt: torch.Tensor, bt_s: torch.Tensor, tiles: torch.Tensor,
+    out_dtype: torch.dtype, tma: bool | None = None,
+) -> torch.Tensor:
+    """dW[s] = Σ_{p in group s} A[p]ᵀ B[p] from the operands of
+    :func:`~ray_moe.kernels.fp8_quant.quantize_cols`: at [M, 128 · n_tiles], bt [N, 128 · n_tiles]
+    FP8, scales [M | N, n_tiles]; ``tiles`` int32 [S + 1] (:func:`~ray_moe.kernels.fp8_quant.group_tiles`).
+    ``tma``: both operands through descriptors (None: where possible). Returns [S, M, N] out_dtype
+    (0 for empty groups)."""
+    _check_fp8(at=at, bt=bt)
+    M, N = at.shape[0], bt.shape[0]
+    S = tiles.numel() - 1
+    out = torch.empty(S, M, N, dtype=out_dtype, device=at.device)
+    if S == 0 or M == 0 or N == 0:
+        return out
+    # 128x128, 4 stages: 243 registers, no spills, 128 KB of shared memory (ptxas for sm_90a, descriptors)
+    block_m, block_n, num_warps, num_stages = (128, 128, 8, 4) if at.is_cuda else (16, 16, 4, 1)
+    if tma is None:
+        tma = at.shape[1] > 0 and _descriptors_ok(at, bt)
+    if tma:
+        from ray_moe.kernels.grouped_tma import descriptor
+
+        at_desc, bt_desc = descriptor(at, (block_m, 128)), descriptor(bt, (block_n, 128))
+    else:
+        at_desc, bt_desc = at, bt
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), S)
+    _fp8_wgrad_kernel[grid](
+        at, at_desc, at_s, bt, bt_desc, bt_s, out, tiles, M, N, at.stride(0), at_s.stride(0), bt.stride(0),
+        bt_s.stride(0), out.stride(0), out.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=8, DESC=tma,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# float32 references of the same quantised math (valid positions only; host loops over groups)
+# ---------------------------------------------------------------------------------------------
+
+
+def _rows_acc_reference(a_q, a_s, bt, bt_s, layout, top_k, gather_a) -> torch.Tensor:
+    """float32 [P, N]: dequantised A rows of each group @ dequantised B_sᵀ; 0 past offsets[S]."""
+    a = dequantize_rows(a_q, a_s)
+    b = dequantize_blocks(bt, bt_s)  # [S, N, KD]
+    out = torch.zeros(layout.sorted_pair.numel(), bt.shape[1], dtype=torch.float32, device=a_q.device)
+    offsets = layout.offsets.tolist()
+    for s in range(len(offsets) - 1):
+        lo, hi = offsets[s], offsets[s + 1]
+        idx = layout.sorted_pair[lo:hi].long() // top_k if gather_a else torch.arange(lo, hi, device=a.device)
+        out[lo:hi] = a[idx] @ b[s].T
+    return out
+
+
+def fp8_gate_up_reference(xq, xs, w13t, w13t_s, layout, top_k, out_dtype, save_preact=True, tma=None):
+    """Reference of :func:`fp8_gate_up` (rows past offsets[S]: zeros)."""
+    h13 = _rows_acc_reference(xq, xs, w13t, w13t_s, layout, top_k, True).to(out_dtype)
+    gate, up = h13.float().chunk(2, dim=1)
+    act_q, act_s = quantize_rows_reference(torch.nn.functional.silu(gate) * up)
+    return act_q, act_s, h13 if save_preact else None
+
+
+def fp8_down_reference(act_q, act_s, w2t, w2t_s, layout, top_k, weight, out_dtype, tma=None):
+    """Reference of :func:`fp8_down`."""
+    acc = _rows_acc_reference(act_q, act_s, w2t, w2t_s, layout, top_k, False)
+    n_valid = int(layout.offsets[-1])
+    w = torch.zeros(acc.shape[0], dtype=torch.float32, device=acc.device)
+    w[:n_valid] = weight.reshape(-1).float()[layout.sorted_pair[:n_valid].long()]
+    return (acc * w[:, None]).to(out_dtype)
+
+
+def fp8_rows_reference(a_q, a_s, bt, bt_s, layout, top_k, gather_a, out_dtype, tma=None):
+    """Reference of :func:`fp8_rows`."""
+    return _rows_acc_reference(a_q, a_s, bt, bt_s, layout, top_k, gather_a).to(out_dtype)
+
+
+def fp8_wgrad_reference(at, at_s, bt, bt_s, tiles, out_dtype, tma=None):
+    """Reference of :func:`fp8_wgrad`."""
+    a, b = dequantize_rows(at, at_s), dequantize_rows(bt, bt_s)
+    t = [v * TILE for v in tiles.tolist()]
+    out = torch.zeros(len(t) - 1, at.shape[0], bt.shape[0], dtype=torch.float32, device=at.device)
+    for s in range(len(t) - 1):
+        out[s] = a[:, t[s]:t[s + 1]] @ b[:, t[s]:t[s + 1]].T
+    return out.to(out_dtype)
