@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ray_moe.kernels.gather_sum import gather_sum_reference  # noqa: F401  (re-exported for the tests)
 from ray_moe.kernels.linear_ce import IGNORE_INDEX
 from ray_moe.kernels.routing import PairLayout
 
@@ -13,17 +14,6 @@ def peer_copy_reference(src: torch.Tensor, destinations: list[torch.Tensor]) -> 
     """:func:`peer_copy` through torch copies (one destination after another)."""
     for d in destinations:
         d.view(torch.uint8).view(-1)[:src.numel()].copy_(src)
-
-
-def gather_sum_reference(src: torch.Tensor, layout: PairLayout, top_k: int) -> torch.Tensor:
-    """Pure-torch reference of :func:`gather_sum` (float32 accumulation)."""
-    n_valid = int(layout.offsets[-1])
-    pos = layout.pair_pos.long().reshape(-1, top_k)
-    valid = pos < n_valid
-    rows = src.float()[pos.clamp(max=max(n_valid - 1, 0)).reshape(-1)].reshape(*pos.shape, -1) if n_valid else None
-    if rows is None:
-        return torch.zeros(pos.shape[0], src.shape[1], dtype=src.dtype, device=src.device)
-    return (rows * valid.unsqueeze(-1)).sum(1).to(src.dtype)
 
 
 def gather_pair_rows_reference(src: torch.Tensor, layout: PairLayout, top_k: int) -> torch.Tensor:

@@ -126,3 +126,13 @@ def gather_pair_rows(src: torch.Tensor, layout: PairLayout, top_k: int) -> torch
     return _launch_rows(_gather_pair_rows_kernel, src, layout.sorted_pair, layout, n_pos, top_k,
                         block_c=1024, tile=4096)
 
+
+def gather_sum_reference(src: torch.Tensor, layout: PairLayout, top_k: int) -> torch.Tensor:
+    """Pure-torch reference of :func:`gather_sum` (float32 accumulation)."""
+    n_valid = int(layout.offsets[-1])
+    pos = layout.pair_pos.long().reshape(-1, top_k)
+    valid = pos < n_valid
+    rows = src.float()[pos.clamp(max=max(n_valid - 1, 0)).reshape(-1)].reshape(*pos.shape, -1) if n_valid else None
+    if rows is None:
+        return torch.zeros(pos.shape[0], src.shape[1], dtype=src.dtype, device=src.device)
+    return (rows * valid.unsqueeze(-1)).sum(1).to(src.dtype)
