@@ -33,6 +33,7 @@ from ray_moe.arch import ResolvedArch
 from ray_moe.comm import BufferSpec, TransportSpec, choose_transport
 from ray_moe.config import Config, ConfigError, transport_device_error
 from ray_moe.driver.errors import GroupError, WorkerFailure
+from ray_moe.mesh import MeshError, MeshSpec, resolve_mesh
 from ray_moe.topology import RankInfo, assign_ranks
 from ray_moe.worker.actor import EPWorker
 from ray_moe.worker.engine import buffer_spec
@@ -234,6 +235,7 @@ class WorkerGroup:
         self._pg = None
         self.actors: list[Any] = []
         self.ranks: list[RankInfo] = []
+        self.mesh: MeshSpec | None = None  # resolved once the placement group is placed
         bundle = {"CPU": p.cpu_per_worker} | ({"GPU": 1 / p.workers_per_gpu} if self.use_gpu else {})
         self._check_fits(bundle)
         try:
@@ -265,6 +267,7 @@ class WorkerGroup:
                 f"{ {k: v for k, v in avail.items() if k in ('CPU', 'GPU')} } across "
                 f"{len([n for n in ray.nodes() if n['Alive']])} node(s)"
             )
+        self.mesh = self._resolve_mesh()  # before any worker starts: a bad mesh is a ConfigError
         env = {k: os.environ.get(k, v) for k, v in MULTICAST_OFF.items()}
         env["OMP_NUM_THREADS"] = str(max(1, int(p.cpu_per_worker)))
         env.update(worker_env)
@@ -286,9 +289,12 @@ class WorkerGroup:
         self.actors = [actors[i] for i in order]
         self.ranks = [ranks[i] for i in order]
         address = self._get([self.actors[0].bootstrap_address.remote()], p.startup_timeout_s, "rendezvous")[0]
+        nodes = [r.node_rank for r in self.ranks]
+        if resolve_mesh(nodes, self.mesh.ep, self.use_gpu) != self.mesh:  # the workers sit where their bundles do
+            raise GroupError(f"the workers' nodes {nodes} do not match their placement group's bundles")
         cfg = self.config.to_dict()
         self._get(
-            [a.setup.remote(cfg, r, address, self.use_gpu) for a, r in zip(self.actors, self.ranks)],
+            [a.setup.remote(cfg, r, address, self.use_gpu, self.mesh) for a, r in zip(self.actors, self.ranks)],
             p.startup_timeout_s + p.collective_timeout_s,
             "setup",
         )
@@ -301,8 +307,23 @@ class WorkerGroup:
             p.startup_timeout_s + p.collective_timeout_s,
             "transport init",
         )
-        log.info("worker group up: %d ranks on %d node(s), transport %s", self.world_size,
-                 self.ranks[0].num_nodes, names[0])
+        log.info("worker group up: %d ranks on %d node(s) as %s, transport %s", self.world_size,
+                 self.ranks[0].num_nodes, self.mesh, names[0])
+
+    def _resolve_mesh(self) -> MeshSpec:
+        """The rank mesh of the placed bundles (ranks in node order, as :func:`assign_ranks`
+        orders the workers), from ``parallel.expert_parallel``; a ConfigError (one line) when the
+        EP groups cannot lie as asked."""
+        from ray.util import placement_group_table
+
+        table = placement_group_table(self._pg).get("bundles_to_node_id") or {}
+        ids = sorted(table.get(i, "") for i in range(self.world_size))
+        order = sorted(set(ids))
+        try:
+            return resolve_mesh([order.index(n) for n in ids], self.config.parallel.expert_parallel,
+                                self.use_gpu, self.arch.spec.num_experts)
+        except MeshError as exc:
+            raise ConfigError(str(exc)) from None
 
     # ------------------------------------------------------------------ calls
     def _get(self, refs: list, timeout: float | None, what: str, ranks: Sequence[int] | None = None) -> list:

@@ -13,13 +13,14 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "ray_moe"
 
 # What each part of the package may import (besides itself). Shared base modules first.
-BASE = {"arch", "chunks", "config", "topology", "device", "dirlock", "lazy", "usage"}
+BASE = {"arch", "chunks", "config", "mesh", "topology", "device", "dirlock", "lazy", "usage"}
 ALLOWED = {
     "usage": set(),  # the command lines' one-line argument errors
     "lazy": set(),  # package attributes loaded on first use
     "arch": {"usage"},
     "chunks": set(),  # the pipelined layer's chunk rule (plain arithmetic)
-    "config": {"arch", "chunks"},
+    "config": {"arch", "chunks", "mesh"},
+    "mesh": set(),  # the rank mesh (plain arithmetic)
     "topology": set(),
     "device": set(),
     "dirlock": set(),
