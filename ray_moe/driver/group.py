@@ -325,6 +325,27 @@ class WorkerGroup:
         except MeshError as exc:
             raise ConfigError(str(exc)) from None
 
+    def use_mesh(self, config: Config, arch: ResolvedArch) -> MeshSpec:
+        """The rank mesh ``config`` asks for on this group's ranks (``parallel.expert_parallel``
+        resolved against their nodes); a group started with another one switches to it: every
+        rank remakes its EP and DP process groups and its transport (torch transports only: the
+        NVSHMEM transport's peers are fixed when it starts). A bad mesh is a ConfigError."""
+        try:
+            mesh = resolve_mesh([r.node_rank for r in self.ranks], config.parallel.expert_parallel,
+                                self.use_gpu, arch.spec.num_experts)
+        except MeshError as exc:
+            raise ConfigError(str(exc)) from None
+        if mesh != self.mesh:
+            if self.transport_spec.name == "nvshmem":
+                raise ConfigError(f"parallel.expert_parallel={config.parallel.expert_parallel} asks for {mesh} but "
+                                  f"this group's NVSHMEM transport was started as {self.mesh}; start a group "
+                                  "with that parallel.expert_parallel")
+            p = self.config.parallel
+            self._get([a.set_mesh.remote(mesh) for a in self.actors], p.startup_timeout_s + p.collective_timeout_s,
+                      "set_mesh")
+            self.mesh = mesh
+        return mesh
+
     # ------------------------------------------------------------------ calls
     def _get(self, refs: list, timeout: float | None, what: str, ranks: Sequence[int] | None = None) -> list:
         """Every rank's result in order (``ranks``: the rank of each ref, default every rank in

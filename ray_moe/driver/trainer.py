@@ -188,6 +188,8 @@ class Trainer:
             if error:
                 raise ConfigError(error)
         self.group = group
+        if hasattr(group, "use_mesh"):  # the mesh this config asks for on the group's ranks
+            group.use_mesh(self.config, self.arch)
         advice = two_batch_advice(self.config, getattr(group, "transport_spec", None))
         if advice:
             log.warning(advice)

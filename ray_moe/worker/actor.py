@@ -117,6 +117,28 @@ class EPWorker:
                                         peers=self.mesh.peers(rank_info.rank), group=self.groups.ep)
         return self.transport.name
 
+    def set_mesh(self, mesh: MeshSpec) -> None:
+        """Switch to rank mesh ``mesh`` (collective): the engine is dropped, the EP and DP process
+        groups and the transport (a torch one) are made again for it."""
+        _, rank_info = self._setup_done()
+        if mesh == self.mesh:
+            return
+        if mesh.world != rank_info.world_size:
+            raise ValueError(f"mesh of {mesh.world} ranks for a group of {rank_info.world_size}")
+        if self.transport is not None and self.transport.name == "nvshmem":
+            raise ValueError("the NVSHMEM transport's peers are fixed when it starts")
+        self._close_engine()
+        if self.groups is not None:
+            self.groups.destroy()
+        self.mesh = mesh
+        self.groups = MeshGroups.create(mesh, rank_info.rank)
+        if self.transport is not None:
+            from ray_moe.comm.torch_a2a import TorchA2ATransport
+
+            self.transport.close()
+            peers = mesh.peers(rank_info.rank)
+            self.transport = TorchA2ATransport(peers.index(rank_info.rank), len(peers), self.groups.ep, peers)
+
     # ------------------------------------------------------------------ generic
     def execute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn(worker, *args, **kwargs)`` here (tests, validators, smoke checks)."""

@@ -390,9 +390,7 @@ class Engine:
             self.overlap.close()
             self.overlap = None
         if getattr(self, "clone_grads", None) is not None:
-            self.clone_grads.close()
-            if self.clone_grads.group is not None and dist.is_initialized():
-                dist.destroy_process_group(self.clone_grads.group)
+            self.clone_grads.close()  # (its process group is the mesh groups' EP group, destroyed below)
             self.clone_grads = None
         if self.zero is not None:
             self.zero.close()

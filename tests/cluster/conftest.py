@@ -45,8 +45,8 @@ def ray_cluster():
 
 @pytest.fixture(scope="session")
 def groups(ray_cluster):
-    """groups(world_size, strategy="PACK", expert_parallel=0) → a cached CPU WorkerGroup of that size
-    (gloo transport) and EP degree.
+    """groups(world_size, strategy="PACK") → a cached CPU WorkerGroup of that size (gloo transport;
+    a Trainer switches it to the rank mesh its config asks for, ``WorkerGroup.use_mesh``).
 
     The suite asks for four: (1, PACK), (2, PACK), (2, STRICT_SPREAD) and (4, SPREAD) (the last
     two span both simulated nodes); all four stay up for the whole run.
@@ -60,17 +60,15 @@ def groups(ray_cluster):
     made: dict[tuple, WorkerGroup] = {}
     keep = 4  # live cached groups at most: the rest of the suite needs CPUs too
 
-    def get(world_size: int, strategy: str = "PACK", expert_parallel: int = 0) -> WorkerGroup:
-        """``expert_parallel``: the group's EP degree (0: auto, the whole world on the CPU)."""
-        key = (world_size, strategy, expert_parallel)
+    def get(world_size: int, strategy: str = "PACK") -> WorkerGroup:
+        key = (world_size, strategy)
         if key not in made:
             while len(made) >= keep:
                 made.pop(next(iter(made))).close()
             cfg = Config.from_dict({
                 "parallel": {"world_size": world_size, "device": "cpu", "cpu_per_worker": 0.5,
-                             "placement_strategy": strategy, "startup_timeout_s": 240,
-                             "expert_parallel": expert_parallel},
-                "moe": {"num_experts": 24 if expert_parallel else 8},
+                             "placement_strategy": strategy, "startup_timeout_s": 240},
+                "moe": {"num_experts": 24 if world_size % 3 == 0 else 8},  # (a W=6 group: the rank mesh tests)
                 "train": {"batch_size": 12 if world_size % 3 == 0 else 8},
             })
             made[key] = WorkerGroup(cfg)

@@ -13,6 +13,22 @@ from ray_moe.mesh import MeshSpec
 from ray_moe.worker.engine import Engine
 from tests.support import single_rank, small_config
 
+@pytest.fixture
+def mesh_groups(groups):
+    """``groups``, whose groups go back to the mesh of their own config (whole-world EP on the
+    CPU) after the test: the suite's other tests run on them as they are."""
+    used = []
+
+    def get(*args):
+        used.append(groups(*args))
+        return used[-1]
+
+    yield get
+    for group in used:
+        if group.actors and group.mesh.dp > 1:
+            group.use_mesh(group.config, group.arch)
+
+
 RECLONING = ["balance.enabled=true", "balance.interval=3", "balance.clone_slots=1", "balance.ema=0.0"]
 STEPS = 8
 
@@ -41,12 +57,13 @@ def _mesh_config(tmp_path, world: int, ep: int, *extra: str):
 
 
 @pytest.mark.parametrize("world,ep", [(4, 2), (6, 3), (6, 2)], ids=["2x2", "3x2", "2x3"])
-def test_mesh_training_equals_single_process(groups, tmp_path, world, ep):
+def test_mesh_training_equals_single_process(mesh_groups, tmp_path, world, ep):
     """EP x DP training with hot-expert clones re-planned every 3 steps equals the single-process
     run: every loss and every weight and moment (1e-6 relative); the DP replicas hold identical
-    weights; each rank's transport moves rows among its EP group only."""
+    weights; each rank's transport moves rows among its EP group only. (The W=4 group spans both
+    simulated nodes: one EP group on each.)"""
     cfg = _mesh_config(tmp_path, world, ep, *RECLONING)
-    with Trainer(cfg, progress=False, group=groups(world, "PACK", ep)) as t:
+    with Trainer(cfg, progress=False, group=mesh_groups(world, "SPREAD" if world == 4 else "PACK")) as t:
         assert t.group.mesh == MeshSpec(world, ep, world // ep)
         losses = [t.step()["loss"] for _ in range(STEPS)]
         parts = t.group.execute(_state)
@@ -76,3 +93,32 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """‖a - b‖ / ‖b‖ (0 for two zero tensors)."""
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm()) if b.norm() > 0 else float((a - b).norm())
+
+
+def test_checkpoint_moves_between_mesh_shapes(mesh_groups, tmp_path):
+    """A checkpoint written at 2x2 with the expert state sharded over the replicas (ZeRO 1)
+    resumes exactly at W=1, at whole-world EP (4x1) and at 2x3 (unsharded): the next two steps'
+    losses match the uninterrupted run's; and the 4x1 run's checkpoint of the same step resumes
+    at 2x2 under ZeRO again, as exactly."""
+    def config(world: int, ep: int, name: str, *extra: str):
+        return small_config(tmp_path, **{"parallel.world_size": world, "parallel.expert_parallel": ep,
+                                         "train.batch_size": 12, "train.steps": STEPS,
+                                         "train.run_dir": str(tmp_path / name)}).with_overrides(list(extra))
+
+    with Trainer(config(4, 2, "2x2", "parallel.zero_stage=1"), progress=False, group=mesh_groups(4, "SPREAD")) as t:
+        assert t.group.mesh == MeshSpec(4, 2, 2)
+        for _ in range(3):
+            t.step()
+        saved = t.save()
+        uninterrupted = [t.step()["loss"] for _ in range(2)]
+    resaved = None
+    for world, ep, group in ((1, 0, mesh_groups(1)), (4, 0, mesh_groups(4, "SPREAD")), (6, 2, mesh_groups(6))):
+        with Trainer(config(world, ep, f"w{world}ep{ep}"), progress=False, group=group) as t2:
+            assert t2.restore(saved) == 3
+            if world == 4:
+                assert t2.group.mesh == MeshSpec(4, 4, 1)  # auto on the CPU: the whole world
+                resaved = t2.save()
+            assert [t2.step()["loss"] for _ in range(2)] == pytest.approx(uninterrupted, rel=1e-6), (world, ep)
+    with Trainer(config(4, 2, "again", "parallel.zero_stage=1"), progress=False, group=mesh_groups(4, "SPREAD")) as t3:
+        assert t3.restore(resaved) == 3
+        assert [t3.step()["loss"] for _ in range(2)] == pytest.approx(uninterrupted, rel=1e-6)
