@@ -122,3 +122,25 @@ def test_checkpoint_moves_between_mesh_shapes(mesh_groups, tmp_path):
     with Trainer(config(4, 2, "again", "parallel.zero_stage=1"), progress=False, group=mesh_groups(4, "SPREAD")) as t3:
         assert t3.restore(resaved) == 3
         assert [t3.step()["loss"] for _ in range(2)] == pytest.approx(uninterrupted, rel=1e-6)
+
+
+def test_hf_family_equal_to_transformers_at_2x2(mesh_groups, tiny_hf):
+    """A tiny Qwen3-MoE at EP 2 x DP 2 (one EP group per simulated node): every rank's logits and
+    gradients (router, its experts summed over the replicas, attention, embedding) equal
+    transformers' within 1e-5, at the native placement and with clones."""
+    from ray_moe.validation.hf_model import model_parity, parity_config, reference
+
+    cfg = parity_config(tiny_hf("qwen3_moe"), world_size=4, batch=4, seq_len=12).with_overrides(
+        ["parallel.expert_parallel=2"])
+    arch = cfg.resolve_arch()
+    group = mesh_groups(4, "SPREAD")
+    assert group.use_mesh(cfg, arch) == MeshSpec(4, 2, 2)
+    ids = torch.randint(0, 272, (4, 13), generator=torch.Generator().manual_seed(4))
+    results = group.execute(model_parity, cfg, arch, ids, reference(cfg, arch, ids), timeout=180)
+    for rank, res in enumerate(results):
+        for placement in ("native", "clones"):
+            bad = {k: v for k, v in res[placement].items() if not v <= 1e-5}
+            assert not bad, f"rank {rank} {placement}: {bad}"
+    assert {k for k in results[0]["native"] if k.startswith("expert.")} == \
+        {k for k in results[2]["native"] if k.startswith("expert.")}  # replicas: the same experts
+    assert len({k for r in results for k in r["native"] if k.startswith("expert.")}) == 2 * 8
