@@ -85,7 +85,7 @@ def _canonical(x: torch.Tensor, slot: torch.Tensor, w: torch.Tensor):
 
 
 def _setup(worker: Any, case: Case):
-    rank, W = worker.rank_info.rank, worker.rank_info.world_size
+    rank, W = worker.transport.rank, worker.transport.world_size  # (an EP group of a rank mesh: its own)
     worker.transport.reserve(case.buffer_spec())
     routing = make_routing(case, W)
     return case, rank, W, routing, worker.device, torch_dtype(case.dtype)
@@ -204,9 +204,11 @@ def check_combine(worker: Any, case: Case) -> dict[str, Any]:
 def run_all(group: Any, base: Case | None = None, tol: float | None = None) -> list[str]:
     """Every edge case through check_dispatch and check_combine on a group; returns failures."""
     failures = []
+    mesh = getattr(group, "mesh", None)
+    ranks = mesh.ep if mesh is not None else group.world_size  # the ranks of one exchange
     for extra in EDGE_CASES:
         case = (base or Case()).but(**extra)
-        if case.applies_to(group.world_size) is not None:
+        if case.applies_to(ranks) is not None:
             continue
         t = tol if tol is not None else (1e-6 if case.dtype == "float32" else 1e-2)
         for fn in (check_dispatch, check_combine):

@@ -144,3 +144,19 @@ def test_hf_family_equal_to_transformers_at_2x2(mesh_groups, tiny_hf):
     assert {k for k in results[0]["native"] if k.startswith("expert.")} == \
         {k for k in results[2]["native"] if k.startswith("expert.")}  # replicas: the same experts
     assert len({k for r in results for k in r["native"] if k.startswith("expert.")}) == 2 * 8
+
+
+def test_transport_and_layer_parity_inside_each_ep_group(mesh_groups, tmp_path):
+    """At 2x2 every EP group runs the transport validators and the layer against the oracle on
+    its own (two exchanges at once, one per group, over the groups' process groups)."""
+    from ray_moe.validation import Case
+    from ray_moe.validation.layer import layer_parity
+    from ray_moe.validation.transport import run_all
+
+    group = mesh_groups(4, "SPREAD")
+    cfg = small_config(tmp_path, **{
+        "parallel.world_size": 4, "parallel.expert_parallel": 2, "train.batch_size": 8})
+    assert group.use_mesh(cfg, cfg.resolve_arch()) == MeshSpec(4, 2, 2)
+    assert not run_all(group, Case(hidden=16))
+    for rank, errs in enumerate(group.execute(layer_parity, Case(hidden=16, num_experts=4), timeout=120)):
+        assert all(v <= 1e-5 for v in errs.values()), (rank, errs)
