@@ -90,3 +90,26 @@ def test_rebalancer_sums_loads_over_replicas():
     assert rb._window[0].tolist() == [[12, 0, 0, 0], [0, 0, 0, 1]]
     changes, _ = rb.plan()
     assert rb.placements[0].world_size == 2  # one plan, for an EP group
+
+
+def test_memory_model_of_a_mesh(capsys):
+    """EP x DP: the experts split over EP only; ZeRO over the replicas halves the experts' masters
+    and moments at DP 2; the activations follow the EP group; ``python -m ray_moe.arch --ep``."""
+    from ray_moe import arch
+
+    spec = arch.ArchSpec.from_hf(arch.preset("qwen3-30b-a3b"))
+    one = spec.memory_per_rank(8)
+    assert spec.memory_per_rank(8, dp=1) == one
+    two = spec.memory_per_rank(16, dp=2)
+    assert two["params"] == one["params"]  # EP 8 at W=16: the same experts per rank
+    z1, z2 = spec.memory_per_rank(8, zero_stage=1), spec.memory_per_rank(16, zero_stage=1, dp=2)
+    native = spec.memory_per_rank(8)["masters"] - spec.param_counts()["replicated"] * 4
+    assert z2["masters"] == pytest.approx(z1["masters"] - native / 2 - spec.param_counts()["replicated"] * 4 / 16)
+    assert spec.peak_bytes_per_rank(16, 1024, "full", dp=2)["activations"] == \
+        spec.peak_bytes_per_rank(8, 1024, "full")["activations"]
+    with pytest.raises(arch.ArchError, match="do not divide over 3 ranks"):
+        spec.memory_per_rank(6, dp=2)
+    assert arch.main(["qwen3-30b-a3b", "--ep", "8", "--dp", "1,2"]) == 0
+    out = capsys.readouterr().out
+    assert "| 8 (EP 8 x DP 1) |" in out and "| 16 (EP 8 x DP 2) |" in out
+    assert arch.main(["qwen3-30b-a3b", "--ep", "3"]) == 2
