@@ -422,27 +422,32 @@ class Engine:
         opt = self.optimizer
         clones = self.clone_grads
         replicas = self.replica_grads
-        if clock is not None and self.mesh.dp > 1:
-            clock.mark("replicas")
+
+        def timed(fn: Callable[[], Any]) -> Any:  # the replicas' reduction exposed after backward
+            if clock is not None:
+                clock.mark("replicas")
+            out = fn()
+            if clock is not None:
+                clock.mark("replicas reduced")
+            return out
+
         if replicas and clones:  # the replicas' sums first (clone slots too), then to the owners
-            replicas.finish(lambda p: p.grad)
+            timed(lambda: replicas.finish(lambda p: p.grad))
         if clones:
             clones.launch_rest()  # the layers backward did not launch (moe.delay_wgrad; DP replicas)
             if clones.rounded:  # the clone sums into the bf16 gradients
                 clones.add_received(lambda p: p.grad)
         opt.gather_grads()
         if replicas and not clones:  # into the gradients the update reads (float32 masters: exact)
-            replicas.finish(opt.grad)
+            timed(lambda: replicas.finish(opt.grad))
         if clones and not clones.rounded:  # into the float32 master gradients
             clones.add_received(opt.grad)
         if self.zero_experts:  # this rank's chunks of the replicas' sums (Σ over all ranks: the norm's part)
-            local = self.zero_experts.finish()
+            local = timed(self.zero_experts.finish)
         elif self.dp_rank == 0:  # the experts' gradients, once per EP group's worth (the replicas' are equal)
             local = _sum_of_squares([opt.grad(p) for p in self.sharded], self.device)
         else:
             local = torch.zeros((), dtype=torch.float32, device=self.device)
-        if clock is not None and self.mesh.dp > 1:
-            clock.mark("replicas reduced")
         replicated = []
         if clock is not None and self.distributed:
             clock.mark("reduce")

@@ -160,3 +160,22 @@ def test_transport_and_layer_parity_inside_each_ep_group(mesh_groups, tmp_path):
     assert not run_all(group, Case(hidden=16))
     for rank, errs in enumerate(group.execute(layer_parity, Case(hidden=16, num_experts=4), timeout=120)):
         assert all(v <= 1e-5 for v in errs.values()), (rank, errs)
+
+
+def test_bench_grad_reduce_times_the_replicas_reduction(mesh_groups, tmp_path):
+    """``ray-moe bench grad_reduce --ep 2`` at W=4 (EP 2 x DP 2, gloo): a row per stage with the
+    replicas' expert reduction timed (> 0 and inside the step)."""
+    import json
+
+    from ray_moe.bench import grad_reduce
+
+    out = tmp_path / "rows.json"
+    assert grad_reduce.main(["--world-size", "4", "--ep", "2", "--stages", "0,1", "--device", "cpu",
+                             "--transport", "gloo", "--hf-config", "", "--layers", "1", "--d-model", "32",
+                             "--experts", "4", "--expert-hidden", "32", "--tokens", "64", "--seq-len", "32",
+                             "--max-bytes", "200000", "--warmup", "1", "--iters", "2", "--json", str(out)],
+                            group=mesh_groups(4, "SPREAD")) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["stage"] for r in rows] == [0, 1] and {r["mesh"] for r in rows} == {"EP 2 x DP 2"}
+    for r in rows:
+        assert 0 < r["replica_reduce_ms"] < r["step_ms"], r
