@@ -363,30 +363,42 @@ class WorkerGroup:
         deadline = None if timeout is None else time.monotonic() + timeout
         if ranks is None and len(refs) == len(self.ranks):
             ranks = range(len(refs))
+
+        def where(i: int) -> tuple[int | None, dict, str]:
+            info = self.ranks[ranks[i]] if ranks is not None else None
+            if info is None:
+                return None, {}, ""
+            return (info.rank, {"node_id": info.node_id, "hostname": info.hostname, "ip": info.ip, "pid": info.pid},
+                    f" (node {info.node_id[:8]}, {info.hostname}, pid {info.pid})")
+
+        def died(i: int, exc: RayActorError) -> WorkerFailure:
+            rank, place, at = where(i)
+            reason = " ".join(str(exc).split())[:400]
+            return WorkerFailure(f"{what}: the worker of rank {rank}{at} died: {reason}", rank, "died", place)
+
         results: list[Any] = []
         for i, ref in enumerate(refs):
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            info = self.ranks[ranks[i]] if ranks is not None else None
-            rank = info.rank if info is not None else None
-            where = ({"node_id": info.node_id, "hostname": info.hostname, "ip": info.ip, "pid": info.pid}
-                     if info is not None else {})
-            at = f" (node {info.node_id[:8]}, {info.hostname}, pid {info.pid})" if info is not None else ""
+            rank, place, at = where(i)
+            # a worker that died while this rank waits (e.g. in a collective with ranks that wait for
+            # it: on a rank mesh not every rank talks to every other) is named at once, not after the timeout
+            while not ray.wait([ref], timeout=_poll(deadline))[0]:
+                dead = _first_dead(refs[i + 1:])
+                if dead is not None:
+                    raise died(i + 1 + dead[0], dead[1]) from dead[1]
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise WorkerFailure(f"{what}: rank {rank}{at} did not answer within {timeout:g}s",
+                                        rank, "timeout", place) from None
             try:
-                results.append(ray.get(ref, timeout=left))
-            except GetTimeoutError:
-                raise WorkerFailure(f"{what}: rank {rank}{at} did not answer within {timeout:g}s",
-                                    rank, "timeout", where) from None
+                results.append(ray.get(ref, timeout=0))
             except RayActorError as exc:
-                reason = " ".join(str(exc).split())[:400]
-                raise WorkerFailure(f"{what}: the worker of rank {rank}{at} died: {reason}",
-                                    rank, "died", where) from exc
+                raise died(i, exc) from exc
             except RayTaskError as exc:
                 cause = exc.cause if getattr(exc, "cause", None) is not None else exc
                 dead = self._dead_worker(what, f"rank {rank} then raised {type(cause).__name__}")
                 if dead is not None:  # a peer's collective failed because another worker died
                     raise dead from exc
                 raise WorkerFailure(f"{what}: rank {rank}{at} raised {type(cause).__name__}: {cause}",
-                                    rank, "error", where) from exc
+                                    rank, "error", place) from exc
         return results
 
     def _dead_worker(self, what: str, consequence: str, timeout: float = 10.0) -> WorkerFailure | None:
@@ -475,6 +487,29 @@ class WorkerGroup:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _poll(deadline: float | None, every_s: float = 2.0) -> float:
+    """How long one wait of :meth:`WorkerGroup._get_in_order` lasts: ``every_s``, or what is left
+    before ``deadline``."""
+    return every_s if deadline is None else max(0.0, min(every_s, deadline - time.monotonic()))
+
+
+def _first_dead(refs: list) -> tuple[int, RayActorError] | None:
+    """(index, error) of the first of ``refs`` that has finished because its actor died; None if none has."""
+    if not refs:
+        return None
+    done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+    finished = set(done)
+    for i, ref in enumerate(refs):
+        if ref in finished:
+            try:
+                ray.get(ref, timeout=0)
+            except RayActorError as exc:
+                return i, exc
+            except Exception:  # noqa: BLE001 - an error raised by the rank: reported in rank order
+                pass
+    return None
 
 
 def _settle(refs: list, wait_s: float = 5.0) -> None:

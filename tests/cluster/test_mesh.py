@@ -179,3 +179,25 @@ def test_bench_grad_reduce_times_the_replicas_reduction(mesh_groups, tmp_path):
     assert [r["stage"] for r in rows] == [0, 1] and {r["mesh"] for r in rows} == {"EP 2 x DP 2"}
     for r in rows:
         assert 0 < r["replica_reduce_ms"] < r["step_ms"], r
+
+
+def test_a_killed_worker_of_one_replica_recovers_the_mesh_exactly(ray_cluster, tmp_path):
+    """Rank 3 (EP rank 1 of the second replica) is killed after the step-2 checkpoint: the next
+    step fails, the Trainer starts a new 2 x 2 group, restores step 2 and goes on; every step's
+    loss equals the single-process run's."""
+    import os
+    import signal
+
+    cfg = _mesh_config(tmp_path, 4, 2, "train.checkpoint_interval=2", "train.max_failures=1")
+    with Trainer(cfg, progress=False) as t:  # its own group: this one gets killed
+        for _ in range(3):
+            t.step()
+        os.kill(t.group.ranks[3].pid, signal.SIGKILL)
+        while t.step_count < 5:
+            t.step()
+        assert t.group.mesh == MeshSpec(4, 2, 2)
+        events = [m["event"] for m in t.metrics if "event" in m]
+        losses = [m["loss"] for m in t.metrics if "loss" in m and "event" not in m]
+    assert "failure" in events and "recovered" in events, events
+    single, _ = _single(cfg, 5)
+    assert losses == pytest.approx(single, rel=1e-6)
