@@ -661,6 +661,7 @@ class NVSHMEMTransport(Transport):
 
     name = "nvshmem"
     owns_dispatch_outputs = True
+    group: Any = None  # the peers' torch.distributed process group (None: the world's)
 
     def __init__(self, rank_info: Any, device: torch.device, bootstrap_id: bytes | None, spec: BufferSpec,
                  settings: TransportSpec | None = None, peers: Sequence[int] | None = None,
