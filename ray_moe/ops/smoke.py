@@ -27,6 +27,7 @@ Runs on CPU clusters (gloo) as well as GPU clusters (NCCL / NVSHMEM).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import shutil
 import tempfile
@@ -85,8 +86,11 @@ def parse_args(argv: list[str] | None) -> SmokeOptions:
     opts = SmokeOptions(a.address, a.world_size, a.device, a.steps, a.json, a.timeout,
                         a.bandwidth_mib, a.bandwidth_iters, a.cpu_per_worker, a.transport, tuple(a.set))
     if opts.overrides:  # a bad override is the user's one-line error before any cluster work, not a failed check
-        try:
-            smoke_config(1, a.device, opts, "unused")  # the device asked for: a GPU transport needs cuda or auto
+        try:  # the device asked for: a GPU transport needs cuda or auto; the EP degree is checked at the
+            # world size asked for (without one, when the group starts: its bootstrap check names it)
+            check = opts if a.world_size else dataclasses.replace(
+                opts, overrides=opts.overrides + ("parallel.expert_parallel=0",))
+            smoke_config(a.world_size or 1, a.device, check, "unused")
         except ValueError as exc:  # ConfigError: names the key and what is allowed
             p.error(f"--set: {exc}")
     return opts
