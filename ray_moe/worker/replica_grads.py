@@ -57,7 +57,8 @@ class ReplicaGradReduction:
 
     @torch.no_grad()
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
-        if not self._armed:
+        # (a layer whose weight gradients a side stream still writes launches in finish, after the join)
+        if not self._armed or getattr(self.order[i], "wgrad_deferral", None) is not None:
             return
         self._got[i].add(id(p))
         self._launch_ready(in_backward=True)
