@@ -45,8 +45,7 @@ def ray_cluster():
 
 @pytest.fixture(scope="session")
 def groups(ray_cluster):
-    """groups(world_size, strategy="PACK") → a cached CPU WorkerGroup of that size (gloo transport;
-    a Trainer switches it to the rank mesh its config asks for, ``WorkerGroup.use_mesh``).
+    """groups(world_size, strategy="PACK") → a cached CPU WorkerGroup of that size (gloo transport).
 
     The suite asks for four: (1, PACK), (2, PACK), (2, STRICT_SPREAD) and (4, SPREAD) (the last
     two span both simulated nodes); all four stay up for the whole run.
@@ -68,8 +67,7 @@ def groups(ray_cluster):
             cfg = Config.from_dict({
                 "parallel": {"world_size": world_size, "device": "cpu", "cpu_per_worker": 0.5,
                              "placement_strategy": strategy, "startup_timeout_s": 240},
-                "moe": {"num_experts": 24 if world_size % 3 == 0 else 8},  # (a W=6 group: the rank mesh tests)
-                "train": {"batch_size": 12 if world_size % 3 == 0 else 8},
+                "moe": {"num_experts": 8},
             })
             made[key] = WorkerGroup(cfg)
         else:

@@ -13,20 +13,32 @@ from ray_moe.mesh import MeshSpec
 from ray_moe.worker.engine import Engine
 from tests.support import single_rank, small_config
 
-@pytest.fixture
-def mesh_groups(groups):
-    """``groups``, whose groups go back to the mesh of their own config (whole-world EP on the
-    CPU) after the test: the suite's other tests run on them as they are."""
-    used = []
+def _own_group(world: int):
+    from ray_moe.config import Config
+    from ray_moe.driver.group import WorkerGroup
 
-    def get(*args):
-        used.append(groups(*args))
-        return used[-1]
+    return WorkerGroup(Config.from_dict({
+        "parallel": {"world_size": world, "device": "cpu", "cpu_per_worker": 0.5, "startup_timeout_s": 240,
+                     "placement_strategy": "STRICT_PACK"},
+        "moe": {"num_experts": 24}, "train": {"batch_size": 12}}))
+
+
+@pytest.fixture(scope="module")
+def mesh_groups(ray_cluster):
+    """mesh_groups(W) → this module's CPU group of W ranks (4 or 6), all on one simulated node
+    (STRICT_PACK: every EP degree lies inside it, whatever the suite's other groups hold), closed
+    after the module so that the suite's cached groups are not pushed out. A Trainer switches it
+    to the mesh its config asks for."""
+    made: dict[int, object] = {}
+
+    def get(world: int):
+        if world not in made:
+            made[world] = _own_group(world)
+        return made[world]
 
     yield get
-    for group in used:
-        if group.actors and group.mesh.dp > 1:
-            group.use_mesh(group.config, group.arch)
+    for group in made.values():
+        group.close()
 
 
 RECLONING = ["balance.enabled=true", "balance.interval=3", "balance.clone_slots=1", "balance.ema=0.0"]
@@ -60,10 +72,9 @@ def _mesh_config(tmp_path, world: int, ep: int, *extra: str):
 def test_mesh_training_equals_single_process(mesh_groups, tmp_path, world, ep):
     """EP x DP training with hot-expert clones re-planned every 3 steps equals the single-process
     run: every loss and every weight and moment (1e-6 relative); the DP replicas hold identical
-    weights; each rank's transport moves rows among its EP group only. (The W=4 group spans both
-    simulated nodes: one EP group on each.)"""
+    weights; each rank's transport moves rows among its EP group only."""
     cfg = _mesh_config(tmp_path, world, ep, *RECLONING)
-    with Trainer(cfg, progress=False, group=mesh_groups(world, "SPREAD" if world == 4 else "PACK")) as t:
+    with Trainer(cfg, progress=False, group=mesh_groups(world)) as t:
         assert t.group.mesh == MeshSpec(world, ep, world // ep)
         losses = [t.step()["loss"] for _ in range(STEPS)]
         parts = t.group.execute(_state)
@@ -95,7 +106,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm()) if b.norm() > 0 else float((a - b).norm())
 
 
-def test_checkpoint_moves_between_mesh_shapes(mesh_groups, tmp_path):
+def test_checkpoint_moves_between_mesh_shapes(mesh_groups, groups, tmp_path):
     """A checkpoint written at 2x2 with the expert state sharded over the replicas (ZeRO 1)
     resumes exactly at W=1, at whole-world EP (4x1) and at 2x3 (unsharded): the next two steps'
     losses match the uninterrupted run's; and the 4x1 run's checkpoint of the same step resumes
@@ -105,27 +116,27 @@ def test_checkpoint_moves_between_mesh_shapes(mesh_groups, tmp_path):
                                          "train.batch_size": 12, "train.steps": STEPS,
                                          "train.run_dir": str(tmp_path / name)}).with_overrides(list(extra))
 
-    with Trainer(config(4, 2, "2x2", "parallel.zero_stage=1"), progress=False, group=mesh_groups(4, "SPREAD")) as t:
+    with Trainer(config(4, 2, "2x2", "parallel.zero_stage=1"), progress=False, group=mesh_groups(4)) as t:
         assert t.group.mesh == MeshSpec(4, 2, 2)
         for _ in range(3):
             t.step()
         saved = t.save()
         uninterrupted = [t.step()["loss"] for _ in range(2)]
     resaved = None
-    for world, ep, group in ((1, 0, mesh_groups(1)), (4, 0, mesh_groups(4, "SPREAD")), (6, 2, mesh_groups(6))):
+    for world, ep, group in ((1, 0, groups(1)), (4, 0, groups(4, "SPREAD")), (6, 2, mesh_groups(6))):
         with Trainer(config(world, ep, f"w{world}ep{ep}"), progress=False, group=group) as t2:
             assert t2.restore(saved) == 3
             if world == 4:
                 assert t2.group.mesh == MeshSpec(4, 4, 1)  # auto on the CPU: the whole world
                 resaved = t2.save()
             assert [t2.step()["loss"] for _ in range(2)] == pytest.approx(uninterrupted, rel=1e-6), (world, ep)
-    with Trainer(config(4, 2, "again", "parallel.zero_stage=1"), progress=False, group=mesh_groups(4, "SPREAD")) as t3:
+    with Trainer(config(4, 2, "again", "parallel.zero_stage=1"), progress=False, group=mesh_groups(4)) as t3:
         assert t3.restore(resaved) == 3
         assert [t3.step()["loss"] for _ in range(2)] == pytest.approx(uninterrupted, rel=1e-6)
 
 
 def test_hf_family_equal_to_transformers_at_2x2(mesh_groups, tiny_hf):
-    """A tiny Qwen3-MoE at EP 2 x DP 2 (one EP group per simulated node): every rank's logits and
+    """A tiny Qwen3-MoE at EP 2 x DP 2: every rank's logits and
     gradients (router, its experts summed over the replicas, attention, embedding) equal
     transformers' within 1e-5, at the native placement and with clones."""
     from ray_moe.validation.hf_model import model_parity, parity_config, reference
@@ -133,7 +144,7 @@ def test_hf_family_equal_to_transformers_at_2x2(mesh_groups, tiny_hf):
     cfg = parity_config(tiny_hf("qwen3_moe"), world_size=4, batch=4, seq_len=12).with_overrides(
         ["parallel.expert_parallel=2"])
     arch = cfg.resolve_arch()
-    group = mesh_groups(4, "SPREAD")
+    group = mesh_groups(4)
     assert group.use_mesh(cfg, arch) == MeshSpec(4, 2, 2)
     ids = torch.randint(0, 272, (4, 13), generator=torch.Generator().manual_seed(4))
     results = group.execute(model_parity, cfg, arch, ids, reference(cfg, arch, ids), timeout=180)
@@ -153,7 +164,7 @@ def test_transport_and_layer_parity_inside_each_ep_group(mesh_groups, tmp_path):
     from ray_moe.validation.layer import layer_parity
     from ray_moe.validation.transport import run_all
 
-    group = mesh_groups(4, "SPREAD")
+    group = mesh_groups(4)
     cfg = small_config(tmp_path, **{
         "parallel.world_size": 4, "parallel.expert_parallel": 2, "train.batch_size": 8})
     assert group.use_mesh(cfg, cfg.resolve_arch()) == MeshSpec(4, 2, 2)
@@ -174,7 +185,7 @@ def test_bench_grad_reduce_times_the_replicas_reduction(mesh_groups, tmp_path):
                              "--transport", "gloo", "--hf-config", "", "--layers", "1", "--d-model", "32",
                              "--experts", "4", "--expert-hidden", "32", "--tokens", "64", "--seq-len", "32",
                              "--max-bytes", "200000", "--warmup", "1", "--iters", "2", "--json", str(out)],
-                            group=mesh_groups(4, "SPREAD")) == 0
+                            group=mesh_groups(4)) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["stage"] for r in rows] == [0, 1] and {r["mesh"] for r in rows} == {"EP 2 x DP 2"}
     for r in rows:
@@ -188,7 +199,8 @@ def test_a_killed_worker_of_one_replica_recovers_the_mesh_exactly(ray_cluster, t
     import os
     import signal
 
-    cfg = _mesh_config(tmp_path, 4, 2, "train.checkpoint_interval=2", "train.max_failures=1")
+    cfg = _mesh_config(tmp_path, 4, 2, "train.checkpoint_interval=2", "train.max_failures=1",
+                       "parallel.placement_strategy=STRICT_PACK")  # both EP groups on one node, as recovered
     with Trainer(cfg, progress=False) as t:  # its own group: this one gets killed
         for _ in range(3):
             t.step()
