@@ -366,9 +366,11 @@ class ArchSpec:
 
     def memory_per_rank(self, world_size: int, clone_slots: int = 0, bytes_per_param: int = 16, *,
                         moments: str = "float32", zero_stage: int = 0, elem: int = 2,
-                        bucket_size: int = 40_000_000, grad_reduce_dtype: str = "float32") -> dict[str, float]:
-        """Training state of one rank of ``world_size`` (expert parallel over all ranks, the rest
-        replicated): its parameters (replicated + E/W + ``clone_slots`` experts per MoE layer; a
+                        bucket_size: int = 40_000_000, grad_reduce_dtype: str = "float32",
+                        dp: int = 1) -> dict[str, float]:
+        """Training state of one rank of ``world_size`` = EP × ``dp`` (the rank mesh: experts split
+        over an EP group of ``world_size / dp`` ranks, each EP group replicated ``dp`` times; the
+        rest replicated over all ranks): its parameters (replicated + E/W + ``clone_slots`` experts per MoE layer; a
         clone slot holds its weight and gradient, no master or moments, as with bf16 weights and
         float32 masters; a float32 model's parameters are their own masters, ``elem`` 4 is
         approximate).
@@ -388,38 +390,51 @@ class ArchSpec:
         update reads as they are; with clone slots and float32 ``grad_reduce_dtype``, the experts'
         float32 master gradients, into which the clone sums go), and the totals ``backward_bytes`` (what
         activations come on top of) and ``update_bytes`` (activations freed). Stages 1 and 2
-        divide the replicated masters and moments by W. Activations are separate
-        (:meth:`activation_bytes_per_token`, :meth:`peak_bytes_per_rank`)."""
-        if self.num_experts % world_size:
-            raise ArchError(f"{self.num_experts} experts do not divide over {world_size} ranks")
+        divide the replicated masters and moments by W, and with ``dp`` > 1 the experts' by DP
+        (ZeRO over the replicas: their gradients reduce-scattered through float32 buckets, every
+        one kept at stage 1, two at stage 2, plus the reduced chunks); at stage 0 and ``dp`` > 1
+        the replicas' sums take one bucket per MoE layer in ``grad_reduce_dtype`` until backward
+        ends. Activations are separate (:meth:`activation_bytes_per_token`, :meth:`peak_bytes_per_rank`)."""
+        if dp < 1 or world_size % dp:
+            raise ArchError(f"DP {dp} does not divide {world_size} ranks")
+        ep = world_size // dp
+        if self.num_experts % ep:
+            raise ArchError(f"{self.num_experts} experts do not divide over {ep} ranks (EP)")
         if moments not in ("float32", "bfloat16"):
             raise ArchError(f"moments={moments!r} is not allowed; choose float32 or bfloat16")
         if zero_stage not in (0, 1, 2):
             raise ArchError(f"zero_stage={zero_stage} is not allowed; choose 0, 1 or 2")
         c = self.param_counts()
         n_moe = sum(self.moe_layers)
-        native = n_moe * (self.num_experts // world_size) * c["per_expert"]
+        native = n_moe * (self.num_experts // ep) * c["per_expert"]
         experts = native + n_moe * clone_slots * c["per_expert"]  # clone slots: weights and gradients
         rep = c["replicated"]
         params = rep + experts
         W = world_size
         shard = W if zero_stage and W > 1 else 1
+        eshard = dp if zero_stage and dp > 1 else 1  # ZeRO over the replicas for the experts
         moment_bytes = 8 if moments == "float32" else 4
+        reduce_bytes = 4 if grad_reduce_dtype == "float32" else 2
         weights = params * elem
-        masters = native * 4 + rep * 4 / shard  # (no master nor moments for a clone slot)
-        moment_total = native * moment_bytes + rep * moment_bytes / shard
+        masters = native * 4 / eshard + rep * 4 / shard  # (no master nor moments for a clone slot)
+        moment_total = native * moment_bytes / eshard + rep * moment_bytes / shard
         # the experts' gradients the update reads: bf16 as backward left them, or, where clone sums
         # are added in float32, the native slots' float32 master gradients
         expert_update = native * 4 if clone_slots and grad_reduce_dtype == "float32" else experts * elem
+        expert_backward = experts * elem
+        if eshard > 1:  # buckets (float32) and the reduced chunks; the bf16 gradients freed into them
+            expert_backward = (experts * 4 if zero_stage == 1 else min(experts, 2 * bucket_size) * 4) + experts * 4 / dp
+            expert_update = expert_backward
+        elif dp > 1:  # one bucket per MoE layer, summed over the replicas, until backward ends
+            expert_backward += experts * reduce_bytes
         if shard > 1:
             buckets = rep * 4 if zero_stage == 1 else min(rep, 2 * bucket_size) * 4  # float32 buffers
-            grads_backward = experts * elem + buckets + rep * 4 / W  # + the reduced chunks
-            grads_update = grads_backward - experts * elem + expert_update
+            grads_backward = expert_backward + buckets + rep * 4 / W  # + the reduced chunks
+            grads_update = grads_backward - expert_backward + expert_update
         else:
-            grads_backward = params * elem
+            grads_backward = expert_backward + rep * elem
             # W ≥ 2: the float32 master gradients + the flat all-reduce buffer (in grad_reduce_dtype); one rank: the bf16
             # gradients, read as they are by the one-pass update (CUDA's default, ``alone``)
-            reduce_bytes = 4 if grad_reduce_dtype == "float32" else 2
             grads_update = expert_update + (rep * (4 + reduce_bytes) if W > 1 else rep * elem)
         fixed = weights + masters + moment_total
         return {"params": params, "state_bytes": params * bytes_per_param,
@@ -454,16 +469,19 @@ class ArchSpec:
 
     def peak_bytes_per_rank(self, world_size: int, tokens: int, checkpointing: str, *, clone_slots: int = 0,
                             moments: str = "float32", zero_stage: int = 0,
-                            elem: int = 2, loss_chunk: int = 0, grad_reduce_dtype: str = "float32") -> dict[str, float]:
+                            elem: int = 2, loss_chunk: int = 0, grad_reduce_dtype: str = "float32",
+                            dp: int = 1) -> dict[str, float]:
         """One rank's peak memory for a training step (what ``torch.cuda.max_memory_allocated``
         reports; allocator slack not counted): the state at the end of backward plus the largest
         of the end of forward (saved activations + the loss's forward) and the peak of backward
-        (activations with the working set + the loss's kept gradients), or the update's state."""
+        (activations with the working set + the loss's kept gradients), or the update's state.
+        ``dp``: the replicas of the rank mesh (EP = ``world_size / dp``)."""
         state = self.memory_per_rank(world_size, clone_slots, moments=moments, zero_stage=zero_stage, elem=elem,
-                                     grad_reduce_dtype=grad_reduce_dtype)
+                                     grad_reduce_dtype=grad_reduce_dtype, dp=dp)
+        ep = world_size // dp  # the ranks a token's rows go to
         loss = self.loss_bytes(tokens, elem, loss_chunk)
-        saved = tokens * self.activation_bytes_per_token(checkpointing, world_size, elem)
-        backward = tokens * self.activation_peak_bytes_per_token(checkpointing, world_size, elem)
+        saved = tokens * self.activation_bytes_per_token(checkpointing, ep, elem)
+        backward = tokens * self.activation_peak_bytes_per_token(checkpointing, ep, elem)
         acts = max(saved + loss["forward"], backward + loss["backward"])
         peak = max(state["backward_bytes"] + acts, state["update_bytes"])
         return {**state, "activations": acts, "loss_forward": loss["forward"], "peak": peak}
@@ -909,7 +927,10 @@ def main(argv: list[str] | None = None) -> int:
     config.json or directory)."""
     p = usage.ArgumentParser(prog="python -m ray_moe.arch", description=main.__doc__)
     p.add_argument("source", help=f"a preset ({', '.join(PRESETS)}), a config.json or a model directory")
-    p.add_argument("--world-sizes", default="4,8,16", help="comma-separated ranks (GPUs)")
+    p.add_argument("--world-sizes", default="4,8,16", help="comma-separated ranks (GPUs), EP over all of them")
+    p.add_argument("--ep", type=int, default=0,
+                   help="the EP degree of a rank mesh (e.g. 8: one node of 8 GPUs); rows are then EP x DP for --dp")
+    p.add_argument("--dp", default="1,2,4,8", help="with --ep: comma-separated DP degrees (replicas of the EP group)")
     p.add_argument("--tokens", type=int, default=16384, help="tokens per rank per step")
     p.add_argument("--clone-slots", type=int, default=0)
     p.add_argument("--gpu-gib", type=float, default=80.0, help="GPU memory for the fit (GiB)")
@@ -934,19 +955,28 @@ def main(argv: list[str] | None = None) -> int:
           + " | activations at the peak of backward (GiB): none / moe / full | loss (GiB) "
           "| peak/rank with full recompute (GiB): " + " / ".join(variants) + " |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for w in (int(x) for x in args.world_sizes.split(",")):
-        if spec.num_experts % w:
-            continue
-        m = spec.memory_per_rank(w, args.clone_slots)
-        states = " / ".join(f"{spec.memory_per_rank(w, args.clone_slots, **kw)['backward_bytes'] / gib:.1f}"
+    if args.ep:
+        if args.ep < 1 or spec.num_experts % args.ep:
+            print(f"python -m ray_moe.arch: error: --ep {args.ep} does not divide the {spec.num_experts} experts",
+                  file=sys.stderr)
+            return 2
+        meshes = [(args.ep * d, d) for d in (int(x) for x in args.dp.split(","))]
+    else:
+        meshes = [(w, 1) for w in (int(x) for x in args.world_sizes.split(",")) if spec.num_experts % w == 0]
+    for w, dp in meshes:
+        m = spec.memory_per_rank(w, args.clone_slots, dp=dp)
+        states = " / ".join(f"{spec.memory_per_rank(w, args.clone_slots, dp=dp, **kw)['backward_bytes'] / gib:.1f}"
                             for kw in variants.values())
-        acts = " / ".join(f"{spec.activation_peak_bytes_per_token(mode, w) * args.tokens / gib:.1f}"
+        acts = " / ".join(f"{spec.activation_peak_bytes_per_token(mode, w // dp) * args.tokens / gib:.1f}"
                           for mode in ("none", "moe", "full"))
-        peaks = [spec.peak_bytes_per_rank(w, args.tokens, "full", clone_slots=args.clone_slots, **kw)["peak"]
+        peaks = [spec.peak_bytes_per_rank(w, args.tokens, "full", clone_slots=args.clone_slots, dp=dp, **kw)["peak"]
                  for kw in variants.values()]
-        print(f"| {w} | {m['params'] / 1e9:.2f}B | {states} | {acts} | {spec.loss_bytes(args.tokens)['forward'] / gib:.1f} | "
+        label = f"{w} (EP {w // dp} x DP {dp})" if args.ep else f"{w}"
+        print(f"| {label} | {m['params'] / 1e9:.2f}B | {states} | {acts} | {spec.loss_bytes(args.tokens)['forward'] / gib:.1f} | "
               + " / ".join(f"{x / gib:.1f}{'' if x <= budget else '*'}" for x in peaks) + " |")
     print(f"(* does not fit {args.gpu_gib:g} GiB x {args.headroom:.0%})")
+    if args.ep:
+        return 0
     for label, kw in variants.items():
         w = spec.smallest_world_size(budget, args.tokens, "full", clone_slots=args.clone_slots, **kw)
         print(f"smallest world size on {args.gpu_gib:g} GiB GPUs ({args.headroom:.0%} usable), full recompute, "

@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from ray_moe import arch
+from ray_moe.mesh import AUTO, mesh_error
 
 # The one table of model dtypes: config name → torch dtype (element sizes come from the dtype).
 DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16})
@@ -166,6 +167,10 @@ class MoEConfig:
 @dataclass
 class ParallelConfig:
     world_size: int = 2  # ranks: one actor per GPU or CPU slot
+    # EP degree: world = EP x DP, EP groups of consecutive ranks (ray_moe.mesh). 0 (auto): the
+    # ranks of one node when a GPU world spans several nodes (every exchange inside a node), else
+    # the whole world; N: N ranks per EP group (the world: whole-world EP on any number of nodes)
+    expert_parallel: int = AUTO
     transport: str = "auto"  # auto | nvshmem | nccl | gloo
     device: str = "auto"  # auto | cpu | cuda
     cpu_per_worker: float = 1.0  # CPUs per actor (fractions allowed)
@@ -195,6 +200,7 @@ class ParallelConfig:
 
     def check(self) -> None:
         _positive("parallel.world_size", self.world_size)
+        _positive("parallel.expert_parallel", self.expert_parallel, allow_zero=True)
         _positive("parallel.grad_bucket_size", self.grad_bucket_size)
         if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2):
             raise ConfigError(f"parallel.zero_stage={self.zero_stage!r} is not allowed; choose one of 0, 1, 2")
@@ -499,6 +505,12 @@ class Config:
             raise ConfigError(f"train.eval_interval={t.eval_interval} but data.val_fraction=0 leaves no validation "
                               "split (the run then never evaluates); set data.val_fraction > 0 or "
                               "train.eval_interval=0")
+        if (p.zero_stage and self.balance.clone_slots and p.expert_parallel != AUTO
+                and p.expert_parallel < p.world_size):
+            raise ConfigError(f"parallel.zero_stage={p.zero_stage} shards the expert state over the replicas "
+                              f"(parallel.expert_parallel={p.expert_parallel} < parallel.world_size={p.world_size}) "
+                              "and cannot take hot-expert clones yet; set balance.clone_slots=0 or "
+                              "parallel.zero_stage=0")
         return resolved
 
     def world_size_error(self, world_size: int, what: str = "parallel.world_size",
@@ -508,7 +520,14 @@ class Config:
         ``num_experts``: the resolved architecture's E (default: ``moe.num_experts`` for the byte
         model; an HF architecture's E is checked only where it is passed)."""
         E = num_experts if num_experts is not None else (None if self.model.uses_hf() else self.moe.num_experts)
-        if E is not None and E % world_size:
+        ep = self.parallel.expert_parallel
+        if ep != AUTO:  # the experts split over an EP group, not the world
+            error = mesh_error(world_size, ep, E)
+            if error and world_size % ep:
+                return f"parallel.expert_parallel={ep} does not divide {what}={world_size}; choose a divisor of it"
+            if error:
+                return error
+        elif E is not None and E % world_size:
             where = " (the HF config's)" if self.model.uses_hf() else ""
             return f"moe.num_experts={E}{where} is not divisible by {what}={world_size}"
         if self.train.batch_size % world_size:

@@ -213,8 +213,13 @@ def model_parity(worker: Any, config: Config, arch: ResolvedArch, ids: torch.Ten
     with ``rank_info``, ``transport`` and ``device``): ray_moe's model loaded from
     ``config.model.init_from`` vs :func:`reference`. Returns {"native": errors, "clones": errors}
     (relative errors by name for this rank's logits and gradients; also ``source_tensors``, the
-    HF tensor names this rank opened, under ``"opened"``)."""
+    HF tensor names this rank opened, under ``"opened"``). On a rank mesh (the worker's
+    ``mesh`` and ``groups``) the experts split over the EP group (the transport's peers) and the
+    DP replicas sum their expert gradients as the engine does."""
     rank, W = worker.rank_info.rank, worker.rank_info.world_size
+    groups = getattr(worker, "groups", None)
+    ep_group, dp_group = (groups.ep, groups.dp) if groups is not None else (None, None)
+    dp = W // worker.transport.world_size
     device = torch.device(worker.device)
     B, L = ids.shape[0], ids.shape[1] - 1
     if B % W:
@@ -228,13 +233,13 @@ def model_parity(worker: Any, config: Config, arch: ResolvedArch, ids: torch.Ten
     probes = probe_names(spec)
     params = dict(model.named_parameters())
     results: dict[str, Any] = {"opened": list(model.source_tensors)}
-    placements = [None] + ([clone_placement(spec.num_experts, W, config.balance.clone_slots)]
+    placements = [None] + ([clone_placement(spec.num_experts, worker.transport.world_size, config.balance.clone_slots)]
                            if with_clones and config.balance.clone_slots else [])
     for placement in placements:
         if placement is not None:
             for layer in model.moe_layers():
                 layer.set_placement(Placement.from_dict(placement.to_dict()))
-                push_clone_weights(layer, layer.placement)
+                push_clone_weights(layer, layer.placement, ep_group)
         model.zero_grad(set_to_none=False)
         for p in model.parameters():
             if p.grad is None:
@@ -242,7 +247,7 @@ def model_parity(worker: Any, config: Config, arch: ResolvedArch, ids: torch.Ten
         h, _ = model.hidden_states(x)
         logits = model.lm_head(h).float()
         lm_loss(h.reshape(-1, h.shape[-1]), model.lm_head.weight, y.reshape(-1)).backward()
-        _reduce_like_engine(model, W)
+        _reduce_like_engine(model, W, ep_group, dp_group if dp > 1 else None)
         errs = {"logits": rel_err(logits, expected["logits"][mine])}
         for name in probes["replicated"]:
             errs[name] = rel_err(params[name].grad, expected[name])
@@ -260,11 +265,15 @@ def _moe_layer(model: torch.nn.Module, index: int):
     return mlp.routed
 
 
-def _reduce_like_engine(model: torch.nn.Module, world_size: int) -> None:
-    """The engine's gradient semantics: clone gradients onto their owners; replicated gradients
-    averaged over ranks; expert gradients (already summed over every rank's tokens) divided by W."""
+def _reduce_like_engine(model: torch.nn.Module, world_size: int, ep_group: Any = None, dp_group: Any = None) -> None:
+    """The engine's gradient semantics: expert gradients (already summed over every token of the
+    EP group) summed over the DP replicas (``dp_group``, every slot), clone gradients onto their
+    owners (on ``ep_group``); replicated gradients averaged over ranks; expert gradients divided by W."""
     for layer in model.moe_layers():
-        reduce_clone_grads(layer, layer.placement)
+        if dp_group is not None:
+            for p in (layer.w13, layer.w2):
+                dist.all_reduce(p.grad, group=dp_group)
+        reduce_clone_grads(layer, layer.placement, group=ep_group)
     if world_size == 1:
         return
     for p in model.parameters():

@@ -9,6 +9,13 @@ model. Columns, medians over steps of the slowest rank: the step, backward, ``gr
 engine's measure: after backward, the time until the replicated gradients are reduced: the
 all-reduce at stage 0, the wait for buckets still in flight at 1 and 2) and its share of the step
 (the target: ≤ 2 % at W=2), the update, peak GPU memory per rank.
+
+On a rank mesh (``--ep N`` < ``--world-size``: EP N × DP W/N, ``parallel.expert_parallel``) the
+experts' gradients are also summed over their DP replicas: ``replica_reduce`` is the time after
+backward until that is done (the wait for the per-layer all-reduces launched in backward at
+stage 0, the experts' reduce-scatters over the replicas at 1 and 2) and ``replica_pct`` its share
+of the step (the target at EP2 × DP2: ≤ 2 %), e.g.
+``ray-moe bench grad_reduce --world-size 4 --ep 2 --stages 0,1,2``.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from typing import Any
 
 from ray_moe import usage
 
-TIME_KEYS = ("step", "forward", "backward", "grad_sync", "grad_reduce", "update")
+TIME_KEYS = ("step", "forward", "backward", "grad_sync", "grad_reduce", "replica_reduce", "update")
 
 
 def config_for(args: argparse.Namespace, stage: int, run_dir: str):
@@ -41,7 +48,7 @@ def config_for(args: argparse.Namespace, stage: int, run_dir: str):
                                           "expert_hidden": args.expert_hidden},
         "parallel": {"world_size": args.world_size, "device": args.device, "transport": args.transport,
                      "cpu_per_worker": 1 if args.device != "cpu" else 0.5, "zero_stage": stage,
-                     "grad_bucket_size": args.bucket_size},
+                     "grad_bucket_size": args.bucket_size, "expert_parallel": args.ep},
         "data": {"max_bytes": args.max_bytes},
         "train": {"batch_size": args.world_size * max(1, args.tokens // args.seq_len), "steps": 1000,
                   "warmup_steps": 0, "lr": 3e-4, "optimizer_state_dtype": args.moments, "plots": False,
@@ -66,13 +73,16 @@ def stage_rows(args: argparse.Namespace, group: Any = None) -> list[dict[str, An
                 t.group.execute(reset_worker_peak, timeout=120)
                 steps = [t.step() for _ in range(args.iters)]
                 peaks = t.group.execute(worker_peak_gib, timeout=120)
+                t_mesh = t.group.mesh
         med = {k: 1e3 * statistics.median(max(s["time_per_rank"][k]) for s in steps) for k in TIME_KEYS}
         rows.append({"stage": stage, **{f"{k}_ms": v for k, v in med.items()},
                      "exposed_pct": 100 * med["grad_reduce"] / med["step"],
+                     "replica_pct": 100 * med["replica_reduce"] / med["step"], "mesh": str(t_mesh),
                      "peak_gib": max(peaks) if all(p is not None for p in peaks) else None,
                      "loss": steps[-1]["loss"], "tokens_per_s": statistics.median(s["tokens_per_s"] for s in steps)})
-        print(f"  stage {stage}: step {med['step']:.1f} ms, exposed reduction {med['grad_reduce']:.2f} ms "
-              f"({rows[-1]['exposed_pct']:.2f} %)", flush=True)
+        print(f"  stage {stage} ({t_mesh}): step {med['step']:.1f} ms, exposed reduction {med['grad_reduce']:.2f} ms "
+              f"({rows[-1]['exposed_pct']:.2f} %), replicas' expert reduction {med['replica_reduce']:.2f} ms "
+              f"({rows[-1]['replica_pct']:.2f} %)", flush=True)
     return rows
 
 
@@ -81,6 +91,8 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--stages", default="0,1,2", help="comma-separated ZeRO stages")
+    p.add_argument("--ep", type=int, default=0,
+                   help="parallel.expert_parallel: EP degree of the rank mesh (0: auto, whole world on one node)")
     p.add_argument("--device", default="auto", help="auto, cuda, cpu")
     p.add_argument("--transport", default="auto")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -124,11 +136,11 @@ def main(argv: Sequence[str] | None = None, group: Any = None) -> int:
         parser.error(f"--set: {exc}" if args.set else str(exc))
     from tabulate import tabulate
 
-    print(f"bench grad_reduce: W={args.world_size}, {args.hf_config or 'byte model'} x {args.layers} layers, "
+    print(f"bench grad_reduce: W={args.world_size} (EP {args.ep or 'auto'}), {args.hf_config or 'byte model'} x {args.layers} layers, "
           f"{args.tokens} tokens/rank, {args.dtype}, moments {args.moments}", flush=True)
     out: dict[str, Any] = {"env": {"host": platform.node(), "date": time.strftime("%Y-%m-%d")}, "args": vars(args),
                            "rows": stage_rows(args, group)}
-    cols = ["stage"] + [f"{k}_ms" for k in TIME_KEYS] + ["exposed_pct", "peak_gib"]
+    cols = ["stage", "mesh"] + [f"{k}_ms" for k in TIME_KEYS] + ["exposed_pct", "replica_pct", "peak_gib"]
     print(tabulate([[r[c] for c in cols] for r in out["rows"]], headers=cols, floatfmt=".2f"))
     if args.json:
         with open(args.json, "w") as f:

@@ -11,13 +11,16 @@ favours whatever runs first), and each column is the median over the rounds of e
 over steps of the slowest rank. Columns: step, forward, backward, grad sync, update (the engine's
 phases; the forward includes waiting for the previous step's overlapped update), ``scaling`` = one
 rank's step / this step, tokens/s per GPU, peak GPU memory, ``imbalance`` (max over ranks / mean of
-the (token, expert) pairs each rank computed, averaged over layers: the slowest rank's experts set
+the (token, expert) pairs each rank computed, within each EP group and averaged over the groups and layers: the slowest rank's experts set
 the step, and a fresh model routes unevenly; the ``rebalance`` variant re-clones hot experts) (``--trace-dir``: one more step of each
 run in the first round under torch.profiler, every rank's trace kept). With two or more depths, a ``per layer``
 row per variant: the slope between the first and the last depth, without what does not grow with
 depth (the replicated embedding and LM head's gradients and update: at a 2-layer cut of a model
 with a 151,936-token vocabulary, most of what W ranks lose to one). ``--zero-stage`` (2, as the real jobs)
-applies at W ranks; one rank has nothing to reduce.
+applies at W ranks; one rank has nothing to reduce. ``--ep N`` runs the W ranks as a rank mesh of
+EP N × DP W/N (``parallel.expert_parallel``; the one-rank reference is unchanged): the
+``replica_reduce`` column is then the experts' reduction over their replicas exposed after
+backward (0 at DP 1).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def variant_overrides(name: str) -> dict[str, Any]:
     return out
 
 
-TIME_KEYS = ("step", "forward", "backward", "grad_sync", "update")
+TIME_KEYS = ("step", "forward", "backward", "grad_sync", "replica_reduce", "update")
 
 
 def config_for(args: argparse.Namespace, world_size: int, variant: str, run_dir: str, layers: int | None = None):
@@ -67,7 +70,8 @@ def config_for(args: argparse.Namespace, world_size: int, variant: str, run_dir:
                   "seq_len": args.seq_len, "dtype": args.dtype, "activation_checkpointing": args.checkpointing},
         "parallel": {"world_size": world_size, "device": args.device, "transport": args.transport,
                      "cpu_per_worker": 1 if args.device != "cpu" else 0.5, "comm_programs": args.comm_programs,
-                     "zero_stage": args.zero_stage if world_size > 1 else 0},
+                     "zero_stage": args.zero_stage if world_size > 1 else 0,
+                     "expert_parallel": args.ep if world_size > 1 else 0},
         "data": {"max_bytes": args.max_bytes},
         "train": {"batch_size": world_size * (args.tokens // args.seq_len), "steps": 1000, "warmup_steps": 0,
                   "lr": 3e-4, "plots": False, "run_dir": run_dir, "resume": "false", "overwrite": True},
@@ -212,6 +216,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto, cuda, cpu")
     p.add_argument("--transport", default="auto")
     p.add_argument("--comm-programs", type=int, default=0, help="parallel.comm_programs (NVSHMEM: 0 = every SM)")
+    p.add_argument("--ep", type=int, default=0,
+                   help="parallel.expert_parallel at W ranks: EP N x DP W/N (0: auto, the whole world on one node)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--hf-config", default="qwen3-30b-a3b", help="an HF preset, cut to --layers layers")
     p.add_argument("--layers", default="2", help="comma list of depths (num_hidden_layers); two or more: "

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -54,13 +56,21 @@ def make_transport(
     device: torch.device,
     buffers: BufferSpec,
     bootstrap_id: bytes | None = None,
+    peers: Sequence[int] | None = None,
+    group: Any = None,
 ) -> Transport:
     """Build the transport ``spec`` names (gloo | nccl | nvshmem) for this rank, its buffers sized
-    by ``buffers``."""
+    by ``buffers``. ``peers``: the global ranks token rows move between (this rank's EP group,
+    in EP-rank order; default the whole world); ``group``: their torch.distributed process group
+    (default the world's). The transport's ``rank`` and ``world_size`` are this rank's place in
+    ``peers`` and their number."""
+    peers = tuple(range(rank_info.world_size)) if peers is None else tuple(peers)
+    if rank_info.rank not in peers:
+        raise ValueError(f"rank {rank_info.rank} is not among its transport's peers {peers}")
     if spec.name in ("gloo", "nccl"):
         from ray_moe.comm.torch_a2a import TorchA2ATransport
 
-        return TorchA2ATransport(rank_info.rank, rank_info.world_size)
+        return TorchA2ATransport(peers.index(rank_info.rank), len(peers), group=group, peers=peers)
     from ray_moe.comm.nvshmem import NVSHMEMTransport
 
-    return NVSHMEMTransport(rank_info, device, bootstrap_id, buffers, spec)
+    return NVSHMEMTransport(rank_info, device, bootstrap_id, buffers, spec, peers=peers, group=group)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -102,9 +103,14 @@ class Transport(ABC):
     # whether dispatch_forward(..., reuse_outputs=True) returns tensors the transport owns
     owns_dispatch_outputs: bool = False
 
-    def __init__(self, rank: int, world_size: int) -> None:
-        self.rank = rank
-        self.world_size = world_size
+    def __init__(self, rank: int, world_size: int, peers: Sequence[int] | None = None) -> None:
+        self.rank = rank  # this rank's index among its peers
+        self.world_size = world_size  # the peers: the ranks token rows move between
+        # the global ranks of the peers, in transport-rank order (an EP group of the rank mesh):
+        # no row this transport moves ever leaves them
+        self.peers = tuple(range(world_size)) if peers is None else tuple(peers)
+        if len(self.peers) != world_size:
+            raise ValueError(f"{len(self.peers)} peers {self.peers} for a transport of {world_size} ranks")
         self.timer = CommTimer()
 
     @abstractmethod
@@ -165,7 +171,7 @@ class Transport(ABC):
         """Release communication resources. Idempotent."""
 
     def describe(self) -> dict[str, Any]:
-        return {"transport": self.name, "rank": self.rank, "world_size": self.world_size}
+        return {"transport": self.name, "rank": self.rank, "world_size": self.world_size, "peers": list(self.peers)}
 
 
 class CommTimer:

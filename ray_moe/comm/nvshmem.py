@@ -40,6 +40,7 @@ import logging
 import os
 from dataclasses import dataclass
 from types import MappingProxyType
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -129,9 +130,18 @@ def _uid_from_bytes(core, blob: bytes):
 class NVSHMEMRuntime:
     """Owns NVSHMEM's process state: init on construction, finalize on close (if it initialised)."""
 
-    def __init__(self, device: torch.device, uid: bytes, rank: int, world_size: int) -> None:
+    def __init__(self, device: torch.device, uid: bytes, rank: int, world_size: int,
+                 peers: tuple[int, ...] | None = None) -> None:
+        """NVSHMEM over all ``world_size`` PEs (global ``rank``); ``peers``: the PEs this
+        runtime's users exchange with (an EP group of the rank mesh, default every PE). ``rank``
+        and ``world_size`` as attributes are this PE's index among the peers and their number;
+        every PE argument below is such an index, translated to the global PE here."""
         self.core, self.bindings = _import_nvshmem()
-        self.rank, self.world_size, self.device = rank, world_size, device
+        self.peers = tuple(range(world_size)) if peers is None else tuple(peers)
+        if rank not in self.peers:
+            raise NVSHMEMError(f"PE {rank} is not among its peers {self.peers}")
+        self.pe, self.n_pes = rank, world_size  # global
+        self.rank, self.world_size, self.device = self.peers.index(rank), len(self.peers), device
         self.owns = False
         from cuda.core import Device
 
@@ -186,16 +196,18 @@ class NVSHMEMRuntime:
         self.core.free_tensor(t)
 
     def peer_ptr(self, addr: int, pe: int) -> int:
-        """Address of symmetric ``addr`` on ``pe`` through load/store (0 when not reachable)."""
-        return int(self.bindings.ptr(addr, pe))
+        """Address of symmetric ``addr`` on peer ``pe`` (an index into :attr:`peers`) through
+        load/store (0 when not reachable)."""
+        return int(self.bindings.ptr(addr, self.peers[pe]))
 
     def put_signal(self, dst: int, src: int, nbytes: int, sig: int, value: int, pe: int) -> None:
         b = self.bindings
-        b.putmem_signal_on_stream(dst, src, nbytes, sig, value, int(b.Signal_op.SIGNAL_ADD), pe, self.stream())
+        b.putmem_signal_on_stream(dst, src, nbytes, sig, value, int(b.Signal_op.SIGNAL_ADD), self.peers[pe],
+                                  self.stream())
 
     def signal_add(self, sig: int, value: int, pe: int) -> None:
         b = self.bindings
-        b.signal_op_on_stream(sig, value, int(b.Signal_op.SIGNAL_ADD), pe, self.stream())
+        b.signal_op_on_stream(sig, value, int(b.Signal_op.SIGNAL_ADD), self.peers[pe], self.stream())
 
     def close(self) -> None:
         if self.owns:
@@ -577,19 +589,24 @@ class NVSHMEMTransport(Transport):
 
     name = "nvshmem"
     owns_dispatch_outputs = True
+    group: Any = None  # the peers' torch.distributed process group (None: the world's)
 
     def __init__(self, rank_info: Any, device: torch.device, bootstrap_id: bytes | None, spec: BufferSpec,
-                 settings: TransportSpec | None = None) -> None:
+                 settings: TransportSpec | None = None, peers: Sequence[int] | None = None,
+                 group: Any = None) -> None:
         settings = settings or TransportSpec("nvshmem")
-        super().__init__(rank_info.rank, rank_info.world_size)
+        peers = tuple(range(rank_info.world_size)) if peers is None else tuple(peers)
+        super().__init__(peers.index(rank_info.rank), len(peers), peers)
+        self.group = group  # the peers' torch.distributed group (None: the world, peers = every rank)
         if bootstrap_id is None:
             raise NVSHMEMError("the NVSHMEM transport needs rank 0's unique id (bootstrap_id is None)")
         if device.type != "cuda":
             raise NVSHMEMError(f"the NVSHMEM transport needs a CUDA device, got {device}")
         self.device = device
-        self.runtime = NVSHMEMRuntime(device, bootstrap_id, rank_info.rank, rank_info.world_size)
+        self.runtime = NVSHMEMRuntime(device, bootstrap_id, rank_info.rank, rank_info.world_size, peers)
         self.force_remote = settings.force_remote_path
-        self.node_of_rank = _gather_node_ranks(rank_info, device)
+        world_nodes = _gather_node_ranks(rank_info, device)
+        self.node_of_rank = [world_nodes[r] for r in peers]  # per peer (transport rank)
         self.num_programs = _num_programs(device, settings.ranks_per_gpu)
         self.comm_programs = min(settings.comm_programs, self.num_programs) or self.num_programs
         self.buffer: SymmetricBuffer | None = None
@@ -642,7 +659,7 @@ class NVSHMEMTransport(Transport):
         pairs = torch.zeros(W, W, dtype=torch.int32, device=self.device)
         pairs[me] = torch.tensor(mine, dtype=torch.int32)
         if dist.is_initialized():
-            dist.all_reduce(pairs)
+            dist.all_reduce(pairs, group=self.group)  # over the peers only: the matrix is theirs
         pairs = pairs.tolist()  # once per buffer, not on the hot path
         return [d != me and bool(pairs[me][d] or pairs[d][me]) for d in range(W)], not any(map(any, pairs))
 
@@ -679,6 +696,7 @@ class NVSHMEMTransport(Transport):
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()
+        d["node_of_peer"] = list(self.node_of_rank)
         if self.buffer is not None:
             d.update(capacity=self.buffer.capacity, symmetric_mib=round(self.buffer.symmetric_bytes / 2**20, 1),
                      remote_peers=[i for i, r in enumerate(self.buffer.remote) if r],

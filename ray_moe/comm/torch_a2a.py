@@ -31,8 +31,9 @@ class TorchA2ATransport(Transport):
 
     name = "torch"
 
-    def __init__(self, rank: int, world_size: int, group: dist.ProcessGroup | None = None):
-        super().__init__(rank, world_size)
+    def __init__(self, rank: int, world_size: int, group: dist.ProcessGroup | None = None,
+                 peers: tuple[int, ...] | None = None):
+        super().__init__(rank, world_size, peers)
         self.group = group
         self.name = f"torch-{dist.get_backend(group)}" if dist.is_initialized() else "torch"
 

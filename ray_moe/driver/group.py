@@ -25,7 +25,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Sequence, TypeVar
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -35,6 +35,7 @@ from ray_moe.config import Config, ConfigError, transport_device_error
 from ray_moe.connect import ConnectError
 from ray_moe.connect import connect as connect_checked
 from ray_moe.driver.errors import GroupError, WorkerFailure
+from ray_moe.mesh import MeshError, MeshSpec, resolve_mesh
 from ray_moe.topology import RankInfo, assign_ranks
 from ray_moe.worker.actor import EPWorker
 from ray_moe.worker.engine import buffer_spec
@@ -127,6 +128,7 @@ class WorkerGroup:
         self._pg = None
         self.actors: list[Any] = []
         self.ranks: list[RankInfo] = []
+        self.mesh: MeshSpec | None = None  # resolved once the placement group is placed
         bundle = {"CPU": p.cpu_per_worker} | ({"GPU": 1 / p.workers_per_gpu} if self.use_gpu else {})
         self._check_fits(bundle)
         try:
@@ -158,6 +160,7 @@ class WorkerGroup:
                 f"{ {k: v for k, v in avail.items() if k in ('CPU', 'GPU')} } across "
                 f"{len([n for n in ray.nodes() if n['Alive']])} node(s)"
             )
+        self.mesh = self._resolve_mesh()  # before any worker starts: a bad mesh is a ConfigError
         env = {k: os.environ.get(k, v) for k, v in MULTICAST_OFF.items()}
         env["OMP_NUM_THREADS"] = str(max(1, int(p.cpu_per_worker)))
         env.update(worker_env)
@@ -179,9 +182,12 @@ class WorkerGroup:
         self.actors = [actors[i] for i in order]
         self.ranks = [ranks[i] for i in order]
         address = self._get([self.actors[0].bootstrap_address.remote()], p.startup_timeout_s, "rendezvous")[0]
+        nodes = [r.node_rank for r in self.ranks]
+        if resolve_mesh(nodes, self.mesh.ep, self.use_gpu) != self.mesh:  # the workers sit where their bundles do
+            raise GroupError(f"the workers' nodes {nodes} do not match their placement group's bundles")
         cfg = self.config.to_dict()
         self._get(
-            [a.setup.remote(cfg, r, address, self.use_gpu) for a, r in zip(self.actors, self.ranks)],
+            [a.setup.remote(cfg, r, address, self.use_gpu, self.mesh) for a, r in zip(self.actors, self.ranks)],
             p.startup_timeout_s + p.collective_timeout_s,
             "setup",
         )
@@ -194,8 +200,44 @@ class WorkerGroup:
             p.startup_timeout_s + p.collective_timeout_s,
             "transport init",
         )
-        log.info("worker group up: %d ranks on %d node(s), transport %s", self.world_size,
-                 self.ranks[0].num_nodes, names[0])
+        log.info("worker group up: %d ranks on %d node(s) as %s, transport %s", self.world_size,
+                 self.ranks[0].num_nodes, self.mesh, names[0])
+
+    def _resolve_mesh(self) -> MeshSpec:
+        """The rank mesh of the placed bundles (ranks in node order, as :func:`assign_ranks`
+        orders the workers), from ``parallel.expert_parallel``; a ConfigError (one line) when the
+        EP groups cannot lie as asked."""
+        from ray.util import placement_group_table
+
+        table = placement_group_table(self._pg).get("bundles_to_node_id") or {}
+        ids = sorted(table.get(i, "") for i in range(self.world_size))
+        order = sorted(set(ids))
+        try:
+            return resolve_mesh([order.index(n) for n in ids], self.config.parallel.expert_parallel,
+                                self.use_gpu, self.arch.spec.num_experts)
+        except MeshError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def use_mesh(self, config: Config, arch: ResolvedArch) -> MeshSpec:
+        """The rank mesh ``config`` asks for on this group's ranks (``parallel.expert_parallel``
+        resolved against their nodes); a group started with another one switches to it: every
+        rank remakes its EP and DP process groups and its transport (torch transports only: the
+        NVSHMEM transport's peers are fixed when it starts). A bad mesh is a ConfigError."""
+        try:
+            mesh = resolve_mesh([r.node_rank for r in self.ranks], config.parallel.expert_parallel,
+                                self.use_gpu, arch.spec.num_experts)
+        except MeshError as exc:
+            raise ConfigError(str(exc)) from None
+        if mesh != self.mesh:
+            if self.transport_spec.name == "nvshmem":
+                raise ConfigError(f"parallel.expert_parallel={config.parallel.expert_parallel} asks for {mesh} but "
+                                  f"this group's NVSHMEM transport was started as {self.mesh}; start a group "
+                                  "with that parallel.expert_parallel")
+            p = self.config.parallel
+            self._get([a.set_mesh.remote(mesh) for a in self.actors], p.startup_timeout_s + p.collective_timeout_s,
+                      "set_mesh")
+            self.mesh = mesh
+        return mesh
 
     # ------------------------------------------------------------------ calls
     def _get(self, refs: list, timeout: float | None, what: str, ranks: Sequence[int] | None = None) -> list:
@@ -214,30 +256,42 @@ class WorkerGroup:
         deadline = None if timeout is None else time.monotonic() + timeout
         if ranks is None and len(refs) == len(self.ranks):
             ranks = range(len(refs))
+
+        def where(i: int) -> tuple[int | None, dict, str]:
+            info = self.ranks[ranks[i]] if ranks is not None else None
+            if info is None:
+                return None, {}, ""
+            return (info.rank, {"node_id": info.node_id, "hostname": info.hostname, "ip": info.ip, "pid": info.pid},
+                    f" (node {info.node_id[:8]}, {info.hostname}, pid {info.pid})")
+
+        def died(i: int, exc: RayActorError) -> WorkerFailure:
+            rank, place, at = where(i)
+            reason = " ".join(str(exc).split())[:400]
+            return WorkerFailure(f"{what}: the worker of rank {rank}{at} died: {reason}", rank, "died", place)
+
         results: list[Any] = []
         for i, ref in enumerate(refs):
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            info = self.ranks[ranks[i]] if ranks is not None else None
-            rank = info.rank if info is not None else None
-            where = ({"node_id": info.node_id, "hostname": info.hostname, "ip": info.ip, "pid": info.pid}
-                     if info is not None else {})
-            at = f" (node {info.node_id[:8]}, {info.hostname}, pid {info.pid})" if info is not None else ""
+            rank, place, at = where(i)
+            # a worker that died while this rank waits (e.g. in a collective with ranks that wait for
+            # it: on a rank mesh not every rank talks to every other) is named at once, not after the timeout
+            while not ray.wait([ref], timeout=_poll(deadline))[0]:
+                dead = _first_dead(refs[i + 1:])
+                if dead is not None:
+                    raise died(i + 1 + dead[0], dead[1]) from dead[1]
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise WorkerFailure(f"{what}: rank {rank}{at} did not answer within {timeout:g}s",
+                                        rank, "timeout", place) from None
             try:
-                results.append(ray.get(ref, timeout=left))
-            except GetTimeoutError:
-                raise WorkerFailure(f"{what}: rank {rank}{at} did not answer within {timeout:g}s",
-                                    rank, "timeout", where) from None
+                results.append(ray.get(ref, timeout=0))
             except RayActorError as exc:
-                reason = " ".join(str(exc).split())[:400]
-                raise WorkerFailure(f"{what}: the worker of rank {rank}{at} died: {reason}",
-                                    rank, "died", where) from exc
+                raise died(i, exc) from exc
             except RayTaskError as exc:
                 cause = exc.cause if getattr(exc, "cause", None) is not None else exc
                 dead = self._dead_worker(what, f"rank {rank} then raised {type(cause).__name__}")
                 if dead is not None:  # a peer's collective failed because another worker died
                     raise dead from exc
                 raise WorkerFailure(f"{what}: rank {rank}{at} raised {type(cause).__name__}: {cause}",
-                                    rank, "error", where) from exc
+                                    rank, "error", place) from exc
         return results
 
     def _dead_worker(self, what: str, consequence: str, timeout: float = 10.0) -> WorkerFailure | None:
@@ -326,6 +380,29 @@ class WorkerGroup:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _poll(deadline: float | None, every_s: float = 2.0) -> float:
+    """How long one wait of :meth:`WorkerGroup._get_in_order` lasts: ``every_s``, or what is left
+    before ``deadline``."""
+    return every_s if deadline is None else max(0.0, min(every_s, deadline - time.monotonic()))
+
+
+def _first_dead(refs: list) -> tuple[int, RayActorError] | None:
+    """(index, error) of the first of ``refs`` that has finished because its actor died; None if none has."""
+    if not refs:
+        return None
+    done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+    finished = set(done)
+    for i, ref in enumerate(refs):
+        if ref in finished:
+            try:
+                ray.get(ref, timeout=0)
+            except RayActorError as exc:
+                return i, exc
+            except Exception:  # noqa: BLE001 - an error raised by the rank: reported in rank order
+                pass
+    return None
 
 
 def _settle(refs: list, wait_s: float = 5.0) -> None:

@@ -15,14 +15,19 @@ from typing import Any
 from ray_moe.driver.errors import WriteError
 
 
-def aggregate_step(results: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+def aggregate_step(results: list[dict[str, Any]], wall: float, ep: int | None = None) -> dict[str, Any]:
     """One step's record from every rank's result (``EPWorker.step``), in rank order.
 
     Loss and auxiliary loss are means over ranks; tokens a sum; ``expert_tokens[layer][e]`` the
     tokens routed to logical expert e from all ranks; ``rank_pairs[layer][rank]`` the (token,
-    expert) pairs each rank computed; ``imbalance`` the mean over layers of max/mean of those.
+    expert) pairs each rank computed; ``imbalance_per_group[g][layer]`` max/mean of those over the
+    ranks of EP group g (``ep``: ranks per EP group of the rank mesh, default the world: rows move
+    only inside a group, so balance is a group's); ``imbalance_per_layer`` their mean over the
+    groups and ``imbalance`` its mean over layers. ``replica_reduce_max``: the slowest rank's
+    exposed reduction of the DP replicas' expert gradients (0 at DP 1).
     """
     W = len(results)
+    ep = ep or W
     tokens = sum(r["tokens"] for r in results)
     loads = [r["load"] for r in results]
     n_layers = len(loads[0]["expert_tokens"])
@@ -31,7 +36,10 @@ def aggregate_step(results: list[dict[str, Any]], wall: float) -> dict[str, Any]
         for i in range(n_layers)
     ]
     rank_pairs = [[ld["received_pairs"][i] for ld in loads] for i in range(n_layers)]
-    imb = [max(p) / (sum(p) / W) if sum(p) > 0 else 1.0 for p in rank_pairs]
+    groups = [range(g, g + ep) for g in range(0, W, ep)]
+    per_group = [[max(p[r] for r in rs) / (sum(p[r] for r in rs) / ep) if sum(p[r] for r in rs) > 0 else 1.0
+                  for p in rank_pairs] for rs in groups]
+    imb = [sum(g[i] for g in per_group) / len(per_group) for i in range(n_layers)]
     return {
         "step": results[0]["step"],
         "loss": sum(r["loss"] for r in results) / W,
@@ -48,6 +56,8 @@ def aggregate_step(results: list[dict[str, Any]], wall: float) -> dict[str, Any]
         "rank_pairs": rank_pairs,
         "imbalance": sum(imb) / len(imb) if imb else 1.0,
         "imbalance_per_layer": imb,
+        "imbalance_per_group": per_group,
+        "replica_reduce_max": max(r["time"].get("replica_reduce", 0.0) for r in results),
     }
 
 

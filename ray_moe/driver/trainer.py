@@ -62,6 +62,7 @@ from ray_moe.driver.run_dir import (
     scan,
     set_aside,
 )
+from ray_moe.mesh import MeshSpec
 from ray_moe.placement.placement import Placement
 from ray_moe.topology import node_of_rank
 from ray_moe.worker.actor import EPWorker
@@ -230,6 +231,8 @@ class Trainer:
             if error:
                 raise ConfigError(error)
         self.group = group
+        if hasattr(group, "use_mesh"):  # the mesh this config asks for on the group's ranks
+            group.use_mesh(self.config, self.arch)
         try:
             reports = group.call(EPWorker.build_engine, self.config.to_dict(), self.arch,
                                  timeout=self.config.parallel.startup_timeout_s + 120)
@@ -244,7 +247,7 @@ class Trainer:
             raise
         self.model_report = reports[0]
         self.rebalancer = (
-            Rebalancer(self.config.balance, self.model_report, node_of_rank(group.ranks))
+            Rebalancer(self.config.balance, self.model_report, node_of_rank(group.ranks), getattr(group, "mesh", None))
             if self.config.balance.enabled else None
         )
 
@@ -346,7 +349,7 @@ class Trainer:
         t0 = time.perf_counter()
         args = [((r == poison_rank),) for r in range(self.group.world_size)]
         results = self.group.call_each(EPWorker.step, args, timeout=t.step_timeout_s)
-        m = aggregate_step(results, time.perf_counter() - t0)
+        m = aggregate_step(results, time.perf_counter() - t0, self._mesh().ep)
         self.last_load = m["expert_tokens"]
         self.step_count = m["step"]
         if self.rebalancer is not None:
@@ -502,6 +505,7 @@ class Trainer:
             "step": self.step_count,
             "opt_steps": self.group.call(EPWorker.counters, timeout=timeout)[0]["opt_steps"],
             "world_size": self.group.world_size,
+            "mesh": self._mesh().to_dict(),
             "config": self.config.to_dict(),
             "placements": self.group.call(EPWorker.placements, timeout=timeout)[0],
             "balance": self.rebalancer.state_dict() if self.rebalancer is not None else None,
@@ -536,7 +540,8 @@ class Trainer:
         self.step_count = steps[0]
         self.last_checkpoint = path
         self.log.rewind(self.step_count)  # later steps will be run (and recorded) again
-        same_layout = (meta["world_size"] == self.group.world_size
+        saved_mesh = meta.get("mesh") or MeshSpec.whole(meta["world_size"]).to_dict()
+        same_layout = (meta["world_size"] == self.group.world_size and saved_mesh == self._mesh().to_dict()
                        and meta["config"]["balance"]["clone_slots"] == self.config.balance.clone_slots)
         if same_layout and meta.get("placements"):
             self.group.call(EPWorker.set_placements, meta["placements"], timeout=timeout)
@@ -548,6 +553,11 @@ class Trainer:
                 if same_layout and meta.get("placements"):  # the clones stay; plan on top of them
                     self.rebalancer.placements = [Placement.from_dict(p) for p in meta["placements"]]
         return self.step_count
+
+    def _mesh(self) -> MeshSpec:
+        """The group's rank mesh (a group without one: expert parallelism over the whole world)."""
+        assert self.group is not None
+        return getattr(self.group, "mesh", None) or MeshSpec.whole(self.group.world_size)
 
     # ------------------------------------------------------------------ records
     def plot(self) -> list[Path]:

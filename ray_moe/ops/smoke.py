@@ -27,6 +27,7 @@ Runs on CPU clusters (gloo) as well as GPU clusters (NCCL / NVSHMEM).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import shutil
 import tempfile
@@ -85,8 +86,11 @@ def parse_args(argv: list[str] | None) -> SmokeOptions:
     opts = SmokeOptions(a.address, a.world_size, a.device, a.steps, a.json, a.timeout,
                         a.bandwidth_mib, a.bandwidth_iters, a.cpu_per_worker, a.transport, tuple(a.set))
     if opts.overrides:  # a bad override is the user's one-line error before any cluster work, not a failed check
-        try:
-            smoke_config(1, a.device, opts, "unused")  # the device asked for: a GPU transport needs cuda or auto
+        try:  # the device asked for: a GPU transport needs cuda or auto; the EP degree is checked at the
+            # world size asked for (without one, when the group starts: its bootstrap check names it)
+            check = opts if a.world_size else dataclasses.replace(
+                opts, overrides=opts.overrides + ("parallel.expert_parallel=0",))
+            smoke_config(a.world_size or 1, a.device, check, "unused")
         except ValueError as exc:  # ConfigError: names the key and what is allowed
             p.error(f"--set: {exc}")
     return opts
@@ -215,10 +219,14 @@ def rank_where(r: Any) -> dict[str, Any]:
 
 def start_group(report: SmokeReport, config: Any, nodes: list[dict[str, Any]], device: str):
     """The ``bootstrap`` check: a WorkerGroup that spans the nodes. Returns it, or None."""
+    from ray_moe.config import ConfigError
     from ray_moe.driver.group import GroupError, WorkerGroup
 
     try:
         group = WorkerGroup(config)
+    except ConfigError as exc:  # the rank mesh cannot lie on these nodes (parallel.expert_parallel)
+        report.add("bootstrap", FAIL, detail=f"the worker group did not start: {exc}", data={"error": str(exc)})
+        return None
     except GroupError as exc:
         broken = [short_id(r.node_id) for r in report.results if r.check == "import" and r.status == FAIL]
         hint = f" (import failed on node {', '.join(broken)})" if broken else ""
@@ -226,8 +234,10 @@ def start_group(report: SmokeReport, config: Any, nodes: list[dict[str, Any]], d
                    data={"error": str(exc)})
         return None
     for r in group.ranks:
-        report.add("bootstrap", PASS, **rank_where(r), data=r.to_dict(),
-                   detail=f"transport {group.transport_name}, pid {r.pid}, local rank {r.local_rank}")
+        dp_rank, ep_rank = group.mesh.coords(r.rank)
+        report.add("bootstrap", PASS, **rank_where(r), data=r.to_dict() | {"dp_rank": dp_rank, "ep_rank": ep_rank},
+                   detail=f"transport {group.transport_name}, pid {r.pid}, local rank {r.local_rank}, "
+                          f"EP rank {ep_rank} of EP group {dp_rank} ({group.mesh})")
     usable = {n["NodeID"] for n in nodes
               if (node_gpus(n) if device == "cuda" else n["Resources"].get("CPU", 0)) >= 1}
     spanned = {r.node_id for r in group.ranks}
@@ -245,8 +255,9 @@ def per_rank_errors(report: SmokeReport, check: str, group: Any,
     worst = [0.0] * group.world_size
     bad: list[list[str]] = [[] for _ in range(group.world_size)]
     errors: list[dict[str, dict]] = [{} for _ in range(group.world_size)]
-    skipped = [f"{label} ({why})" for label, _, case in runs if (why := case.applies_to(group.world_size))]
-    runs = [run for run in runs if run[2].applies_to(group.world_size) is None]
+    ep = group.mesh.ep if getattr(group, "mesh", None) else group.world_size  # each EP group runs a case alone
+    skipped = [f"{label} ({why})" for label, _, case in runs if (why := case.applies_to(ep))]
+    runs = [run for run in runs if run[2].applies_to(ep) is None]
     for label, fn, case in runs:
         for rank, res in enumerate(group.execute(fn, case, timeout=report.info["timeout"])):
             errs = extract(res)
@@ -260,7 +271,7 @@ def per_rank_errors(report: SmokeReport, check: str, group: Any,
         detail = (f"{len(runs)} case(s), worst rel. error {worst[r.rank]:.2e} <= {tol:g}" if ok
                   else f"{len(bad[r.rank])} error(s) over {tol:g}: " + "; ".join(bad[r.rank][:4]))
         if skipped:
-            detail += f"; not run at W={group.world_size}: " + ", ".join(sorted(set(skipped)))
+            detail += f"; not run at EP {ep}: " + ", ".join(sorted(set(skipped)))
         report.add(check, PASS if ok else FAIL, **rank_where(r), detail=detail,
                    data={"tolerance": tol, "errors": errors[r.rank], "not_run": skipped})
 
@@ -315,9 +326,11 @@ def check_training(report: SmokeReport, config: Any, steps: int, group: Any) -> 
     from ray_moe.driver.trainer import Trainer
 
     losses: list[float] = []
+    records: list[dict] = []
     with Trainer(config, progress=False, group=group) as trainer:
         for _ in range(steps):
-            losses.append(float(trainer.step()["loss"]))
+            records.append(trainer.step())
+            losses.append(float(records[-1]["loss"]))
         val = float(trainer.evaluate())
     finite = all(math.isfinite(x) for x in losses + [val])
     falls = len(losses) >= 2 and losses[-1] < losses[0]
@@ -327,7 +340,10 @@ def check_training(report: SmokeReport, config: Any, steps: int, group: Any) -> 
     elif not falls:
         detail = "the loss did not fall: " + detail
     report.add("training", PASS if finite and falls else FAIL, detail=detail,
-               data={"losses": losses, "val_loss": val, "world_size": group.world_size})
+               data={"losses": losses, "val_loss": val, "world_size": group.world_size, "mesh": str(group.mesh),
+                     # rows move inside an EP group: the balance that matters is each group's
+                     "imbalance_per_group": records[-1].get("imbalance_per_group") if records else None,
+                     "replica_reduce_s": max((r.get("replica_reduce_max", 0.0) for r in records), default=0.0)})
 
 
 def run_group_checks(report: SmokeReport, group: Any, config: Any, opts: SmokeOptions) -> str | None:
@@ -390,6 +406,7 @@ def run_smoke(opts: SmokeOptions) -> SmokeReport:
             return report
         try:
             report.info["transport"] = group.transport_name
+            report.info["mesh"] = group.mesh.to_dict()
             broken = run_group_checks(report, group, config, opts)
             if broken:
                 skip_rest(report, GROUP_CHECKS[GROUP_CHECKS.index(broken) + 1:],

@@ -125,13 +125,14 @@ def reduce_clone_grads(layer, placement: Placement, grads: list[torch.Tensor] | 
 
 
 @torch.no_grad()
-def push_clone_weights(layer, placement: Placement) -> int:
-    """Copy owners' native weights into every clone slot. Returns bytes this rank received."""
+def push_clone_weights(layer, placement: Placement, group: dist.ProcessGroup | None = None) -> int:
+    """Copy owners' native weights into every clone slot. Returns bytes this rank received.
+    ``group``: the layer's EP group (the placement's ranks; default: the default group)."""
     if not placement.clones():
         return 0
     moved = 0
     params = _expert_params(layer)
-    for dst_slot, _e, rows in _exchange(params, placement, layer.rank, to_owner=False).received():
+    for dst_slot, _e, rows in _exchange(params, placement, layer.rank, to_owner=False, group=group).received():
         for p, r in zip(params, rows):
             p[dst_slot].copy_(r)
         moved += sum(r.numel() * r.element_size() for r in rows)

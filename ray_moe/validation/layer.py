@@ -54,8 +54,11 @@ def layer_parity(worker: Any, case: Case) -> dict[str, float]:
     """Run on every rank of a group (``group.execute(layer_parity, case)``): the EP layer over
     the worker's transport vs the oracle, its forward without autograd too (``out_no_grad``, with
     the dispatch outputs a transport may own, as decoding runs it). Returns {name: relative
-    error} for this rank."""
-    rank, W = worker.rank_info.rank, worker.rank_info.world_size
+    error} for this rank. On a rank mesh each EP group (the transport's peers) runs the problem
+    on its own: ranks and sums are the group's."""
+    rank, W = worker.transport.rank, worker.transport.world_size
+    groups = getattr(worker, "groups", None)
+    ep_group = groups.ep if groups is not None else None
     device, dtype = worker.device, torch_dtype(case.dtype)
     worker.transport.reserve(case.buffer_spec())
     P = make_problem(case, W)
@@ -90,10 +93,10 @@ def layer_parity(worker: Any, case: Case) -> dict[str, float]:
     out, _ = layer(x)
     (out.float() * P["grad_out"][mine].to(device)).sum().backward()
 
-    reduce_clone_grads(layer, placement)
+    reduce_clone_grads(layer, placement, group=ep_group)
     router_grad = layer.router.grad.detach().clone()
     if W > 1:
-        dist.all_reduce(router_grad)
+        dist.all_reduce(router_grad, group=ep_group)
     natives = list(layer.native_experts)
     n = len(natives)
     errors = {
@@ -113,7 +116,7 @@ def layer_parity(worker: Any, case: Case) -> dict[str, float]:
     errors["expert_tokens"] = 0.0 if torch.equal(layer.expert_tokens.cpu(), want_tokens) else math.inf
     pairs = layer.received_pairs.detach().clone()
     if W > 1:
-        dist.all_reduce(pairs)
+        dist.all_reduce(pairs, group=ep_group)
     errors["received_pairs"] = 0.0 if int(pairs.item()) == ids_ref.numel() else math.inf
     # Experts that got no tokens must have exactly zero gradients.
     routed = torch.zeros(case.num_experts, dtype=torch.bool)

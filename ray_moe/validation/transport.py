@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ray_moe.config import torch_dtype
-from ray_moe.validation.cases import EDGE_CASES, Case
+from ray_moe.validation.cases import Case
 from ray_moe.validation.errors import rel_err
 
 
@@ -84,7 +84,7 @@ def _canonical(x: torch.Tensor, slot: torch.Tensor, w: torch.Tensor):
 
 
 def _setup(worker: Any, case: Case):
-    rank, W = worker.rank_info.rank, worker.rank_info.world_size
+    rank, W = worker.transport.rank, worker.transport.world_size  # (an EP group of a rank mesh: its own)
     worker.transport.reserve(case.buffer_spec())
     routing = make_routing(case, W)
     return case, rank, W, routing, worker.device, torch_dtype(case.dtype)

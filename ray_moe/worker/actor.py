@@ -28,8 +28,10 @@ from ray_moe.comm import make_transport, transport_bootstrap_id
 from ray_moe.arch import ResolvedArch
 from ray_moe.comm.base import BufferSpec, Transport, TransportSpec
 from ray_moe.config import Config
+from ray_moe.mesh import MeshSpec
 from ray_moe.topology import RankInfo, WorkerInfo
 from ray_moe.worker.engine import Engine, ModelReport
+from ray_moe.worker.mesh_groups import MeshGroups
 
 
 class EPWorker:
@@ -40,6 +42,8 @@ class EPWorker:
         self.rank_info: RankInfo | None = None
         self.device = torch.device("cpu")
         self.transport: Transport | None = None
+        self.mesh: MeshSpec | None = None
+        self.groups: MeshGroups | None = None  # this rank's EP and DP process groups
         self._engine: Engine | None = None
 
     # ------------------------------------------------------------------ bootstrap
@@ -67,10 +71,15 @@ class EPWorker:
             port = s.getsockname()[1]
         return f"tcp://{ip}:{port}"
 
-    def setup(self, config: dict, rank_info: RankInfo, init_method: str, use_gpu: bool) -> int:
-        """Join torch.distributed as ``rank_info.rank`` of ``rank_info.world_size``; returns the rank."""
+    def setup(self, config: dict, rank_info: RankInfo, init_method: str, use_gpu: bool,
+              mesh: MeshSpec | None = None) -> int:
+        """Join torch.distributed as ``rank_info.rank`` of ``rank_info.world_size`` and make the
+        mesh's process groups (``mesh``: the driver's; default whole-world EP); returns the rank."""
         self.config = Config.from_plain(config)
         self.rank_info = rank_info
+        self.mesh = mesh or MeshSpec.whole(rank_info.world_size)
+        if self.mesh.world != rank_info.world_size:
+            raise ValueError(f"mesh of {self.mesh.world} ranks for a group of {rank_info.world_size}")
         torch.set_num_threads(max(1, int(self.config.parallel.cpu_per_worker)))
         if use_gpu:
             if not torch.cuda.is_available():
@@ -93,6 +102,7 @@ class EPWorker:
             timeout=datetime.timedelta(seconds=self.config.parallel.collective_timeout_s),
             device_id=self.device if nccl else None,
         )
+        self.groups = MeshGroups.create(self.mesh, rank_info.rank)
         return rank_info.rank
 
     def transport_bootstrap_id(self, name: str) -> bytes | None:
@@ -103,8 +113,31 @@ class EPWorker:
         """Build the transport the group resolved (collective), its buffers sized by ``buffers``
         (the group's, from the architecture resolved on the driver)."""
         _, rank_info = self._setup_done()
-        self.transport = make_transport(spec, rank_info, self.device, buffers, bootstrap_id)
+        self.transport = make_transport(spec, rank_info, self.device, buffers, bootstrap_id,
+                                        peers=self.mesh.peers(rank_info.rank), group=self.groups.ep)
         return self.transport.name
+
+    def set_mesh(self, mesh: MeshSpec) -> None:
+        """Switch to rank mesh ``mesh`` (collective): the engine is dropped, the EP and DP process
+        groups and the transport (a torch one) are made again for it."""
+        _, rank_info = self._setup_done()
+        if mesh == self.mesh:
+            return
+        if mesh.world != rank_info.world_size:
+            raise ValueError(f"mesh of {mesh.world} ranks for a group of {rank_info.world_size}")
+        if self.transport is not None and self.transport.name == "nvshmem":
+            raise ValueError("the NVSHMEM transport's peers are fixed when it starts")
+        self._close_engine()
+        if self.groups is not None:
+            self.groups.destroy()
+        self.mesh = mesh
+        self.groups = MeshGroups.create(mesh, rank_info.rank)
+        if self.transport is not None:
+            from ray_moe.comm.torch_a2a import TorchA2ATransport
+
+            self.transport.close()
+            peers = mesh.peers(rank_info.rank)
+            self.transport = TorchA2ATransport(peers.index(rank_info.rank), len(peers), self.groups.ep, peers)
 
     # ------------------------------------------------------------------ generic
     def execute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -125,7 +158,7 @@ class EPWorker:
             raise RuntimeError("the transport is not initialised; call init_transport first")
         cfg = Config.from_plain(config) if config is not None else group_config
         self._close_engine()  # free the previous engine's memory before building the next one
-        self._engine = Engine(cfg, rank_info, self.transport, self.device, arch)
+        self._engine = Engine(cfg, rank_info, self.transport, self.device, arch, mesh=self.mesh)
         return self._engine.describe()
 
     @property
@@ -183,6 +216,9 @@ class EPWorker:
         if self.transport is not None:
             self.transport.close()
             self.transport = None
+        if self.groups is not None:
+            self.groups.destroy()
+            self.groups = None
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -55,12 +55,16 @@ class CloneGradReduction:
             the gradients it is given (the float32 master gradients).
         max_in_flight: with ``rounded``, the layers whose received rows are kept before the oldest
             one's are added (its exchange then waited for, on NCCL by the stream only).
+        in_backward: launch from backward's hooks; False: every layer in :meth:`launch_rest`
+            (the rank mesh's DP replicas first sum their clone slots' gradients, then the sums go
+            to the owners: :class:`~ray_moe.worker.replica_grads.ReplicaGradReduction`).
     """
 
     def __init__(self, layers: Sequence[torch.nn.Module], group: dist.ProcessGroup | None, rounded: bool,
-                 max_in_flight: int = 2) -> None:
+                 max_in_flight: int = 2, in_backward: bool = True) -> None:
         self.order = [layer for layer in reversed(layers) if layer.placement.clone_slots]  # backward's order
         self.group, self.rounded, self.max_in_flight = group, rounded, max_in_flight
+        self.in_backward = in_backward
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                        for i, layer in enumerate(self.order) for p in layer.expert_params()]
         self._armed = False
@@ -79,7 +83,7 @@ class CloneGradReduction:
 
     @torch.no_grad()
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
-        if not self._armed:
+        if not self._armed or not self.in_backward:
             return
         self._got[i].add(id(p))
         self._launch_ready()

@@ -28,8 +28,9 @@ import torch.distributed as dist
 from ray_moe import checkpoint
 from ray_moe.arch import ArchSpec, ResolvedArch
 from ray_moe.comm.base import BufferSpec, Transport
-from ray_moe.config import DTYPES, Config, element_size
+from ray_moe.config import DTYPES, Config, ConfigError, element_size
 from ray_moe.device import synchronize
+from ray_moe.mesh import MeshSpec
 from ray_moe.model.build import build_model
 from ray_moe.model.interface import LanguageModel
 from ray_moe.model.loss import lm_loss, resolve_loss_impl
@@ -39,9 +40,11 @@ from ray_moe.placement.clones import push_clone_weights
 from ray_moe.placement.placement import Placement, expert_shard
 from ray_moe.topology import RankInfo
 from ray_moe.worker.clone_grads import CloneGradReduction
+from ray_moe.worker.mesh_groups import MeshGroups
 from ray_moe.worker.data import open_corpus
 from ray_moe.worker.optim import STATE_DTYPES, MixedPrecisionAdamW, no_weight_decay
 from ray_moe.worker.overlap import UpdateOverlap
+from ray_moe.worker.replica_grads import ReplicaGradReduction
 from ray_moe.worker.step_clock import StepClock
 from ray_moe.worker.zero import ShardedReplicatedState
 
@@ -90,14 +93,27 @@ def _no_mark(phase: str) -> None:
 
 class Engine:
     """One rank's training state; ``arch``: the architecture the driver resolved
-    (:meth:`~ray_moe.config.Config.resolve_arch`), built here without re-resolving."""
+    (:meth:`~ray_moe.config.Config.resolve_arch`), built here without re-resolving; ``mesh``: the
+    rank mesh the driver resolved (default: expert parallelism over the whole world), whose EP
+    group is the transport's peers.
+
+    The rank mesh (:mod:`ray_moe.mesh`): the data and the replicated parameters' reduction span
+    the world; the experts and the transport the EP group; an expert's gradient is summed over
+    its EP group by combine's backward and over its DP replicas here
+    (:class:`~ray_moe.worker.replica_grads.ReplicaGradReduction`, or ZeRO over the DP group at
+    ``parallel.zero_stage`` >= 1), so every rank's gradient is the world's sum, as at DP 1."""
 
     model: LanguageModel
 
     def __init__(self, config: Config, rank_info: RankInfo, transport: Transport, device: torch.device,
-                 arch: ResolvedArch):
+                 arch: ResolvedArch, mesh: MeshSpec | None = None):
         self.config, self.rank_info, self.transport, self.device = config, rank_info, transport, device
         self.rank, self.world_size = rank_info.rank, rank_info.world_size
+        self.mesh = mesh or MeshSpec.whole(self.world_size)
+        self.dp_rank, self.ep_rank = self.mesh.coords(self.rank)
+        if (transport.world_size, transport.rank) != (self.mesh.ep, self.ep_rank):
+            raise ValueError(f"rank {self.rank} is EP rank {self.ep_rank} of {self.mesh.ep} ({self.mesh}) but its "
+                             f"transport is rank {transport.rank} of {transport.world_size}")
         self.distributed = self.world_size > 1 and dist.is_initialized()
         self.corpus = open_corpus(config, arch.spec.vocab_size)  # byte corpus, or memory-mapped token datasets
         transport.reserve(buffer_spec(config, self.world_size, arch.spec))
@@ -109,16 +125,35 @@ class Engine:
         # the replicated parameters' state sharded over the ranks (parallel.zero_stage 1, 2)
         self.zero = self._sharded_replicated_state() if config.parallel.zero_stage else None
         self.clone_grads = None
+        self.replica_grads: ReplicaGradReduction | None = None
+        self.zero_experts: ShardedReplicatedState | None = None
+        # this engine's EP group (clone rows) and DP group (the replicas' expert gradients)
+        self.groups = MeshGroups.create(self.mesh, self.rank) if self.distributed else None
         try:
-            # hot-expert clones' gradients leave for their owners while backward runs
             rounded = config.parallel.grad_reduce_dtype != "float32"
-            if any(layer.placement.clone_slots for layer in self.model.moe_layers()):
-                group = dist.new_group(list(range(self.world_size))) if self.distributed else None
-                self.clone_grads = CloneGradReduction(self.model.moe_layers(), group, rounded)
+            has_clones = any(layer.placement.clone_slots for layer in self.model.moe_layers())
+            if self.mesh.dp > 1:  # the replicas' expert gradients: ZeRO over DP, or all-reduced in buckets
+                if config.parallel.zero_stage and has_clones:
+                    raise ConfigError(f"parallel.zero_stage={config.parallel.zero_stage} shards the expert state "
+                                      f"over the replicas ({self.mesh}) and cannot take hot-expert clones yet; set "
+                                      "balance.clone_slots=0 or parallel.zero_stage=0")
+                if config.parallel.zero_stage:
+                    self.zero_experts = self._sharded_expert_state()
+                else:
+                    self.replica_grads = ReplicaGradReduction(self.model.moe_layers(), self.groups.dp,
+                                                              DTYPES[config.parallel.grad_reduce_dtype])
+            # hot-expert clones' gradients leave for their owners while backward runs (with DP
+            # replicas: after the replicas' sums, in sync_grads)
+            if has_clones:
+                group = self.groups.ep if self.groups else None
+                self.clone_grads = CloneGradReduction(self.model.moe_layers(), group, rounded,
+                                                      in_backward=self.mesh.dp == 1)
+            excluded = (self.zero.names if self.zero else frozenset()) | (
+                self.zero_experts.names if self.zero_experts else frozenset())
             self.optimizer = MixedPrecisionAdamW(
                 self.model, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay,
                 impl=t.optimizer_impl, master_weights=t.master_weights, state_dtype=t.optimizer_state_dtype,
-                exclude=frozenset(self.zero.names) if self.zero else frozenset(), alone=not self.distributed,
+                exclude=frozenset(excluded), alone=not self.distributed,
                 rounded_clone_sums=rounded,
             )
         except BaseException:  # a half-built engine is never closed by anyone else
@@ -146,6 +181,25 @@ class Engine:
             betas=(t.beta1, t.beta2), eps=t.eps, state_dtype=STATE_DTYPES[t.optimizer_state_dtype],
             bucket_size=self.config.parallel.grad_bucket_size, shard_grads=self.config.parallel.zero_stage >= 2,
             grad_dtype=DTYPES[self.config.parallel.grad_reduce_dtype])
+
+    def _sharded_expert_state(self) -> ShardedReplicatedState:
+        """ZeRO stage 1 or 2 for the expert parameters over this rank's DP replicas: their float32
+        masters and moments split over the replicas, gradients reduce-scattered in buckets while
+        backward runs, bf16 weights all-gathered after the update (the replicated parameters'
+        machinery on the DP group)."""
+        t = self.config.train
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return ShardedReplicatedState(
+            [(names[id(p)], p) for p in self.sharded], no_weight_decay(self.model),
+            group=self.groups.dp, weight_decay=t.weight_decay,
+            betas=(t.beta1, t.beta2), eps=t.eps, state_dtype=STATE_DTYPES[t.optimizer_state_dtype],
+            bucket_size=self.config.parallel.grad_bucket_size, shard_grads=self.config.parallel.zero_stage >= 2,
+            grad_dtype=DTYPES[self.config.parallel.grad_reduce_dtype])
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup | None:
+        """The process group of this rank's EP group (clone rows move on it; None on one rank)."""
+        return self.groups.ep if self.groups else None
 
     def _update_overlap(self) -> UpdateOverlap:
         """The side stream and block events of ``train.overlap_update`` over the one-pass
@@ -181,7 +235,7 @@ class Engine:
             rank=self.rank, device=str(self.device), transport=self.transport.name,
             moe_layers=tuple(layer.layer_idx for layer in layers),
             num_experts=first.num_experts if first else 0,
-            native_placement=(Placement.native(first.num_experts, self.world_size, first.placement.clone_slots)
+            native_placement=(Placement.native(first.num_experts, self.mesh.ep, first.placement.clone_slots)
                               .to_dict() if first else {}),
             expert_bytes=(first.w13[0].numel() * first.w13.element_size()
                           + first.w2[0].numel() * first.w2.element_size()) if first else 0,
@@ -246,6 +300,10 @@ class Engine:
         self.optimizer.zero_grad()
         if self.zero:
             self.zero.begin()  # replicated gradients reduce-scattered as backward produces them
+        if self.zero_experts:
+            self.zero_experts.begin()  # expert gradients reduce-scattered over the replicas
+        if self.replica_grads:
+            self.replica_grads.begin()  # expert gradients all-reduced over the replicas
         if self.clone_grads:
             self.clone_grads.begin()  # clones' gradients sent to their owners as backward produces them
         loss.backward()
@@ -268,6 +326,8 @@ class Engine:
                 self._update(lr, scale)
             if self.zero and not beside:
                 self.zero.step(lr, scale)
+            if self.zero_experts:
+                self.zero_experts.step(lr, scale)
             self.opt_steps += 1
             self.update_routing_bias()
         else:  # weights and optimizer state untouched
@@ -291,6 +351,7 @@ class Engine:
                      "optimizer": clock.seconds("backward", "optimizer"),
                      "grad_sync": clock.seconds("backward", "grad sync"),
                      "grad_reduce": clock.seconds("reduce", "reduced") if self.distributed else 0.0,
+                     "replica_reduce": clock.seconds("replicas", "replicas reduced") if self.mesh.dp > 1 else 0.0,
                      "update": clock.seconds("grad sync", "optimizer"),
                      "step": t1 - t0, "comm": self.transport.timer.pop()},
         }
@@ -310,13 +371,13 @@ class Engine:
         def pushing(param: torch.Tensor | None, *work) -> None:
             layer = left.pop(id(param), None)
             if layer is not None and not any(id(p) in left for p in layer.expert_params()):
-                push_clone_weights(layer, layer.placement)
+                push_clone_weights(layer, layer.placement, self.ep_group)
             done(param, *work)
 
         self.optimizer.step(lr, scale, pushing if done is not None else None)
         for layer in self.model.moe_layers():  # those whose expert weights were not reported one by one
             if any(id(p) in left for p in layer.expert_params()):
-                push_clone_weights(layer, layer.placement)
+                push_clone_weights(layer, layer.placement, self.ep_group)
 
     def close(self) -> None:
         """Release what outlives the engine's memory: the ZeRO state's and the clone reduction's
@@ -327,15 +388,20 @@ class Engine:
             self.overlap.close()
             self.overlap = None
         if getattr(self, "clone_grads", None) is not None:
-            self.clone_grads.close()
-            if self.clone_grads.group is not None and dist.is_initialized():
-                dist.destroy_process_group(self.clone_grads.group)
+            self.clone_grads.close()  # (its process group is the mesh groups' EP group, destroyed below)
             self.clone_grads = None
         if self.zero is not None:
             self.zero.close()
             if self.distributed and dist.is_initialized():
                 dist.destroy_process_group(self.zero.group)
             self.zero = None
+        for name in ("replica_grads", "zero_experts"):
+            if getattr(self, name, None) is not None:
+                getattr(self, name).close()
+                setattr(self, name, None)
+        if getattr(self, "groups", None) is not None:
+            self.groups.destroy()
+            self.groups = None
 
     def counters(self) -> dict[str, int]:
         return {"step": self.step, "opt_steps": self.opt_steps, "skipped": self.skipped}
@@ -353,15 +419,33 @@ class Engine:
         backward): the mean's 1/W is folded into the update's gradient scale and into the norm."""
         opt = self.optimizer
         clones = self.clone_grads
+        replicas = self.replica_grads
+
+        def timed(fn: Callable[[], Any]) -> Any:  # the replicas' reduction exposed after backward
+            if clock is not None:
+                clock.mark("replicas")
+            out = fn()
+            if clock is not None:
+                clock.mark("replicas reduced")
+            return out
+
+        if replicas and clones:  # the replicas' sums first (clone slots too), then to the owners
+            timed(lambda: replicas.finish(lambda p: p.grad))
         if clones:
-            clones.launch_rest()  # the layers backward did not launch
+            clones.launch_rest()  # the layers backward did not launch (DP replicas)
             if clones.rounded:  # the clone sums into the bf16 gradients
                 clones.add_received(lambda p: p.grad)
         opt.gather_grads()
+        if replicas and not clones:  # into the gradients the update reads (float32 masters: exact)
+            timed(lambda: replicas.finish(opt.grad))
         if clones and not clones.rounded:  # into the float32 master gradients
             clones.add_received(opt.grad)
-        sharded = [opt.grad(p) for p in self.sharded]
-        local = _sum_of_squares(sharded, self.device)  # Σ over ranks: the expert-shard grads' part
+        if self.zero_experts:  # this rank's chunks of the replicas' sums (Σ over all ranks: the norm's part)
+            local = timed(self.zero_experts.finish)
+        elif self.dp_rank == 0:  # the experts' gradients, once per EP group's worth (the replicas' are equal)
+            local = _sum_of_squares([opt.grad(p) for p in self.sharded], self.device)
+        else:
+            local = torch.zeros((), dtype=torch.float32, device=self.device)
         replicated = []
         if clock is not None and self.distributed:
             clock.mark("reduce")
@@ -404,7 +488,7 @@ class Engine:
             layer.update_score_bias(t, rate)
 
     def push_clones(self) -> int:
-        return sum(push_clone_weights(layer, layer.placement) for layer in self.model.moe_layers())
+        return sum(push_clone_weights(layer, layer.placement, self.ep_group) for layer in self.model.moe_layers())
 
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int, temperature: float, seed: int) -> list[int]:
@@ -500,6 +584,14 @@ class Engine:
             for name, whole in self.zero.gather_state().items():
                 named.append((name, whole["master"]))
                 state[whole["master"]] = whole
+        if self.zero_experts:  # the experts' masters and moments, whole on DP rank 0 (a collective)
+            marks = {n: expert_shard(p) for n, p in self.model.named_parameters()}
+            for name, whole in self.zero_experts.gather_state().items():
+                whole["master"].expert_shard = marks[name]
+                named.append((name, whole["master"]))
+                state[whole["master"]] = whole
+        if self.dp_rank:  # whole experts once: the first replica writes them
+            named = [(n, p) for n, p in named if expert_shard(p) is None]
         return checkpoint.shard_state(named, state, self.rank, self.device,
                                       named_buffers=persistent_buffers(self.model))
 
@@ -509,18 +601,26 @@ class Engine:
         weights (a checkpoint of compute-dtype weights is upcast) and refreshes the parameters."""
         self.settle()
         for layer in self.model.moe_layers():
-            layer.set_placement(Placement.native(layer.num_experts, self.world_size, layer.placement.clone_slots))
+            layer.set_placement(Placement.native(layer.num_experts, self.mesh.ep, layer.placement.clone_slots))
         named = self.optimizer.named_masters()
         whole: dict[str, torch.Tensor] = {}
+        experts: dict[str, torch.Tensor] = {}
+        names = {id(p): n for n, p in self.model.named_parameters()}
         if self.zero:  # whole float32 host tensors, checked by the same code; this rank keeps its chunks
-            names = {id(p): n for n, p in self.model.named_parameters()}
             whole = {names[id(p)]: torch.empty(p.shape, dtype=torch.float32) for p in self.replicated}
             named = named + list(whole.items())
+        if self.zero_experts:  # this EP rank's experts, whole, marked as the parameters are
+            for p in self.sharded:
+                experts[names[id(p)]] = torch.zeros(p.shape, dtype=torch.float32)
+                experts[names[id(p)]].expert_shard = expert_shard(p)
+            named = named + list(experts.items())
         state = self.optimizer.state
         checkpoint.load_shard_state(named, state, tensors, opt_steps, self.rank, self.device,
                                     named_buffers=persistent_buffers(self.model))
         if self.zero:
             self.zero.load(whole, {n: state.pop(w) for n, w in whole.items() if w in state}, opt_steps)
+        if self.zero_experts:
+            self.zero_experts.load(experts, {n: state.pop(w) for n, w in experts.items() if w in state}, opt_steps)
         self.optimizer.loaded()
         self.step, self.opt_steps = step, opt_steps
         self.push_clones()

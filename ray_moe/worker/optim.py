@@ -261,7 +261,7 @@ class MixedPrecisionAdamW:
         (:class:`ray_moe.worker.overlap.UpdateOverlap` records its block events there)."""
         for group in self.inner.param_groups:
             group["lr"] = lr
-        if clip_coef != 1.0:  # (the one-pass kernel scales its own gradients as it reads them)
+        if clip_coef != 1.0 and self.masters:  # (the one-pass kernel scales its own gradients as it reads them)
             if self.inner.defaults.get("fused"):  # the kernel divides the gradients by grad_scale
                 self.inner.grad_scale = torch.full((), 1.0 / clip_coef, device=self.masters[0].device)
             else:

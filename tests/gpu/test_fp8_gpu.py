@@ -12,7 +12,7 @@ import torch
 from ray_moe.device import capture_graph
 from ray_moe.kernels import fp8_grouped as G
 from ray_moe.kernels import fp8_quant as Q
-from ray_moe.validation.kernels import random_case
+from tests.kernel_cases import random_case
 
 pytestmark = pytest.mark.gpu
 

@@ -13,13 +13,14 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "ray_moe"
 
 # What each part of the package may import (besides itself). Shared base modules first.
-BASE = {"arch", "config", "connect", "topology", "device", "dirlock", "lazy", "usage"}
+BASE = {"arch", "config", "connect", "mesh", "topology", "device", "dirlock", "lazy", "usage"}
 ALLOWED = {
     "usage": set(),  # the command lines' one-line argument errors
     "lazy": set(),  # package attributes loaded on first use
     "arch": {"usage"},
-    "config": {"arch"},
+    "config": {"arch", "mesh"},
     "config_reference": {"config"},  # docs/CONFIG.md from the config dataclasses
+    "mesh": set(),  # the rank mesh (plain arithmetic)
     "topology": set(),
     "device": set(),
     "dirlock": set(),

@@ -12,6 +12,7 @@ routing, saved): for T, H, I, E, K
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch

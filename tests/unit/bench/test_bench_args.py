@@ -84,6 +84,7 @@ def test_rounds_take_each_timing_median():
     (["--layers", "2,2"], "--layers='2,2' must be a comma list of distinct integers >= 1"),
     (["--set", "moe.top_k=0"], "--set: moe.top_k=0 must be between 1"),
     (["--set", "moe.nope=1"], "--set: "),
+    (["--ep", "3"], "parallel.expert_parallel=3 does not divide"),  # a rank mesh at W=2
     (["--variants", "sequential+nope"],
      "must name some of sequential, param_gather, no_param_gather, bf16_reduce, rebalance"),
 ])

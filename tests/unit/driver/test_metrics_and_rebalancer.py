@@ -30,6 +30,16 @@ def test_aggregate_step_sums_loads_and_averages_losses():
     assert m["time_per_rank"]["comm"] == [0.1, 0.1]
 
 
+def test_aggregate_step_balance_per_ep_group():
+    """On a rank mesh (EP 2 x DP 2) balance is each EP group's: rows never leave it."""
+    results = [_result(r, 1.0, [1, 1], pairs) for r, pairs in enumerate([6.0, 2.0, 3.0, 3.0])]
+    results[2]["time"]["replica_reduce"] = 0.25
+    m = aggregate_step(results, wall=1.0, ep=2)
+    assert m["imbalance_per_group"] == [[1.5], [1.0]]  # group 0: max 6 / mean 4; group 1 even
+    assert m["imbalance"] == pytest.approx(1.25) and m["replica_reduce_max"] == 0.25
+    assert aggregate_step(results, wall=1.0)["imbalance"] == pytest.approx(6 / 3.5)  # the world as one group
+
+
 def test_metrics_log_appends_and_summarises(tmp_path):
     log = MetricsLog(tmp_path / "m.jsonl")
     log.start_fresh()

@@ -1,0 +1,215 @@
+"""The rank mesh on the CPU (gloo): W = EP x DP training equals the single process, replicas stay
+identical, rows move only inside an EP group, checkpoints move between mesh shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ray_moe.comm.local import LocalTransport
+from ray_moe.config import ConfigError
+from ray_moe.driver.trainer import Trainer
+from ray_moe.mesh import MeshSpec
+from ray_moe.worker.engine import Engine
+from tests.support import single_rank, small_config
+
+def _own_group(world: int):
+    from ray_moe.config import Config
+    from ray_moe.driver.group import WorkerGroup
+
+    return WorkerGroup(Config.from_dict({
+        "parallel": {"world_size": world, "device": "cpu", "cpu_per_worker": 0.5, "startup_timeout_s": 240,
+                     "placement_strategy": "STRICT_PACK"},
+        "moe": {"num_experts": 24}, "train": {"batch_size": 12}}))
+
+
+@pytest.fixture(scope="module")
+def mesh_groups(ray_cluster):
+    """mesh_groups(W) → this module's CPU group of W ranks (4 or 6), all on one simulated node
+    (STRICT_PACK: every EP degree lies inside it, whatever the suite's other groups hold), closed
+    after the module so that the suite's cached groups are not pushed out. A Trainer switches it
+    to the mesh its config asks for."""
+    made: dict[int, object] = {}
+
+    def get(world: int):
+        if world not in made:
+            made[world] = _own_group(world)
+        return made[world]
+
+    yield get
+    for group in made.values():
+        group.close()
+
+
+RECLONING = ["balance.enabled=true", "balance.interval=3", "balance.clone_slots=1", "balance.ema=0.0"]
+STEPS = 8
+
+
+def _state(worker):
+    """The worker's whole checkpoint part (RNG left out), its mesh coordinates and its transport's peers."""
+    shard = {k: v for k, v in worker.engine.shard_state().items() if not k.startswith("rng.")}
+    weights = {n: p.detach().clone() for n, p in worker.engine.model.named_parameters()}
+    return {"shard": shard, "weights": weights, "coords": worker.engine.mesh.coords(worker.rank_info.rank),
+            "peers": worker.transport.peers}
+
+
+def _single(cfg, steps: int):
+    """Losses and checkpoint state of the single-process run of ``cfg`` (W=1)."""
+    single_cfg = cfg.with_overrides(["parallel.world_size=1", "parallel.expert_parallel=0"])
+    engine = Engine(single_cfg, single_rank(), LocalTransport(), torch.device("cpu"), single_cfg.resolve_arch())
+    losses = [engine.train_step()["loss"] for _ in range(steps)]
+    return losses, {k: v for k, v in engine.shard_state().items() if not k.startswith("rng.")}
+
+
+def _mesh_config(tmp_path, world: int, ep: int, *extra: str):
+    cfg = small_config(tmp_path, **{"parallel.world_size": world,
+        "train.steps": STEPS, "train.batch_size": 12 if world % 3 == 0 else 8, "moe.num_experts": 6 if ep == 3 else 4,
+        "parallel.expert_parallel": ep})
+    return cfg.with_overrides(list(extra))
+
+
+@pytest.mark.parametrize("world,ep", [(4, 2), (6, 3), (6, 2)], ids=["2x2", "3x2", "2x3"])
+def test_mesh_training_equals_single_process(mesh_groups, tmp_path, world, ep):
+    """EP x DP training with hot-expert clones re-planned every 3 steps equals the single-process
+    run: every loss and every weight and moment (1e-6 relative); the DP replicas hold identical
+    weights; each rank's transport moves rows among its EP group only."""
+    cfg = _mesh_config(tmp_path, world, ep, *RECLONING)
+    with Trainer(cfg, progress=False, group=mesh_groups(world)) as t:
+        assert t.group.mesh == MeshSpec(world, ep, world // ep)
+        losses = [t.step()["loss"] for _ in range(STEPS)]
+        parts = t.group.execute(_state)
+        plans = [m for m in t.metrics if m.get("event") == "rebalance"]
+        record = [m for m in t.metrics if "imbalance_per_group" in m][-1]
+    assert sum(p["bytes_moved"] for p in plans) > 0 and len(plans) == 2  # clones planned and moved mid-run
+    assert len(record["imbalance_per_group"]) == world // ep
+    mesh = MeshSpec(world, ep, world // ep)
+    for rank, part in enumerate(parts):
+        assert part["coords"] == mesh.coords(rank)
+        assert part["peers"] == mesh.peers(rank)  # rows never leave the EP group
+        twin = parts[mesh.dp_group(mesh.ep_rank(rank))[0]]  # the first replica of this EP rank
+        for name, w in part["weights"].items():
+            assert torch.equal(w, twin["weights"][name]), (rank, name)  # replicas identical, clones included
+    state = {}
+    for part in parts:
+        state.update(part["shard"])
+    single_losses, single_state = _single(cfg, STEPS)
+    assert losses == pytest.approx(single_losses, rel=1e-6)
+    assert set(state) == set(single_state)
+    errors = {key: _rel(state[key], ref) for key, ref in single_state.items()}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= 1e-6, (worst, errors[worst])
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a - b‖ / ‖b‖ (0 for two zero tensors)."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm()) if b.norm() > 0 else float((a - b).norm())
+
+
+def test_checkpoint_moves_between_mesh_shapes(mesh_groups, groups, tmp_path):
+    """A checkpoint written at 2x2 with the expert state sharded over the replicas (ZeRO 1)
+    resumes exactly at W=1, at whole-world EP (4x1) and at 2x3 (unsharded): the next two steps'
+    losses match the uninterrupted run's; and the 4x1 run's checkpoint of the same step resumes
+    at 2x2 under ZeRO again, as exactly."""
+    def config(world: int, ep: int, name: str, *extra: str):
+        return small_config(tmp_path, **{"parallel.world_size": world, "parallel.expert_parallel": ep,
+                                         "train.batch_size": 12, "train.steps": STEPS,
+                                         "train.run_dir": str(tmp_path / name)}).with_overrides(list(extra))
+
+    with Trainer(config(4, 2, "2x2", "parallel.zero_stage=1"), progress=False, group=mesh_groups(4)) as t:
+        assert t.group.mesh == MeshSpec(4, 2, 2)
+        for _ in range(3):
+            t.step()
+        saved = t.save()
+        uninterrupted = [t.step()["loss"] for _ in range(2)]
+    resaved = None
+    for world, ep, group in ((1, 0, groups(1)), (4, 0, groups(4, "SPREAD")), (6, 2, mesh_groups(6))):
+        with Trainer(config(world, ep, f"w{world}ep{ep}"), progress=False, group=group) as t2:
+            assert t2.restore(saved) == 3
+            if world == 4:
+                assert t2.group.mesh == MeshSpec(4, 4, 1)  # auto on the CPU: the whole world
+                resaved = t2.save()
+            assert [t2.step()["loss"] for _ in range(2)] == pytest.approx(uninterrupted, rel=1e-6), (world, ep)
+    with Trainer(config(4, 2, "again", "parallel.zero_stage=1"), progress=False, group=mesh_groups(4)) as t3:
+        assert t3.restore(resaved) == 3
+        assert [t3.step()["loss"] for _ in range(2)] == pytest.approx(uninterrupted, rel=1e-6)
+
+
+def test_hf_family_equal_to_transformers_at_2x2(mesh_groups, tiny_hf):
+    """A tiny Qwen3-MoE at EP 2 x DP 2: every rank's logits and
+    gradients (router, its experts summed over the replicas, attention, embedding) equal
+    transformers' within 1e-5, at the native placement and with clones."""
+    from tests.hf_parity import model_parity, parity_config, reference
+
+    cfg = parity_config(tiny_hf("qwen3_moe"), world_size=4, batch=4, seq_len=12).with_overrides(
+        ["parallel.expert_parallel=2"])
+    arch = cfg.resolve_arch()
+    group = mesh_groups(4)
+    assert group.use_mesh(cfg, arch) == MeshSpec(4, 2, 2)
+    ids = torch.randint(0, 272, (4, 13), generator=torch.Generator().manual_seed(4))
+    results = group.execute(model_parity, cfg, arch, ids, reference(cfg, arch, ids), timeout=180)
+    for rank, res in enumerate(results):
+        for placement in ("native", "clones"):
+            bad = {k: v for k, v in res[placement].items() if not v <= 1e-5}
+            assert not bad, f"rank {rank} {placement}: {bad}"
+    assert {k for k in results[0]["native"] if k.startswith("expert.")} == \
+        {k for k in results[2]["native"] if k.startswith("expert.")}  # replicas: the same experts
+    assert len({k for r in results for k in r["native"] if k.startswith("expert.")}) == 2 * 8
+
+
+def test_transport_and_layer_parity_inside_each_ep_group(mesh_groups, tmp_path):
+    """At 2x2 every EP group runs the transport validators and the layer against the oracle on
+    its own (two exchanges at once, one per group, over the groups' process groups)."""
+    from ray_moe.validation import Case
+    from ray_moe.validation.layer import layer_parity
+    from tests.support import run_all
+
+    group = mesh_groups(4)
+    cfg = small_config(tmp_path, **{
+        "parallel.world_size": 4, "parallel.expert_parallel": 2, "train.batch_size": 8})
+    assert group.use_mesh(cfg, cfg.resolve_arch()) == MeshSpec(4, 2, 2)
+    assert not run_all(group, Case(hidden=16))
+    for rank, errs in enumerate(group.execute(layer_parity, Case(hidden=16, num_experts=4), timeout=120)):
+        assert all(v <= 1e-5 for v in errs.values()), (rank, errs)
+
+
+def test_bench_grad_reduce_times_the_replicas_reduction(mesh_groups, tmp_path):
+    """``ray-moe bench grad_reduce --ep 2`` at W=4 (EP 2 x DP 2, gloo): a row per stage with the
+    replicas' expert reduction timed (> 0 and inside the step)."""
+    import json
+
+    from ray_moe.bench import grad_reduce
+
+    out = tmp_path / "rows.json"
+    assert grad_reduce.main(["--world-size", "4", "--ep", "2", "--stages", "0,1", "--device", "cpu",
+                             "--transport", "gloo", "--hf-config", "", "--layers", "1", "--d-model", "32",
+                             "--experts", "4", "--expert-hidden", "32", "--tokens", "64", "--seq-len", "32",
+                             "--max-bytes", "200000", "--warmup", "1", "--iters", "2", "--json", str(out)],
+                            group=mesh_groups(4)) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["stage"] for r in rows] == [0, 1] and {r["mesh"] for r in rows} == {"EP 2 x DP 2"}
+    for r in rows:
+        assert 0 < r["replica_reduce_ms"] < r["step_ms"], r
+
+
+def test_a_killed_worker_of_one_replica_recovers_the_mesh_exactly(ray_cluster, tmp_path):
+    """Rank 3 (EP rank 1 of the second replica) is killed after the step-2 checkpoint: the next
+    step fails, the Trainer starts a new 2 x 2 group, restores step 2 and goes on; every step's
+    loss equals the single-process run's."""
+    import os
+    import signal
+
+    cfg = _mesh_config(tmp_path, 4, 2, "train.checkpoint_interval=2", "train.max_failures=1",
+                       "parallel.placement_strategy=STRICT_PACK")  # both EP groups on one node, as recovered
+    with Trainer(cfg, progress=False) as t:  # its own group: this one gets killed
+        for _ in range(3):
+            t.step()
+        os.kill(t.group.ranks[3].pid, signal.SIGKILL)
+        while t.step_count < 5:
+            t.step()
+        assert t.group.mesh == MeshSpec(4, 2, 2)
+        events = [m["event"] for m in t.metrics if "event" in m]
+        losses = [m["loss"] for m in t.metrics if "loss" in m and "event" not in m]
+    assert "failure" in events and "recovered" in events, events
+    single, _ = _single(cfg, 5)
+    assert losses == pytest.approx(single, rel=1e-6)
