@@ -315,22 +315,24 @@ def _swiglu_bwd_rows_kernel(
         g = tl.load(g_ptr + r64[:, None] * I + cols[None, :], mask=m, other=0.0).to(tl.float32)
         gate = tl.load(h13_ptr + r64[:, None] * (2 * I) + cols[None, :], mask=m, other=0.0).to(tl.float32)
         up = tl.load(h13_ptr + r64[:, None] * (2 * I) + I + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        d_act = g * w[:, None]
         if ACT == ACT_CLAMPED:
             gc = tl.minimum(gate, LIMIT)
             uc = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
             sig = tl.sigmoid(ALPHA * gc)
             glu = gc * sig
             act = (uc + 1.0) * glu
+            dw += tl.sum(act * g, axis=1)
+            d_act = g * w[:, None]
             d_gate = tl.where(gate <= LIMIT, d_act * (uc + 1.0) * sig * (1.0 + ALPHA * gc * (1.0 - sig)), 0.0)
             d_up = tl.where((up >= -LIMIT) & (up <= LIMIT), d_act * glu, 0.0)
-        else:
+        else:  # the plain SwiGLU specialisation, in its original order of operations
             sig = tl.sigmoid(gate)
             silu = gate * sig
             act = silu * up
+            dw += tl.sum(act * g, axis=1)
+            d_act = g * w[:, None]
             d_gate = d_act * up * sig * (1.0 + gate * (1.0 - sig))
             d_up = d_act * silu
-        dw += tl.sum(act * g, axis=1)
         tl.store(dh13_ptr + r64[:, None] * (2 * I) + cols[None, :], d_gate.to(dh13_ptr.dtype.element_ty), mask=st)
         tl.store(dh13_ptr + r64[:, None] * (2 * I) + I + cols[None, :], d_up.to(dh13_ptr.dtype.element_ty), mask=st)
         tl.store(aw_ptr + r64[:, None] * I + cols[None, :], (act * w[:, None]).to(aw_ptr.dtype.element_ty), mask=st)
