@@ -15,9 +15,10 @@ PATTERNS = ("random", "all_one_expert", "sparse")
 
 
 def random_case(
-    R: int, K: int, S: int, H: int, I: int, pattern: str, dtype: torch.dtype, device: str | torch.device, seed: int
+    R: int, K: int, S: int, H: int, I: int, pattern: str, dtype: torch.dtype, device: str | torch.device, seed: int,
+    biases: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Inputs of ``expert_ffn``.
+    """Inputs of ``expert_ffn``; with ``biases`` also b13 [S, 2I] and b2 [S, H] (dtype).
 
     pattern: ``random`` (slots uniform, ~20% of pairs -1, slot 1 never used when S > 2),
     ``all_one_expert`` (every pair to slot S-1), ``sparse`` (each slot gets 0 or 1 pair; needs R*K small).
@@ -40,32 +41,46 @@ def random_case(
     else:
         raise ValueError(f"pattern {pattern!r} is not one of {PATTERNS}")
     weight = torch.rand(R, K, generator=g) * (slot >= 0)
-    return {
+    case = {
         "x": torch.randn(R, H, generator=g).to(device=device, dtype=dtype),
         "w13": (torch.randn(S, H, 2 * I, generator=g) * H**-0.5).to(device=device, dtype=dtype),
         "w2": (torch.randn(S, I, H, generator=g) * I**-0.5).to(device=device, dtype=dtype),
         "slot": slot.to(device),
         "weight": weight.float().to(device),
     }
+    if biases:
+        case["b13"] = (torch.randn(S, 2 * I, generator=g) * 0.5).to(device=device, dtype=dtype)
+        case["b2"] = (torch.randn(S, H, generator=g) * 0.5).to(device=device, dtype=dtype)
+    return case
 
 
-def check_expert_ffn(case: dict[str, torch.Tensor], seed: int = 1, plan=None) -> dict[str, float]:
-    """Relative errors of the triton path vs the float64 loop reference: out, x, weight, w13, w2;
-    plus ``empty_slot_grad``: max |dW| over slots with no valid pair (must be exactly 0).
-    ``plan``: a :class:`ray_moe.kernels.grouped_swiglu.KernelPlan` (None → the default)."""
+# gpt-oss's activation with a limit that the unit-variance pre-activations of random_case cross
+# often (gpt-oss: 7.0), so that both clamps are active on a good share of the elements
+CLAMPED_TEST_LIMIT = 1.0
+
+
+def check_expert_ffn(case: dict[str, torch.Tensor], seed: int = 1, plan=None, act=None) -> dict[str, float]:
+    """Relative errors of the triton path vs the float64 loop reference: out, x, weight, w13, w2
+    (and b13, b2 when the case has biases); plus ``empty_slot_grad``: max |dW| (and |db|) over
+    slots with no valid pair (must be exactly 0). ``plan``: a
+    :class:`ray_moe.kernels.grouped_swiglu.KernelPlan` (None → the default); ``act``: an
+    :class:`~ray_moe.model.experts.ExpertActivation` (None → SwiGLU); with the clamped one,
+    ``clamped_share``: the share of pre-activation elements where a clamp holds."""
     from ray_moe.kernels.expert_ffn import expert_ffn_triton
-    from ray_moe.model.experts import expert_ffn
+    from ray_moe.model.experts import SWIGLU, expert_ffn
 
-    names = ("x", "weight", "w13", "w2")
+    names = ("x", "weight", "w13", "w2") + (("b13", "b2") if "b13" in case else ())
     leaves = {n: case[n].detach().clone().requires_grad_() for n in names}
-    out = expert_ffn_triton(leaves["x"], case["slot"], leaves["weight"], leaves["w13"], leaves["w2"], plan=plan)
+    out = expert_ffn_triton(leaves["x"], case["slot"], leaves["weight"], leaves["w13"], leaves["w2"], plan=plan,
+                            act=act, b13=leaves.get("b13"), b2=leaves.get("b2"))
     g = torch.Generator().manual_seed(seed)
     grad_out = torch.randn(out.shape, generator=g).to(device=out.device, dtype=out.dtype)
     grads = torch.autograd.grad(out, [leaves[n] for n in names], grad_out)
 
     ref_leaves = {n: case[n].detach().double().cpu().requires_grad_() for n in names}
     slot_cpu = case["slot"].cpu()
-    ref = expert_ffn(ref_leaves["x"], slot_cpu, ref_leaves["weight"], ref_leaves["w13"], ref_leaves["w2"], impl="loop")
+    ref = expert_ffn(ref_leaves["x"], slot_cpu, ref_leaves["weight"], ref_leaves["w13"], ref_leaves["w2"], impl="loop",
+                     act=act or SWIGLU, b13=ref_leaves.get("b13"), b2=ref_leaves.get("b2"))
     ref_grads = torch.autograd.grad(ref, [ref_leaves[n] for n in names], grad_out.double().cpu())
 
     result = {"out": rel_err(out, ref)}
@@ -76,30 +91,26 @@ def check_expert_ffn(case: dict[str, torch.Tensor], seed: int = 1, plan=None) ->
     used[valid] = True
     empty = (~used).nonzero().squeeze(1)
     result["empty_slot_grad"] = max(
-        [grads[2][empty].abs().max().item() if empty.numel() else 0.0,
-         grads[3][empty].abs().max().item() if empty.numel() else 0.0]
+        [grads[i][empty].abs().max().item() if empty.numel() else 0.0 for i in range(2, len(names))]
     )
     result["n_empty_slots"] = float(empty.numel())
+    if act is not None and act.kind == "clamped_swiglu":
+        result["clamped_share"] = _clamped_share(ref_leaves, slot_cpu, act)
     return result
 
 
-def check_router_logits(logits_fn, T: int, H: int, E: int, device: str | torch.device, seed: int = 0) -> dict[str, float]:
-    """Relative errors of ``logits_fn(x bf16 [T, H], w float32 [H, E]) -> float32 [T, E]`` and of
-    its gradients against the float64 product on fresh random inputs (0.0 everywhere when T=0).
-    Also checks the output's dtype/shape and that dx comes back in bf16 (raises otherwise)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g).to(device=device, dtype=torch.bfloat16).requires_grad_()
-    w = (torch.randn(H, E, generator=g) / H**0.5).to(device).requires_grad_()
-    got = logits_fn(x, w)
-    if got.dtype != torch.float32 or tuple(got.shape) != (T, E):
-        raise AssertionError(f"logits must be float32 [{T}, {E}], got {got.dtype} {tuple(got.shape)}")
-    if T == 0:
-        return {"logits": 0.0, "dx": 0.0, "dw": 0.0}
-    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    want = xr @ wr
-    go = torch.randn(T, E, generator=g).to(device)
-    dx, dw = torch.autograd.grad(got, (x, w), go)
-    rx, rw = torch.autograd.grad(want, (xr, wr), go.double())
-    if dx.dtype != torch.bfloat16:
-        raise AssertionError(f"dx must be bf16 like x, got {dx.dtype}")
-    return {"logits": rel_err(got, want), "dx": rel_err(dx, rx), "dw": rel_err(dw, rw)}
+def _clamped_share(leaves: dict[str, torch.Tensor], slot: torch.Tensor, act) -> float:
+    """Share of the valid pairs' gate and up elements where gpt-oss's clamp holds."""
+    K = slot.shape[1]
+    flat = slot.reshape(-1)
+    clamped = total = 0
+    with torch.no_grad():
+        for s in range(leaves["w13"].shape[0]):
+            rows = (flat == s).nonzero().squeeze(1) // K
+            h = leaves["x"][rows] @ leaves["w13"][s]
+            if "b13" in leaves:
+                h = h + leaves["b13"][s]
+            gate, up = h.chunk(2, dim=-1)
+            clamped += int((gate > act.limit).sum() + (up.abs() > act.limit).sum())
+            total += h.numel()
+    return clamped / max(total, 1)

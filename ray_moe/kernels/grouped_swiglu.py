@@ -37,7 +37,9 @@ from ray_moe.kernels.tiles import (
     EPI_PLAIN,
     EPI_SCALE,
     EPI_SWIGLU,
+    ACT_CLAMPED,
     ZERO_TAIL,
+    act_params,
     load_row_scale,
     store_forward_epilogue,
     swizzle,
@@ -149,16 +151,18 @@ def _tile_of_groups(starts_ptr, ends_ptr, n_groups, tile_m, BLOCK_M: tl.constexp
 
 @triton.jit
 def _grouped_rows_kernel(
-    a_ptr, b_ptr, out_ptr, aux_ptr, weight_ptr, starts_ptr, ends_ptr, sorted_pair_ptr,
+    a_ptr, b_ptr, out_ptr, aux_ptr, weight_ptr, bias_ptr, starts_ptr, ends_ptr, sorted_pair_ptr,
     n_groups, max_m_tiles, N, KD, half,
-    stride_am, stride_bg, stride_bk, stride_bn, stride_om, stride_xm,
+    stride_am, stride_bg, stride_bk, stride_bn, stride_om, stride_xm, stride_bias,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr, SAVE_AUX: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUPS_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ONE_DOT: tl.constexpr = False,
+    ONE_DOT: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
+    ACT: tl.constexpr = 0, ALPHA: tl.constexpr = 0.0, LIMIT: tl.constexpr = 0.0,
 ):
     """See the module docstring. ``half`` = I: column offset of the up half in w13 / h13.
-    ONE_DOT (EPI_SWIGLU, unit column stride, half % 8 == 0): gate and up columns as one operand."""
+    ONE_DOT (EPI_SWIGLU, unit column stride, half % 8 == 0): gate and up columns as one operand.
+    HAS_BIAS / ACT / ALPHA / LIMIT: the epilogue's bias and activation (tiles.store_forward_epilogue)."""
     num_n = tl.cdiv(N, BLOCK_N)
     tile_m, pid_n = swizzle(tl.program_id(0), max_m_tiles, num_n, GROUP_M)
     group, row_start, row_end, total = _tile_of_groups(starts_ptr, ends_ptr, n_groups, tile_m, BLOCK_M, GROUPS_PAD)
@@ -226,7 +230,7 @@ def _grouped_rows_kernel(
     rm64 = rm.to(tl.int64)
     out_ptrs = out_ptr + rm64[:, None] * stride_om + rn[None, :]
     store_forward_epilogue(acc, acc_up, out_ptrs, out_mask, rm64, rn, row_scale, aux_ptr, stride_xm, half, EPILOGUE,
-                           SAVE_AUX)
+                           SAVE_AUX, bias_ptr, group, stride_bias, N, HAS_BIAS, ACT, ALPHA, LIMIT)
 
 
 @triton.jit
@@ -280,10 +284,16 @@ def _grouped_wgrad_kernel(
 @triton.jit
 def _swiglu_bwd_rows_kernel(
     g_ptr, h13_ptr, weight_ptr, sorted_pair_ptr, n_valid_ptr, dh13_ptr, aw_ptr, dw_ptr, n_pos, I,
+    go_ptr, b2_ptr, offsets_ptr, n_groups, H, stride_go,
     BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr, ZERO_TAIL: tl.constexpr,
+    ACT: tl.constexpr = 0, ALPHA: tl.constexpr = 0.0, LIMIT: tl.constexpr = 0.0,
+    HAS_BIAS: tl.constexpr = False, TOP_K: tl.constexpr = 1, GROUPS_PAD: tl.constexpr = 1,
 ):
     """Per position p < n_valid, from G = grad_out[row] @ w2_s^T [P, I] and h13 = g|u [P, 2I]:
-    dh13 = weight * (dG * u * silu'(g) | dG * silu(g)), aw = weight * a, dw[p] = <a, G>.
+    dh13 = weight * (G * da/dg | G * da/du), aw = weight * a, dw[p] = <a, G> (a = the gated
+    activation ACT of g|u: SwiGLU, or the clamped one, whose derivative is zero where a clamp
+    holds, as autograd of torch.clamp gives). HAS_BIAS: dw[p] += <grad_out[row], b2[s]> (the
+    down bias is inside the routing weight's product; s found from ``offsets``; grad_out [R, H]).
     dw is written for every p < n_pos (0 past n_valid); dh13 and aw up to ZERO_TAIL rows past
     n_valid (zeros there: their loads are masked to 0), which is as far as a weight-gradient
     kernel's descriptor tile reads past the last group. An EP rank has about half its positions
@@ -305,15 +315,38 @@ def _swiglu_bwd_rows_kernel(
         g = tl.load(g_ptr + r64[:, None] * I + cols[None, :], mask=m, other=0.0).to(tl.float32)
         gate = tl.load(h13_ptr + r64[:, None] * (2 * I) + cols[None, :], mask=m, other=0.0).to(tl.float32)
         up = tl.load(h13_ptr + r64[:, None] * (2 * I) + I + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(gate)
-        silu = gate * sig
-        act = silu * up
-        dw += tl.sum(act * g, axis=1)
-        d_act = g * w[:, None]
-        tl.store(dh13_ptr + r64[:, None] * (2 * I) + cols[None, :],
-                 (d_act * up * sig * (1.0 + gate * (1.0 - sig))).to(dh13_ptr.dtype.element_ty), mask=st)
-        tl.store(dh13_ptr + r64[:, None] * (2 * I) + I + cols[None, :], (d_act * silu).to(dh13_ptr.dtype.element_ty), mask=st)
+        if ACT == ACT_CLAMPED:
+            gc = tl.minimum(gate, LIMIT)
+            uc = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+            sig = tl.sigmoid(ALPHA * gc)
+            glu = gc * sig
+            act = (uc + 1.0) * glu
+            dw += tl.sum(act * g, axis=1)
+            d_act = g * w[:, None]
+            d_gate = tl.where(gate <= LIMIT, d_act * (uc + 1.0) * sig * (1.0 + ALPHA * gc * (1.0 - sig)), 0.0)
+            d_up = tl.where((up >= -LIMIT) & (up <= LIMIT), d_act * glu, 0.0)
+        else:  # the plain SwiGLU specialisation, in its original order of operations
+            sig = tl.sigmoid(gate)
+            silu = gate * sig
+            act = silu * up
+            dw += tl.sum(act * g, axis=1)
+            d_act = g * w[:, None]
+            d_gate = d_act * up * sig * (1.0 + gate * (1.0 - sig))
+            d_up = d_act * silu
+        tl.store(dh13_ptr + r64[:, None] * (2 * I) + cols[None, :], d_gate.to(dh13_ptr.dtype.element_ty), mask=st)
+        tl.store(dh13_ptr + r64[:, None] * (2 * I) + I + cols[None, :], d_up.to(dh13_ptr.dtype.element_ty), mask=st)
         tl.store(aw_ptr + r64[:, None] * I + cols[None, :], (act * w[:, None]).to(aw_ptr.dtype.element_ty), mask=st)
+    if HAS_BIAS:
+        gi = tl.arange(0, GROUPS_PAD)
+        ends = tl.load(offsets_ptr + 1 + gi, mask=gi < n_groups, other=2147483647)
+        group = tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)  # valid rows: < n_groups
+        grow = (pair // TOP_K).to(tl.int64)
+        for h0 in range(0, H, BLOCK_I):
+            hc = h0 + tl.arange(0, BLOCK_I)
+            mh = ok[:, None] & (hc < H)[None, :]
+            go = tl.load(go_ptr + grow[:, None] * stride_go + hc[None, :], mask=mh, other=0.0).to(tl.float32)
+            bias = tl.load(b2_ptr + group.to(tl.int64)[:, None] * H + hc[None, :], mask=mh, other=0.0).to(tl.float32)
+            dw += tl.sum(go * bias, axis=1)
     tl.store(dw_ptr + rows, dw, mask=rows < n_pos)
 
 
@@ -340,6 +373,15 @@ def _check_matrix(name: str, t: torch.Tensor, rows: int | None = None, cols: int
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
 
 
+def _check_bias(name: str, bias: torch.Tensor | None, S: int, cols: int, like: torch.Tensor) -> None:
+    if bias is None:
+        return
+    if tuple(bias.shape) != (S, cols) or bias.stride(1) != 1:
+        raise ValueError(f"{name} must be a row-contiguous [{S}, {cols}] bias, got {tuple(bias.shape)} "
+                         f"strides {bias.stride()}")
+    _check_same(name, bias, "the activations", like)
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -348,9 +390,12 @@ def _launch_rows(
     *, a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, int], out: torch.Tensor,
     layout: PairLayout, top_k: int, gather_a: bool, epilogue: int, n_cols: int, kd: int, half: int,
     cfg: GemmConfig, aux: torch.Tensor | None = None, weight: torch.Tensor | None = None, save_aux: bool = False,
+    bias: torch.Tensor | None = None, act: tuple[int, float, float] = (0, 0.0, 0.0),
 ) -> None:
     """One grouped row GEMM over the layout's groups (group s with b[s]): the Hopper descriptor
-    kernel where ``cfg.tma`` asks for it and the shapes allow it, else the pointer kernel."""
+    kernel where ``cfg.tma`` asks for it and the shapes allow it, else the pointer kernel.
+    ``bias`` [S, cols] (row-contiguous): added per group in the SCALE / SWIGLU epilogues;
+    ``act``: (ACT, ALPHA, LIMIT) of :func:`~ray_moe.kernels.tiles.act_params` for SWIGLU."""
     n_pos = layout.sorted_pair.numel()
     starts, ends = layout.offsets, layout.offsets[1:]
     n_groups = ends.numel()
@@ -364,22 +409,24 @@ def _launch_rows(
             grouped_tma.launch_rows_tma(
                 a=a, b=b, b_kmajor=b_kmajor, out=out, starts=starts, ends=ends, sorted_pair=layout.sorted_pair,
                 top_k=top_k, gather_a=gather_a, epilogue=epilogue, n_cols=n_cols, kd=kd, half=half, cfg=cfg,
-                dot_precision=_dot_precision(a.dtype), aux=aux, weight=weight, save_aux=save_aux,
+                dot_precision=_dot_precision(a.dtype), aux=aux, weight=weight, save_aux=save_aux, bias=bias, act=act,
             )
             return
     max_m_tiles = triton.cdiv(n_pos, cfg.block_m) + n_groups
     grid = (max_m_tiles * triton.cdiv(n_cols, cfg.block_n),)
     dummy = out
     _grouped_rows_kernel[grid](
-        a, b, out, dummy if aux is None else aux, dummy if weight is None else weight,
+        a, b, out, dummy if aux is None else aux, dummy if weight is None else weight, dummy if bias is None else bias,
         starts, ends, layout.sorted_pair, n_groups, max_m_tiles, n_cols, kd, half,
         a.stride(0), b_strides[0], b_strides[1], b_strides[2], out.stride(0), 0 if aux is None else aux.stride(0),
+        0 if bias is None else bias.stride(0),
         TOP_K=top_k, GATHER_A=gather_a, EPILOGUE=epilogue, SAVE_AUX=save_aux,
         EVEN_K=kd % cfg.block_k == 0, DOT_PRECISION=_dot_precision(a.dtype),
         GROUPS_PAD=triton.next_power_of_2(n_groups),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ONE_DOT=cfg.one_dot and epilogue == EPI_SWIGLU.value and half % 8 == 0 and b_strides[2] == 1,
+        HAS_BIAS=bias is not None, ACT=act[0], ALPHA=act[1], LIMIT=act[2],
     )
 
 
@@ -394,14 +441,16 @@ def _check_layout(layout: PairLayout, n_slots: int, n_pairs: int, device: torch.
 
 def gate_up_swiglu(
     x: torch.Tensor, layout: PairLayout, top_k: int, w13: torch.Tensor,
-    save_preact: bool = True, cfg: GemmConfig | None = None,
+    save_preact: bool = True, cfg: GemmConfig | None = None, act=None, b13: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """act[p] = silu(x[row(p)] @ gate_s) * (x[row(p)] @ up_s) for every valid position p.
+    """act[p] = act(g, u) with g|u = x[row(p)] @ w13_s (+ b13[s]) for every valid position p.
 
     Args:
         x: [R, H] float32/bfloat16, row-contiguous. layout: PairLayout of slot [R, top_k].
         w13: [S, H, 2I] same dtype, contiguous.
-        save_preact: also return the pre-activations g|u.
+        save_preact: also return the pre-activations g|u (bias included).
+        act: the gated activation (None: silu(g) · u; else ``kind``/``alpha``/``limit`` as
+            ``ray_moe.model.experts.ExpertActivation``). b13: optional [S, 2I] bias (x.dtype).
     Returns:
         act [R*K, I] and h13 [R*K, 2I] (or None), x.dtype; rows past offsets[S] are unset.
     """
@@ -414,24 +463,26 @@ def gate_up_swiglu(
     I = I2 // 2
     P = x.shape[0] * top_k
     _check_layout(layout, S, P, x.device)
+    _check_bias("b13", b13, S, I2, x)
     cfg = cfg or default_config("gate_up", x.dtype, x.device)
-    act = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    out = torch.empty(P, I, dtype=x.dtype, device=x.device)
     h13 = torch.empty(P, I2, dtype=x.dtype, device=x.device) if save_preact else None
     _launch_rows(
-        a=x, b=w13, b_strides=(w13.stride(0), w13.stride(1), w13.stride(2)), out=act, aux=h13,
+        a=x, b=w13, b_strides=(w13.stride(0), w13.stride(1), w13.stride(2)), out=out, aux=h13,
         layout=layout, top_k=top_k, gather_a=True, epilogue=EPI_SWIGLU.value, n_cols=I, kd=H, half=I, cfg=cfg,
-        save_aux=save_preact,
+        save_aux=save_preact, bias=b13, act=act_params(act),
     )
-    return act, h13
+    return out, h13
 
 
 def down_scaled(
     act: torch.Tensor, layout: PairLayout, top_k: int, weight: torch.Tensor, w2: torch.Tensor,
-    cfg: GemmConfig | None = None,
+    cfg: GemmConfig | None = None, b2: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y[p] = weight[pair(p)] * (act[p] @ w2_s).
+    """y[p] = weight[pair(p)] * (act[p] @ w2_s (+ b2[s])).
 
-    Args: act [R*K, I]; weight float32 [R, K] contiguous; w2 [S, I, H] (act's dtype).
+    Args: act [R*K, I]; weight float32 [R, K] contiguous; w2 [S, I, H] (act's dtype); b2: optional
+        [S, H] bias (act's dtype).
     Returns: y [R*K, H] in act.dtype; rows past offsets[S] are unset.
     """
     _check_matrix("act", act)
@@ -443,27 +494,31 @@ def down_scaled(
     w2 = w2.contiguous()
     S, I, H = w2.shape
     _check_layout(layout, S, act.shape[0], act.device)
+    _check_bias("b2", b2, S, H, act)
     cfg = cfg or default_config("down", act.dtype, act.device)
     y = torch.empty(act.shape[0], H, dtype=act.dtype, device=act.device)
     _launch_rows(
         a=act, b=w2, b_strides=(w2.stride(0), w2.stride(1), w2.stride(2)), out=y, weight=weight.contiguous(),
         layout=layout, top_k=top_k, gather_a=False, epilogue=EPI_SCALE.value, n_cols=H, kd=I, half=0, cfg=cfg,
+        bias=b2,
     )
     return y
 
 
 def swiglu_backward_rows(
     grad_out: torch.Tensor, layout: PairLayout, top_k: int, weight: torch.Tensor, w2: torch.Tensor,
-    h13: torch.Tensor, cfg: GemmConfig | None = None,
+    h13: torch.Tensor, cfg: GemmConfig | None = None, act=None, b2: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward through the down GEMM and SwiGLU, per position.
+    """Backward through the down GEMM and the gated activation, per position.
 
-    With G[p] = grad_out[row(p)] @ w2_s^T and a = silu(g) * u recomputed from h13:
-    dh13[p] = weight * (dg | du), aw[p] = weight * a, and d_weight_pos[p] = <a, G>
-    (= <grad_out[row], a @ w2_s>, the router-weight gradient). Two kernels: the row GEMM stores G
-    in grad_out.dtype (``cfg``'s tiles), then an elementwise kernel reads it back.
+    With G[p] = grad_out[row(p)] @ w2_s^T and a = act(g, u) recomputed from h13:
+    dh13[p] = weight * (dg | du), aw[p] = weight * a, and d_weight_pos[p] = <a, G> (+ <grad_out[row],
+    b2[s]> with the down bias) (= <grad_out[row], a @ w2_s + b2[s]>, the router-weight gradient).
+    Two kernels: the row GEMM stores G in grad_out.dtype (``cfg``'s tiles), then an elementwise
+    kernel reads it back.
 
-    Args: grad_out [R, H]; weight float32 [R, K]; w2 [S, I, H]; h13 [R*K, 2I] saved pre-activations.
+    Args: grad_out [R, H]; weight float32 [R, K]; w2 [S, I, H]; h13 [R*K, 2I] saved pre-activations;
+        act: as :func:`gate_up_swiglu`; b2: the optional down bias [S, H].
     Returns: dh13 [R*K, 2I], aw [R*K, I] (grad_out.dtype), d_weight_pos float32 [R*K]
         (0 past offsets[S]; dh13 / aw rows past it are zero for ZERO_TAIL rows, unset beyond).
     """
@@ -477,6 +532,7 @@ def swiglu_backward_rows(
     if grad_out.shape[1] != H:
         raise ValueError(f"grad_out must have H={H} columns, got {grad_out.shape[1]}")
     _check_layout(layout, S, P, grad_out.device)
+    _check_bias("b2", b2, S, H, grad_out)
     cfg = cfg or default_config("dact", grad_out.dtype, grad_out.device)
     dh13 = torch.empty(P, 2 * I, dtype=grad_out.dtype, device=grad_out.device)
     aw = torch.empty(P, I, dtype=grad_out.dtype, device=grad_out.device)
@@ -491,9 +547,12 @@ def swiglu_backward_rows(
     if P:
         block_i = min(256, triton.next_power_of_2(I))
         block_r = max(1, 2048 // block_i)
+        mode, alpha, limit = act_params(act)
+        bias = {} if b2 is None else dict(HAS_BIAS=True, TOP_K=top_k, GROUPS_PAD=triton.next_power_of_2(S))
         _swiglu_bwd_rows_kernel[(triton.cdiv(P, block_r),)](
             g, h13, weight, layout.sorted_pair, layout.offsets[-1:], dh13, aw, dw_pos, P, I,
-            BLOCK_R=block_r, BLOCK_I=block_i, ZERO_TAIL=ZERO_TAIL,
+            grad_out, g if b2 is None else b2.contiguous(), layout.offsets, S, H, grad_out.stride(0),
+            BLOCK_R=block_r, BLOCK_I=block_i, ZERO_TAIL=ZERO_TAIL, ACT=mode, ALPHA=alpha, LIMIT=limit, **bias,
         )
     return dh13, aw, dw_pos
 
@@ -617,41 +676,62 @@ def _rows_of(layout: PairLayout, top_k: int, lo: int, hi: int) -> torch.Tensor:
     return layout.sorted_pair[lo:hi].long() // top_k
 
 
-def gate_up_swiglu_reference(x, layout, top_k, w13):
+def gated_act_reference(h13: torch.Tensor, act=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gated activation of g|u = ``h13`` [P, 2I] and its partial derivatives, float32:
+    (a, da/dg, da/du), each [P, I]. ``act`` as :func:`gate_up_swiglu`; the clamped form's
+    derivatives are zero where a clamp holds (torch.clamp's gradient: kept at the bound)."""
+    mode, alpha, limit = act_params(act)
+    gate, up = h13.float().chunk(2, dim=-1)
+    if mode == ACT_CLAMPED.value:
+        gc, uc = gate.clamp(max=limit), up.clamp(-limit, limit)
+        sig = torch.sigmoid(alpha * gc)
+        glu = gc * sig
+        d_gate = ((uc + 1) * sig * (1 + alpha * gc * (1 - sig))) * (gate <= limit)
+        return (uc + 1) * glu, d_gate, glu * ((up >= -limit) & (up <= limit))
+    sig = torch.sigmoid(gate)
+    return gate * sig * up, up * sig * (1 + gate * (1 - sig)), gate * sig
+
+
+def gate_up_swiglu_reference(x, layout, top_k, w13, act=None, b13=None):
     """Reference of :func:`gate_up_swiglu` → (act, h13) float32, unset rows 0."""
     P, I2 = layout.sorted_pair.numel(), w13.shape[2]
     h13 = torch.zeros(P, I2, dtype=torch.float32, device=x.device)
     for s, lo, hi in _groups(layout):
         h13[lo:hi] = x[_rows_of(layout, top_k, lo, hi)].float() @ w13[s].float()
-    gate, up = h13.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up, h13
+        if b13 is not None:
+            h13[lo:hi] += b13[s].float()
+    return gated_act_reference(h13, act)[0], h13
 
 
-def down_scaled_reference(act, layout, top_k, weight, w2):
+def down_scaled_reference(act, layout, top_k, weight, w2, b2=None):
     """Reference of :func:`down_scaled` (float32)."""
     y = torch.zeros(act.shape[0], w2.shape[2], dtype=torch.float32, device=act.device)
     wflat = weight.reshape(-1).float()
     for s, lo, hi in _groups(layout):
         pairs = layout.sorted_pair[lo:hi].long()
-        y[lo:hi] = (act[lo:hi].float() @ w2[s].float()) * wflat[pairs, None]
+        y[lo:hi] = act[lo:hi].float() @ w2[s].float()
+        if b2 is not None:
+            y[lo:hi] += b2[s].float()
+        y[lo:hi] *= wflat[pairs, None]
     return y
 
 
-def swiglu_backward_rows_reference(grad_out, layout, top_k, weight, w2, h13):
+def swiglu_backward_rows_reference(grad_out, layout, top_k, weight, w2, h13, act=None, b2=None):
     """Reference of :func:`swiglu_backward_rows` (float32)."""
     P, I = h13.shape[0], w2.shape[1]
     g_all = torch.zeros(P, I, dtype=torch.float32, device=grad_out.device)
+    dw_bias = torch.zeros(P, dtype=torch.float32, device=grad_out.device)
     for s, lo, hi in _groups(layout):
-        g_all[lo:hi] = grad_out[_rows_of(layout, top_k, lo, hi)].float() @ w2[s].float().T
+        go = grad_out[_rows_of(layout, top_k, lo, hi)].float()
+        g_all[lo:hi] = go @ w2[s].float().T
+        if b2 is not None:
+            dw_bias[lo:hi] = go @ b2[s].float()
     w = torch.zeros(P, dtype=torch.float32, device=grad_out.device)
     n_valid = int(layout.offsets[-1])
     w[:n_valid] = weight.reshape(-1).float()[layout.sorted_pair[:n_valid].long()]
-    gate, up = h13.float().chunk(2, dim=-1)
-    sig = torch.sigmoid(gate)
-    act = gate * sig * up
+    a, da_dg, da_du = gated_act_reference(h13, act)
     d_act = g_all * w[:, None]
-    d_gate = d_act * up * sig * (1 + gate * (1 - sig))
-    return torch.cat([d_gate, d_act * gate * sig], dim=1), act * w[:, None], (act * g_all).sum(1)
+    return torch.cat([d_act * da_dg, d_act * da_du], dim=1), a * w[:, None], (a * g_all).sum(1) + dw_bias
 
 
 def dgrad_rows_reference(dh13, layout, top_k, w13):

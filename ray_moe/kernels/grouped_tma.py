@@ -116,11 +116,12 @@ def _group_of(tile_m, g, starts, ends, tiles, cum, BLOCK_M: tl.constexpr):
 @triton.jit
 def _rows_tile(
     tile_m, pid_n, g, starts, ends, tiles, cum,
-    a_ptr, a_desc, b_desc, out_ptr, aux_ptr, weight_ptr, sorted_pair_ptr,
-    N, KD, half, b_group_rows, stride_am, stride_om, stride_xm,
+    a_ptr, a_desc, b_desc, out_ptr, aux_ptr, weight_ptr, bias_ptr, sorted_pair_ptr,
+    N, KD, half, b_group_rows, stride_am, stride_om, stride_xm, stride_bias,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, B_KMAJOR: tl.constexpr, EPILOGUE: tl.constexpr,
     SAVE_AUX: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] output tile: main loop over the contraction, then the epilogue."""
     group, row_start, row_end = _group_of(tile_m, g, starts, ends, tiles, cum, BLOCK_M)
@@ -163,18 +164,19 @@ def _rows_tile(
     rm64 = rm.to(tl.int64)
     out_ptrs = out_ptr + rm64[:, None] * stride_om + rn[None, :]
     store_forward_epilogue(acc, acc_up, out_ptrs, out_mask, rm64, rn, row_scale, aux_ptr, stride_xm, half, EPILOGUE,
-                           SAVE_AUX)
+                           SAVE_AUX, bias_ptr, group, stride_bias, N, HAS_BIAS, ACT, ALPHA, LIMIT)
 
 
 @triton.jit
 def _rows_tma_kernel(
-    a_ptr, a_desc, b_desc, out_ptr, aux_ptr, weight_ptr, starts_ptr, ends_ptr, sorted_pair_ptr,
+    a_ptr, a_desc, b_desc, out_ptr, aux_ptr, weight_ptr, bias_ptr, starts_ptr, ends_ptr, sorted_pair_ptr,
     n_groups, max_m_tiles, N, KD, half, b_group_rows,
-    stride_am, stride_om, stride_xm,
+    stride_am, stride_om, stride_xm, stride_bias,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, B_KMAJOR: tl.constexpr, EPILOGUE: tl.constexpr,
     SAVE_AUX: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUPS_PAD: tl.constexpr,
     PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr, NUM_PROGS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr = False, ACT: tl.constexpr = 0, ALPHA: tl.constexpr = 0.0, LIMIT: tl.constexpr = 0.0,
 ):
     """See the module docstring. B tile of group s: N-major form rows ``s*b_group_rows + k``,
     columns ``n`` (and ``half + n`` for the up half); K-major form (``B_KMAJOR``) rows
@@ -186,27 +188,28 @@ def _rows_tma_kernel(
         for tile in tl.range(tl.program_id(0), total_m * num_n, NUM_PROGS, flatten=FLATTEN):
             tile_m, pid_n = swizzle(tile, total_m, num_n, GROUP_M)
             _rows_tile(tile_m, pid_n, g, starts, ends, tiles, cum, a_ptr, a_desc, b_desc, out_ptr, aux_ptr,
-                       weight_ptr, sorted_pair_ptr, N, KD, half, b_group_rows, stride_am, stride_om, stride_xm,
-                       TOP_K, GATHER_A, B_KMAJOR, EPILOGUE, SAVE_AUX, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N,
-                       BLOCK_K)
+                       weight_ptr, bias_ptr, sorted_pair_ptr, N, KD, half, b_group_rows, stride_am, stride_om,
+                       stride_xm, stride_bias, TOP_K, GATHER_A, B_KMAJOR, EPILOGUE, SAVE_AUX, EVEN_K, DOT_PRECISION,
+                       BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, ACT, ALPHA, LIMIT)
     else:
         tile_m, pid_n = swizzle(tl.program_id(0), max_m_tiles, num_n, GROUP_M)
         if tile_m < total_m:
             _rows_tile(tile_m, pid_n, g, starts, ends, tiles, cum, a_ptr, a_desc, b_desc, out_ptr, aux_ptr,
-                       weight_ptr, sorted_pair_ptr, N, KD, half, b_group_rows, stride_am, stride_om, stride_xm,
-                       TOP_K, GATHER_A, B_KMAJOR, EPILOGUE, SAVE_AUX, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N,
-                       BLOCK_K)
+                       weight_ptr, bias_ptr, sorted_pair_ptr, N, KD, half, b_group_rows, stride_am, stride_om,
+                       stride_xm, stride_bias, TOP_K, GATHER_A, B_KMAJOR, EPILOGUE, SAVE_AUX, EVEN_K, DOT_PRECISION,
+                       BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, ACT, ALPHA, LIMIT)
 
 
 def launch_rows_tma(
     *, a: torch.Tensor, b: torch.Tensor, b_kmajor: bool, out: torch.Tensor, starts: torch.Tensor,
     ends: torch.Tensor, sorted_pair: torch.Tensor, top_k: int, gather_a: bool, epilogue: int, n_cols: int, kd: int, half: int,
     cfg, dot_precision: str, aux: torch.Tensor | None = None, weight: torch.Tensor | None = None,
-    save_aux: bool = False,
+    save_aux: bool = False, bias: torch.Tensor | None = None, act: tuple[int, float, float] = (0, 0.0, 0.0),
 ) -> None:
     """Launch :func:`_rows_tma_kernel`. ``b``: the stacked weights [S, rows, cols], contiguous,
     whose 2-D view [S*rows, cols] backs B's descriptor (``b_kmajor``: rows index n, else k).
-    Group g is positions [starts[g], ends[g]) (int32), computed with b[g]. Caller checks
+    Group g is positions [starts[g], ends[g]) (int32), computed with b[g]. ``bias``: [S, cols]
+    rows added in the epilogue; ``act``: (ACT, ALPHA, LIMIT) of ``tiles.act_params``. Caller checks
     :func:`rows_tma_ok` first."""
     n_pos = sorted_pair.numel()
     n_groups = ends.numel()
@@ -222,13 +225,14 @@ def launch_rows_tma(
     dummy = out
     _rows_tma_kernel[grid](
         a, a_desc, b_desc, out, dummy if aux is None else aux, dummy if weight is None else weight,
-        starts, ends, sorted_pair, n_groups, max_m_tiles, n_cols, kd, half, rows,
-        a.stride(0), out.stride(0), 0 if aux is None else aux.stride(0),
+        dummy if bias is None else bias, starts, ends, sorted_pair, n_groups, max_m_tiles, n_cols, kd, half, rows,
+        a.stride(0), out.stride(0), 0 if aux is None else aux.stride(0), 0 if bias is None else bias.stride(0),
         TOP_K=top_k, GATHER_A=gather_a, B_KMAJOR=b_kmajor, EPILOGUE=epilogue, SAVE_AUX=save_aux,
         EVEN_K=kd % cfg.block_k == 0, DOT_PRECISION=dot_precision, GROUPS_PAD=triton.next_power_of_2(n_groups),
         PERSISTENT=cfg.persistent, FLATTEN=cfg.persistent and cfg.flatten, NUM_PROGS=progs,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_BIAS=bias is not None, ACT=act[0], ALPHA=act[1], LIMIT=act[2],
     )
 
 

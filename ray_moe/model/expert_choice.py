@@ -96,20 +96,25 @@ class ExpertImplChooser:
         self.timings: dict[tuple, dict[str, float | str]] = {}
 
     @staticmethod
-    def key(x: torch.Tensor, slot: torch.Tensor, w13: torch.Tensor, needs_grad: bool) -> tuple:
+    def key(x: torch.Tensor, slot: torch.Tensor, w13: torch.Tensor, needs_grad: bool, act=None,
+            biases: bool = False) -> tuple:
         """Rows are bucketed to the next power of two: transports with host-synced splits (NCCL)
-        receive a different R every step, and one measurement must serve them all."""
+        receive a different R every step, and one measurement must serve them all. The activation
+        and whether the experts have biases are part of the key (other epilogues, other timings)."""
         rows = 1 << max(int(x.shape[0]) - 1, 0).bit_length()
-        return (rows, x.shape[1], slot.shape[1], tuple(w13.shape), x.dtype, str(x.device), needs_grad)
+        key = (rows, x.shape[1], slot.shape[1], tuple(w13.shape), x.dtype, str(x.device), needs_grad)
+        return key if act is None and not biases else key + (act, biases)
 
     def choose(self, x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor, w13: torch.Tensor,
-               w2: torch.Tensor, needs_grad: bool) -> ExpertChoice:
+               w2: torch.Tensor, needs_grad: bool, act=None, b13: torch.Tensor | None = None,
+               b2: torch.Tensor | None = None) -> ExpertChoice:
         """The fastest candidate for this shape (measured now if the shape is new).
 
         Args: the arguments of :func:`ray_moe.model.experts.expert_ffn`: x [R, H], slot int [R, K],
-        weight float32 [R, K], w13 [S, H, 2I], w2 [S, I, H]; needs_grad: time backward too.
+        weight float32 [R, K], w13 [S, H, 2I], w2 [S, I, H], act (None: SwiGLU), b13 [S, 2I] and
+        b2 [S, H] (or None); needs_grad: time backward too.
         """
-        key = self.key(x, slot, w13, needs_grad)
+        key = self.key(x, slot, w13, needs_grad, act, b13 is not None)
         hit = self.choices.get(key)
         if hit is not None:
             return hit
@@ -118,7 +123,7 @@ class ExpertImplChooser:
         # The candidates' own forward+backward must not use the saved-tensor hooks of an enclosing
         # activation-checkpointed block: its nested backward would replay the block.
         with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
-            timings = self._measure(x, slot, weight, w13, w2, needs_grad)
+            timings = self._measure(x, slot, weight, w13, w2, needs_grad, act, b13, b2)
         ok = {n: t for n, t in timings.items() if isinstance(t, float)}
         best = min(ok, key=ok.get) if ok else DEFAULT.name
         choice = next(c for c in self.candidates if c.name == best) if ok else DEFAULT
@@ -128,11 +133,13 @@ class ExpertImplChooser:
                  choice.name, {n: (round(t, 3) if isinstance(t, float) else t) for n, t in timings.items()})
         return choice
 
-    def _measure(self, x, slot, weight, w13, w2, needs_grad) -> dict[str, float | str]:
-        from ray_moe.model.experts import expert_ffn
+    def _measure(self, x, slot, weight, w13, w2, needs_grad, act=None, b13=None, b2=None) -> dict[str, float | str]:
+        from ray_moe.model.experts import SWIGLU, expert_ffn
 
         # views, not copies: cloning w13/w2 would double the expert weights' memory for a moment
-        leaves = [t.detach().requires_grad_(needs_grad) for t in (x, weight, w13, w2)]
+        params = (x, weight, w13, w2) + (() if b13 is None else (b13, b2))
+        leaves = [t.detach().requires_grad_(needs_grad) for t in params]
+        biases = {} if b13 is None else dict(b13=leaves[4], b2=leaves[5])
         slot = slot.detach()
         # a private generator: measuring must not advance the training RNG (exact resume)
         gen = torch.Generator(device=x.device).manual_seed(0)
@@ -140,7 +147,8 @@ class ExpertImplChooser:
 
         def step(cand: ExpertChoice) -> None:
             with torch.enable_grad() if needs_grad else torch.no_grad():
-                y = expert_ffn(leaves[0], slot, leaves[1], leaves[2], leaves[3], impl=cand.impl, wgrad=cand.wgrad)
+                y = expert_ffn(leaves[0], slot, leaves[1], leaves[2], leaves[3], impl=cand.impl, wgrad=cand.wgrad,
+                               act=act or SWIGLU, **biases)
                 if needs_grad:
                     torch.autograd.grad(y, leaves, grad_out)
 

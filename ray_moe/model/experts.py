@@ -15,7 +15,8 @@ It returns one weighted partial sum per row, ``[R, H]``, ready for combine. Impl
 - ``loop``: per-slot matmuls (host reads group sizes); exact in fp32; the CPU path.
 - ``grouped_mm``: ``torch._grouped_mm`` over pairs sorted by slot; sync-free and
   CUDA-graph-friendly (fixed R*K capacity; padding pairs sort last and are masked).
-- ``triton``: the fused kernels in :mod:`ray_moe.kernels` (when present).
+- ``triton``: the fused kernels in :mod:`ray_moe.kernels` (when present); biases and the clamped
+  activation in their epilogues, the bias gradients by a per-slot sum over the pair layout.
 
 ``precision="fp8"`` (``moe.expert_precision``) runs every GEMM in block-scaled FP8 instead,
 whatever the implementation: :mod:`ray_moe.kernels.fp8_expert_ffn` (Triton on CUDA, its torch
@@ -106,7 +107,8 @@ def expert_ffn(
         fp8_cache: with fp8, the layer's FP8 weight cache (None: the weights are quantised per call).
     Returns:
         [R, H] in x.dtype: sum_k weight[r, k] * expert_{slot[r, k]}(x[r]); rows with no valid k are 0.
-        Differentiable w.r.t. x, weight, w13 and w2.
+        Differentiable w.r.t. x, weight, w13, w2 (and b13, b2). Every impl runs the biases and
+        either activation (Triton: in the GEMM epilogues and the dSwiGLU kernel).
     """
     if precision not in EXPERT_PRECISIONS:
         raise ValueError(f"precision {precision!r} is not one of {', '.join(EXPERT_PRECISIONS)}")
@@ -117,10 +119,6 @@ def expert_ffn(
             raise ValueError("FP8 experts run SwiGLU without biases; these experts have biases or another activation")
         return expert_ffn_fp8(x, slot, weight, w13, w2, cache=fp8_cache)
     impl = resolve_impl(impl, x)
-    if impl == "triton" and (b13 is not None or act != SWIGLU):
-        # The Triton grouped-GEMM kernels have no bias or clamped-SwiGLU epilogue yet: experts with
-        # biases or gpt-oss's activation run on torch._grouped_mm (the same sync-free grouping).
-        impl = "grouped_mm"
     if (b13 is None) != (b2 is None):
         raise ValueError("expert biases come in pairs: pass both b13 and b2, or neither")
     if wgrad not in ("triton", "grouped_mm", "quack"):  # kernels.grouped_swiglu.WGRAD_BACKENDS
@@ -136,7 +134,7 @@ def expert_ffn(
         from ray_moe.kernels.grouped_swiglu import default_plan
 
         plan = None if wgrad == "triton" else replace(default_plan(x.dtype, x.device), wgrad=wgrad)
-        return expert_ffn_triton(x, slot, weight, w13, w2, plan=plan)
+        return expert_ffn_triton(x, slot, weight, w13, w2, plan=plan, act=act, b13=b13, b2=b2)
     raise ValueError(f"expert impl {impl!r} is not one of auto, loop, grouped_mm, triton")
 
 

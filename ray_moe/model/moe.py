@@ -66,8 +66,8 @@ class MoELayerSpec:
     clone_slots: slots per rank for clones of hot experts; seed: with the layer index, seeds the
     router and every logical expert; router_bias: a learned float32 [E] bias on the router logits;
     expert_bias: each expert's up and down projections have biases (``b13`` [S, 2I], ``b2`` [S, H]);
-    activation: the experts' gated activation (gpt-oss's clamped one; experts with biases or
-    another activation than SwiGLU run on grouped_mm where the Triton kernels would);
+    activation: the experts' gated activation (gpt-oss's clamped one; the Triton kernels apply it
+    and the biases in their epilogues);
     expert_precision: bf16 (the weights' dtype) or fp8 (every expert GEMM in block-scaled FP8,
     :mod:`ray_moe.kernels.fp8_expert_ffn`, whatever expert_impl says).
     """
@@ -310,8 +310,6 @@ class MoELayer(nn.Module):
             raise TypeError(f"MoELayer expects x of dtype {self.w13.dtype}, got {x.dtype}")
         impl = resolve_impl(self.expert_impl, x)
         fused_router = impl == "triton"
-        if impl == "triton" and (self.b13 is not None or self.spec.activation != SWIGLU):
-            impl = "grouped_mm"  # no Triton epilogue for biases or the clamped activation yet (experts.expert_ffn)
         weights, ids, probs = route(
             x, self.router, self.top_k, fused=fused_router, need_probs=self.aux_loss_coef > 0,
             routing=self.routing, score_bias=self.score_bias, logit_bias=self.router_bias,
@@ -338,8 +336,9 @@ class MoELayer(nn.Module):
                               b2=self.b2, precision="fp8", fp8_cache=self.fp8_weights)
         choice = ExpertChoice(impl)
         if self.expert_impl == "auto" and impl == "triton":
-            needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, self.w13, self.w2))
-            choice = self.expert_chooser.choose(x, slot, weight, self.w13, self.w2, needs_grad)
+            needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, *self.expert_params()))
+            act = None if self.spec.activation == SWIGLU else self.spec.activation
+            choice = self.expert_chooser.choose(x, slot, weight, self.w13, self.w2, needs_grad, act, self.b13, self.b2)
         return expert_ffn(x, slot, weight, self.w13, self.w2, choice.impl, wgrad=choice.wgrad,
                           act=self.spec.activation, b13=self.b13, b2=self.b2)
 

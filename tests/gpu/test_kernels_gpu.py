@@ -89,6 +89,81 @@ def test_expert_ffn_bf16_kernel_variants(variant, R, K, S, H, I, pattern):
     assert errs["empty_slot_grad"] == 0.0, errs
 
 
+def _clamped(limit: float):
+    from ray_moe.model.experts import ExpertActivation
+
+    return ExpertActivation("clamped_swiglu", 1.702, limit)
+
+
+BIAS_GRADS = ("out", "dx", "dweight", "dw13", "dw2", "db13", "db2")
+
+
+@pytest.mark.parametrize("limit", [1.0, 7.0])  # 1.0: both clamps often active; 7.0: gpt-oss's
+@pytest.mark.parametrize("R,K,S,H,I,pattern", [CASES[0], CASES[1], CASES[3], CASES[4], CASES[5]])
+def test_expert_ffn_bf16_biases_and_clamp_match_reference(R, K, S, H, I, pattern, limit):
+    """gpt-oss's experts (b13, b2, the clamped activation) on the default plan: bf16 vs the float64
+    loop path, output and every gradient (biases included); empty experts' gradients exactly 0."""
+    case = random_case(R, K, S, H, I, pattern, torch.bfloat16, "cuda", 2, biases=True)
+    errs = check_expert_ffn(case, seed=3, act=_clamped(limit))
+    for name in BIAS_GRADS:
+        assert errs[name] <= TOL, f"{name}: relative error {errs[name]:.3g} > {TOL} ({errs})"
+    assert errs["empty_slot_grad"] == 0.0, errs
+    if limit == 1.0:
+        assert errs["clamped_share"] > 0.05, errs
+
+
+@pytest.mark.parametrize("biases,kind", [(True, "swiglu"), (False, "clamped_swiglu")])
+def test_expert_ffn_bf16_biases_or_clamp_alone(biases, kind):
+    case = random_case(512, 4, 8, 1024, 384, "random", torch.bfloat16, "cuda", 6, biases=biases)
+    errs = check_expert_ffn(case, act=_clamped(1.0) if kind == "clamped_swiglu" else None)
+    for name in BIAS_GRADS[:5] + (BIAS_GRADS[5:] if biases else ()):
+        assert errs[name] <= TOL, f"{name}: relative error {errs[name]:.3g} > {TOL} ({errs})"
+    assert errs["empty_slot_grad"] == 0.0, errs
+
+
+@pytest.mark.parametrize("variant", ["pointer", "tma", "tma_persistent", "tma_persistent_flat", "one_dot"])
+@pytest.mark.parametrize("R,K,S,H,I,pattern", [CASES[0], CASES[1], (2048, 8, 64, 512, 256, "random")])
+def test_expert_ffn_bf16_biases_and_clamp_kernel_variants(variant, R, K, S, H, I, pattern):
+    """The bias and activation epilogues in every kernel form (pointer, TMA grid / persistent /
+    flattened, the one-dot up-projection), where the descriptors apply and where they fall back."""
+    case = random_case(R, K, S, H, I, pattern, torch.bfloat16, "cuda", 8, biases=True)
+    errs = check_expert_ffn(case, plan=_variant_plan(variant), act=_clamped(1.0))
+    for name in BIAS_GRADS:
+        assert errs[name] <= TOL, f"{variant} {name}: relative error {errs[name]:.3g} > {TOL} ({errs})"
+    assert errs["empty_slot_grad"] == 0.0, errs
+
+
+def test_cuda_graph_replay_with_biases_and_clamp():
+    """Forward+backward with biases and the clamped activation captured once and replayed on new
+    values: bit-identical to eager (the bias gradients' per-slot sums use no atomics)."""
+    from ray_moe.kernels import expert_ffn_triton
+
+    R, K, S, H, I = 1024, 4, 8, 512, 256
+    names = ("x", "weight", "w13", "w2", "b13", "b2")
+    static = random_case(R, K, S, H, I, "random", torch.bfloat16, "cuda", 3, biases=True)
+    leaves = {n: static[n].clone().requires_grad_() for n in names}
+    slot = static["slot"].clone()
+    grad_out = torch.randn(R, H, device="cuda", dtype=torch.bfloat16)
+    act = _clamped(1.0)
+
+    def step():
+        out = expert_ffn_triton(leaves["x"], slot, leaves["weight"], leaves["w13"], leaves["w2"], act=act,
+                                b13=leaves["b13"], b2=leaves["b2"])
+        return (out, *torch.autograd.grad(out, list(leaves.values()), grad_out))
+
+    graph, captured = capture_graph(step, warmup=1)
+    for seed in (10, 11):
+        fresh = random_case(R, K, S, H, I, "random", torch.bfloat16, "cuda", seed, biases=True)
+        with torch.no_grad():
+            for n, t in leaves.items():
+                t.copy_(fresh[n])
+            slot.copy_(fresh["slot"])
+        graph.replay()
+        eager = step()
+        for a, b in zip(captured, eager):
+            assert torch.equal(a, b)
+
+
 def test_pair_layout_and_topk_match_references():
     from ray_moe.kernels.routing import (
         pair_layout,
@@ -281,6 +356,27 @@ def test_chooser_measures_every_candidate_and_its_choice_is_correct():
                      wgrad=choice.wgrad)
     want = expert_ffn(case["x"].double().cpu(), case["slot"].cpu(), case["weight"].double().cpu(),
                       case["w13"].double().cpu(), case["w2"].double().cpu(), impl="loop")
+    assert rel_err(got, want) <= TOL
+
+
+def test_chooser_with_biases_and_clamp_measures_them_and_its_choice_is_correct():
+    """A gpt-oss-like layer under expert_impl auto: every candidate (Triton ones included, no
+    fallback) runs with the biases and the clamped activation; the choice equals the oracle."""
+    from ray_moe.model.expert_choice import ExpertImplChooser
+    from ray_moe.model.experts import expert_ffn
+
+    case = random_case(2048, 4, 8, 1024, 384, "random", torch.bfloat16, "cuda", 9, biases=True)
+    act = _clamped(7.0)
+    ch = ExpertImplChooser()
+    choice = ch.choose(case["x"], case["slot"], case["weight"], case["w13"], case["w2"], needs_grad=True,
+                       act=act, b13=case["b13"], b2=case["b2"])
+    (timings,) = ch.timings.values()
+    assert all(isinstance(t, float) and t > 0 for t in timings.values()), timings
+    got = expert_ffn(case["x"], case["slot"], case["weight"], case["w13"], case["w2"], impl=choice.impl,
+                     wgrad=choice.wgrad, act=act, b13=case["b13"], b2=case["b2"])
+    want = expert_ffn(*(case[n].double().cpu() if n != "slot" else case[n].cpu()
+                        for n in ("x", "slot", "weight", "w13", "w2")), impl="loop", act=act,
+                      b13=case["b13"].double().cpu(), b2=case["b2"].double().cpu())
     assert rel_err(got, want) <= TOL
 
 

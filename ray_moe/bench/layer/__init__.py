@@ -26,6 +26,7 @@ import torch
 from ray_moe import usage
 from ray_moe.bench.layer.expert import (
     GEMM_ROLES,
+    epilogue_rows,
     expert_compute_rows,
     expert_ffn_rows,
     kernel_rows,
@@ -94,7 +95,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    " fp8: the layer and the experts with moe.expert_precision fp8 beside bf16 and torchao's"
                    " FP8 rowwise grouped GEMM (speed-ups and errors, one run);"
                    " rows: the four row GEMMs alone, ray_moe's default plan beside SonicMoE's quack kernels;"
-                   " ep: the expert-parallel layer on --world-size ranks")
+                   " ep: the expert-parallel layer on --world-size ranks;"
+                   " epilogue: the expert side with gpt-oss's biases and clamped activation beside SwiGLU")
     p.add_argument("--layer-E", default=None, help="layer/small/profile: comma list of E (default: --E)")
     p.add_argument("--small-T", default="128,1024", help="small: comma list of token counts")
     p.add_argument("--impls", default="ray_moe,sonicmoe", help="layer/small/profile: which layers to run")
@@ -140,7 +142,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 SECTIONS = ("kernels", "expert", "ffn", "routing", "saved", "layer", "small", "profile", "steady", "wgrad", "rows",
-            "fp8", "ep")
+            "fp8", "ep", "epilogue")
 
 
 def _check_int_list(p: argparse.ArgumentParser, flag: str, value: str, low: int) -> None:
@@ -205,7 +207,7 @@ def main(argv: list[str]) -> int:
         print("bench layer needs a CUDA GPU (only --sections ep runs without one)", file=sys.stderr)
         return 2
     device = torch.device("cuda")
-    needs_inp = sections & {"kernels", "expert", "ffn", "routing", "saved", "ep"}
+    needs_inp = sections & {"kernels", "expert", "ffn", "routing", "saved", "ep", "epilogue"}
     inp = make_inputs(shape, device, getattr(torch, args.dtype), args.seed) if needs_inp else None
     rows: list[dict] = []
     plan = None
@@ -221,6 +223,7 @@ def main(argv: list[str]) -> int:
         ("ffn", lambda: expert_ffn_rows(shape, inp, args.warmup_ms, args.rep_ms, plan)),
         ("routing", lambda: routing_rows(shape, inp, args.warmup_ms, args.rep_ms)),
         ("saved", lambda: saved_bytes_rows(shape, inp)),
+        ("epilogue", lambda: epilogue_rows(shape, inp, args.warmup_ms, args.rep_ms)),
     ]
     for name, step in steps:
         if name in sections:

@@ -7,7 +7,8 @@ routing, saved): for T, H, I, E, K
     FLOPs and twice that backward (``expert``);
   - the expert side of a layer (``expert_ffn``) end to end: grouped_mm path vs triton path (``ffn``);
   - routing + permutation (top-k softmax; sort/gather vs counting-sort layout; combine: ``routing``);
-  - bytes saved for backward by each path (``saved``).
+  - bytes saved for backward by each path (``saved``);
+  - the expert side with gpt-oss's biases and clamped activation beside plain SwiGLU (``epilogue``).
 """
 
 from __future__ import annotations
@@ -167,6 +168,56 @@ def expert_ffn_rows(
     out.append({"section": "expert_ffn", "what": f"auto chooses {choice.name}",
                 "ms": timings[choice.name], "note": {n: (round(t, 3) if isinstance(t, float) else t)
                                                      for n, t in timings.items()}})
+    return out
+
+
+def epilogue_rows(shape: LayerShape, inp: dict[str, torch.Tensor], warmup_ms: int, rep_ms: int,
+                  rounds: int = 3) -> list[dict]:
+    """The expert side (``expert_ffn``) with gpt-oss's experts (biases b13, b2 and the clamped
+    activation, limit 7) beside plain SwiGLU on the same weights: Triton (bias and activation in the
+    epilogues, bias gradients by per-slot sums) and grouped_mm, forward and forward+backward, in
+    ``rounds`` ABBA rounds (medians); the ratio of each to its plain SwiGLU row."""
+    import statistics
+
+    from ray_moe.model.experts import SWIGLU, ExpertActivation, expert_ffn
+
+    clamped = ExpertActivation("clamped_swiglu", 1.702, 7.0)
+    gen = torch.Generator(device=inp["x"].device).manual_seed(1)
+    leaves = {n: inp[n].detach().requires_grad_() for n in ("x", "weight", "w13", "w2")}
+    for name, cols in (("b13", inp["w13"].shape[2]), ("b2", inp["w2"].shape[2])):
+        leaves[name] = (torch.randn(inp["w13"].shape[0], cols, generator=gen, device=inp["x"].device) * 0.1).to(
+            inp["x"].dtype).requires_grad_()
+    go = torch.randn_like(inp["x"])
+    cases = [(impl, kind) for impl in ("triton", "grouped_mm") for kind in ("swiglu", "gpt-oss")]
+
+    def run(impl: str, kind: str) -> torch.Tensor:
+        extra = dict(act=clamped, b13=leaves["b13"], b2=leaves["b2"]) if kind == "gpt-oss" else dict(act=SWIGLU)
+        return expert_ffn(leaves["x"], inp["slot"], leaves["weight"], leaves["w13"], leaves["w2"], impl=impl, **extra)
+
+    times: dict[tuple[str, str, str], list[float]] = {}
+    for r in range(rounds):
+        for impl, kind in (cases if r % 2 == 0 else cases[::-1]):
+            def fwd(impl=impl, kind=kind):
+                with torch.no_grad():
+                    return run(impl, kind)
+
+            def fwd_bwd(impl=impl, kind=kind):
+                wrt = [leaves[n] for n in ("x", "weight", "w13", "w2")] + (
+                    [leaves["b13"], leaves["b2"]] if kind == "gpt-oss" else [])
+                torch.autograd.grad(run(impl, kind), wrt, go)
+
+            for phase, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+                times.setdefault((impl, kind, phase), []).append(median_ms(fn, warmup_ms, rep_ms))
+    out = []
+    for impl, kind in cases:
+        for phase in ("fwd", "fwd+bwd"):
+            ms = statistics.median(times[(impl, kind, phase)])
+            out.append({"section": "epilogue", "what": f"{impl} {kind} {phase}", "ms": ms, "rounds": rounds,
+                        "ratio": ms / statistics.median(times[(impl, "swiglu", phase)])})
+    with torch.no_grad():  # the two gpt-oss paths compute the same experts
+        a, b = run("triton", "gpt-oss").float(), run("grouped_mm", "gpt-oss").float()
+    out.append({"section": "epilogue", "what": "gpt-oss triton vs grouped_mm output",
+                "rel_err": float((a - b).norm() / b.norm().clamp_min(1e-30))})
     return out
 
 

@@ -35,10 +35,27 @@ VARIANT_CASES = {
     "expert_ffn_mm_wgrad": ("tile_multiples", "odd_shapes"),  # runs, and the 16-byte row rule
     "expert_ffn_one_dot": ("random", "odd_shapes"),  # one dot (I=24: a masked second column tile); I=19: two
 }
+# gpt-oss's experts (biases b13, b2; the clamped activation) on the Triton path: variant → (plan,
+# biases, activation, cases). Empty experts (random, k1_sparse), every pair to one expert, K=1,
+# one token, the descriptor kernels (tile_multiples) and the one-dot up-projection.
+EPILOGUE_CASES = {
+    "bias_clamped": ("default", True, "clamped_swiglu", ("random", "all_one_expert", "k1_sparse", "single_token")),
+    "bias_swiglu": ("default", True, "swiglu", ("odd_shapes",)),
+    "clamped_no_bias": ("default", False, "clamped_swiglu", ("odd_shapes",)),
+    "bias_clamped_tma": ("tma_persistent", True, "clamped_swiglu", ("tile_multiples",)),
+    "bias_clamped_one_dot": ("one_dot", True, "clamped_swiglu", ("random",)),
+}
 
 
-def _reference_expert_ffn(case: dict[str, torch.Tensor]) -> torch.Tensor:
-    """expert_ffn built only from the kernels' pure-torch references."""
+def _clamped():
+    from ray_moe.model.experts import ExpertActivation
+    from tests.kernel_cases import CLAMPED_TEST_LIMIT
+
+    return ExpertActivation("clamped_swiglu", 1.702, CLAMPED_TEST_LIMIT)
+
+
+def _reference_expert_ffn(case: dict[str, torch.Tensor], act=None) -> torch.Tensor:
+    """expert_ffn built only from the kernels' pure-torch references (biases where the case has them)."""
     from tests.references import gather_sum_reference
     from ray_moe.kernels.grouped_swiglu import (
         down_scaled_reference,
@@ -48,8 +65,8 @@ def _reference_expert_ffn(case: dict[str, torch.Tensor]) -> torch.Tensor:
 
     K, S = case["slot"].shape[1], case["w13"].shape[0]
     layout = pair_layout_reference(case["slot"], S)
-    act, _ = gate_up_swiglu_reference(case["x"], layout, K, case["w13"])
-    y = down_scaled_reference(act, layout, K, case["weight"], case["w2"])
+    a, _ = gate_up_swiglu_reference(case["x"], layout, K, case["w13"], act, case.get("b13"))
+    y = down_scaled_reference(a, layout, K, case["weight"], case["w2"], case.get("b2"))
     return gather_sum_reference(y, layout, K)
 
 
@@ -62,9 +79,25 @@ def test_references_compose_to_loop_path(name):
     assert rel_err(_reference_expert_ffn(case), want) < 1e-5  # references compute in float32
 
 
-def test_backward_references_match_autograd():
-    """swiglu_backward_rows / dgrad_rows / grouped_wgrad references give autograd's gradients."""
+@pytest.mark.parametrize("name", ["random", "all_one_expert", "k1_sparse"])
+def test_references_with_biases_and_the_clamp_compose_to_loop_path(name):
+    from ray_moe.model.experts import expert_ffn
+
+    case = random_case(*INTERP_CASES[name], torch.float64, "cpu", seed=3, biases=True)
+    want = expert_ffn(case["x"], case["slot"], case["weight"].double(), case["w13"], case["w2"], impl="loop",
+                      act=_clamped(), b13=case["b13"], b2=case["b2"])
+    assert rel_err(_reference_expert_ffn(case, _clamped()), want) < 1e-5
+    plain = expert_ffn(case["x"], case["slot"], case["weight"].double(), case["w13"], case["w2"], impl="loop")
+    assert rel_err(plain, want) > 1e-2  # the biases and the clamp change the output
+
+
+@pytest.mark.parametrize("epilogue", ["swiglu", "bias_clamped"])
+def test_backward_references_match_autograd(epilogue):
+    """swiglu_backward_rows / dgrad_rows / grouped_wgrad / group_sum references give autograd's
+    gradients (with gpt-oss's biases and clamped activation too: the clamp's zero gradient, the
+    down bias's share of the routing weight's gradient, the bias gradients)."""
     from tests.references import gather_sum_reference
+    from ray_moe.kernels.group_sum import group_sum_reference
     from ray_moe.kernels.grouped_swiglu import (
         dgrad_rows_reference,
         gate_up_swiglu_reference,
@@ -72,26 +105,35 @@ def test_backward_references_match_autograd():
         swiglu_backward_rows_reference,
     )
     from ray_moe.kernels.routing import pair_layout_reference
-    from ray_moe.model.experts import expert_ffn
+    from ray_moe.model.experts import SWIGLU, expert_ffn
 
-    case = random_case(*INTERP_CASES["random"], torch.float64, "cpu", seed=5)
+    bias = epilogue == "bias_clamped"
+    act = _clamped() if bias else None
+    case = random_case(*INTERP_CASES["random"], torch.float64, "cpu", seed=5, biases=bias)
     K, S = case["slot"].shape[1], case["w13"].shape[0]
-    leaves = {n: case[n].clone().double().requires_grad_() for n in ("x", "weight", "w13", "w2")}
-    out = expert_ffn(leaves["x"], case["slot"], leaves["weight"], leaves["w13"], leaves["w2"], impl="loop")
+    names = ("x", "weight", "w13", "w2") + (("b13", "b2") if bias else ())
+    leaves = {n: case[n].clone().double().requires_grad_() for n in names}
+    out = expert_ffn(leaves["x"], case["slot"], leaves["weight"], leaves["w13"], leaves["w2"], impl="loop",
+                     act=act or SWIGLU, b13=leaves.get("b13"), b2=leaves.get("b2"))
     go = torch.randn_like(out)
     want = torch.autograd.grad(out, list(leaves.values()), go)
 
     layout = pair_layout_reference(case["slot"], S)
-    _, h13 = gate_up_swiglu_reference(case["x"], layout, K, case["w13"])
-    dh13, aw, dw_pos = swiglu_backward_rows_reference(go, layout, K, case["weight"], case["w2"], h13)
+    _, h13 = gate_up_swiglu_reference(case["x"], layout, K, case["w13"], act, case.get("b13"))
+    dh13, aw, dw_pos = swiglu_backward_rows_reference(go, layout, K, case["weight"], case["w2"], h13, act,
+                                                      case.get("b2"))
     n_valid = int(layout.offsets[-1])
     pos = layout.pair_pos.long()
     dweight = torch.where(pos < n_valid, dw_pos[pos.clamp(max=len(dw_pos) - 1)], 0.0).reshape(case["weight"].shape)
     dx = gather_sum_reference(dgrad_rows_reference(dh13, layout, K, case["w13"]), layout, K)
     dw13 = grouped_wgrad_reference(case["x"], dh13, layout, K, True, False)
     dw2 = grouped_wgrad_reference(aw, go, layout, K, False, True)
-    for got, ref, name in zip((dx, dweight, dw13, dw2), want, ("dx", "dweight", "dw13", "dw2")):
-        assert rel_err(got, ref) < 1e-5, name  # float32 inside the references
+    got = [dx, dweight, dw13, dw2]
+    if bias:
+        got += [group_sum_reference(dh13, layout, K, gather=False),
+                group_sum_reference(go, layout, K, gather=True, scale=case["weight"])]
+    for g, ref, name in zip(got, want, names):
+        assert rel_err(g, ref) < 1e-5, name  # float32 inside the references
 
 
 def test_topk_softmax_reference_matches_route():
@@ -154,6 +196,16 @@ def run_interpreter_checks() -> dict:
             return _fn(*a, **kw)
 
         setattr(grouped_tma, fn_name, counted)
+    epilogue_plans = {"default": None, "tma_persistent": hopper["tma_persistent"],
+                      "one_dot": dataclasses.replace(split, gate_up=dataclasses.replace(split.gate_up, one_dot=True))}
+    from ray_moe.model.experts import SWIGLU
+
+    for variant, (plan_name, biases, kind, names) in EPILOGUE_CASES.items():
+        for name in names:
+            case = random_case(*INTERP_CASES[name], torch.float32, "cpu", seed=13, biases=biases)
+            act = _clamped() if kind == "clamped_swiglu" else SWIGLU
+            results[f"epilogue_{variant}/{name}"] = check_expert_ffn(case, plan=epilogue_plans[plan_name], act=act)
+    results["moe_layer_bias_clamped"] = _moe_layer_check()
     for name, args in INTERP_CASES.items():
         case = random_case(*args, torch.float32, "cpu", seed=11)
         if name == "tile_multiples":
@@ -202,6 +254,41 @@ def run_interpreter_checks() -> dict:
     results["topk_softmax"] = topk
     results["zero_tail"] = _zero_tail_check()
     return results
+
+
+def _moe_layer_check() -> dict:
+    """A gpt-oss-like MoELayer (expert biases, clamped activation) at one rank with
+    ``expert_impl: triton`` (the fused router too) against the same layer on the loop path:
+    output and every parameter's gradient."""
+    import dataclasses
+
+    import ray_moe.kernels as kernels
+    from ray_moe.comm.local import LocalTransport
+    from ray_moe.model.moe import MoELayer, MoELayerSpec
+
+    calls = []
+    triton_ffn = kernels.expert_ffn_triton
+
+    def counted(*a, **kw):
+        calls.append(kw.get("b13") is not None)
+        return triton_ffn(*a, **kw)
+
+    kernels.expert_ffn_triton = counted  # experts.expert_ffn imports it from the package at each call
+
+    spec = MoELayerSpec(24, 6, 2, 16, expert_bias=True, activation=_clamped(), expert_impl="loop")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(10, 24, generator=g)
+    runs = {}
+    for impl in ("loop", "triton"):
+        layer = MoELayer(dataclasses.replace(spec, expert_impl=impl), LocalTransport())
+        with torch.no_grad():
+            for p in (layer.b13, layer.b2):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.5)
+        out, _ = layer(x)
+        out.square().sum().backward()
+        runs[impl] = [out] + [p.grad for p in (layer.router, *layer.expert_params())]
+    kernels.expert_ffn_triton = triton_ffn
+    return {"errors": [rel_err(a, b) for a, b in zip(runs["triton"], runs["loop"])], "triton_calls_with_bias": calls}
 
 
 def _zero_tail_check() -> dict:
@@ -259,6 +346,32 @@ def test_triton_expert_ffn_under_interpreter(interpreter_results, name):
             assert mm["empty_slot_grad"] == 0.0, mm
     assert interpreter_results[f"pair_layout/{name}"]
     assert all(v < 1e-5 for v in interpreter_results[f"kernels/{name}"].values()), interpreter_results[f"kernels/{name}"]
+
+
+@pytest.mark.interpreter_script(*INTERPRETER_CHECKS)
+@pytest.mark.parametrize("variant,name", [(v, n) for v, (*_, names) in EPILOGUE_CASES.items() for n in names])
+def test_triton_biases_and_clamp_under_interpreter(interpreter_results, variant, name):
+    """gpt-oss's experts on the Triton kernels (bias epilogues, the clamped activation and its
+    derivative, the bias gradients by per-slot sums) equal the float64 loop path: output and every
+    gradient; experts with no pairs get exactly zero weight and bias gradients."""
+    errs = interpreter_results[f"epilogue_{variant}/{name}"]
+    keys = ("out", "dx", "dweight", "dw13", "dw2") + (("db13", "db2") if EPILOGUE_CASES[variant][1] else ())
+    for key in keys:
+        assert errs[key] < 1e-5, (key, errs)
+    assert errs["empty_slot_grad"] == 0.0, errs
+    if name in ("random", "k1_sparse"):
+        assert errs["n_empty_slots"] > 0, errs  # the case has experts with no pairs
+    if EPILOGUE_CASES[variant][2] == "clamped_swiglu":
+        assert 0.05 < errs["clamped_share"] < 0.95, errs  # both sides of the clamps were exercised
+
+
+@pytest.mark.interpreter_script(*INTERPRETER_CHECKS)
+def test_moe_layer_with_biases_and_clamp_runs_triton_under_interpreter(interpreter_results):
+    """The layer no longer falls back to grouped_mm: expert_impl triton with expert biases and the
+    clamped activation equals the loop path (output, router and expert parameter gradients)."""
+    r = interpreter_results["moe_layer_bias_clamped"]
+    assert r["triton_calls_with_bias"] == [True], r  # one Triton call, with the biases
+    assert len(r["errors"]) == 6 and all(e < 1e-5 for e in r["errors"]), r
 
 
 @pytest.mark.interpreter_script(*INTERPRETER_CHECKS)

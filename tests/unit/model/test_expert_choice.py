@@ -139,3 +139,28 @@ def test_chooser_measures_inside_an_activation_checkpointed_block():
     expert_ffn(ref[0], slot, ref[1], ref[2], ref[3], impl="loop").square().sum().backward()
     for a, b in zip(leaves, ref):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_chooser_times_the_candidates_with_the_layers_biases_and_activation(monkeypatch):
+    """Experts with biases and gpt-oss's clamped activation are measured with them (another
+    epilogue, other timings) and under their own key: plain experts of the same shape measure anew."""
+    import ray_moe.model.experts as experts
+    from ray_moe.model.experts import ExpertActivation
+
+    seen = []
+    real = experts.expert_ffn
+
+    def recording(*args, **kw):
+        seen.append((kw.get("act"), kw.get("b13") is not None and kw.get("b2") is not None))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(experts, "expert_ffn", recording)
+    c = random_case(12, 2, 4, 16, 8, "random", torch.float32, "cpu", seed=0, biases=True)
+    act = ExpertActivation("clamped_swiglu", 1.702, 1.0)
+    timer = FakeTimer({"loop": 1.0, "grouped_mm": 2.0})
+    ch = ExpertImplChooser(candidates=(ExpertChoice("loop"), ExpertChoice("grouped_mm")), timer=timer, rounds=1)
+    args = (c["x"], c["slot"], c["weight"], c["w13"], c["w2"])
+    assert ch.choose(*args, needs_grad=True, act=act, b13=c["b13"], b2=c["b2"]) == ExpertChoice("loop")
+    assert seen == [(act, True)] * 2
+    ch.choose(*args, needs_grad=True)
+    assert len(ch.choices) == 2 and seen[2:] == [(experts.SWIGLU, False)] * 2
