@@ -99,6 +99,28 @@ def check_expert_ffn(case: dict[str, torch.Tensor], seed: int = 1, plan=None, ac
     return result
 
 
+def check_router_logits(logits_fn, T: int, H: int, E: int, device: str | torch.device, seed: int = 0) -> dict[str, float]:
+    """Relative errors of ``logits_fn(x bf16 [T, H], w float32 [H, E]) -> float32 [T, E]`` and of
+    its gradients against the float64 product on fresh random inputs (0.0 everywhere when T=0).
+    Also checks the output's dtype/shape and that dx comes back in bf16 (raises otherwise)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(device=device, dtype=torch.bfloat16).requires_grad_()
+    w = (torch.randn(H, E, generator=g) / H**0.5).to(device).requires_grad_()
+    got = logits_fn(x, w)
+    if got.dtype != torch.float32 or tuple(got.shape) != (T, E):
+        raise AssertionError(f"logits must be float32 [{T}, {E}], got {got.dtype} {tuple(got.shape)}")
+    if T == 0:
+        return {"logits": 0.0, "dx": 0.0, "dw": 0.0}
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    want = xr @ wr
+    go = torch.randn(T, E, generator=g).to(device)
+    dx, dw = torch.autograd.grad(got, (x, w), go)
+    rx, rw = torch.autograd.grad(want, (xr, wr), go.double())
+    if dx.dtype != torch.bfloat16:
+        raise AssertionError(f"dx must be bf16 like x, got {dx.dtype}")
+    return {"logits": rel_err(got, want), "dx": rel_err(dx, rx), "dw": rel_err(dw, rw)}
+
+
 def _clamped_share(leaves: dict[str, torch.Tensor], slot: torch.Tensor, act) -> float:
     """Share of the valid pairs' gate and up elements where gpt-oss's clamp holds."""
     K = slot.shape[1]

@@ -118,6 +118,8 @@ def test_bench_overlap_rows_on_cpu(group_for_new, tmp_path):
         assert len(r["steps_ms_per_round"]) == 2 and r["step_ms"] > 0 and r["scaling"] > 0
         assert 0 < r["forward_ms"] < r["step_ms"] and r["backward_ms"] > 0
         assert r["imbalance"] >= 1.0 and (r["world_size"] > 1 or r["imbalance"] == 1.0)
-    assert rows[0]["scaling"] == 1.0 and rows[6]["scaling"] == 1.0
+    # the one rank's slope against itself is 1 (None where timing noise made the deeper run faster)
+    assert rows[0]["scaling"] == 1.0 and rows[6]["scaling"] in (1.0, None)
     for per, two, three in zip(rows[6:], rows[:3], rows[3:6]):
-        assert abs(per["step_ms"] - (three["step_ms"] - two["step_ms"])) < 1e-9
+        diff = three["step_ms"] - two["step_ms"]  # a two-point slope, never a negative time
+        assert (per["step_ms"] is None and diff <= 0) or abs(per["step_ms"] - diff) < 1e-9

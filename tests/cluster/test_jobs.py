@@ -160,7 +160,7 @@ def test_smoke_passes_with_its_defaults_on_the_one_node_cluster(readme_job):
     for res in results:
         by_check.setdefault(res["check"], []).append(res)
     assert {res["status"] for res in by_check["layer_parity"]} == {"pass"}
-    assert "not run at W=1: empty_rank" in by_check["layer_parity"][0]["detail"]  # named, not failed
+    assert "not run at EP 1: empty_rank" in by_check["layer_parity"][0]["detail"]  # named, not failed
     assert [res["status"] for res in by_check["bandwidth"]] == ["skip"]
     assert "one rank" in by_check["bandwidth"][0]["detail"]
     assert {res["status"] for res in by_check["training"]} == {"pass"}

@@ -96,8 +96,10 @@ def test_mesh_training_equals_single_process(mesh_groups, tmp_path, world, ep):
     assert losses == pytest.approx(single_losses, rel=1e-6)
     assert set(state) == set(single_state)
     errors = {key: _rel(state[key], ref) for key, ref in single_state.items()}
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= 1e-6, (worst, errors[worst])
+    # float32 gradients summed over 4-6 ranks in another order than one rank's: parameters within
+    # 3e-6 after 8 AdamW steps (1.4e-6 seen at 3x2, 2026-12-07), AdamW's moments within 1e-5
+    bad = {k: e for k, e in errors.items() if e > (1e-5 if k.startswith("optim.") else 3e-6)}
+    assert not bad, bad
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
