@@ -505,12 +505,6 @@ class Config:
             raise ConfigError(f"train.eval_interval={t.eval_interval} but data.val_fraction=0 leaves no validation "
                               "split (the run then never evaluates); set data.val_fraction > 0 or "
                               "train.eval_interval=0")
-        if (p.zero_stage and self.balance.clone_slots and p.expert_parallel != AUTO
-                and p.expert_parallel < p.world_size):
-            raise ConfigError(f"parallel.zero_stage={p.zero_stage} shards the expert state over the replicas "
-                              f"(parallel.expert_parallel={p.expert_parallel} < parallel.world_size={p.world_size}) "
-                              "and cannot take hot-expert clones yet; set balance.clone_slots=0 or "
-                              "parallel.zero_stage=0")
         return resolved
 
     def world_size_error(self, world_size: int, what: str = "parallel.world_size",

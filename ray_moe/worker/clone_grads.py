@@ -58,10 +58,15 @@ class CloneGradReduction:
         in_backward: launch from backward's hooks; False: every layer in :meth:`launch_rest`
             (the rank mesh's DP replicas first sum their clone slots' gradients, then the sums go
             to the owners: :class:`~ray_moe.worker.replica_grads.ReplicaGradReduction`).
+        source: where a parameter's gradient is read and its clone slots zeroed (default: its
+            compute-dtype ``.grad``, zeros where backward left none; ZeRO over the replicas: its
+            view in the held bucket, :meth:`~ray_moe.worker.zero.ShardedReplicatedState.gradient`).
     """
 
     def __init__(self, layers: Sequence[torch.nn.Module], group: dist.ProcessGroup | None, rounded: bool,
-                 max_in_flight: int = 2, in_backward: bool = True) -> None:
+                 max_in_flight: int = 2, in_backward: bool = True,
+                 source: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self._source = source
         self.order = [layer for layer in reversed(layers) if layer.placement.clone_slots]  # backward's order
         self.group, self.rounded, self.max_in_flight = group, rounded, max_in_flight
         self.in_backward = in_backward
@@ -93,13 +98,18 @@ class CloneGradReduction:
             layer = self.order[self._next]
             self._next += 1
             self.launched_in_backward += self._armed
-            exchange = launch_clone_grads(layer.placement, layer.rank, _grads(layer), self.group)
+            exchange = launch_clone_grads(layer.placement, layer.rank, self._grads(layer), self.group)
             if exchange is None:
                 continue
             self._in_flight.append((layer, exchange))
             while self.rounded and self._armed and len(self._in_flight) > self.max_in_flight:
                 done, oldest = self._in_flight.pop(0)
-                add_clone_grads(oldest, _grads(done))
+                add_clone_grads(oldest, self._grads(done))
+
+    def _grads(self, layer: torch.nn.Module) -> list[torch.Tensor]:
+        if self._source is None:
+            return _grads(layer)
+        return [self._source(p) for p in layer.expert_params()]
 
     @torch.no_grad()
     def launch_rest(self) -> None:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ray_moe import checkpoint
 from ray_moe.arch import ArchSpec, ResolvedArch
 from ray_moe.comm.base import BufferSpec, Transport
-from ray_moe.config import DTYPES, Config, ConfigError, element_size
+from ray_moe.config import DTYPES, Config, element_size
 from ray_moe.device import synchronize
 from ray_moe.mesh import MeshSpec
 from ray_moe.model.build import build_model
@@ -133,21 +133,19 @@ class Engine:
             rounded = config.parallel.grad_reduce_dtype != "float32"
             has_clones = any(layer.placement.clone_slots for layer in self.model.moe_layers())
             if self.mesh.dp > 1:  # the replicas' expert gradients: ZeRO over DP, or all-reduced in buckets
-                if config.parallel.zero_stage and has_clones:
-                    raise ConfigError(f"parallel.zero_stage={config.parallel.zero_stage} shards the expert state "
-                                      f"over the replicas ({self.mesh}) and cannot take hot-expert clones yet; set "
-                                      "balance.clone_slots=0 or parallel.zero_stage=0")
-                if config.parallel.zero_stage:
-                    self.zero_experts = self._sharded_expert_state()
+                if config.parallel.zero_stage:  # (with clones the buckets wait for the clones' sums)
+                    self.zero_experts = self._sharded_expert_state(hold=has_clones)
                 else:
                     self.replica_grads = ReplicaGradReduction(self.model.moe_layers(), self.groups.dp,
                                                               DTYPES[config.parallel.grad_reduce_dtype])
             # hot-expert clones' gradients leave for their owners while backward runs (with DP
-            # replicas: after the replicas' sums, in sync_grads)
+            # replicas: after the replicas' sums, or, under ZeRO, inside the held buckets before
+            # their reduce-scatter; in sync_grads)
             if has_clones:
                 group = self.groups.ep if self.groups else None
-                self.clone_grads = CloneGradReduction(self.model.moe_layers(), group, rounded,
-                                                      in_backward=self.mesh.dp == 1)
+                self.clone_grads = CloneGradReduction(
+                    self.model.moe_layers(), group, rounded, in_backward=self.mesh.dp == 1,
+                    source=self.zero_experts.gradient if self.zero_experts else None)
             excluded = (self.zero.names if self.zero else frozenset()) | (
                 self.zero_experts.names if self.zero_experts else frozenset())
             self.optimizer = MixedPrecisionAdamW(
@@ -182,11 +180,14 @@ class Engine:
             bucket_size=self.config.parallel.grad_bucket_size, shard_grads=self.config.parallel.zero_stage >= 2,
             grad_dtype=DTYPES[self.config.parallel.grad_reduce_dtype])
 
-    def _sharded_expert_state(self) -> ShardedReplicatedState:
+    def _sharded_expert_state(self, hold: bool) -> ShardedReplicatedState:
         """ZeRO stage 1 or 2 for the expert parameters over this rank's DP replicas: their float32
         masters and moments split over the replicas, gradients reduce-scattered in buckets while
         backward runs, bf16 weights all-gathered after the update (the replicated parameters'
-        machinery on the DP group)."""
+        machinery on the DP group). ``hold`` (hot-expert clones): the buckets are reduce-scattered
+        after backward, once the clone slots' gradients are on their owners' native slots; every
+        slot has a master and moments (a clone's are never read: its gradient is zeroed and its
+        weights are pushed from the owner after the all-gather)."""
         t = self.config.train
         names = {id(p): n for n, p in self.model.named_parameters()}
         return ShardedReplicatedState(
@@ -194,7 +195,7 @@ class Engine:
             group=self.groups.dp, weight_decay=t.weight_decay,
             betas=(t.beta1, t.beta2), eps=t.eps, state_dtype=STATE_DTYPES[t.optimizer_state_dtype],
             bucket_size=self.config.parallel.grad_bucket_size, shard_grads=self.config.parallel.zero_stage >= 2,
-            grad_dtype=DTYPES[self.config.parallel.grad_reduce_dtype])
+            grad_dtype=DTYPES[self.config.parallel.grad_reduce_dtype], hold=hold)
 
     @property
     def ep_group(self) -> dist.ProcessGroup | None:
@@ -209,7 +210,8 @@ class Engine:
         named = self.optimizer.one_pass_named()
         if self.zero_beside:
             by_id = {id(p): n for n, p in self.model.named_parameters()}
-            named = [(by_id[id(p)], p) for b in self.zero.buckets for p in b.params] + named
+            sharded = [self.zero] + ([self.zero_experts] if self.zero_experts else [])
+            named = [(by_id[id(p)], p) for z in sharded for b in z.buckets for p in b.params] + named
         one_by_one = {id(p) for _, p in named}
         late = {1 + layer.layer_idx for layer in self.model.moe_layers()
                 if layer.placement.clone_slots and not {id(p) for p in layer.expert_params()} <= one_by_one}
@@ -218,7 +220,8 @@ class Engine:
     @property
     def zero_beside(self) -> bool:
         """Whether ZeRO's update and all-gathers run on the overlapped update's side stream
-        (``parallel.overlap_param_gather`` on CUDA with sharded replicated state)."""
+        (``parallel.overlap_param_gather`` on CUDA with sharded replicated state; the experts'
+        state sharded over the DP replicas too, where there is one)."""
         return (self.zero is not None and self.config.parallel.overlap_param_gather
                 and self.config.train.overlap_update and self.device.type == "cuda")
 
@@ -326,8 +329,6 @@ class Engine:
                 self._update(lr, scale)
             if self.zero and not beside:
                 self.zero.step(lr, scale)
-            if self.zero_experts:
-                self.zero_experts.step(lr, scale)
             self.opt_steps += 1
             self.update_routing_bias()
         else:  # weights and optimizer state untouched
@@ -362,18 +363,30 @@ class Engine:
         slots refreshed from their owners: each MoE layer's as soon as its expert weights are
         updated, before ``done`` hears of the last of them (so the block's event covers its clones), the rest
         after the update; ``zero``: ZeRO's sharded update and all-gathers first (in forward
-        order: the embeddings' are what the next forward needs first)."""
+        order: the embeddings' are what the next forward needs first).
+
+        The experts' state sharded over the DP replicas is updated first: with ``zero`` beside
+        the next forward (each layer's clones pushed on this stream once the all-gathers writing
+        its expert weights are waited for here), else with every all-gather waited for before the
+        clones are pushed (the all-gather writes the clone slots from their own, stale, masters)."""
         if zero:
             self.zero.step(lr, scale, done)
         left = {id(p): layer for layer in self.model.moe_layers() if layer.placement.clones()
                 for p in layer.expert_params()}
+        gathers: dict[int, list] = {}  # id(layer) -> the all-gathers writing its expert weights
 
         def pushing(param: torch.Tensor | None, *work) -> None:
             layer = left.pop(id(param), None)
-            if layer is not None and not any(id(p) in left for p in layer.expert_params()):
-                push_clone_weights(layer, layer.placement, self.ep_group)
+            if layer is not None:
+                gathers.setdefault(id(layer), []).extend(work)
+                if not any(id(p) in left for p in layer.expert_params()):
+                    for w in gathers.pop(id(layer)):
+                        w.wait()  # (NCCL: this stream waits, not the host)
+                    push_clone_weights(layer, layer.placement, self.ep_group)
             done(param, *work)
 
+        if self.zero_experts is not None:
+            self.zero_experts.step(lr, scale, pushing if zero else None)
         self.optimizer.step(lr, scale, pushing if done is not None else None)
         for layer in self.model.moe_layers():  # those whose expert weights were not reported one by one
             if any(id(p) in left for p in layer.expert_params()):
@@ -429,19 +442,24 @@ class Engine:
                 clock.mark("replicas reduced")
             return out
 
+        experts = self.zero_experts
         if replicas and clones:  # the replicas' sums first (clone slots too), then to the owners
             timed(lambda: replicas.finish(lambda p: p.grad))
-        if clones:
+        if clones and not experts:
             clones.launch_rest()  # the layers backward did not launch (DP replicas)
             if clones.rounded:  # the clone sums into the bf16 gradients
                 clones.add_received(lambda p: p.grad)
         opt.gather_grads()
         if replicas and not clones:  # into the gradients the update reads (float32 masters: exact)
             timed(lambda: replicas.finish(opt.grad))
-        if clones and not clones.rounded:  # into the float32 master gradients
+        if clones and not clones.rounded and not experts:  # into the float32 master gradients
             clones.add_received(opt.grad)
-        if self.zero_experts:  # this rank's chunks of the replicas' sums (Σ over all ranks: the norm's part)
-            local = timed(self.zero_experts.finish)
+        if experts:  # this rank's chunks of the replicas' sums (Σ over all ranks: the norm's part)
+            def to_owners() -> None:  # clones' gradients onto their owners' slots in the held buckets
+                clones.launch_rest()
+                clones.add_received(experts.gradient)
+
+            local = timed(lambda: experts.finish(to_owners if clones else None))
         elif self.dp_rank == 0:  # the experts' gradients, once per EP group's worth (the replicas' are equal)
             local = _sum_of_squares([opt.grad(p) for p in self.sharded], self.device)
         else:
@@ -587,6 +605,8 @@ class Engine:
         if self.zero_experts:  # the experts' masters and moments, whole on DP rank 0 (a collective)
             marks = {n: expert_shard(p) for n, p in self.model.named_parameters()}
             for name, whole in self.zero_experts.gather_state().items():
+                native = len(marks[name].native_experts)  # (clone slots' state is never read)
+                whole = {k: v[:native] for k, v in whole.items()}
                 whole["master"].expert_shard = marks[name]
                 named.append((name, whole["master"]))
                 state[whole["master"]] = whole
@@ -609,9 +629,10 @@ class Engine:
         if self.zero:  # whole float32 host tensors, checked by the same code; this rank keeps its chunks
             whole = {names[id(p)]: torch.empty(p.shape, dtype=torch.float32) for p in self.replicated}
             named = named + list(whole.items())
-        if self.zero_experts:  # this EP rank's experts, whole, marked as the parameters are
+        if self.zero_experts:  # this EP rank's native experts, whole, marked as the parameters are
             for p in self.sharded:
-                experts[names[id(p)]] = torch.zeros(p.shape, dtype=torch.float32)
+                native = len(expert_shard(p).native_experts)
+                experts[names[id(p)]] = torch.zeros((native, *p.shape[1:]), dtype=torch.float32)
                 experts[names[id(p)]].expert_shard = expert_shard(p)
             named = named + list(experts.items())
         state = self.optimizer.state
@@ -619,11 +640,21 @@ class Engine:
                                     named_buffers=persistent_buffers(self.model))
         if self.zero:
             self.zero.load(whole, {n: state.pop(w) for n, w in whole.items() if w in state}, opt_steps)
-        if self.zero_experts:
-            self.zero_experts.load(experts, {n: state.pop(w) for n, w in experts.items() if w in state}, opt_steps)
+        if self.zero_experts:  # clone slots' masters and moments zero (their weights: pushed below)
+            moments = {n: {k: _slots(v, p) for k, v in state.pop(w).items() if k != "step"}
+                       for (n, w), p in zip(experts.items(), self.sharded, strict=True) if w in state}
+            self.zero_experts.load({n: _slots(w, p) for (n, w), p in zip(experts.items(), self.sharded, strict=True)},
+                                   moments, opt_steps)
         self.optimizer.loaded()
         self.step, self.opt_steps = step, opt_steps
         self.push_clones()
+
+
+def _slots(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``t`` (a native-slot expert tensor [native, ...]) with zero rows for ``p``'s clone slots."""
+    if t.shape[0] == p.shape[0]:
+        return t
+    return torch.cat([t, t.new_zeros((p.shape[0] - t.shape[0], *t.shape[1:]))])
 
 
 def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -113,6 +113,10 @@ class ShardedReplicatedState:
         bucket_size: elements per bucket (a parameter larger than it gets a bucket of its own).
         shard_grads: ZeRO stage 2 (gradient buffers live only until their bucket is reduced).
         grad_dtype: the reduction's dtype (float32 or bfloat16).
+        hold: the buckets wait for :meth:`finish` instead of launching during backward, so the
+            caller can move gradients between them first (:meth:`gradient`; the rank mesh's
+            hot-expert clones send theirs to their owners before the replicas' reduce-scatter).
+            At stage 2 every bucket's buffer then lives until :meth:`finish`.
 
     One step: :meth:`begin` before backward, :meth:`finish` after it (returns Σ g² of this rank's
     reduced chunks), :meth:`step` when the step is not skipped.
@@ -121,8 +125,8 @@ class ShardedReplicatedState:
     def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]], no_decay: Collection[str], *,
                  group: dist.ProcessGroup, weight_decay: float, betas: tuple[float, float], eps: float,
                  state_dtype: torch.dtype, bucket_size: int, shard_grads: bool = False,
-                 grad_dtype: torch.dtype = torch.float32) -> None:
-        self.group = group
+                 grad_dtype: torch.dtype = torch.float32, hold: bool = False) -> None:
+        self.group, self.hold = group, hold
         self.shard_grads, self.grad_dtype = shard_grads, grad_dtype
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.weight_decay, self.betas, self.eps, self.state_dtype = weight_decay, betas, eps, state_dtype
@@ -188,7 +192,16 @@ class ShardedReplicatedState:
         self._buffer(b)[o: o + p.numel()].copy_(p.grad.reshape(-1))
         p.grad = None
         b.got[i] = True
-        self._launch_ready()
+        if not self.hold:
+            self._launch_ready()
+
+    def gradient(self, p: torch.Tensor) -> torch.Tensor:
+        """``p``'s gradient in its bucket (a view, ``p``'s shape, the reduction dtype), to read or
+        change before the bucket is launched: with ``hold``, from backward's hook until
+        :meth:`finish`'s ``before_launch`` returns."""
+        b, i = self._where[id(p)]
+        o = b.offsets[i]
+        return self._buffer(b)[o: o + p.numel()].view_as(p)
 
     def _buffer(self, b: _Bucket) -> torch.Tensor:
         """The bucket's gradient buffer in the reduction dtype (stage 2: taken now, the padding zeroed)."""
@@ -212,9 +225,10 @@ class ShardedReplicatedState:
             self._next += 1
 
     @torch.no_grad()
-    def finish(self) -> torch.Tensor:
-        """After backward: zeros for the gradients backward did not produce, the remaining buckets
-        launched, every reduction waited for. Returns Σ g² over this rank's chunks of the reduced
+    def finish(self, before_launch: Callable[[], None] | None = None) -> torch.Tensor:
+        """After backward: zeros for the gradients backward did not produce, ``before_launch()``
+        (which may change the gradients not yet launched through :meth:`gradient`), the remaining
+        buckets launched, every reduction waited for. Returns Σ g² over this rank's chunks of the reduced
         (summed over ranks) gradients, a float32 scalar: the chunks partition the replicated
         gradients, so the sum of this over ranks is their squared norm."""
         for b in self.buckets:
@@ -224,6 +238,8 @@ class ShardedReplicatedState:
                     self._buffer(b)[o: o + b.params[i].numel()].zero_()
                     b.params[i].grad = None
                     b.got[i] = True
+        if before_launch is not None:
+            before_launch()
         self._launch_ready()
         self._armed = False
         for b in self.buckets:

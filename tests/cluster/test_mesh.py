@@ -68,12 +68,15 @@ def _mesh_config(tmp_path, world: int, ep: int, *extra: str):
     return cfg.with_overrides(list(extra))
 
 
-@pytest.mark.parametrize("world,ep", [(4, 2), (6, 3), (6, 2)], ids=["2x2", "3x2", "2x3"])
-def test_mesh_training_equals_single_process(mesh_groups, tmp_path, world, ep):
+@pytest.mark.parametrize("world,ep,zero", [(4, 2, 0), (6, 3, 0), (6, 2, 0), (4, 2, 1), (6, 2, 1), (4, 2, 2), (6, 2, 2)],
+                         ids=["2x2", "3x2", "2x3", "2x2-zero1", "2x3-zero1", "2x2-zero2", "2x3-zero2"])
+def test_mesh_training_equals_single_process(mesh_groups, tmp_path, world, ep, zero):
     """EP x DP training with hot-expert clones re-planned every 3 steps equals the single-process
     run: every loss and every weight and moment (1e-6 relative); the DP replicas hold identical
-    weights; each rank's transport moves rows among its EP group only."""
-    cfg = _mesh_config(tmp_path, world, ep, *RECLONING)
+    weights; each rank's transport moves rows among its EP group only. With ZeRO (stage 1, 2) the
+    expert state is sharded over the replicas: the clones' gradients reach their owners before
+    the reduce-scatter, their weights are pushed after the all-gather."""
+    cfg = _mesh_config(tmp_path, world, ep, *RECLONING, f"parallel.zero_stage={zero}")
     with Trainer(cfg, progress=False, group=mesh_groups(world)) as t:
         assert t.group.mesh == MeshSpec(world, ep, world // ep)
         losses = [t.step()["loss"] for _ in range(STEPS)]

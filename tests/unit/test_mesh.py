@@ -59,8 +59,8 @@ def test_config_checks_the_ep_degree():
                                        "choose a divisor of it")
     with pytest.raises(ConfigError, match="parallel.expert_parallel=-1 must be >= 0"):
         cfg.with_overrides(["parallel.expert_parallel=-1"])
-    with pytest.raises(ConfigError, match="cannot take hot-expert clones yet"):
-        cfg.with_overrides(["parallel.zero_stage=1", "balance.clone_slots=1"])
+    zero_clones = cfg.with_overrides(["parallel.zero_stage=1", "balance.clone_slots=1"])  # ZeRO over DP + clones
+    assert (zero_clones.parallel.zero_stage, zero_clones.balance.clone_slots) == (1, 1)
 
 
 def test_cli_refuses_a_bad_mesh_with_exit_2(tmp_path):
