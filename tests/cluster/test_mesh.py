@@ -112,16 +112,18 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_checkpoint_moves_between_mesh_shapes(mesh_groups, groups, tmp_path):
-    """A checkpoint written at 2x2 with the expert state sharded over the replicas (ZeRO 1)
-    resumes exactly at W=1, at whole-world EP (4x1) and at 2x3 (unsharded): the next two steps'
-    losses match the uninterrupted run's; and the 4x1 run's checkpoint of the same step resumes
-    at 2x2 under ZeRO again, as exactly."""
+    """A checkpoint written at 2x2 with the expert state sharded over the replicas (ZeRO 1, a
+    clone slot per rank: its state stays out of the checkpoint) resumes exactly at W=1, at
+    whole-world EP (4x1) and at 2x3 (unsharded, no clone slots): the next two steps' losses match
+    the uninterrupted run's; and the 4x1 run's checkpoint of the same step resumes at 2x2 under
+    ZeRO 2 with a clone slot, as exactly."""
     def config(world: int, ep: int, name: str, *extra: str):
         return small_config(tmp_path, **{"parallel.world_size": world, "parallel.expert_parallel": ep,
                                          "train.batch_size": 12, "train.steps": STEPS,
                                          "train.run_dir": str(tmp_path / name)}).with_overrides(list(extra))
 
-    with Trainer(config(4, 2, "2x2", "parallel.zero_stage=1"), progress=False, group=mesh_groups(4)) as t:
+    with Trainer(config(4, 2, "2x2", "parallel.zero_stage=1", "balance.clone_slots=1"), progress=False,
+                 group=mesh_groups(4)) as t:
         assert t.group.mesh == MeshSpec(4, 2, 2)
         for _ in range(3):
             t.step()
@@ -135,7 +137,8 @@ def test_checkpoint_moves_between_mesh_shapes(mesh_groups, groups, tmp_path):
                 assert t2.group.mesh == MeshSpec(4, 4, 1)  # auto on the CPU: the whole world
                 resaved = t2.save()
             assert [t2.step()["loss"] for _ in range(2)] == pytest.approx(uninterrupted, rel=1e-6), (world, ep)
-    with Trainer(config(4, 2, "again", "parallel.zero_stage=1"), progress=False, group=mesh_groups(4)) as t3:
+    with Trainer(config(4, 2, "again", "parallel.zero_stage=2", "balance.clone_slots=1"), progress=False,
+                 group=mesh_groups(4)) as t3:
         assert t3.restore(resaved) == 3
         assert [t3.step()["loss"] for _ in range(2)] == pytest.approx(uninterrupted, rel=1e-6)
 
