@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from ray_moe.comm.local import LocalTransport
-from ray_moe.config import ConfigError
 from ray_moe.driver.trainer import Trainer
 from ray_moe.mesh import MeshSpec
 from ray_moe.worker.engine import Engine

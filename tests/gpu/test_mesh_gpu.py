@@ -9,12 +9,15 @@ the one NVSHMEM job (the transport's peers, translated to the job's PEs on the h
 - the transport validators and the layer against the single-process oracle inside each EP group
   (bf16 bounds), both groups exchanging at once;
 - CUDA-graph capture and replay of a layer's forward and backward inside an EP group;
+- ZeRO 2 over the replicas with re-cloning: the experts' sharded update and all-gathers beside the
+  next forward (``train.overlap_update``, ``parallel.overlap_param_gather``) against the update in place;
 - training at 2 x 2 against the same run at 4 x 1 (whole-world EP), bf16, with re-cloning;
 - a worker of one replica killed mid-run: the Trainer's recovery brings the whole mesh back from
   the last checkpoint, and the steps after it match an uninterrupted run's;
-- with ``RAY_MOE_TWO_NODE_ADDRESS`` (two Ray nodes on one host, ``scripts/nvshmem_device.sh``), the
-  default ``parallel.expert_parallel`` puts one EP group on each node and no row crosses nodes
-  (asserted from each transport's peers and their nodes).
+- with ``RAY_MOE_TWO_NODE_ADDRESS`` (two Ray nodes on one host, ``scripts/nvshmem_device.sh twomesh``:
+  one GPU each, or both on GPU 0 where there is one, two PEs a node under MPS), the default
+  ``parallel.expert_parallel`` puts one EP group on each node and no row crosses nodes (asserted
+  from each transport's peers and their nodes).
 """
 
 from __future__ import annotations
@@ -153,17 +156,61 @@ def test_cuda_graph_replay_inside_an_ep_group(mesh_group):
 RECLONING = {"balance.enabled": True, "balance.interval": 2, "balance.clone_slots": 1, "balance.ema": 0.0}
 
 
+def _weights(worker) -> dict:
+    worker.engine.settle()  # (an update beside the next forward may still be running)
+    return {n: p.detach().float().cpu() for n, p in worker.engine.model.named_parameters()}
+
+
+def _overlap_report(worker) -> dict:
+    from ray_moe.placement.placement import expert_shard
+
+    e = worker.engine
+    return {"beside": e.zero_beside, "experts_sharded": e.zero_experts is not None,
+            "experts_one_by_one": e.overlap is not None and all(e.overlap.reports(p) for p in e.sharded),
+            "native_slots": {n: len(expert_shard(p).native_experts) if expert_shard(p) else p.shape[0]
+                             for n, p in e.model.named_parameters()}}
+
+
+def test_experts_sharded_update_beside_the_next_forward(mesh_group, tmp_path):
+    """ZeRO 2 over the replicas at 2 x 2 with re-cloning: with the update beside the next forward
+    the experts' sharded update and all-gathers run on the side stream too (each expert weight
+    reported with its all-gather, clones pushed there after it), and six bf16 steps match the
+    same run with the update in place (train.overlap_update=false) within bf16 bounds; the
+    replicas stay identical in both."""
+    from ray_moe.driver.trainer import Trainer
+    from ray_moe.validation import rel_err
+
+    runs = {}
+    for overlap in (True, False):
+        cfg = _config(2, tmp_path / f"overlap{overlap}", **RECLONING, **{
+            "parallel.zero_stage": 2, "train.overlap_update": overlap, "parallel.overlap_param_gather": True})
+        with Trainer(cfg, progress=False, group=mesh_group) as t:
+            losses = [t.step()["loss"] for _ in range(6)]
+            reports = t.group.execute(_overlap_report)
+            parts = t.group.execute(_weights)
+            assert sum(m["bytes_moved"] for m in t.metrics if m.get("event") == "rebalance") > 0
+        for rank in (2, 3):  # DP rank 1 against DP rank 0
+            for name, w in parts[rank].items():
+                assert torch.equal(w, parts[rank - 2][name]), (overlap, rank, name)
+        runs[overlap] = losses, parts, reports
+    assert all(r["beside"] and r["experts_sharded"] and r["experts_one_by_one"] for r in runs[True][2])
+    assert all(not r["beside"] and r["experts_sharded"] for r in runs[False][2])
+    assert runs[True][0] == pytest.approx(runs[False][0], rel=BF16_TOL)
+    native = runs[True][2][0]["native_slots"]  # (a clone's rows follow its plan, compared above by replica)
+    for rank, part in enumerate(runs[True][1]):
+        errs = {n: rel_err(w[: native[n]], runs[False][1][rank][n][: native[n]]) for n, w in part.items()}
+        bad = {n: e for n, e in errs.items() if not e <= BF16_TOL}
+        assert not bad, (rank, bad)
+
+
 def test_training_2x2_against_4x1(mesh_group, tmp_path):
     """Six bf16 steps with re-cloning at EP 2 x DP 2 and at whole-world EP (4 x 1): the same
     losses within bf16 bounds (the reductions differ in order), replicas identical at 2 x 2."""
     from ray_moe.driver.trainer import Trainer
 
-    def weights(worker):
-        return {n: p.detach().float().cpu() for n, p in worker.engine.model.named_parameters()}
-
     with Trainer(_config(2, tmp_path / "a", **RECLONING), progress=False, group=mesh_group) as t:
         mesh_losses = [t.step()["loss"] for _ in range(6)]
-        parts = t.group.execute(weights)
+        parts = t.group.execute(_weights)
         assert sum(m["bytes_moved"] for m in t.metrics if m.get("event") == "rebalance") > 0
     for rank in (2, 3):  # DP rank 1 against DP rank 0
         for name, w in parts[rank].items():
