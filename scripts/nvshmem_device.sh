@@ -4,6 +4,7 @@
 # (twomesh), the comm benchmark, and the same over the inter-node put path forced on one host (--force-remote).
 # Usage (GPU machine, repo root):  . .devbundle/setup.sh && bash scripts/nvshmem_device.sh [steps]
 # steps: any of tests,twonode,twomesh,bench,benchremote (default: all but twomesh); logs go to $OUT.
+# twomesh runs on one GPU as well (both Ray nodes on GPU 0 under MPS); twonode needs two.
 set -u
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY_DEDUP_LOGS=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -24,14 +25,19 @@ if has twonode; then
     tests/gpu/test_nvshmem_gpu.py -k two_ray_nodes 2>&1 | tee "$OUT/two_nodes.log" | tail -20
   ray stop --force >/dev/null 2>&1
 fi
-if has twomesh; then  # the rank mesh: two Ray nodes of one GPU each, two PEs per GPU (MPS), one EP group per node
+if has twomesh; then  # the rank mesh: two Ray nodes, two PEs per GPU (MPS), one EP group per node
+  # The second node takes GPU 1, or GPU 0 beside the first where the machine has one GPU (TWOMESH_GPU
+  # overrides): then four PEs share GPU 0, and the nodes still split the ranks two and two.
   ray() { python3 -c 'import sys; from ray.scripts.scripts import main; sys.argv[0] = "ray"; main()' "$@"; }
   ray stop --force >/dev/null 2>&1
+  SECOND_GPU=${TWOMESH_GPU:-$( [ "$(nvidia-smi -L | grep -c '^GPU')" -ge 2 ] && echo 1 || echo 0 )}
+  echo "twomesh: node 0 on GPU 0, node 1 on GPU $SECOND_GPU" | tee "$OUT/two_nodes_mesh_gpus.txt"
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   PATH=$PATH:/usr/local/nvidia/bin nvidia-cuda-mps-control -d || echo "MPS did not start"
   CUDA_VISIBLE_DEVICES=0 ray start --head --port=6390 --num-gpus=1 --num-cpus=8 --include-dashboard=false >"$OUT/ray_head.log" 2>&1
-  CUDA_VISIBLE_DEVICES=1 ray start --address=127.0.0.1:6390 --num-gpus=1 --num-cpus=8 >"$OUT/ray_worker.log" 2>&1
+  CUDA_VISIBLE_DEVICES=$SECOND_GPU ray start --address=127.0.0.1:6390 --num-gpus=1 --num-cpus=8 >"$OUT/ray_worker.log" 2>&1
+  RAY_MOE_TWO_NODE_GPUS=$( [ "$SECOND_GPU" = 0 ] && echo 1 || echo 2 ) \
   RAY_MOE_TWO_NODE_ADDRESS=127.0.0.1:6390 RAY_MOE_TEST_GPUS=2 RAY_MOE_PES_PER_GPU=2 timeout ${T_TWO:-240} \
     python3 -m pytest -x -q -p no:cacheprovider tests/gpu/test_mesh_gpu.py -k two_ray_nodes 2>&1 | tee "$OUT/two_nodes_mesh.log" | tail -20
   ray stop --force >/dev/null 2>&1

@@ -77,7 +77,8 @@ def _peers(worker) -> dict:
     d = worker.transport.describe()
     return {"peers": tuple(worker.transport.peers), "remote": d.get("remote_peers", []),
             "nodes": d["node_of_peer"], "node": worker.rank_info.node_rank, "rank": worker.rank_info.rank,
-            "coords": worker.mesh.coords(worker.rank_info.rank)}
+            "coords": worker.mesh.coords(worker.rank_info.rank),
+            "gpu": str(torch.cuda.get_device_properties(worker.device).uuid)}
 
 
 def test_peers_are_the_ep_group(mesh_group):
@@ -251,10 +252,11 @@ def test_a_killed_replica_worker_recovers_the_mesh(tmp_path):
 
 @pytest.mark.skipif(not os.environ.get("RAY_MOE_TWO_NODE_ADDRESS"), reason="set RAY_MOE_TWO_NODE_ADDRESS")
 def test_two_ray_nodes_one_ep_group_each():
-    """Two Ray nodes on one host, two ranks each: the default EP degree (auto) is the ranks of one
-    node, so each node holds one EP group, and every rank's peers sit on its own node: no token
-    row crosses nodes (the peer set is the transport's, not assumed). The layer still matches the
-    oracle inside each group."""
+    """Two Ray nodes on one host, two ranks each (one GPU a node, or one GPU under both:
+    ``RAY_MOE_TWO_NODE_GPUS`` says which, and is checked from the ranks' GPU UUIDs): the default
+    EP degree (auto) is the ranks of one node, so each node holds one EP group, and every rank's
+    peers are exactly its node's ranks: no token row crosses nodes (the peer set is the
+    transport's, not assumed). The layer still matches the oracle inside each group."""
     import ray
 
     if ray.is_initialized():
@@ -262,9 +264,18 @@ def test_two_ray_nodes_one_ep_group_each():
     g = _group(0, address=os.environ["RAY_MOE_TWO_NODE_ADDRESS"])
     try:
         assert g.num_nodes == 2 and g.mesh == MeshSpec(4, 2, 2), g.mesh
-        for p in g.execute(_peers):
+        parts = g.execute(_peers)
+        on_node: dict[int, set[int]] = {}
+        for p in parts:
+            on_node.setdefault(p["node"], set()).add(p["rank"])
+        assert len(on_node) == 2, on_node
+        for p in parts:
             assert set(p["nodes"]) == {p["node"]}, p  # every peer on this rank's node
+            assert set(p["peers"]) == set(g.mesh.peers(p["rank"])) == on_node[p["node"]], p  # this node's ranks
             assert p["remote"] == [], p  # so nothing goes by puts to another node
+        gpus = os.environ.get("RAY_MOE_TWO_NODE_GPUS")
+        if gpus:
+            assert len({p["gpu"] for p in parts}) == int(gpus), parts
         for rank, errs in enumerate(g.execute(layer_parity, Case(seed=7, dtype="bfloat16", hidden=64), timeout=300)):
             assert all(v <= BF16_TOL for v in errs.values()), (rank, errs)
     finally:
