@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NoReturn, Sequence
 
 import yaml
 
@@ -406,7 +406,7 @@ class Trainer:
             self._progress = None
         return done
 
-    def _stop_now(self) -> None:
+    def _stop_now(self) -> NoReturn:
         """A stop signal arrived: checkpoint the step just finished, record it, raise."""
         signum = self._stop_signal
         assert signum is not None

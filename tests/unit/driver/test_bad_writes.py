@@ -157,7 +157,7 @@ def test_a_binary_config_file_is_one_line(tmp_path):
 
 
 def test_a_second_stop_signal_stops_at_once(tmp_path, monkeypatch):
-    """A final evaluation of many batches held a SIGTERM for minutes: a second signal ends it now."""
+    """A second signal stops at once, even inside the call in flight of a long evaluation."""
     with _trainer(tmp_path, monkeypatch, **{"train.steps": 2}) as t:
         steps = t.group.call_each
 
