@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NoReturn, Sequence
 
 import yaml
 
@@ -44,6 +44,7 @@ from ray_moe.driver.errors import (
     WorkerFailure,
     WriteError,
 )
+from ray_moe.driver.evaluation import EvaluationStopped, ProgressLines, evaluate_in_chunks
 from ray_moe.driver.group import WorkerGroup, connect
 from ray_moe.driver.loggers import make_sinks
 from ray_moe.driver.metrics import MetricsLog, aggregate_step
@@ -372,8 +373,10 @@ class Trainer:
         """Run until ``steps`` more steps are done (default: up to train.steps), then evaluate,
         checkpoint and plot. Returns the metrics of the steps run.
 
-        SIGTERM, SIGINT or SIGHUP (preemption, Ctrl-C, a closed SSH session) lets the step in flight finish, checkpoints, and
-        raises :class:`TrainingInterrupted`; a second signal stops at once.
+        SIGTERM, SIGINT or SIGHUP (preemption, Ctrl-C, a closed SSH session) lets the step in flight
+        finish (an evaluation in flight stops between two of its calls, within about a second,
+        and is recorded as ``eval_interrupted``, never as an ``eval``), checkpoints, and raises
+        :class:`TrainingInterrupted`; a second signal stops at once.
         """
         t = self.config.train
         target = self.step_count + steps if steps is not None else t.steps
@@ -382,7 +385,7 @@ class Trainer:
                        t.log_interval, t.log_every_s)
         self._progress = bar
         try:
-            with _StopOnSignal(self):  # over the final evaluation and save too: a stop waits for them
+            with _StopOnSignal(self):  # over the final evaluation (stopped between its calls) and save too
                 while self.step_count < target:
                     m = self.step()
                     done.append(m)
@@ -403,7 +406,7 @@ class Trainer:
             self._progress = None
         return done
 
-    def _stop_now(self) -> None:
+    def _stop_now(self) -> NoReturn:
         """A stop signal arrived: checkpoint the step just finished, record it, raise."""
         signum = self._stop_signal
         assert signum is not None
@@ -434,16 +437,32 @@ class Trainer:
 
     def evaluate(self, batches: int | None = None) -> float:
         """Mean validation loss over ``batches`` (default ``train.eval_batches``) fixed batches.
-        A run without a validation split (``data.val_fraction=0``) has none to measure: CallRejected."""
+        A run without a validation split (``data.val_fraction=0``) has none to measure: CallRejected.
+
+        The workers are asked for a few batches per call (the result is bit-identical to one
+        call); a long evaluation prints ``eval 120/5000 batches`` every ``train.log_every_s``
+        seconds in :meth:`train`, where a stop signal ends it between two calls: it is recorded
+        as an ``eval_interrupted`` event (no ``val_loss``), the run checkpoints and
+        :class:`TrainingInterrupted` is raised."""
         self._live_group()
         if batches is not None and not (_is_int(batches) and batches >= 1):
             raise CallRejected(f"evaluate: batches={batches!r} must be None (train.eval_batches) or an integer >= 1")
         if not self.has_validation:
             raise CallRejected("evaluate: this run has no validation split (data.val_fraction=0, or a dataset "
                                "prepared with --val-fraction 0); give it one to measure validation loss")
-        val = self._with_recovery(
-            lambda: self.group.call(EPWorker.evaluate, batches, timeout=self.config.train.step_timeout_s)[0]
-        )
+        t = self.config.train
+        n = batches or t.eval_batches
+        say = self._progress.message if self._progress is not None else (lambda text: None)
+        try:
+            val = self._with_recovery(lambda: evaluate_in_chunks(
+                self.group, n, timeout=t.step_timeout_s, stop_requested=lambda: self._stop_signal is not None,
+                progress=ProgressLines(say, t.log_every_s)))
+        except EvaluationStopped as stopped:
+            name = signal.Signals(self._stop_signal).name
+            say(f"{name}: evaluation stopped after {stopped.done} of {n} batches (not recorded as an eval)")
+            self.log.event("eval_interrupted", step=self.step_count, batches_done=stopped.done, batches=n,
+                           signal=name)
+            self._stop_now()
         self.log.event("eval", step=self.step_count, val_loss=val)
         if self._progress is not None:
             self._progress.message(f"eval at step {self.step_count}: val_loss {val:.4f}")
@@ -660,6 +679,7 @@ class _StopOnSignal:
         self.trainer, self.previous = trainer, {}
 
     def __enter__(self) -> "_StopOnSignal":
+        self.trainer._stop_signal = None  # a stop that ended an earlier train() call is spent
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
@@ -671,12 +691,13 @@ class _StopOnSignal:
         if self.trainer._stop_signal is not None:  # asked twice: stop now (a long evaluation included)
             raise KeyboardInterrupt
         self.trainer._stop_signal = signum
-        log.warning("%s: stopping after the step in flight (or the evaluation) and checkpointing; a second "
-                    "signal (Ctrl-C again) stops at once", signal.Signals(signum).name)
+        log.warning("%s: stopping after the step in flight (an evaluation: after its call in flight) and "
+                    "checkpointing; a second signal (Ctrl-C again) stops at once", signal.Signals(signum).name)
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+        self.trainer._stop_signal = None  # evaluate() outside train() is never stopped by it
 
 
 class _TextCodec:

@@ -181,6 +181,16 @@ class EPWorker:
         """Mean validation loss over ``batches`` fixed global batches (the same on every rank)."""
         return self.engine.evaluate(batches)
 
+    def eval_sum(self, start: int, stop: int, running: float = 0.0) -> float:
+        """This rank's float64 running sum of the validation loss over batches [start, stop)
+        (collective: every rank calls it with the same range; see ``Engine.eval_sum``)."""
+        return self.engine.eval_sum(start, stop, running)
+
+    def eval_mean(self, total: float, batches: int) -> float:
+        """The validation loss from every rank's :meth:`eval_sum` total over ``batches`` batches
+        (collective); the same value on every rank."""
+        return self.engine.eval_mean(total, batches)
+
     def set_placements(self, placements: list[dict | None]) -> int:
         """New placement per MoE layer (None keeps a layer's); returns clone bytes received."""
         return self.engine.set_placements(placements)

@@ -550,23 +550,37 @@ class Engine:
         pop_loads(self.model.moe_layers())
         return ids[len(prompt):]
 
-    @torch.no_grad()
     def evaluate(self, batches: int | None = None) -> float:
-        """Mean validation loss over ``batches`` fixed global batches (same on every rank)."""
+        """Mean validation loss over ``batches`` fixed global batches (same on every rank): one
+        :meth:`eval_sum` over them all, then :meth:`eval_mean`."""
+        n = batches or self.config.train.eval_batches
+        return self.eval_mean(self.eval_sum(0, n), n)
+
+    @torch.no_grad()
+    def eval_sum(self, start: int, stop: int, running: float = 0.0) -> float:
+        """This rank's float64 sum of the mean cross-entropy of validation batches [start, stop),
+        added in batch order onto ``running`` (its sum over batches [0, start)): calls over
+        consecutive ranges give the bits of one call over their union (a float64 passes through
+        a Python float exactly). Collective: every rank calls it with the same range."""
         self.settle()
         self.model.eval()
-        n = batches or self.config.train.eval_batches
-        total = torch.zeros((), dtype=torch.float64)
-        for i in range(n):
+        total = torch.tensor(running, dtype=torch.float64)
+        for i in range(start, stop):
             x, y = self.batch("val", i)
             ce, _ = self.loss(x, y)
             total += ce.double().cpu()
-        if self.distributed:
-            total = total.to(self.device)
-            dist.all_reduce(total)
-            total = total.cpu() / self.world_size
         pop_loads(self.model.moe_layers())  # evaluation does not count towards expert-load statistics
-        return float(total) / n
+        return float(total)
+
+    def eval_mean(self, total: float, batches: int) -> float:
+        """The validation loss from each rank's :meth:`eval_sum` ``total`` over ``batches``
+        batches: the mean over ranks and batches (collective; the same value on every rank)."""
+        summed = torch.tensor(total, dtype=torch.float64)
+        if self.distributed:
+            summed = summed.to(self.device)
+            dist.all_reduce(summed)
+            summed = summed.cpu() / self.world_size
+        return float(summed) / batches
 
     def expert_load(self) -> dict[str, Any]:
         """Tokens routed from this rank to each logical expert, per MoE layer, since the last call."""

@@ -13,6 +13,7 @@ from ray_moe.data.errors import DataError
 from ray_moe.config import ConfigError
 from ray_moe.driver.group import GroupError
 from ray_moe.driver.trainer import Trainer, TrainingError
+from ray_moe.worker.actor import EPWorker
 from ray_moe.worker.engine import Engine
 from tests.support import single_rank, small_config
 
@@ -25,7 +26,9 @@ def test_learning_w2(groups, tmp_path):
         t.train()
         evals = [m["step"] for m in t.metrics if m.get("event") == "eval"]
         final = t.evaluate()
+        one_call = t.group.call(EPWorker.evaluate, None)[0]
         summary = t.summary()
+    assert final == one_call  # asked for in chunks of batches, as the whole in one call: the same bits
     assert evals == [0, 30, 60]  # the end of train() does not repeat the eval its last step did
     assert math.isclose(initial, math.log(256), abs_tol=0.3), initial  # untrained ≈ uniform over bytes
     assert final < initial - 1.2, (initial, final)

@@ -26,12 +26,15 @@ def _step_result(step: int, rank: int) -> dict:
 
 class StandInGroup:
     """A worker group that trains (step counts up) and answers other calls from ``raises``: the
-    method name -> the exception a worker raises for it."""
+    method name -> the exception a worker raises for it. Its validation loss of batch i on rank r
+    is ``val_loss(r, i)`` (2.5 unless set); ``eval_ranges`` lists the batch ranges asked for."""
 
     def __init__(self, world_size: int) -> None:
         self.world_size, self.ranks, self.closed = world_size, [], False
         self.step, self.calls, self.raises = 0, [], {}
         self.transport_name = "gloo"
+        self.val_loss = lambda rank, i: 2.5
+        self.eval_ranges: list[tuple[int, int]] = []
 
     def _answer(self, name: str):
         self.calls.append(name)
@@ -45,12 +48,20 @@ class StandInGroup:
         self._answer(method.__name__)
         if method.__name__ == "generate":
             return [[7] * args[1]] * self.world_size
-        if method.__name__ == "evaluate":
-            return [2.5] * self.world_size
         return [object()] * self.world_size
 
     def call_each(self, method, args, **_kwargs):
         self._answer(method.__name__)
+        if method.__name__ == "eval_sum":  # as Engine.eval_sum adds: in batch order, onto the running sum
+            out = []
+            for rank, (start, stop, running) in enumerate(args):
+                for i in range(start, stop):
+                    running += self.val_loss(rank, i)
+                out.append(running)
+            self.eval_ranges.append((args[0][0], args[0][1]))
+            return out
+        if method.__name__ == "eval_mean":  # as Engine.eval_mean: all-reduce, / world size, / batches
+            return [sum(total for total, _ in args) / self.world_size / args[0][1]] * self.world_size
         self.step += 1
         return [_step_result(self.step, r) for r in range(self.world_size)]
 

@@ -73,13 +73,13 @@ def test_good_arguments_go_to_the_workers(trainer):
 
 @pytest.mark.parametrize("method, error", [
     ("generate", ValueError("prompt token ids must be in [0, 256)")),
-    ("evaluate", DataError("data.paths: the shard is damaged")),
+    ("eval_sum", DataError("data.paths: the shard is damaged")),
     ("step", DataError("data.datasets: token id 900 at token 3")),
 ])
 def test_an_argument_or_data_error_a_worker_raises_ends_the_call_and_the_run_stays(trainer, method, error):
     before = _state(trainer)
     trainer.group.raises[method] = error
-    call = {"generate": lambda: trainer.generate("ab"), "evaluate": lambda: trainer.evaluate(),
+    call = {"generate": lambda: trainer.generate("ab"), "eval_sum": lambda: trainer.evaluate(),
             "step": lambda: trainer.step()}[method]
     with pytest.raises(CallRejected, match=str(error)[:20].replace("[", r"\[").replace("(", r"\(")):
         call()
@@ -118,7 +118,7 @@ def test_no_validation_split_means_no_evaluation(tmp_path, monkeypatch):
                              progress=False) as t:
         t.save = lambda: t.run_dir  # the stand-in workers write no checkpoint
         t.train()
-        assert "evaluate" not in t.group.calls and t.summary()["val_loss"] is None
+        assert not {"eval_sum", "eval_mean"} & set(t.group.calls) and t.summary()["val_loss"] is None
         with pytest.raises(CallRejected, match="no validation split"):
             t.evaluate()
 
