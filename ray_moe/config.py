@@ -147,7 +147,7 @@ class MoEConfig:
     aux_loss_coef: float = 0.0  # Switch load-balancing loss weight (computed per rank; 0: off)
     expert_impl: str = "auto"  # auto | loop | grouped_mm | triton
     bias_update_rate: float = 0.001  # aux-loss-free balancing (sigmoid routers): bias step per update
-    expert_precision: str = "bf16"  # bf16 | fp8: the routed experts' GEMMs in block-scaled FP8 (kernels.fp8_expert_ffn)
+    expert_precision: str = "bf16"  # bf16 | fp8 (experimental, slower than bf16 so far): the routed experts' GEMMs in block-scaled FP8
 
     def check(self) -> None:
         _positive("moe.num_experts", self.num_experts)
