@@ -96,11 +96,6 @@ class UpdateOverlap:
                 self._hooks.append(layer.register_forward_pre_hook(lambda *_, g=1 + i: self.wait_group(g)))
             self._hooks.append(norm.register_forward_pre_hook(lambda *_: self.wait_all()))
 
-    def reports(self, param: torch.Tensor) -> bool:
-        """Whether ``param`` is one of the parameters reported one by one (its block waits for its
-        update, and for the collective that writes it, alone)."""
-        return id(param) in self._group
-
     @property
     def pending(self) -> bool:
         """Whether an update launched on the side stream has not been waited for yet."""

@@ -167,7 +167,7 @@ def _overlap_report(worker) -> dict:
 
     e = worker.engine
     return {"beside": e.zero_beside, "experts_sharded": e.zero_experts is not None,
-            "experts_one_by_one": e.overlap is not None and all(e.overlap.reports(p) for p in e.sharded),
+            "experts_one_by_one": e.overlap is not None and all(id(p) in e.overlap._group for p in e.sharded),
             "native_slots": {n: len(expert_shard(p).native_experts) if expert_shard(p) else p.shape[0]
                              for n, p in e.model.named_parameters()}}
 
