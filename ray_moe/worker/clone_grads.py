@@ -108,7 +108,7 @@ class CloneGradReduction:
 
     def _grads(self, layer: torch.nn.Module) -> list[torch.Tensor]:
         if self._source is None:
-            return _grads(layer)
+            return expert_grads(layer)
         return [self._source(p) for p in layer.expert_params()]
 
     @torch.no_grad()
@@ -138,7 +138,7 @@ class CloneGradReduction:
         self._hooks = []
 
 
-def _grads(layer: torch.nn.Module) -> list[torch.Tensor]:
+def expert_grads(layer: torch.nn.Module) -> list[torch.Tensor]:
     """The layer's expert parameters' (``w13``, ``w2``, biases) compute-dtype gradients (zeros where
     backward left none)."""
     for p in layer.expert_params():

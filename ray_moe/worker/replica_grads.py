@@ -4,8 +4,8 @@ parallelism, :mod:`ray_moe.mesh`).
 Combine's backward already sums an expert's gradient over every token of its EP group; its DP
 replicas (the same EP rank in the other EP groups) hold the same expert and must add their sums.
 As the replicated parameters' buckets (:mod:`ray_moe.worker.zero`) and the clone gradients
-(:mod:`ray_moe.worker.clone_grads`): a ``post_accumulate_grad`` hook on each MoE layer's ``w13``
-and ``w2``; once both are in, the layer's gradients (every slot, clone slots included: the
+(:mod:`ray_moe.worker.clone_grads`): a ``post_accumulate_grad`` hook on each MoE layer's expert
+parameters (``w13``, ``w2``, and biases where the experts have them); once all are in, the layer's gradients (every slot, clone slots included: the
 replicas share one placement, so slot s is the same expert everywhere) are copied into one
 bucket in the reduction dtype and all-reduced asynchronously on the DP process group (on NCCL on
 the group's stream, beside backward's kernels). Layers launch strictly in backward order on every
@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ray_moe.worker.clone_grads import expert_grads
+
 
 class ReplicaGradReduction:
     """Expert gradients all-reduced over the DP replicas, launched as backward produces them.
@@ -38,7 +40,7 @@ class ReplicaGradReduction:
         self.order = list(reversed(layers))  # backward's order
         self.group, self.dtype = group, dtype
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
-                       for i, layer in enumerate(self.order) for p in (layer.w13, layer.w2)]
+                       for i, layer in enumerate(self.order) for p in layer.expert_params()]
         self._armed = False
         self._got: list[set[int]] = []
         self._next = 0
@@ -57,18 +59,17 @@ class ReplicaGradReduction:
 
     @torch.no_grad()
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
-        # (a layer whose weight gradients a side stream still writes launches in finish, after the join)
-        if not self._armed or getattr(self.order[i], "wgrad_deferral", None) is not None:
+        if not self._armed:
             return
         self._got[i].add(id(p))
         self._launch_ready(in_backward=True)
 
     def _launch_ready(self, in_backward: bool) -> None:
-        while self._next < len(self.order) and len(self._got[self._next]) == 2:
+        while self._next < len(self.order) and len(self._got[self._next]) == len(self.order[self._next].expert_params()):
             i, layer = self._next, self.order[self._next]
             self._next += 1
             self.launched_in_backward += in_backward
-            grads = _grads(layer)
+            grads = expert_grads(layer)
             flat = torch.cat([g.reshape(-1).to(self.dtype) for g in grads])
             self._flat[i] = flat
             self._work[i] = dist.all_reduce(flat, group=self.group, async_op=True)
@@ -82,13 +83,13 @@ class ReplicaGradReduction:
         if not self._armed:
             return
         for got, layer in zip(self._got, self.order):
-            got.update((id(layer.w13), id(layer.w2)))
+            got.update(id(p) for p in layer.expert_params())
         self._launch_ready(in_backward=False)
         self._armed = False
         for i, layer in enumerate(self.order):
             self._work[i].wait()
             offset = 0
-            for p in (layer.w13, layer.w2):
+            for p in layer.expert_params():
                 g = grad_of(p)  # (a master gradient covers the native slots only)
                 g.copy_(self._flat[i][offset: offset + p.numel()].view_as(p)[: g.shape[0]])
                 offset += p.numel()
@@ -99,11 +100,3 @@ class ReplicaGradReduction:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-
-
-def _grads(layer: torch.nn.Module) -> list[torch.Tensor]:
-    """The layer's ``w13``/``w2`` compute-dtype gradients (zeros where backward left none)."""
-    for p in (layer.w13, layer.w2):
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    return [layer.w13.grad, layer.w2.grad]
