@@ -174,11 +174,20 @@ def _export(args: argparse.Namespace) -> int:
         raise UsageError(f"--out {args.out!r} is not empty (it holds {shown}); give a new or empty directory, or "
                          "add --replace to replace it whole with the export")
     path = _export_source(args.checkpoint)
+    source, target = Path(args.checkpoint).expanduser().resolve(), out.resolve()
+    for kept in (source, path.resolve()):
+        if target == kept or target in kept.parents or kept in target.parents:
+            raise UsageError(f"--out {args.out!r} overlaps the checkpoint it exports ({str(kept)!r}); give a "
+                             "directory outside the run")
+    if target in (Path.cwd().resolve(), Path.home().resolve(), Path(target.anchor)):
+        raise UsageError(f"--out {args.out!r} is the current, home or root directory; give a directory of its own")
     meta = read_meta(path)
     config = Config.from_plain(meta["config"])
     if not meta.get("hf_config") and not config.model.uses_hf():
+        from ray_moe.arch import FAMILIES
+
         raise CheckpointError(f"checkpoint {str(path)!r} is of model.arch=byte, which has no Hugging Face "
-                              "equivalent; --format hf exports qwen3_moe, mixtral and glm4_moe runs")
+                              f"equivalent; --format hf exports runs of {', '.join(FAMILIES)}")
     from ray_moe.arch import ArchSpec
 
     hf_config = meta.get("hf_config") or config.resolve_arch().hf_config

@@ -73,7 +73,7 @@ class ModelConfig:
     dense_first_layer: bool = False  # a dense SwiGLU FFN in the first block instead of experts
     dense_hidden: int = 0  # hidden size of a dense first layer; 0 means 4 * d_model
     dtype: str = "float32"  # float32 | bfloat16
-    arch: str = "byte"  # byte | qwen3_moe | mixtral | glm4_moe (optional with an HF config: it must agree)
+    arch: str = "byte"  # byte or an HF family (arch.FAMILIES: qwen3_moe, mixtral, glm4_moe, deepseek_v3, gpt_oss, olmoe, minimax_m2); optional with an HF config: it must agree
     hf_config: str = ""  # HF config: a preset name, a config.json, or a model directory
     hf: dict = field(default_factory=dict)  # HF config keys on top of hf_config's (or the whole config)
     init_from: str = ""  # HF model directory whose weights the model starts from

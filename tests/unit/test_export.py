@@ -76,6 +76,20 @@ def test_replace_replaces_the_directory_whole(run_dir, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
+@pytest.mark.parametrize("where", ["run", "checkpoint", "inside"])
+def test_replace_never_touches_the_run_it_exports(run_dir, capsys, where):
+    from pathlib import Path
+
+    ckpt = sorted((Path(run_dir) / "checkpoints").glob("step_*"))[0]
+    out = {"run": Path(run_dir), "checkpoint": ckpt, "inside": Path(run_dir) / "exported"}[where]
+    if where == "inside":
+        _users_model(out)
+    before = sorted(str(p) for p in Path(run_dir).rglob("*"))
+    assert main(["export", run_dir, "--format", "hf", "--out", str(out), "--replace"]) == 2
+    assert "overlaps the checkpoint it exports" in _one_line(capsys)
+    assert sorted(str(p) for p in Path(run_dir).rglob("*")) == before
+
+
 def test_an_empty_out_is_used_without_replace(run_dir, tmp_path):
     out = tmp_path / "empty"
     out.mkdir()
