@@ -505,6 +505,13 @@ class Config:
             raise ConfigError(f"train.eval_interval={t.eval_interval} but data.val_fraction=0 leaves no validation "
                               "split (the run then never evaluates); set data.val_fraction > 0 or "
                               "train.eval_interval=0")
+        spec = resolved.spec
+        if self.moe.expert_precision == "fp8" and (spec.expert_hidden % 128 or spec.expert_bias
+                                                   or spec.activation != "swiglu"):
+            raise ConfigError(f"moe.expert_precision=fp8 runs SwiGLU experts without biases whose width is a "
+                              f"multiple of 128; this model's experts have width {spec.expert_hidden}"
+                              f"{', biases' if spec.expert_bias else ''}, activation {spec.activation}: "
+                              "use moe.expert_precision=bf16")
         return resolved
 
     def world_size_error(self, world_size: int, what: str = "parallel.world_size",
@@ -523,7 +530,8 @@ class Config:
                 return error
         elif E is not None and E % world_size:
             where = " (the HF config's)" if self.model.uses_hf() else ""
-            return f"moe.num_experts={E}{where} is not divisible by {what}={world_size}"
+            return (f"moe.num_experts={E}{where} is not divisible by {what}={world_size}; set "
+                    "parallel.expert_parallel to a divisor of both (the experts then split over EP groups)")
         if self.train.batch_size % world_size:
             return f"train.batch_size={self.train.batch_size} is not divisible by {what}={world_size}"
         return None

@@ -220,7 +220,7 @@ def test_world_size_rule_answers_for_any_world_size_without_changing_the_config(
     assert cfg.world_size_error(4) is None and cfg.world_size_error(2) is None
     assert cfg.world_size_error(8, "the group's world_size") == (
         "train.batch_size=12 is not divisible by the group's world_size=8")
-    assert cfg.world_size_error(3) == "moe.num_experts=8 is not divisible by parallel.world_size=3"
+    assert cfg.world_size_error(3).startswith("moe.num_experts=8 is not divisible by parallel.world_size=3; set parallel.expert_parallel")
     cfg.validate()
     assert cfg.to_dict() == before  # validation checks; it never rewrites (byte arch)
 
@@ -639,3 +639,15 @@ def test_config_directory_is_named_as_a_directory(tmp_path):
     (tmp_path / "tiny.yaml").write_text("train: {steps: 1}\n")
     with pytest.raises(ConfigError, match="is a directory; give a YAML file \\(it holds tiny.yaml\\)"):
         Config.from_yaml(tmp_path)
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["moe.expert_hidden=96"], "width 96"),
+    (["model.hf_config=gpt_oss-tiny"], "biases"),
+])
+def test_fp8_experts_refuse_what_they_cannot_run(overrides, named):
+    """moe.expert_precision=fp8 runs SwiGLU experts without biases, I a multiple of 128: anything
+    else is one line before any worker starts, naming the width, the biases or the activation."""
+    with pytest.raises(ConfigError, match=named):  # with_overrides validates
+        Config.from_dict({"moe": {"expert_precision": "fp8", "expert_hidden": 128}}).with_overrides(overrides).validate()
+    Config.from_dict({"moe": {"expert_precision": "fp8", "expert_hidden": 128}}).validate()  # the plain case runs

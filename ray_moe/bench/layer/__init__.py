@@ -86,7 +86,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup-ms", type=int, default=100)
     p.add_argument("--rep-ms", type=int, default=400)
     p.add_argument("--sections", default="kernels,expert,ffn,routing,saved",
-                   help="comma list of kernels,expert,ffn,routing,saved,layer,small,profile (kernels runs first;"
+                   help="comma list of kernels,expert,ffn,routing,saved,layer,small,profile,steady,wgrad,fp8,rows,ep,epilogue (kernels runs first;"
                    " with --sweep the fastest tiles it finds are used by expert and ffn). layer: the whole"
                    " MoELayer (W=1) vs SonicMoE, training step; small: inference forward at --small-T vs SonicMoE"
                    " as weight bytes/s against the copy bandwidth; profile: kernel time of one training step;"
