@@ -75,7 +75,7 @@ def _bias(worker) -> list[list[float]]:
 
 
 def test_balancing_bias_same_on_every_rank_and_resumes(groups, tmp_path):
-    """jobs/deepseek_tiny.yaml at W=2: after each step every rank holds the same bias, which has
+    """jobs/glm4_moe_tiny.yaml at W=2: after each step every rank holds the same bias, which has
     moved; 2 steps + checkpoint + resume + 2 steps gives the bias (and losses) of 4 straight steps."""
     from ray_moe.config import Config
     from ray_moe.driver.trainer import Trainer
@@ -86,7 +86,7 @@ def test_balancing_bias_same_on_every_rank_and_resumes(groups, tmp_path):
             "train.checkpoint_interval=0", "train.plots=false", "train.batch_size=4", "model.seq_len=32",
             f"data.paths=[{corpus}]", "moe.bias_update_rate=0.01", "train.warmup_steps=1"]
     group = groups(2)
-    cfg = Config.from_yaml("jobs/deepseek_tiny.yaml", over + [f"train.run_dir={tmp_path / 'a'}"])
+    cfg = Config.from_yaml("jobs/glm4_moe_tiny.yaml", over + [f"train.run_dir={tmp_path / 'a'}"])
     with Trainer(cfg, group=group, progress=False) as t:
         start = group.execute(_bias)
         straight = [t.step()["loss"] for _ in range(4)]

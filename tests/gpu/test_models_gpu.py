@@ -183,7 +183,7 @@ def test_incremental_decoding_on_gpu(tmp_path, family):
 @pytest.mark.parametrize("family,job,checkpointing", [
     ("qwen3_moe", "jobs/qwen3_moe_tiny.yaml", "none"),
     ("mixtral", "jobs/mixtral_tiny.yaml", "moe"),
-    ("glm4_moe", "jobs/deepseek_tiny.yaml", "full"),
+    ("glm4_moe", "jobs/glm4_moe_tiny.yaml", "full"),
     ("deepseek_v3", "jobs/deepseek_v3_tiny.yaml", "full"),
     ("gpt_oss", "jobs/gpt_oss_tiny.yaml", "moe"),
 ])
