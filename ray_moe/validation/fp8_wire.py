@@ -56,6 +56,7 @@ def dispatch_bytes(worker: Any, case: Case) -> dict[str, int]:
     FP8 rows on the wire (``pack_rows``), the same routing (every k to rank (token + k) % W, so
     every destination gets rows)."""
     t = worker.transport
+    t.reserve(case.buffer_spec())
     P = make_problem(case, t.world_size)
     start = sum(P["counts"][: t.rank])
     x = P["x"][start: start + P["counts"][t.rank]].to(device=worker.device, dtype=torch.bfloat16)
@@ -82,6 +83,7 @@ def fp8_wire_parity(worker: Any, case: Case) -> dict[str, float]:
     if case.expert_precision != "fp8":
         raise ValueError(f"fp8_wire_parity needs a case with expert_precision fp8, got {case.expert_precision!r}")
     rank, W = worker.transport.rank, worker.transport.world_size
+    worker.transport.reserve(case.buffer_spec())
     P = make_problem(case, W)
     start = sum(P["counts"][:rank])
     mine = slice(start, start + P["counts"][rank])
