@@ -299,9 +299,11 @@ class _DispatchPayload(torch.autograd.Function):
     the received x rows carries their gradient back, a bf16 (x.dtype) dispatch backward."""
 
     @staticmethod
-    def forward(ctx, transport, box, capacity, x, payload, weight, dest_rank, dest_slot):
+    def forward(ctx, transport, box, capacity, x, payload, weight, dest_rank, dest_slot, reuse_outputs=False):
         mark = transport.timer.start(payload)
         kw = {} if capacity is None else {"capacity": capacity}
+        if reuse_outputs:
+            kw["reuse_outputs"] = True
         recv_p, recv_slot, recv_w, layout = transport.dispatch_forward(payload, weight, dest_rank, dest_slot, **kw)
         transport.timer.stop(mark)
         ctx.transport, ctx.layout = transport, layout
@@ -319,7 +321,7 @@ class _DispatchPayload(torch.autograd.Function):
         mark = ctx.transport.timer.start(grad_recv_x)
         gx, gw = ctx.transport.dispatch_backward(grad_recv_x.contiguous(), grad_recv_w.contiguous(), ctx.layout)
         ctx.transport.timer.stop(mark)
-        return None, None, None, gx, None, gw, None, None
+        return None, None, None, gx, None, gw, None, None, None
 
 
 def dispatch_payload(
@@ -330,9 +332,11 @@ def dispatch_payload(
     dest_rank: torch.Tensor,
     dest_slot: torch.Tensor,
     capacity: int | None = None,
+    reuse_outputs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Layout]:
     """Differentiable dispatch of x whose rows travel as ``payload`` [T, P] (any dtype and width,
-    e.g. x's FP8 rows and scales as bytes: :func:`ray_moe.kernels.fp8_quant.pack_rows`).
+    e.g. x's FP8 rows and scales as bytes: :func:`ray_moe.kernels.fp8_quant.pack_rows`);
+    ``capacity`` and ``reuse_outputs`` (with autograd off only) as :func:`dispatch`'s.
 
     Returns:
         stand_in [R, H] (x.dtype, no storage of its own: the received rows' gradient enters the
@@ -343,9 +347,10 @@ def dispatch_payload(
     if payload.dim() != 2 or payload.shape[0] != x.shape[0]:
         raise ValueError(f"payload must be [T, P] with T={x.shape[0]}, got {tuple(payload.shape)}")
     box = _LayoutBox()
+    reuse = reuse_outputs and not torch.is_grad_enabled()
     stand_in, recv_p, recv_slot, recv_w = _DispatchPayload.apply(
         transport, box, capacity, x, payload.contiguous(), weight, dest_rank.to(torch.int32),
-        dest_slot.to(torch.int32))
+        dest_slot.to(torch.int32), reuse)
     assert box.layout is not None
     return stand_in, recv_p, recv_slot, recv_w, box.layout
 

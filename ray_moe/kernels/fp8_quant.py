@@ -32,6 +32,7 @@ on the E4M3 grid): under ``TRITON_INTERPRET=1`` the kernels round onto the grid 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -275,7 +276,8 @@ def packed_views(packed: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch
     return packed[:, :hidden].view(FP8_DTYPE), packed[:, hidden:].view(torch.float32)
 
 
-def pack_rows(x: torch.Tensor, quantize=quantize_rows) -> torch.Tensor:
+def pack_rows(x: torch.Tensor, quantize: Callable[..., tuple[torch.Tensor, torch.Tensor]] = quantize_rows
+              ) -> torch.Tensor:
     """x [T, H] (float32/bfloat16, H % 4 == 0) → uint8 [T, H + 4·cdiv(H, 128)]: each row's 1×128
     quantisation (``quantize``: :func:`quantize_rows` or its reference) written straight into
     the wire rows, E4M3 bytes then the float32 scales (what the dispatch sends for FP8 experts)."""

@@ -338,7 +338,7 @@ class MoELayer(nn.Module):
             # FP8 rows on the wire: x's 1×128 quantisation, sent as bytes; recv_x is a stand-in
             packed = pack_rows(x, default_ops(x.device).quantize_rows)
             recv_x, recv_p, recv_slot, recv_w, layout = dispatch_payload(
-                self.transport, x, packed, routed.weights, routed.dest_rank, routed.dest_slot)
+                self.transport, x, packed, routed.weights, routed.dest_rank, routed.dest_slot, reuse_outputs=True)
             return _Received(recv_x, recv_slot, recv_w, layout, packed_views(recv_p, x.shape[1]))
         recv_x, recv_slot, recv_w, layout = dispatch(self.transport, x, routed.weights, routed.dest_rank,
                                                      routed.dest_slot, reuse_outputs=True)
