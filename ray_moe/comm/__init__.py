@@ -20,8 +20,8 @@ from ray_moe.topology import RankInfo
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BufferSpec", "Layout", "Transport", "TransportSpec", "combine", "dispatch", "dispatch_payload", "choose_transport",
-           "make_transport", "transport_bootstrap_id"]
+__all__ = ["BufferSpec", "Layout", "Transport", "TransportSpec", "combine", "dispatch", "dispatch_payload",
+           "choose_transport", "make_transport", "transport_bootstrap_id"]
 
 
 def nvshmem_available() -> bool:

@@ -49,8 +49,8 @@ def _run(worker: Any, case: Case, wire: bool, x_in: torch.Tensor, P: dict, mine:
     router = layer.router.grad.detach().clone()
     if W > 1:
         dist.all_reduce(router)
-    return {"out": out.detach(), "out_no_grad": out_no_grad, "grad_x": x.grad, "grad_router": router, "grad_w13": layer.w13.grad,
-            "grad_w2": layer.w2.grad}
+    return {"out": out.detach(), "out_no_grad": out_no_grad, "grad_x": x.grad, "grad_router": router,
+            "grad_w13": layer.w13.grad, "grad_w2": layer.w2.grad}
 
 
 def dispatch_bytes(worker: Any, case: Case) -> dict[str, int]:
