@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ray_moe.comm.base import dispatch, dispatch_payload
+from ray_moe.config import torch_dtype
 from ray_moe.kernels.fp8_expert_ffn import default_ops
 from ray_moe.kernels.fp8_quant import dequantize_rows, pack_rows
 from ray_moe.model.moe import MoELayer
@@ -89,9 +90,9 @@ def fp8_wire_parity(worker: Any, case: Case) -> dict[str, float]:
     P = make_problem(case, W)
     start = sum(P["counts"][:rank])
     mine = slice(start, start + P["counts"][rank])
-    x = P["x"][mine]
-    ops = default_ops(x.device)
-    x_wire = dequantize_rows(*ops.quantize_rows(x)).to(x.dtype)  # the values FP8 rows on the wire carry
+    x = P["x"][mine].to(device=worker.device, dtype=torch_dtype(case.dtype))
+    # the values FP8 rows on the wire carry, quantised as the layer does on this device
+    x_wire = dequantize_rows(*default_ops(x.device).quantize_rows(x)).to(x.dtype)
     on = _run(worker, case, True, x, P, mine)
     off = _run(worker, case, False, x, P, mine)
     off_wire = _run(worker, case, False, x, P, mine, expert_rows=x_wire)

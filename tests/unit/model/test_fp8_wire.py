@@ -25,10 +25,10 @@ def _worker():
     return SimpleNamespace(transport=LocalTransport(), device=torch.device("cpu"))
 
 
-@pytest.mark.parametrize("routing", ["random", "empty_expert"])
-def test_wire_layer_equals_the_fp8_layer_at_one_rank(routing):
+@pytest.mark.parametrize("routing,dtype", [("random", "float32"), ("empty_expert", "float32"), ("random", "bfloat16")])
+def test_wire_layer_equals_the_fp8_layer_at_one_rank(routing, dtype):
     case = Case(seed=3, routing=routing, top_k=2, hidden=128, expert_hidden=128, num_experts=4,
-                tokens_per_rank=(21,), expert_precision="fp8")
+                tokens_per_rank=(21,), expert_precision="fp8", dtype=dtype)
     errs = fp8_wire_parity(_worker(), case)
     assert errs and all(v <= ROUND_OFF for v in errs.values()), errs
 
