@@ -277,10 +277,12 @@ def make_transport(runtime: FileRuntime, spin_limit: int, tuning: dict | None = 
 
 
 def rank_main(root: str, rank: int, world_size: int, spin_limit: int, tunings: list[dict],
-              all_cases: bool = True, programs: int = 1, remote: tuple[str, ...] = ()) -> list[str]:
+              all_cases: bool = True, programs: int = 1, remote: tuple[str, ...] = (),
+              fp8_wire: bool = False) -> list[str]:
     """One rank: the transport checks with each of ``tunings`` ({}: the buffers' default; every
     edge case with the first where ``all_cases``, else :data:`FEW_CASES`), the layer's with the
-    first; the failures as lines."""
+    first; with ``fp8_wire`` only FP8 rows on the wire instead (:func:`fp8_wire_checks`); the
+    failures as lines."""
     import torch
     import torch.distributed as dist
 
@@ -309,6 +311,9 @@ def rank_main(root: str, rank: int, world_size: int, spin_limit: int, tunings: l
             fails.append(f"rank {rank} {name}: {bad}")
 
     try:
+        if fp8_wire:
+            fails += fp8_wire_checks(worker, world_size)
+            tunings, remote = [], ()
         for i, tuning in enumerate(tunings):
             tr.use(tuning or None)
             # every edge case with the first tuning; with the others, the ones that vary the
@@ -318,9 +323,11 @@ def rank_main(root: str, rank: int, world_size: int, spin_limit: int, tunings: l
                 if case.applies_to(world_size) is None:
                     check(f"check_dispatch {extra} {tuning}", check_dispatch, case, 1e-6)
                     check(f"check_combine {extra} {tuning}", check_combine, case, 1e-6)
-        tr.use(tunings[0] or None)
-        extra = dict(tokens_per_rank=(3, 17), top_k=3)  # uneven counts; the edge cases ran above
-        check(f"layer_parity {extra}", layer_parity, Case(num_experts=4 * world_size, seed=3).but(**extra), 1e-5)
+        if tunings:
+            tr.use(tunings[0] or None)
+            extra = dict(tokens_per_rank=(3, 17), top_k=3)  # uneven counts; the edge cases ran above
+            check(f"layer_parity {extra}", layer_parity, Case(num_experts=4 * world_size, seed=3).but(**extra),
+                  1e-5)
         for mode in remote:  # the remote path (staging, puts, signals) on a transport of its own
             peer_path, before = worker.transport, dict(tr.runtime.calls)
             worker.transport = make_transport(tr.runtime, spin_limit, None, programs, mode)
@@ -356,6 +363,27 @@ def rank_main(root: str, rank: int, world_size: int, spin_limit: int, tunings: l
     return fails
 
 
+def fp8_wire_checks(worker, world_size: int) -> list[str]:
+    """FP8 rows on the wire through the exchange kernels (byte rows of H + 4·H/128, as words):
+    the layer equals the FP8 layer without the wire to float32 round-off
+    (:func:`ray_moe.validation.fp8_wire.fp8_wire_parity`), and the receive rows' bytes are
+    (H + 4·H/128) / (2·H) of bf16's."""
+    from ray_moe.validation.cases import Case
+    from ray_moe.validation.fp8_wire import dispatch_bytes, fp8_wire_parity
+
+    rank = worker.transport.rank
+    case = Case(seed=2, top_k=2, hidden=128, expert_hidden=128, num_experts=2 * world_size,
+                tokens_per_rank=(11, 6, 9), expert_precision="fp8")
+    fails = []
+    errs = fp8_wire_parity(worker, case)
+    if not all(v <= 1e-5 for v in errs.values()):
+        fails.append(f"rank {rank} fp8_wire_parity: {errs}")
+    sizes, H = dispatch_bytes(worker, case), case.hidden
+    if not sizes["bf16"] or sizes["fp8"] * 2 * H != sizes["bf16"] * (H + 4 * H // 128):
+        fails.append(f"rank {rank} dispatch_bytes: {sizes}")
+    return fails
+
+
 def _timeout_is_named(tr, rank: int) -> list[str]:
     """Rank 0 runs a combine the others skip: its wait for their rows gives up after a few polls
     and the transport's check names the error, the peer, the program and the value it waited for
@@ -385,7 +413,7 @@ def _timeout_is_named(tr, rank: int) -> list[str]:
 
 
 def launch(world_size: int, spin_limit: int, timeout_s: float, tunings: str = "[{}]",
-           few_cases: bool = False, programs: int = 1, remote: str = "") -> list[str]:
+           few_cases: bool = False, programs: int = 1, remote: str = "", fp8_wire: bool = False) -> list[str]:
     """Start ``world_size`` rank processes and collect their failures (a rank that dies or runs
     past ``timeout_s`` is a failure that says so)."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
@@ -395,7 +423,8 @@ def launch(world_size: int, spin_limit: int, timeout_s: float, tunings: str = "[
                                    "--world-size", str(world_size), "--spin-limit", str(spin_limit),
                                    "--tunings", tunings, "--programs", str(programs)]
                                   + (["--few-cases"] if few_cases else [])
-                                  + (["--remote", remote] if remote else []),
+                                  + (["--remote", remote] if remote else [])
+                                  + (["--fp8-wire"] if fp8_wire else []),
                                   env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for r in range(world_size)]
         # a rank that stops early leaves the others waiting on it: end them all soon after
@@ -439,13 +468,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--remote", default="",
                    help="then the remote path on FEW_CASES and the layer: kernel (the receiving kernel waits "
                         "for the put signals)")
+    p.add_argument("--fp8-wire", action="store_true",
+                   help="only FP8 rows on the wire: the FP8 layer's parity with and without it, the bytes moved")
     a = p.parse_args(argv)
     if a.rank is None:
-        fails = launch(a.world_size, a.spin_limit, a.timeout_s, a.tunings, a.few_cases, a.programs, a.remote)
+        fails = launch(a.world_size, a.spin_limit, a.timeout_s, a.tunings, a.few_cases, a.programs, a.remote,
+                       a.fp8_wire)
         print("OK" if not fails else "FAILED\n" + "\n".join(fails))
         return 1 if fails else 0
     fails = rank_main(a.root, a.rank, a.world_size, a.spin_limit, json.loads(a.tunings), not a.few_cases,
-                      a.programs, tuple(m for m in a.remote.split(",") if m))
+                      a.programs, tuple(m for m in a.remote.split(",") if m), a.fp8_wire)
     print(json.dumps({"fails": fails}))
     return 0
 

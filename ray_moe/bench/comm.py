@@ -18,6 +18,9 @@ each rank measures, in the same run:
 
 "bytes" are what left this rank for other ranks (rank-dedup rows x (H x 2 + meta) for NVSHMEM,
 (token, k) rows for NCCL); GB/s = bytes / time. The table shows the slowest rank's numbers.
+
+- the FP8 dispatch (``moe.expert_precision: fp8``'s rows on the wire: H + 4·H/128 bytes a row):
+  its time and bytes beside bf16's dispatch on the same buffer, in ABBA order (its own table).
 """
 
 from __future__ import annotations
@@ -120,6 +123,32 @@ VARIANTS = MappingProxyType({
 })
 
 
+def _fp8_dispatch(buf: Any, x, w, dr, ds, iters: int, rows_out: int) -> dict[str, Any]:
+    """The dispatch with FP8 rows on the wire (``moe.expert_precision: fp8``: E4M3 rows and their
+    1×128 scales, :func:`~ray_moe.kernels.fp8_quant.pack_rows`) beside bf16's, in ABBA order on
+    the same buffer and routing: the dispatch alone, and with the quantisation before it; the
+    bytes that leave this rank (rows × (row payload + meta)); whether the received bytes dequantise
+    to the bf16 dispatch's rows within E4M3's error (``fp8_rel_err``)."""
+    from ray_moe.kernels.fp8_quant import dequantize_rows, pack_rows, packed_views, wire_row_bytes
+
+    H, K = x.shape[1], dr.shape[1]
+    packed = pack_rows(x)
+    times: dict[str, list[float]] = {"bf16": [], "fp8": [], "fp8_quant": []}
+    fns = {"bf16": lambda: buf.dispatch(x, w, dr, ds), "fp8": lambda: buf.dispatch(packed, w, dr, ds),
+           "fp8_quant": lambda: buf.dispatch(pack_rows(x), w, dr, ds)}
+    for order in (("bf16", "fp8", "fp8_quant"), ("fp8_quant", "fp8", "bf16")):
+        for name in order:
+            times[name].append(_time(fns[name], iters))
+    rx, rs, _, _ = buf.dispatch(x, w, dr, ds)
+    rp = buf.dispatch(packed, w, dr, ds)[0]
+    sent = rs.ge(0).any(1)  # the rows that arrived (padding rows hold nothing)
+    deq = dequantize_rows(*packed_views(rp[sent], H))
+    err = ((deq - rx[sent].float()).norm() / rx[sent].float().norm().clamp_min(1e-30)).item()
+    return {"bf16_dispatch_s": statistics.median(times["bf16"]), "fp8_dispatch_s": statistics.median(times["fp8"]),
+            "fp8_quant_dispatch_s": statistics.median(times["fp8_quant"]),
+            "fp8_dispatch_bytes": rows_out * (wire_row_bytes(H) + 8 * K), "fp8_rel_err": err}
+
+
 def _round_trip_error(buf: Any, x, w, dr, ds, to_rank) -> float:
     """Relative error of combine(dispatch(x)) with the received rows passed straight back: each
     token returns once per destination rank, so the result must be x * (its number of ranks).
@@ -192,6 +221,8 @@ def bench_worker(worker: Any, params: dict) -> list[dict]:
             buf.combine(r[0], r[3])
 
         rec["owned_pair_s"] = _time(owned_pair, iters)
+        progress(T, "FP8 rows on the wire")
+        rec.update(_fp8_dispatch(buf, x, w, dr, ds, iters, rows_out))
         # CUDA graph of one dispatch + combine
         try:
             def round_trip():
@@ -546,6 +577,19 @@ def _floor_summary(recs: list[dict]) -> dict[str, Any]:
     return out
 
 
+def _fp8_summary(recs: list[dict]) -> dict[str, Any]:
+    """The FP8 wire dispatch's row of one T_local (slowest rank), beside bf16's of the same run."""
+    if "fp8_dispatch_s" not in recs[0]:
+        return {}
+    worst = lambda key: max(r[key] for r in recs)  # noqa: E731
+    bf, f8 = worst("bf16_dispatch_s"), worst("fp8_dispatch_s")
+    return {"bf16_dispatch_us": bf * 1e6, "fp8_dispatch_us": f8 * 1e6,
+            "fp8_quant_dispatch_us": worst("fp8_quant_dispatch_s") * 1e6,
+            "bf16_dispatch_MB": worst("dispatch_bytes") / 1e6, "fp8_dispatch_MB": worst("fp8_dispatch_bytes") / 1e6,
+            "fp8_bytes_ratio": worst("fp8_dispatch_bytes") / max(1, worst("dispatch_bytes")),
+            "fp8_speedup": bf / f8, "fp8_rel_err": worst("fp8_rel_err")}
+
+
 def _summarise(per_rank: list[list[dict]]) -> list[dict]:
     rows = []
     for i, rec0 in enumerate(per_rank[0]):
@@ -573,6 +617,7 @@ def _summarise(per_rank: list[list[dict]]) -> list[dict]:
             "hybrid_ceiling_GBps": ceilings["hybrid_ceiling"], "hybrid_frac": rec0.get("hybrid_frac"),
             "dispatch_vs_ceiling": (dbytes / d / 1e9) / cbw if cbw == cbw else float("nan"),
             "graph_error": rec0.get("graph_error"),
+            **_fp8_summary(recs),
             **_floor_summary(recs),
             "round_trip_rel_err": max(v.get("round_trip_rel_err", 0.0) for r in recs
                                       for v in [*r["variants"].values(), *r.get("programs", {}).values()]),
@@ -651,6 +696,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{' force_remote_path' if a.force_remote else ''}")
     print(tabulate([[f"{r[c]:.1e}" if c == "round_trip_rel_err" else r[c] for c in cols] for r in rows],
                    headers=cols, floatfmt=".1f"))
+    fp8_cols = ["T_local", "bf16_dispatch_us", "fp8_dispatch_us", "fp8_quant_dispatch_us", "bf16_dispatch_MB",
+                "fp8_dispatch_MB", "fp8_bytes_ratio", "fp8_speedup", "fp8_rel_err"]
+    if rows and "fp8_dispatch_us" in rows[0]:
+        print("\nFP8 rows on the wire (moe.expert_precision: fp8; E4M3 rows + 1x128 scales) beside bf16, "
+              "same buffer, ABBA medians (fp8_quant: with the quantisation before the dispatch):")
+        print(tabulate([[r[c] for c in fp8_cols] for r in rows], headers=fp8_cols, floatfmt=".3f"))
     progs = sorted({g for rank in per_rank for rec in rank for g in rec.get("programs", {})}, key=int)
     if progs:
         table = []

@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from ray_moe.comm.base import BufferSpec, Layout, Transport, TransportSpec, combine, dispatch
+from ray_moe.comm.base import BufferSpec, Layout, Transport, TransportSpec, combine, dispatch, dispatch_payload
 from ray_moe.topology import RankInfo
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BufferSpec", "Layout", "Transport", "TransportSpec", "combine", "dispatch", "choose_transport",
-           "make_transport", "transport_bootstrap_id"]
+__all__ = ["BufferSpec", "Layout", "Transport", "TransportSpec", "combine", "dispatch", "dispatch_payload",
+           "choose_transport", "make_transport", "transport_bootstrap_id"]
 
 
 def nvshmem_available() -> bool:

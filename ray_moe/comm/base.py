@@ -112,6 +112,9 @@ class Transport(ABC):
         if len(self.peers) != world_size:
             raise ValueError(f"{len(self.peers)} peers {self.peers} for a transport of {world_size} ranks")
         self.timer = CommTimer()
+        # bytes of the token-row payloads the dispatches sent (host-known sizes: no sync), rows to
+        # every destination, this rank's own included; the FP8 wire's saving is read here
+        self.dispatched_bytes = 0
 
     @abstractmethod
     def dispatch_forward(
@@ -288,6 +291,68 @@ def dispatch(
     )
     assert box.layout is not None
     return recv_x, recv_slot, recv_w, box.layout
+
+
+class _DispatchPayload(torch.autograd.Function):
+    """A dispatch whose rows travel as another payload than x (e.g. FP8 rows packed with their
+    scales): the payload's rows go through the transport's layout and the returned stand-in for
+    the received x rows carries their gradient back, a bf16 (x.dtype) dispatch backward."""
+
+    @staticmethod
+    def forward(ctx, transport, box, capacity, x, payload, weight, dest_rank, dest_slot, reuse_outputs=False):
+        mark = transport.timer.start(payload)
+        kw = {} if capacity is None else {"capacity": capacity}
+        if reuse_outputs:
+            kw["reuse_outputs"] = True
+        recv_p, recv_slot, recv_w, layout = transport.dispatch_forward(payload, weight, dest_rank, dest_slot, **kw)
+        transport.timer.stop(mark)
+        ctx.transport, ctx.layout = transport, layout
+        box.layout = layout
+        # [R, H] of x's dtype without storage (one element, expanded): the received rows exist
+        # only as the payload; this tensor's gradient is theirs
+        stand_in = x.new_zeros(()).expand(recv_p.shape[0], x.shape[1])
+        ctx.mark_non_differentiable(recv_slot, recv_p)
+        return stand_in, recv_p, recv_slot, recv_w
+
+    @staticmethod
+    def backward(ctx, grad_recv_x, _grad_p, _grad_slot, grad_recv_w):
+        if grad_recv_w is None:
+            grad_recv_w = torch.zeros(grad_recv_x.shape[0], ctx.layout.top_k, device=grad_recv_x.device)
+        mark = ctx.transport.timer.start(grad_recv_x)
+        gx, gw = ctx.transport.dispatch_backward(grad_recv_x.contiguous(), grad_recv_w.contiguous(), ctx.layout)
+        ctx.transport.timer.stop(mark)
+        return None, None, None, gx, None, gw, None, None, None
+
+
+def dispatch_payload(
+    transport: Transport,
+    x: torch.Tensor,
+    payload: torch.Tensor,
+    weight: torch.Tensor,
+    dest_rank: torch.Tensor,
+    dest_slot: torch.Tensor,
+    capacity: int | None = None,
+    reuse_outputs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Layout]:
+    """Differentiable dispatch of x whose rows travel as ``payload`` [T, P] (any dtype and width,
+    e.g. x's FP8 rows and scales as bytes: :func:`ray_moe.kernels.fp8_quant.pack_rows`);
+    ``capacity`` and ``reuse_outputs`` (with autograd off only) as :func:`dispatch`'s.
+
+    Returns:
+        stand_in [R, H] (x.dtype, no storage of its own: the received rows' gradient enters the
+        dispatch's backward through it, which returns x's gradient [T, H] in x.dtype as
+        :func:`dispatch`'s), recv_payload [R, P], recv_slot int32 [R, K], recv_weight float32
+        [R, K], and the layout (the combine's, as :func:`dispatch`'s).
+    """
+    if payload.dim() != 2 or payload.shape[0] != x.shape[0]:
+        raise ValueError(f"payload must be [T, P] with T={x.shape[0]}, got {tuple(payload.shape)}")
+    box = _LayoutBox()
+    reuse = reuse_outputs and not torch.is_grad_enabled()
+    stand_in, recv_p, recv_slot, recv_w = _DispatchPayload.apply(
+        transport, box, capacity, x, payload.contiguous(), weight, dest_rank.to(torch.int32),
+        dest_slot.to(torch.int32), reuse)
+    assert box.layout is not None
+    return stand_in, recv_p, recv_slot, recv_w, box.layout
 
 
 def combine(transport: Transport, partial: torch.Tensor, layout: Layout) -> torch.Tensor:

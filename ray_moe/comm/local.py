@@ -25,6 +25,7 @@ class LocalTransport(Transport):
 
     def dispatch_forward(self, x, weight, dest_rank, dest_slot, capacity=None, reuse_outputs=False):
         T, K = dest_slot.shape
+        self.dispatched_bytes += x.numel() * x.element_size()
         return x, dest_slot.to(torch.int32), weight.float(), LocalLayout(T, K)
 
     def dispatch_backward(self, grad_recv_x, grad_recv_weight, layout):

@@ -382,6 +382,9 @@ class SymmetricBuffer:
         """x [T, H]; weight float32, dest_rank/dest_slot int32 [T, K] →
         recv_x [W*C, H], recv_slot int32 [W*C, K], recv_w float32 [W*C, K], layout; C = ``capacity``
         (rows per source, the same on every rank; default and at most the buffer's T_cap).
+        x may also be any row payload of at most the buffer's row bytes, e.g. uint8 [T, P] (FP8
+        rows beside their scales, :func:`ray_moe.kernels.fp8_quant.pack_rows`): recv_x is then
+        [W*C, P] of x's dtype; the layout is the same (the combine and backward use H).
 
         ``reuse_outputs``: return the buffer's own outputs for this call shape (allocated by its
         first such call, at most :data:`OWNED_OUTPUT_BYTES` of them), which the next such call
@@ -389,6 +392,10 @@ class SymmetricBuffer:
         consume them first and keep none (decoding). The six allocations are most of a small
         dispatch's host time."""
         x, weight, dest_rank, dest_slot, cap = self._dispatch_inputs(x, weight, dest_rank, dest_slot, capacity)
+        if x.dtype == torch.uint8 and _as_words(x, self.geo.elem_bytes).dtype != torch.uint8:
+            # a byte payload (FP8 rows and their scales) travels as words of the buffer's width
+            recv = self.dispatch(_as_words(x, self.geo.elem_bytes), weight, dest_rank, dest_slot, cap, reuse_outputs)
+            return (recv[0].view(torch.uint8),) + recv[1:]
         T, K = dest_rank.shape
         if reuse_outputs and self._owned_dispatch:
             fast = self._owned_dispatch.get(self._owned_fast_key(cap, x, K))
@@ -401,7 +408,7 @@ class SymmetricBuffer:
         key = self._key("dispatch", cap, x, dest_rank, dest_slot, weight)
         outs = self._owned.get(key) if reuse_outputs and key is not None else None
         if outs is None:
-            outs = self._dispatch_outputs(T, K, cap, x.dtype, x.device)
+            outs = self._dispatch_outputs(T, K, cap, x.dtype, x.device, x.shape[1])
             if reuse_outputs and key is not None and sum(t.nbytes for t in outs) <= OWNED_OUTPUT_BYTES:
                 self._owned[key] = outs
         owned = reuse_outputs and self._owned.get(key) is outs
@@ -428,13 +435,14 @@ class SymmetricBuffer:
         the tuning (the other inputs are int32/float32 [T, K], contiguous, as dispatch makes them)."""
         return cap, x.shape, x.dtype, K, self.tuning.key(), None if self.stamps is None else self.stamps.data_ptr()
 
-    def _dispatch_outputs(self, T: int, K: int, cap: int, dtype: torch.dtype, dev: torch.device) -> tuple:
-        """New outputs of a dispatch: pos, smeta, rmeta (the layout) and recv_x, recv_slot, recv_w."""
+    def _dispatch_outputs(self, T: int, K: int, cap: int, dtype: torch.dtype, dev: torch.device, width: int) -> tuple:
+        """New outputs of a dispatch: pos, smeta, rmeta (the layout) and recv_x [W*cap, width],
+        recv_slot, recv_w."""
         W, G, R = self.geo.world_size, self.geo.num_programs, self.geo.world_size * cap
         return (torch.empty(T, W, dtype=torch.int32, device=dev),
                 torch.empty(G, W, 4, dtype=torch.int32, device=dev),
                 torch.empty(W, G, 4, dtype=torch.int32, device=dev),
-                torch.empty(R, self.geo.hidden, dtype=dtype, device=dev),
+                torch.empty(R, width, dtype=dtype, device=dev),
                 torch.empty(R, K, dtype=torch.int32, device=dev),
                 torch.empty(R, K, dtype=torch.float32, device=dev))
 
@@ -536,6 +544,17 @@ class SymmetricBuffer:
             for t in ch.tensors():
                 self.rt.free(t)
         self.dch = self.cch = None  # type: ignore[assignment]
+
+
+def _as_words(rows: torch.Tensor, max_bytes: int) -> torch.Tensor:
+    """uint8 rows [T, P] viewed as the widest integer words (4, 2 or 1 bytes, at most the buffer's
+    element size) that divide P: the exchange kernels copy words, so a byte payload moves in tiles
+    of the model dtype's width."""
+    for dtype in (torch.int32, torch.int16):
+        size = torch.empty((), dtype=dtype).element_size()
+        if size <= max_bytes and rows.shape[1] % size == 0:
+            return rows.view(dtype)
+    return rows
 
 
 def _contiguous(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -678,7 +697,10 @@ class NVSHMEMTransport(Transport):
 
     # ---------------------------------------------------------------- Transport
     def dispatch_forward(self, x, weight, dest_rank, dest_slot, capacity=None, reuse_outputs=False):
-        return self.buffer.dispatch(x, weight, dest_rank, dest_slot, capacity=capacity, reuse_outputs=reuse_outputs)
+        recv = self.buffer.dispatch(x, weight, dest_rank, dest_slot, capacity=capacity, reuse_outputs=reuse_outputs)
+        # the rows the receive side holds (W·C of them: the exchange's fixed capacity), host-known
+        self.dispatched_bytes += recv[0].numel() * recv[0].element_size()
+        return recv
 
     def dispatch_backward(self, grad_recv_x, grad_recv_weight, layout):
         return self.buffer.dispatch_grad(grad_recv_x, grad_recv_weight, layout)

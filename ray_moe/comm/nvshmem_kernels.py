@@ -773,13 +773,16 @@ def _nz(t: torch.Tensor) -> torch.Tensor:
 
 def _dispatch_checks(geo, T_cap, x, pos, smeta, out_x, rmeta, dest_rank, dest_slot, weight, out_slot, out_w,
                      scratch, compute_layout, has_meta, K) -> None:
-    W, G, H = geo.world_size, geo.num_programs, geo.hidden
-    T = x.shape[0]
+    W, G = geo.world_size, geo.num_programs
+    T, H = x.shape[0], x.shape[1] if x.dim() == 2 else geo.hidden  # H: the row payload's elements
     dev = x.device
     _check(x, "x", (T, H), device=dev)
-    if x.element_size() > geo.elem_bytes:
+    if H == geo.hidden and x.element_size() > geo.elem_bytes:
         raise TypeError(f"x of {x.dtype} needs {x.element_size()} bytes per element; the buffer "
                         f"was sized for {geo.elem_bytes} (BufferSpec.elem_bytes)")
+    if H * x.element_size() > geo.hidden * geo.elem_bytes:
+        raise ValueError(f"rows of {H} x {x.dtype} ({H * x.element_size()} bytes) do not fit the buffer's rows of "
+                         f"{geo.hidden * geo.elem_bytes} bytes")
     if not 1 <= T_cap <= geo.capacity:
         raise ValueError(f"capacity {T_cap} must be between 1 and the buffer's {geo.capacity} rows per rank")
     if T > T_cap:
@@ -818,10 +821,12 @@ def _dispatch_varying(x, pos, smeta, out_x, rmeta, dest_rank, dest_slot, weight,
 
 
 def _dispatch_fixed(geo, ch, err, phase, T_cap, K, has_meta, compute_layout, spin_limit, tu, aligned,
-                    interleave, stamps=None) -> dict:
+                    interleave, stamps=None, row_elems: int | None = None) -> dict:
     """The rest of :func:`_dispatch_kernel`'s arguments (constexprs included): functions of the
-    buffer and of the call's key."""
-    W, G, H = geo.world_size, geo.num_programs, geo.hidden
+    buffer and of the call's key. ``row_elems``: elements of the rows sent (default the buffer's
+    H; the region's row stride stays ``geo.row_bytes`` whatever they are)."""
+    W, G = geo.world_size, geo.num_programs
+    H = geo.hidden if row_elems is None else row_elems
     return dict(
         dst_tbl=ch.dst_tbl, pflag_tbl=ch.pflag_tbl, pack_tbl=ch.pack_tbl, remote_tbl=ch.remote_tbl,
         recv_base=ch.recv_base, flag_ptr=ch.flag, rsig_ptr=ch.rsig, ack_ptr=ch.ack,
@@ -846,7 +851,10 @@ def launch_dispatch(
     key: tuple | None = None, interleave_ok: bool = True, stamps: torch.Tensor | None = None,
 ) -> None:
     """Dispatch-like exchange: rows of x [T, H] go to out_x [W*C, H] of their destinations, where
-    C = ``capacity`` (rows per source this call; default the buffer's T_cap, at most that).
+    C = ``capacity`` (rows per source this call; default the buffer's T_cap, at most that). H is
+    the row payload's width: the buffer's hidden size (the model dtype's rows), or any row of at
+    most the buffer's row bytes (FP8 rows and their scales as words: H is then a constexpr of its
+    own, the bf16 rows' specialisation unchanged).
 
     With ``compute_layout`` (forward dispatch) the layout is derived from dest_rank int32 [T, K]
     and written to pos int32 [T, W] and smeta int32 [G, W, 4]; otherwise both are read (the
@@ -873,7 +881,7 @@ def launch_dispatch(
         _dispatch_checks(geo, T_cap, x, pos, smeta, out_x, rmeta, dest_rank, dest_slot, weight, out_slot, out_w,
                          scratch, compute_layout, has_meta, K)
         return _dispatch_fixed(geo, ch, err, phase, T_cap, K, has_meta, compute_layout, spin_limit, tu,
-                               _aligned_rows(varying["x_ptr"], out_x), interleave, stamps)
+                               _aligned_rows(varying["x_ptr"], out_x), interleave, stamps, row_elems=x.shape[1])
 
     launcher.launch(_dispatch_kernel, (geo.num_programs,), varying, fixed, tu.num_warps, key,
                     first={"spin_limit": _first_spin(spin_limit)})

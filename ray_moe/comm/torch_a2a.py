@@ -58,6 +58,7 @@ class TorchA2ATransport(Transport):
         w = torch.where(mine, weight[token], 0.0)
         meta = torch.cat([slot.float(), w.float()], dim=1)  # slot ids are exact in fp32
         recv_x = self._all_to_all(x[token], send_splits, recv_splits)
+        self.dispatched_bytes += sum(send_splits) * x.shape[1] * x.element_size()
         recv_meta = self._all_to_all(meta, send_splits, recv_splits)
         layout = TorchA2ALayout(T, K, token, mine, send_splits, recv_splits)
         return recv_x, recv_meta[:, :K].to(torch.int32), recv_meta[:, K:].contiguous(), layout

@@ -153,52 +153,59 @@ class Fp8WeightCache:
 
 class _ExpertFFNFp8(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, slot, weight, w13, w2, fw: Fp8Weights, ops: Fp8Ops):
+    def forward(ctx, x, slot, weight, w13, w2, fw: Fp8Weights, ops: Fp8Ops, x_fp8=None):
         R, K = slot.shape
         layout = ops.pair_layout(slot, w13.shape[0])
         needs_grad = any(ctx.needs_input_grad)
-        xq, xs = ops.quantize_rows(x)
+        xq, xs = ops.quantize_rows(x) if x_fp8 is None else x_fp8
         act_q, act_s, h13 = ops.gate_up(xq, xs, fw.w13t, fw.w13_s.transpose(1, 2), layout, K, x.dtype,
                                         save_preact=needs_grad)
         y = ops.down(act_q, act_s, fw.w2t, fw.w2_s.transpose(1, 2), layout, K, weight, x.dtype)
         del act_q, act_s
         out = ops.gather_sum(y, layout, K)
         if needs_grad:
-            ctx.save_for_backward(x, weight, h13, *layout)
-        ctx.fw, ctx.ops, ctx.top_k = fw, ops, K
+            # with FP8 rows from the wire, x is a stand-in: the weight gradient reads the FP8 rows
+            saved_x = (x,) if x_fp8 is None else (xq, xs)
+            ctx.save_for_backward(weight, h13, *saved_x, *layout)
+        ctx.fw, ctx.ops, ctx.top_k, ctx.wire, ctx.x_dtype = fw, ops, K, x_fp8 is not None, x.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight, h13, *layout_t = ctx.saved_tensors
+        weight, h13, *rest = ctx.saved_tensors
+        dtype = ctx.x_dtype
+        saved_x, layout_t = (rest[:2], rest[2:]) if ctx.wire else (rest[:1], rest[1:])
         layout = PairLayout(*layout_t)
         fw, ops, K = ctx.fw, ctx.ops, ctx.top_k
         grad_out = grad_out.contiguous()
         gq, gs = ops.quantize_rows(grad_out)
-        g = ops.rows(gq, gs, fw.w2, fw.w2_s, layout, K, True, x.dtype)  # [P, I] = grad_out[row] @ w2_sᵀ
+        g = ops.rows(gq, gs, fw.w2, fw.w2_s, layout, K, True, dtype)  # [P, I] = grad_out[row] @ w2_sᵀ
         dh13, aw, dw_pos = ops.swiglu_bwd(g, h13, weight, layout)
         del g
         dx = dweight = None
         if ctx.needs_input_grad[0]:
             dq, ds = ops.quantize_rows(dh13)
-            dx = ops.gather_sum(ops.rows(dq, ds, fw.w13, fw.w13_s, layout, K, False, x.dtype), layout, K)
+            dx = ops.gather_sum(ops.rows(dq, ds, fw.w13, fw.w13_s, layout, K, False, dtype), layout, K)
         if ctx.needs_input_grad[2]:
             pos = layout.pair_pos.long()
             dweight = torch.where(pos < layout.offsets[-1], dw_pos[pos], 0.0).reshape(weight.shape)
         dw13 = dw2 = None
         tiles = Q.group_tiles(layout.offsets)
         if ctx.needs_input_grad[3]:
+            # FP8 rows from the wire: their values (dequantised, x.dtype) are the x of xᵀ dh13
+            x = saved_x[0] if not ctx.wire else Q.dequantize_rows(*saved_x).to(dtype)
             dw13 = ops.wgrad(*ops.quantize_cols(x, layout, K, True), *ops.quantize_cols(dh13, layout, K, False),
-                             tiles, x.dtype)
+                             tiles, dtype)
         if ctx.needs_input_grad[4]:
             dw2 = ops.wgrad(*ops.quantize_cols(aw, layout, K, False), *ops.quantize_cols(grad_out, layout, K, True),
-                            tiles, x.dtype)
-        return dx, None, dweight, dw13, dw2, None, None
+                            tiles, dtype)
+        return dx, None, dweight, dw13, dw2, None, None, None
 
 
 def expert_ffn_fp8(
     x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     cache: Fp8WeightCache | None = None, ops: Fp8Ops | None = None,
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Weighted SwiGLU experts over received rows, every GEMM in block-scaled FP8.
 
@@ -208,6 +215,11 @@ def expert_ffn_fp8(
             I a multiple of 128 (the SwiGLU epilogue quantises whole 128-column tiles).
         cache: the layer's :class:`Fp8WeightCache` (None: quantise the weights in this call).
         ops: :data:`TRITON_OPS` or :data:`REFERENCE_OPS` (None: :func:`default_ops` for x's device).
+        x_fp8: the rows already quantised (FP8 rows from the wire: q float8_e4m3fn [R, H] and scale
+            float32 [R, cdiv(H, 128)], row-strided views allowed, :func:`~ray_moe.kernels.fp8_quant.
+            packed_views`): the up-projection reads them as its A operand (no dequantised copy) and
+            x is then only the rows' stand-in (its dtype and shape; the gradient w.r.t. it is dX);
+            the weight gradient reads their values (dequantised in backward).
     Returns:
         [R, H] in x.dtype, differentiable w.r.t. x, weight, w13, w2 (gradients in x.dtype through the
         same FP8 recipe; slots with no pairs get exactly zero weight gradients). Sync-free on CUDA.
@@ -230,7 +242,11 @@ def expert_ffn_fp8(
                            f"this GPU is sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}")
     ops = ops or default_ops(x.device)
     fw = cache.get(w13, w2, ops) if cache is not None else quantize_expert_weights(w13, w2, ops)
-    return _ExpertFFNFp8.apply(x.contiguous(), slot.contiguous(), weight.contiguous(), w13, w2, fw, ops)
+    if x_fp8 is not None and (x_fp8[0].shape != x.shape or x_fp8[0].dtype != Q.FP8_DTYPE):
+        raise ValueError(f"x_fp8 must be float8_e4m3fn rows of x's shape {tuple(x.shape)}, got "
+                         f"{x_fp8[0].dtype} {tuple(x_fp8[0].shape)}")
+    return _ExpertFFNFp8.apply(x if x_fp8 is not None else x.contiguous(), slot.contiguous(), weight.contiguous(),
+                               w13, w2, fw, ops, x_fp8)
 
 
 def expert_ffn_fp8_reference(

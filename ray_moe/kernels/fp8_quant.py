@@ -32,6 +32,7 @@ on the E4M3 grid): under ``TRITON_INTERPRET=1`` the kernels round onto the grid 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -91,17 +92,22 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, C, stride_xm, stride_qm, strid
     tl.store(s_ptr + r64 * stride_sm + tl.program_id(1), scale, mask=rows < M)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """1×128-tile quantisation of the rows of ``x``.
 
-    Args: x [M, C] float32/bfloat16, row-contiguous.
+    Args: x [M, C] float32/bfloat16, row-contiguous. out: (q, scale) to write, row-strided views
+        allowed (e.g. :func:`packed_views` of one wire row buffer); None: new tensors.
     Returns: q [M, C] float8_e4m3fn and scale float32 [M, cdiv(C, 128)] (x ≈ q * scale per tile).
     """
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be a row-contiguous matrix, got shape {tuple(x.shape)} strides {x.stride()}")
     M, C = x.shape
-    q = torch.empty(M, C, dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty(M, triton.cdiv(C, TILE), dtype=torch.float32, device=x.device)
+    if out is not None:
+        q, s = out
+    else:
+        q = torch.empty(M, C, dtype=FP8_DTYPE, device=x.device)
+        s = torch.empty(M, triton.cdiv(C, TILE), dtype=torch.float32, device=x.device)
     if M and C:
         block_r = 16
         _quantize_rows_kernel[(triton.cdiv(M, block_r), triton.cdiv(C, TILE))](
@@ -239,13 +245,45 @@ def _pad_to(t: torch.Tensor, dim: int, mult: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
-def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_reference(x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of :func:`quantize_rows`."""
     M, C = x.shape
     n = triton.cdiv(C, TILE)  # (explicit sizes: a reshape to -1 is ambiguous with no rows)
     v = _pad_to(x.float(), 1, TILE).reshape(M, n, TILE)
     q, scale = _quantize_tiles(v, (2,))
-    return q.reshape(M, n * TILE)[:, :C].contiguous(), scale.reshape(M, n)
+    q, scale = q.reshape(M, n * TILE)[:, :C].contiguous(), scale.reshape(M, n)
+    if out is None:
+        return q, scale
+    out[0].copy_(q)
+    out[1].copy_(scale)
+    return out
+
+
+# ---------------------------------------------------------------- FP8 rows on the wire
+def wire_row_bytes(hidden: int) -> int:
+    """Bytes of one packed FP8 row: H E4M3 bytes, then cdiv(H, 128) float32 scales (H + 4·H/128)."""
+    return hidden + 4 * triton.cdiv(hidden, TILE)
+
+
+def packed_views(packed: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q float8_e4m3fn [R, H], scale float32 [R, cdiv(H, 128)]): views into packed rows (uint8
+    [R, :func:`wire_row_bytes`]), row stride the packed width; no copy. Needs H % 4 == 0 (the
+    scales' alignment)."""
+    if hidden % 4 or packed.dim() != 2 or packed.shape[1] != wire_row_bytes(hidden) or packed.dtype != torch.uint8:
+        raise ValueError(f"expected uint8 rows of {wire_row_bytes(hidden)} bytes for H={hidden} (H % 4 == 0), "
+                         f"got {packed.dtype} {tuple(packed.shape)}")
+    return packed[:, :hidden].view(FP8_DTYPE), packed[:, hidden:].view(torch.float32)
+
+
+def pack_rows(x: torch.Tensor, quantize: Callable[..., tuple[torch.Tensor, torch.Tensor]] = quantize_rows
+              ) -> torch.Tensor:
+    """x [T, H] (float32/bfloat16, H % 4 == 0) → uint8 [T, H + 4·cdiv(H, 128)]: each row's 1×128
+    quantisation (``quantize``: :func:`quantize_rows` or its reference) written straight into
+    the wire rows, E4M3 bytes then the float32 scales (what the dispatch sends for FP8 experts)."""
+    packed = torch.empty(x.shape[0], wire_row_bytes(x.shape[1]), dtype=torch.uint8, device=x.device)
+    quantize(x.contiguous(), out=packed_views(packed, x.shape[1]))
+    return packed
 
 
 def quantize_cols_reference(src: torch.Tensor, layout: PairLayout, top_k: int, gather: bool

@@ -88,6 +88,7 @@ def expert_ffn(
     b2: torch.Tensor | None = None,
     precision: str = "bf16",
     fp8_cache=None,
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Weighted SwiGLU experts over received rows.
 
@@ -105,6 +106,8 @@ def expert_ffn(
             in block-scaled FP8, Triton on CUDA and the emulating torch references elsewhere, whatever
             ``impl`` says (:func:`~ray_moe.kernels.fp8_expert_ffn.expert_ffn_fp8`; needs I % 128 == 0).
         fp8_cache: with fp8, the layer's FP8 weight cache (None: the weights are quantised per call).
+        x_fp8: with fp8, the rows already quantised (FP8 rows from the wire; x is then their
+            stand-in): see :func:`~ray_moe.kernels.fp8_expert_ffn.expert_ffn_fp8`.
     Returns:
         [R, H] in x.dtype: sum_k weight[r, k] * expert_{slot[r, k]}(x[r]); rows with no valid k are 0.
         Differentiable w.r.t. x, weight, w13, w2 (and b13, b2). Every impl runs the biases and
@@ -117,7 +120,7 @@ def expert_ffn(
 
         if b13 is not None or act != SWIGLU:
             raise ValueError("FP8 experts run SwiGLU without biases; these experts have biases or another activation")
-        return expert_ffn_fp8(x, slot, weight, w13, w2, cache=fp8_cache)
+        return expert_ffn_fp8(x, slot, weight, w13, w2, cache=fp8_cache, x_fp8=x_fp8)
     impl = resolve_impl(impl, x)
     if (b13 is None) != (b2 is None):
         raise ValueError("expert biases come in pairs: pass both b13 and b2, or neither")

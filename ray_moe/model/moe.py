@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ray_moe.comm.base import Layout, Transport, combine, dispatch
+from ray_moe.comm.base import Layout, Transport, combine, dispatch, dispatch_payload
 from ray_moe.model.expert_choice import ExpertChoice, ExpertImplChooser
 from ray_moe.model.experts import EXPERT_PRECISIONS, SWIGLU, ExpertActivation, expert_ffn, fp8_weight_cache, resolve_impl
 from ray_moe.model.router import SOFTMAX, Routing, balancing_bias_step, load_balancing_loss, route
@@ -69,7 +69,10 @@ class MoELayerSpec:
     activation: the experts' gated activation (gpt-oss's clamped one; the Triton kernels apply it
     and the biases in their epilogues);
     expert_precision: bf16 (the weights' dtype) or fp8 (every expert GEMM in block-scaled FP8,
-    :mod:`ray_moe.kernels.fp8_expert_ffn`, whatever expert_impl says).
+    :mod:`ray_moe.kernels.fp8_expert_ffn`, whatever expert_impl says);
+    fp8_wire: with fp8 experts, the dispatch sends each row's FP8 quantisation (E4M3 bytes and
+    float32 1×128 scales, H + 4·H/128 bytes instead of 2·H) and the up-projection reads it as is
+    (the combine and the dispatch's backward stay in the model dtype); needs H % 4 == 0.
     """
 
     hidden: int
@@ -82,6 +85,7 @@ class MoELayerSpec:
     aux_loss_coef: float = 0.0
     clone_slots: int = 0
     expert_precision: str = "bf16"
+    fp8_wire: bool = True
     seed: int = 0
     router_bias: bool = False
     expert_bias: bool = False
@@ -104,6 +108,9 @@ class MoELayerSpec:
             raise ValueError(f"routing must be a Routing, got {self.routing!r}")
         if self.expert_precision not in EXPERT_PRECISIONS:
             raise ValueError(f"expert_precision={self.expert_precision!r} is not one of {', '.join(EXPERT_PRECISIONS)}")
+        if self.expert_precision == "fp8" and self.fp8_wire and self.hidden % 4:
+            raise ValueError(f"FP8 rows on the wire need hidden % 4 == 0 (the scales' alignment), got "
+                             f"hidden={self.hidden}; set fp8_wire off")
 
 
 @dataclass(frozen=True)
@@ -124,12 +131,15 @@ class _Routed:
 class _Received:
     """What one call's dispatch left on this rank: rows x [R, H] (model dtype), slot int32 [R, K]
     (-1: that k went elsewhere), weight float32 [R, K] (0 there) and the transport's layout (the
-    combine sends the partial rows back by it)."""
+    combine sends the partial rows back by it). With FP8 rows on the wire, x_fp8 holds the
+    received rows (E4M3 [R, H] and float32 scales [R, H/128], views of the received bytes) and x
+    is their stand-in (no storage; the gradient w.r.t. it is the received rows')."""
 
     x: torch.Tensor
     slot: torch.Tensor
     weight: torch.Tensor
     layout: Layout
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class MoELayer(nn.Module):
@@ -321,6 +331,15 @@ class MoELayer(nn.Module):
         """Each token row, once per rank that holds one of its experts, with its (slot, weight)
         pairs. Without autograd (decoding, evaluation) the received rows are consumed before the
         next layer dispatches: the transport may hand out its own outputs instead of allocating."""
+        if self.fp8_weights is not None and self.spec.fp8_wire:
+            from ray_moe.kernels.fp8_expert_ffn import default_ops
+            from ray_moe.kernels.fp8_quant import pack_rows, packed_views
+
+            # FP8 rows on the wire: x's 1×128 quantisation, sent as bytes; recv_x is a stand-in
+            packed = pack_rows(x, default_ops(x.device).quantize_rows)
+            recv_x, recv_p, recv_slot, recv_w, layout = dispatch_payload(
+                self.transport, x, packed, routed.weights, routed.dest_rank, routed.dest_slot, reuse_outputs=True)
+            return _Received(recv_x, recv_slot, recv_w, layout, packed_views(recv_p, x.shape[1]))
         recv_x, recv_slot, recv_w, layout = dispatch(self.transport, x, routed.weights, routed.dest_rank,
                                                      routed.dest_slot, reuse_outputs=True)
         return _Received(recv_x, recv_slot, recv_w, layout)
@@ -333,7 +352,7 @@ class MoELayer(nn.Module):
         x, slot, weight = received.x, received.slot, received.weight
         if self.fp8_weights is not None:
             return expert_ffn(x, slot, weight, self.w13, self.w2, act=self.spec.activation, b13=self.b13,
-                              b2=self.b2, precision="fp8", fp8_cache=self.fp8_weights)
+                              b2=self.b2, precision="fp8", fp8_cache=self.fp8_weights, x_fp8=received.x_fp8)
         choice = ExpertChoice(impl)
         if self.expert_impl == "auto" and impl == "triton":
             needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, *self.expert_params()))

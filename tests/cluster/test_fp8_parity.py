@@ -33,3 +33,25 @@ def test_fp8_layer_parity(groups, world_size):
             bad = {k: v for k, v in errs.items()
                    if not low.get(k, -1.0) < v < (ROUTER_TOL if k == "grad_router" else FP8_TOL)}
             assert not bad, f"rank {rank} {routing}: errors outside their bounds: {bad}"
+
+
+WIRE_ROUND_OFF = 1e-5
+
+
+@pytest.mark.parametrize("world_size", [2, 3])  # W=1: tests/unit/model/test_fp8_wire.py
+def test_fp8_wire_equals_the_fp8_layer_over_gloo(groups, world_size):
+    """FP8 rows on the wire (the dispatch sends E4M3 rows and their scales) against the FP8 layer
+    without it, within float32 round-off on every rank (ray_moe.validation.fp8_wire), and the
+    bytes the gloo dispatch moves: (H + 4·H/128) / (2·H) of bf16's."""
+    from ray_moe.validation.fp8_wire import dispatch_bytes, fp8_wire_parity
+
+    case = Case(seed=2, routing="random", top_k=2, hidden=128, expert_hidden=128, num_experts=6,
+                tokens_per_rank=(11, 6, 9), expert_precision="fp8")
+    group = groups(world_size)
+    for rank, errs in enumerate(group.execute(fp8_wire_parity, case, timeout=180)):
+        assert errs and all(v <= WIRE_ROUND_OFF for v in errs.values()), (rank, errs)
+    H = case.hidden
+    for rank, sizes in enumerate(group.execute(dispatch_bytes, case, timeout=60)):
+        # every row goes to top_k = 2 distinct ranks (rank-dedup: one copy each)
+        assert sizes["bf16"] == case.tokens(rank) * 2 * 2 * H, (rank, sizes)
+        assert sizes["fp8"] * (2 * H) == sizes["bf16"] * (H + 4 * H // 128), (rank, sizes)
