@@ -225,33 +225,44 @@ class _LayoutBox:
     layout: Layout | None = None
 
 
+def _send_rows(ctx, transport, box, capacity, rows, weight, dest_rank, dest_slot, reuse_outputs):
+    """The dispatch's forward exchange of ``rows`` (x, or another payload of x's rows), timed; the
+    layout goes to ``box`` and ``ctx`` for the combine and the backward."""
+    mark = transport.timer.start(rows)
+    kw = {} if capacity is None else {"capacity": capacity}
+    if reuse_outputs:
+        kw["reuse_outputs"] = True
+    recv, recv_slot, recv_w, layout = transport.dispatch_forward(rows, weight, dest_rank, dest_slot, **kw)
+    transport.timer.stop(mark)
+    ctx.transport, ctx.layout = transport, layout
+    box.layout = layout
+    return recv, recv_slot, recv_w
+
+
+def _return_grads(ctx, grad_recv_x, grad_recv_w):
+    """The dispatch's backward: the received rows' (and weights') gradients back to their tokens →
+    (gx [T, H], gw [T, K])."""
+    if grad_recv_x is None:
+        raise RuntimeError("dispatch backward got no gradient for the received rows")
+    if grad_recv_w is None:
+        grad_recv_w = torch.zeros(grad_recv_x.shape[0], ctx.layout.top_k, device=grad_recv_x.device)
+    mark = ctx.transport.timer.start(grad_recv_x)
+    gx, gw = ctx.transport.dispatch_backward(grad_recv_x.contiguous(), grad_recv_w.contiguous(), ctx.layout)
+    ctx.transport.timer.stop(mark)
+    return gx, gw
+
+
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, transport, box, capacity, x, weight, dest_rank, dest_slot, reuse_outputs=False):
-        mark = transport.timer.start(x)
-        kw = {} if capacity is None else {"capacity": capacity}
-        if reuse_outputs:
-            kw["reuse_outputs"] = True
-        recv_x, recv_slot, recv_w, layout = transport.dispatch_forward(x, weight, dest_rank, dest_slot, **kw)
-        transport.timer.stop(mark)
-        ctx.transport, ctx.layout = transport, layout
-        box.layout = layout
+        recv_x, recv_slot, recv_w = _send_rows(ctx, transport, box, capacity, x, weight, dest_rank, dest_slot,
+                                               reuse_outputs)
         ctx.mark_non_differentiable(recv_slot)
         return recv_x, recv_slot, recv_w
 
     @staticmethod
     def backward(ctx, grad_recv_x, _grad_slot, grad_recv_w):
-        if grad_recv_x is None:
-            raise RuntimeError("dispatch backward got no gradient for the received rows")
-        if grad_recv_w is None:
-            grad_recv_w = torch.zeros(
-                grad_recv_x.shape[0], ctx.layout.top_k, device=grad_recv_x.device
-            )
-        mark = ctx.transport.timer.start(grad_recv_x)
-        gx, gw = ctx.transport.dispatch_backward(
-            grad_recv_x.contiguous(), grad_recv_w.contiguous(), ctx.layout
-        )
-        ctx.transport.timer.stop(mark)
+        gx, gw = _return_grads(ctx, grad_recv_x, grad_recv_w)
         return None, None, None, gx, gw, None, None, None
 
 
@@ -300,14 +311,8 @@ class _DispatchPayload(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, transport, box, capacity, x, payload, weight, dest_rank, dest_slot, reuse_outputs=False):
-        mark = transport.timer.start(payload)
-        kw = {} if capacity is None else {"capacity": capacity}
-        if reuse_outputs:
-            kw["reuse_outputs"] = True
-        recv_p, recv_slot, recv_w, layout = transport.dispatch_forward(payload, weight, dest_rank, dest_slot, **kw)
-        transport.timer.stop(mark)
-        ctx.transport, ctx.layout = transport, layout
-        box.layout = layout
+        recv_p, recv_slot, recv_w = _send_rows(ctx, transport, box, capacity, payload, weight, dest_rank,
+                                               dest_slot, reuse_outputs)
         # [R, H] of x's dtype without storage (one element, expanded): the received rows exist
         # only as the payload; this tensor's gradient is theirs
         stand_in = x.new_zeros(()).expand(recv_p.shape[0], x.shape[1])
@@ -316,11 +321,7 @@ class _DispatchPayload(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_recv_x, _grad_p, _grad_slot, grad_recv_w):
-        if grad_recv_w is None:
-            grad_recv_w = torch.zeros(grad_recv_x.shape[0], ctx.layout.top_k, device=grad_recv_x.device)
-        mark = ctx.transport.timer.start(grad_recv_x)
-        gx, gw = ctx.transport.dispatch_backward(grad_recv_x.contiguous(), grad_recv_w.contiguous(), ctx.layout)
-        ctx.transport.timer.stop(mark)
+        gx, gw = _return_grads(ctx, grad_recv_x, grad_recv_w)
         return None, None, None, gx, None, gw, None, None, None
 
 
