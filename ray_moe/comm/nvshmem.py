@@ -24,9 +24,9 @@ release/acquire atomics.
 
 **Remote path** (peers on another node, or every peer with ``parallel.force_remote_path``): the
 send kernel writes each peer's rows into a local staging region; the host then enqueues one
-``nvshmemx_putmem_signal_on_stream`` per remote peer (the call's capacity of rows, signal += 1)
+``nvshmemx_putmem_signal_on_stream`` per remote peer (the buffer's capacity of rows, signal += 1)
 and, after the receive kernel, ``nvshmemx_signal_op_on_stream`` for the acknowledgement. No host
-sync is needed: the put size is the call's capacity (the real row count lives on the device
+sync is needed: the put size is the buffer's capacity (the real row count lives on the device
 only; :meth:`SymmetricBuffer.post_send`), which costs bandwidth when traffic is far below it;
 the arrival counters are read in the kernel.
 
