@@ -462,9 +462,6 @@ class Config:
                     del out[section][key]
         return out
 
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
     # ---------------------------------------------------------------- access
     def set(self, dotted: str, value: Any) -> None:
         section, _, key = dotted.partition(".")

@@ -79,11 +79,6 @@ def sections() -> list[tuple[str, type]]:
     return [(f.name, type(_default(f))) for f in dataclasses.fields(config_module.Config)]
 
 
-def missing_docs() -> list[str]:
-    """``section.key`` of every field without a comment in config.py."""
-    return [f"{name}.{key}" for name, cls in sections() for key, doc in field_docs(cls).items() if not doc]
-
-
 def render() -> str:
     """The whole of docs/CONFIG.md: one table per section, one line per key."""
     parts = [HEADER]

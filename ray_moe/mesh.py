@@ -79,10 +79,6 @@ class MeshSpec:
     def to_dict(self) -> dict[str, int]:
         return {"world": self.world, "ep": self.ep, "dp": self.dp}
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "MeshSpec":
-        return cls(int(d["world"]), int(d["ep"]), int(d["dp"]))
-
     def __str__(self) -> str:
         return f"EP {self.ep} x DP {self.dp}"
 

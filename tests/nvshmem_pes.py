@@ -366,10 +366,10 @@ def rank_main(root: str, rank: int, world_size: int, spin_limit: int, tunings: l
 def fp8_wire_checks(worker, world_size: int) -> list[str]:
     """FP8 rows on the wire through the exchange kernels (byte rows of H + 4·H/128, as words):
     the layer equals the FP8 layer without the wire to float32 round-off
-    (:func:`ray_moe.validation.fp8_wire.fp8_wire_parity`), and the receive rows' bytes are
+    (:func:`tests.fp8_wire.fp8_wire_parity`), and the receive rows' bytes are
     (H + 4·H/128) / (2·H) of bf16's."""
     from ray_moe.validation.cases import Case
-    from ray_moe.validation.fp8_wire import dispatch_bytes, fp8_wire_parity
+    from tests.fp8_wire import dispatch_bytes, fp8_wire_parity
 
     rank = worker.transport.rank
     case = Case(seed=2, top_k=2, hidden=128, expert_hidden=128, num_experts=2 * world_size,

@@ -22,6 +22,22 @@ def gather_pair_rows_reference(src: torch.Tensor, layout: PairLayout, top_k: int
     return src[layout.sorted_pair[:n_valid].long() // top_k]
 
 
+def group_sum_reference(src: torch.Tensor, layout: PairLayout, top_k: int, gather: bool,
+                        scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference of :func:`ray_moe.kernels.group_sum.group_sum`: float32 [S, N], one loop over the
+    groups (rows by position, or the pairs' input rows scaled by ``scale`` [T, K])."""
+    offsets = layout.offsets.tolist()
+    out = torch.zeros(len(offsets) - 1, src.shape[1], dtype=torch.float32, device=src.device)
+    for s in range(len(offsets) - 1):
+        pair = layout.sorted_pair[offsets[s]:offsets[s + 1]].long()
+        rows = pair // top_k if gather else torch.arange(offsets[s], offsets[s + 1], device=src.device)
+        v = src[rows].float()
+        if scale is not None:
+            v = v * scale.reshape(-1).float()[pair, None]
+        out[s] = v.sum(0)
+    return out
+
+
 def linear_cross_entropy_reference(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = IGNORE_INDEX,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from ray_moe.config import Config
 from ray_moe.topology import RankInfo
@@ -19,6 +22,11 @@ def small_config(tmp_path, world_size=2, **over) -> Config:
     }
     cfg = Config.from_dict(raw)
     return cfg.with_overrides([f"{k}={v}" for k, v in over.items()])
+
+
+def write_config(path: Path, cfg: Config) -> None:
+    """``cfg`` as a YAML file for ``ray-moe train --config path``."""
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
 def single_rank(world_size: int = 1, rank: int = 0) -> RankInfo:

@@ -123,7 +123,6 @@ class Transport(ABC):
         weight: torch.Tensor,
         dest_rank: torch.Tensor,
         dest_slot: torch.Tensor,
-        capacity: int | None = None,
         reuse_outputs: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Layout]:
         """Send rows to the ranks that hold their experts.
@@ -133,10 +132,6 @@ class Transport(ABC):
             weight: float32 [T, K] routing weights.
             dest_rank: int32 [T, K] destination rank per (token, k).
             dest_slot: int32 [T, K] expert slot on that rank.
-            capacity: the most tokens any rank passes to this call, the same on every rank;
-                a transport with fixed-size receive buffers sizes R from
-                it. None: the reserved ``BufferSpec.max_tokens``. Transports that size R from
-                the real traffic ignore it.
             reuse_outputs: the caller consumes the outputs (and the layout) before its next
                 dispatch of the same shape and keeps none of them (a forward without autograd, e.g.
                 decoding): a transport may then return tensors it owns, the same ones for every such
@@ -144,8 +139,8 @@ class Transport(ABC):
                 others ignore it.
         Returns:
             recv_x [R, H], recv_slot int32 [R, K] (-1 = not for this rank), recv_weight float32
-            [R, K] (0 where recv_slot is -1), and the layout. R may be a fixed capacity with
-            padding rows whose slots are all -1.
+            [R, K] (0 where recv_slot is -1), and the layout. R may be a fixed capacity (from
+            the reserved ``BufferSpec.max_tokens``) with padding rows whose slots are all -1.
         """
 
     @abstractmethod
@@ -225,14 +220,12 @@ class _LayoutBox:
     layout: Layout | None = None
 
 
-def _send_rows(ctx, transport, box, capacity, rows, weight, dest_rank, dest_slot, reuse_outputs):
+def _send_rows(ctx, transport, box, rows, weight, dest_rank, dest_slot, reuse_outputs):
     """The dispatch's forward exchange of ``rows`` (x, or another payload of x's rows), timed; the
     layout goes to ``box`` and ``ctx`` for the combine and the backward."""
     mark = transport.timer.start(rows)
-    kw = {} if capacity is None else {"capacity": capacity}
-    if reuse_outputs:
-        kw["reuse_outputs"] = True
-    recv, recv_slot, recv_w, layout = transport.dispatch_forward(rows, weight, dest_rank, dest_slot, **kw)
+    recv, recv_slot, recv_w, layout = transport.dispatch_forward(rows, weight, dest_rank, dest_slot,
+                                                                 reuse_outputs=reuse_outputs)
     transport.timer.stop(mark)
     ctx.transport, ctx.layout = transport, layout
     box.layout = layout
@@ -254,16 +247,15 @@ def _return_grads(ctx, grad_recv_x, grad_recv_w):
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, transport, box, capacity, x, weight, dest_rank, dest_slot, reuse_outputs=False):
-        recv_x, recv_slot, recv_w = _send_rows(ctx, transport, box, capacity, x, weight, dest_rank, dest_slot,
-                                               reuse_outputs)
+    def forward(ctx, transport, box, x, weight, dest_rank, dest_slot, reuse_outputs=False):
+        recv_x, recv_slot, recv_w = _send_rows(ctx, transport, box, x, weight, dest_rank, dest_slot, reuse_outputs)
         ctx.mark_non_differentiable(recv_slot)
         return recv_x, recv_slot, recv_w
 
     @staticmethod
     def backward(ctx, grad_recv_x, _grad_slot, grad_recv_w):
         gx, gw = _return_grads(ctx, grad_recv_x, grad_recv_w)
-        return None, None, None, gx, gw, None, None, None
+        return None, None, gx, gw, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -289,16 +281,15 @@ def dispatch(
     weight: torch.Tensor,
     dest_rank: torch.Tensor,
     dest_slot: torch.Tensor,
-    capacity: int | None = None,
     reuse_outputs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Layout]:
-    """Differentiable dispatch (see :meth:`Transport.dispatch_forward` for shapes, ``capacity``
-    and ``reuse_outputs``, which applies only with autograd off: with it on, the experts save the
+    """Differentiable dispatch (see :meth:`Transport.dispatch_forward` for shapes and
+    ``reuse_outputs``, which applies only with autograd off: with it on, the experts save the
     received rows for their weight gradients, so they must outlive later dispatches)."""
     box = _LayoutBox()
     reuse = reuse_outputs and not torch.is_grad_enabled()
     recv_x, recv_slot, recv_w = _Dispatch.apply(
-        transport, box, capacity, x, weight, dest_rank.to(torch.int32), dest_slot.to(torch.int32), reuse,
+        transport, box, x, weight, dest_rank.to(torch.int32), dest_slot.to(torch.int32), reuse,
     )
     assert box.layout is not None
     return recv_x, recv_slot, recv_w, box.layout
@@ -310,9 +301,9 @@ class _DispatchPayload(torch.autograd.Function):
     the received x rows carries their gradient back, a bf16 (x.dtype) dispatch backward."""
 
     @staticmethod
-    def forward(ctx, transport, box, capacity, x, payload, weight, dest_rank, dest_slot, reuse_outputs=False):
-        recv_p, recv_slot, recv_w = _send_rows(ctx, transport, box, capacity, payload, weight, dest_rank,
-                                               dest_slot, reuse_outputs)
+    def forward(ctx, transport, box, x, payload, weight, dest_rank, dest_slot, reuse_outputs=False):
+        recv_p, recv_slot, recv_w = _send_rows(ctx, transport, box, payload, weight, dest_rank, dest_slot,
+                                               reuse_outputs)
         # [R, H] of x's dtype without storage (one element, expanded): the received rows exist
         # only as the payload; this tensor's gradient is theirs
         stand_in = x.new_zeros(()).expand(recv_p.shape[0], x.shape[1])
@@ -322,7 +313,7 @@ class _DispatchPayload(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_recv_x, _grad_p, _grad_slot, grad_recv_w):
         gx, gw = _return_grads(ctx, grad_recv_x, grad_recv_w)
-        return None, None, None, gx, None, gw, None, None, None
+        return None, None, gx, None, gw, None, None, None
 
 
 def dispatch_payload(
@@ -332,12 +323,11 @@ def dispatch_payload(
     weight: torch.Tensor,
     dest_rank: torch.Tensor,
     dest_slot: torch.Tensor,
-    capacity: int | None = None,
     reuse_outputs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Layout]:
     """Differentiable dispatch of x whose rows travel as ``payload`` [T, P] (any dtype and width,
     e.g. x's FP8 rows and scales as bytes: :func:`ray_moe.kernels.fp8_quant.pack_rows`);
-    ``capacity`` and ``reuse_outputs`` (with autograd off only) as :func:`dispatch`'s.
+    ``reuse_outputs`` (with autograd off only) as :func:`dispatch`'s.
 
     Returns:
         stand_in [R, H] (x.dtype, no storage of its own: the received rows' gradient enters the
@@ -350,7 +340,7 @@ def dispatch_payload(
     box = _LayoutBox()
     reuse = reuse_outputs and not torch.is_grad_enabled()
     stand_in, recv_p, recv_slot, recv_w = _DispatchPayload.apply(
-        transport, box, capacity, x, payload.contiguous(), weight, dest_rank.to(torch.int32),
+        transport, box, x, payload.contiguous(), weight, dest_rank.to(torch.int32),
         dest_slot.to(torch.int32), reuse)
     assert box.layout is not None
     return stand_in, recv_p, recv_slot, recv_w, box.layout

@@ -23,7 +23,7 @@ class LocalTransport(Transport):
     def __init__(self) -> None:
         super().__init__(rank=0, world_size=1)
 
-    def dispatch_forward(self, x, weight, dest_rank, dest_slot, capacity=None, reuse_outputs=False):
+    def dispatch_forward(self, x, weight, dest_rank, dest_slot, reuse_outputs=False):
         T, K = dest_slot.shape
         self.dispatched_bytes += x.numel() * x.element_size()
         return x, dest_slot.to(torch.int32), weight.float(), LocalLayout(T, K)

@@ -24,9 +24,9 @@ release/acquire atomics.
 
 **Remote path** (peers on another node, or every peer with ``parallel.force_remote_path``): the
 send kernel writes each peer's rows into a local staging region; the host then enqueues one
-``nvshmemx_putmem_signal_on_stream`` per remote peer (the call's capacity of rows, signal += 1)
+``nvshmemx_putmem_signal_on_stream`` per remote peer (the buffer's capacity of rows, signal += 1)
 and, after the receive kernel, ``nvshmemx_signal_op_on_stream`` for the acknowledgement. No host
-sync is needed: the put size is the call's capacity (the real row count lives on the device
+sync is needed: the put size is the buffer's capacity (the real row count lives on the device
 only; :meth:`SymmetricBuffer.post_send`), which costs bandwidth when traffic is far below it;
 the arrival counters are read in the kernel.
 
@@ -378,10 +378,10 @@ class SymmetricBuffer:
 
     # ---------------------------------------------------------------- the four operations
     def dispatch(self, x: torch.Tensor, weight: torch.Tensor, dest_rank: torch.Tensor, dest_slot: torch.Tensor,
-                 capacity: int | None = None, reuse_outputs: bool = False):
+                 reuse_outputs: bool = False):
         """x [T, H]; weight float32, dest_rank/dest_slot int32 [T, K] →
-        recv_x [W*C, H], recv_slot int32 [W*C, K], recv_w float32 [W*C, K], layout; C = ``capacity``
-        (rows per source, the same on every rank; default and at most the buffer's T_cap).
+        recv_x [W*C, H], recv_slot int32 [W*C, K], recv_w float32 [W*C, K], layout; C = the
+        buffer's T_cap (rows per source, the same on every rank; T <= C).
         x may also be any row payload of at most the buffer's row bytes, e.g. uint8 [T, P] (FP8
         rows beside their scales, :func:`ray_moe.kernels.fp8_quant.pack_rows`): recv_x is then
         [W*C, P] of x's dtype; the layout is the same (the combine and backward use H).
@@ -391,10 +391,11 @@ class SymmetricBuffer:
         overwrites, as DeepEP's low-latency mode returns views of its buffer: for callers that
         consume them first and keep none (decoding). The six allocations are most of a small
         dispatch's host time."""
-        x, weight, dest_rank, dest_slot, cap = self._dispatch_inputs(x, weight, dest_rank, dest_slot, capacity)
+        x, weight, dest_rank, dest_slot = self._dispatch_inputs(x, weight, dest_rank, dest_slot)
+        cap = self.geo.capacity
         if x.dtype == torch.uint8 and _as_words(x, self.geo.elem_bytes).dtype != torch.uint8:
             # a byte payload (FP8 rows and their scales) travels as words of the buffer's width
-            recv = self.dispatch(_as_words(x, self.geo.elem_bytes), weight, dest_rank, dest_slot, cap, reuse_outputs)
+            recv = self.dispatch(_as_words(x, self.geo.elem_bytes), weight, dest_rank, dest_slot, reuse_outputs)
             return (recv[0].view(torch.uint8),) + recv[1:]
         T, K = dest_rank.shape
         if reuse_outputs and self._owned_dispatch:
@@ -424,11 +425,11 @@ class SymmetricBuffer:
                 self._owned_dispatch[self._owned_fast_key(cap, x, K)] = (bound, outs)
         return recv_x, recv_slot, recv_w, NVSHMEMLayout(T, K, pos, smeta, rmeta, dest_rank, cap, owned)
 
-    def _dispatch_inputs(self, x, weight, dest_rank, dest_slot, capacity):
+    def _dispatch_inputs(self, x, weight, dest_rank, dest_slot):
         """A dispatch's inputs as the kernels take them (x contiguous, dest_rank/dest_slot int32,
-        weight float32) and its capacity C (default the buffer's T_cap)."""
+        weight float32)."""
         return (_contiguous(x), _contiguous(weight, torch.float32), _contiguous(dest_rank, torch.int32),
-                _contiguous(dest_slot, torch.int32), capacity or self.geo.capacity)
+                _contiguous(dest_slot, torch.int32))
 
     def _owned_fast_key(self, cap: int, x: torch.Tensor, K: int) -> tuple:
         """What an owned call's bound launch depends on besides the buffer: the call's shapes and
@@ -509,7 +510,7 @@ class SymmetricBuffer:
             launch_dispatch(*args, phase=3, key=_with(key, 3), **kw)
             return
         launch_dispatch(*args, phase=1, key=_with(key, 1), **kw)
-        ch.post_send(self.rt, capacity or self.geo.capacity)
+        ch.post_send(self.rt, capacity)
         launch_dispatch(*args, phase=2, key=_with(key, 2), **kw)
         ch.post_recv(self.rt)
 
@@ -696,8 +697,8 @@ class NVSHMEMTransport(Transport):
                                fast_launch=self.fast_launch, interleave_ok=none_remote)
 
     # ---------------------------------------------------------------- Transport
-    def dispatch_forward(self, x, weight, dest_rank, dest_slot, capacity=None, reuse_outputs=False):
-        recv = self.buffer.dispatch(x, weight, dest_rank, dest_slot, capacity=capacity, reuse_outputs=reuse_outputs)
+    def dispatch_forward(self, x, weight, dest_rank, dest_slot, reuse_outputs=False):
+        recv = self.buffer.dispatch(x, weight, dest_rank, dest_slot, reuse_outputs=reuse_outputs)
         # the rows the receive side holds (W·C of them: the exchange's fixed capacity), host-known
         self.dispatched_bytes += recv[0].numel() * recv[0].element_size()
         return recv

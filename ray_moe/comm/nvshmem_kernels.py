@@ -787,7 +787,7 @@ def _dispatch_checks(geo, T_cap, x, pos, smeta, out_x, rmeta, dest_rank, dest_sl
         raise ValueError(f"capacity {T_cap} must be between 1 and the buffer's {geo.capacity} rows per rank")
     if T > T_cap:
         raise ValueError(f"{T} tokens exceed the capacity of {T_cap} per rank "
-                         "(BufferSpec.max_tokens, or the capacity passed to this call)")
+                         "(BufferSpec.max_tokens)")
     _check(pos, "pos", (T, W), torch.int32, dev)
     _check(smeta, "smeta", (G, W, 4), torch.int32, dev)
     _check(out_x, "out_x", (W * T_cap, H), x.dtype, dev)

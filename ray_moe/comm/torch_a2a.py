@@ -42,7 +42,7 @@ class TorchA2ATransport(Transport):
         dist.all_to_all_single(recv, send.contiguous(), recv_splits, send_splits, group=self.group)
         return recv
 
-    def dispatch_forward(self, x, weight, dest_rank, dest_slot, capacity=None, reuse_outputs=False):
+    def dispatch_forward(self, x, weight, dest_rank, dest_slot, reuse_outputs=False):
         T, K = dest_rank.shape
         W = self.world_size
         to_rank = torch.zeros(T, W, dtype=torch.bool, device=x.device)

@@ -4,8 +4,8 @@ The driver asks the workers for a few batches per call (``EPWorker.eval_sum``), 
 call lasts about :data:`EVAL_CALL_S`, and looks at the stop flag between calls: a stop signal
 during an evaluation of thousands of batches is seen within about a call's time, and each call
 stays far inside ``train.step_timeout_s``. Each rank's float64 running sum travels from call to
-call and one ``EPWorker.eval_mean`` averages at the end, so the result has the bits of one call
-over all batches (``EPWorker.evaluate``): same batches, same order, same averaging.
+call and one ``EPWorker.eval_mean`` averages at the end, so the result has the bits of one
+``eval_sum`` call over all batches: same batches, same order, same averaging.
 """
 
 from __future__ import annotations

@@ -124,7 +124,6 @@ class WorkerGroup:
         self.use_gpu = use_gpu_for(config)
         self.transport_spec, why = resolve_transport(config, self.use_gpu)
         log.info("transport %s: %s", self.transport_spec.name, why)
-        self.transport_reason = why
         self._pg = None
         self.actors: list[Any] = []
         self.ranks: list[RankInfo] = []

@@ -1,6 +1,6 @@
 """Trainer: the driver API shared by the CLI, `ray job submit` jobs and notebooks.
 
-    with Trainer.from_yaml("jobs/tiny.yaml", ["train.steps=20"]) as t:
+    with Trainer(Config.from_yaml("jobs/tiny.yaml", ["train.steps=20"])) as t:
         t.train()                 # progress bar, metrics.jsonl, checkpoints, plots
         print(t.evaluate(), t.expert_load())
 
@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable, NoReturn, Sequence
+from typing import Any, NoReturn, Sequence
 
 import yaml
 
@@ -194,10 +194,6 @@ class Trainer:
         saved = self.config.to_dict()
         saved["model"]["arch"] = self.arch.spec.family if self.arch.hf_config is not None else "byte"
         return yaml.safe_dump(saved, sort_keys=False)
-
-    @classmethod
-    def from_yaml(cls, path: str | Path, overrides: Iterable[str] = (), **kwargs: Any) -> "Trainer":
-        return cls(Config.from_yaml(path, overrides), **kwargs)
 
     @property
     def metrics(self) -> list[dict[str, Any]]:

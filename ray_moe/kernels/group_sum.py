@@ -5,7 +5,8 @@ position itself (db13 = the per-slot sum of dh13's rows) or the pair's input row
 per-slot sum of the grad_out rows scaled by the routing weight). One program per (column tile,
 group) runs over its group's positions in order, float32 accumulation: deterministic (no
 atomics), sync-free (the group bounds are read on the device; the grid depends on shapes only),
-and an expert with no pairs gets exactly zero. Reference: :func:`group_sum_reference`.
+and an expert with no pairs gets exactly zero. Its pure-torch reference is the tests'
+(tests/references.py).
 """
 
 from __future__ import annotations
@@ -75,18 +76,4 @@ def group_sum(
         src.stride(0), out.stride(0),
         TOP_K=top_k, GATHER=gather, SCALE=scale is not None, BLOCK_R=block_r, BLOCK_N=block_n,
     )
-    return out
-
-
-def group_sum_reference(src, layout, top_k, gather, scale=None):
-    """Reference of :func:`group_sum` (float32, one loop over the groups)."""
-    offsets = layout.offsets.tolist()
-    out = torch.zeros(len(offsets) - 1, src.shape[1], dtype=torch.float32, device=src.device)
-    for s in range(len(offsets) - 1):
-        pair = layout.sorted_pair[offsets[s]:offsets[s + 1]].long()
-        rows = pair // top_k if gather else torch.arange(offsets[s], offsets[s + 1], device=src.device)
-        v = src[rows].float()
-        if scale is not None:
-            v = v * scale.reshape(-1).float()[pair, None]
-        out[s] = v.sum(0)
     return out

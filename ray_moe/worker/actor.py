@@ -4,7 +4,7 @@ Life cycle, driven by :class:`ray_moe.driver.group.WorkerGroup`:
 ``info()`` → (ranks assigned by the driver) → rank 0: ``bootstrap_address()`` → all:
 ``setup(config, rank_info, address)`` (torch.distributed) → rank 0: ``transport_bootstrap_id()``
 → all: ``init_transport(transport_spec, bootstrap_id, buffers)`` → ``build_engine(config)`` → training calls
-(``step``, ``evaluate``, ``set_placements``, ``save_shard``, ``load_checkpoint``, ...) → ``close()``.
+(``step``, ``eval_sum``, ``set_placements``, ``save_shard``, ``load_checkpoint``, ...) → ``close()``.
 
 What the driver resolved arrives frozen and is not derived again here: the rank and the world
 size in :class:`~ray_moe.topology.RankInfo` (the group's, whatever ``parallel.world_size`` asked
@@ -176,10 +176,6 @@ class EPWorker:
         """Continue ``prompt`` (token ids) by ``max_new_tokens`` sampled tokens (collective: every
         rank calls it with the same arguments); returns the new ids."""
         return self.engine.generate(prompt, max_new_tokens, temperature, seed)
-
-    def evaluate(self, batches: int | None = None) -> float:
-        """Mean validation loss over ``batches`` fixed global batches (the same on every rank)."""
-        return self.engine.evaluate(batches)
 
     def eval_sum(self, start: int, stop: int, running: float = 0.0) -> float:
         """This rank's float64 running sum of the validation loss over batches [start, stop)

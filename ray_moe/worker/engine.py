@@ -550,12 +550,6 @@ class Engine:
         pop_loads(self.model.moe_layers())
         return ids[len(prompt):]
 
-    def evaluate(self, batches: int | None = None) -> float:
-        """Mean validation loss over ``batches`` fixed global batches (same on every rank): one
-        :meth:`eval_sum` over them all, then :meth:`eval_mean`."""
-        n = batches or self.config.train.eval_batches
-        return self.eval_mean(self.eval_sum(0, n), n)
-
     @torch.no_grad()
     def eval_sum(self, start: int, stop: int, running: float = 0.0) -> float:
         """This rank's float64 sum of the mean cross-entropy of validation batches [start, stop),

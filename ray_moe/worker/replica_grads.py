@@ -46,7 +46,6 @@ class ReplicaGradReduction:
         self._next = 0
         self._flat: list[torch.Tensor | None] = []
         self._work: list[object] = []
-        self.launched_in_backward = 0  # layers the last backward launched itself
 
     def begin(self) -> None:
         """Before backward: from now on each layer's gradients leave once backward made them."""
@@ -55,20 +54,18 @@ class ReplicaGradReduction:
         self._flat = [None] * len(self.order)
         self._work = [None] * len(self.order)
         self._armed = True
-        self.launched_in_backward = 0
 
     @torch.no_grad()
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
         if not self._armed:
             return
         self._got[i].add(id(p))
-        self._launch_ready(in_backward=True)
+        self._launch_ready()
 
-    def _launch_ready(self, in_backward: bool) -> None:
+    def _launch_ready(self) -> None:
         while self._next < len(self.order) and len(self._got[self._next]) == len(self.order[self._next].expert_params()):
             i, layer = self._next, self.order[self._next]
             self._next += 1
-            self.launched_in_backward += in_backward
             grads = expert_grads(layer)
             flat = torch.cat([g.reshape(-1).to(self.dtype) for g in grads])
             self._flat[i] = flat
@@ -84,7 +81,7 @@ class ReplicaGradReduction:
             return
         for got, layer in zip(self._got, self.order):
             got.update(id(p) for p in layer.expert_params())
-        self._launch_ready(in_backward=False)
+        self._launch_ready()
         self._armed = False
         for i, layer in enumerate(self.order):
             self._work[i].wait()

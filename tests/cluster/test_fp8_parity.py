@@ -41,9 +41,9 @@ WIRE_ROUND_OFF = 1e-5
 @pytest.mark.parametrize("world_size", [2, 3])  # W=1: tests/unit/model/test_fp8_wire.py
 def test_fp8_wire_equals_the_fp8_layer_over_gloo(groups, world_size):
     """FP8 rows on the wire (the dispatch sends E4M3 rows and their scales) against the FP8 layer
-    without it, within float32 round-off on every rank (ray_moe.validation.fp8_wire), and the
+    without it, within float32 round-off on every rank (tests.fp8_wire), and the
     bytes the gloo dispatch moves: (H + 4·H/128) / (2·H) of bf16's."""
-    from ray_moe.validation.fp8_wire import dispatch_bytes, fp8_wire_parity
+    from tests.fp8_wire import dispatch_bytes, fp8_wire_parity
 
     case = Case(seed=2, routing="random", top_k=2, hidden=128, expert_hidden=128, num_experts=6,
                 tokens_per_rank=(11, 6, 9), expert_precision="fp8")

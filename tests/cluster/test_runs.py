@@ -21,7 +21,7 @@ from ray_moe.cli import main
 from ray_moe.config import Config
 from ray_moe.driver.run_dir import RunDirError
 from ray_moe.driver.trainer import Trainer, TrainingInterrupted
-from tests.support import small_config
+from tests.support import small_config, write_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -91,7 +91,7 @@ def test_all_corrupt_with_resume_exits_2_naming_the_files(groups, tmp_path, monk
         t.train()
     _corrupt(run / "checkpoints" / "step_00000002" / "rank00000.safetensors")
     history = (run / "metrics.jsonl").read_text()
-    (tmp_path / "cfg.yaml").write_text(cfg.with_overrides(["train.resume=true"]).to_yaml())
+    write_config(tmp_path / "cfg.yaml", cfg.with_overrides(["train.resume=true"]))
     monkeypatch.setenv("RAY_IGNORE_UNHANDLED_ERRORS", "0")  # the CLI sets it on an error: put back after
     assert main(["train", "--config", str(tmp_path / "cfg.yaml")]) == 2  # the CLI in this process: no worker
     err = capsys.readouterr().err.strip().splitlines()
@@ -127,7 +127,7 @@ def test_sigterm_during_a_long_final_evaluation_stops_within_seconds(ray_cluster
     cfg = small_config(tmp_path, **{"train.steps": 2, "train.eval_interval": 0, "train.eval_batches": batches,
                                     "train.log_every_s": 0.5, "train.progress": "lines"})
     run = Path(cfg.train.run_dir)
-    (tmp_path / "cfg.yaml").write_text(cfg.to_yaml())
+    write_config(tmp_path / "cfg.yaml", cfg)
     sent: dict[str, float] = {}
     finished = threading.Event()
 
@@ -225,7 +225,7 @@ def test_soak_worker_kills_end_with_the_uninterrupted_weights(groups, ray_cluste
 
 
 def _train_cli(cfg, tmp_path, address: str) -> subprocess.CompletedProcess:
-    (tmp_path / "cfg.yaml").write_text(cfg.to_yaml())
+    write_config(tmp_path / "cfg.yaml", cfg)
     return subprocess.run([sys.executable, "-m", "ray_moe.cli", "train", "--config", str(tmp_path / "cfg.yaml"),
                            "--address", address], capture_output=True, text=True, timeout=180, cwd=tmp_path)
 

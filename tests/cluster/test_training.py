@@ -26,7 +26,9 @@ def test_learning_w2(groups, tmp_path):
         t.train()
         evals = [m["step"] for m in t.metrics if m.get("event") == "eval"]
         final = t.evaluate()
-        one_call = t.group.call(EPWorker.evaluate, None)[0]
+        n = t.config.train.eval_batches
+        sums = t.group.call(EPWorker.eval_sum, 0, n)  # every batch in one call
+        one_call = t.group.call_each(EPWorker.eval_mean, [(s, n) for s in sums])[0]
         summary = t.summary()
     assert final == one_call  # asked for in chunks of batches, as the whole in one call: the same bits
     assert evals == [0, 30, 60]  # the end of train() does not repeat the eval its last step did

@@ -45,7 +45,7 @@ def _case(dtype: str) -> Case:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_wire_layer_equals_the_fp8_layer(group, dtype):
-    from ray_moe.validation.fp8_wire import fp8_wire_parity
+    from tests.fp8_wire import fp8_wire_parity
 
     for rank, errs in enumerate(group.execute(fp8_wire_parity, _case(dtype), timeout=300)):
         assert errs and all(v <= ROUND_OFF[dtype] for v in errs.values()), (rank, errs)
@@ -53,7 +53,7 @@ def test_wire_layer_equals_the_fp8_layer(group, dtype):
 
 
 def test_dispatch_bytes_fall_to_the_fp8_rows_share(group):
-    from ray_moe.validation.fp8_wire import dispatch_bytes
+    from tests.fp8_wire import dispatch_bytes
 
     for rank, sizes in enumerate(group.execute(dispatch_bytes, _case("bfloat16"), timeout=300)):
         assert sizes["bf16"] > 0 and sizes["fp8"] * 2 * H == sizes["bf16"] * (H + 4 * H // 128), (rank, sizes)

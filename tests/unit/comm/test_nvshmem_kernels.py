@@ -297,33 +297,34 @@ dr = torch.zeros(T, K, dtype=torch.int32)
 ds = torch.randint(-1, 4, (T, K), generator=g, dtype=torch.int32).clamp_min(0)
 w = torch.rand(T, K, generator=g)
 bad = []
-for cap in (None, 20):
-    rx, rs, rw, lay = tr.dispatch_forward(x, w, dr, ds, capacity=cap)
-    C = cap or buf.capacity
-    if rx.shape != (C, 32) or lay.capacity != C:
-        bad.append(f"capacity {cap}: rows {tuple(rx.shape)}, layout {lay.capacity}")
-    if not (torch.equal(rx[:T], x) and torch.equal(rs[:T], ds) and torch.equal(rw[:T], w)
-            and bool((rs[T:] == -1).all()) and bool((rw[T:] == 0).all()) and bool((rx[T:] == 0).all())):
-        bad.append(f"capacity {cap}: received rows")
-    if not torch.equal(tr.combine_forward(rx * 2, lay), x * 2):
-        bad.append(f"capacity {cap}: combine")
-    gx, gw = tr.dispatch_backward(rx * 3, rw * 5, lay)
-    if not (torch.equal(gx, x * 3) and torch.allclose(gw, w * 5)):
-        bad.append(f"capacity {cap}: dispatch backward")
-    gp = tr.combine_backward(x * 7, lay)
-    if not (torch.equal(gp[:T], x * 7) and bool((gp[T:] == 0).all())):
-        bad.append(f"capacity {cap}: combine backward")
+C = buf.capacity
+rx, rs, rw, lay = tr.dispatch_forward(x, w, dr, ds)
+if rx.shape != (C, 32) or lay.capacity != C:
+    bad.append(f"capacity {C}: rows {tuple(rx.shape)}, layout {lay.capacity}")
+if not (torch.equal(rx[:T], x) and torch.equal(rs[:T], ds) and torch.equal(rw[:T], w)
+        and bool((rs[T:] == -1).all()) and bool((rw[T:] == 0).all()) and bool((rx[T:] == 0).all())):
+    bad.append("received rows")
+if not torch.equal(tr.combine_forward(rx * 2, lay), x * 2):
+    bad.append("combine")
+gx, gw = tr.dispatch_backward(rx * 3, rw * 5, lay)
+if not (torch.equal(gx, x * 3) and torch.allclose(gw, w * 5)):
+    bad.append("dispatch backward")
+gp = tr.combine_backward(x * 7, lay)
+if not (torch.equal(gp[:T], x * 7) and bool((gp[T:] == 0).all())):
+    bad.append("combine backward")
+over = C + 6
 try:
-    tr.dispatch_forward(x, w, dr, ds, capacity=8)
-    bad.append("20 tokens passed a dispatch of capacity 8")
+    tr.dispatch_forward(torch.randn(over, 32, generator=g), torch.rand(over, K, generator=g),
+                        torch.zeros(over, K, dtype=torch.int32), torch.zeros(over, K, dtype=torch.int32))
+    bad.append(f"{over} tokens passed a buffer of capacity {C}")
 except ValueError as exc:
-    assert "capacity of 8" in str(exc), exc
-# checks and binding once per call shape: a repeated shape is known, a misaligned chunk is not
+    assert f"capacity of {C}" in str(exc), exc
+# checks and binding once per call shape: a repeated shape is known, a misaligned tensor is not
 known = len(buf.launcher._fixed)
-tr.dispatch_forward(x.clone(), w.clone(), dr.clone(), ds.clone(), capacity=20)
+tr.dispatch_forward(x.clone(), w.clone(), dr.clone(), ds.clone())
 if len(buf.launcher._fixed) != known:
     bad.append("a repeated call shape made a new launch key")
-if buf._key("dispatch", 20, x[1:], dr[1:]) is not None:
+if buf._key("dispatch", C, x[1:], dr[1:]) is not None:
     bad.append("a misaligned tensor got a launch key")
 # the layer over this transport equals the layer over the local transport
 res = []
@@ -345,7 +346,7 @@ print("BAD" if bad else "OK", bad)
 @pytest.mark.interpreter_script(sys.executable, "-c", _W1_SCRIPT)
 def test_symmetric_buffer_on_one_pe_under_the_interpreter(interpreter_scripts):
     """The NVSHMEM buffer's host side with its real kernels (Triton's interpreter, one PE, one
-    program): per-call capacity (rows, padding, all four operations), its bound, the launch keys,
+    program): the buffer's capacity (rows, padding, all four operations), its bound, the launch keys,
     and the layer over it equal to the layer over the local transport."""
     pytest.importorskip("triton")
     proc = interpreter_scripts.result(sys.executable, "-c", _W1_SCRIPT)

@@ -96,8 +96,7 @@ def test_backward_references_match_autograd(epilogue):
     """swiglu_backward_rows / dgrad_rows / grouped_wgrad / group_sum references give autograd's
     gradients (with gpt-oss's biases and clamped activation too: the clamp's zero gradient, the
     down bias's share of the routing weight's gradient, the bias gradients)."""
-    from tests.references import gather_sum_reference
-    from ray_moe.kernels.group_sum import group_sum_reference
+    from tests.references import gather_sum_reference, group_sum_reference
     from ray_moe.kernels.grouped_swiglu import (
         dgrad_rows_reference,
         gate_up_swiglu_reference,

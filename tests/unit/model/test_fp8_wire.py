@@ -1,6 +1,6 @@
 """FP8 rows on the wire (``moe.expert_precision: fp8``, ``fp8_wire``) at one rank, the CPU path
 emulating the numerics: the layer equals the FP8 layer without the wire within float32 round-off
-(dW13 on the wire's values, see :mod:`ray_moe.validation.fp8_wire`), the dispatch's bytes fall to
+(dW13 on the wire's values, see :mod:`tests.fp8_wire`), the dispatch's bytes fall to
 (H + 4·H/128) / (2·H) of bf16's, the packed rows are the quantisation's bytes, and the dispatch's
 backward returns x's dtype. W=2 and W=3 over gloo: tests/cluster/test_fp8_parity.py."""
 
@@ -16,7 +16,7 @@ from ray_moe.comm.local import LocalTransport
 from ray_moe.kernels import fp8_quant as Q
 from ray_moe.model.moe import MoELayerSpec
 from ray_moe.validation import Case
-from ray_moe.validation.fp8_wire import dispatch_bytes, fp8_wire_parity
+from tests.fp8_wire import dispatch_bytes, fp8_wire_parity
 
 ROUND_OFF = 1e-5
 
