@@ -65,6 +65,8 @@ ALIASES = MappingProxyType({"kimi_k2": "deepseek_v3"})
 ATTENTIONS = ("gqa", "mla")
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
 EXPERT_PRECISIONS = ("bf16", "fp8")  # moe.expert_precision: what the memory model counts for each
+DENSE_PRECISIONS = ("bf16", "fp8")  # model.dense_precision (model/dense_fp8.py): likewise
+FP8_DENSE_MULTIPLE = 16  # a dense linear runs in FP8 where both weight dimensions are multiples of this
 FP8_TILE = 128  # 1×128 activation tiles, 128×128 weight blocks (kernels/fp8_quant.py's TILE)
 
 
@@ -380,6 +382,30 @@ class ArchSpec:
         norms = (q + kv if self.qk_norm_whole else 2 * D) * self.qk_norm
         return attn + (q + 2 * kv) * self.qkv_bias + H * self.o_bias + norms + heads * self.attn_sinks
 
+    def dense_linear_shapes(self) -> list[tuple[int, int]]:
+        """(in, out) features of the dense linears of the blocks (model.dense_precision's scope):
+        the attention projections, a shared expert's and a dense MLP's gate/up/down."""
+        H, D, heads, kv = self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads
+        if self.attention == "mla":
+            qr, kvr, R, V = self.q_lora_rank, self.kv_lora_rank, self.rotary_dim, self.v_head_dim or D
+            q = [(H, qr), (qr, heads * D)] if qr else [(H, heads * D)]
+            attn = q + [(H, kvr + R), (kvr, heads * (D - R + V)), (heads * V, H)]
+        else:
+            attn = [(H, heads * D), (H, kv * D), (H, kv * D), (heads * D, H)]
+        mlps = [n for n, used in ((self.shared_hidden, any(self.moe_layers)),
+                                  (self.dense_hidden, not all(self.moe_layers))) if n and used]
+        return attn + [shape for n in mlps for shape in ((H, n), (H, n), (n, H))]
+
+    def fp8_dense_backward_bytes_per_token(self) -> float:
+        """The FP8 dense linears' backward temporaries per token at the largest linear that runs in
+        FP8 (torchao's tensorwise recipe; the input is saved in the model dtype as in bf16): the
+        output gradient cast for dX and for dW and the input cast for dW, E4M3/E5M2, each with a
+        column-major copy for the FP8 GEMM (2·(in + out) bytes), and the cast's own float32
+        temporaries, which eager torchao makes (the scaled copy and its clamp: 8 bytes an element
+        of the larger operand) and compiled blocks fuse away: an upper bound either way."""
+        return float(max((2 * (i + o) + 8 * max(i, o) for i, o in self.dense_linear_shapes()
+                          if i % FP8_DENSE_MULTIPLE == 0 and o % FP8_DENSE_MULTIPLE == 0), default=0))
+
     def memory_per_rank(self, world_size: int, clone_slots: int = 0, bytes_per_param: int = 16, *,
                         moments: str = "float32", zero_stage: int = 0, elem: int = 2,
                         bucket_size: int = 40_000_000, grad_reduce_dtype: str = "float32",
@@ -472,14 +498,19 @@ class ArchSpec:
     BACKWARD_WORKING_SET = MappingProxyType({"none": 1.10, "moe": 0.62, "full": 1.30})
 
     def activation_peak_bytes_per_token(self, checkpointing: str, world_size: int, elem: int = 2,
-                                        expert_precision: str = "bf16") -> float:
+                                        expert_precision: str = "bf16", dense_precision: str = "bf16") -> float:
         """What the GPU holds per token at the peak of backward beside the training state: the
         saved tensors (:meth:`activation_bytes_per_token`) plus the backward working set
         (:data:`BACKWARD_WORKING_SET` × the largest bf16 layer's saved bytes; measured factors:
         gradients and temporaries, in the model dtype whatever the experts' precision) and, with FP8
-        experts, their backward's own copies (:meth:`fp8_backward_bytes_per_token`)."""
+        experts, their backward's own copies (:meth:`fp8_backward_bytes_per_token`); with FP8 dense
+        linears (``dense_precision``), theirs (:meth:`fp8_dense_backward_bytes_per_token`): one
+        linear's or one expert layer's at a time, so the larger counts."""
+        if dense_precision not in DENSE_PRECISIONS:
+            raise ArchError(f"dense_precision={dense_precision!r} is not allowed; choose {' or '.join(DENSE_PRECISIONS)}")
         saved = self.activation_bytes_per_token(checkpointing, world_size, elem, expert_precision)
-        extra = self.fp8_backward_bytes_per_token(world_size) if expert_precision == "fp8" else 0.0
+        extra = max(self.fp8_backward_bytes_per_token(world_size) if expert_precision == "fp8" else 0.0,
+                    self.fp8_dense_backward_bytes_per_token() if dense_precision == "fp8" else 0.0)
         return saved + self.BACKWARD_WORKING_SET[checkpointing] * self._largest_layer_bytes(world_size, elem) + extra
 
     def fp8_backward_bytes_per_token(self, world_size: int) -> float:
@@ -506,19 +537,22 @@ class ArchSpec:
     def peak_bytes_per_rank(self, world_size: int, tokens: int, checkpointing: str, *, clone_slots: int = 0,
                             moments: str = "float32", zero_stage: int = 0,
                             elem: int = 2, loss_chunk: int = 0, grad_reduce_dtype: str = "float32",
-                            dp: int = 1, expert_precision: str = "bf16") -> dict[str, float]:
+                            dp: int = 1, expert_precision: str = "bf16",
+                            dense_precision: str = "bf16") -> dict[str, float]:
         """One rank's peak memory for a training step (what ``torch.cuda.max_memory_allocated``
         reports; allocator slack not counted): the state at the end of backward plus the largest
         of the end of forward (saved activations + the loss's forward) and the peak of backward
         (activations with the working set + the loss's kept gradients), or the update's state.
         ``dp``: the replicas of the rank mesh (EP = ``world_size / dp``); ``expert_precision``:
-        ``moe.expert_precision`` (fp8: the weight cache, FP8 saved rows, the FP8 backward's copies)."""
+        ``moe.expert_precision`` (fp8: the weight cache, FP8 saved rows, the FP8 backward's copies);
+        ``dense_precision``: ``model.dense_precision`` (fp8: the FP8 dense backward's copies)."""
         state = self.memory_per_rank(world_size, clone_slots, moments=moments, zero_stage=zero_stage, elem=elem,
                                      grad_reduce_dtype=grad_reduce_dtype, dp=dp, expert_precision=expert_precision)
         ep = world_size // dp  # the ranks a token's rows go to
         loss = self.loss_bytes(tokens, elem, loss_chunk)
         saved = tokens * self.activation_bytes_per_token(checkpointing, ep, elem, expert_precision)
-        backward = tokens * self.activation_peak_bytes_per_token(checkpointing, ep, elem, expert_precision)
+        backward = tokens * self.activation_peak_bytes_per_token(checkpointing, ep, elem, expert_precision,
+                                                                 dense_precision)
         acts = max(saved + loss["forward"], backward + loss["backward"])
         peak = max(state["backward_bytes"] + acts, state["update_bytes"])
         return {**state, "activations": acts, "loss_forward": loss["forward"], "peak": peak}
@@ -966,7 +1000,7 @@ def resolve(source: str, overrides: Mapping[str, Any]) -> tuple[ArchSpec, dict[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ray_moe.arch SOURCE [--world-sizes 8,16] [--tokens 16384] [--gpu-gib 80] [--expert-precision fp8]``:
+    """``python -m ray_moe.arch SOURCE [--world-sizes 8,16] [--tokens 16384] [--gpu-gib 80] [--expert-precision fp8] [--dense-precision fp8]``:
     parameters, then per world size the training state per rank (16 B/param unsharded; ZeRO
     stages 1 and 2 of the replicated parameters with float32 / bf16 moments), the activations at
     the peak of backward, the loss's logits and the peak per rank (full recompute) with both
@@ -986,8 +1020,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--expert-precision", choices=EXPERT_PRECISIONS, default="bf16",
                    help="moe.expert_precision: fp8 counts the FP8 weight cache, the FP8 saved rows and "
                         "the FP8 backward's copies")
+    p.add_argument("--dense-precision", choices=DENSE_PRECISIONS, default="bf16",
+                   help="model.dense_precision: fp8 counts the FP8 dense linears' backward copies")
     args = p.parse_args(argv)
     fp8 = {"expert_precision": args.expert_precision}
+    peak_fp8 = {**fp8, "dense_precision": args.dense_precision}  # the dense linears change the peak only
     try:
         spec = ArchSpec.from_hf(load_hf_config(args.source))
     except ArchError as exc:
@@ -1002,7 +1039,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.source}: {c['total'] / 1e9:.2f}B parameters ({c['replicated'] / 1e9:.2f}B replicated, "
           f"{c['experts'] / 1e9:.2f}B in {spec.num_experts} experts x {sum(spec.moe_layers)} layers), "
           f"{spec.active_params_per_token() / 1e9:.2f}B active per token; {args.tokens} tokens per rank, bf16"
-          + (", FP8 experts (the weight cache in the state)" if args.expert_precision == "fp8" else ""))
+          + (", FP8 experts (the weight cache in the state)" if args.expert_precision == "fp8" else "")
+          + (", FP8 dense linears" if args.dense_precision == "fp8" else ""))
     print("| GPUs | params/rank | state/rank at the end of backward (GiB): " + " / ".join(variants)
           + " | activations at the peak of backward (GiB): none / moe / full | loss (GiB) "
           "| peak/rank with full recompute (GiB): " + " / ".join(variants) + " |")
@@ -1019,9 +1057,9 @@ def main(argv: list[str] | None = None) -> int:
         m = spec.memory_per_rank(w, args.clone_slots, dp=dp)
         states = " / ".join(f"{spec.memory_per_rank(w, args.clone_slots, dp=dp, **kw, **fp8)['backward_bytes'] / gib:.1f}"
                             for kw in variants.values())
-        acts = " / ".join(f"{spec.activation_peak_bytes_per_token(mode, w // dp, **fp8) * args.tokens / gib:.1f}"
+        acts = " / ".join(f"{spec.activation_peak_bytes_per_token(mode, w // dp, **peak_fp8) * args.tokens / gib:.1f}"
                           for mode in ("none", "moe", "full"))
-        peaks = [spec.peak_bytes_per_rank(w, args.tokens, "full", clone_slots=args.clone_slots, dp=dp, **kw, **fp8)["peak"]
+        peaks = [spec.peak_bytes_per_rank(w, args.tokens, "full", clone_slots=args.clone_slots, dp=dp, **kw, **peak_fp8)["peak"]
                  for kw in variants.values()]
         label = f"{w} (EP {w // dp} x DP {dp})" if args.ep else f"{w}"
         print(f"| {label} | {m['params'] / 1e9:.2f}B | {states} | {acts} | {spec.loss_bytes(args.tokens)['forward'] / gib:.1f} | "
@@ -1030,7 +1068,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ep:
         return 0
     for label, kw in variants.items():
-        w = spec.smallest_world_size(budget, args.tokens, "full", clone_slots=args.clone_slots, **kw, **fp8)
+        w = spec.smallest_world_size(budget, args.tokens, "full", clone_slots=args.clone_slots, **kw, **peak_fp8)
         print(f"smallest world size on {args.gpu_gib:g} GiB GPUs ({args.headroom:.0%} usable), full recompute, "
               f"{label}: {w if w else 'none'}")
     return 0
