@@ -13,16 +13,18 @@
 # Variables (defaults): CURVE_LAYERS (2), CURVE_STEPS (1000), CURVE_TOKENS per step (16384),
 # CURVE_SEQ (2048), CURVE_VOCAB (8192), CURVE_LR (6e-4), CURVE_SEED (0), CURVE_VARIANTS
 # ("bf16=;fp8=moe.expert_precision=fp8"), CURVE_ARGS (more bench curve options),
-# CURVE_LIMIT_S (430: every variant stops at one step once this many seconds of steps have
-# passed, so the curves, the summary and the plot come back inside a 10-minute command),
-# T_CURVE (520: the bench's own timeout), CURVE_WORK (/tmp/curve: tokenizer and dataset, kept
-# across commands on a warm machine: a rerun skips both).
+# CURVE_LIMIT_S (330: every variant stops at one step once this many seconds of steps have
+# passed, so the curves, the summary and the plot come back whatever the speed), T_DATA (150 a
+# data step), T_CURVE (420: the bench's own timeout; with the data, 9 minutes at most),
+# CURVE_WORK (/tmp/curve: tokenizer and dataset, kept across commands on a warm machine: a
+# rerun skips both).
 # Budget on one H100 (2 layers, 16384 tokens a step), estimated from docs/RESULTS.md's step rows
 # (28.7 ms a layer with full recompute, FP8 experts 0.78x bf16's speed), not yet measured: data
 # 1-2 min, steps of ~60 ms (bf16) and ~80 ms (FP8) with compiled blocks, 2 x 1000 steps ~2.5 min
-# after ~1 min of compilation. At 4 layers the two resident variants' training state (~19 GiB a
-# variant per 2 layers: bf16 weights, float32 masters and moments) is near 80 GiB: use
-# CURVE_LAYERS=4 on an H200, or with CURVE_ARGS="--experts 64". Results: $OUT/curve.csv, curve.json, curve.png, curve.log, data.log.
+# after ~1 min of compilation. Memory (python -m ray_moe.arch's model): ~25 / 28 GiB at the peak
+# for bf16 / FP8 experts at 2 layers, ~48 / 53 GiB at 4, so two resident variants fit an H100 at
+# 2 layers only: CURVE_LAYERS=4 on an H200, or with CURVE_ARGS="--experts 64".
+# Results in $OUT: curve.csv, curve.json, curve.png, curve.log, data.log, gpus.txt.
 set -u
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY_DEDUP_LOGS=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -39,18 +41,18 @@ if [ ! -f "$WORK/data/meta.json" ]; then
     | tee "$OUT/data.log"
   mapfile -t FILES < "$WORK/files.txt"
   if [ ! -f "$WORK/tok/tokenizer.json" ]; then
-    python3 -m ray_moe.cli tokenizer train --vocab-size "$VOCAB" --input "${FILES[@]}" --out "$WORK/tok" \
+    timeout "${T_DATA:-150}" python3 -m ray_moe.cli tokenizer train --vocab-size "$VOCAB" --input "${FILES[@]}" --out "$WORK/tok" \
       2>&1 | tee -a "$OUT/data.log" | tail -3
   fi
   [ -f "$WORK/tok/tokenizer.json" ] || { echo "no tokenizer: see $OUT/data.log"; exit 1; }
-  python3 -m ray_moe.cli prepare --input "${FILES[@]}" --tokenizer "$WORK/tok" --out "$WORK/data" \
+  timeout "${T_DATA:-150}" python3 -m ray_moe.cli prepare --input "${FILES[@]}" --tokenizer "$WORK/tok" --out "$WORK/data" \
     --val-fraction 0.02 --no-progress 2>&1 | grep -v "^(" | tee -a "$OUT/data.log" | tail -5
   [ -f "$WORK/data/meta.json" ] || { echo "prepare did not finish: see $OUT/data.log"; exit 1; }
 fi
 echo "data ready in $((SECONDS - t0)) s" | tee -a "$OUT/data.log"
 set -o pipefail
-timeout "${T_CURVE:-520}" python3 -m ray_moe.cli bench curve --preset qwen3-30b-a3b --layers "${CURVE_LAYERS:-2}" \
+timeout "${T_CURVE:-420}" python3 -m ray_moe.cli bench curve --preset qwen3-30b-a3b --layers "${CURVE_LAYERS:-2}" \
   --steps "${CURVE_STEPS:-1000}" --tokens "${CURVE_TOKENS:-16384}" --seq-len "${CURVE_SEQ:-2048}" \
   --lr "${CURVE_LR:-6e-4}" --seed "${CURVE_SEED:-0}" --dataset "$WORK/data" --tokenizer "$WORK/tok" \
-  --variants "${CURVE_VARIANTS:-bf16=;fp8=moe.expert_precision=fp8}" --time-limit-s "${CURVE_LIMIT_S:-430}" \
+  --variants "${CURVE_VARIANTS:-bf16=;fp8=moe.expert_precision=fp8}" --time-limit-s "${CURVE_LIMIT_S:-330}" \
   --out "$OUT" ${CURVE_ARGS:-} 2>&1 | tee "$OUT/curve.log"
