@@ -20,8 +20,9 @@ leaves curves of one length.
 Writes to ``--out``: ``curve.csv`` (step, then each variant's training loss; rewritten every
 ``--log-every`` steps, so a killed run keeps its curve so far), ``curve.json`` (setup, per
 variant: first step's seconds, compilation included; median step ms; the mean loss over the last
-``--tail`` steps; its relative difference from the reference; the validation loss over
-``--eval-batches`` batches at the end and its difference) and, where matplotlib imports,
+``--tail`` steps (non-finite ones left out, and counted with the skipped steps); its relative
+difference from the reference; the validation loss over ``--eval-batches`` batches at the end
+and its difference) and, where matplotlib imports,
 ``curve.png`` (the curves, their ``--smooth``-step moving averages, and the smoothed relative
 difference in percent). ``--target-pct`` (default 0.25, DeepSeek-V3's FP8 against bf16) is
 what the summary line checks the tail's difference against.
@@ -38,12 +39,15 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ray_moe import usage
 from ray_moe.bench.common import free, one_rank, pick_device
+
+if TYPE_CHECKING:
+    from ray_moe.config import Config
 
 
 def parse_variants(text: str) -> list[tuple[str, list[str]]]:
@@ -79,7 +83,7 @@ def dataset_vocab(dataset: str) -> int:
                          "that ray-moe prepare finished") from None
 
 
-def base_config(args: argparse.Namespace):
+def base_config(args: argparse.Namespace) -> "Config":
     """The preset at ``args.layers`` layers as a one-rank training config on ``args.dataset``."""
     from ray_moe.bench.train import expert_cut
     from ray_moe.config import Config
@@ -121,6 +125,8 @@ def moving_average(values: list[float], window: int) -> list[float]:
 
 
 def write_csv(path: Path, names: list[str], losses: dict[str, list[float]]) -> None:
+    """``path``: a row per step (the steps every variant has taken), a column per variant; written
+    beside and renamed over, so a reader never sees half a file."""
     n = min(len(losses[name]) for name in names)
     tmp = path.with_suffix(".csv.partial")
     with open(tmp, "w", newline="") as f:
@@ -230,6 +236,51 @@ def _setup(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     return setup
 
 
+def _run(engines: dict[str, Any], names: list[str], args: argparse.Namespace, out: Path
+         ) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, int], int | None]:
+    """Step every engine in turn (step s of each, then s + 1) for ``args.steps`` steps or until
+    ``args.time_limit_s``; a progress line and ``curve.csv`` every ``args.log_every`` steps.
+    Returns (losses, step seconds, skipped steps per variant, the step where the time limit
+    stopped them or None); a non-finite loss is NaN."""
+    losses: dict[str, list[float]] = {n: [] for n in names}
+    step_s: dict[str, list[float]] = {n: [] for n in names}
+    skipped = {n: 0 for n in names}
+    t0 = time.perf_counter()
+    for step in range(args.steps):
+        for name in names:
+            rec = engines[name].train_step()
+            losses[name].append(float(rec["loss"]) if not rec["nonfinite"] else math.nan)
+            step_s[name].append(rec["time"]["step"])
+            skipped[name] += bool(rec["skipped"])
+        done = step + 1
+        elapsed = time.perf_counter() - t0
+        if done % args.log_every == 0 or done == args.steps or done == 1:
+            write_csv(out / "curve.csv", names, losses)
+            ref = tail_mean(losses[names[0]], args.log_every)
+            cols = "  ".join(f"{n} {tail_mean(losses[n], args.log_every):.4f} "
+                             f"({1e3 * statistics.median(step_s[n][-args.log_every:]):.0f} ms"
+                             + (f", {100 * (tail_mean(losses[n], args.log_every) / ref - 1):+.2f} %)" if i else ")")
+                             for i, n in enumerate(names))
+            eta = elapsed / done * (args.steps - done)
+            print(f"step {done}/{args.steps}  {cols}  {elapsed:.0f} s, eta {eta:.0f} s", flush=True)
+        if args.time_limit_s and elapsed > args.time_limit_s and done < args.steps:
+            print(f"# --time-limit-s {args.time_limit_s:g} passed: every variant stops at step {done}", flush=True)
+            return losses, step_s, skipped, done
+    return losses, step_s, skipped, None
+
+
+def _summary_line(name: str, r: dict[str, Any], reference: str, args: argparse.Namespace) -> str:
+    """One variant's summary: its final (tail) loss and, but for the reference, the relative
+    difference from the reference's and whether it is within ``args.target_pct``."""
+    ref = name == reference
+    return (f"{name}: final loss (mean of the last {min(args.tail, r['steps'])} steps) {r['final_loss']:.4f}"
+            + ("" if ref else f", {r['final_loss_rel_diff_pct']:+.3f} % vs {reference} (within {args.target_pct:g} %: "
+               f"{'yes' if abs(r['final_loss_rel_diff_pct']) <= args.target_pct else 'no'})")
+            + (f"; validation {r['val_loss']:.4f}" if "val_loss" in r else "")
+            + (f" ({r['val_loss_rel_diff_pct']:+.3f} %)" if "val_loss" in r and not ref else "")
+            + f"; median step {r['median_step_ms']:.1f} ms, first {r['first_step_s']:.1f} s")
+
+
 def main(argv: list[str]) -> int:
     """CLI entry (``ray-moe bench curve ...``). Returns the exit code."""
     from ray_moe.config import ConfigError
@@ -260,32 +311,7 @@ def main(argv: list[str]) -> int:
           f"{spec.expert_hidden}, top-{spec.top_k}, vocab {spec.vocab_size}; {args.tokens} tokens/step "
           f"({base.train.batch_size} x {args.seq_len}), {args.steps} steps, lr {args.lr:g}, seed {args.seed}; "
           f"built in {time.perf_counter() - start:.1f} s", flush=True)
-    losses: dict[str, list[float]] = {n: [] for n in names}
-    step_s: dict[str, list[float]] = {n: [] for n in names}
-    skipped = {n: 0 for n in names}
-    stopped_at = None
-    t0 = time.perf_counter()
-    for step in range(args.steps):
-        for name in names:
-            rec = engines[name].train_step()
-            losses[name].append(float(rec["loss"]) if not rec["nonfinite"] else math.nan)
-            step_s[name].append(rec["time"]["step"])
-            skipped[name] += bool(rec["skipped"])
-        done = step + 1
-        elapsed = time.perf_counter() - t0
-        if done % args.log_every == 0 or done == args.steps or done == 1:
-            write_csv(out / "curve.csv", names, losses)
-            ref = tail_mean(losses[names[0]], args.log_every)
-            cols = "  ".join(f"{n} {tail_mean(losses[n], args.log_every):.4f} "
-                             f"({1e3 * statistics.median(step_s[n][-args.log_every:]):.0f} ms"
-                             + (f", {100 * (tail_mean(losses[n], args.log_every) / ref - 1):+.2f} %)" if i else ")")
-                             for i, n in enumerate(names))
-            eta = elapsed / done * (args.steps - done)
-            print(f"step {done}/{args.steps}  {cols}  {elapsed:.0f} s, eta {eta:.0f} s", flush=True)
-        if args.time_limit_s and elapsed > args.time_limit_s and done < args.steps:
-            stopped_at = done
-            print(f"# --time-limit-s {args.time_limit_s:g} passed: every variant stops at step {done}", flush=True)
-            break
+    losses, step_s, skipped, stopped_at = _run(engines, names, args, out)
     write_csv(out / "curve.csv", names, losses)
     ref_tail = tail_mean(losses[names[0]], args.tail)
     evals = {n: engines[n].evaluate(args.eval_batches) for n in names} if args.eval_batches else {}
@@ -296,7 +322,8 @@ def main(argv: list[str]) -> int:
         row = {"steps": len(losses[name]), "first_step_s": first,
                "median_step_ms": 1e3 * statistics.median(step_s[name][1:] or step_s[name]),
                "final_loss": tail, "final_loss_rel_diff_pct": 100 * (tail / ref_tail - 1),
-               "skipped_steps": skipped[name], "init_checksum": checksums[name]}
+               "skipped_steps": skipped[name], "nonfinite_steps": sum(math.isnan(v) for v in losses[name]),
+               "init_checksum": checksums[name]}
         if name in evals:
             row.update(val_loss=evals[name], val_loss_rel_diff_pct=100 * (evals[name] / evals[names[0]] - 1))
         summary[name] = row
@@ -309,14 +336,7 @@ def main(argv: list[str]) -> int:
               "wall_s": time.perf_counter() - start}
     (out / "curve.json").write_text(json.dumps(result, indent=1, default=str))
     for name in names:
-        r = summary[name]
-        line = (f"{name}: final loss (mean of the last {min(args.tail, r['steps'])} steps) {r['final_loss']:.4f}"
-                + (f", {r['final_loss_rel_diff_pct']:+.3f} % vs {names[0]} (within {args.target_pct:g} %: "
-                   f"{'yes' if abs(r['final_loss_rel_diff_pct']) <= args.target_pct else 'no'})" if name != names[0] else "")
-                + (f"; validation {r['val_loss']:.4f}" if "val_loss" in r else "")
-                + (f" ({r['val_loss_rel_diff_pct']:+.3f} %)" if "val_loss" in r and name != names[0] else "")
-                + f"; median step {r['median_step_ms']:.1f} ms, first {r['first_step_s']:.1f} s")
-        print(line, flush=True)
+        print(_summary_line(name, summary[name], names[0], args), flush=True)
     print(f"same initial weights: {result['same_init']}; {note or 'plot: ' + str(out / 'curve.png')}; "
           f"wrote {out / 'curve.csv'}, {out / 'curve.json'}", flush=True)
     for engine in engines.values():

@@ -59,7 +59,7 @@ def test_bf16_and_fp8_curves_from_one_seed(dataset, tmp_path, capsys):
     assert v["fp8"]["final_loss_rel_diff_pct"] == pytest.approx(100 * (sum(fp8[-3:]) / sum(bf16[-3:]) - 1), rel=1e-4)
     assert printed == pytest.approx(v["fp8"]["final_loss_rel_diff_pct"], abs=1e-3)
     assert v["bf16"]["final_loss_rel_diff_pct"] == 0.0 and math.isfinite(v["fp8"]["val_loss"])
-    assert v["fp8"]["steps"] == steps and v["fp8"]["skipped_steps"] == 0
+    assert v["fp8"]["steps"] == steps and v["fp8"]["skipped_steps"] == 0 and v["fp8"]["nonfinite_steps"] == 0
     try:
         import matplotlib  # noqa: F401
     except ImportError:
