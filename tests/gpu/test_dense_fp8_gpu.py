@@ -32,7 +32,8 @@ def _losses(*over: str) -> tuple[list[float], object]:
         "model.hf_config=glm4_moe-tiny", 'model.hf={"moe_intermediate_size": 128, "hidden_size": 256, '
         '"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512}',
         "model.seq_len=128", "model.dtype=bfloat16", "parallel.world_size=1", "parallel.device=cuda",
-        "train.batch_size=8", "train.lr=2e-3", "train.warmup_steps=2", f"train.steps={STEPS}", *over])
+        "train.batch_size=8", "train.lr=2e-3", "train.warmup_steps=2", f"train.steps={STEPS}",
+        "data.max_bytes=2000000", *over])
     e = engine(cfg, "cuda")
     losses = [float(e.train_step()["loss"]) for _ in range(STEPS)]
     model = e.model
