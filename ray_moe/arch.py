@@ -64,6 +64,16 @@ ARCHITECTURES = MappingProxyType({
 ALIASES = MappingProxyType({"kimi_k2": "deepseek_v3"})
 ATTENTIONS = ("gqa", "mla")
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
+EXPERT_PRECISIONS = ("bf16", "fp8")  # moe.expert_precision: what the memory model counts for each
+DENSE_PRECISIONS = ("bf16", "fp8")  # model.dense_precision (model/dense_fp8.py): likewise
+FP8_DENSE_MULTIPLE = 16  # a dense linear runs in FP8 where both weight dimensions are multiples of this
+FP8_TILE = 128  # 1×128 activation tiles, 128×128 weight blocks (kernels/fp8_quant.py's TILE)
+
+
+def fp8_row_bytes(hidden: int) -> int:
+    """Bytes of one row in 1×128-tiled E4M3: H bytes and a float32 scale per 128 columns (the FP8
+    experts' saved x and their rows on the wire; ``kernels.fp8_quant.wire_row_bytes``)."""
+    return hidden + 4 * -(-hidden // FP8_TILE)
 
 
 class ArchError(ValueError):
@@ -350,6 +360,14 @@ class ArchSpec:
         return {"replicated": replicated, "per_expert": per_expert, "experts": experts,
                 "total": replicated + experts}
 
+    def fp8_expert_cache_bytes(self) -> int:
+        """Bytes of one expert slot's FP8 weight copies: w13 [H, 2I] and w2 [I, H] in E4M3, each in
+        its own layout and transposed (2 · 3·H·I bytes), and one float32 scale per 128×128 block
+        of each (``kernels.fp8_expert_ffn.Fp8Weights``)."""
+        H, I = self.hidden_size, self.expert_hidden
+        hb, ib = -(-H // FP8_TILE), -(-I // FP8_TILE)
+        return 2 * 3 * H * I + 4 * (hb * 2 * ib + ib * hb)
+
     def attention_params(self) -> int:
         """Parameters of one block's attention: q/k/v/o (GQA) or MLA's low-rank projections and
         their norms; biases, q/k norms and sinks where the spec has them."""
@@ -364,10 +382,34 @@ class ArchSpec:
         norms = (q + kv if self.qk_norm_whole else 2 * D) * self.qk_norm
         return attn + (q + 2 * kv) * self.qkv_bias + H * self.o_bias + norms + heads * self.attn_sinks
 
+    def dense_linear_shapes(self) -> list[tuple[int, int]]:
+        """(in, out) features of the dense linears of the blocks (model.dense_precision's scope):
+        the attention projections, a shared expert's and a dense MLP's gate/up/down."""
+        H, D, heads, kv = self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads
+        if self.attention == "mla":
+            qr, kvr, R, V = self.q_lora_rank, self.kv_lora_rank, self.rotary_dim, self.v_head_dim or D
+            q = [(H, qr), (qr, heads * D)] if qr else [(H, heads * D)]
+            attn = q + [(H, kvr + R), (kvr, heads * (D - R + V)), (heads * V, H)]
+        else:
+            attn = [(H, heads * D), (H, kv * D), (H, kv * D), (heads * D, H)]
+        mlps = [n for n, used in ((self.shared_hidden, any(self.moe_layers)),
+                                  (self.dense_hidden, not all(self.moe_layers))) if n and used]
+        return attn + [shape for n in mlps for shape in ((H, n), (H, n), (n, H))]
+
+    def fp8_dense_backward_bytes_per_token(self) -> float:
+        """The FP8 dense linears' backward temporaries per token at the largest linear that runs in
+        FP8 (torchao's tensorwise recipe; the input is saved in the model dtype as in bf16): the
+        output gradient cast for dX and for dW and the input cast for dW, E4M3/E5M2, each with a
+        column-major copy for the FP8 GEMM (2·(in + out) bytes), and the cast's own float32
+        temporaries, which eager torchao makes (the scaled copy and its clamp: 8 bytes an element
+        of the larger operand) and compiled blocks fuse away: an upper bound either way."""
+        return float(max((2 * (i + o) + 8 * max(i, o) for i, o in self.dense_linear_shapes()
+                          if i % FP8_DENSE_MULTIPLE == 0 and o % FP8_DENSE_MULTIPLE == 0), default=0))
+
     def memory_per_rank(self, world_size: int, clone_slots: int = 0, bytes_per_param: int = 16, *,
                         moments: str = "float32", zero_stage: int = 0, elem: int = 2,
                         bucket_size: int = 40_000_000, grad_reduce_dtype: str = "float32",
-                        dp: int = 1) -> dict[str, float]:
+                        dp: int = 1, expert_precision: str = "bf16") -> dict[str, float]:
         """Training state of one rank of ``world_size`` = EP × ``dp`` (the rank mesh: experts split
         over an EP group of ``world_size / dp`` ranks, each EP group replicated ``dp`` times; the
         rest replicated over all ranks): its parameters (replicated + E/W + ``clone_slots`` experts per MoE layer; a
@@ -394,7 +436,10 @@ class ArchSpec:
         (ZeRO over the replicas: their gradients reduce-scattered through float32 buckets, every
         one kept at stage 1, two at stage 2, plus the reduced chunks); at stage 0 and ``dp`` > 1
         the replicas' sums take one bucket per MoE layer in ``grad_reduce_dtype`` until backward
-        ends. Activations are separate (:meth:`activation_bytes_per_token`, :meth:`peak_bytes_per_rank`)."""
+        ends. ``expert_precision="fp8"`` (``moe.expert_precision``) adds ``fp8_weights``, each MoE
+        layer's FP8 weight cache (``kernels.fp8_expert_ffn.Fp8WeightCache``: w13 and w2 of every slot
+        in E4M3 in both orientations, one float32 scale per 128×128 block), kept between steps.
+        Activations are separate (:meth:`activation_bytes_per_token`, :meth:`peak_bytes_per_rank`)."""
         if dp < 1 or world_size % dp:
             raise ArchError(f"DP {dp} does not divide {world_size} ranks")
         ep = world_size // dp
@@ -404,6 +449,7 @@ class ArchSpec:
             raise ArchError(f"moments={moments!r} is not allowed; choose float32 or bfloat16")
         if zero_stage not in (0, 1, 2):
             raise ArchError(f"zero_stage={zero_stage} is not allowed; choose 0, 1 or 2")
+        _check_precision(expert_precision)
         c = self.param_counts()
         n_moe = sum(self.moe_layers)
         native = n_moe * (self.num_experts // ep) * c["per_expert"]
@@ -436,10 +482,13 @@ class ArchSpec:
             # W ≥ 2: the float32 master gradients + the flat all-reduce buffer (in grad_reduce_dtype); one rank: the bf16
             # gradients, read as they are by the one-pass update (CUDA's default, ``alone``)
             grads_update = expert_update + (rep * (4 + reduce_bytes) if W > 1 else rep * elem)
-        fixed = weights + masters + moment_total
+        slots = self.num_experts // ep + clone_slots
+        fp8_weights = n_moe * slots * self.fp8_expert_cache_bytes() if expert_precision == "fp8" else 0
+        fixed = weights + masters + moment_total + fp8_weights
         return {"params": params, "state_bytes": params * bytes_per_param,
                 "replicated_bytes": rep * bytes_per_param, "weights": weights, "masters": masters,
-                "moments": moment_total, "grads_backward": grads_backward, "grads_update": grads_update,
+                "moments": moment_total, "fp8_weights": fp8_weights,
+                "grads_backward": grads_backward, "grads_update": grads_update,
                 "backward_bytes": fixed + grads_backward, "update_bytes": fixed + grads_update}
 
     # The backward working set (a layer's gradients and temporaries, which the saved-tensor count
@@ -448,12 +497,30 @@ class ArchSpec:
     # 404,785 / 371,725 / 308,984 bytes per token measured, 261,120 / 290,304 / 138,752 counted).
     BACKWARD_WORKING_SET = MappingProxyType({"none": 1.10, "moe": 0.62, "full": 1.30})
 
-    def activation_peak_bytes_per_token(self, checkpointing: str, world_size: int, elem: int = 2) -> float:
+    def activation_peak_bytes_per_token(self, checkpointing: str, world_size: int, elem: int = 2,
+                                        expert_precision: str = "bf16", dense_precision: str = "bf16") -> float:
         """What the GPU holds per token at the peak of backward beside the training state: the
         saved tensors (:meth:`activation_bytes_per_token`) plus the backward working set
-        (:data:`BACKWARD_WORKING_SET` × the largest layer's saved bytes; measured factors)."""
-        saved = self.activation_bytes_per_token(checkpointing, world_size, elem)
-        return saved + self.BACKWARD_WORKING_SET[checkpointing] * self._largest_layer_bytes(world_size, elem)
+        (:data:`BACKWARD_WORKING_SET` × the largest bf16 layer's saved bytes; measured factors:
+        gradients and temporaries, in the model dtype whatever the experts' precision) and, with FP8
+        experts, their backward's own copies (:meth:`fp8_backward_bytes_per_token`); with FP8 dense
+        linears (``dense_precision``), theirs (:meth:`fp8_dense_backward_bytes_per_token`): one
+        linear's or one expert layer's at a time, so the larger counts."""
+        if dense_precision not in DENSE_PRECISIONS:
+            raise ArchError(f"dense_precision={dense_precision!r} is not allowed; choose {' or '.join(DENSE_PRECISIONS)}")
+        saved = self.activation_bytes_per_token(checkpointing, world_size, elem, expert_precision)
+        extra = max(self.fp8_backward_bytes_per_token(world_size) if expert_precision == "fp8" else 0.0,
+                    self.fp8_dense_backward_bytes_per_token() if dense_precision == "fp8" else 0.0)
+        return saved + self.BACKWARD_WORKING_SET[checkpointing] * self._largest_layer_bytes(world_size, elem) + extra
+
+    def fp8_backward_bytes_per_token(self, world_size: int) -> float:
+        """The FP8 experts' backward temporaries per token beside the bf16 path's (at dW13, their
+        largest moment): x's rows dequantised (float32, then in the model dtype: 6·H a received row)
+        and the two operands of dW13 quantised along the tokens (E4M3 a pair: H + 2·I, plus the
+        scales)."""
+        H, I, K = self.hidden_size, self.expert_hidden, self.top_k
+        ranks = min(K, world_size) if world_size > 1 else 1
+        return 6.0 * H * ranks + K * (H + 2 * I) * (1 + 4 / FP8_TILE)
 
     def loss_bytes(self, tokens: int, elem: int = 2, chunk: int = 0) -> dict[str, float]:
         """The LM loss's memory at ``tokens`` rows per rank (``model/loss.py``, chunked; ``chunk``
@@ -470,18 +537,22 @@ class ArchSpec:
     def peak_bytes_per_rank(self, world_size: int, tokens: int, checkpointing: str, *, clone_slots: int = 0,
                             moments: str = "float32", zero_stage: int = 0,
                             elem: int = 2, loss_chunk: int = 0, grad_reduce_dtype: str = "float32",
-                            dp: int = 1) -> dict[str, float]:
+                            dp: int = 1, expert_precision: str = "bf16",
+                            dense_precision: str = "bf16") -> dict[str, float]:
         """One rank's peak memory for a training step (what ``torch.cuda.max_memory_allocated``
         reports; allocator slack not counted): the state at the end of backward plus the largest
         of the end of forward (saved activations + the loss's forward) and the peak of backward
         (activations with the working set + the loss's kept gradients), or the update's state.
-        ``dp``: the replicas of the rank mesh (EP = ``world_size / dp``)."""
+        ``dp``: the replicas of the rank mesh (EP = ``world_size / dp``); ``expert_precision``:
+        ``moe.expert_precision`` (fp8: the weight cache, FP8 saved rows, the FP8 backward's copies);
+        ``dense_precision``: ``model.dense_precision`` (fp8: the FP8 dense backward's copies)."""
         state = self.memory_per_rank(world_size, clone_slots, moments=moments, zero_stage=zero_stage, elem=elem,
-                                     grad_reduce_dtype=grad_reduce_dtype, dp=dp)
+                                     grad_reduce_dtype=grad_reduce_dtype, dp=dp, expert_precision=expert_precision)
         ep = world_size // dp  # the ranks a token's rows go to
         loss = self.loss_bytes(tokens, elem, loss_chunk)
-        saved = tokens * self.activation_bytes_per_token(checkpointing, ep, elem)
-        backward = tokens * self.activation_peak_bytes_per_token(checkpointing, ep, elem)
+        saved = tokens * self.activation_bytes_per_token(checkpointing, ep, elem, expert_precision)
+        backward = tokens * self.activation_peak_bytes_per_token(checkpointing, ep, elem, expert_precision,
+                                                                 dense_precision)
         acts = max(saved + loss["forward"], backward + loss["backward"])
         peak = max(state["backward_bytes"] + acts, state["update_bytes"])
         return {**state, "activations": acts, "loss_forward": loss["forward"], "peak": peak}
@@ -498,24 +569,28 @@ class ArchSpec:
     def _largest_layer_bytes(self, world_size: int, elem: int) -> float:
         return max(self._layer_bytes(world_size, elem))
 
-    def activation_bytes_per_token(self, checkpointing: str, world_size: int, elem: int = 2) -> float:
+    def activation_bytes_per_token(self, checkpointing: str, world_size: int, elem: int = 2,
+                                   expert_precision: str = "bf16") -> float:
         """An estimate of the activation bytes one token keeps for backward over the whole model
         (bf16: ``elem`` = 2), by counting what the layers save: attention (norm in float32, q/k/v
         after norm and RoPE, the attention output), the MoE FFN (norm, router scores, the token
         rows received by ~min(K, W) ranks, gate|up and SwiGLU output per chosen expert, the shared
         expert) and, for ``full``, one layer being recomputed. Not counted here: the backward
         working set (:meth:`activation_peak_bytes_per_token`), the logits (:meth:`loss_bytes`)
-        and allocator slack."""
+        and allocator slack. ``expert_precision="fp8"``: the received rows are kept as the FP8
+        experts keep them, E4M3 and 1×128 scales (:func:`fp8_row_bytes`); gate|up stays in the
+        model dtype (``kernels.fp8_expert_ffn``)."""
+        _check_precision(expert_precision)
         attn, _, dense = self._layer_parts(world_size, elem)
         H = self.hidden_size
-        layers = self._layer_bytes(world_size, elem)
+        layers = self._layer_bytes(world_size, elem, expert_precision)
         if checkpointing == "none":
             return float(sum(layers))
         if checkpointing == "moe":
             return float(sum(attn + elem * H + (0 if m else dense) for m in self.moe_layers) + max(layers))
         return float(self.num_layers * elem * H + max(layers))  # full: block inputs + one replay
 
-    def _layer_parts(self, world_size: int, elem: int) -> tuple[float, float, float]:
+    def _layer_parts(self, world_size: int, elem: int, expert_precision: str = "bf16") -> tuple[float, float, float]:
         """Saved bytes per token of (attention, MoE FFN, dense FFN) of one block."""
         H, q, kv, I, K = (self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                           self.expert_hidden, self.top_k)
@@ -526,12 +601,13 @@ class ArchSpec:
             lat = self.kv_lora_rank + self.rotary_dim + self.q_lora_rank
             attn = norm + elem * (3 * q + 2 * q + 2 * V + 2 * V) + (4 + elem) * 2 * lat
         ranks = min(K, world_size) if world_size > 1 else 1
-        moe = norm + 12 * self.num_experts + elem * H * ranks + K * 3 * elem * I + 4 * elem * self.shared_hidden
+        row = fp8_row_bytes(H) if expert_precision == "fp8" else elem * H  # a received row as the experts keep it
+        moe = norm + 12 * self.num_experts + row * ranks + K * 3 * elem * I + 4 * elem * self.shared_hidden
         dense = norm + 4 * elem * self.dense_hidden
         return attn, moe, dense
 
-    def _layer_bytes(self, world_size: int, elem: int) -> list[float]:
-        attn, moe, dense = self._layer_parts(world_size, elem)
+    def _layer_bytes(self, world_size: int, elem: int, expert_precision: str = "bf16") -> list[float]:
+        attn, moe, dense = self._layer_parts(world_size, elem, expert_precision)
         return [attn + (moe if m else dense) for m in self.moe_layers]
 
     def active_params_per_token(self) -> int:
@@ -550,6 +626,11 @@ class ResolvedArch:
 
     spec: ArchSpec
     hf_config: dict[str, Any] | None = None
+
+
+def _check_precision(expert_precision: str) -> None:
+    if expert_precision not in EXPERT_PRECISIONS:
+        raise ArchError(f"expert_precision={expert_precision!r} is not allowed; choose {' or '.join(EXPERT_PRECISIONS)}")
 
 
 def _auto_chunk(rows: int, vocab: int, hidden: int) -> int:
@@ -919,7 +1000,7 @@ def resolve(source: str, overrides: Mapping[str, Any]) -> tuple[ArchSpec, dict[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ray_moe.arch SOURCE [--world-sizes 8,16] [--tokens 16384] [--gpu-gib 80]``:
+    """``python -m ray_moe.arch SOURCE [--world-sizes 8,16] [--tokens 16384] [--gpu-gib 80] [--expert-precision fp8] [--dense-precision fp8]``:
     parameters, then per world size the training state per rank (16 B/param unsharded; ZeRO
     stages 1 and 2 of the replicated parameters with float32 / bf16 moments), the activations at
     the peak of backward, the loss's logits and the peak per rank (full recompute) with both
@@ -936,7 +1017,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-gib", type=float, default=80.0, help="GPU memory for the fit (GiB)")
     p.add_argument("--headroom", type=float, default=0.9,
                    help="fraction of --gpu-gib the peak may use (allocator slack, CUDA context, NCCL)")
+    p.add_argument("--expert-precision", choices=EXPERT_PRECISIONS, default="bf16",
+                   help="moe.expert_precision: fp8 counts the FP8 weight cache, the FP8 saved rows and "
+                        "the FP8 backward's copies")
+    p.add_argument("--dense-precision", choices=DENSE_PRECISIONS, default="bf16",
+                   help="model.dense_precision: fp8 counts the FP8 dense linears' backward copies")
     args = p.parse_args(argv)
+    fp8 = {"expert_precision": args.expert_precision}
+    peak_fp8 = {**fp8, "dense_precision": args.dense_precision}  # the dense linears change the peak only
     try:
         spec = ArchSpec.from_hf(load_hf_config(args.source))
     except ArchError as exc:
@@ -950,7 +1038,9 @@ def main(argv: list[str] | None = None) -> int:
                 "stage 2, fp32": {"zero_stage": 2}, "stage 2, bf16": {"zero_stage": 2, "moments": "bfloat16"}}
     print(f"{args.source}: {c['total'] / 1e9:.2f}B parameters ({c['replicated'] / 1e9:.2f}B replicated, "
           f"{c['experts'] / 1e9:.2f}B in {spec.num_experts} experts x {sum(spec.moe_layers)} layers), "
-          f"{spec.active_params_per_token() / 1e9:.2f}B active per token; {args.tokens} tokens per rank, bf16")
+          f"{spec.active_params_per_token() / 1e9:.2f}B active per token; {args.tokens} tokens per rank, bf16"
+          + (", FP8 experts (the weight cache in the state)" if args.expert_precision == "fp8" else "")
+          + (", FP8 dense linears" if args.dense_precision == "fp8" else ""))
     print("| GPUs | params/rank | state/rank at the end of backward (GiB): " + " / ".join(variants)
           + " | activations at the peak of backward (GiB): none / moe / full | loss (GiB) "
           "| peak/rank with full recompute (GiB): " + " / ".join(variants) + " |")
@@ -965,11 +1055,11 @@ def main(argv: list[str] | None = None) -> int:
         meshes = [(w, 1) for w in (int(x) for x in args.world_sizes.split(",")) if spec.num_experts % w == 0]
     for w, dp in meshes:
         m = spec.memory_per_rank(w, args.clone_slots, dp=dp)
-        states = " / ".join(f"{spec.memory_per_rank(w, args.clone_slots, dp=dp, **kw)['backward_bytes'] / gib:.1f}"
+        states = " / ".join(f"{spec.memory_per_rank(w, args.clone_slots, dp=dp, **kw, **fp8)['backward_bytes'] / gib:.1f}"
                             for kw in variants.values())
-        acts = " / ".join(f"{spec.activation_peak_bytes_per_token(mode, w // dp) * args.tokens / gib:.1f}"
+        acts = " / ".join(f"{spec.activation_peak_bytes_per_token(mode, w // dp, **peak_fp8) * args.tokens / gib:.1f}"
                           for mode in ("none", "moe", "full"))
-        peaks = [spec.peak_bytes_per_rank(w, args.tokens, "full", clone_slots=args.clone_slots, dp=dp, **kw)["peak"]
+        peaks = [spec.peak_bytes_per_rank(w, args.tokens, "full", clone_slots=args.clone_slots, dp=dp, **kw, **peak_fp8)["peak"]
                  for kw in variants.values()]
         label = f"{w} (EP {w // dp} x DP {dp})" if args.ep else f"{w}"
         print(f"| {label} | {m['params'] / 1e9:.2f}B | {states} | {acts} | {spec.loss_bytes(args.tokens)['forward'] / gib:.1f} | "
@@ -978,7 +1068,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ep:
         return 0
     for label, kw in variants.items():
-        w = spec.smallest_world_size(budget, args.tokens, "full", clone_slots=args.clone_slots, **kw)
+        w = spec.smallest_world_size(budget, args.tokens, "full", clone_slots=args.clone_slots, **kw, **peak_fp8)
         print(f"smallest world size on {args.gpu_gib:g} GiB GPUs ({args.headroom:.0%} usable), full recompute, "
               f"{label}: {w if w else 'none'}")
     return 0

@@ -4,7 +4,7 @@
     ray-moe prepare --input PATH... --tokenizer DIR --out DIR [--address ADDR]   (token shards)
     ray-moe tokenizer train --vocab-size N --input PATH... --out DIR              (byte-level BPE)
     ray-moe export CHECKPOINT --format hf --out DIR [--replace]  (a checkpoint or run directory → an HF model directory)
-    ray-moe bench comm|layer|balance|precision|prepare|train|grad_reduce|overlap [options]     (see ``ray-moe bench NAME --help``)
+    ray-moe bench comm|layer|balance|precision|prepare|train|grad_reduce|overlap|curve [options]     (see ``ray-moe bench NAME --help``)
     ray-moe smoke --address ADDR                    (validate a cluster before a run)
 
 Exit code 0 on success; on failure a one-line reason on stderr and a non-zero code.
@@ -42,6 +42,8 @@ BENCH_HELP = MappingProxyType({
                     "GPUs (>= 2), or a CPU cluster with --device cpu"),
     "overlap": ("a step at W ranks against one rank running the same tokens per rank",
                 "GPUs (>= 2), or a CPU cluster with --device cpu"),
+    "curve": ("loss curves of config variants (e.g. bf16 and FP8 experts) from one seed, side by side",
+              "a GPU, or the CPU with --device cpu (tiny presets)"),
 })
 BENCHES = tuple(BENCH_HELP)
 

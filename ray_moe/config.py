@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import os
 from dataclasses import dataclass, field, fields
@@ -82,6 +83,11 @@ class ModelConfig:
     # MLP, shared experts), the MoE layers eager (torchtitan's compile.enable, per block, for
     # components "model"); auto is blocks on CUDA and none on the CPU (:meth:`compile_on`)
     compile: str = "auto"
+    # bf16 | fp8: fp8 trains the blocks' dense linears (attention projections, shared experts,
+    # dense MLPs) through torchao's float8 training (tensorwise scales; needs torchao and, on CUDA,
+    # an sm_89+ GPU; the CPU emulates it); the LM head, embeddings and routers keep model.dtype
+    # (model/dense_fp8.py). bf16: every dense linear in model.dtype
+    dense_precision: str = "bf16"
 
     def compile_on(self, device_type: str) -> str:
         """``model.compile`` on a device of ``device_type`` ("cuda" | "cpu"): ``auto`` compiles the
@@ -106,6 +112,11 @@ class ModelConfig:
         _choice("model.dtype", self.dtype, tuple(DTYPES))
         _choice("model.activation_checkpointing", self.activation_checkpointing, CHECKPOINTING)
         _choice("model.compile", self.compile, COMPILE)
+        _choice("model.dense_precision", self.dense_precision, ("bf16", "fp8"))  # model.dense_fp8.DENSE_PRECISIONS
+        if self.dense_precision == "fp8" and importlib.util.find_spec("torchao") is None:
+            raise ConfigError("model.dense_precision=fp8 trains the dense linears through torchao's float8 "
+                              "training, but torchao is not installed (pip install torchao); use "
+                              "model.dense_precision=bf16")
         if self.dense_hidden < 0:
             raise ConfigError(f"model.dense_hidden={self.dense_hidden} must be >= 0 (0 means 4*d_model)")
         if self.uses_hf() and self.dense_first_layer:

@@ -10,6 +10,13 @@ Recipe (E4M3 everywhere, float32 scales, float32 accumulation promoted every 128
               dW13 = xᵀ dh13, dW2 = awᵀ grad_out: both operands in 1×128 tiles along positions
               (the contraction), i.e. 128×1 tiles of the row matrices (DeepSeek-V3's backward tiles)
 
+Saved for backward: the routing weights, g|u [P, 2I] in x.dtype (the dSwiGLU recomputes act from
+it), the pair layout, and x as its FP8 rows and 1×128 scales, the copy the up-projection read
+(made here, or received from the wire): H + 4·H/128 bytes a row instead of 2·H. dW13 reads their
+values, requantised along the tokens (DeepSeek-V3 caches a Linear's input in FP8 the same way and
+re-tiles it 1×128 → 128×1 in backward), so x reaches dW13 through two E4M3 roundings; g|u stays
+in x.dtype: the up-projection's epilogue writes it (an FP8 copy would be a pass of its own).
+
 The weights' FP8 copies (both orientations, one set of block scales) come from an
 :class:`Fp8WeightCache`, made once per parameter version: once per step after the update, not once
 per GEMM or per micro-batch (under CUDA-graph capture once per captured forward, so that a replay
@@ -164,17 +171,16 @@ class _ExpertFFNFp8(torch.autograd.Function):
         del act_q, act_s
         out = ops.gather_sum(y, layout, K)
         if needs_grad:
-            # with FP8 rows from the wire, x is a stand-in: the weight gradient reads the FP8 rows
-            saved_x = (x,) if x_fp8 is None else (xq, xs)
-            ctx.save_for_backward(weight, h13, *saved_x, *layout)
-        ctx.fw, ctx.ops, ctx.top_k, ctx.wire, ctx.x_dtype = fw, ops, K, x_fp8 is not None, x.dtype
+            # x is kept as the FP8 rows and scales the up-projection read (H + 4·H/128 bytes a row
+            # instead of 2·H; with rows from the wire x is only a stand-in): dW13 reads their values
+            ctx.save_for_backward(weight, h13, xq, xs, *layout)
+        ctx.fw, ctx.ops, ctx.top_k, ctx.x_dtype = fw, ops, K, x.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        weight, h13, *rest = ctx.saved_tensors
+        weight, h13, xq, xs, *layout_t = ctx.saved_tensors
         dtype = ctx.x_dtype
-        saved_x, layout_t = (rest[:2], rest[2:]) if ctx.wire else (rest[:1], rest[1:])
         layout = PairLayout(*layout_t)
         fw, ops, K = ctx.fw, ctx.ops, ctx.top_k
         grad_out = grad_out.contiguous()
@@ -192,8 +198,9 @@ class _ExpertFFNFp8(torch.autograd.Function):
         dw13 = dw2 = None
         tiles = Q.group_tiles(layout.offsets)
         if ctx.needs_input_grad[3]:
-            # FP8 rows from the wire: their values (dequantised, x.dtype) are the x of xᵀ dh13
-            x = saved_x[0] if not ctx.wire else Q.dequantize_rows(*saved_x).to(dtype)
+            # x's FP8 values (dequantised to x.dtype) are the x of xᵀ dh13, requantised along the
+            # tokens: DeepSeek-V3's 1×128 → 128×1 re-tiling of a cached FP8 Linear input
+            x = Q.dequantize_rows(xq, xs).to(dtype)
             dw13 = ops.wgrad(*ops.quantize_cols(x, layout, K, True), *ops.quantize_cols(dh13, layout, K, False),
                              tiles, dtype)
         if ctx.needs_input_grad[4]:

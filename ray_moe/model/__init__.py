@@ -15,6 +15,8 @@ MoE layers.
 - :mod:`experts`: the expert side (:func:`expert_ffn`: loop, ``torch._grouped_mm`` or the Triton
   kernels) and the single-process oracle :func:`reference_moe`.
 - :mod:`expert_choice`: the per-shape measured choice of expert implementation.
+- :mod:`dense_fp8`: ``model.dense_precision: fp8``, the blocks' dense linears through torchao's
+  float8 training.
 """
 
 from ray_moe.model.build import build_model

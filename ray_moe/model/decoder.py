@@ -30,6 +30,7 @@ from ray_moe.arch import ArchSpec
 from ray_moe.comm.base import Transport
 from ray_moe.config import Config, torch_dtype
 from ray_moe.model.attention import Attention, make_attention
+from ray_moe.model.dense_fp8 import convert_dense_to_fp8
 from ray_moe.model.expert_choice import ExpertImplChooser
 from ray_moe.model.experts import ExpertActivation
 from ray_moe.model.kv_cache import KVCache
@@ -175,7 +176,9 @@ class Decoder(nn.Module):
     aux)``, ``lm_head`` ([V, H]; the embedding's weight when ``tie_word_embeddings``). Implements
     :class:`~ray_moe.model.interface.LanguageModel`.
 
-    ``model.compile=blocks`` compiles each block's dense parts (:meth:`compile_blocks`).
+    ``model.compile=blocks`` compiles each block's dense parts (:meth:`compile_blocks`);
+    ``model.dense_precision=fp8`` swaps the blocks' dense linears for torchao's Float8Linear
+    (:mod:`ray_moe.model.dense_fp8`; their names in ``fp8_dense``).
     Expert-parallel over ``transport`` (its world size is the group's); ``balance.clone_slots``
     per rank and layer are reserved for clones of hot experts. ``init=False`` leaves the weights
     uninitialised (``model.init_from`` or a checkpoint fills them).
@@ -217,6 +220,8 @@ class Decoder(nn.Module):
         for name, p in self.named_parameters():  # experts are built in dtype; routers stay float32
             if getattr(p, "expert_shard", None) is None and not name.endswith((".router", ".router_bias")):
                 p.data = p.data.to(dtype=dtype)
+        # model.dense_precision=fp8: the blocks' dense linears become torchao Float8Linears (same parameters)
+        self.fp8_dense = convert_dense_to_fp8(self, device) if config.model.dense_precision == "fp8" else ()
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:
