@@ -24,11 +24,14 @@ GEMMs, forward and backward, half of the full square). With two or more layer co
 ``outside layers`` extrapolates the step to zero layers (the embedding, head, loss and the
 optimizer of the replicated non-layer parameters): ``(b·t_a − a·t_b) / (b − a)``.
 
-torchtitan (``--titan``, where it imports: ``scripts/make-titan-bundle.sh``): its ``Qwen3Model``
-built from the same HF config (qwen3_moe only), bf16 parameters, grouped-mm experts, SDPA causal
-attention, the loss as torchtitan's (``F.cross_entropy`` on the full float32 logits), torch's fused
-AdamW on the bf16 parameters (no float32 masters: fewer bytes than ray_moe's optimizer), no load
-balancing bias update. The same phases.
+torchtitan (``--titan``, where it imports: ``scripts/make-titan-bundle.sh``): its model of the
+preset's family (qwen3_moe, deepseek_v3 with MLA, gpt_oss with sinks and sliding windows:
+:mod:`ray_moe.bench.titan`, which says what of each config it does not follow) built from the same
+HF config as ray_moe's row, with as many parameters (``params`` on both rows), bf16 parameters,
+grouped-mm experts, its own attention (SDPA; gpt-oss: flex attention with its block masks), the
+loss as torchtitan's (``F.cross_entropy`` on the full float32 logits), torch's fused AdamW on the
+bf16 parameters (no float32 masters: fewer bytes than ray_moe's optimizer), no load balancing bias
+update. The same phases.
 
 Compiled variants, each a row of its own beside the eager one: ``--compile`` (ray_moe with
 ``model.compile=blocks``: each block's attention half, norms and dense MLPs compiled, the MoE layer
@@ -49,7 +52,13 @@ the first). Runs on the CPU at tiny sizes (the fused kernel there only under
 ``--experts N`` cuts the preset's routed experts so that a layer of a large model's shape fits
 one GPU (DeepSeek-V3: hidden 7168, MLA, experts of 2048, top-8); ``--attention-share`` adds each
 row's attention time (every block's attention half, forward and backward, timed alone) and its
-share of the step.
+share of the step (torchtitan's rows too: each block's ``attention_norm`` + ``attention``).
+
+``--variants "bf16=;fp8=moe.expert_precision=fp8"``: ray_moe's rows once per named variant (its
+config overrides after the name, space separated), timed in the same run in ABBA order (A B B A:
+each variant built and timed twice, its row the mean of the two visits' medians, ``step spread``
+their difference), each with ``x FIRST``, its step over the first variant's of the same kind and
+layer count. torchtitan's rows run once.
 
 Both modes print a table and (``--json``) write the rows with the setup.
 """
@@ -633,8 +642,6 @@ def _setup(args: argparse.Namespace, device: torch.device, titan: str | None) ->
 
 def main(argv: list[str]) -> int:
     """CLI entry: ``ray-moe bench train [--loss-only] [...] [--json out.json]``. Returns the exit code."""
-    from ray_moe.config import ConfigError
-
     args = parse_args(argv)
     device = pick_device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -654,13 +661,10 @@ def main(argv: list[str]) -> int:
             print(f"ray-moe bench train: error: --titan yes but torchtitan's {family} model does not import "
                   f"({titan_error}); build it with scripts/make-titan-bundle.sh", file=sys.stderr)
             return 2
-        for name, overrides in args.variant_list:  # a bad override: one line now, not a failed row later
-            try:
-                engine_config(args, layer_counts[0], overrides)
-            except ConfigError as exc:
-                print(f"ray-moe bench train: error: variant {name or '(none)'}: {exc}".replace("\n", " "),
-                      file=sys.stderr)
-                return 2
+        error = _variant_error(args, layer_counts) if args.variants is not None else None
+        if error:
+            print(f"ray-moe bench train: error: {error}", file=sys.stderr)
+            return 2
         print(f"torchtitan: {titan_error or 'imports'}", flush=True)
         kinds = [False] + ([True] if args.compile else [])
         titans = [] if titan_error else [False] + ([True] if args.titan_compile else [])
@@ -686,6 +690,25 @@ def main(argv: list[str]) -> int:
         _print_summary(rows, args.variant_list if args.variants is not None else [])
     _write_json(args, device, titan_error, rows)
     return 0
+
+
+def _variant_error(args: argparse.Namespace, layer_counts: list[int]) -> str | None:
+    """The first variant whose overrides make an invalid config, and why (one line), at the first
+    layer count whose config without them is valid (a count that is not says so in its row)."""
+    from ray_moe.config import ConfigError
+
+    for layers in layer_counts:
+        try:
+            engine_config(args, layers)
+        except ConfigError:
+            continue
+        for name, overrides in args.variant_list:
+            try:
+                engine_config(args, layers, overrides)
+            except ConfigError as exc:
+                return f"variant {name}: {exc}".replace("\n", " ")
+        return None
+    return None
 
 
 def _run_row(args: argparse.Namespace, device: torch.device, layers: int, fn: Callable[[], dict],
