@@ -35,6 +35,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -43,8 +44,8 @@ from torch import nn
 from ray_moe.arch import family_of
 
 FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss")  # the HF families torchtitan has a model of
-_MODULES = {"qwen3_moe": "qwen3", "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss"}
-_MODELS = {"qwen3_moe": "Qwen3Model", "deepseek_v3": "DeepSeekV3Model", "gpt_oss": "GptOssModel"}
+_MODULES = MappingProxyType({"qwen3_moe": "qwen3", "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss"})
+_MODELS = MappingProxyType({"qwen3_moe": "Qwen3Model", "deepseek_v3": "DeepSeekV3Model", "gpt_oss": "GptOssModel"})
 
 
 def import_error(family: str = "qwen3_moe") -> str | None:

@@ -58,7 +58,8 @@ share of the step (torchtitan's rows too: each block's ``attention_norm`` + ``at
 config overrides after the name, space separated), timed in the same run in ABBA order (A B B A:
 each variant built and timed twice, its row the mean of the two visits' medians, ``step spread``
 their difference), each with ``x FIRST``, its step over the first variant's of the same kind and
-layer count. torchtitan's rows run once.
+layer count. torchtitan's rows run once. ``--skip-eager`` leaves only the compiled rows of a side
+that has them (``--compile``, ``--titan-compile``).
 
 Both modes print a table and (``--json``) write the rows with the setup.
 """
@@ -597,6 +598,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="also ray_moe with model.compile=blocks (its blocks' dense parts compiled, the MoE eager)")
     p.add_argument("--titan-compile", action="store_true",
                    help="also torchtitan with its own per-block compile and compiled loss (apply_compile)")
+    p.add_argument("--skip-eager", action="store_true",
+                   help="with --compile / --titan-compile: only the compiled rows of that side (a shorter run)")
     p.add_argument("--titan-ac", choices=["none", "selective", "full"], default="none",
                    help="torchtitan's activation checkpointing (its apply_ac; selective is its default, "
                         "full matches model.activation_checkpointing=full)")
@@ -619,6 +622,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--experts={args.experts} must be >= 0")
     if args.titan_compile and args.titan == "no":
         p.error("--titan-compile compiles torchtitan's model; it needs --titan auto or yes")
+    if args.skip_eager and not (args.compile or args.titan_compile):
+        p.error("--skip-eager leaves the compiled rows only; it needs --compile or --titan-compile")
     try:
         args.variant_list = parse_variants(args.variants) if args.variants is not None else [("", ())]
     except ValueError as exc:
@@ -666,8 +671,8 @@ def main(argv: list[str]) -> int:
             print(f"ray-moe bench train: error: {error}", file=sys.stderr)
             return 2
         print(f"torchtitan: {titan_error or 'imports'}", flush=True)
-        kinds = [False] + ([True] if args.compile else [])
-        titans = [] if titan_error else [False] + ([True] if args.titan_compile else [])
+        kinds = _kinds(args.compile, args.skip_eager)
+        titans = [] if titan_error else _kinds(args.titan_compile, args.skip_eager)
         for layers in layer_counts:
             for compiled in kinds:
                 visits: dict[str, list[dict]] = {}
@@ -690,6 +695,12 @@ def main(argv: list[str]) -> int:
         _print_summary(rows, args.variant_list if args.variants is not None else [])
     _write_json(args, device, titan_error, rows)
     return 0
+
+
+def _kinds(compiled: bool, skip_eager: bool) -> list[bool]:
+    """Which rows of one side run: eager (False), compiled (True) with ``compiled``; ``skip_eager``
+    drops the eager one where a compiled one runs."""
+    return [True] if compiled and skip_eager else [False, True] if compiled else [False]
 
 
 def _variant_error(args: argparse.Namespace, layer_counts: list[int]) -> str | None:

@@ -175,3 +175,12 @@ def test_variants_time_ray_moe_per_variant_in_one_run(tmp_path, capsys):
     progress = [line.split(",")[0] for line in text.splitlines() if line.startswith("# ray_moe")]
     assert progress == ["# ray_moe bf16", "# ray_moe fp8", "# ray_moe fp8", "# ray_moe bf16"]  # ABBA
     assert "ray_moe fp8, 2 layers: step " in text and "x bf16 " in text
+
+
+def test_skip_eager_keeps_the_compiled_rows_only(capsys):
+    assert train._kinds(True, True) == [True] and train._kinds(True, False) == [False, True]
+    assert train._kinds(False, True) == [False] and train._kinds(False, False) == [False]
+    with pytest.raises(SystemExit) as exc:
+        train.parse_args(["--skip-eager"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--skip-eager" in err and "--compile or --titan-compile" in err
