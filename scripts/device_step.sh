@@ -59,9 +59,9 @@ family() {  # family NAME LIMIT "BENCH ARGS" "CONFIG OVERRIDES": 4 layers beside
     --set model.activation_checkpointing=full $4 2>&1 | tee "$OUT/bench_train_$1.log" | tail -6
 }
 BF16_MOMENTS=train.optimizer_state_dtype=bfloat16
-has qwen3 && family qwen3 "${T_QWEN3:-150}" "${QWEN3_ARGS:---preset qwen3-30b-a3b --tokens 16384}" ""
+has qwen3 && family qwen3 "${T_QWEN3:-130}" "${QWEN3_ARGS:---preset qwen3-30b-a3b --tokens 16384}" ""
 has dsv3 && family dsv3 "${T_DSV3:-160}" "${DSV3_ARGS:---preset deepseek-v3 --experts 16 --tokens 8192}" "$BF16_MOMENTS"
-has gptoss && family gptoss "${T_GPTOSS:-150}" "${GPTOSS_ARGS:---preset gpt-oss-20b --tokens 8192}" "$BF16_MOMENTS"
+has gptoss && family gptoss "${T_GPTOSS:-170}" "${GPTOSS_ARGS:---preset gpt-oss-20b --tokens 8192}" "$BF16_MOMENTS"
 if has fp8; then
   timeout ${T_FP8:-130} python3 -m ray_moe.cli bench train --layers 4 --titan no --warmup 1 --iters 3 \
     --variants "${FP8_VARIANTS:-bf16=;fp8=moe.expert_precision=fp8}" --json "$OUT/bench_train_fp8.json" \

@@ -57,7 +57,7 @@ share of the step (torchtitan's rows too: each block's ``attention_norm`` + ``at
 ``--variants "bf16=;fp8=moe.expert_precision=fp8"``: ray_moe's rows once per named variant (its
 config overrides after the name, space separated), timed in the same run in ABBA order (A B B A:
 each variant built and timed twice, its row the mean of the two visits' medians, ``step spread``
-their difference), each with ``x FIRST``, its step over the first variant's of the same kind and
+their difference over that mean), each with ``x FIRST``, its step over the first variant's of the same kind and
 layer count. torchtitan's rows run once. ``--skip-eager`` leaves only the compiled rows of a side
 that has them (``--compile``, ``--titan-compile``).
 
