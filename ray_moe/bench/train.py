@@ -663,8 +663,9 @@ def main(argv: list[str]) -> int:
         family = _family(args.preset)
         titan_error = titan.import_error(family) if args.titan != "no" else "not asked for"
         if args.titan == "yes" and titan_error:
-            print(f"ray-moe bench train: error: --titan yes but torchtitan's {family} model does not import "
-                  f"({titan_error}); build it with scripts/make-titan-bundle.sh", file=sys.stderr)
+            why = (f"torchtitan's {family} model does not import ({titan_error}); build it with "
+                   "scripts/make-titan-bundle.sh") if family in titan.FAMILIES else titan_error
+            print(f"ray-moe bench train: error: --titan yes: {why}", file=sys.stderr)
             return 2
         error = _variant_error(args, layer_counts) if args.variants is not None else None
         if error:

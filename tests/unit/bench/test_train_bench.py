@@ -184,3 +184,10 @@ def test_skip_eager_keeps_the_compiled_rows_only(capsys):
         train.parse_args(["--skip-eager"])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "--skip-eager" in err and "--compile or --titan-compile" in err
+
+
+def test_titan_yes_for_a_family_torchtitan_lacks_exit_2(capsys):
+    assert train.main(["--device", "cpu", "--preset", "mixtral-tiny", "--titan", "yes"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--titan yes: torchtitan has no model of mixtral" in err, err
+    assert "qwen3_moe, deepseek_v3, gpt_oss" in err
