@@ -204,6 +204,7 @@ class TitanModel:
         return x + layer.attention(layer.attention_norm(x), self.rope(), masks)
 
     def params(self) -> int:
+        """Its parameter count (buffers, the rope tables and expert counters, not counted)."""
         return sum(p.numel() for p in self.model.parameters())
 
 
