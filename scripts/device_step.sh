@@ -4,12 +4,22 @@
 # Usage (GPU machine, repo root), with the bundle each step needs:
 #   . .titanbundle/setup.sh && . .devbundle/setup.sh && bash scripts/device_step.sh train,moments
 #   . .sonicbundle/setup.sh && bash scripts/device_step.sh sonic     # a command of its own (bundle sizes)
+#   . .titanbundle/setup.sh && bash scripts/device_step.sh families  # three families beside torchtitan, FP8
 # steps (comma list; default train,moments); logs and JSON go to $OUT:
 #   train    bench train at 2 and 4 layers of Qwen3-30B-A3B's layer shape: ray_moe eager and
 #            compiled, torchtitan eager and compiled, both with full recompute (--titan-ac full
 #            matches model.activation_checkpointing=full); the step, the part outside the layers
 #            and the per-layer time come from the 2- and 4-layer rows of one run
 #            (docs/RESULTS.md#step-vs-torchtitan)
+#   qwen3, dsv3, gptoss   bench train of one family's 4 layers beside torchtitan's model of that
+#            family, both compiled (--skip-eager), full recompute, the attention's share of each
+#            step (--attention-share): Qwen3-30B-A3B at 16,384 tokens; DeepSeek-V3's first four
+#            layers (three dense, MLA) with its 256 routed experts cut to 16 (--experts 16) and
+#            gpt-oss-20b, each at 8,192 tokens with bf16 AdamW moments (to fit 80 GB: see
+#            python -m ray_moe.arch). The preset and flags of each: QWEN3_ARGS, DSV3_ARGS, GPTOSS_ARGS
+#   fp8      bench train of Qwen3-30B-A3B's 4 layers with bf16 and with FP8 experts
+#            (moe.expert_precision=fp8), ABBA in one run, the ratio to bf16's step (FP8_VARIANTS)
+#   families qwen3,dsv3,gptoss,fp8 (their limits add up to 590 s: one 10-minute command)
 #   moments  bench precision --sections step with fp32 and bf16 AdamW moments, each also with
 #            train.overlap_update (MOMENT_VARIANTS; optimizer_exposed_pct is the part nothing hides;
 #            docs/RESULTS.md#optimizer-share)
@@ -19,7 +29,8 @@
 #            ~5 min) and carry .sonicbundle and .sonickernels: this step unpacks them into QUACK_CACHE_DIR
 #   gputests the GPU tests of the optimizer and precision paths (test_precision_gpu.py,
 #            test_zero_gpu.py): run it first after any change to worker/optim.py
-# Time limits (seconds) per step: T_GPUTESTS, T_TRAIN, T_MOMENTS, T_SONIC.
+# Time limits (seconds) per step: T_GPUTESTS, T_TRAIN, T_MOMENTS, T_SONIC, T_QWEN3, T_DSV3, T_GPTOSS, T_FP8
+# (each bench writes its JSON after every row: a step cut short keeps the rows it finished).
 # A tile A/B of one GEMM role alone: python3 -m ray_moe.bench.layer ... --sections kernels,ffn --sweep
 # --sweep-roles ROLE (~60-100 s per E). Single-GPU benches need no Ray (python3 -m ray_moe.bench.layer
 # and the ray-moe CLI), so they run with .sonicbundle, which cannot travel beside .devbundle; the
@@ -28,6 +39,7 @@ set -u
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${1:-train,moments}
+STEPS=${STEPS//families/qwen3,dsv3,gptoss,fp8}
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/gpus.txt"
 python3 -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.__version__}')" | tee "$OUT/versions.txt"
@@ -39,6 +51,21 @@ if has train; then
   timeout ${T_TRAIN:-360} python3 -m ray_moe.cli bench train --layers 2,4 --titan yes --compile --titan-compile \
     --titan-ac full --set model.activation_checkpointing=full --json "$OUT/bench_train.json" \
     2>&1 | tee "$OUT/bench_train.log" | tail -20
+fi
+family() {  # family NAME LIMIT "BENCH ARGS" "CONFIG OVERRIDES": 4 layers beside torchtitan's, both compiled
+  # shellcheck disable=SC2086  # $3 and $4 are word lists
+  timeout "$2" python3 -m ray_moe.cli bench train --layers 4 --titan yes --compile --titan-compile --skip-eager \
+    --attention-share --titan-ac full --warmup 1 --iters 3 $3 --json "$OUT/bench_train_$1.json" \
+    --set model.activation_checkpointing=full $4 2>&1 | tee "$OUT/bench_train_$1.log" | tail -6
+}
+BF16_MOMENTS=train.optimizer_state_dtype=bfloat16
+has qwen3 && family qwen3 "${T_QWEN3:-130}" "${QWEN3_ARGS:---preset qwen3-30b-a3b --tokens 16384}" ""
+has dsv3 && family dsv3 "${T_DSV3:-160}" "${DSV3_ARGS:---preset deepseek-v3 --experts 16 --tokens 8192}" "$BF16_MOMENTS"
+has gptoss && family gptoss "${T_GPTOSS:-170}" "${GPTOSS_ARGS:---preset gpt-oss-20b --tokens 8192}" "$BF16_MOMENTS"
+if has fp8; then
+  timeout ${T_FP8:-130} python3 -m ray_moe.cli bench train --layers 4 --titan no --warmup 1 --iters 3 \
+    --variants "${FP8_VARIANTS:-bf16=;fp8=moe.expert_precision=fp8}" --json "$OUT/bench_train_fp8.json" \
+    2>&1 | tee "$OUT/bench_train_fp8.log" | tail -4
 fi
 if has moments; then
   timeout ${T_MOMENTS:-240} python3 -m ray_moe.cli bench precision --sections step --variants ${MOMENT_VARIANTS:-new,bf16_moments,bf16_moments_overlap,new_overlap} \

@@ -24,11 +24,14 @@ GEMMs, forward and backward, half of the full square). With two or more layer co
 ``outside layers`` extrapolates the step to zero layers (the embedding, head, loss and the
 optimizer of the replicated non-layer parameters): ``(b·t_a − a·t_b) / (b − a)``.
 
-torchtitan (``--titan``, where it imports: ``scripts/make-titan-bundle.sh``): its ``Qwen3Model``
-built from the same HF config (qwen3_moe only), bf16 parameters, grouped-mm experts, SDPA causal
-attention, the loss as torchtitan's (``F.cross_entropy`` on the full float32 logits), torch's fused
-AdamW on the bf16 parameters (no float32 masters: fewer bytes than ray_moe's optimizer), no load
-balancing bias update. The same phases.
+torchtitan (``--titan``, where it imports: ``scripts/make-titan-bundle.sh``): its model of the
+preset's family (qwen3_moe, deepseek_v3 with MLA, gpt_oss with sinks and sliding windows:
+:mod:`ray_moe.bench.titan`, which says what of each config it does not follow) built from the same
+HF config as ray_moe's row, with as many parameters (``params`` on both rows), bf16 parameters,
+grouped-mm experts, its own attention (SDPA; gpt-oss: flex attention with its block masks), the
+loss as torchtitan's (``F.cross_entropy`` on the full float32 logits), torch's fused AdamW on the
+bf16 parameters (no float32 masters: fewer bytes than ray_moe's optimizer), no load balancing bias
+update. The same phases.
 
 Compiled variants, each a row of its own beside the eager one: ``--compile`` (ray_moe with
 ``model.compile=blocks``: each block's attention half, norms and dense MLPs compiled, the MoE layer
@@ -49,7 +52,14 @@ the first). Runs on the CPU at tiny sizes (the fused kernel there only under
 ``--experts N`` cuts the preset's routed experts so that a layer of a large model's shape fits
 one GPU (DeepSeek-V3: hidden 7168, MLA, experts of 2048, top-8); ``--attention-share`` adds each
 row's attention time (every block's attention half, forward and backward, timed alone) and its
-share of the step.
+share of the step (torchtitan's rows too: each block's ``attention_norm`` + ``attention``).
+
+``--variants "bf16=;fp8=moe.expert_precision=fp8"``: ray_moe's rows once per named variant (its
+config overrides after the name, space separated), timed in the same run in ABBA order (A B B A:
+each variant built and timed twice, its row the mean of the two visits' medians, ``step spread``
+their difference over that mean), each with ``x FIRST``, its step over the first variant's of the same kind and
+layer count. torchtitan's rows run once. ``--skip-eager`` leaves only the compiled rows of a side
+that has them (``--compile``, ``--titan-compile``).
 
 Both modes print a table and (``--json``) write the rows with the setup.
 """
@@ -57,6 +67,7 @@ Both modes print a table and (``--json``) write the rows with the setup.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -70,9 +81,11 @@ import torch
 import torch.nn.functional as F
 
 from ray_moe import usage
+from ray_moe.bench import titan
 from ray_moe.bench.common import free, one_rank, peak_gib, pick_device, reset_peak, sync
 
 PHASES = ("forward", "lm head + loss", "backward", "grad sync", "optimizer")
+Variant = tuple[str, tuple[str, ...]]  # --variants: a name and its config overrides
 
 
 # ============================================================================ helpers
@@ -130,8 +143,9 @@ def model_flops(spec: Any, tokens: int, seq_len: int) -> float:
 
 
 # ============================================================================ ray_moe step
-def engine_config(args: argparse.Namespace, layers: int):
-    """The HF preset at ``layers`` layers as a one-rank training config."""
+def engine_config(args: argparse.Namespace, layers: int, overrides: tuple[str, ...] = ()):
+    """The HF preset at ``layers`` layers as a one-rank training config, ``--set`` and then a
+    variant's ``overrides`` on top."""
     from ray_moe.config import Config
 
     batch = max(1, args.tokens // args.seq_len)
@@ -141,7 +155,7 @@ def engine_config(args: argparse.Namespace, layers: int):
         f"model.seq_len={args.seq_len}", f"model.dtype={args.dtype}", "parallel.world_size=1",
         f"parallel.device={args.device}", f"data.max_bytes={args.max_bytes}", f"train.batch_size={batch}",
         "train.steps=1000", "train.warmup_steps=0", "train.lr=3e-4", "train.grad_clip=1.0", "train.plots=false",
-        *args.set,
+        *args.set, *overrides,
     ]
     return Config().with_overrides(keys)
 
@@ -186,16 +200,23 @@ def attention_ms(engine: Any, args: argparse.Namespace, compiled: bool) -> float
             y = layer.regions.attention(layer, x, cos, sin) if compiled else layer.attention_half(x, cos, sin)
             y.backward(torch.ones_like(y))
 
-    for _ in range(max(args.warmup, 1)):
+    ms = _median_ms(once, device, args.warmup, args.iters)
+    model.zero_grad(set_to_none=True)
+    return ms
+
+
+def _median_ms(once: Callable[[], None], device: torch.device, warmup: int, iters: int) -> float:
+    """The median milliseconds of ``iters`` calls of ``once`` after ``max(warmup, 1)`` untimed ones
+    (CUDA events; host time on the CPU)."""
+    for _ in range(max(warmup, 1)):
         once()
     times = []
-    for _ in range(args.iters):
+    for _ in range(iters):
         m = Marks(device)
         m.mark("start")
         once()
-        m.mark("attention")
-        times.append(m.ms()["attention"])
-    model.zero_grad(set_to_none=True)
+        m.mark("once")
+        times.append(m.ms()["once"])
     return statistics.median(times)
 
 
@@ -207,13 +228,16 @@ def instrumented_step(engine: Any) -> dict[str, float]:
     return m.ms()
 
 
-def ray_moe_rows(args: argparse.Namespace, layers: int, compiled: bool = False) -> dict[str, Any]:
-    """ray_moe's row at ``layers`` layers; ``compiled``: with ``model.compile=blocks``."""
+def ray_moe_rows(args: argparse.Namespace, layers: int, compiled: bool = False,
+                 variant: Variant = ("", ())) -> dict[str, Any]:
+    """ray_moe's row at ``layers`` layers; ``compiled``: with ``model.compile=blocks``; ``variant``:
+    (name, its config overrides), the name appended to the row's model name."""
     from ray_moe.comm.local import LocalTransport
     from ray_moe.worker.engine import Engine
 
     device = pick_device(args.device)
-    cfg = engine_config(args, layers).with_overrides([f"model.compile={'blocks' if compiled else 'none'}"])
+    name, overrides = variant
+    cfg = engine_config(args, layers, overrides).with_overrides([f"model.compile={'blocks' if compiled else 'none'}"])
     resolved = cfg.resolve_arch()
     engine = Engine(cfg, one_rank(device), LocalTransport(), device, resolved)
     spec = resolved.spec
@@ -221,13 +245,15 @@ def ray_moe_rows(args: argparse.Namespace, layers: int, compiled: bool = False) 
     base = reset_peak(device)
     phases = [instrumented_step(engine) for _ in range(args.iters)]
     steps = [1e3 * engine.train_step()["time"]["step"] for _ in range(args.iters)]
-    row = _step_row("ray_moe compiled" if compiled else "ray_moe", layers, _median_rows(phases),
-                    statistics.median(steps), args, spec)
+    model = " ".join(filter(None, ("ray_moe", "compiled" if compiled else "", name)))
+    row = _step_row(model, layers, _median_rows(phases), statistics.median(steps), args, spec)
     row.update(peak_gib=peak_gib(device), in_use_gib=base / 2**30, loss_impl=engine.loss_impl,
                optimizer_impl=engine.optimizer.impl,
                activation_checkpointing=engine.config.model.activation_checkpointing,
+               expert_precision=engine.config.moe.expert_precision,
                params_replicated=sum(p.numel() for p in engine.replicated),
                params_expert=sum(p.numel() for p in engine.sharded), **first)
+    row["params"] = row["params_replicated"] + row["params_expert"]
     if args.attention_share:
         row["attention ms"] = attention_ms(engine, args, compiled)
         row["attention share"] = row["attention ms"] / row["step ms"]
@@ -263,89 +289,24 @@ def _step_row(name: str, layers: int, phases: dict[str, float], step_ms: float, 
 
 
 # ============================================================================ torchtitan
-def titan_import_error() -> str | None:
-    try:
-        import torchtitan.models.qwen3  # noqa: F401
-    except Exception as exc:  # not installed, or an incompatible torch
-        return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
-    return None
-
-
-def titan_args(hf: dict, layers: int, seq_len: int) -> Any:
-    """torchtitan's ``Qwen3ModelArgs`` for a qwen3_moe HF config at ``layers`` layers."""
-    from torchtitan.models.moe import MoEArgs
-    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
-
-    if hf.get("model_type") != "qwen3_moe":
-        raise ValueError(f"--titan compares qwen3_moe configs only, got model_type={hf.get('model_type')!r}")
-    return Qwen3ModelArgs(
-        vocab_size=hf["vocab_size"], max_seq_len=seq_len, head_dim=hf["head_dim"], dim=hf["hidden_size"],
-        n_layers=layers, n_heads=hf["num_attention_heads"], n_kv_heads=hf["num_key_value_heads"], qk_norm=True,
-        hidden_dim=hf["intermediate_size"], rope_theta=hf["rope_theta"], norm_eps=hf["rms_norm_eps"],
-        moe_enabled=True, moe_inter_dim=hf["moe_intermediate_size"],
-        moe_args=MoEArgs(num_experts=hf["num_experts"], num_shared_experts=0, top_k=hf["num_experts_per_tok"],
-                         score_func="softmax", route_norm=bool(hf.get("norm_topk_prob", True)), route_scale=1.0,
-                         score_before_experts=False),
-    )
-
-
-def titan_compile(model: Any) -> Callable[[], None]:
-    """torchtitan's own per-block compile (``compile.enable``, components ``model``, inductor):
-    its ``apply_compile`` compiles each MoE block's attention, norms, router and token reorderer
-    (``fullgraph=True``; the grouped experts through its compiled ``_run_experts_grouped_mm``), a
-    dense block whole. That sets a module global of torchtitan's and a dynamo flag; the returned
-    function puts both back (the next eager torchtitan model runs eagerly)."""
-    from torchtitan.config.job_config import Compile
-    from torchtitan.models.llama4.infra.parallelize import apply_compile
-    from torchtitan.models.moe import moe as moe_module
-
-    saved = moe_module._run_experts_grouped_mm, torch._dynamo.config.capture_scalar_outputs
-    apply_compile(model, Compile(enable=True, components=["model", "loss"], backend="inductor"), ep_enabled=False)
-
-    def undo() -> None:
-        moe_module._run_experts_grouped_mm, torch._dynamo.config.capture_scalar_outputs = saved
-
-    return undo
-
-
-def titan_ac(model: Any, mode: str, compiled: bool) -> None:
-    """torchtitan's own activation checkpointing (``--titan-ac``: none | selective | full), applied
-    as its Qwen3 parallelize does, before the compile: ``full`` recomputes each block, as
-    ``model.activation_checkpointing=full`` does for ray_moe; ``selective`` is torchtitan's default
-    (every second block, saving its listed ops)."""
-    if mode == "none":
-        return
-    from torchtitan.config.job_config import ActivationCheckpoint
-    from torchtitan.distributed.activation_checkpoint import apply_ac
-    from torchtitan.models.qwen3.infra.parallelize import _op_sac_save_list
-
-    apply_ac(model, ActivationCheckpoint(mode=mode), model_compile_enabled=compiled,
-             op_sac_save_list=_op_sac_save_list)
-
-
 def titan_rows(args: argparse.Namespace, layers: int, compiled: bool = False) -> dict[str, Any]:
-    """torchtitan's row at ``layers`` layers; ``compiled``: its per-block compile
-    (:func:`titan_compile`) and its compiled loss (``build_cross_entropy_loss``'s rule), after its
-    activation checkpointing (``--titan-ac``, :func:`titan_ac`)."""
+    """torchtitan's row at ``layers`` layers: its model of the family (:mod:`ray_moe.bench.titan`)
+    built from the HF config ray_moe's row builds from (the preset, ``--experts``, ``--set
+    model.hf...``), ``params`` its parameter count; ``compiled``: its per-block compile
+    (:func:`~ray_moe.bench.titan.apply_compile`) and its compiled loss (``build_cross_entropy_loss``'s
+    rule), after its activation checkpointing (``--titan-ac``). On the CPU its CUDA-only parts run
+    through :func:`~ray_moe.bench.titan.cpu_fallbacks`."""
     from torchtitan.components.loss import cross_entropy_loss
-    from torchtitan.models.qwen3.model.model import Qwen3Model
-
-    from ray_moe.arch import resolve
 
     device, dtype = pick_device(args.device), getattr(torch, args.dtype)
-    spec, hf = resolve(args.preset, {"num_hidden_layers": layers})
-    with torch.device("meta"):
-        model = Qwen3Model(titan_args(hf, layers, args.seq_len))
-    model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_weights(buffer_device=device)
-        for param in model.parameters():  # parameters only: the RoPE cache and the expert counters stay float32
-            param.data = param.data.to(dtype)
+    resolved = engine_config(args, layers).resolve_arch()
+    spec = resolved.spec
+    tt = titan.build(resolved.hf_config, args.seq_len, device, dtype)
     undo, loss_fn = None, cross_entropy_loss  # F.cross_entropy of the float32 logits, summed
-    titan_ac(model, args.titan_ac, compiled)
+    titan.apply_ac(tt, args.titan_ac, compiled)
     if compiled:
-        undo, loss_fn = titan_compile(model), torch.compile(cross_entropy_loss, backend="inductor")
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
+        undo, loss_fn = titan.apply_compile(tt), torch.compile(cross_entropy_loss, backend="inductor")
+    opt = torch.optim.AdamW(tt.model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device.type == "cuda")
     batch = max(1, args.tokens // args.seq_len)
     g = torch.Generator().manual_seed(0)
@@ -355,49 +316,141 @@ def titan_rows(args: argparse.Namespace, layers: int, compiled: bool = False) ->
     def step(m: Marks | None = None) -> None:
         mark = m.mark if m else (lambda name: None)
         mark("start")
-        h = model.tok_embeddings(x)
-        for layer in model.layers.values():
-            h = layer(h, model.rope_cache, None, None)
-        h = model.norm(h)
+        h = tt.hidden(x)
         mark("forward")
-        loss = loss_fn(model.output(h), y) / y.numel()
+        loss = loss_fn(tt.model.output(h), y) / y.numel()
         mark("lm head + loss")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         mark("backward")
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(tt.model.parameters(), 1.0)
         float(norm)  # the host read ray_moe's step has too
         mark("grad sync")
         opt.step()
         mark("optimizer")
 
+    extra: dict[str, Any] = {}
     try:
-        first = warm_up(step, device, args.warmup, compiled)
-        base = reset_peak(device)
-        phases = []
-        for _ in range(args.iters):
-            m = Marks(device)
-            step(m)
-            phases.append(m.ms())
-        steps = []
-        for _ in range(args.iters):
-            sync(device)
-            t0 = time.perf_counter()
-            step()
-            sync(device)
-            steps.append(1e3 * (time.perf_counter() - t0))
+        with titan.cpu_fallbacks() if device.type == "cpu" else contextlib.nullcontext():
+            first = warm_up(step, device, args.warmup, compiled)
+            base = reset_peak(device)
+            phases = []
+            for _ in range(args.iters):
+                m = Marks(device)
+                step(m)
+                phases.append(m.ms())
+            steps = []
+            for _ in range(args.iters):
+                sync(device)
+                t0 = time.perf_counter()
+                step()
+                sync(device)
+                steps.append(1e3 * (time.perf_counter() - t0))
+            peak = peak_gib(device)
+            if args.attention_share:
+                opt.zero_grad(set_to_none=True)
+                extra["attention ms"] = titan_attention_ms(tt, x, args)
     finally:
         if undo is not None:
             undo()
     row = _step_row("torchtitan compiled" if compiled else "torchtitan", layers, _median_rows(phases),
                     statistics.median(steps), args, spec)
-    row.update(peak_gib=peak_gib(device), in_use_gib=base / 2**30, loss_impl="full logits (float32)",
-               optimizer_impl="torch fused AdamW, bf16 params", activation_checkpointing=args.titan_ac, **first)
-    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
-        row["note"] = "every layer MoE here; the HF config has dense layers"
-    del model, opt
-    free(device)
+    row.update(peak_gib=peak, in_use_gib=base / 2**30, loss_impl="full logits (float32)",
+               optimizer_impl="torch fused AdamW, bf16 params", activation_checkpointing=args.titan_ac, **first,
+               params=tt.params(), **extra)
+    if "attention ms" in row:
+        row["attention share"] = row["attention ms"] / row["step ms"]
+    notes = list(tt.notes) + (["its gpt-oss parallelize compiles no block: the loss only"]
+                              if compiled and tt.family == "gpt_oss" else [])
+    notes += ["flex attention dense on the CPU"] if device.type == "cpu" and tt.family == "gpt_oss" else []
+    if notes:
+        row["note"] = "; ".join(notes)
+    return row  # its model and optimizer freed by the caller (_run_row), once this frame is gone
+
+
+def titan_attention_ms(tt: Any, tokens: torch.Tensor, args: argparse.Namespace) -> float:
+    """Milliseconds of every torchtitan block's attention half (``x + attention(attention_norm(x))``,
+    compiled where its compile compiled it), forward and backward, at the step's batch shape
+    ``tokens`` [B, L] (gpt-oss: with its masks of ``tokens``)."""
+    weight = tt.model.tok_embeddings.weight  # [V, H]
+    x = torch.randn(*tokens.shape, weight.shape[1], device=weight.device, dtype=weight.dtype, requires_grad=True)
+    masks = tt.masks(tokens)
+
+    def once() -> None:
+        for layer in tt.model.layers.values():
+            y = tt.attention_half(layer, x, masks)
+            y.backward(torch.ones_like(y))
+
+    ms = _median_ms(once, weight.device, args.warmup, args.iters)
+    tt.model.zero_grad(set_to_none=True)
+    return ms
+
+
+# ============================================================================ variants
+def parse_variants(text: str) -> list[Variant]:
+    """``--variants "bf16=;fp8=moe.expert_precision=fp8"``: ``;``-separated ``NAME=OVERRIDES``,
+    OVERRIDES the variant's ``section.key=value`` config overrides separated by spaces (none: the
+    config as given). Raises ValueError naming the part that is wrong."""
+    out: list[Variant] = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        name, eq, rest = part.partition("=")
+        name = name.strip()
+        if not eq or not name or " " in name or name == "compiled":
+            raise ValueError(f"variant {part!r} must look like NAME=section.key=value ... (NAME=: no overrides)")
+        overrides = tuple(rest.split())
+        bad = next((o for o in overrides if "=" not in o or o.startswith("=")), None)
+        if bad is not None:
+            raise ValueError(f"variant {name}: override {bad!r} must look like section.key=value")
+        if name in (n for n, _ in out):
+            raise ValueError(f"variant {name} is named twice")
+        out.append((name, overrides))
+    if len(out) < 2:
+        raise ValueError(f"{text!r} names {len(out)} variant(s); give two or more, separated by ';'")
+    return out
+
+
+def abba(variants: list[Variant]) -> list[Variant]:
+    """The order the variants are timed in: each once forward, then once backward (A B B A; A B C C
+    B A), so that a drift over the run (clocks, heat) weighs on every variant alike."""
+    return variants + variants[::-1] if len(variants) > 1 else list(variants)
+
+
+def merge_visits(visits: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row of a variant's visits (:func:`abba`): each ``... ms`` column the mean of the visits'
+    medians, tokens/s and model TFLOP/s from that step time, ``peak_gib`` the largest, ``step
+    spread`` (max − min) / mean of the visits' step times; a failed visit's row as it is."""
+    failed = next((v for v in visits if "step ms" not in v), None)
+    if failed is not None or len(visits) == 1:
+        return failed or visits[0]
+    row = dict(visits[0])
+    for k, v in row.items():
+        if k.endswith(" ms") and isinstance(v, float):
+            row[k] = statistics.mean(visit[k] for visit in visits)
+    if "attention ms" in row:
+        row["attention share"] = row["attention ms"] / row["step ms"]
+    steps = [v["step ms"] for v in visits]
+    row["tokens/s"] = row["tokens"] / (row["step ms"] / 1e3)
+    row["model TFLOP/s"] = visits[0]["model TFLOP/s"] * visits[0]["step ms"] / row["step ms"]
+    peaks = [v["peak_gib"] for v in visits if v.get("peak_gib") is not None]  # None on the CPU
+    row["peak_gib"] = max(peaks) if peaks else None
+    row.update(visits=len(visits), **{"step spread": (max(steps) - min(steps)) / row["step ms"]})
     return row
+
+
+def variant_ratio_columns(rows: list[dict], variants: list[Variant]) -> None:
+    """``x FIRST`` on each ray_moe variant row, in place: its step ms over the first variant's row of
+    the same kind (eager or compiled) and ``layers``; on the extrapolated rows also ``per layer x
+    FIRST``."""
+    first, names = variants[0][0], [n for n, _ in variants]
+    ref = {(r["model"], str(r["layers"])): r for r in rows if "step ms" in r}
+    for r in rows:
+        name = next((n for n in names if r["model"].startswith("ray_moe") and r["model"].endswith(f" {n}")), None)
+        base = ref.get((r["model"][: -len(name)] + first, str(r["layers"]))) if name else None
+        if base is None or "step ms" not in r:
+            continue
+        r[f"x {first}"] = r["step ms"] / base["step ms"]
+        if "per layer step ms" in r and "per layer step ms" in base:
+            r[f"per layer x {first}"] = r["per layer step ms"] / base["per layer step ms"]
 
 
 def outside_layer_rows(rows: list[dict]) -> list[dict]:
@@ -545,6 +598,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="also ray_moe with model.compile=blocks (its blocks' dense parts compiled, the MoE eager)")
     p.add_argument("--titan-compile", action="store_true",
                    help="also torchtitan with its own per-block compile and compiled loss (apply_compile)")
+    p.add_argument("--skip-eager", action="store_true",
+                   help="with --compile / --titan-compile: only the compiled rows of that side (a shorter run)")
     p.add_argument("--titan-ac", choices=["none", "selective", "full"], default="none",
                    help="torchtitan's activation checkpointing (its apply_ac; selective is its default, "
                         "full matches model.activation_checkpointing=full)")
@@ -554,6 +609,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--attention-share", action="store_true",
                    help="also time every block's attention half, forward and backward, alone: the 'attention "
                         "ms' column and its share of the step")
+    p.add_argument("--variants", default=None, metavar="NAME=OVERRIDES;...",
+                   help="ray_moe's rows once per named variant, timed in the same run in ABBA order, each with "
+                        "its config overrides (space separated) and its step's ratio to the first's, e.g. "
+                        "'bf16=;fp8=moe.expert_precision=fp8'")
     p.add_overrides("ray_moe's rows")
     p.add_argument("--json", default=None, help="write the rows and the setup here")
     args = p.parse_args(argv)
@@ -563,6 +622,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--experts={args.experts} must be >= 0")
     if args.titan_compile and args.titan == "no":
         p.error("--titan-compile compiles torchtitan's model; it needs --titan auto or yes")
+    if args.skip_eager and not (args.compile or args.titan_compile):
+        p.error("--skip-eager leaves the compiled rows only; it needs --compile or --titan-compile")
+    try:
+        args.variant_list = parse_variants(args.variants) if args.variants is not None else [("", ())]
+    except ValueError as exc:
+        p.error(f"--variants: {exc}")
+    if args.loss_only and args.variants is not None:
+        p.error("--variants times ray_moe's training step; --loss-only has none")
     return args
 
 
@@ -593,39 +660,98 @@ def main(argv: list[str]) -> int:
         rows = loss_rows(args)
         _print_table(rows)
     else:
-        titan_error = titan_import_error() if args.titan != "no" else "not asked for"
-        if not titan_error and _family(args.preset) != "qwen3_moe":
-            titan_error = f"the torchtitan rows build its Qwen3 model only; --preset {args.preset} is not qwen3_moe"
+        family = _family(args.preset)
+        titan_error = titan.import_error(family) if args.titan != "no" else "not asked for"
         if args.titan == "yes" and titan_error:
-            print(f"ray-moe bench train: error: --titan yes but torchtitan does not import ({titan_error}); "
-                  "build it with scripts/make-titan-bundle.sh", file=sys.stderr)
+            why = (f"torchtitan's {family} model does not import ({titan_error}); build it with "
+                   "scripts/make-titan-bundle.sh") if family in titan.FAMILIES else titan_error
+            print(f"ray-moe bench train: error: --titan yes: {why}", file=sys.stderr)
+            return 2
+        error = _variant_error(args, layer_counts) if args.variants is not None else None
+        if error:
+            print(f"ray-moe bench train: error: {error}", file=sys.stderr)
             return 2
         print(f"torchtitan: {titan_error or 'imports'}", flush=True)
-        variants = [("ray_moe", ray_moe_rows, False)]
-        variants += [("ray_moe compiled", ray_moe_rows, True)] if args.compile else []
-        if not titan_error:
-            variants += [("torchtitan", titan_rows, False)]
-            variants += [("torchtitan compiled", titan_rows, True)] if args.titan_compile else []
+        kinds = _kinds(args.compile, args.skip_eager)
+        titans = [] if titan_error else _kinds(args.titan_compile, args.skip_eager)
         for layers in layer_counts:
-            for name, fn, compiled in variants:
-                try:
-                    new = [fn(args, layers, compiled)]
-                except Exception as exc:  # one failing model must not lose the other's rows
-                    import traceback
-
-                    traceback.print_exc()
-                    new = [{"model": name, "layers": layers, "note": f"failed: {type(exc).__name__}: "
-                                                                     f"{(str(exc).splitlines() or [''])[0][:200]}"}]
-                free(device)  # here, not in the handler: the traceback's frames hold the failed model until it ends
-                _print_progress(new[0])  # one line per row as it comes; the table once, at the end
-                rows += new
+            for compiled in kinds:
+                visits: dict[str, list[dict]] = {}
+                for variant in abba(args.variant_list):
+                    row = _run_row(args, device, layers, lambda v=variant: ray_moe_rows(args, layers, compiled, v),
+                                   " ".join(filter(None, ("ray_moe", "compiled" if compiled else "", variant[0]))))
+                    visits.setdefault(variant[0], []).append(row)
+                rows += [merge_visits(v) for v in visits.values()]
+                _write_json(args, device, titan_error, rows)
+            for compiled in titans:
+                rows.append(_run_row(args, device, layers, lambda: titan_rows(args, layers, compiled),
+                                     "torchtitan compiled" if compiled else "torchtitan"))
                 _write_json(args, device, titan_error, rows)
         rows += outside_layer_rows(rows)
         ratio_columns(rows)
+        if args.variants is not None:
+            variant_ratio_columns(rows, args.variant_list)
         print()
         _print_table(rows)
+        _print_summary(rows, args.variant_list if args.variants is not None else [])
     _write_json(args, device, titan_error, rows)
     return 0
+
+
+def _kinds(compiled: bool, skip_eager: bool) -> list[bool]:
+    """Which rows of one side run: eager (False), compiled (True) with ``compiled``; ``skip_eager``
+    drops the eager one where a compiled one runs."""
+    return [True] if compiled and skip_eager else [False, True] if compiled else [False]
+
+
+def _variant_error(args: argparse.Namespace, layer_counts: list[int]) -> str | None:
+    """The first variant whose overrides make an invalid config, and why (one line), at the first
+    layer count whose config without them is valid (a count that is not says so in its row)."""
+    from ray_moe.config import ConfigError
+
+    for layers in layer_counts:
+        try:
+            engine_config(args, layers)
+        except ConfigError:
+            continue
+        for name, overrides in args.variant_list:
+            try:
+                engine_config(args, layers, overrides)
+            except ConfigError as exc:
+                return f"variant {name}: {exc}".replace("\n", " ")
+        return None
+    return None
+
+
+def _run_row(args: argparse.Namespace, device: torch.device, layers: int, fn: Callable[[], dict],
+             model: str) -> dict[str, Any]:
+    """``fn()``'s row, printed as one line as it comes; a failure becomes a row with its note (one
+    failing model must not lose the others' rows)."""
+    try:
+        row = fn()
+    except Exception as exc:
+        import traceback
+
+        traceback.print_exc()
+        row = {"model": model, "layers": layers,
+               "note": f"failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"}
+    free(device)  # here, not in the handler: the traceback's frames hold the failed model until it ends
+    _print_progress(row)
+    return row
+
+
+def _print_summary(rows: list[dict], variants: list[Variant]) -> None:
+    """Per timed row: its step, its ratio to torchtitan's and (``--variants``) to the first variant's,
+    its attention's share where timed; one line each."""
+    print()
+    first = f"x {variants[0][0]}" if variants else None
+    for r in rows:
+        if "step ms" not in r:
+            continue
+        items = [f"step {r['step ms']:.2f} ms"]
+        items += [f"{c} {r[c]:.3f}" for c in (first, "x titan compiled", "x titan eager", "attention share",
+                                               "per layer step ms") if c and c in r]
+        print(f"{r['model']}, {r['layers']} layers: " + ", ".join(items), flush=True)
 
 
 def _family(preset: str) -> str:

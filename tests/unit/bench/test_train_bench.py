@@ -106,9 +106,88 @@ def test_titan_compile_without_titan_exit_2(capsys):
 def test_titan_ac_none_leaves_the_model_alone_and_the_flag_takes_torchtitans_modes():
     """``--titan-ac none`` (the default) applies nothing and needs no torchtitan; the flag takes
     torchtitan's none / selective (its default) / full, and refuses anything else."""
-    train.titan_ac(object(), "none", compiled=False)  # nothing imported, nothing applied
+    from ray_moe.bench import titan
+
+    titan.apply_ac(object(), "none", compiled=False)  # nothing imported, nothing applied
     assert train.parse_args([]).titan_ac == "none"
     assert train.parse_args(["--titan-ac", "full"]).titan_ac == "full"
     with pytest.raises(SystemExit) as exc:
         train.parse_args(["--titan-ac", "memory_budget"])
     assert exc.value.code == 2
+
+
+def test_variants_parse_into_names_and_overrides():
+    assert train.parse_variants("bf16=;fp8=moe.expert_precision=fp8 train.lr=1e-4") == [
+        ("bf16", ()), ("fp8", ("moe.expert_precision=fp8", "train.lr=1e-4"))]
+    assert train.abba([("a", ()), ("b", ()), ("c", ())]) == [("a", ()), ("b", ()), ("c", ()), ("c", ()), ("b", ()),
+                                                             ("a", ())]
+    for bad, why in [("bf16=", "give two or more"), ("bf16=;bf16=x.y=1", "named twice"), ("a=;fp8", "NAME="),
+                     ("a=;b=moe.expert_precision", "section.key=value"), ("a=;compiled=", "NAME=")]:
+        with pytest.raises(ValueError, match=why):
+            train.parse_variants(bad)
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--variants", "a=;b=moe.expert_precision"], "--variants: variant b: override 'moe.expert_precision'"),
+    (["--variants", "a=;b=moe.expert_precision=fp9"], "variant b: moe.expert_precision='fp9' is not allowed"),
+    (["--variants", "a=;b=", "--loss-only"], "--variants times ray_moe's training step"),
+])
+def test_bad_variants_exit_2_with_one_line(argv, msg, capsys):
+    try:
+        code = train.main(["--device", "cpu", "--preset", "qwen3_moe-tiny", "--titan", "no", *argv])
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and msg in err, err
+
+
+def test_merge_visits_and_ratio_to_the_first_variant():
+    a1 = {"model": "ray_moe bf16", "layers": 2, "forward ms": 4.0, "step ms": 10.0, "tokens": 100,
+          "model TFLOP/s": 2.0, "peak_gib": 1.0}
+    a2 = a1 | {"forward ms": 6.0, "step ms": 30.0, "peak_gib": 3.0}
+    row = train.merge_visits([a1, a2])
+    assert row["step ms"] == 20.0 and row["forward ms"] == 5.0 and row["peak_gib"] == 3.0 and row["visits"] == 2
+    assert row["tokens/s"] == 100 / 0.02 and row["model TFLOP/s"] == 1.0 and row["step spread"] == 1.0
+    failed = {"model": "ray_moe bf16", "layers": 2, "note": "failed: X"}
+    assert train.merge_visits([a1, failed]) is failed
+    rows = [row, {"model": "ray_moe fp8", "layers": 2, "step ms": 15.0},
+            {"model": "ray_moe compiled bf16", "layers": 2, "step ms": 8.0},
+            {"model": "ray_moe compiled fp8", "layers": 2, "step ms": 4.0},
+            {"model": "ray_moe fp8", "layers": 4, "step ms": 9.0},  # no bf16 row at 4 layers
+            {"model": "torchtitan", "layers": 2, "step ms": 5.0}]
+    train.variant_ratio_columns(rows, [("bf16", ()), ("fp8", ("moe.expert_precision=fp8",))])
+    assert [r.get("x bf16") for r in rows] == [1.0, 0.75, 1.0, 0.5, None, None]
+
+
+def test_variants_time_ray_moe_per_variant_in_one_run(tmp_path, capsys):
+    """``--variants``: each variant's row carries its override (here the FP8 experts, emulated on
+    the CPU), from two visits (ABBA), with its step's ratio to the first variant's."""
+    out = tmp_path / "train.json"
+    assert train.main(["--device", "cpu", "--preset", "qwen3_moe-tiny", "--layers", "2", "--tokens", "32",
+                       "--seq-len", "16", "--dtype", "float32", "--warmup", "0", "--iters", "1", "--titan", "no",
+                       "--variants", "bf16=;fp8=moe.expert_precision=fp8", "--max-bytes", "200000",
+                       "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["model"], r["expert_precision"], r["visits"]) for r in rows] == [
+        ("ray_moe bf16", "bf16", 2), ("ray_moe fp8", "fp8", 2)], rows
+    assert rows[0]["x bf16"] == 1.0 and rows[1]["x bf16"] == rows[1]["step ms"] / rows[0]["step ms"] > 0
+    text = capsys.readouterr().out
+    progress = [line.split(",")[0] for line in text.splitlines() if line.startswith("# ray_moe")]
+    assert progress == ["# ray_moe bf16", "# ray_moe fp8", "# ray_moe fp8", "# ray_moe bf16"]  # ABBA
+    assert "ray_moe fp8, 2 layers: step " in text and "x bf16 " in text
+
+
+def test_skip_eager_keeps_the_compiled_rows_only(capsys):
+    assert train._kinds(True, True) == [True] and train._kinds(True, False) == [False, True]
+    assert train._kinds(False, True) == [False] and train._kinds(False, False) == [False]
+    with pytest.raises(SystemExit) as exc:
+        train.parse_args(["--skip-eager"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--skip-eager" in err and "--compile or --titan-compile" in err
+
+
+def test_titan_yes_for_a_family_torchtitan_lacks_exit_2(capsys):
+    assert train.main(["--device", "cpu", "--preset", "mixtral-tiny", "--titan", "yes"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--titan yes: torchtitan has no model of mixtral" in err, err
+    assert "qwen3_moe, deepseek_v3, gpt_oss" in err
