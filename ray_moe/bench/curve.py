@@ -314,7 +314,8 @@ def main(argv: list[str]) -> int:
     losses, step_s, skipped, stopped_at = _run(engines, names, args, out)
     write_csv(out / "curve.csv", names, losses)
     ref_tail = tail_mean(losses[names[0]], args.tail)
-    evals = {n: engines[n].evaluate(args.eval_batches) for n in names} if args.eval_batches else {}
+    nb = args.eval_batches
+    evals = {n: engines[n].eval_mean(engines[n].eval_sum(0, nb), nb) for n in names} if nb else {}
     summary: dict[str, Any] = {}
     for name in names:
         tail = tail_mean(losses[name], args.tail)
