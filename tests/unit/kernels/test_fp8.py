@@ -86,6 +86,23 @@ for tma in (False, True):
     for s_ in range(S):
         dense = a[:, t[s_]:t[s_ + 1]] @ b[:, t[s_]:t[s_ + 1]].T
         assert torch.allclose(dw[s_], dense, rtol=1e-4, atol=1e-4)
+# the tile and schedule variants the sweep chooses from (persistent programs, the one-dot SwiGLU
+# form, 256-column tiles, other wgrad tiles): same results
+F = G.Fp8GemmConfig
+_, _, h13r = G.fp8_gate_up_reference(xq, xs, q13t, s13.transpose(1, 2), lay, K, dt)
+for cfg in (F(16, 128, 4, 1, one_dot=True), F(32, 128, 4, 1, persistent=1)):
+    aq, asc, h13 = G.fp8_gate_up(xq, xs, q13t, s13.transpose(1, 2), lay, K, dt, cfg=cfg)
+    assert ((h13[:n].float() - h13r[:n].float()).abs() <= h13r[:n].float().abs() * 2 ** -7 + 1e-6).all(), cfg
+for cfg in (F(16, 64, 4, 1, persistent=1), F(32, 256, 4, 1)):
+    close(G.fp8_down(aq, asc, q2t, s2.transpose(1, 2), lay, K, weight, torch.float32, cfg=cfg),
+          G.fp8_down_reference(aq, asc, q2t, s2.transpose(1, 2), lay, K, weight, torch.float32))
+    close(G.fp8_rows(gq, gs, q2, s2, lay, K, True, torch.float32, cfg=cfg),
+          G.fp8_rows_reference(gq, gs, q2, s2, lay, K, True, torch.float32))
+    close(G.fp8_rows(dq, ds, q13, s13, lay, K, False, torch.float32, cfg=cfg),
+          G.fp8_rows_reference(dq, ds, q13, s13, lay, K, False, torch.float32))
+for cfg in (F(32, 64, 4, 1), F(64, 16, 4, 1)):
+    dw = G.fp8_wgrad(*ops, cfg=cfg)
+    assert dw[2].abs().max() == 0 and ((dw - dwr).norm() / dwr.norm()).item() < 1e-5
 print("fp8 kernels ok")
 """
 
@@ -125,6 +142,12 @@ def test_quantisation_references_define_the_numerics():
     q, qt, s = Q.quantize_blocks_reference(w)
     assert s.shape == (2, 2, 3) and torch.equal(qt.float(), q.float().transpose(1, 2))
     assert torch.equal(s[:, 1, 2], w[:, 128:, 256:].abs().amax((1, 2)) / 448)
+    # the scale is amax / 448 correctly rounded (float64's quotient rounded once more is exact for
+    # float32 division), not amax times a rounded 1/448 (what a scalar divisor gives on CUDA)
+    amax = torch.rand(64, generator=g) * 100
+    _, s = Q.quantize_rows_reference(amax[:, None] * torch.linspace(1.0, -0.5, 128))  # |row| peaks at column 0
+    assert torch.equal(s[:, 0], (amax.double() / 448).float())
+    assert not torch.equal(s[:, 0], amax * torch.tensor(1 / 448))
 
 
 def _problem(R=24, K=2, S=3, H=96, I=128, seed=0):
