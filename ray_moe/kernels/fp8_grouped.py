@@ -13,6 +13,17 @@ spans at most 128 products (DeepSeek-V3 §3.3.2)::
 
     acc[p, n] = Σ_kb ( Σ_{k in kb} a_q[row(p), k] b_q[n, k] ) · a_s[row(p), kb] · b_s[n // 128, kb]
 
+The row GEMMs promote in one of three forms (``Fp8GemmConfig.promote``): ``outer`` multiplies
+each chunk's result by the outer product of the two scale vectors (any column tile); ``row``
+(column tiles within one 128-column weight block, where B's scale is one number per tile and
+chunk) by the per-row product ``a_s · b_s``, one FMA an element and the same float32 values as
+``outer``; ``acc`` keeps the accumulator in units of the current chunk's row scale ``S_kb`` and
+lets each dot accumulate into it in place, ``acc ← dot(a, b, acc · S_kb-1 / S_kb)``, times
+``S_last`` at the end: no second [BLOCK_M, BLOCK_N] float32 tile of registers per dot (so
+128-row SwiGLU tiles and 256-column tiles fit), one rounding of the ratio per chunk more than
+the other forms (float32 round-off), and finite only while a row's partial sum stays below
+2^128 times its current chunk's scale (always, for scales within 10^30 of each other along a row).
+
 Kernels (grouped by slot over a :class:`~ray_moe.kernels.routing.PairLayout`, the same
 ragged-tile schedule as the bf16 pointer kernels: the grid is fixed by shapes, each program
 finds its group from the device-side offsets, nothing waits on the host):
@@ -78,6 +89,31 @@ def _load_a_chunk(a_ptr, a_desc, a_row, row_ok, row_start, kb, KD, stride_am, A_
     return a
 
 
+PROMOTE_OUTER: tl.constexpr = tl.constexpr(0)
+PROMOTE_ROW: tl.constexpr = tl.constexpr(1)
+PROMOTE_ACC: tl.constexpr = tl.constexpr(2)
+PROMOTIONS = ("outer", "row", "acc")  # Fp8GemmConfig.promote → the constexpr's value (its index)
+
+
+@triton.jit
+def _promote_chunk(acc, s_prev, a, b, sa, bs_ptrs, bs_ptr0, col_ok, kb, stride_bsk, PROMOTE: tl.constexpr):
+    """Chunk ``kb``'s product a @ bᵀ into ``acc`` in the ``PROMOTE`` form (module docstring).
+    ``sa`` [BLOCK_M]: A's scales of the chunk; B's: ``bs_ptrs`` [BLOCK_N] per column (outer) or
+    ``bs_ptr0`` for the whole tile (row, acc). ``s_prev``: (acc) the accumulator's current unit.
+    Returns (acc, its unit after this chunk)."""
+    if PROMOTE == PROMOTE_OUTER:
+        sb = tl.load(bs_ptrs + kb * stride_bsk, mask=col_ok, other=0.0)
+        acc += tl.dot(a, tl.trans(b), out_dtype=tl.float32) * (sa[:, None] * sb[None, :])
+        s = s_prev
+    elif PROMOTE == PROMOTE_ROW:
+        s = sa * tl.load(bs_ptr0 + kb * stride_bsk)
+        acc += tl.dot(a, tl.trans(b), out_dtype=tl.float32) * s[:, None]
+    else:
+        s = sa * tl.load(bs_ptr0 + kb * stride_bsk)
+        acc = tl.dot(a, tl.trans(b), acc * tl.div_rn(s_prev, s)[:, None], out_dtype=tl.float32)
+    return acc, s
+
+
 @triton.jit
 def _fp8_rows_tile(
     tile_m, pid_n, g, starts, ends, tiles, cum,
@@ -86,7 +122,7 @@ def _fp8_rows_tile(
     stride_am, stride_asm, stride_bg, stride_bn, stride_bsg, stride_bsn, stride_bsk, stride_om, stride_osm, stride_xm,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr, SAVE_AUX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr,
-    ONE_DOT: tl.constexpr, EXACT_CAST: tl.constexpr,
+    ONE_DOT: tl.constexpr, PROMOTE: tl.constexpr, EXACT_CAST: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] output tile of row tile ``tile_m`` (its group from the table of
     :func:`~ray_moe.kernels.grouped_tma._group_table`) and column tile ``pid_n``."""
@@ -130,8 +166,16 @@ def _fp8_rows_tile(
     else:
         bs_ptrs = bs_ptr + g64 * stride_bsg + (rn // 128) * stride_bsn
         bs_up_ptrs = bs_ptr + g64 * stride_bsg + ((half + rn) // 128) * stride_bsn
+        # (row, acc) the tile's one weight block: BLOCK_N divides 128 and half is a multiple of it
+        bs_ptr0 = bs_ptr + g64 * stride_bsg + (n0 // 128) * stride_bsn
+        bs_up_ptr0 = bs_ptr + g64 * stride_bsg + ((half + n0) // 128) * stride_bsn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # rows past the group get A scale 1 (their dots are 0, or finite rows of the next group
+        # through A's descriptor; never stored): the acc form divides by the scales
+        s_prev = tl.load(as_ptrs, mask=row_ok, other=1.0)
+        s_prev_up = s_prev * tl.load(bs_up_ptr0)
+        s_prev = s_prev * tl.load(bs_ptr0)
         for kb in range(0, tl.cdiv(KD, 128)):
             k = kb * 128 + rk
             k_ok = k < KD
@@ -141,17 +185,19 @@ def _fp8_rows_tile(
             else:
                 b = tl.load(b_ptr + g64 * stride_bg + rn[:, None].to(tl.int64) * stride_bn + k[None, :],
                             mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            sa = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
-            sb = tl.load(bs_ptrs + kb * stride_bsk, mask=col_ok, other=0.0)
-            acc += tl.dot(a, tl.trans(b), out_dtype=tl.float32) * (sa[:, None] * sb[None, :])
+            sa = tl.load(as_ptrs + kb, mask=row_ok, other=1.0)
+            acc, s_prev = _promote_chunk(acc, s_prev, a, b, sa, bs_ptrs, bs_ptr0, col_ok, kb, stride_bsk, PROMOTE)
             if EPILOGUE == EPI_SWIGLU:
                 if B_DESC:
                     b_up = b_desc.load([b_row0 + half + n0, kb * 128])
                 else:
                     b_up = tl.load(b_ptr + g64 * stride_bg + (half + rn)[:, None].to(tl.int64) * stride_bn
                                    + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                sb_up = tl.load(bs_up_ptrs + kb * stride_bsk, mask=col_ok, other=0.0)
-                acc_up += tl.dot(a, tl.trans(b_up), out_dtype=tl.float32) * (sa[:, None] * sb_up[None, :])
+                acc_up, s_prev_up = _promote_chunk(acc_up, s_prev_up, a, b_up, sa, bs_up_ptrs, bs_up_ptr0, col_ok, kb,
+                                                   stride_bsk, PROMOTE)
+        if PROMOTE == PROMOTE_ACC:
+            acc = acc * s_prev[:, None]
+            acc_up = acc_up * s_prev_up[:, None]
 
     rm64 = rm.to(tl.int64)
     out_mask = row_ok[:, None] & col_ok[None, :]
@@ -182,8 +228,8 @@ def _fp8_rows_kernel(
     stride_am, stride_asm, stride_bg, stride_bn, stride_bsg, stride_bsn, stride_bsk, stride_om, stride_osm, stride_xm,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, EPILOGUE: tl.constexpr, SAVE_AUX: tl.constexpr,
     GROUPS_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-    A_DESC: tl.constexpr, B_DESC: tl.constexpr, ONE_DOT: tl.constexpr, PERSISTENT: tl.constexpr,
-    EXACT_CAST: tl.constexpr,
+    A_DESC: tl.constexpr, B_DESC: tl.constexpr, ONE_DOT: tl.constexpr, PROMOTE: tl.constexpr,
+    PERSISTENT: tl.constexpr, EXACT_CAST: tl.constexpr,
 ):
     """See the module docstring. B tile of group s, columns n: rows ``s, n`` of ``bt`` (and
     ``half + n`` for the up half); its scales ``bs[s, n // 128, kb]`` through the given strides.
@@ -203,7 +249,7 @@ def _fp8_rows_kernel(
                            out_ptr, out_s_ptr, aux_ptr, weight_ptr, sorted_pair_ptr, N, KD, half, b_group_rows,
                            stride_am, stride_asm, stride_bg, stride_bn, stride_bsg, stride_bsn, stride_bsk, stride_om,
                            stride_osm, stride_xm, TOP_K, GATHER_A, EPILOGUE, SAVE_AUX, BLOCK_M, BLOCK_N, A_DESC,
-                           B_DESC, ONE_DOT, EXACT_CAST)
+                           B_DESC, ONE_DOT, PROMOTE, EXACT_CAST)
     else:
         tile_m, pid_n = swizzle(tl.program_id(0), max_m_tiles, num_n, GROUP_M)
         if tile_m < total_m:
@@ -211,7 +257,7 @@ def _fp8_rows_kernel(
                            out_ptr, out_s_ptr, aux_ptr, weight_ptr, sorted_pair_ptr, N, KD, half, b_group_rows,
                            stride_am, stride_asm, stride_bg, stride_bn, stride_bsg, stride_bsn, stride_bsk, stride_om,
                            stride_osm, stride_xm, TOP_K, GATHER_A, EPILOGUE, SAVE_AUX, BLOCK_M, BLOCK_N, A_DESC,
-                           B_DESC, ONE_DOT, EXACT_CAST)
+                           B_DESC, ONE_DOT, PROMOTE, EXACT_CAST)
 
 
 @triton.jit
@@ -274,6 +320,9 @@ class Fp8GemmConfig:
     1×128 scale tile). ``persistent`` (row GEMMs): 0, one program per possible tile; p > 0, p
     programs per SM walking the tiles. ``one_dot`` (gate_up): gate and up columns as one
     [2·128, 128] operand of one dot (pointer loads), instead of two dots into two accumulators.
+    ``promote`` (row GEMMs; the wgrad kernel's two scale vectors are always an outer product):
+    ``row`` or ``acc`` (tiles within one weight block, block_n <= 128) or ``outer`` (any tiles;
+    the one-dot form's), see the module docstring.
     """
 
     block_m: int = 128
@@ -283,6 +332,7 @@ class Fp8GemmConfig:
     group_m: int = 8
     persistent: int = 0
     one_dot: bool = False
+    promote: str = "row"
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -291,18 +341,24 @@ class Fp8GemmConfig:
                 raise ValueError(f"Fp8GemmConfig.{name} must be a power of two >= 16, got {v}")
         if self.persistent < 0 or self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
             raise ValueError(f"bad Fp8GemmConfig {self}")
+        if self.promote not in PROMOTIONS:
+            raise ValueError(f"Fp8GemmConfig.promote must be one of {', '.join(PROMOTIONS)}, got {self.promote!r}")
+        if self.promote != "outer" and (self.block_n > TILE or self.one_dot):
+            raise ValueError(f"Fp8GemmConfig.promote={self.promote!r} needs a column tile within one weight block "
+                             f"(block_n <= {TILE}, not one_dot); got block_n={self.block_n}, one_dot={self.one_dot}")
 
     @property
     def name(self) -> str:
         extra = (f" persistent×{self.persistent}" if self.persistent else "") + (" one-dot" if self.one_dot else "")
-        return f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}{extra}"
+        return f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages} g{self.group_m} {self.promote}{extra}"
 
 
 # the GEMM roles of the FP8 experts: up + SwiGLU, down, G = grad_out·w2ᵀ, dX rows, the weight gradients
 FP8_ROLES = ("gate_up", "down", "dact", "dx", "wgrad")
 
 _F = Fp8GemmConfig
-# Hopper defaults: the first-choice tiles of the 2026-12-07 run. SwiGLU form: two accumulators and
+# Hopper defaults: the first-choice tiles of the 2026-12-07 run (promoted per row since: the same
+# float32 values, one FMA an element instead of two operations). SwiGLU form: two accumulators and
 # two chunk products fit 255 registers at 64 rows and 8 warps (ptxas for sm_90a: 128 rows spilled
 # 740 bytes); wgrad 128x128, 4 stages: 243 registers, no spills, 128 KB of shared memory.
 _HOPPER_DEFAULT = MappingProxyType({
@@ -315,29 +371,41 @@ FP8_TILES: Mapping[tuple[str, int, int], Fp8GemmConfig] = MappingProxyType({})
 
 
 def fp8_candidates(role: str) -> tuple[Fp8GemmConfig, ...]:
-    """The configs ``--fp8-sweep`` times for ``role`` on Hopper, the default first: the default
-    tiles at other stage counts, one-warpgroup 64-row tiles (two or three programs per SM: one
-    program's chunk waits on its dot while another's runs, as the scale after every chunk makes
-    each wgmma wait), persistent schedules, 256-column tiles, and the one-dot SwiGLU form."""
+    """The configs ``--fp8-sweep`` times for ``role`` on Hopper, the default first.
+
+    Row GEMMs: the default tiles at other stage counts; one-warpgroup 64-row tiles (two or three
+    programs per SM: one program's promotion runs while another's dot does, as the scale after
+    every chunk makes each wgmma wait); the ``acc`` promotion (no second tile of registers, so
+    128-row SwiGLU tiles fit); the ``outer`` form (what the ``row`` one replaced); persistent
+    schedules; 256-column tiles and the one-dot SwiGLU form. wgrad: tiles and stages.
+    """
     if role not in FP8_ROLES:
         raise ValueError(f"unknown FP8 GEMM role {role!r}; known: {', '.join(FP8_ROLES)}")
     if role == "gate_up":
-        more = (_F(64, 128, 8, 3), _F(64, 128, 8, 3, one_dot=True), _F(64, 128, 8, 4, one_dot=True),
-                _F(64, 128, 8, 4, persistent=1), _F(32, 128, 4, 4))
+        more = (_F(64, 128, 8, 3), _F(64, 128, 4, 4), _F(64, 128, 4, 3), _F(64, 128, 8, 4, promote="acc"),
+                _F(128, 128, 8, 3, promote="acc"), _F(128, 128, 8, 4, promote="acc"), _F(64, 128, 8, 4, persistent=1),
+                _F(64, 128, 8, 4, promote="outer"), _F(64, 128, 8, 4, one_dot=True, promote="outer"))
     elif role == "wgrad":
-        more = (_F(128, 128, 8, 3), _F(64, 128, 4, 4), _F(128, 64, 4, 4), _F(64, 64, 4, 4))
+        more = (_F(128, 128, 8, 3), _F(128, 128, 8, 5), _F(64, 128, 4, 4), _F(128, 64, 4, 4), _F(64, 64, 4, 4),
+                _F(128, 128, 8, 4, group_m=16))
     else:
-        more = (_F(128, 128, 8, 4), _F(64, 128, 4, 3), _F(64, 128, 4, 4), _F(128, 128, 8, 3, persistent=1),
-                _F(64, 128, 4, 3, persistent=2), _F(64, 256, 8, 3))
+        more = (_F(128, 128, 8, 4), _F(64, 128, 4, 3), _F(64, 128, 4, 4), _F(128, 128, 8, 3, promote="acc"),
+                _F(128, 128, 8, 4, promote="acc"), _F(128, 128, 8, 3, persistent=1),
+                _F(64, 128, 4, 3, persistent=2), _F(128, 128, 8, 3, promote="outer"),
+                _F(64, 256, 8, 3, promote="outer"))
     return (_HOPPER_DEFAULT[role],) + more
 
 
-def fp8_config(role: str, dims: tuple[int, int], device: torch.device) -> Fp8GemmConfig:
-    """The config a launch uses when none is given: :data:`FP8_TILES` for ``(role, *dims)``, else
-    the role's Hopper default; small tiles under the interpreter (CPU tensors)."""
+def fp8_config(role: str, dims: tuple[int, int], device: torch.device,
+               tiles: Mapping[tuple[str, int, int], Fp8GemmConfig] = FP8_TILES) -> Fp8GemmConfig:
+    """The config a launch uses when none is given: ``tiles`` (:data:`FP8_TILES`; a sweep passes
+    its winners) for ``(role, *dims)``, else the role's Hopper default; small tiles under the
+    interpreter (CPU tensors). ``dims``: (N, KD) of a row GEMM, (M, N) of a weight gradient."""
+    if role not in FP8_ROLES:
+        raise ValueError(f"unknown FP8 GEMM role {role!r}; known: {', '.join(FP8_ROLES)}")
     if device.type != "cuda":
         return _F(16, 16, 4, 1) if role == "wgrad" else _F(16, 128, 4, 1)
-    return FP8_TILES.get((role, *dims)) or _HOPPER_DEFAULT[role]
+    return tiles.get((role, *dims)) or _HOPPER_DEFAULT[role]
 
 
 def _descriptors_ok(*tensors: torch.Tensor) -> bool:
@@ -387,7 +455,8 @@ def _launch_rows(*, a, a_s, bt, bt_s, out, layout: PairLayout, top_k: int, gathe
         out.stride(0), 0 if out_s is None else out_s.stride(0), 0 if aux is None else aux.stride(0),
         TOP_K=top_k, GATHER_A=gather_a, EPILOGUE=epilogue, SAVE_AUX=save_aux,
         GROUPS_PAD=triton.next_power_of_2(S), BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=cfg.group_m,
-        A_DESC=a_desc_ok, B_DESC=b_desc_ok, ONE_DOT=one_dot, PERSISTENT=cfg.persistent > 0,
+        A_DESC=a_desc_ok, B_DESC=b_desc_ok, ONE_DOT=one_dot, PROMOTE=PROMOTIONS.index(cfg.promote),
+        PERSISTENT=cfg.persistent > 0,
         EXACT_CAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -86,14 +86,16 @@ for tma in (False, True):
     for s_ in range(S):
         dense = a[:, t[s_]:t[s_ + 1]] @ b[:, t[s_]:t[s_ + 1]].T
         assert torch.allclose(dw[s_], dense, rtol=1e-4, atol=1e-4)
-# the tile and schedule variants the sweep chooses from (persistent programs, the one-dot SwiGLU
-# form, 256-column tiles, other wgrad tiles): same results
+# the tile, schedule and promotion variants the sweep chooses from (persistent programs, the
+# one-dot SwiGLU form, 256-column tiles with the outer-product promotion, the in-place
+# accumulation, other wgrad tiles): same results
 F = G.Fp8GemmConfig
 _, _, h13r = G.fp8_gate_up_reference(xq, xs, q13t, s13.transpose(1, 2), lay, K, dt)
-for cfg in (F(16, 128, 4, 1, one_dot=True), F(32, 128, 4, 1, persistent=1)):
+for cfg in (F(16, 128, 4, 1, one_dot=True, promote="outer"), F(32, 128, 4, 1, persistent=1),
+            F(16, 128, 4, 1, promote="acc")):
     aq, asc, h13 = G.fp8_gate_up(xq, xs, q13t, s13.transpose(1, 2), lay, K, dt, cfg=cfg)
     assert ((h13[:n].float() - h13r[:n].float()).abs() <= h13r[:n].float().abs() * 2 ** -7 + 1e-6).all(), cfg
-for cfg in (F(16, 64, 4, 1, persistent=1), F(32, 256, 4, 1)):
+for cfg in (F(16, 64, 4, 1, persistent=1, promote="acc"), F(32, 256, 4, 1, promote="outer")):
     close(G.fp8_down(aq, asc, q2t, s2.transpose(1, 2), lay, K, weight, torch.float32, cfg=cfg),
           G.fp8_down_reference(aq, asc, q2t, s2.transpose(1, 2), lay, K, weight, torch.float32))
     close(G.fp8_rows(gq, gs, q2, s2, lay, K, True, torch.float32, cfg=cfg),
