@@ -152,6 +152,32 @@ def test_quantisation_references_define_the_numerics():
     assert not torch.equal(s[:, 0], amax * torch.tensor(1 / 448))
 
 
+def test_fp8_gemm_configs_and_the_chooser():
+    """One owner of the tiles: fp8_config reads the table for (role, dims) on CUDA, else the role's
+    default (the sweep's first candidate); the interpreter's small tiles on the CPU; a config
+    whose promotion form cannot serve its tile is refused; every candidate is a valid config."""
+    from ray_moe.kernels import fp8_grouped as G
+
+    F, cuda = G.Fp8GemmConfig, torch.device("cuda")  # (a device name: nothing runs)
+    table = {("down", 4096, 1536): F(64, 128, 4, 3, promote="acc")}
+    assert G.fp8_config("down", (4096, 1536), cuda, tiles=table) == table[("down", 4096, 1536)]
+    for role in G.FP8_ROLES:
+        cands = G.fp8_candidates(role)
+        assert G.fp8_config(role, (4096, 1536) if role != "down" else (2048, 768), cuda, tiles=table) == cands[0]
+        assert G.fp8_config(role, (1, 1), cuda) == cands[0]  # the committed table, at dims it has no entry for
+        assert len(set(cands)) == len(cands)
+        assert G.fp8_config(role, (1, 1), torch.device("cpu")).block_m == 16
+    assert all(c.block_n == 128 for c in G.fp8_candidates("gate_up"))  # the act tile is one 1×128 scale tile
+    assert {c.promote for c in G.fp8_candidates("dx")} == set(G.PROMOTIONS)
+    assert any(c.persistent for c in G.fp8_candidates("down")) and any(c.one_dot for c in G.fp8_candidates("gate_up"))
+    for bad in (dict(block_n=256), dict(one_dot=True), dict(promote="max"), dict(block_m=48), dict(num_warps=3)):
+        with pytest.raises(ValueError):
+            F(**bad)
+    assert F(64, 256, 8, 3, promote="outer").name == "64x256 w8 s3 g8 outer"
+    with pytest.raises(ValueError, match="unknown FP8 GEMM role"):
+        G.fp8_config("up", (1, 1), cuda)
+
+
 def _problem(R=24, K=2, S=3, H=96, I=128, seed=0):
     g = torch.Generator().manual_seed(seed)
     slot = torch.randint(0, S, (R, K), generator=g)
