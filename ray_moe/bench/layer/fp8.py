@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -90,14 +91,14 @@ def torchao_expert_ffn(x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor
 
 
 # the FP8 GEMMs of one expert step: sweep name → (role of fp8_grouped.FP8_ROLES, what it computes)
-FP8_GEMMS = {
+FP8_GEMMS = MappingProxyType({
     "gate_up": ("gate_up", "up + SwiGLU (x·w13, act written FP8)"),
     "down": ("down", "down (act·w2 × routing weight)"),
     "dact": ("dact", "G = grad_out·w2ᵀ"),
     "dx": ("dx", "dX rows = dh13·w13ᵀ"),
     "wgrad13": ("wgrad", "dW13 = xᵀ·dh13"),
     "wgrad2": ("wgrad", "dW2 = awᵀ·grad_out"),
-}
+})
 
 
 def gemm_dims(name: str, shape: LayerShape) -> tuple[int, int]:
