@@ -350,7 +350,8 @@ class Fp8GemmConfig:
     @property
     def name(self) -> str:
         extra = (f" persistent×{self.persistent}" if self.persistent else "") + (" one-dot" if self.one_dot else "")
-        return f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages} g{self.group_m} {self.promote}{extra}"
+        tiles = f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages} g{self.group_m}"
+        return f"{tiles} {self.promote}{extra}"
 
 
 # the GEMM roles of the FP8 experts: up + SwiGLU, down, G = grad_out·w2ᵀ, dX rows, the weight gradients

@@ -131,7 +131,8 @@ def tiled_ops(tiles: Mapping[tuple[str, int, int], Any]):
                           cfg=cfg("dact" if gather_a else "dx", bt.shape[1], bt.shape[2], a_q.device))
 
     def wgrad(at, at_s, bt, bt_s, group_tiles, out_dtype):
-        return G.fp8_wgrad(at, at_s, bt, bt_s, group_tiles, out_dtype, cfg=cfg("wgrad", at.shape[0], bt.shape[0], at.device))
+        return G.fp8_wgrad(at, at_s, bt, bt_s, group_tiles, out_dtype,
+                           cfg=cfg("wgrad", at.shape[0], bt.shape[0], at.device))
 
     return dataclasses.replace(TRITON_OPS, gate_up=gate_up, down=down, rows=rows, wgrad=wgrad)
 

@@ -107,7 +107,8 @@ def test_fp8_kernel_breakdown_and_sweep_under_the_interpreter(interpreter_script
 @pytest.mark.parametrize("argv, says", [
     (["--fp8-sweep"], "--fp8-sweep needs 'fp8' in --sections"),
     (["--sections", "fp8", "--fp8-sweep-gemms", "down"], "--fp8-sweep-gemms needs --fp8-sweep"),
-    (["--sections", "fp8", "--fp8-sweep", "--fp8-sweep-gemms", "down,up"], "--fp8-sweep-gemms: unknown up; known: gate_up"),
+    (["--sections", "fp8", "--fp8-sweep", "--fp8-sweep-gemms", "down,up"],
+     "--fp8-sweep-gemms: unknown up; known: gate_up"),
 ])
 def test_fp8_sweep_flags_name_what_is_wrong(argv, says, capsys):
     with pytest.raises(SystemExit) as exc:
