@@ -23,6 +23,11 @@ lets each dot accumulate into it in place, ``acc ← dot(a, b, acc · S_kb-1 / S
 128-row SwiGLU tiles and 256-column tiles fit), one rounding of the ratio per chunk more than
 the other forms (float32 round-off), and finite only while a row's partial sum stays below
 2^128 times its current chunk's scale (always, for scales within 10^30 of each other along a row).
+Within one program the scaling never runs beside the tensor cores: Triton 3.9 waits for each
+wgmma right after issuing it (``warp_group_dot_wait`` with 0 pending) whenever its result feeds
+anything but the next dot, also when a loop step issues two chunks' dots before promoting either
+or promotes the previous step's product (checked in the sm_90 TTGIR, 2026-12-07); only several
+programs per SM overlap one's promotion with another's dot (the one-warpgroup candidates).
 
 Kernels (grouped by slot over a :class:`~ray_moe.kernels.routing.PairLayout`, the same
 ragged-tile schedule as the bf16 pointer kernels: the grid is fixed by shapes, each program
@@ -96,22 +101,40 @@ PROMOTIONS = ("outer", "row", "acc")  # Fp8GemmConfig.promote → the constexpr'
 
 
 @triton.jit
-def _promote_chunk(acc, s_prev, a, b, sa, bs_ptrs, bs_ptr0, col_ok, kb, stride_bsk, PROMOTE: tl.constexpr):
-    """Chunk ``kb``'s product a @ bᵀ into ``acc`` in the ``PROMOTE`` form (module docstring).
-    ``sa`` [BLOCK_M]: A's scales of the chunk; B's: ``bs_ptrs`` [BLOCK_N] per column (outer) or
-    ``bs_ptr0`` for the whole tile (row, acc). ``s_prev``: (acc) the accumulator's current unit.
-    Returns (acc, its unit after this chunk)."""
+def _chunk_scale(sa, bs_ptrs, bs_ptr0, col_ok, kb, stride_bsk, PROMOTE: tl.constexpr):
+    """The factor of chunk ``kb``'s dot in the row or outer form: ``(a_s · b_s)[:, None]`` with B's
+    one scale of the tile at ``bs_ptr0`` (row), or ``a_s[:, None] · b_s[None, :]`` per column from
+    ``bs_ptrs`` (outer). ``sa`` [BLOCK_M]: A's scales of the chunk."""
     if PROMOTE == PROMOTE_OUTER:
         sb = tl.load(bs_ptrs + kb * stride_bsk, mask=col_ok, other=0.0)
-        acc += tl.dot(a, tl.trans(b), out_dtype=tl.float32) * (sa[:, None] * sb[None, :])
-        s = s_prev
-    elif PROMOTE == PROMOTE_ROW:
-        s = sa * tl.load(bs_ptr0 + kb * stride_bsk)
-        acc += tl.dot(a, tl.trans(b), out_dtype=tl.float32) * s[:, None]
+        f = sa[:, None] * sb[None, :]
     else:
-        s = sa * tl.load(bs_ptr0 + kb * stride_bsk)
-        acc = tl.dot(a, tl.trans(b), acc * tl.div_rn(s_prev, s)[:, None], out_dtype=tl.float32)
+        f = (sa * tl.load(bs_ptr0 + kb * stride_bsk))[:, None]
+    return f
+
+
+@triton.jit
+def _promote_acc(acc, s_prev, a, b, sa, bs_ptr0, kb, stride_bsk):
+    """Chunk ``kb`` in the acc form: ``acc`` is in units of ``s_prev`` (per row); rescaled to this
+    chunk's ``s = a_s · b_s`` and the dot accumulated into it in place. Returns (acc, s)."""
+    s = sa * tl.load(bs_ptr0 + kb * stride_bsk)
+    acc = tl.dot(a, tl.trans(b), acc * tl.div_rn(s_prev, s)[:, None], out_dtype=tl.float32)
     return acc, s
+
+
+@triton.jit
+def _load_b_chunk(b_ptr, b_desc, g64, b_row0, col0, n0, rn, col_ok, kb, KD, stride_bg, stride_bn,
+                  B_DESC: tl.constexpr):
+    """B's [BLOCK_N, 128] FP8 chunk ``kb`` of the columns ``col0 + rn`` (``rn`` = n0 + arange):
+    ``col0`` = 0, or ``half`` for the up half. Chunks past KD read zeros (masks; a descriptor's
+    out-of-bounds box)."""
+    if B_DESC:
+        b = b_desc.load([b_row0 + col0 + n0, kb * 128])
+    else:
+        k = kb * 128 + tl.arange(0, 128)
+        b = tl.load(b_ptr + g64 * stride_bg + (col0 + rn)[:, None].to(tl.int64) * stride_bn + k[None, :],
+                    mask=col_ok[:, None] & (k < KD)[None, :], other=0.0)
+    return b
 
 
 @triton.jit
@@ -177,24 +200,22 @@ def _fp8_rows_tile(
         s_prev_up = s_prev * tl.load(bs_up_ptr0)
         s_prev = s_prev * tl.load(bs_ptr0)
         for kb in range(0, tl.cdiv(KD, 128)):
-            k = kb * 128 + rk
-            k_ok = k < KD
             a = _load_a_chunk(a_ptr, a_desc, a_row, row_ok, row_start, kb, KD, stride_am, A_DESC, BLOCK_M)
-            if B_DESC:
-                b = b_desc.load([b_row0 + n0, kb * 128])
-            else:
-                b = tl.load(b_ptr + g64 * stride_bg + rn[:, None].to(tl.int64) * stride_bn + k[None, :],
-                            mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            sa = tl.load(as_ptrs + kb, mask=row_ok, other=1.0)
-            acc, s_prev = _promote_chunk(acc, s_prev, a, b, sa, bs_ptrs, bs_ptr0, col_ok, kb, stride_bsk, PROMOTE)
+            b = _load_b_chunk(b_ptr, b_desc, g64, b_row0, 0, n0, rn, col_ok, kb, KD, stride_bg, stride_bn, B_DESC)
             if EPILOGUE == EPI_SWIGLU:
-                if B_DESC:
-                    b_up = b_desc.load([b_row0 + half + n0, kb * 128])
-                else:
-                    b_up = tl.load(b_ptr + g64 * stride_bg + (half + rn)[:, None].to(tl.int64) * stride_bn
-                                   + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                acc_up, s_prev_up = _promote_chunk(acc_up, s_prev_up, a, b_up, sa, bs_up_ptrs, bs_up_ptr0, col_ok, kb,
-                                                   stride_bsk, PROMOTE)
+                b_up = _load_b_chunk(b_ptr, b_desc, g64, b_row0, half, n0, rn, col_ok, kb, KD, stride_bg, stride_bn,
+                                     B_DESC)
+            sa = tl.load(as_ptrs + kb, mask=row_ok, other=1.0)
+            if PROMOTE == PROMOTE_ACC:
+                acc, s_prev = _promote_acc(acc, s_prev, a, b, sa, bs_ptr0, kb, stride_bsk)
+                if EPILOGUE == EPI_SWIGLU:
+                    acc_up, s_prev_up = _promote_acc(acc_up, s_prev_up, a, b_up, sa, bs_up_ptr0, kb, stride_bsk)
+            else:
+                acc += tl.dot(a, tl.trans(b), out_dtype=tl.float32) * _chunk_scale(sa, bs_ptrs, bs_ptr0, col_ok, kb,
+                                                                                   stride_bsk, PROMOTE)
+                if EPILOGUE == EPI_SWIGLU:
+                    acc_up += tl.dot(a, tl.trans(b_up), out_dtype=tl.float32) * _chunk_scale(
+                        sa, bs_up_ptrs, bs_up_ptr0, col_ok, kb, stride_bsk, PROMOTE)
         if PROMOTE == PROMOTE_ACC:
             acc = acc * s_prev[:, None]
             acc_up = acc_up * s_prev_up[:, None]
