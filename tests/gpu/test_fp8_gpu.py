@@ -62,7 +62,7 @@ def test_quantisation_reference_is_the_same_on_every_device():
     g = torch.Generator().manual_seed(5)
     amax = torch.rand(256, generator=g) * 100
     assert (amax / 448 != amax * torch.tensor(1 / 448)).any()  # the values do tell the two roundings apart
-    x = amax[:, None] * torch.linspace(1.0, -0.5, 384)  # each row's tiles peak at their first column
+    x = amax[:, None] * torch.linspace(1.0, -0.5, 384)  # a row's first tile peaks at its column 0: amax
     want = (amax.double() / 448).float()
     for dt in (torch.float32, torch.bfloat16):
         xd = x.to(dt)

@@ -219,7 +219,7 @@ def fp8_kernel_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms:
         ("other", "gather_sum of y (bf16: the same kernel)", lambda: ops.gather_sum(st.y, lay, K), 0.0,
          lambda: ops.gather_sum(st.y, lay, K)),
         ("quantise", "grad_out rows 1x128", lambda: ops.quantize_rows(st.go), 0.0, None),
-        ("dX", FP8_GEMMS["dact"][1] + " (bf16: with the SwiGLU backward fused)", lambda: st.gemm("dact"), gemm,
+        ("dX", FP8_GEMMS["dact"][1] + " (bf16 ms: G and the SwiGLU backward, both kernels)", lambda: st.gemm("dact"), gemm,
          lambda: gs.swiglu_backward_rows(st.go, lay, K, st.weight, st.w2, h13_bf, cfg=plan.dact)),
         ("dX", "SwiGLU backward on G (elementwise: dh13, aw, routing-weight gradient)",
          lambda: ops.swiglu_bwd(st.g, st.h13, st.weight, lay), 0.0, None),
