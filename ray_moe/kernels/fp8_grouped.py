@@ -343,7 +343,9 @@ class Fp8GemmConfig:
     [2·128, 128] operand of one dot (pointer loads), instead of two dots into two accumulators.
     ``promote`` (row GEMMs; the wgrad kernel's two scale vectors are always an outer product):
     ``row`` or ``acc`` (tiles within one weight block, block_n <= 128) or ``outer`` (any tiles;
-    the one-dot form's), see the module docstring.
+    the one-dot form's), see the module docstring. ``maxnreg`` (0: ptxas's choice, 255 a thread
+    here): a register cap so that more programs share an SM (65536 registers: 168 lets three
+    4-warp programs in), paid for in spills.
     """
 
     block_m: int = 128
@@ -354,6 +356,7 @@ class Fp8GemmConfig:
     persistent: int = 0
     one_dot: bool = False
     promote: str = "row"
+    maxnreg: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -362,6 +365,8 @@ class Fp8GemmConfig:
                 raise ValueError(f"Fp8GemmConfig.{name} must be a power of two >= 16, got {v}")
         if self.persistent < 0 or self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
             raise ValueError(f"bad Fp8GemmConfig {self}")
+        if self.maxnreg and not 24 <= self.maxnreg <= 255:
+            raise ValueError(f"Fp8GemmConfig.maxnreg must be 0 (the compiler's choice) or 24..255, got {self.maxnreg}")
         if self.promote not in PROMOTIONS:
             raise ValueError(f"Fp8GemmConfig.promote must be one of {', '.join(PROMOTIONS)}, got {self.promote!r}")
         if self.promote != "outer" and (self.block_n > TILE or self.one_dot):
@@ -369,8 +374,15 @@ class Fp8GemmConfig:
                              f"(block_n <= {TILE}, not one_dot); got block_n={self.block_n}, one_dot={self.one_dot}")
 
     @property
+    def launch_options(self) -> dict:
+        """Triton launch options: warps, stages and (if set) the register cap."""
+        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        return {**opts, "maxnreg": self.maxnreg} if self.maxnreg else opts
+
+    @property
     def name(self) -> str:
-        extra = (f" persistent×{self.persistent}" if self.persistent else "") + (" one-dot" if self.one_dot else "")
+        extra = (f" persistent×{self.persistent}" if self.persistent else "") + (" one-dot" if self.one_dot else "") \
+            + (f" r{self.maxnreg}" if self.maxnreg else "")
         tiles = f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages} g{self.group_m}"
         return f"{tiles} {self.promote}{extra}"
 
@@ -397,7 +409,7 @@ def fp8_candidates(role: str) -> tuple[Fp8GemmConfig, ...]:
 
     Row GEMMs: the default tiles at other stage counts; one-warpgroup 64-row tiles (two or three
     programs per SM: one program's promotion runs while another's dot does, as the scale after
-    every chunk makes each wgmma wait); the ``acc`` promotion (no second tile of registers, so
+    every chunk makes each wgmma wait; capped at 168 registers, three); the ``acc`` promotion (no second tile of registers, so
     128-row SwiGLU tiles fit); the ``outer`` form (what the ``row`` one replaced); persistent
     schedules; 256-column tiles and the one-dot SwiGLU form. wgrad: tiles and stages.
     """
@@ -408,10 +420,11 @@ def fp8_candidates(role: str) -> tuple[Fp8GemmConfig, ...]:
                 _F(128, 128, 8, 3, promote="acc"), _F(128, 128, 8, 4, promote="acc"), _F(64, 128, 8, 4, persistent=1),
                 _F(64, 128, 8, 4, promote="outer"), _F(64, 128, 8, 4, one_dot=True, promote="outer"))
     elif role == "wgrad":
-        more = (_F(128, 128, 8, 3), _F(128, 128, 8, 5), _F(64, 128, 4, 4), _F(128, 64, 4, 4), _F(64, 64, 4, 4),
-                _F(128, 128, 8, 4, group_m=16))
+        more = (_F(128, 128, 8, 3), _F(128, 128, 8, 5), _F(64, 128, 4, 4), _F(64, 128, 4, 3, maxnreg=168),
+                _F(128, 64, 4, 4), _F(64, 64, 4, 4), _F(128, 128, 8, 4, group_m=16))
     else:
-        more = (_F(128, 128, 8, 4), _F(64, 128, 4, 3), _F(64, 128, 4, 4), _F(128, 128, 8, 3, promote="acc"),
+        more = (_F(128, 128, 8, 4), _F(64, 128, 4, 3), _F(64, 128, 4, 4), _F(64, 128, 4, 3, maxnreg=168),
+                _F(128, 128, 8, 3, promote="acc"),
                 _F(128, 128, 8, 4, promote="acc"), _F(128, 128, 8, 3, persistent=1),
                 _F(64, 128, 4, 3, persistent=2), _F(128, 128, 8, 3, promote="outer"),
                 _F(64, 256, 8, 3, promote="outer"))
@@ -479,7 +492,7 @@ def _launch_rows(*, a, a_s, bt, bt_s, out, layout: PairLayout, top_k: int, gathe
         GROUPS_PAD=triton.next_power_of_2(S), BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=cfg.group_m,
         A_DESC=a_desc_ok, B_DESC=b_desc_ok, ONE_DOT=one_dot, PROMOTE=PROMOTIONS.index(cfg.promote),
         PERSISTENT=cfg.persistent > 0,
-        EXACT_CAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EXACT_CAST=interpreting(), **cfg.launch_options,
     )
 
 
@@ -580,7 +593,7 @@ def fp8_wgrad(
     _fp8_wgrad_kernel[grid](
         at, at_desc, at_s, bt, bt_desc, bt_s, out, tiles, M, N, at.stride(0), at_s.stride(0), bt.stride(0),
         bt_s.stride(0), out.stride(0), out.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=cfg.group_m,
-        DESC=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DESC=tma, **cfg.launch_options,
     )
     return out
 

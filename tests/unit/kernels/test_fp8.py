@@ -95,14 +95,14 @@ for cfg in (F(16, 128, 4, 1, one_dot=True, promote="outer"), F(32, 128, 4, 1, pe
             F(16, 128, 4, 1, promote="acc")):
     aq, asc, h13 = G.fp8_gate_up(xq, xs, q13t, s13.transpose(1, 2), lay, K, dt, cfg=cfg)
     assert ((h13[:n].float() - h13r[:n].float()).abs() <= h13r[:n].float().abs() * 2 ** -7 + 1e-6).all(), cfg
-for cfg in (F(16, 64, 4, 1, persistent=1, promote="acc"), F(32, 256, 4, 1, promote="outer")):
+for cfg in (F(16, 64, 4, 1, persistent=1, promote="acc", maxnreg=168), F(32, 256, 4, 1, promote="outer")):
     close(G.fp8_down(aq, asc, q2t, s2.transpose(1, 2), lay, K, weight, torch.float32, cfg=cfg),
           G.fp8_down_reference(aq, asc, q2t, s2.transpose(1, 2), lay, K, weight, torch.float32))
     close(G.fp8_rows(gq, gs, q2, s2, lay, K, True, torch.float32, cfg=cfg),
           G.fp8_rows_reference(gq, gs, q2, s2, lay, K, True, torch.float32))
     close(G.fp8_rows(dq, ds, q13, s13, lay, K, False, torch.float32, cfg=cfg),
           G.fp8_rows_reference(dq, ds, q13, s13, lay, K, False, torch.float32))
-for cfg in (F(32, 64, 4, 1), F(64, 16, 4, 1)):
+for cfg in (F(32, 64, 4, 1, maxnreg=168), F(64, 16, 4, 1)):
     dw = G.fp8_wgrad(*ops, cfg=cfg)
     assert dw[2].abs().max() == 0 and ((dw - dwr).norm() / dwr.norm()).item() < 1e-5
 print("fp8 kernels ok")
@@ -170,10 +170,12 @@ def test_fp8_gemm_configs_and_the_chooser():
     assert all(c.block_n == 128 for c in G.fp8_candidates("gate_up"))  # the act tile is one 1×128 scale tile
     assert {c.promote for c in G.fp8_candidates("dx")} == set(G.PROMOTIONS)
     assert any(c.persistent for c in G.fp8_candidates("down")) and any(c.one_dot for c in G.fp8_candidates("gate_up"))
-    for bad in (dict(block_n=256), dict(one_dot=True), dict(promote="max"), dict(block_m=48), dict(num_warps=3)):
+    for bad in (dict(block_n=256), dict(one_dot=True), dict(promote="max"), dict(block_m=48), dict(num_warps=3),
+                dict(maxnreg=300)):
         with pytest.raises(ValueError):
             F(**bad)
     assert F(64, 256, 8, 3, promote="outer").name == "64x256 w8 s3 g8 outer"
+    assert F(64, 128, 4, 3, maxnreg=168).launch_options == dict(num_warps=4, num_stages=3, maxnreg=168)
     with pytest.raises(ValueError, match="unknown FP8 GEMM role"):
         G.fp8_config("up", (1, 1), cuda)
 
