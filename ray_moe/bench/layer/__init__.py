@@ -114,6 +114,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="fp8: time every candidate config (tiles, stages, warps, promotion form, persistent or"
                         " grid) of each FP8 GEMM at the shape, print each winner and its FP8_TILES entry, and"
                         " add the expert side on the winners to the fp8 rows")
+    p.add_argument("--fp8-parts", default="kernels,layer",
+                   help="fp8: comma list of what the section runs: kernels (each kernel alone beside bf16's),"
+                        " layer (the layer and expert rows); --fp8-sweep adds the sweep between them. A sweep of"
+                        " all six GEMMs compiles ~50 kernels: split it over runs with --fp8-sweep-gemms and"
+                        " --fp8-parts '' (the sweep alone); the Triton cache keeps what one run compiled")
     p.add_argument("--fp8-sweep-gemms", default=None,
                    help=f"with --fp8-sweep: comma list of the FP8 GEMMs to sweep ({', '.join(FP8_GEMMS)};"
                         " default all)")
@@ -182,6 +187,10 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--sweep-roles: unknown {', '.join(sorted(bad))}; known: {', '.join(GEMM_ROLES)}")
     if args.fp8_sweep and "fp8" not in args.sections.split(","):
         p.error("--fp8-sweep needs 'fp8' in --sections (it times the FP8 GEMMs of that section)")
+    parts = set(filter(None, args.fp8_parts.split(",")))
+    if parts - {"kernels", "layer"}:
+        p.error(f"--fp8-parts: unknown {', '.join(sorted(parts - {'kernels', 'layer'}))}; known: kernels, layer"
+                " (--fp8-sweep adds the sweep)")
     if args.fp8_sweep_gemms is not None:
         if not args.fp8_sweep:
             p.error("--fp8-sweep-gemms needs --fp8-sweep (it names the GEMMs the sweep times)")
@@ -252,6 +261,7 @@ def main(argv: list[str]) -> int:
             torch.cuda.empty_cache()
     layer_es = [int(e) for e in (args.layer_E or str(shape.E)).split(",")]
     fp8_winners: dict[int, dict] = {}  # E → the FP8 sweep's winners, for that E's fp8 layer rows
+    fp8_parts = set(args.fp8_parts.split(","))
 
     def fp8_sweep(eshape: LayerShape) -> list[dict]:
         gemms = tuple(args.fp8_sweep_gemms.split(",")) if args.fp8_sweep_gemms else tuple(FP8_GEMMS)
@@ -279,10 +289,12 @@ def main(argv: list[str]) -> int:
             ("steady", lambda eshape=eshape: steady_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms, impls=impls)),
             ("wgrad", lambda eshape=eshape: wgrad_backend_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms)),
             ("rows", lambda eshape=eshape: row_gemm_backend_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms)),
-            ("fp8", lambda eshape=eshape: fp8_kernel_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms)),
+            ("fp8", (lambda eshape=eshape: fp8_kernel_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms))
+             if "kernels" in fp8_parts else None),
             ("fp8", (lambda eshape=eshape: fp8_sweep(eshape)) if args.fp8_sweep else None),
-            ("fp8", lambda eshape=eshape: fp8_layer_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms,
-                                                         tiles=fp8_winners.get(eshape.E))),
+            ("fp8", (lambda eshape=eshape: fp8_layer_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms,
+                                                          tiles=fp8_winners.get(eshape.E)))
+             if "layer" in fp8_parts else None),
         ):
             if name in sections and name == name_ and step is not None:
                 try:
