@@ -19,7 +19,8 @@ numerics; the kernels reproduce them bit for bit on the GPU):
 Numerics of one tile t (the reference's, exactly)::
 
     amax  = max |v| over t (float32)
-    scale = amax / 448  if amax > 0 else 1          (448: E4M3's largest finite value)
+    scale = amax / 448  if amax > 0 else 1          (448: E4M3's largest finite value;
+                                                     correctly rounded division on every device)
     q     = e4m3( clamp(v / scale, -448, 448) )     (round to nearest even)
     v ≈ q * scale
 
@@ -231,7 +232,12 @@ def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 def _quantize_tiles(v: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """``v`` float32 with its tiles along ``dims`` already split out (size-1 elsewhere in the scale)."""
     amax = v.abs().amax(dim=dims, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # a tensor divisor, not the Python scalar: CUDA's torch multiplies by a scalar divisor's
+    # float32 reciprocal (amax * fl(1/448) is one rounding off amax / 448 for some amax), the
+    # CPU divides; a tensor divisor is divided, correctly rounded, on every device, as the
+    # kernels' ``tl.div_rn`` does (ATen's div_true_kernel_cuda: "if the second operand is a CPU
+    # scalar, compute a * reciprocal(b)")
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     q = (v / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 

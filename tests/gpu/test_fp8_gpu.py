@@ -54,6 +54,77 @@ def test_quantisation_is_bit_exact(R, K, S, H, I, pattern):
         assert _same(st[:, :used], sr[:, :used]) and _same(qt[:, :used * 128], qr[:, :used * 128])
 
 
+def test_quantisation_reference_is_the_same_on_every_device():
+    """The reference's scale is amax / 448 correctly rounded on the GPU as on the CPU (a tensor
+    divisor: torch multiplies by a Python scalar divisor's float32 reciprocal on CUDA, one
+    rounding off for about half of all amax values), and the kernels equal it bit for bit there,
+    rows, columns and blocks, on amax values where the two roundings differ."""
+    g = torch.Generator().manual_seed(5)
+    amax = torch.rand(256, generator=g) * 100
+    assert (amax / 448 != amax * torch.tensor(1 / 448)).any()  # the values do tell the two roundings apart
+    x = amax[:, None] * torch.linspace(1.0, -0.5, 384)  # a row's first tile peaks at its column 0: amax
+    want = (amax.double() / 448).float()
+    for dt in (torch.float32, torch.bfloat16):
+        xd = x.to(dt)
+        ref_cpu = Q.quantize_rows_reference(xd)
+        ref_gpu = Q.quantize_rows_reference(xd.cuda())
+        kernel = Q.quantize_rows(xd.cuda())
+        for a, b, c in zip(ref_cpu, ref_gpu, kernel):
+            assert _same(a.cuda(), b) and _same(b, c)
+        if dt == torch.float32:
+            assert torch.equal(ref_gpu[1][:, 0].cpu(), want)
+        w = xd[:, :256].reshape(2, 128, 256).contiguous()
+        for a, b, c in zip(Q.quantize_blocks_reference(w), Q.quantize_blocks_reference(w.cuda()),
+                           Q.quantize_blocks(w.cuda())):
+            assert _same(a.cuda(), b) and _same(b, c)
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(block_m=128, block_n=128, num_warps=8, num_stages=3, promote="acc"),
+    dict(block_m=64, block_n=128, num_warps=4, num_stages=3, promote="row", persistent=2),
+    dict(block_m=64, block_n=128, num_warps=8, num_stages=4, promote="outer"),
+    dict(block_m=64, block_n=256, num_warps=8, num_stages=3, promote="outer"),
+    dict(block_m=64, block_n=128, num_warps=8, num_stages=4, promote="outer", one_dot=True),
+], ids=["acc-128", "row-persistent", "outer", "outer-256", "one-dot"])
+def test_the_sweeps_gemm_forms_against_float32(cfg):
+    """Each promotion form and schedule the sweep may choose, every row GEMM it applies to, against
+    the float32 reference of the same quantised inputs (as tight as the default's check), through
+    descriptors where they apply; the wgrad kernel's other tiles likewise."""
+    from ray_moe.kernels.routing import pair_layout
+
+    F = G.Fp8GemmConfig
+    cfg = F(**cfg)
+    R, K, S, H, I = 300, 8, 16, 200, 256  # H not a multiple of 128: a ragged last chunk
+    case = random_case(R, K, S, H, I, "random", torch.bfloat16, "cuda", 4)
+    layout = pair_layout(case["slot"], S)
+    n = int(layout.offsets[-1])
+    bf = torch.bfloat16
+    xq, xs = Q.quantize_rows(case["x"])
+    q13, q13t, s13 = Q.quantize_blocks(case["w13"])
+    q2, q2t, s2 = Q.quantize_blocks(case["w2"])
+    if cfg.block_n == 128:
+        _, _, h13 = G.fp8_gate_up(xq, xs, q13t, s13.transpose(1, 2), layout, K, bf, cfg=cfg)
+        _, _, h13r = G.fp8_gate_up_reference(xq, xs, q13t, s13.transpose(1, 2), layout, K, bf)
+        assert ((h13[:n].float() - h13r[:n].float()).abs() <= h13r[:n].float().abs() * 2 ** -7 + 1e-6).all()
+    if cfg.one_dot:
+        return
+    aq, asc = Q.quantize_rows(torch.randn(R * K, I, device="cuda", dtype=bf))
+    y = G.fp8_down(aq, asc, q2t, s2.transpose(1, 2), layout, K, case["weight"], torch.float32, cfg=cfg)
+    assert _rel(y[:n], G.fp8_down_reference(aq, asc, q2t, s2.transpose(1, 2), layout, K, case["weight"],
+                                            torch.float32)[:n]) < 1e-5
+    gq, gs = Q.quantize_rows(torch.randn(R, H, device="cuda", dtype=bf))
+    g = G.fp8_rows(gq, gs, q2, s2, layout, K, True, torch.float32, cfg=cfg)
+    assert _rel(g[:n], G.fp8_rows_reference(gq, gs, q2, s2, layout, K, True, torch.float32)[:n]) < 1e-5
+    dh = torch.randn(R * K, 2 * I, device="cuda", dtype=bf)
+    dq, ds = Q.quantize_rows(dh)
+    dx = G.fp8_rows(dq, ds, q13, s13, layout, K, False, torch.float32, cfg=cfg)
+    assert _rel(dx[:n], G.fp8_rows_reference(dq, ds, q13, s13, layout, K, False, torch.float32)[:n]) < 1e-5
+    wcfg = F(cfg.block_m, min(cfg.block_n, 128), cfg.num_warps, cfg.num_stages)
+    args = (*Q.quantize_cols(case["x"], layout, K, True), *Q.quantize_cols(dh, layout, K, False),
+            Q.group_tiles(layout.offsets), torch.float32)
+    assert _rel(G.fp8_wgrad(*args, cfg=wcfg), G.fp8_wgrad_reference(*args)) < 1e-5
+
+
 @pytest.mark.parametrize("tma", [False, None], ids=["pointers", "descriptors"])
 @pytest.mark.parametrize("R,K,S,H,I,pattern", CASES)
 def test_gemms_against_float32_of_the_same_quantised_inputs(R, K, S, H, I, pattern, tma):

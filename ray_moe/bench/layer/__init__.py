@@ -7,7 +7,8 @@ The sections live in one module each; this one parses the flags and runs them in
   - :mod:`.expert`: single-GPU expert-side rows (``kernels``, ``expert``, ``ffn``, ``routing``, ``saved``);
   - :mod:`.sonic`: the whole layer beside SonicMoE (``layer``, ``small``; ``--sonic-precompile``);
   - :mod:`.profiling`: ``profile``, ``steady``, ``wgrad``, ``rows``;
-  - :mod:`.fp8`: ``fp8``, the MoE layer and the experts in FP8 beside bf16 and torchao's FP8 path;
+  - :mod:`.fp8`: ``fp8``, each FP8 kernel's time beside bf16's, the FP8 GEMM sweep (``--fp8-sweep``),
+    the MoE layer and the experts in FP8 beside bf16 and torchao's FP8 path;
   - EP rows (several GPUs, or a CPU cluster) come from :mod:`ray_moe.bench.ep_layer` (``ep``).
 """
 
@@ -33,7 +34,7 @@ from ray_moe.bench.layer.expert import (
     routing_rows,
     saved_bytes_rows,
 )
-from ray_moe.bench.layer.fp8 import fp8_layer_rows
+from ray_moe.bench.layer.fp8 import FP8_GEMMS, fp8_kernel_rows, fp8_layer_rows, fp8_sweep_rows
 from ray_moe.bench.layer.problem import LayerShape, make_inputs
 from ray_moe.bench.layer.profiling import profile_rows, row_gemm_backend_rows, steady_rows, wgrad_backend_rows
 from ray_moe.bench.layer.sonic import (
@@ -92,7 +93,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    " as weight bytes/s against the copy bandwidth; profile: kernel time of one training step;"
                    " steady: training steps back to back with the host side (device idle, waits, API calls);"
                    " wgrad: the weight-gradient GEMMs alone per backend (triton, grouped_mm, quack);"
-                   " fp8: the layer and the experts with moe.expert_precision fp8 beside bf16 and torchao's"
+                   " fp8: each kernel of an FP8 expert step alone beside bf16's (quantise, up, down, dX, dW),"
+                   " then the layer and the experts with moe.expert_precision fp8 beside bf16 and torchao's"
                    " FP8 rowwise grouped GEMM (speed-ups and errors, one run);"
                    " rows: the four row GEMMs alone, ray_moe's default plan beside SonicMoE's quack kernels;"
                    " ep: the expert-parallel layer on --world-size ranks;"
@@ -108,6 +110,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="with --sweep: comma list of the GEMM roles to sweep (gate_up, down, dact, dx, wgrad13,"
                         " wgrad2; default all); the others keep their default tiles, so the ffn section's"
                         " swept-vs-default A/B measures these roles' tiles alone")
+    p.add_argument("--fp8-sweep", action="store_true",
+                   help="fp8: time every candidate config (tiles, stages, warps, promotion form, persistent or"
+                        " grid) of each FP8 GEMM at the shape, print each winner and its FP8_TILES entry, and"
+                        " add the expert side on the winners to the fp8 rows")
+    p.add_argument("--fp8-parts", default="kernels,layer",
+                   help="fp8: comma list of what the section runs: kernels (each kernel alone beside bf16's),"
+                        " layer (the layer and expert rows); --fp8-sweep adds the sweep between them. A sweep of"
+                        " all six GEMMs compiles ~50 kernels: split it over runs with --fp8-sweep-gemms and"
+                        " --fp8-parts '' (the sweep alone); the Triton cache keeps what one run compiled")
+    p.add_argument("--fp8-sweep-gemms", default=None,
+                   help=f"with --fp8-sweep: comma list of the FP8 GEMMs to sweep ({', '.join(FP8_GEMMS)};"
+                        " default all)")
     p.add_argument("--sonic-precompile", default=None, metavar="DIR",
                    help="no GPU needed: compile every quack GEMM config SonicMoE's autotuner times on sm_90a"
                         " into DIR (carry it as the device's QUACK_CACHE_DIR), then exit")
@@ -171,6 +185,18 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         bad = set(args.sweep_roles.split(",")) - set(GEMM_ROLES)
         if bad:
             p.error(f"--sweep-roles: unknown {', '.join(sorted(bad))}; known: {', '.join(GEMM_ROLES)}")
+    if args.fp8_sweep and "fp8" not in args.sections.split(","):
+        p.error("--fp8-sweep needs 'fp8' in --sections (it times the FP8 GEMMs of that section)")
+    parts = set(filter(None, args.fp8_parts.split(",")))
+    if parts - {"kernels", "layer"}:
+        p.error(f"--fp8-parts: unknown {', '.join(sorted(parts - {'kernels', 'layer'}))}; known: kernels, layer"
+                " (--fp8-sweep adds the sweep)")
+    if args.fp8_sweep_gemms is not None:
+        if not args.fp8_sweep:
+            p.error("--fp8-sweep-gemms needs --fp8-sweep (it names the GEMMs the sweep times)")
+        bad = set(args.fp8_sweep_gemms.split(",")) - set(FP8_GEMMS)
+        if bad:
+            p.error(f"--fp8-sweep-gemms: unknown {', '.join(sorted(bad))}; known: {', '.join(FP8_GEMMS)}")
     for flag in ("ep_iters", "ep_rounds", "ep_profile_steps", "warmup_ms", "rep_ms"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -234,6 +260,14 @@ def main(argv: list[str]) -> int:
             _write_json(args.json, shape, args, rows)
             torch.cuda.empty_cache()
     layer_es = [int(e) for e in (args.layer_E or str(shape.E)).split(",")]
+    fp8_winners: dict[int, dict] = {}  # E → the FP8 sweep's winners, for that E's fp8 layer rows
+    fp8_parts = set(args.fp8_parts.split(","))
+
+    def fp8_sweep(eshape: LayerShape) -> list[dict]:
+        gemms = tuple(args.fp8_sweep_gemms.split(",")) if args.fp8_sweep_gemms else tuple(FP8_GEMMS)
+        new, fp8_winners[eshape.E] = fp8_sweep_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms, gemms)
+        return new
+
     impls = tuple(args.impls.split(","))
     dtype = getattr(torch, args.dtype)
     if sections & {"layer", "small", "profile", "steady", "wgrad", "rows", "fp8"}:
@@ -255,9 +289,14 @@ def main(argv: list[str]) -> int:
             ("steady", lambda eshape=eshape: steady_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms, impls=impls)),
             ("wgrad", lambda eshape=eshape: wgrad_backend_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms)),
             ("rows", lambda eshape=eshape: row_gemm_backend_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms)),
-            ("fp8", lambda eshape=eshape: fp8_layer_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms)),
+            ("fp8", (lambda eshape=eshape: fp8_kernel_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms))
+             if "kernels" in fp8_parts else None),
+            ("fp8", (lambda eshape=eshape: fp8_sweep(eshape)) if args.fp8_sweep else None),
+            ("fp8", (lambda eshape=eshape: fp8_layer_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms,
+                                                          tiles=fp8_winners.get(eshape.E)))
+             if "layer" in fp8_parts else None),
         ):
-            if name in sections and name == name_:
+            if name in sections and name == name_ and step is not None:
                 try:
                     new = step()
                 except Exception as exc:  # one failing comparison must not lose the others' rows

@@ -11,14 +11,26 @@ Rows (forward and forward+backward, medians over ABBA rounds, same inputs):
     to a multiple of 16), as torchtitan runs it; a row saying why where torchao does not import;
   - ratios: fp8 over bf16 and over torchao (speed-ups, > 1 is faster), and each FP8 output's error
     against the bf16 one.
-The issue targets: ≥ 1.4× bf16 at T=32768, H=4096, I=1536, E=128, K=8; ≥ 1.2× at Qwen3-30B-A3B's
+  - with ``--fp8-sweep``, ``experts fp8 swept tiles``: the expert side on the sweep's winners.
+
+Before them, :func:`fp8_kernel_rows`: every kernel of one FP8 expert step alone (the quantisations,
+up + SwiGLU, down, G = grad_out·w2ᵀ and the elementwise SwiGLU backward, dX, dW13, dW2, the
+gather-sums) with its ms, share of the step and, for the GEMMs, the bf16 kernel of the same role
+beside it; and with ``--fp8-sweep``, :func:`fp8_sweep_rows`: each FP8 GEMM of the shape under every
+candidate of :func:`~ray_moe.kernels.fp8_grouped.fp8_candidates` (tiles, stages, warps, promotion
+form, persistent or grid), its winner, and the :data:`~ray_moe.kernels.fp8_grouped.FP8_TILES`
+entries that make the winners the default for this shape.
+
+Targets: ≥ 1.4× bf16 at T=32768, H=4096, I=1536, E=128, K=8; ≥ 1.2× at Qwen3-30B-A3B's
 experts (H=2048, I=768, E=128, K=8); ahead of torchao's path at both.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -78,8 +90,254 @@ def torchao_expert_ffn(x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor
     return torch.zeros(R, H, dtype=torch.float32, device=x.device).index_add(0, rows, yv).to(x.dtype)
 
 
-def fp8_layer_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms: int, rep_ms: int, rounds: int = 3) -> list[dict]:
-    """The rows of the module docstring for ``shape`` (CUDA; bf16 weights)."""
+# the FP8 GEMMs of one expert step: sweep name → (role of fp8_grouped.FP8_ROLES, what it computes)
+FP8_GEMMS = MappingProxyType({
+    "gate_up": ("gate_up", "up + SwiGLU (x·w13, act written FP8)"),
+    "down": ("down", "down (act·w2 × routing weight)"),
+    "dact": ("dact", "G = grad_out·w2ᵀ"),
+    "dx": ("dx", "dX rows = dh13·w13ᵀ"),
+    "wgrad13": ("wgrad", "dW13 = xᵀ·dh13"),
+    "wgrad2": ("wgrad", "dW2 = awᵀ·grad_out"),
+})
+
+
+def gemm_dims(name: str, shape: LayerShape) -> tuple[int, int]:
+    """The dims :func:`~ray_moe.kernels.fp8_grouped.fp8_config` keys GEMM ``name`` (of
+    :data:`FP8_GEMMS`) on: (N, KD) of a row GEMM, (M, N) of a weight gradient."""
+    H, I = shape.H, shape.I
+    return {"gate_up": (I, H), "down": (H, I), "dact": (I, H), "dx": (H, 2 * I), "wgrad13": (H, 2 * I),
+            "wgrad2": (I, H)}[name]
+
+
+def tiled_ops(tiles: Mapping[tuple[str, int, int], Any]):
+    """:data:`~ray_moe.kernels.fp8_expert_ffn.TRITON_OPS` with each GEMM's config looked up in
+    ``tiles`` (keys as :data:`~ray_moe.kernels.fp8_grouped.FP8_TILES`'; absent: the default chooser)."""
+    from ray_moe.kernels import fp8_grouped as G
+    from ray_moe.kernels.fp8_expert_ffn import TRITON_OPS
+
+    def cfg(role: str, d0: int, d1: int, device: torch.device):
+        return G.fp8_config(role, (d0, d1), device, tiles=tiles)
+
+    def gate_up(xq, xs, w13t, w13t_s, layout, top_k, out_dtype, save_preact=True):
+        return G.fp8_gate_up(xq, xs, w13t, w13t_s, layout, top_k, out_dtype, save_preact,
+                             cfg=cfg("gate_up", w13t.shape[1] // 2, w13t.shape[2], xq.device))
+
+    def down(act_q, act_s, w2t, w2t_s, layout, top_k, weight, out_dtype):
+        return G.fp8_down(act_q, act_s, w2t, w2t_s, layout, top_k, weight, out_dtype,
+                          cfg=cfg("down", w2t.shape[1], w2t.shape[2], act_q.device))
+
+    def rows(a_q, a_s, bt, bt_s, layout, top_k, gather_a, out_dtype):
+        return G.fp8_rows(a_q, a_s, bt, bt_s, layout, top_k, gather_a, out_dtype,
+                          cfg=cfg("dact" if gather_a else "dx", bt.shape[1], bt.shape[2], a_q.device))
+
+    def wgrad(at, at_s, bt, bt_s, group_tiles, out_dtype):
+        return G.fp8_wgrad(at, at_s, bt, bt_s, group_tiles, out_dtype,
+                           cfg=cfg("wgrad", at.shape[0], bt.shape[0], at.device))
+
+    return dataclasses.replace(TRITON_OPS, gate_up=gate_up, down=down, rows=rows, wgrad=wgrad)
+
+
+class _Step:
+    """Every intermediate of one FP8 expert step at a layer shape, each kernel callable alone (the
+    Triton kernels: CUDA, or the CPU under Triton's interpreter; ``ops``: the steps between the
+    GEMMs, :data:`~ray_moe.kernels.fp8_expert_ffn.TRITON_OPS` unless given)."""
+
+    def __init__(self, shape: LayerShape, dtype: torch.dtype, seed: int, device: torch.device, ops: Any = None) -> None:
+        from ray_moe.kernels import fp8_quant as Q
+        from ray_moe.kernels.fp8_expert_ffn import TRITON_OPS, quantize_expert_weights
+        from ray_moe.model.router import route
+
+        prob = layer_problem(shape, device, dtype, seed)
+        self.shape, self.dtype, self.ops, K = shape, dtype, ops or TRITON_OPS, shape.K
+        self.x, self.go, self.w13, self.w2 = prob["x"], prob["grad"], prob["w13"], prob["w2"]
+        with torch.no_grad():
+            weight, self.slot, _ = route(self.x, prob["router"], K)
+        self.weight = weight.contiguous()
+        ops = self.ops
+        self.layout = ops.pair_layout(self.slot, shape.E)
+        self.fw = quantize_expert_weights(self.w13, self.w2, ops)
+        self.xq = ops.quantize_rows(self.x)
+        self.act_q, self.act_s, self.h13 = self.gemm("gate_up")
+        self.y = self.gemm("down")
+        self.gq = ops.quantize_rows(self.go)
+        self.g = self.gemm("dact")
+        self.dh13, self.aw, _ = ops.swiglu_bwd(self.g, self.h13, self.weight, self.layout)
+        self.dq = ops.quantize_rows(self.dh13)
+        self.dxr = self.gemm("dx")
+        self.tiles = Q.group_tiles(self.layout.offsets)
+        self.cols = {"x": ops.quantize_cols(self.x, self.layout, K, True),
+                     "dh13": ops.quantize_cols(self.dh13, self.layout, K, False),
+                     "aw": ops.quantize_cols(self.aw, self.layout, K, False),
+                     "grad_out": ops.quantize_cols(self.go, self.layout, K, True)}
+
+    def gemm(self, name: str, cfg: Any = None) -> Any:
+        """GEMM ``name`` of :data:`FP8_GEMMS` on this step's operands (``cfg``: None, the chooser's)."""
+        from ray_moe.kernels import fp8_grouped as G
+
+        fw, lay, K, dt = self.fw, self.layout, self.shape.K, self.dtype
+        if name == "gate_up":
+            return G.fp8_gate_up(*self.xq, fw.w13t, fw.w13_s.transpose(1, 2), lay, K, dt, cfg=cfg)
+        if name == "down":
+            return G.fp8_down(self.act_q, self.act_s, fw.w2t, fw.w2_s.transpose(1, 2), lay, K, self.weight, dt, cfg=cfg)
+        if name == "dact":
+            return G.fp8_rows(*self.gq, fw.w2, fw.w2_s, lay, K, True, dt, cfg=cfg)
+        if name == "dx":
+            return G.fp8_rows(*self.dq, fw.w13, fw.w13_s, lay, K, False, dt, cfg=cfg)
+        a, b = ("x", "dh13") if name == "wgrad13" else ("aw", "grad_out")
+        return G.fp8_wgrad(*self.cols[a], *self.cols[b], self.tiles, dt, cfg=cfg)
+
+    def checked_output(self, name: str, cfg: Any = None) -> torch.Tensor:
+        """The output a config must reproduce: h13 (bf16 g|u) of gate_up, else the GEMM's result."""
+        out = self.gemm(name, cfg)
+        return out[2] if name == "gate_up" else out
+
+
+def fp8_kernel_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms: int, rep_ms: int,
+                    device: torch.device = torch.device("cuda"), ops: Any = None) -> list[dict]:
+    """Each kernel of one FP8 expert step (forward and backward, the chooser's tiles) alone: ms,
+    share of the step's kernel time, TFLOP/s of the GEMMs and the bf16 kernel of the same role
+    (the default plan) beside each GEMM; then per kind (quantise, up, down, dX, dW, other)."""
+    from ray_moe.kernels import grouped_swiglu as gs
+
+    st = _Step(shape, dtype, seed, device, ops)
+    ops, lay, K = st.ops, st.layout, shape.K
+    P = shape.T * K
+    gemm = 2.0 * P * shape.H * shape.I  # one [P, H] x [H, I] product
+    plan = gs.default_plan(dtype, st.x.device)
+    act_bf, h13_bf = gs.gate_up_swiglu(st.x, lay, K, st.w13, save_preact=True, cfg=plan.gate_up)
+    dh13_bf, aw_bf, _ = gs.swiglu_backward_rows(st.go, lay, K, st.weight, st.w2, h13_bf, cfg=plan.dact)
+    # (kind, what, fn, flops, the bf16 kernel of the same role or None); kinds: quantise, up, down,
+    # dX (G, the SwiGLU backward, dX rows), dW, other
+    steps: list[tuple[str, str, Callable[[], Any], float, Callable[[], Any] | None]] = [
+        ("quantise", "weights w13 + w2, 128x128 blocks (once per step)",
+         lambda: (ops.quantize_blocks(st.w13), ops.quantize_blocks(st.w2)), 0.0, None),
+        ("quantise", "x rows 1x128", lambda: ops.quantize_rows(st.x), 0.0, None),
+        ("up", FP8_GEMMS["gate_up"][1], lambda: st.gemm("gate_up"), 2 * gemm,
+         lambda: gs.gate_up_swiglu(st.x, lay, K, st.w13, save_preact=True, cfg=plan.gate_up)),
+        ("down", FP8_GEMMS["down"][1], lambda: st.gemm("down"), gemm,
+         lambda: gs.down_scaled(act_bf, lay, K, st.weight, st.w2, cfg=plan.down)),
+        ("other", "gather_sum of y (bf16: the same kernel)", lambda: ops.gather_sum(st.y, lay, K), 0.0,
+         lambda: ops.gather_sum(st.y, lay, K)),
+        ("quantise", "grad_out rows 1x128", lambda: ops.quantize_rows(st.go), 0.0, None),
+        ("dX", FP8_GEMMS["dact"][1] + " (bf16 ms: G and the SwiGLU backward, both kernels)", lambda: st.gemm("dact"), gemm,
+         lambda: gs.swiglu_backward_rows(st.go, lay, K, st.weight, st.w2, h13_bf, cfg=plan.dact)),
+        ("dX", "SwiGLU backward on G (elementwise: dh13, aw, routing-weight gradient)",
+         lambda: ops.swiglu_bwd(st.g, st.h13, st.weight, lay), 0.0, None),
+        ("quantise", "dh13 rows 1x128", lambda: ops.quantize_rows(st.dh13), 0.0, None),
+        ("dX", FP8_GEMMS["dx"][1], lambda: st.gemm("dx"), 2 * gemm,
+         lambda: gs.dgrad_rows(dh13_bf, lay, K, st.w13, cfg=plan.dx)),
+        ("other", "gather_sum of dX rows (bf16: the same kernel)", lambda: ops.gather_sum(st.dxr, lay, K), 0.0,
+         lambda: ops.gather_sum(st.dxr, lay, K)),
+        ("quantise", "x cols (gathered, 128 positions x 1)", lambda: ops.quantize_cols(st.x, lay, K, True), 0.0, None),
+        ("quantise", "dh13 cols", lambda: ops.quantize_cols(st.dh13, lay, K, False), 0.0, None),
+        ("dW", FP8_GEMMS["wgrad13"][1], lambda: st.gemm("wgrad13"), 2 * gemm,
+         lambda: gs.grouped_wgrad(st.x, dh13_bf, lay, K, True, False, cfg=plan.wgrad13, dual=plan.dual_wgrad13)),
+        ("quantise", "aw cols", lambda: ops.quantize_cols(st.aw, lay, K, False), 0.0, None),
+        ("quantise", "grad_out cols (gathered)", lambda: ops.quantize_cols(st.go, lay, K, True), 0.0, None),
+        ("dW", FP8_GEMMS["wgrad2"][1], lambda: st.gemm("wgrad2"), gemm,
+         lambda: gs.grouped_wgrad(aw_bf, st.go, lay, K, False, True, cfg=plan.wgrad2)),
+    ]
+    section = f"fp8 kernels T={shape.T} H={shape.H} I={shape.I} E={shape.E} K={shape.K}"
+    out: list[dict] = []
+    fp8_ms: dict[str, list[float]] = {}
+    bf16_ms: dict[str, list[float]] = {}
+    for kind, name, fn, flops, bf16 in steps:
+        ms = median_ms(fn, warmup_ms, rep_ms)
+        fp8_ms.setdefault(kind, []).append(ms)
+        row: dict[str, Any] = {"section": section, "kind": kind, "what": name, "fp8 ms": ms}
+        if flops:
+            row["fp8 TFLOP/s"] = tflops(flops, ms)
+        if bf16 is not None:
+            bms = median_ms(bf16, warmup_ms, rep_ms)
+            bf16_ms.setdefault(kind, []).append(bms)
+            row.update({"bf16 ms": bms, "fp8 speed-up": bms / ms})
+        out.append(row)
+    total = sum(sum(v) for v in fp8_ms.values())
+    for row in out:
+        row["share"] = row["fp8 ms"] / total
+    for kind in ("quantise", "up", "down", "dX", "dW", "other"):
+        ms = sum(fp8_ms.get(kind, []))
+        row = {"section": section, "kind": kind, "what": f"total {kind}", "fp8 ms": ms, "share": ms / total}
+        if kind in bf16_ms:
+            row.update({"bf16 ms": sum(bf16_ms[kind]), "fp8 speed-up": sum(bf16_ms[kind]) / ms})
+        out.append(row)
+    bf16_total = sum(sum(v) for v in bf16_ms.values())
+    out.append({"section": section, "kind": "all", "what": "total of the kernels above", "fp8 ms": total, "share": 1.0,
+                "bf16 ms": bf16_total, "fp8 speed-up": bf16_total / total})
+    return out
+
+
+def fp8_sweep_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms: int, rep_ms: int,
+                   names: tuple[str, ...] = tuple(FP8_GEMMS), device: torch.device = torch.device("cuda"),
+                   candidates: Callable[[str], tuple] | None = None, ops: Any = None,
+                   ) -> tuple[list[dict], dict[tuple[str, int, int], Any]]:
+    """Each FP8 GEMM in ``names`` (of :data:`FP8_GEMMS`) alone under every candidate config of its
+    role, each checked against the default config's output (relative error < 5e-3 in the output
+    dtype, else reported and not chosen); a config that fails to compile (shared memory) is
+    reported, not fatal. Returns the rows (the winners marked, then one row per GEMM with its
+    :data:`~ray_moe.kernels.fp8_grouped.FP8_TILES` entry) and the winners keyed as that table.
+    ``candidates``: role → configs (None: :func:`~ray_moe.kernels.fp8_grouped.fp8_candidates`)."""
+    from ray_moe.kernels import fp8_grouped as G
+
+    candidates = candidates or G.fp8_candidates
+    st = _Step(shape, dtype, seed, device, ops)
+    P = shape.T * shape.K
+    gemm = 2.0 * P * shape.H * shape.I
+    flops = {"gate_up": 2 * gemm, "down": gemm, "dact": gemm, "dx": 2 * gemm, "wgrad13": 2 * gemm, "wgrad2": gemm}
+    section = f"fp8 sweep T={shape.T} H={shape.H} I={shape.I} E={shape.E} K={shape.K}"
+    out: list[dict] = []
+    winners: dict[tuple[str, int, int], Any] = {}
+    for name in names:
+        role = FP8_GEMMS[name][0]
+        dims = gemm_dims(name, shape)
+        chosen = G.fp8_config(role, dims, st.x.device)
+        ref = st.checked_output(name, chosen).float()
+        best: tuple[float, Any] | None = None
+        rows = []
+        for cfg in [chosen] + [c for c in candidates(role) if c != chosen]:
+            row: dict[str, Any] = {"section": section, "what": f"{name} {cfg.name}",
+                                   "chosen now": cfg == chosen}
+            try:
+                err = rel_err_gpu(st.checked_output(name, cfg).float(), ref)
+                ms = median_ms(lambda cfg=cfg: st.gemm(name, cfg), warmup_ms, rep_ms)
+                row.update({"ms": ms, "TFLOP/s": tflops(flops[name], ms), "rel_err_vs_chosen": err})
+                if err >= 5e-3:
+                    row["note"] = "output differs from the chosen config's: not a candidate"
+                elif best is None or ms < best[0]:
+                    best = (ms, cfg)
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:100]}"
+            rows.append(row)
+            torch.cuda.empty_cache()
+        for row in rows:
+            row["winner"] = best is not None and row["what"] == f"{name} {best[1].name}"
+        out += rows
+        if best is not None:
+            key = (role, *dims)
+            winners[key] = best[1]
+            chosen_ms = next((r["ms"] for r in rows if r["chosen now"] and "ms" in r), float("nan"))
+            out.append({"section": section, "what": f"{name} winner: {best[1].name}", "ms": best[0],
+                        "speed-up over chosen": chosen_ms / best[0],
+                        "FP8_TILES entry": f"{key!r}: {_cfg_literal(best[1])},"})
+    entries = [r["FP8_TILES entry"] for r in out if "FP8_TILES entry" in r]
+    print("FP8_TILES entries of this shape's winners (ray_moe/kernels/fp8_grouped.py):", *entries, sep="\n    ",
+          flush=True)
+    return out, winners
+
+
+def _cfg_literal(cfg: Any) -> str:
+    """``cfg`` as the ``_F(...)`` literal of :data:`~ray_moe.kernels.fp8_grouped.FP8_TILES`' source
+    (only the fields that differ from the defaults after the four positional ones)."""
+    default = type(cfg)()
+    extra = "".join(f", {f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)[4:]
+                    if getattr(cfg, f.name) != getattr(default, f.name))
+    return f"_F({cfg.block_m}, {cfg.block_n}, {cfg.num_warps}, {cfg.num_stages}{extra})"
+
+
+def fp8_layer_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms: int, rep_ms: int, rounds: int = 3,
+                   tiles: Mapping[tuple[str, int, int], Any] | None = None) -> list[dict]:
+    """The rows of the module docstring for ``shape`` (CUDA; bf16 weights). ``tiles``: a sweep's
+    winners (keys as ``FP8_TILES``'): adds the expert side on them (``experts fp8 swept tiles``)."""
     from ray_moe.kernels import expert_ffn_triton
     from ray_moe.kernels.fp8_expert_ffn import Fp8WeightCache, expert_ffn_fp8
     from ray_moe.model.router import route
@@ -95,7 +353,10 @@ def fp8_layer_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms: 
     w13 = prob["w13"].detach().requires_grad_()
     w2 = prob["w2"].detach().requires_grad_()
     cache = Fp8WeightCache()
+    swept = tiled_ops(tiles) if tiles else None
     mm, why = torchao_rowwise_mm()
+    if mm is None:
+        print(f"torchao fp8 rowwise rows skipped: {why}", flush=True)
     w13_t = w2_t = None
     if mm is not None:
         w13_t = prob["w13"].transpose(1, 2).contiguous().requires_grad_()
@@ -116,13 +377,14 @@ def fp8_layer_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms: 
         call = {
             "bf16": lambda: expert_ffn_triton(x, slot, weight, w13, w2),
             "fp8": lambda: expert_ffn_fp8(x, slot, weight, w13, w2, cache=cache),
+            "fp8 swept tiles": lambda: expert_ffn_fp8(x, slot, weight, w13, w2, cache=cache, ops=swept),
             "torchao fp8 rowwise": lambda: torchao_expert_ffn(x, slot, weight, w13_t, w2_t, mm),
         }[name]
         leaves = [x, weight, *((w13_t, w2_t) if name.startswith("torchao") else (w13, w2))]
         return call, lambda: torch.autograd.grad(call(), leaves, go)
 
     cases: dict[str, tuple[Callable, Callable]] = {f"layer {p}": layer_fn(p) for p in ("bf16", "fp8")}
-    for name in ("bf16", "fp8") + (("torchao fp8 rowwise",) if mm is not None else ()):
+    for name in ("bf16", "fp8") + (("fp8 swept tiles",) if swept else ()) + (("torchao fp8 rowwise",) if mm else ()):
         cases[f"experts {name}"] = experts_fn(name)
     times: dict[tuple[str, str], list[float]] = {}
     names = list(cases)
@@ -150,6 +412,8 @@ def fp8_layer_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms: 
                 "layer fp8": rel_err_gpu(cases["layer fp8"][0]().float(), cases["layer bf16"][0]().float())}
         if mm is not None:
             errs["experts torchao fp8 rowwise"] = rel_err_gpu(cases["experts torchao fp8 rowwise"][0]().float(), ref)
+        if swept:
+            errs["experts fp8 swept tiles"] = rel_err_gpu(cases["experts fp8 swept tiles"][0]().float(), ref)
     for phase in ("fwd", "fwd+bwd"):
         for scope in ("layer", "experts"):
             out.append({"section": f"fp8 {where}", "what": f"{scope} fp8 speed-up over bf16, {phase}",
@@ -159,6 +423,10 @@ def fp8_layer_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms: 
             out.append({"section": f"fp8 {where}", "what": f"experts fp8 speed-up over torchao fp8 rowwise, {phase}",
                         "ratio": med[("experts torchao fp8 rowwise", phase)] / med[("experts fp8", phase)],
                         "rel_err_vs_bf16": errs["experts torchao fp8 rowwise"]})
+        for other in (("bf16", "torchao fp8 rowwise") if mm else ("bf16",)) if swept else ():
+            out.append({"section": f"fp8 {where}", "what": f"experts fp8 swept tiles speed-up over {other}, {phase}",
+                        "ratio": med[(f"experts {other}", phase)] / med[("experts fp8 swept tiles", phase)],
+                        "rel_err_vs_bf16": errs["experts fp8 swept tiles"]})
     if mm is None:
         out.append({"section": f"fp8 {where}", "what": "experts torchao fp8 rowwise", "note": why})
     out.append({"section": f"fp8 {where}", "what": "FP8 weight quantisations during the run (one per weight version)",

@@ -1,12 +1,19 @@
 """bench layer's FP8 section: torchao's side permutes the pairs into groups padded to 16 rows (what
 ``torch._scaled_grouped_mm`` needs) and back; checked here with a float32 grouped GEMM standing in
 for torchao's (it leaves NaN outside the groups, as an unset output would hold), against the
-float32 experts, values and gradients."""
+float32 experts, values and gradients. The per-kernel breakdown and the FP8 GEMM sweep run their
+kernels under Triton's interpreter with a stand-in clock: every kind of kernel has its row, the
+winners are keyed as FP8_TILES and printed as its entries, and the experts on the winners equal
+the chooser's. The sweep's flags fail with one line."""
 
 from __future__ import annotations
 
+import sys
+
+import pytest
 import torch
 
+from ray_moe.bench.layer import parse_args
 from ray_moe.bench.layer.fp8 import torchao_expert_ffn, torchao_rowwise_mm
 from ray_moe.model.experts import expert_ffn
 
@@ -46,3 +53,70 @@ def test_torchao_side_permutation_matches_the_experts():
 def test_torchao_absence_is_a_row_not_an_error():
     mm, why = torchao_rowwise_mm()
     assert (mm is None) == bool(why)
+
+
+_SWEEP_SCRIPT = r"""
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+import dataclasses
+import torch
+import ray_moe.bench.layer.fp8 as B
+from ray_moe.bench.layer.problem import LayerShape
+from ray_moe.kernels import fp8_grouped as G
+from ray_moe.kernels.fp8_expert_ffn import REFERENCE_OPS, TRITON_OPS, expert_ffn_fp8
+clock = iter(range(10 ** 6, 0, -1))  # each later timing shorter: the last candidate that checks out wins
+B.median_ms = lambda fn, warmup, rep: (fn(), float(next(clock)))[1]
+# (the SwiGLU backward between the GEMMs through its reference: no GEMM of the sweep)
+ops = dataclasses.replace(TRITON_OPS, swiglu_bwd=REFERENCE_OPS.swiglu_bwd)
+shape, cpu = LayerShape(T=16, H=128, I=128, E=3, K=2), torch.device("cpu")
+rows = B.fp8_kernel_rows(shape, torch.bfloat16, 0, 1, 1, device=cpu, ops=ops)
+assert {r["kind"] for r in rows} == {"quantise", "up", "down", "dX", "dW", "other", "all"}
+parts = [r for r in rows if not r["what"].startswith("total")]
+assert abs(sum(r["share"] for r in parts) - 1) < 1e-9
+assert all("fp8 TFLOP/s" in r and "bf16 ms" in r for r in parts if r["kind"] in ("up", "down", "dW"))
+F = G.Fp8GemmConfig
+cands = {"down": (F(16, 64, 4, 1), F(32, 128, 4, 1, promote="acc")), "wgrad": (F(32, 32, 4, 1), F(16, 64, 4, 1))}
+out, win = B.fp8_sweep_rows(shape, torch.bfloat16, 0, 1, 1, ("down", "wgrad2"), device=cpu, candidates=cands.get,
+                            ops=ops)
+assert win == {("down", 128, 128): cands["down"][-1], ("wgrad", 128, 128): cands["wgrad"][-1]}, win
+assert [r["what"] for r in out if r.get("winner")] == ["down 32x128 w4 s1 g8 acc", "wgrad2 16x64 w4 s1 g8 row"]
+assert all(r["rel_err_vs_chosen"] < 5e-3 for r in out if "rel_err_vs_chosen" in r)
+entries = [r["FP8_TILES entry"] for r in out if "FP8_TILES entry" in r]
+assert entries == ["('down', 128, 128): _F(32, 128, 4, 1, promote='acc'),", "('wgrad', 128, 128): _F(16, 64, 4, 1),"]
+_F = F
+assert eval(entries[0].split(": ", 1)[1].rstrip(","))  == cands["down"][-1]  # the printed entry is the config
+# the experts on the winners (tiled_ops) equal the chooser's path within bf16 round-off
+g = torch.Generator().manual_seed(1)
+x = torch.randn(24, 128, generator=g).bfloat16()
+slot = torch.randint(0, 3, (24, 2), generator=g)
+w = torch.rand(24, 2, generator=g)
+w13 = (torch.randn(3, 128, 256, generator=g) / 12).bfloat16()
+w2 = (torch.randn(3, 128, 128, generator=g) / 12).bfloat16()
+a = expert_ffn_fp8(x, slot, w, w13, w2, ops=TRITON_OPS).float()
+b = expert_ffn_fp8(x, slot, w, w13, w2, ops=B.tiled_ops(win)).float()
+assert ((a - b).norm() / a.norm()).item() < 1e-2
+print("fp8 bench sweep ok")
+"""
+
+
+@pytest.mark.interpreter_script(sys.executable, "-c", _SWEEP_SCRIPT)
+def test_fp8_kernel_breakdown_and_sweep_under_the_interpreter(interpreter_scripts):
+    interpreter_scripts.assert_prints(_SWEEP_SCRIPT, "fp8 bench sweep ok")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--fp8-sweep"], "--fp8-sweep needs 'fp8' in --sections"),
+    (["--sections", "fp8", "--fp8-sweep-gemms", "down"], "--fp8-sweep-gemms needs --fp8-sweep"),
+    (["--sections", "fp8", "--fp8-sweep", "--fp8-sweep-gemms", "down,up"],
+     "--fp8-sweep-gemms: unknown up; known: gate_up"),
+    (["--sections", "fp8", "--fp8-parts", "kernels,sweep"], "--fp8-parts: unknown sweep; known: kernels, layer"),
+])
+def test_fp8_sweep_flags_name_what_is_wrong(argv, says, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_fp8_sweep_flags_pass():
+    args = parse_args(["--sections", "fp8", "--fp8-sweep", "--fp8-sweep-gemms", "down,wgrad2", "--fp8-parts", ""])
+    assert args.fp8_sweep and args.fp8_sweep_gemms == "down,wgrad2" and args.fp8_parts == ""

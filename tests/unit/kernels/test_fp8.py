@@ -86,6 +86,25 @@ for tma in (False, True):
     for s_ in range(S):
         dense = a[:, t[s_]:t[s_ + 1]] @ b[:, t[s_]:t[s_ + 1]].T
         assert torch.allclose(dw[s_], dense, rtol=1e-4, atol=1e-4)
+# the tile, schedule and promotion variants the sweep chooses from (persistent programs, the
+# one-dot SwiGLU form, 256-column tiles with the outer-product promotion, the in-place
+# accumulation, other wgrad tiles): same results
+F = G.Fp8GemmConfig
+_, _, h13r = G.fp8_gate_up_reference(xq, xs, q13t, s13.transpose(1, 2), lay, K, dt)
+for cfg in (F(16, 128, 4, 1, one_dot=True, promote="outer"), F(32, 128, 4, 1, persistent=1),
+            F(16, 128, 4, 1, promote="acc")):
+    aq, asc, h13 = G.fp8_gate_up(xq, xs, q13t, s13.transpose(1, 2), lay, K, dt, cfg=cfg)
+    assert ((h13[:n].float() - h13r[:n].float()).abs() <= h13r[:n].float().abs() * 2 ** -7 + 1e-6).all(), cfg
+for cfg in (F(16, 64, 4, 1, persistent=1, promote="acc", maxnreg=168), F(32, 256, 4, 1, promote="outer")):
+    close(G.fp8_down(aq, asc, q2t, s2.transpose(1, 2), lay, K, weight, torch.float32, cfg=cfg),
+          G.fp8_down_reference(aq, asc, q2t, s2.transpose(1, 2), lay, K, weight, torch.float32))
+    close(G.fp8_rows(gq, gs, q2, s2, lay, K, True, torch.float32, cfg=cfg),
+          G.fp8_rows_reference(gq, gs, q2, s2, lay, K, True, torch.float32))
+    close(G.fp8_rows(dq, ds, q13, s13, lay, K, False, torch.float32, cfg=cfg),
+          G.fp8_rows_reference(dq, ds, q13, s13, lay, K, False, torch.float32))
+for cfg in (F(32, 64, 4, 1, maxnreg=168), F(64, 16, 4, 1)):
+    dw = G.fp8_wgrad(*ops, cfg=cfg)
+    assert dw[2].abs().max() == 0 and ((dw - dwr).norm() / dwr.norm()).item() < 1e-5
 print("fp8 kernels ok")
 """
 
@@ -125,6 +144,40 @@ def test_quantisation_references_define_the_numerics():
     q, qt, s = Q.quantize_blocks_reference(w)
     assert s.shape == (2, 2, 3) and torch.equal(qt.float(), q.float().transpose(1, 2))
     assert torch.equal(s[:, 1, 2], w[:, 128:, 256:].abs().amax((1, 2)) / 448)
+    # the scale is amax / 448 correctly rounded (float64's quotient rounded once more is exact for
+    # float32 division), not amax times a rounded 1/448 (what a scalar divisor gives on CUDA)
+    amax = torch.rand(64, generator=g) * 100
+    _, s = Q.quantize_rows_reference(amax[:, None] * torch.linspace(1.0, -0.5, 128))  # |row| peaks at column 0
+    assert torch.equal(s[:, 0], (amax.double() / 448).float())
+    assert not torch.equal(s[:, 0], amax * torch.tensor(1 / 448))
+
+
+def test_fp8_gemm_configs_and_the_chooser():
+    """One owner of the tiles: fp8_config reads the table for (role, dims) on CUDA, else the role's
+    default (the sweep's first candidate); the interpreter's small tiles on the CPU; a config
+    whose promotion form cannot serve its tile is refused; every candidate is a valid config."""
+    from ray_moe.kernels import fp8_grouped as G
+
+    F, cuda = G.Fp8GemmConfig, torch.device("cuda")  # (a device name: nothing runs)
+    table = {("down", 4096, 1536): F(64, 128, 4, 3, promote="acc")}
+    assert G.fp8_config("down", (4096, 1536), cuda, tiles=table) == table[("down", 4096, 1536)]
+    for role in G.FP8_ROLES:
+        cands = G.fp8_candidates(role)
+        assert G.fp8_config(role, (4096, 1536) if role != "down" else (2048, 768), cuda, tiles=table) == cands[0]
+        assert G.fp8_config(role, (1, 1), cuda) == cands[0]  # the committed table, at dims it has no entry for
+        assert len(set(cands)) == len(cands)
+        assert G.fp8_config(role, (1, 1), torch.device("cpu")).block_m == 16
+    assert all(c.block_n == 128 for c in G.fp8_candidates("gate_up"))  # the act tile is one 1×128 scale tile
+    assert {c.promote for c in G.fp8_candidates("dx")} == set(G.PROMOTIONS)
+    assert any(c.persistent for c in G.fp8_candidates("down")) and any(c.one_dot for c in G.fp8_candidates("gate_up"))
+    for bad in (dict(block_n=256), dict(one_dot=True), dict(promote="max"), dict(block_m=48), dict(num_warps=3),
+                dict(maxnreg=300)):
+        with pytest.raises(ValueError):
+            F(**bad)
+    assert F(64, 256, 8, 3, promote="outer").name == "64x256 w8 s3 g8 outer"
+    assert F(64, 128, 4, 3, maxnreg=168).launch_options == dict(num_warps=4, num_stages=3, maxnreg=168)
+    with pytest.raises(ValueError, match="unknown FP8 GEMM role"):
+        G.fp8_config("up", (1, 1), cuda)
 
 
 def _problem(R=24, K=2, S=3, H=96, I=128, seed=0):
