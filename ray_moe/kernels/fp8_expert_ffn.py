@@ -58,18 +58,13 @@ class Fp8Weights(NamedTuple):
 
 def _swiglu_bwd_triton(g: torch.Tensor, h13: torch.Tensor, weight: torch.Tensor, layout: PairLayout):
     """The bf16 path's elementwise SwiGLU backward (:mod:`~ray_moe.kernels.grouped_swiglu`) on G."""
-    from ray_moe.kernels.grouped_swiglu import ZERO_TAIL, _swiglu_bwd_rows_kernel
+    from ray_moe.kernels.grouped_swiglu import gated_act_backward_rows
 
     P, I = g.shape
     dh13 = torch.empty(P, 2 * I, dtype=g.dtype, device=g.device)
     aw = torch.empty(P, I, dtype=g.dtype, device=g.device)
     dw_pos = torch.empty(P, dtype=torch.float32, device=g.device)
-    if P:
-        block_i = min(256, triton.next_power_of_2(I))
-        block_r = max(1, 2048 // block_i)
-        _swiglu_bwd_rows_kernel[(triton.cdiv(P, block_r),)](
-            g, h13, weight.contiguous(), layout.sorted_pair, layout.offsets[-1:], dh13, aw, dw_pos, P, I,
-            BLOCK_R=block_r, BLOCK_I=block_i, ZERO_TAIL=ZERO_TAIL)
+    gated_act_backward_rows(g, h13, weight, layout, dh13, aw, dw_pos)
     return dh13, aw, dw_pos
 
 

@@ -544,17 +544,40 @@ def swiglu_backward_rows(
         layout=layout, top_k=top_k, gather_a=True, epilogue=EPI_PLAIN.value, n_cols=I, kd=H, half=0, cfg=cfg,
     )
     dw_pos = torch.empty(P, dtype=torch.float32, device=grad_out.device)
-    if P:
-        block_i = min(256, triton.next_power_of_2(I))
-        block_r = max(1, 2048 // block_i)
-        mode, alpha, limit = act_params(act)
-        bias = {} if b2 is None else dict(HAS_BIAS=True, TOP_K=top_k, GROUPS_PAD=triton.next_power_of_2(S))
-        _swiglu_bwd_rows_kernel[(triton.cdiv(P, block_r),)](
-            g, h13, weight, layout.sorted_pair, layout.offsets[-1:], dh13, aw, dw_pos, P, I,
-            grad_out, g if b2 is None else b2.contiguous(), layout.offsets, S, H, grad_out.stride(0),
-            BLOCK_R=block_r, BLOCK_I=block_i, ZERO_TAIL=ZERO_TAIL, ACT=mode, ALPHA=alpha, LIMIT=limit, **bias,
-        )
+    gated_act_backward_rows(g, h13, weight, layout, dh13, aw, dw_pos, act=act, grad_out=grad_out, b2=b2,
+                            top_k=top_k)
     return dh13, aw, dw_pos
+
+
+def gated_act_backward_rows(
+    g: torch.Tensor, h13: torch.Tensor, weight: torch.Tensor, layout: PairLayout,
+    dh13: torch.Tensor, aw: torch.Tensor, dw_pos: torch.Tensor, act=None,
+    grad_out: torch.Tensor | None = None, b2: torch.Tensor | None = None, top_k: int = 1,
+) -> None:
+    """The elementwise half of :func:`swiglu_backward_rows` (launcher of ``_swiglu_bwd_rows_kernel``),
+    also the FP8 experts' (whose G comes from an FP8 GEMM).
+
+    Args: g = G [P, I]; h13 [P, 2I] (g's dtype); weight float32 [R, K]; outputs written in place:
+        dh13 [P, 2I], aw [P, I] (g's dtype), dw_pos float32 [P]; act as :func:`gate_up_swiglu`;
+        b2 [S, H] the optional down bias, with grad_out [R, H] (its rows add <grad_out[row], b2[s]>).
+    """
+    P, I = g.shape
+    if not P:
+        return
+    S = layout.offsets.numel() - 1
+    block_i = min(256, triton.next_power_of_2(I))
+    block_r = max(1, 2048 // block_i)
+    mode, alpha, limit = act_params(act)
+    if b2 is None:
+        bias, go, b, H, stride_go = {}, g, g, 0, 0
+    else:
+        bias = dict(HAS_BIAS=True, TOP_K=top_k, GROUPS_PAD=triton.next_power_of_2(S))
+        go, b, H, stride_go = grad_out, b2.contiguous(), b2.shape[1], grad_out.stride(0)
+    _swiglu_bwd_rows_kernel[(triton.cdiv(P, block_r),)](
+        g, h13, weight.contiguous(), layout.sorted_pair, layout.offsets[-1:], dh13, aw, dw_pos, P, I,
+        go, b, layout.offsets, S, H, stride_go,
+        BLOCK_R=block_r, BLOCK_I=block_i, ZERO_TAIL=ZERO_TAIL, ACT=mode, ALPHA=alpha, LIMIT=limit, **bias,
+    )
 
 
 def dgrad_rows(dh13: torch.Tensor, layout: PairLayout, top_k: int, w13: torch.Tensor, cfg: GemmConfig | None = None) -> torch.Tensor:

@@ -105,6 +105,11 @@ for cfg in (F(16, 64, 4, 1, persistent=1, promote="acc", maxnreg=168), F(32, 256
 for cfg in (F(32, 64, 4, 1, maxnreg=168), F(64, 16, 4, 1)):
     dw = G.fp8_wgrad(*ops, cfg=cfg)
     assert dw[2].abs().max() == 0 and ((dw - dwr).norm() / dwr.norm()).item() < 1e-5
+# the elementwise SwiGLU backward between the FP8 GEMMs (the bf16 path's kernel), against its reference
+from ray_moe.kernels.fp8_expert_ffn import TRITON_OPS, REFERENCE_OPS
+G_ = torch.randn(R * K, I, generator=g).to(dt)
+for a, b in zip(TRITON_OPS.swiglu_bwd(G_, h, weight, lay), REFERENCE_OPS.swiglu_bwd(G_, h, weight, lay)):
+    close(a, b, 1e-2)
 print("fp8 kernels ok")
 """
 
