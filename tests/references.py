@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ray_moe.kernels import fp8_quant
 from ray_moe.kernels.gather_sum import gather_sum_reference  # noqa: F401  (re-exported for the tests)
 from ray_moe.kernels.linear_ce import IGNORE_INDEX
 from ray_moe.kernels.routing import PairLayout
@@ -77,3 +78,25 @@ def layout_reference(dest_rank: torch.Tensor, world_size: int) -> tuple[torch.Te
     csum = to_rank.long().cumsum(0) - to_rank.long()
     pos = torch.where(to_rank, csum, -1).to(torch.int32)
     return pos, to_rank.sum(0)
+
+
+def expert_ffn_fp8_reference(
+    x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+) -> torch.Tensor:
+    """The forward of :func:`ray_moe.kernels.fp8_expert_ffn.expert_ffn_fp8` written out in torch from the quantisation references
+    (per pair, no grouping): the oracle its CPU path and the kernels are checked against."""
+    R, K = slot.shape
+    q13, _, s13 = fp8_quant.quantize_blocks_reference(w13)
+    q2, _, s2 = fp8_quant.quantize_blocks_reference(w2)
+    w13f, w2f = fp8_quant.dequantize_blocks(q13, s13), fp8_quant.dequantize_blocks(q2, s2)
+    xf = fp8_quant.dequantize_rows(*fp8_quant.quantize_rows_reference(x))
+    out = torch.zeros(R, x.shape[1], dtype=torch.float32, device=x.device)
+    for r in range(R):
+        for k in range(K):
+            s = int(slot[r, k])
+            if s < 0:
+                continue
+            gate, up = (xf[r] @ w13f[s]).to(x.dtype).float().chunk(2)
+            act = fp8_quant.dequantize_rows(*fp8_quant.quantize_rows_reference((torch.nn.functional.silu(gate) * up)[None]))[0]
+            out[r] += ((act @ w2f[s]) * weight[r, k]).to(x.dtype).float()
+    return out.to(x.dtype)

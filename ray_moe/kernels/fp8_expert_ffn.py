@@ -249,25 +249,3 @@ def expert_ffn_fp8(
                          f"{x_fp8[0].dtype} {tuple(x_fp8[0].shape)}")
     return _ExpertFFNFp8.apply(x if x_fp8 is not None else x.contiguous(), slot.contiguous(), weight.contiguous(),
                                w13, w2, fw, ops, x_fp8)
-
-
-def expert_ffn_fp8_reference(
-    x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-) -> torch.Tensor:
-    """The forward of :func:`expert_ffn_fp8` written out in torch from the quantisation references
-    (per pair, no grouping): the oracle its CPU path and the kernels are checked against."""
-    R, K = slot.shape
-    q13, _, s13 = Q.quantize_blocks_reference(w13)
-    q2, _, s2 = Q.quantize_blocks_reference(w2)
-    w13f, w2f = Q.dequantize_blocks(q13, s13), Q.dequantize_blocks(q2, s2)
-    xf = Q.dequantize_rows(*Q.quantize_rows_reference(x))
-    out = torch.zeros(R, x.shape[1], dtype=torch.float32, device=x.device)
-    for r in range(R):
-        for k in range(K):
-            s = int(slot[r, k])
-            if s < 0:
-                continue
-            gate, up = (xf[r] @ w13f[s]).to(x.dtype).float().chunk(2)
-            act = Q.dequantize_rows(*Q.quantize_rows_reference((torch.nn.functional.silu(gate) * up)[None]))[0]
-            out[r] += ((act @ w2f[s]) * weight[r, k]).to(x.dtype).float()
-    return out.to(x.dtype)

@@ -198,7 +198,8 @@ def _problem(R=24, K=2, S=3, H=96, I=128, seed=0):
 
 
 def test_cpu_path_matches_the_oracle_and_float32_within_fp8_error():
-    from ray_moe.kernels.fp8_expert_ffn import expert_ffn_fp8, expert_ffn_fp8_reference
+    from ray_moe.kernels.fp8_expert_ffn import expert_ffn_fp8
+    from tests.references import expert_ffn_fp8_reference
     from ray_moe.model.experts import expert_ffn
 
     x, slot, weight, w13, w2, go = _problem()
