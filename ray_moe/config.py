@@ -542,6 +542,14 @@ class Config:
                     "parallel.expert_parallel to a divisor of both (the experts then split over EP groups)")
         if self.train.batch_size % world_size:
             return f"train.batch_size={self.train.batch_size} is not divisible by {what}={world_size}"
+        tokens = self.train.batch_size // world_size * self.model.seq_len
+        if self.model.dense_precision == "fp8" and tokens % 16:  # model.dense_fp8.FP8_DIM_MULTIPLE
+            # the FP8 weight gradient contracts over the tokens, and torch._scaled_mm needs its
+            # inner dimension a multiple of 16 (on the GPU; the CPU's emulation would not fail)
+            return (f"model.dense_precision=fp8 needs each rank's tokens per step, train.batch_size / {what} x "
+                    f"model.seq_len = {self.train.batch_size // world_size} x {self.model.seq_len} = {tokens}, "
+                    "to be a multiple of 16 (FP8 weight-gradient GEMMs contract over them); change train.batch_size "
+                    "or model.seq_len, or use model.dense_precision=bf16")
         return None
 
     def resolve_arch(self) -> arch.ResolvedArch:

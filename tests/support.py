@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -76,11 +77,16 @@ def engine(cfg: Config, device="cpu", transport=None, rank_info=None):
                   cfg.resolve_arch())
 
 
-def compile_for_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int) -> dict:
+def compile_for_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int, **options: Any) -> dict:
     """``fn`` (a ``@triton.jit`` kernel) compiled for an H100 (sm_90) here, without a GPU, as the
     device would compile it (Triton ships ptxas): the interpreter accepts code the compiler rejects.
-    ``signature``: Triton's argument types (``"*bf16"``, ``"i64"``, ``"constexpr"``). Returns the
-    compiled artefacts (``asm["cubin"]``, ``asm["ptx"]``); skips without Triton."""
+    ``signature``: Triton's argument types (``"*bf16"``, ``"i64"``, ``"constexpr"``); ``options``:
+    more compile options (``num_stages``, ``maxnreg``). Returns the compiled artefacts
+    (``asm["cubin"]``, ``asm["ptx"]``); skips without Triton."""
+    return _compile_sm90(fn, signature, constexprs, num_warps=num_warps, **options).asm
+
+
+def _compile_sm90(fn, signature: dict[str, str], constexprs: dict, **options: Any):
     import pytest
 
     triton = pytest.importorskip("triton")
@@ -88,7 +94,46 @@ def compile_for_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps:
     from triton.compiler import ASTSource
 
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+H100_SHARED_BYTES = 232448  # shared memory one program may use on an H100 (227 KiB)
+
+
+@contextlib.contextmanager
+def launches_compiled_for_sm90():
+    """Inside, every ``kernel[grid](*args, **kwargs)`` launch compiles ``kernel`` for sm_90 (as
+    :func:`compile_for_sm90`) with the launch's own argument types, constexprs, warps, stages and
+    register cap, and runs nothing: the launchers' CUDA arguments (tiles, descriptors, options)
+    checked without a GPU. Yields the list the compiled kernels are appended to, as (kernel name,
+    Triton's CompiledKernel: ``asm``, ``metadata.shared``)."""
+    from unittest import mock
+
+    from triton.runtime.jit import JITFunction, mangle_type
+
+    compiled: list[tuple[str, Any]] = []
+
+    def getitem(kernel, grid):
+        def launch(*args, **kwargs):
+            options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
+            bound = {**dict(zip(kernel.arg_names, args)), **kwargs}
+            unknown = set(bound) - set(kernel.arg_names)
+            if len(args) > len(kernel.arg_names) or unknown:
+                raise TypeError(f"{kernel.fn.__name__}: {len(args)} positional arguments for "
+                                f"{len(kernel.arg_names)} parameters; unknown keywords {sorted(unknown)}")
+            missing = [p.name for p in kernel.params if p.name not in bound and not p.has_default]
+            if missing:
+                raise TypeError(f"{kernel.fn.__name__}: missing arguments {missing}")
+            values = {p.name: bound[p.name] if p.name in bound else p.default for p in kernel.params}
+            constexprs = {p.name: values[p.name] for p in kernel.params if p.is_constexpr}
+            signature = {p.name: "constexpr" if p.is_constexpr else mangle_type(values[p.name])
+                         for p in kernel.params}
+            compiled.append((kernel.fn.__name__, _compile_sm90(kernel, signature, constexprs, **options)))
+
+        return launch
+
+    with mock.patch.object(JITFunction, "__getitem__", getitem):
+        yield compiled
 
 
 def clone_grads_three_ways(worker) -> dict:

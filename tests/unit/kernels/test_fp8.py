@@ -125,12 +125,59 @@ def _signature(fn, types: dict, constexprs: dict) -> dict:
 
 def test_fp8_quantisation_compiles_for_hopper():
     """The row quantisation compiled for sm_90: correctly rounded division (torch's, not
-    ``div.full``) and the saturating round-to-nearest E4M3 cast. (The GEMM kernels take ~40 s to
-    compile here, too long for CI: tests/gpu/test_fp8_gpu.py runs them.)"""
+    ``div.full``) and the saturating round-to-nearest E4M3 cast."""
     c = dict(BLOCK_R=16, EXACT_CAST=False)
     types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
     ptx = compile_for_sm90(Q._quantize_rows_kernel, _signature(Q._quantize_rows_kernel, types, c), c, num_warps=4)["ptx"]
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx and "div.full" not in ptx
+
+
+def test_the_fp8_step_compiles_for_hopper_at_the_gpu_tiles(monkeypatch):
+    """Every launch of one FP8 expert step, forward and backward, as it runs on an H100 (the
+    Hopper default tiles, B and A through TMA descriptors, the hardware E4M3 cast), and the GEMM
+    forms the sweep picks from (one-dot, 128-row in-place promotion; persistent 256-column outer
+    with a register cap), compiled for sm_90 through the launchers themselves: the arguments each
+    launch passes fit its kernel, every GEMM is an FP8 wgmma, and each fits an H100's shared
+    memory. (The interpreter runs the CPU's small tiles; this is the GPU's launch.)"""
+    import dataclasses
+
+    from ray_moe.kernels import fp8_grouped as G
+    from ray_moe.kernels.fp8_expert_ffn import TRITON_OPS, expert_ffn_fp8
+    from ray_moe.kernels.routing import pair_layout_reference
+    from tests.support import H100_SHARED_BYTES, launches_compiled_for_sm90
+
+    cuda = torch.device("cuda")  # (a device name: the chooser's Hopper tiles; nothing runs)
+    chooser = G.fp8_config
+    monkeypatch.setattr(G, "fp8_config", lambda role, dims, device, tiles=G.FP8_TILES: chooser(role, dims, cuda, tiles))
+    # the layout computed for real: the backward indexes with it on the host
+    ops = dataclasses.replace(TRITON_OPS, pair_layout=pair_layout_reference)
+    g = torch.Generator().manual_seed(0)
+    R, K, S, H, I = 64, 2, 4, 256, 128
+    x = torch.randn(R, H, generator=g).bfloat16().requires_grad_()
+    w13 = torch.randn(S, H, 2 * I, generator=g).bfloat16().requires_grad_()
+    w2 = torch.randn(S, I, H, generator=g).bfloat16().requires_grad_()
+    slot, weight = torch.randint(0, S, (R, K), generator=g), torch.rand(R, K, generator=g).requires_grad_()
+    F = G.Fp8GemmConfig
+    with launches_compiled_for_sm90() as compiled:
+        expert_ffn_fp8(x, slot, weight, w13, w2, ops=ops).float().sum().backward()
+        step = len(compiled)
+        xq, xs = Q.quantize_rows(x.detach())
+        q13, q13t, s13 = Q.quantize_blocks(w13.detach())
+        q2, q2t, s2 = Q.quantize_blocks(w2.detach())
+        lay = pair_layout_reference(slot, S)
+        for cfg in (F(64, 128, 8, 4, one_dot=True, promote="outer"), F(128, 128, 8, 4, promote="acc")):
+            G.fp8_gate_up(xq, xs, q13t, s13.transpose(1, 2), lay, K, torch.bfloat16, cfg=cfg)
+        G.fp8_rows(*Q.quantize_rows(torch.randn(R * K, 2 * I)), q13, s13, lay, K, False, torch.bfloat16,
+                   cfg=F(64, 256, 4, 3, persistent=2, promote="outer", maxnreg=168))
+    names = [name for name, _ in compiled]
+    assert {"_quantize_rows_kernel", "_quantize_blocks_kernel", "_quantize_cols_kernel", "_fp8_rows_kernel",
+            "_fp8_wgrad_kernel", "_swiglu_bwd_rows_kernel", "_gather_sum_kernel"} <= set(names[:step])
+    assert names[:step].count("_fp8_rows_kernel") == 4 and names[:step].count("_fp8_wgrad_kernel") == 2
+    for name, kernel in compiled:
+        assert kernel.metadata.shared <= H100_SHARED_BYTES, (name, kernel.metadata.shared)
+        if name in ("_fp8_rows_kernel", "_fp8_wgrad_kernel"):
+            assert "wgmma.mma_async.sync.aligned" in kernel.asm["ptx"] and ".e4m3.e4m3" in kernel.asm["ptx"], name
+    assert any("cp.async.bulk.tensor" in k.asm["ptx"] for n, k in compiled[:step] if n == "_fp8_rows_kernel")
 
 
 def test_quantisation_references_define_the_numerics():

@@ -57,6 +57,28 @@ def test_the_key_is_checked_in_one_line(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "run").exists()
 
 
+def test_tokens_per_rank_must_suit_the_fp8_weight_gradient(tmp_path, capsys):
+    """On the GPU torch._scaled_mm needs the weight gradient's inner dimension, the rank's tokens
+    (train.batch_size / W x model.seq_len), a multiple of 16 (the CPU's emulation has no such
+    rule): refused in one line before anything runs, and a world size that breaks it is not one
+    the config can train on."""
+    pytest.importorskip("torchao")
+    over = ["model.dense_precision=fp8", "model.seq_len=20", "train.batch_size=4"]
+    with pytest.raises(ConfigError, match=r"model.dense_precision=fp8 needs each rank's tokens per step, "
+                                          r"train.batch_size / parallel.world_size x model.seq_len = 2 x 20 = 40, "
+                                          r"to be a multiple of 16"):
+        Config().with_overrides([*over, "parallel.world_size=2"])
+    cfg = Config().with_overrides([*over, "parallel.world_size=1"])  # 80 tokens
+    assert cfg.world_size_error(1) is None and "= 40, to be a multiple of 16" in cfg.world_size_error(2)
+    Config().with_overrides(["model.seq_len=20", "train.batch_size=4", "parallel.world_size=2"])  # bf16: any count
+    (tmp_path / "c.yaml").write_text("model: {dense_precision: fp8, seq_len: 20}\n"
+                                     f"train: {{batch_size: 4, run_dir: {tmp_path / 'run'}}}\n")
+    assert main(["train", "--config", str(tmp_path / "c.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a multiple of 16" in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("preset", ["glm4_moe-tiny", "deepseek_v3-tiny", "qwen3_moe-tiny"])
 def test_the_blocks_dense_linears_are_selected(preset):
     """glm4_moe: a dense first layer and shared experts; deepseek_v3: MLA, whose kv_a_proj_with_mqa
