@@ -83,6 +83,15 @@ TINY = MappingProxyType({
 })
 
 
+def tiny_config(family: str, **overrides: Any) -> Any:
+    """transformers' config of ``family``'s tiny model (:data:`TINY` + ``overrides``), validated
+    by transformers as it builds it (e.g. ``layer_types`` must name every layer)."""
+    from transformers import AutoConfig
+
+    kw = {**TINY[family], **overrides}
+    return AutoConfig.for_model(kw.pop("model_type"), **kw)
+
+
 def save_tiny_model(family: str, path: str | Path, seed: int = 0, **overrides: Any) -> dict[str, Any]:
     """Build a random transformers model of ``family`` (:data:`TINY` + ``overrides``), save it to
     ``path`` (safetensors, ``save_pretrained``) and return its config.json as a dict.
@@ -91,11 +100,9 @@ def save_tiny_model(family: str, path: str | Path, seed: int = 0, **overrides: A
     nearly linear and its routing nearly uniform); a sigmoid router gets a random balancing bias."""
     import json
 
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    kw = {**TINY[family], **overrides}
-    model_type = kw.pop("model_type")
-    cfg = AutoConfig.for_model(model_type, **kw)
+    cfg = tiny_config(family, **overrides)
     gen = torch.Generator().manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():

@@ -185,9 +185,12 @@ def expert_cut(preset: str, experts: int) -> dict[str, Any]:
 def attention_ms(engine: Any, args: argparse.Namespace, compiled: bool) -> float:
     """Milliseconds of every block's attention half (norm, attention, residual; the compiled region
     with ``compiled``), forward and backward, at the step's batch shape: the median of
-    ``args.iters`` timings after ``args.warmup`` (CUDA events; host time on the CPU)."""
+    ``args.iters`` timings after ``args.warmup`` (CUDA events; host time on the CPU). The last
+    step's overlapped update (``train.overlap_update``, a side stream on CUDA) finishes first: it
+    writes the parameters these blocks read, and its time is the step's, not the attention's."""
     from ray_moe.model.rope import rope_tables
 
+    engine.settle()
     model, spec = engine.model, engine.model.spec
     device = next(model.parameters()).device
     dtype = model.embed_tokens.weight.dtype

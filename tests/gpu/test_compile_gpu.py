@@ -8,7 +8,7 @@ Engine follow the uncompiled ones.
 
 On the device (one H100, ~3 min with cold compile caches): ``python3 -m pytest -q -s
 tests/gpu/test_compile_gpu.py``; beside ``ray-moe bench train --compile --titan-compile`` (the
-issue-26 timings).
+timings of docs/RESULTS.md#step-vs-torchtitan).
 """
 
 from __future__ import annotations

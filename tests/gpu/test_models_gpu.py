@@ -42,9 +42,11 @@ PER_FAMILY = {
     "deepseek_v3": dict(num_key_value_heads=8, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
                         qk_rope_head_dim=16, v_head_dim=32, intermediate_size=512, moe_intermediate_size=128,
                         n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, num_hidden_layers=3),
-    # sinks and a 32-position window on layers 0 and 2 (flex attention), biased clamped experts (grouped_mm)
+    # sinks and a 32-position window on layers 0 and 2 (flex attention), biased clamped experts (grouped_mm);
+    # layer_types names every layer (transformers refuses a list shorter than num_hidden_layers)
     "gpt_oss": dict(head_dim=32, intermediate_size=128, num_local_experts=16, num_experts_per_tok=4,
-                    num_hidden_layers=3, sliding_window=32),
+                    num_hidden_layers=3, sliding_window=32,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     "olmoe": dict(intermediate_size=128, num_experts=16, num_experts_per_tok=4, num_hidden_layers=3),
     "minimax_m2": dict(head_dim=32, intermediate_size=128, num_local_experts=16, num_experts_per_tok=4,
                        num_hidden_layers=3, eos_token_id=None, bos_token_id=None),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from ray_moe.bench import train
 
@@ -191,3 +192,25 @@ def test_titan_yes_for_a_family_torchtitan_lacks_exit_2(capsys):
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "--titan yes: torchtitan has no model of mixtral" in err, err
     assert "qwen3_moe, deepseek_v3, gpt_oss" in err
+
+
+def test_attention_timing_waits_for_the_overlapped_update(monkeypatch):
+    """``--attention-share`` times the blocks' attention after the last step: the step's update
+    may still run on its side stream (``train.overlap_update`` on CUDA), writing the parameters
+    the blocks read, so the engine settles before the first block runs."""
+    from ray_moe.bench.common import one_rank
+    from ray_moe.comm.local import LocalTransport
+    from ray_moe.worker.engine import Engine
+
+    args = train.parse_args(["--device", "cpu", "--preset", "qwen3_moe-tiny", "--tokens", "32", "--seq-len", "16",
+                             "--dtype", "float32", "--warmup", "0", "--iters", "1", "--max-bytes", "200000"])
+    cfg = train.engine_config(args, 2, ("model.compile=none",))
+    resolved = cfg.resolve_arch()
+    engine = Engine(cfg, one_rank(torch.device("cpu")), LocalTransport(), torch.device("cpu"), resolved)
+    events = []
+    monkeypatch.setattr(engine, "settle", lambda: events.append("settle"))
+    layer = engine.model.layers[0]
+    half = layer.attention_half
+    monkeypatch.setattr(layer, "attention_half", lambda *a: events.append("attention") or half(*a))
+    assert train.attention_ms(engine, args, compiled=False) > 0
+    assert events[0] == "settle" and "attention" in events, events

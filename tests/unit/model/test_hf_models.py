@@ -237,3 +237,19 @@ def test_fused_expert_layout_and_own_exports_load(tiny_hf, tmp_path):
     one = build(parity_config(tmp_path, 1, 4, 12), LocalTransport())
     with torch.no_grad():
         assert torch.equal(one(ids)[0], ref(ids)[0])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gpu_test_sizes_build_in_transformers(family):
+    """tests/gpu/test_models_gpu.py's size of each family (more layers than the tiny one) is a
+    config transformers accepts, whose layers ray_moe resolves alike (gpt-oss: a window on the
+    layers ``layer_types`` names, one entry per layer)."""
+    from ray_moe.arch import ArchSpec
+    from tests.gpu.test_models_gpu import gpu_size
+    from tests.hf_parity import tiny_config
+
+    hf = tiny_config(family, **gpu_size(family)).to_dict()
+    spec = ArchSpec.from_hf(hf)
+    assert spec.num_layers == hf["num_hidden_layers"] == gpu_size(family)["num_hidden_layers"]
+    if family == "gpt_oss":
+        assert spec.sliding_layers == (True, False, True) and spec.sliding_window == 32
