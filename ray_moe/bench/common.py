@@ -20,6 +20,14 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def missing_device(prog: str, device: torch.device) -> str | None:
+    """The one-line error of ``prog`` (e.g. ``ray-moe bench train``) when ``--device cuda`` names
+    no GPU, else None."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return f"{prog}: error: --device cuda but CUDA is not available; use --device cpu or auto"
+    return None
+
+
 def sync(device: torch.device) -> None:
     """Wait for the device's queued work (no-op on the CPU)."""
     if device.type == "cuda":

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ray_moe import usage
-from ray_moe.bench.common import free, one_rank, pick_device
+from ray_moe.bench.common import free, missing_device, one_rank, pick_device
 
 if TYPE_CHECKING:
     from ray_moe.config import Config
@@ -287,9 +287,9 @@ def main(argv: list[str]) -> int:
 
     args = parse_args(argv)
     device = pick_device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("ray-moe bench curve: error: --device cuda but CUDA is not available; use --device cpu or auto",
-              file=sys.stderr)
+    error = missing_device("ray-moe bench curve", device)
+    if error:
+        print(error, file=sys.stderr)
         return 2
     out = Path(args.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)

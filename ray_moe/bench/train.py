@@ -82,7 +82,7 @@ import torch.nn.functional as F
 
 from ray_moe import usage
 from ray_moe.bench import titan
-from ray_moe.bench.common import free, one_rank, peak_gib, pick_device, reset_peak, sync
+from ray_moe.bench.common import free, missing_device, one_rank, peak_gib, pick_device, reset_peak, sync
 
 PHASES = ("forward", "lm head + loss", "backward", "grad sync", "optimizer")
 Variant = tuple[str, tuple[str, ...]]  # --variants: a name and its config overrides
@@ -652,9 +652,9 @@ def main(argv: list[str]) -> int:
     """CLI entry: ``ray-moe bench train [--loss-only] [...] [--json out.json]``. Returns the exit code."""
     args = parse_args(argv)
     device = pick_device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("ray-moe bench train: error: --device cuda but CUDA is not available; use --device cpu or auto",
-              file=sys.stderr)
+    error = missing_device("ray-moe bench train", device)
+    if error:
+        print(error, file=sys.stderr)
         return 2
     layer_counts = [int(n) for n in args.layers.split(",")]
     rows: list[dict] = []
