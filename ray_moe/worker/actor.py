@@ -45,6 +45,7 @@ class EPWorker:
         self.mesh: MeshSpec | None = None
         self.groups: MeshGroups | None = None  # this rank's EP and DP process groups
         self._engine: Engine | None = None
+        self._reserved_port: socket.socket | None = None  # rank 0: the rendezvous port, held until setup
 
     # ------------------------------------------------------------------ bootstrap
     def info(self) -> WorkerInfo:
@@ -66,10 +67,13 @@ class EPWorker:
         import ray
 
         ip = ray.util.get_node_ip_address()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((ip, 0))
-            port = s.getsockname()[1]
-        return f"tcp://{ip}:{port}"
+        # The socket stays bound until setup starts the store on its port: a port released here
+        # could go to another process's bind(0) before the rendezvous (EADDRINUSE).
+        if self._reserved_port is not None:
+            self._reserved_port.close()
+        self._reserved_port = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._reserved_port.bind((ip, 0))
+        return f"tcp://{ip}:{self._reserved_port.getsockname()[1]}"
 
     def setup(self, config: dict, rank_info: RankInfo, init_method: str, use_gpu: bool,
               mesh: MeshSpec | None = None) -> int:
@@ -94,6 +98,9 @@ class EPWorker:
         # (parallel.workers_per_gpu > 1, a test mode) join over gloo, which stages CUDA tensors on the host.
         nccl = use_gpu and self.config.parallel.workers_per_gpu == 1
         backend = "nccl" if nccl else "gloo"
+        if self._reserved_port is not None:  # rank 0 hosts the store on the port it held
+            self._reserved_port.close()
+            self._reserved_port = None
         dist.init_process_group(
             backend=backend,
             init_method=init_method,
