@@ -515,11 +515,12 @@ class Config:
                               "train.eval_interval=0")
         spec = resolved.spec
         if self.moe.expert_precision == "fp8" and (spec.expert_hidden % 128 or spec.expert_bias
-                                                   or spec.activation != "swiglu"):
+                                                   or spec.activation != "swiglu" or spec.hidden_size % 4):
             raise ConfigError(f"moe.expert_precision=fp8 runs SwiGLU experts without biases whose width is a "
-                              f"multiple of 128; this model's experts have width {spec.expert_hidden}"
-                              f"{', biases' if spec.expert_bias else ''}, activation {spec.activation}: "
-                              "use moe.expert_precision=bf16")
+                              f"multiple of 128 on a hidden size that is a multiple of 4 (the FP8 rows' "
+                              f"scales); this model's experts have width {spec.expert_hidden}"
+                              f"{', biases' if spec.expert_bias else ''}, activation {spec.activation}, "
+                              f"hidden size {spec.hidden_size}: use moe.expert_precision=bf16")
         return resolved
 
     def world_size_error(self, world_size: int, what: str = "parallel.world_size",

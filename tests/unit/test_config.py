@@ -644,10 +644,12 @@ def test_config_directory_is_named_as_a_directory(tmp_path):
 @pytest.mark.parametrize("overrides, named", [
     (["moe.expert_hidden=96"], "width 96"),
     (["model.hf_config=gpt_oss-tiny"], "biases"),
+    (["model.d_model=130", "model.n_heads=2"], "hidden size 130"),
 ])
 def test_fp8_experts_refuse_what_they_cannot_run(overrides, named):
     """moe.expert_precision=fp8 runs SwiGLU experts without biases, I a multiple of 128: anything
-    else is one line before any worker starts, naming the width, the biases or the activation."""
+    else (or a hidden size the FP8 rows' scales cannot align to) is one line before any worker
+    starts, naming the width, the biases, the activation or the hidden size."""
     with pytest.raises(ConfigError, match=named):  # with_overrides validates
         Config.from_dict({"moe": {"expert_precision": "fp8", "expert_hidden": 128}}).with_overrides(overrides).validate()
     Config.from_dict({"moe": {"expert_precision": "fp8", "expert_hidden": 128}}).validate()  # the plain case runs
