@@ -13,10 +13,12 @@
 #            (docs/RESULTS.md#step-vs-torchtitan)
 #   qwen3, dsv3, gptoss   bench train of one family's 4 layers beside torchtitan's model of that
 #            family, both compiled (--skip-eager), full recompute, the attention's share of each
-#            step (--attention-share): Qwen3-30B-A3B at 16,384 tokens; DeepSeek-V3's first four
-#            layers (three dense, MLA) with its 256 routed experts cut to 16 (--experts 16) and
-#            gpt-oss-20b, each at 8,192 tokens with bf16 AdamW moments (to fit 80 GB: see
-#            python -m ray_moe.arch). The preset and flags of each: QWEN3_ARGS, DSV3_ARGS, GPTOSS_ARGS
+#            step (--attention-share): Qwen3-30B-A3B at 16,384 tokens; four DeepSeek-V3 MoE layers
+#            (MLA; its three dense first layers made MoE layers, first_k_dense_replace=0) with its
+#            256 routed experts cut to 8 (--experts 8: top-8 of 8, every token through 8 experts of
+#            2048 as in the published model) and gpt-oss-20b, each at 8,192 tokens with bf16 AdamW
+#            moments (to fit 80 GB: python -m ray_moe.arch on that config, 63.5 GiB at the peak).
+#            The preset and flags of each: QWEN3_ARGS, DSV3_ARGS (DSV3_SET: its config overrides), GPTOSS_ARGS
 #   fp8      bench train of Qwen3-30B-A3B's 4 layers with bf16 and with FP8 experts
 #            (moe.expert_precision=fp8), ABBA in one run, the ratio to bf16's step (FP8_VARIANTS)
 #   families qwen3,dsv3,gptoss,fp8 (their limits add up to 590 s: one 10-minute command)
@@ -60,7 +62,8 @@ family() {  # family NAME LIMIT "BENCH ARGS" "CONFIG OVERRIDES": 4 layers beside
 }
 BF16_MOMENTS=train.optimizer_state_dtype=bfloat16
 has qwen3 && family qwen3 "${T_QWEN3:-130}" "${QWEN3_ARGS:---preset qwen3-30b-a3b --tokens 16384}" ""
-has dsv3 && family dsv3 "${T_DSV3:-160}" "${DSV3_ARGS:---preset deepseek-v3 --experts 16 --tokens 8192}" "$BF16_MOMENTS"
+has dsv3 && family dsv3 "${T_DSV3:-160}" "${DSV3_ARGS:---preset deepseek-v3 --experts 8 --tokens 8192}" \
+  "$BF16_MOMENTS ${DSV3_SET:-model.hf.first_k_dense_replace=0}"
 has gptoss && family gptoss "${T_GPTOSS:-170}" "${GPTOSS_ARGS:---preset gpt-oss-20b --tokens 8192}" "$BF16_MOMENTS"
 if has fp8; then
   timeout ${T_FP8:-130} python3 -m ray_moe.cli bench train --layers 4 --titan no --warmup 1 --iters 3 \
