@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU: the real model's step beside torchtitan, the optimizer's share of a step, the MoE layer
-# beside SonicMoE, and the optimizer's GPU tests; each fits one 10-minute command.
+# beside SonicMoE, and the optimizer's GPU tests; each fits one step of 10 minutes.
 # Usage (GPU machine, repo root), with the bundle each step needs:
 #   . .titanbundle/setup.sh && . .devbundle/setup.sh && bash scripts/device_step.sh train,moments
 #   . .sonicbundle/setup.sh && bash scripts/device_step.sh sonic     # a command of its own (bundle sizes)
@@ -21,12 +21,12 @@
 #            The preset and flags of each: QWEN3_ARGS, DSV3_ARGS (DSV3_SET: its config overrides), GPTOSS_ARGS
 #   fp8      bench train of Qwen3-30B-A3B's 4 layers with bf16 and with FP8 experts
 #            (moe.expert_precision=fp8), ABBA in one run, the ratio to bf16's step (FP8_VARIANTS)
-#   families qwen3,dsv3,gptoss,fp8 (their limits add up to 590 s: one 10-minute command)
+#   families qwen3,dsv3,gptoss,fp8 (their limits add up to 590 s: one step of 10 minutes)
 #   moments  bench precision --sections step with fp32 and bf16 AdamW moments, each also with
 #            train.overlap_update (MOMENT_VARIANTS; optimizer_exposed_pct is the part nothing hides;
 #            docs/RESULTS.md#optimizer-share)
 #   sonic    the MoE layer beside SonicMoE at E=128 and E=64 (docs/RESULTS.md#layer-vs-sonicmoe);
-#            SonicMoE's GEMM autotuning outlasts a 10-minute command unless its compiled configs
+#            SonicMoE's GEMM autotuning outlasts a 10-minute step unless its compiled configs
 #            travel with it: build them first without a GPU (bash scripts/make-sonic-kernels.sh,
 #            ~5 min) and carry .sonicbundle and .sonickernels: this step unpacks them into QUACK_CACHE_DIR
 #   gputests the GPU tests of the optimizer and precision paths (test_precision_gpu.py,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Eight GPUs of one host (nvidia-h100-x8 or nvidia-h200-x8), one step per 10-minute command.
+# Eight GPUs of one host (H100 or H200), one step per run of at most 10 minutes.
 # Usage (GPU machine, repo root):  . .devbundle/setup.sh && bash scripts/device_x8.sh STEP
 # steps:
 #   whole   Qwen3-30B-A3B, all 48 layers, at W=8 from jobs/qwen3_30b_a3b.yaml through the CLI as a user

@@ -2,7 +2,7 @@
 # Build .sonickernels/sonic_kernels.tgz here, without a GPU: every quack GEMM config SonicMoE's
 # autotuner times on sm_90a, compiled (`ray-moe bench layer --sonic-precompile`), so the GPU
 # machine's first SonicMoE step only loads and times them instead of compiling for longer than a
-# 10-minute command (docs/log/2026-11-23.md). Needs .sonicbundle/ (bash ../shared/device/make-sonic-bundle.sh);
+# 10-minute step (docs/log/2026-11-23.md). Needs .sonicbundle/ (bash ../shared/device/make-sonic-bundle.sh);
 # downloads torch 2.11 for Python 3.12 (the GPU machine's) into a venv under /tmp (~3 GB, pip works
 # here). ~5 min for 89 configs on 2 cores; the tarball is ~2 MB.
 # Usage (repo root):  bash scripts/make-sonic-kernels.sh        (idempotent)
