@@ -417,7 +417,7 @@ class ArchSpec:
         float32 masters; a float32 model's parameters are their own masters, ``elem`` 4 is
         approximate).
 
-        ``state_bytes`` (kept for the README's first table): params × ``bytes_per_param`` (16 =
+        ``state_bytes`` (the "Memory per rank at real size" table of docs/ARCHITECTURE.md): params × ``bytes_per_param`` (16 =
         bf16 weight + bf16 gradient + fp32 master + fp32 Adam moments; clone slots charged the
         same, unlike the rest, which follows the optimizer). Not counted: the clone gradients'
         exchange buffers (float32 sums keep each layer's received rows until after backward,

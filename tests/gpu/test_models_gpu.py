@@ -224,7 +224,7 @@ def test_activation_memory_per_token():
     spec = ArchSpec.from_hf(hf)
     B, L = 8, 1024
     ids = torch.randint(0, 1024, (B, L), device="cuda")
-    # eager blocks: the README's activation column estimates what eager blocks save
+    # eager blocks: the activation column of docs/ARCHITECTURE.md's real-size table estimates what eager blocks save
     cfg = Config.from_dict({"model": {"hf": hf, "seq_len": L, "dtype": "bfloat16", "compile": "none"},
                             "parallel": {"world_size": 1, "device": "cuda"}, "train": {"batch_size": B}})
     model = build_model(cfg, cfg.resolve_arch(), LocalTransport(), torch.device("cuda"))

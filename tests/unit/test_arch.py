@@ -115,7 +115,7 @@ def test_param_counts_match_a_built_model(name):
 
 
 def test_memory_plan_of_the_readme():
-    """The README's real-size table comes from these numbers (16 B per parameter)."""
+    """docs/ARCHITECTURE.md's real-size table comes from these numbers (16 B per parameter)."""
     q = ArchSpec.from_hf(preset("qwen3-30b-a3b"))
     assert round(q.memory_per_rank(8)["state_bytes"] / 2**30, 1) == 77.0
     assert round(q.memory_per_rank(16)["state_bytes"] / 2**30, 1) == 50.0

@@ -150,8 +150,8 @@ def test_a_run_past_train_steps_is_refused_before_anything_starts(tmp_path, monk
         main(["train", "--config", str(tmp_path / "c.yaml")])
 
 
-def test_the_readme_data_block_outputs_are_not_left_untracked():
-    """The README's Data block writes tok/ and data/ at the repository root: ignored there only
+def test_the_data_commands_outputs_are_not_left_untracked():
+    """docs/DATA.md's commands write tok/ and data/ at the repository root: ignored there only
     (ray_moe/data/ is source)."""
     from pathlib import Path
 
