@@ -150,13 +150,14 @@ EXPERT_PARTS = ("w13", "w2", "b13", "b2")  # the expert tensors compared (biases
 
 def parity_config(path: str | Path, world_size: int, batch: int, seq_len: int, dtype: str = "float32",
                   device: str = "cpu", clone_slots: int = 1, expert_impl: str = "auto",
-                  checkpointing: str = "none") -> Config:
-    """The ray_moe config that loads ``path`` for the comparison."""
+                  checkpointing: str = "none", expert_parallel: int = 0) -> Config:
+    """The ray_moe config that loads ``path`` for the comparison (``expert_parallel``: the EP
+    degree of a rank mesh, 0 for the whole world)."""
     return Config.from_dict({
         "model": {"init_from": str(path), "seq_len": seq_len, "dtype": dtype,
                   "activation_checkpointing": checkpointing},
         "moe": {"aux_loss_coef": 0.0, "expert_impl": expert_impl, "bias_update_rate": 0.0},
-        "parallel": {"world_size": world_size, "device": device},
+        "parallel": {"world_size": world_size, "device": device, "expert_parallel": expert_parallel},
         "train": {"batch_size": batch},
         "balance": {"clone_slots": clone_slots},
     })
@@ -278,7 +279,7 @@ def _reduce_like_engine(model: torch.nn.Module, world_size: int, ep_group: Any =
     owners (on ``ep_group``); replicated gradients averaged over ranks; expert gradients divided by W."""
     for layer in model.moe_layers():
         if dp_group is not None:
-            for p in (layer.w13, layer.w2):
+            for p in layer.expert_params():  # w13, w2 and the biases where the experts have them
                 dist.all_reduce(p.grad, group=dp_group)
         reduce_clone_grads(layer, layer.placement, group=ep_group)
     if world_size == 1:

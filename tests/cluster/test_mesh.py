@@ -142,26 +142,28 @@ def test_checkpoint_moves_between_mesh_shapes(mesh_groups, groups, tmp_path):
         assert [t3.step()["loss"] for _ in range(2)] == pytest.approx(uninterrupted, rel=1e-6)
 
 
-def test_hf_family_equal_to_transformers_at_2x2(mesh_groups, tiny_hf):
-    """A tiny Qwen3-MoE at EP 2 x DP 2: every rank's logits and
-    gradients (router, its experts summed over the replicas, attention, embedding) equal
-    transformers' within 1e-5, at the native placement and with clones."""
+@pytest.mark.parametrize("family,world,ep", [("qwen3_moe", 4, 2), ("deepseek_v3", 4, 2), ("gpt_oss", 4, 2),
+                                              ("glm4_moe", 6, 2)])
+def test_hf_family_equal_to_transformers_on_a_mesh(mesh_groups, tiny_hf, family, world, ep):
+    """A tiny HF model at EP ``ep`` x DP ``world / ep`` (2 x 2; GLM-4.5 at 2 x 3): every rank's
+    logits and gradients (router, its experts summed over the replicas, attention, embedding)
+    equal transformers' within 1e-5, at the native placement and with clones."""
     from tests.hf_parity import model_parity, parity_config, reference
 
-    cfg = parity_config(tiny_hf("qwen3_moe"), world_size=4, batch=4, seq_len=12).with_overrides(
-        ["parallel.expert_parallel=2"])
+    cfg = parity_config(tiny_hf(family), world_size=world, batch=world, seq_len=12, expert_parallel=ep)
     arch = cfg.resolve_arch()
-    group = mesh_groups(4)
-    assert group.use_mesh(cfg, arch) == MeshSpec(4, 2, 2)
-    ids = torch.randint(0, 272, (4, 13), generator=torch.Generator().manual_seed(4))
+    group = mesh_groups(world)
+    assert group.use_mesh(cfg, arch) == MeshSpec(world, ep, world // ep)
+    ids = torch.randint(0, 272, (world, 13), generator=torch.Generator().manual_seed(4))
     results = group.execute(model_parity, cfg, arch, ids, reference(cfg, arch, ids), timeout=180)
     for rank, res in enumerate(results):
         for placement in ("native", "clones"):
             bad = {k: v for k, v in res[placement].items() if not v <= 1e-5}
-            assert not bad, f"rank {rank} {placement}: {bad}"
-    assert {k for k in results[0]["native"] if k.startswith("expert.")} == \
-        {k for k in results[2]["native"] if k.startswith("expert.")}  # replicas: the same experts
-    assert len({k for r in results for k in r["native"] if k.startswith("expert.")}) == 2 * 8
+            assert not bad, f"{family} rank {rank} {placement}: {bad}"
+    experts = [{k for k in r["native"] if k.startswith("expert.")} for r in results]
+    assert all(e == experts[0] for e in experts[::ep])  # replicas (rank, rank + ep, ...): the same experts
+    parts = {k.rsplit(".", 1)[1] for k in experts[0]}  # w13, w2 (and b13, b2 with biases)
+    assert len(set().union(*experts)) == len(parts) * arch.spec.num_experts  # every expert in each group
 
 
 def test_transport_and_layer_parity_inside_each_ep_group(mesh_groups, tmp_path):
