@@ -180,7 +180,8 @@ class WorkerGroup:
         order = sorted(range(len(actors)), key=lambda i: ranks[i].rank)
         self.actors = [actors[i] for i in order]
         self.ranks = [ranks[i] for i in order]
-        address = self._get([self.actors[0].bootstrap_address.remote()], p.startup_timeout_s, "rendezvous")[0]
+        address = self._get([self.actors[0].bootstrap_address.remote(p.collective_timeout_s)], p.startup_timeout_s,
+                            "rendezvous")[0]
         nodes = [r.node_rank for r in self.ranks]
         if resolve_mesh(nodes, self.mesh.ep, self.use_gpu) != self.mesh:  # the workers sit where their bundles do
             raise GroupError(f"the workers' nodes {nodes} do not match their placement group's bundles")

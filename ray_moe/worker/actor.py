@@ -45,7 +45,7 @@ class EPWorker:
         self.mesh: MeshSpec | None = None
         self.groups: MeshGroups | None = None  # this rank's EP and DP process groups
         self._engine: Engine | None = None
-        self._reserved_port: socket.socket | None = None  # rank 0: the rendezvous port, held until setup
+        self._store: dist.TCPStore | None = None  # the rendezvous store (rank 0: its server)
 
     # ------------------------------------------------------------------ bootstrap
     def info(self) -> WorkerInfo:
@@ -62,18 +62,16 @@ class EPWorker:
             gpu_ids=gpu_ids,
         )
 
-    def bootstrap_address(self) -> str:
-        """rank 0: a TCP store address on this node for torch.distributed's rendezvous."""
+    def bootstrap_address(self, timeout_s: float) -> str:
+        """rank 0: start torch.distributed's rendezvous store on this node and return its address
+        (``tcp://ip:port``). The store listens on a port the OS picks as it binds (port 0), so no
+        other process can take the port between choosing and listening; it lives as long as this
+        worker. ``timeout_s``: how long a store operation may wait."""
         import ray
 
         ip = ray.util.get_node_ip_address()
-        # The socket stays bound until setup starts the store on its port: a port released here
-        # could go to another process's bind(0) before the rendezvous (EADDRINUSE).
-        if self._reserved_port is not None:
-            self._reserved_port.close()
-        self._reserved_port = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._reserved_port.bind((ip, 0))
-        return f"tcp://{ip}:{self._reserved_port.getsockname()[1]}"
+        self._store = dist.TCPStore(ip, 0, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        return f"tcp://{ip}:{self._store.port}"
 
     def setup(self, config: dict, rank_info: RankInfo, init_method: str, use_gpu: bool,
               mesh: MeshSpec | None = None) -> int:
@@ -98,15 +96,16 @@ class EPWorker:
         # (parallel.workers_per_gpu > 1, a test mode) join over gloo, which stages CUDA tensors on the host.
         nccl = use_gpu and self.config.parallel.workers_per_gpu == 1
         backend = "nccl" if nccl else "gloo"
-        if self._reserved_port is not None:  # rank 0 hosts the store on the port it held
-            self._reserved_port.close()
-            self._reserved_port = None
+        timeout = datetime.timedelta(seconds=self.config.parallel.collective_timeout_s)
+        if self._store is None:  # every rank but 0 joins the store rank 0 started
+            host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+            self._store = dist.TCPStore(host, int(port), None, False, timeout)
         dist.init_process_group(
             backend=backend,
-            init_method=init_method,
+            store=dist.PrefixStore("ray_moe", self._store),
             rank=rank_info.rank,
             world_size=rank_info.world_size,
-            timeout=datetime.timedelta(seconds=self.config.parallel.collective_timeout_s),
+            timeout=timeout,
             device_id=self.device if nccl else None,
         )
         self.groups = MeshGroups.create(self.mesh, rank_info.rank)
