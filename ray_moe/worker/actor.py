@@ -73,10 +73,11 @@ class EPWorker:
         self._store = dist.TCPStore(ip, 0, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
         return f"tcp://{ip}:{self._store.port}"
 
-    def setup(self, config: dict, rank_info: RankInfo, init_method: str, use_gpu: bool,
+    def setup(self, config: dict, rank_info: RankInfo, address: str, use_gpu: bool,
               mesh: MeshSpec | None = None) -> int:
-        """Join torch.distributed as ``rank_info.rank`` of ``rank_info.world_size`` and make the
-        mesh's process groups (``mesh``: the driver's; default whole-world EP); returns the rank."""
+        """Join torch.distributed as ``rank_info.rank`` of ``rank_info.world_size`` through the store
+        at ``address`` (rank 0's :meth:`bootstrap_address`) and make the mesh's process groups
+        (``mesh``: the driver's; default whole-world EP); returns the rank."""
         self.config = Config.from_plain(config)
         self.rank_info = rank_info
         self.mesh = mesh or MeshSpec.whole(rank_info.world_size)
@@ -98,7 +99,7 @@ class EPWorker:
         backend = "nccl" if nccl else "gloo"
         timeout = datetime.timedelta(seconds=self.config.parallel.collective_timeout_s)
         if self._store is None:  # every rank but 0 joins the store rank 0 started
-            host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+            host, port = address.removeprefix("tcp://").rsplit(":", 1)
             self._store = dist.TCPStore(host, int(port), None, False, timeout)
         dist.init_process_group(
             backend=backend,
