@@ -20,6 +20,11 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage reports (Ray D
 # Ray starts idle Python workers for the first driver of a cluster; the suite starts several
 # clusters and each idle worker costs ~1.7 s of CPU (Python + Ray imports) on the 2-core CI machine.
 os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+# Ray runs its workers at niceness 15 so that its own daemons stay responsive. Here the suite's
+# other lane (unit tests, interpreter scripts) runs at niceness 0 on the same two cores, and the
+# kernel then gives a worker about 1/28 of a busy core: a rank that starts in 3 s alone took over
+# 60 s, past a group's start-up timeout. Workers at 0 share the cores evenly.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -93,8 +98,8 @@ def multi_pe_run():
     """tests/nvshmem_pes.py at the suite's settings (several NVSHMEM PEs on the CPU), started in the
     background at the first request in this test process: {world size: run} for two ranks and for
     three; ``.result(timeout_s)`` waits for a run. tests/unit/comm/test_nvshmem_kernels.py requests
-    it early, so under ``-n 2`` they run beside the rest of their lane instead of blocking the lane
-    at the test that reads them (~30 s)."""
+    it early, so the runs go on beside that module's tests; under ``-n 2`` both modules are one
+    scope (tests/lanes.py), or each test process would start runs of its own."""
     from tests.nvshmem_pes import SUITE_ARGS, SUITE_ARGS_W3, BackgroundRun
 
     runs = {2: BackgroundRun(SUITE_ARGS), 3: BackgroundRun(SUITE_ARGS_W3)}

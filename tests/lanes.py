@@ -35,9 +35,17 @@ OFF_SESSION_CLUSTER = (  # tests under tests/cluster that start clusters of thei
 )
 
 
+# modules that share a session fixture a test process starts on first use, scheduled as one scope
+# so that only one test process starts it: the multi-PE runs (tests/conftest.py's multi_pe_run,
+# ~110 s of CPU), started early by the first module and read by the second
+SHARED_SCOPES = {"tests/unit/comm/test_nvshmem_kernels.py": "tests/unit/validation/test_multi_pe.py"}
+
+
 def lane_scope(nodeid: str) -> str:
-    """The scope a test is scheduled in: :data:`SESSION_CLUSTER` or its module's path."""
+    """The scope a test is scheduled in: :data:`SESSION_CLUSTER`, or its module's path (or the
+    module it shares a scope with, :data:`SHARED_SCOPES`)."""
     module = nodeid.split("::", 1)[0]
+    module = SHARED_SCOPES.get(module, module)
     off = any(nodeid == name or nodeid.startswith((name + "::", name + "[")) for name in OFF_SESSION_CLUSTER)
     if module.startswith(CLUSTER_TESTS) and not off:
         return SESSION_CLUSTER

@@ -16,7 +16,7 @@ def small_config(tmp_path, world_size=2, **over) -> Config:
     raw = {
         "model": {"n_layers": 2, "d_model": 32, "n_heads": 2, "seq_len": 32},
         "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 48, "aux_loss_coef": 0.0},
-        "parallel": {"world_size": world_size, "device": "cpu", "cpu_per_worker": 0.5},
+        "parallel": {"world_size": world_size, "device": "cpu", "cpu_per_worker": 0.5, "startup_timeout_s": 240},
         "data": {"max_bytes": 300_000},
         "train": {"steps": 6, "batch_size": 8, "lr": 3e-3, "warmup_steps": 2, "eval_batches": 2,
                   "run_dir": str(tmp_path / "run"), "plots": False, "resume": False},
