@@ -41,7 +41,7 @@ def mesh_groups(ray_cluster):
 
 
 RECLONING = ["balance.enabled=true", "balance.interval=3", "balance.clone_slots=1", "balance.ema=0.0"]
-STEPS = 8
+STEPS = 20
 
 
 def _state(worker):
@@ -82,7 +82,7 @@ def test_mesh_training_equals_single_process(mesh_groups, tmp_path, world, ep, z
         parts = t.group.execute(_state)
         plans = [m for m in t.metrics if m.get("event") == "rebalance"]
         record = [m for m in t.metrics if "imbalance_per_group" in m][-1]
-    assert sum(p["bytes_moved"] for p in plans) > 0 and len(plans) == 2  # clones planned and moved mid-run
+    assert sum(p["bytes_moved"] for p in plans) > 0 and len(plans) == STEPS // 3  # re-planned every 3 steps
     assert len(record["imbalance_per_group"]) == world // ep
     mesh = MeshSpec(world, ep, world // ep)
     for rank, part in enumerate(parts):
@@ -98,9 +98,10 @@ def test_mesh_training_equals_single_process(mesh_groups, tmp_path, world, ep, z
     assert losses == pytest.approx(single_losses, rel=1e-6)
     assert set(state) == set(single_state)
     errors = {key: _rel(state[key], ref) for key, ref in single_state.items()}
-    # float32 gradients summed over 4-6 ranks in another order than one rank's: parameters within
-    # 3e-6 after 8 AdamW steps (1.4e-6 seen at 3x2, 2026-12-07), AdamW's moments within 1e-5
-    bad = {k: e for k, e in errors.items() if e > (1e-5 if k.startswith("optim.") else 3e-6)}
+    # float32 gradients summed over 4-6 ranks in another order than one rank's; after 20 AdamW
+    # steps the largest errors seen were 1.4e-7 (losses), 5.2e-7 (parameters) and 9.6e-7
+    # (AdamW's moments), 2026-12-07
+    bad = {k: e for k, e in errors.items() if e > 1e-6}
     assert not bad, bad
 
 
