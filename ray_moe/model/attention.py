@@ -43,10 +43,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wind
     one head dim). Elsewhere SDPA, with a boolean mask for the window and the log-sum-exp of the
     masked scores computed beside it for the sinks (the CPU path and decoding).
     """
+    if q.is_cuda and q.shape[2] == k.shape[2] and (window or sinks is not None):
+        return _flex(q, k, v, scale, window, sinks)
+    return _sdpa(q, k, v, scale, window, sinks)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
+          sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`attend` on SDPA: a boolean mask for the window, the sinks' log-sum-exp computed beside."""
     L, S = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
-    if q.is_cuda and L == S and (window or sinks is not None):
-        return _flex(q, k, v, scale, window, sinks)
     pad = q.is_cuda and v.shape[-1] != q.shape[-1]
     Dv = v.shape[-1]
     if pad:

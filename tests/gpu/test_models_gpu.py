@@ -43,9 +43,13 @@ PER_FAMILY = {
                         qk_rope_head_dim=16, v_head_dim=32, intermediate_size=512, moe_intermediate_size=128,
                         n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, num_hidden_layers=3),
     # sinks and a 32-position window on layers 0 and 2 (flex attention), biased clamped experts (grouped_mm);
-    # layer_types names every layer (transformers refuses a list shorter than num_hidden_layers)
+    # layer_types names every layer (transformers refuses a list shorter than num_hidden_layers).
+    # The clamp at 3 holds for a few % of the pre-activations. At the tiny model's 1.0 it holds for
+    # a third of them, and a float32 rounding that moves one value across the bound flips its
+    # derivative: two exact float32 implementations then differ by 2.5e-3 in gradients (CPU,
+    # 2026-12-07), and a bf16 comparison says nothing.
     "gpt_oss": dict(head_dim=32, intermediate_size=128, num_local_experts=16, num_experts_per_tok=4,
-                    num_hidden_layers=3, sliding_window=32,
+                    num_hidden_layers=3, sliding_window=32, swiglu_limit=3.0,
                     layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     "olmoe": dict(intermediate_size=128, num_experts=16, num_experts_per_tok=4, num_hidden_layers=3),
     "minimax_m2": dict(head_dim=32, intermediate_size=128, num_local_experts=16, num_experts_per_tok=4,
@@ -133,6 +137,37 @@ def test_bf16_equal_to_transformers_on_an_nvshmem_group(tmp_path, family, recomp
             bad = {k: (v, hf_err.get(k)) for k, v in ours[placement].items()
                    if not v <= max(2 * hf_err.get(k, 0.0), 2e-2)}
             assert not bad, f"{family} W={W} rank {rank} {placement}: (ours, transformers bf16): {bad}"
+
+
+@pytest.mark.parametrize("attention", ["kernels", "sdpa"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp32_equal_to_transformers_on_gpu(tmp_path, monkeypatch, family, attention):
+    """float32 on the GPU, blocks uncompiled, TF32 off: ray_moe's model equals transformers'
+    float32 model on the same GPU (logits and every gradient within 5e-3, TF32's rounding in
+    flex attention's dots; the bf16 test's bounds are ~2e-2). ``attention``: the GPU's kernels
+    (flex attention for sinks and windows), or the SDPA form the CPU runs, so that a failure of
+    the bf16 test is placed: in the kernels, or in the float32 model on the GPU."""
+    pytest.importorskip("transformers")
+    import ray_moe.model.attention as attention_module
+    from ray_moe.comm.local import LocalTransport
+    from tests.hf_parity import model_parity, parity_config, reference, save_tiny_model
+    from tests.support import single_rank
+
+    if attention == "sdpa":
+        monkeypatch.setattr(attention_module, "_flex", attention_module._sdpa)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    save_tiny_model(family, tmp_path, seed=2, **gpu_size(family))
+    B, L = 8, 128
+    ids = torch.randint(0, GPU_SIZE["vocab_size"], (B, L + 1), generator=torch.Generator().manual_seed(0))
+    cfg = parity_config(tmp_path, world_size=1, batch=B, seq_len=L, dtype="float32", device="cuda")
+    cfg = cfg.with_overrides(["model.compile=none"])
+    truth = reference(cfg, cfg.resolve_arch(), ids, dtype=torch.float32, device="cuda", attn_implementation="eager")
+    worker = SimpleNamespace(rank_info=single_rank(), transport=LocalTransport(), device="cuda")
+    ours = model_parity(worker, cfg, cfg.resolve_arch(), ids, truth)
+    print(json.dumps({f"{family}-{attention}": {p: max(ours[p].values()) for p in ("native", "clones")}}))
+    for placement in ("native", "clones"):
+        bad = {k: v for k, v in ours[placement].items() if not v <= 5e-3}
+        assert not bad, f"{family} {placement} ({attention}): relative to transformers' float32: {bad}"
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -253,3 +253,21 @@ def test_gpu_test_sizes_build_in_transformers(family):
     assert spec.num_layers == hf["num_hidden_layers"] == gpu_size(family)["num_hidden_layers"]
     if family == "gpt_oss":
         assert spec.sliding_layers == (True, False, True) and spec.sliding_window == 32
+
+
+def test_gpt_oss_at_its_gpu_test_size_equals_transformers_in_float32(tmp_path):
+    """The GPU tests' gpt-oss (sinks, windows shorter than the sequence, YaRN, biased clamped
+    experts) equals transformers on the CPU in float32 (1e-5), so that the GPU's bf16 bounds
+    compare kernels, not a model that differs."""
+    from tests.gpu.test_models_gpu import GPU_SIZE, gpu_size
+    from tests.hf_parity import save_tiny_model
+
+    save_tiny_model("gpt_oss", tmp_path, seed=2, **gpu_size("gpt_oss"))
+    B, L = 4, 96  # three windows' length
+    ids = torch.randint(0, GPU_SIZE["vocab_size"], (B, L + 1), generator=torch.Generator().manual_seed(0))
+    cfg = parity_config(tmp_path, world_size=1, batch=B, seq_len=L)
+    truth = reference(cfg, cfg.resolve_arch(), ids)
+    worker = SimpleNamespace(rank_info=single_rank(), transport=LocalTransport(), device="cpu")
+    errs = model_parity(worker, cfg, cfg.resolve_arch(), ids, truth, with_clones=False)["native"]
+    bad = {k: v for k, v in errs.items() if not v <= 1e-5}
+    assert not bad, bad
