@@ -48,11 +48,14 @@ def connect(address: str | None = None, timeout_s: float = 60.0, log_to_driver: 
             **init_kwargs: Any) -> bool:
     """Attach to the Ray cluster at ``address`` (or ``RAY_ADDRESS``; ``auto``: the one running
     here), or start a local one when neither is given. Returns True when this call connected
-    (False: Ray was initialised already). Raises :class:`ConnectError` (one line) when the checks
-    above fail, or ``ray.init`` does; ``timeout_s`` bounds name resolution and the TCP check."""
+    (False: Ray was initialised already, and ``address``, if it names a host and port, has the
+    port of the cluster this process is attached to). Raises :class:`ConnectError` (one line) when
+    the checks above fail, or ``ray.init`` does; ``timeout_s`` bounds name resolution and the TCP
+    check."""
     import ray
 
     if ray.is_initialized():
+        _check_attached_to(address)
         return False
     given = address
     address = address or os.environ.get("RAY_ADDRESS") or None
@@ -72,6 +75,20 @@ def connect(address: str | None = None, timeout_s: float = 60.0, log_to_driver: 
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         raise ConnectError(f"cannot connect to Ray at {where}: {type(exc).__name__}: {first}{auth_hint(exc)}") from None
     return True
+
+
+def _check_attached_to(address: str | None) -> None:
+    """Refuse an explicit ``host:port`` whose port differs from the GCS port of the cluster this
+    process is attached to: the work would run on that cluster, not the one asked for. (The host
+    is not compared: one cluster answers at its node's address, a hostname and 127.0.0.1.)"""
+    if not address or address in ("auto", "local") or "://" in address or ":" not in address:
+        return
+    import ray
+
+    attached = ray.get_runtime_context().gcs_address
+    if address.rsplit(":", 1)[1] != attached.rsplit(":", 1)[1]:
+        raise ConnectError(f"--address {address!r}: this process is attached to the Ray cluster at {attached!r} "
+                           "already; call ray.shutdown() first, or leave the address out to use that cluster")
 
 
 def _where(address: str | None, given: str | None) -> str:

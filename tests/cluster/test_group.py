@@ -276,3 +276,13 @@ def test_context_manager_closes(ray_cluster):
         mine = live_pg_ids() - before
     wait_for(lambda: not (live_pg_ids() & mine), what="the placement group to be removed")
     wait_for(lambda: available_cpu() == cpu0, what="CPUs to be available again")
+
+
+def test_an_address_of_another_cluster_is_refused_while_attached(ray_cluster):
+    """A process attached to one cluster that is asked for another (a notebook's second Trainer)
+    gets one line, not a run on the cluster it happens to be attached to."""
+    from ray_moe.connect import ConnectError, connect
+
+    assert connect(ray_cluster) is False and connect("auto") is False and connect() is False
+    with pytest.raises(ConnectError, match=r"--address '127.0.0.1:9': this process is attached to the Ray cluster at"):
+        connect("127.0.0.1:9")

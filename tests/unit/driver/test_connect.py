@@ -87,16 +87,6 @@ def _server(reply: bytes | None):
         sock.close()
 
 
-@pytest.fixture
-def fresh_driver(monkeypatch):
-    import ray
-
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh driver process
-    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init reached with an unusable address"))
-    for key in ("RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
-        monkeypatch.delenv(key, raising=False)
-
-
 def test_an_http_server_is_no_gcs_and_is_named_at_once(fresh_driver):
     with _server(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n") as address:
         t0 = time.monotonic()

@@ -105,14 +105,14 @@ def test_arch_of_an_unknown_source_is_one_line_and_exit_2():
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "neither a preset" in r.stderr
 
 
-def test_a_refused_input_leaves_no_run_directory(tmp_path):
+def test_a_refused_input_leaves_no_run_directory(tmp_path, fresh_driver):
     cfg = small_config(tmp_path, **{"data.paths": str(tmp_path / "nope.txt")})
     with pytest.raises(DataError):
         Trainer(cfg, address=NOWHERE, progress=False)
     assert not (tmp_path / "run").exists()
 
 
-def test_a_start_that_fails_after_its_checks_leaves_no_files_behind(tmp_path):
+def test_a_start_that_fails_after_its_checks_leaves_no_files_behind(tmp_path, fresh_driver):
     """Past the checks (here: nothing listens at the address) a fresh run that wrote nothing removes
     its own lock file and empty metrics.jsonl, and the run directory if it made it; a directory
     that holds anything else is left as it is."""
