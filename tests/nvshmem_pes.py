@@ -237,8 +237,9 @@ def back_off_polls(first_after: int = 4, longest_s: float = 1e-3) -> None:
     value sleep between its polls, from 10 µs doubling up to ``longest_s``. A GPU's spinning block
     costs nothing the other ranks need; here a spinning rank is a process taking one of the host's
     cores from the rank it waits for (the suite runs this beside the rest on two cores). The
-    kernels' ``spin_limit`` still bounds every wait, in polls. Test-only, tied to Triton 3's
-    interpreter (``create_atomic_rmw``)."""
+    kernels' ``spin_limit`` still bounds every wait, in polls, so a wait that never ends takes up
+    to ``spin_limit`` ms to report itself (the runs' ``--timeout-s`` may end it first). Test-only,
+    tied to Triton 3's interpreter (``create_atomic_rmw``)."""
     import threading
 
     import numpy as np
@@ -255,7 +256,7 @@ def back_off_polls(first_after: int = 4, longest_s: float = 1e-3) -> None:
         if key is not None and key == getattr(here, "key", None):
             here.repeats += 1
             if here.repeats >= first_after:
-                time.sleep(min(longest_s, 1e-5 * 2 ** (here.repeats - first_after)))
+                time.sleep(min(longest_s, 1e-5 * 2.0 ** min(here.repeats - first_after, 30)))
         else:
             here.key, here.repeats = key, 0
         return out
