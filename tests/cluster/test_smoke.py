@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -62,7 +63,20 @@ class LocalClusters:
                            env=cluster_env(), capture_output=True, text=True, timeout=120 * SLOW)
         self.running.remove(state)
         assert r.returncode == 0, r.stderr
-        assert not any(Path(f"/proc/{n['pid']}").exists() for n in info["nodes"])
+        # a killed node leaves /proc once its new parent reaps it, which a loaded host may delay
+        deadline = time.monotonic() + 30
+        while any(_running(n["pid"]) for n in info["nodes"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_running(n["pid"]) for n in info["nodes"])
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie has)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] != "Z"
 
 
 @pytest.fixture
