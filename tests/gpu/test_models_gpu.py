@@ -64,6 +64,22 @@ def gpu_size(family: str) -> dict:
     return {**GPU_SIZE, **PER_FAMILY[family]}
 
 
+def bf16_bounds(hf_err: dict[str, float]) -> dict[str, float]:
+    """The bound of each logged error: twice transformers' own bf16 error (2e-2 at least); for an
+    expert's gradient, twice transformers' worst expert of that tensor. In bf16 a few tokens sit
+    near a top-k tie and change expert in either model; an expert that gains or loses one token
+    moves by ~1/its tokens, and which expert that is differs between the two models (on the CPU in
+    bf16 at this size, 2026-12-07: transformers' worst expert 0.18-0.25, ours 0.11-0.22, rarely
+    the same expert)."""
+    worst: dict[str, float] = {}
+    for k, v in hf_err.items():
+        if k.startswith("expert."):
+            kind = k.rsplit(".", 1)[1]
+            worst[kind] = max(worst.get(kind, 0.0), v)
+    return {k: max(2 * (worst[k.rsplit(".", 1)[1]] if k.startswith("expert.") else v), 2e-2)
+            for k, v in hf_err.items()}
+
+
 def _out(name: str) -> str | None:
     out = os.environ.get("OUT")
     return os.path.join(out, name) if out else None
@@ -96,9 +112,10 @@ def test_bf16_equal_to_transformers_on_gpu(tmp_path, family):
     if _out(f"bf16_{family}.json"):
         with open(_out(f"bf16_{family}.json"), "w") as f:
             json.dump(report, f, indent=1)
+    bound = bf16_bounds(hf_err)
     for placement in ("native", "clones"):
-        bad = {k: (v, hf_err[k]) for k, v in ours[placement].items() if not v <= max(2 * hf_err[k], 2e-2)}
-        assert not bad, f"{family} {placement}: (ours, transformers bf16) relative to fp32: {bad}"
+        bad = {k: (v, bound[k]) for k, v in ours[placement].items() if not v <= bound[k]}
+        assert not bad, f"{family} {placement}: (ours, bound) relative to fp32: {bad}"
 
 
 @pytest.mark.parametrize("recompute", ["none", "family"])
@@ -132,11 +149,11 @@ def test_bf16_equal_to_transformers_on_an_nvshmem_group(tmp_path, family, recomp
     hf_err = {k: rel_err(theirs[k], v) for k, v in truth.items()}
     with WorkerGroup(cfg) as g:
         results = g.execute(model_parity, cfg, arch, ids, truth, timeout=300)
+    bound = bf16_bounds(hf_err)
     for rank, ours in enumerate(results):
         for placement in ("native", "clones"):
-            bad = {k: (v, hf_err.get(k)) for k, v in ours[placement].items()
-                   if not v <= max(2 * hf_err.get(k, 0.0), 2e-2)}
-            assert not bad, f"{family} W={W} rank {rank} {placement}: (ours, transformers bf16): {bad}"
+            bad = {k: (v, bound.get(k, 2e-2)) for k, v in ours[placement].items() if not v <= bound.get(k, 2e-2)}
+            assert not bad, f"{family} W={W} rank {rank} {placement}: (ours, bound): {bad}"
 
 
 @pytest.mark.parametrize("attention", ["kernels", "sdpa"])
