@@ -64,22 +64,6 @@ def gpu_size(family: str) -> dict:
     return {**GPU_SIZE, **PER_FAMILY[family]}
 
 
-def bf16_bounds(hf_err: dict[str, float]) -> dict[str, float]:
-    """The bound of each logged error: twice transformers' own bf16 error (2e-2 at least); for an
-    expert's gradient, twice transformers' worst expert of that tensor. In bf16 a few tokens sit
-    near a top-k tie and change expert in either model; an expert that gains or loses one token
-    moves by ~1/its tokens, and which expert that is differs between the two models (on the CPU in
-    bf16 at this size, 2026-12-07: transformers' worst expert 0.18-0.25, ours 0.11-0.22, rarely
-    the same expert)."""
-    worst: dict[str, float] = {}
-    for k, v in hf_err.items():
-        if k.startswith("expert."):
-            kind = k.rsplit(".", 1)[1]
-            worst[kind] = max(worst.get(kind, 0.0), v)
-    return {k: max(2 * (worst[k.rsplit(".", 1)[1]] if k.startswith("expert.") else v), 2e-2)
-            for k, v in hf_err.items()}
-
-
 def _out(name: str) -> str | None:
     out = os.environ.get("OUT")
     return os.path.join(out, name) if out else None
@@ -91,6 +75,7 @@ def test_bf16_equal_to_transformers_on_gpu(tmp_path, family):
     from ray_moe.comm.local import LocalTransport
     from ray_moe.validation.errors import rel_err
     from tests.hf_parity import (
+        bf16_bounds,
         model_parity,
         parity_config,
         reference,
@@ -129,7 +114,7 @@ def test_bf16_equal_to_transformers_on_an_nvshmem_group(tmp_path, family, recomp
     pytest.importorskip("nvshmem.core")
     from ray_moe.driver.group import WorkerGroup
     from ray_moe.validation.errors import rel_err
-    from tests.hf_parity import model_parity, parity_config, reference, save_tiny_model
+    from tests.hf_parity import bf16_bounds, model_parity, parity_config, reference, save_tiny_model
 
     W, per_gpu = gpu_ranks()
     if W < 2:
