@@ -8,7 +8,8 @@ ray_moe's layouts. Every rank then (:func:`model_parity`) loads the directory th
 ``model.init_from`` (its own tensors only), runs its slice of the batch forward and backward over
 the group's transport, reduces gradients as the engine does (clones onto owners, replicated ones
 averaged, experts divided by W), and reports relative errors of its logits and of the gradients
-it holds: first at the native placement, then with clones of other ranks' experts.
+it holds: first at the native placement, then with clones of other ranks' experts. In bf16 the
+errors are held to transformers' own bf16 model's (:func:`bf16_bounds`).
 
 transformers is needed on the driver only (the test extra); the ranks run ray_moe alone.
 """
