@@ -24,9 +24,8 @@ import torch
 
 import ray_moe.model.attention as attention
 from ray_moe.comm.local import LocalTransport
-from ray_moe.validation.errors import rel_err
-from tests.gpu.test_models_gpu import GPU_SIZE, HF_BF16_ATTENTION, gpu_size
-from tests.hf_parity import bf16_bounds, model_parity, parity_config, reference, save_tiny_model
+from tests.gpu.test_models_gpu import one_rank_case, transformers_bf16_errors
+from tests.hf_parity import bf16_bounds, model_parity
 from tests.support import single_rank
 
 EAGER = {"model.compile": "none"}
@@ -44,14 +43,8 @@ VARIANTS = {
 
 def run_family(family: str, device: str, workdir: str) -> dict:
     """{"transformers_bf16": errors, variant: {"native": errors, ...} or the exception's repr}."""
-    save_tiny_model(family, workdir, seed=2, **gpu_size(family))
-    B, L = 8, 128
-    ids = torch.randint(0, GPU_SIZE["vocab_size"], (B, L + 1), generator=torch.Generator().manual_seed(0))
-    base = parity_config(workdir, world_size=1, batch=B, seq_len=L, dtype="bfloat16", device=device)
-    truth = reference(base, base.resolve_arch(), ids, dtype=torch.float32, device=device, attn_implementation="eager")
-    theirs = reference(base, base.resolve_arch(), ids, dtype=torch.bfloat16, device=device,
-                       attn_implementation=HF_BF16_ATTENTION.get(family, "sdpa"))
-    hf_err = {k: rel_err(theirs[k], v) for k, v in truth.items()}
+    base, ids, truth = one_rank_case(family, workdir, device)
+    hf_err = transformers_bf16_errors(family, base, base.resolve_arch(), ids, truth, device)
     bound = bf16_bounds(hf_err)
     print(f"{family}: transformers bf16 logits {hf_err['logits']:.4f}, worst {max(hf_err.values()):.4f}", flush=True)
     report: dict = {"transformers_bf16": hf_err}

@@ -64,6 +64,30 @@ def gpu_size(family: str) -> dict:
     return {**GPU_SIZE, **PER_FAMILY[family]}
 
 
+def one_rank_case(family: str, workdir, device: str, dtype: str = "bfloat16"):
+    """The one-rank comparison at the GPU test's size: ``family``'s tiny model saved in ``workdir``,
+    its ray_moe config (``dtype`` on ``device``), ids int64 [8, 129] and transformers' float32
+    reference on ``device`` (:func:`tests.hf_parity.reference`)."""
+    from tests.hf_parity import parity_config, reference, save_tiny_model
+
+    save_tiny_model(family, workdir, seed=2, **gpu_size(family))
+    B, L = 8, 128
+    ids = torch.randint(0, GPU_SIZE["vocab_size"], (B, L + 1), generator=torch.Generator().manual_seed(0))
+    cfg = parity_config(workdir, world_size=1, batch=B, seq_len=L, dtype=dtype, device=device)
+    truth = reference(cfg, cfg.resolve_arch(), ids, dtype=torch.float32, device=device, attn_implementation="eager")
+    return cfg, ids, truth
+
+
+def transformers_bf16_errors(family: str, cfg, arch, ids: torch.Tensor, truth: dict, device: str) -> dict[str, float]:
+    """Relative errors of transformers' own bf16 model against its float32 ``truth`` (same keys)."""
+    from ray_moe.validation.errors import rel_err
+    from tests.hf_parity import reference
+
+    theirs = reference(cfg, arch, ids, dtype=torch.bfloat16, device=device,
+                       attn_implementation=HF_BF16_ATTENTION.get(family, "sdpa"))
+    return {k: rel_err(theirs[k], v) for k, v in truth.items()}
+
+
 def _out(name: str) -> str | None:
     out = os.environ.get("OUT")
     return os.path.join(out, name) if out else None
@@ -73,23 +97,11 @@ def _out(name: str) -> str | None:
 def test_bf16_equal_to_transformers_on_gpu(tmp_path, family):
     pytest.importorskip("transformers")
     from ray_moe.comm.local import LocalTransport
-    from ray_moe.validation.errors import rel_err
-    from tests.hf_parity import (
-        bf16_bounds,
-        model_parity,
-        parity_config,
-        reference,
-        save_tiny_model,
-    )
+    from tests.hf_parity import bf16_bounds, model_parity
     from tests.support import single_rank
 
-    save_tiny_model(family, tmp_path, seed=2, **gpu_size(family))
-    B, L = 8, 128
-    ids = torch.randint(0, GPU_SIZE["vocab_size"], (B, L + 1), generator=torch.Generator().manual_seed(0))
-    cfg = parity_config(tmp_path, world_size=1, batch=B, seq_len=L, dtype="bfloat16", device="cuda")
-    truth = reference(cfg, cfg.resolve_arch(), ids, dtype=torch.float32, device="cuda", attn_implementation="eager")
-    theirs = reference(cfg, cfg.resolve_arch(), ids, dtype=torch.bfloat16, device="cuda", attn_implementation=HF_BF16_ATTENTION.get(family, "sdpa"))
-    hf_err = {k: rel_err(theirs[k], v) for k, v in truth.items()}
+    cfg, ids, truth = one_rank_case(family, tmp_path, "cuda")
+    hf_err = transformers_bf16_errors(family, cfg, cfg.resolve_arch(), ids, truth, "cuda")
     worker = SimpleNamespace(rank_info=single_rank(), transport=LocalTransport(), device="cuda")
     ours = model_parity(worker, cfg, cfg.resolve_arch(), ids, truth)
     report = {"transformers_bf16": hf_err, **{p: ours[p] for p in ("native", "clones")}}
@@ -113,7 +125,6 @@ def test_bf16_equal_to_transformers_on_an_nvshmem_group(tmp_path, family, recomp
     pytest.importorskip("transformers")
     pytest.importorskip("nvshmem.core")
     from ray_moe.driver.group import WorkerGroup
-    from ray_moe.validation.errors import rel_err
     from tests.hf_parity import bf16_bounds, model_parity, parity_config, reference, save_tiny_model
 
     W, per_gpu = gpu_ranks()
@@ -130,8 +141,7 @@ def test_bf16_equal_to_transformers_on_an_nvshmem_group(tmp_path, family, recomp
     cfg = cfg.with_overrides(["parallel.transport=nvshmem", f"parallel.workers_per_gpu={per_gpu}"])
     arch = cfg.resolve_arch()
     truth = reference(cfg, arch, ids, dtype=torch.float32, device="cuda", attn_implementation="eager")
-    theirs = reference(cfg, arch, ids, dtype=torch.bfloat16, device="cuda", attn_implementation=HF_BF16_ATTENTION.get(family, "sdpa"))
-    hf_err = {k: rel_err(theirs[k], v) for k, v in truth.items()}
+    hf_err = transformers_bf16_errors(family, cfg, arch, ids, truth, "cuda")
     with WorkerGroup(cfg) as g:
         results = g.execute(model_parity, cfg, arch, ids, truth, timeout=300)
     bound = bf16_bounds(hf_err)
@@ -152,18 +162,14 @@ def test_fp32_equal_to_transformers_on_gpu(tmp_path, monkeypatch, family, attent
     pytest.importorskip("transformers")
     import ray_moe.model.attention as attention_module
     from ray_moe.comm.local import LocalTransport
-    from tests.hf_parity import model_parity, parity_config, reference, save_tiny_model
+    from tests.hf_parity import model_parity
     from tests.support import single_rank
 
     if attention == "sdpa":
         monkeypatch.setattr(attention_module, "_flex", attention_module._sdpa)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    save_tiny_model(family, tmp_path, seed=2, **gpu_size(family))
-    B, L = 8, 128
-    ids = torch.randint(0, GPU_SIZE["vocab_size"], (B, L + 1), generator=torch.Generator().manual_seed(0))
-    cfg = parity_config(tmp_path, world_size=1, batch=B, seq_len=L, dtype="float32", device="cuda")
+    cfg, ids, truth = one_rank_case(family, tmp_path, "cuda", dtype="float32")
     cfg = cfg.with_overrides(["model.compile=none"])
-    truth = reference(cfg, cfg.resolve_arch(), ids, dtype=torch.float32, device="cuda", attn_implementation="eager")
     worker = SimpleNamespace(rank_info=single_rank(), transport=LocalTransport(), device="cuda")
     ours = model_parity(worker, cfg, cfg.resolve_arch(), ids, truth)
     print(json.dumps({f"{family}-{attention}": {p: max(ours[p].values()) for p in ("native", "clones")}}))

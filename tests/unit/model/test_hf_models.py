@@ -280,18 +280,11 @@ def test_bf16_at_the_gpu_test_size_meets_the_gpu_bounds_on_the_cpu(tmp_path, fam
     against transformers' worst expert). A correct model meets them here, so a GPU failure points
     at a path only the GPU takes. The three families whose experts' errors come closest to
     transformers' (2026-12-07)."""
-    from ray_moe.validation.errors import rel_err
-    from tests.gpu.test_models_gpu import GPU_SIZE, HF_BF16_ATTENTION, gpu_size
-    from tests.hf_parity import bf16_bounds, save_tiny_model
+    from tests.gpu.test_models_gpu import one_rank_case, transformers_bf16_errors
+    from tests.hf_parity import bf16_bounds
 
-    save_tiny_model(family, tmp_path, seed=2, **gpu_size(family))
-    B, L = 8, 128
-    ids = torch.randint(0, GPU_SIZE["vocab_size"], (B, L + 1), generator=torch.Generator().manual_seed(0))
-    cfg = parity_config(tmp_path, world_size=1, batch=B, seq_len=L, dtype="bfloat16")
-    truth = reference(cfg, cfg.resolve_arch(), ids)
-    theirs = reference(cfg, cfg.resolve_arch(), ids, dtype=torch.bfloat16,
-                       attn_implementation=HF_BF16_ATTENTION.get(family, "sdpa"))
-    bound = bf16_bounds({k: rel_err(theirs[k], v) for k, v in truth.items()})
+    cfg, ids, truth = one_rank_case(family, tmp_path, "cpu")
+    bound = bf16_bounds(transformers_bf16_errors(family, cfg, cfg.resolve_arch(), ids, truth, "cpu"))
     worker = SimpleNamespace(rank_info=single_rank(), transport=LocalTransport(), device="cpu")
     ours = model_parity(worker, cfg, cfg.resolve_arch(), ids, truth, with_clones=False)["native"]
     bad = {k: (v, bound[k]) for k, v in ours.items() if not v <= bound[k]}
