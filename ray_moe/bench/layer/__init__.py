@@ -34,7 +34,7 @@ from ray_moe.bench.layer.expert import (
     routing_rows,
     saved_bytes_rows,
 )
-from ray_moe.bench.layer.fp8 import FP8_GEMMS, fp8_kernel_rows, fp8_layer_rows, fp8_sweep_rows
+from ray_moe.bench.layer.fp8 import FP8_GEMMS, fp8_ceiling_rows, fp8_kernel_rows, fp8_layer_rows, fp8_sweep_rows
 from ray_moe.bench.layer.problem import LayerShape, make_inputs
 from ray_moe.bench.layer.profiling import profile_rows, row_gemm_backend_rows, steady_rows, wgrad_backend_rows
 from ray_moe.bench.layer.sonic import (
@@ -116,7 +116,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         " add the expert side on the winners to the fp8 rows")
     p.add_argument("--fp8-parts", default="kernels,layer",
                    help="fp8: comma list of what the section runs: kernels (each kernel alone beside bf16's),"
-                        " layer (the layer and expert rows); --fp8-sweep adds the sweep between them. A sweep of"
+                        " layer (the layer and expert rows), ceiling (a library's FP8 GEMM beside bf16's on the"
+                        " up-projection's FLOPs as one dense GEMM); --fp8-sweep adds the sweep between them. A sweep of"
                         " all six GEMMs compiles ~50 kernels: split it over runs with --fp8-sweep-gemms and"
                         " --fp8-parts '' (the sweep alone); the Triton cache keeps what one run compiled")
     p.add_argument("--fp8-sweep-gemms", default=None,
@@ -188,8 +189,8 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.fp8_sweep and "fp8" not in args.sections.split(","):
         p.error("--fp8-sweep needs 'fp8' in --sections (it times the FP8 GEMMs of that section)")
     parts = set(filter(None, args.fp8_parts.split(",")))
-    if parts - {"kernels", "layer"}:
-        p.error(f"--fp8-parts: unknown {', '.join(sorted(parts - {'kernels', 'layer'}))}; known: kernels, layer"
+    if parts - {"kernels", "layer", "ceiling"}:
+        p.error(f"--fp8-parts: unknown {', '.join(sorted(parts - {'kernels', 'layer', 'ceiling'}))}; known: kernels, layer, ceiling"
                 " (--fp8-sweep adds the sweep)")
     if args.fp8_sweep_gemms is not None:
         if not args.fp8_sweep:
@@ -289,6 +290,8 @@ def main(argv: list[str]) -> int:
             ("steady", lambda eshape=eshape: steady_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms, impls=impls)),
             ("wgrad", lambda eshape=eshape: wgrad_backend_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms)),
             ("rows", lambda eshape=eshape: row_gemm_backend_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms)),
+            ("fp8", (lambda eshape=eshape: fp8_ceiling_rows(eshape, args.warmup_ms, args.rep_ms, args.seed))
+             if "ceiling" in fp8_parts else None),
             ("fp8", (lambda eshape=eshape: fp8_kernel_rows(eshape, dtype, args.seed, args.warmup_ms, args.rep_ms))
              if "kernels" in fp8_parts else None),
             ("fp8", (lambda eshape=eshape: fp8_sweep(eshape)) if args.fp8_sweep else None),

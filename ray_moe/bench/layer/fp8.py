@@ -19,7 +19,9 @@ gather-sums) with its ms, share of the step and, for the GEMMs, the bf16 kernel 
 beside it; and with ``--fp8-sweep``, :func:`fp8_sweep_rows`: each FP8 GEMM of the shape under every
 candidate of :func:`~ray_moe.kernels.fp8_grouped.fp8_candidates` (tiles, stages, warps, promotion
 form, persistent or grid), its winner, and the :data:`~ray_moe.kernels.fp8_grouped.FP8_TILES`
-entries that make the winners the default for this shape.
+entries that make the winners the default for this shape. With ``--fp8-parts ceiling``,
+:func:`fp8_ceiling_rows`: torch's library FP8 GEMMs (block-scaled and rowwise) beside its bf16 GEMM
+on the up-projection's FLOPs as one dense GEMM, the speed-up this GPU gives the recipe at best.
 
 Targets: ≥ 1.4× bf16 at T=32768, H=4096, I=1536, E=128, K=8; ≥ 1.2× at Qwen3-30B-A3B's
 experts (H=2048, I=768, E=128, K=8); ahead of torchao's path at both.
@@ -28,6 +30,7 @@ experts (H=2048, I=768, E=128, K=8); ahead of torchao's path at both.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
@@ -431,4 +434,88 @@ def fp8_layer_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms: 
         out.append({"section": f"fp8 {where}", "what": "experts torchao fp8 rowwise", "note": why})
     out.append({"section": f"fp8 {where}", "what": "FP8 weight quantisations during the run (one per weight version)",
                 "count": cache.quantizations + layers["fp8"].fp8_weights.quantizations})
+    return out
+
+
+def _scaled_mm_blockwise(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.Tensor
+                         ) -> list[tuple[str, Callable[[], torch.Tensor]]]:
+    """Calls of torch's block-scaled FP8 GEMM (cuBLASLt, DeepSeek-V3's 1×128 and 128×128 scales)
+    on ``aq [M, K]`` e4m3 with ``sa [M, K/128]`` and ``bq [N, K]`` e4m3 with ``sb [N/128, K/128]``,
+    one per scale layout torch releases have asked for; the caller keeps the first that is right."""
+    F = torch.nn.functional
+    b = bq.t()  # [K, N], column-major: the layout FP8 GEMMs take
+    sa_layouts = {"sa": sa, "sa M-major": sa.t().contiguous().t()}
+    sb_layouts = {"sbT": sb.t(), "sbT contiguous": sb.t().contiguous(), "sb": sb}
+    calls: list[tuple[str, Callable[[], torch.Tensor]]] = []
+    for (na, a_s), (nb, b_s) in itertools.product(sa_layouts.items(), sb_layouts.items()):
+        if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"):
+            st = F.ScalingType
+            calls.append((f"F.scaled_mm {na}, {nb}", lambda a_s=a_s, b_s=b_s: F.scaled_mm(
+                aq, b, a_s, st.BlockWise1x128, b_s, st.BlockWise128x128, output_dtype=torch.bfloat16)))
+        calls.append((f"torch._scaled_mm {na}, {nb}", lambda a_s=a_s, b_s=b_s: torch._scaled_mm(
+            aq, b, scale_a=a_s, scale_b=b_s, out_dtype=torch.bfloat16)))
+    return calls
+
+
+def fp8_ceiling_rows(shape: LayerShape, warmup_ms: int, rep_ms: int, seed: int = 0,
+                     device: torch.device = torch.device("cuda")) -> list[dict]:
+    """What a library FP8 GEMM gains over bf16 on this GPU, for the up-projection's FLOPs as one
+    dense GEMM (``[T·K, H] × [H, 2I]``, no grouping): torch's bf16 ``mm`` beside cuBLASLt's
+    block-scaled FP8 (DeepSeek-V3's scales, where this torch has it) and the rowwise FP8 GEMM with
+    and without fast accumulation. The speed-up of the block-scaled row is the ceiling a grouped
+    FP8 kernel with the same recipe can expect; each FP8 output is checked against float32 of the
+    same quantised operands (rows that miss by more than 1e-2 relative are reported as wrong)."""
+    from ray_moe.kernels import fp8_quant as Q
+
+    M, Kd, N = shape.T * shape.K, shape.H, 2 * shape.I
+    g = torch.Generator(device=device).manual_seed(seed)
+    a = torch.randn(M, Kd, device=device, dtype=torch.bfloat16, generator=g)
+    w = (torch.randn(N, Kd, device=device, dtype=torch.bfloat16, generator=g) / Kd ** 0.5).contiguous()
+    aq, sa = Q.quantize_rows(a)
+    bq, _, sb = Q.quantize_blocks(w[None])
+    bq, sb = bq[0], sb[0]
+    check_rows = slice(0, min(M, 2048))
+    ref = Q.dequantize_rows(aq[check_rows], sa[check_rows]) @ Q.dequantize_blocks(bq[None], sb[None])[0].t()
+    flops = 2.0 * M * Kd * N
+    where = f"fp8 ceiling [{M}, {Kd}] x [{Kd}, {N}]"
+    out: list[dict] = []
+    bf16_ms = median_ms(lambda: a @ w.t(), warmup_ms, rep_ms)
+    out.append({"section": where, "what": "bf16 torch.mm", "ms": bf16_ms, "TFLOP/s": tflops(flops, bf16_ms)})
+
+    def timed(what: str, fn: Callable[[], torch.Tensor], ref_: torch.Tensor) -> str:
+        """Times ``fn`` into a row if its output is right; else returns why not."""
+        try:
+            err = rel_err_gpu(fn()[check_rows].float(), ref_)
+        except Exception as exc:  # this torch or GPU lacks the recipe or refuses the layout
+            return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
+        if err > 1e-2:
+            return f"wrong: rel. error {err:.3g} against float32 of the quantised operands"
+        ms = median_ms(fn, warmup_ms, rep_ms)
+        out.append({"section": where, "what": what, "ms": ms, "TFLOP/s": tflops(flops, ms),
+                    "fp8 speed-up": bf16_ms / ms, "rel_err_vs_f32": err})
+        return ""
+
+    calls = _scaled_mm_blockwise(aq, sa, bq, sb)
+    whys: dict[str, str] = {}
+    for what, fn in calls:
+        whys[what] = timed(f"block-scaled FP8 ({what})", fn, ref)
+        if not whys[what]:
+            break
+    else:
+        out.append({"section": where, "what": "block-scaled FP8 (cuBLASLt 1x128 / 128x128)",
+                    "note": f"none of {len(calls)} scale layouts ran right: "
+                            + " | ".join(dict.fromkeys(whys.values()))})
+    # rowwise: one scale per row of A and per column of B over all of K (torchao's recipe)
+    a_amax = a.float().abs().amax(1, keepdim=True).clamp_min(1e-12)
+    w_amax = w.float().abs().amax(1, keepdim=True).clamp_min(1e-12)
+    ra, rw = a_amax / 448.0, w_amax / 448.0
+    aq_r = (a.float() / ra).clamp(-448, 448).to(Q.FP8_DTYPE)
+    wq_r = (w.float() / rw).clamp(-448, 448).to(Q.FP8_DTYPE)
+    ref_r = (aq_r[check_rows].float() * ra[check_rows]) @ (wq_r.float() * rw).t()
+    for fast in (False, True):
+        what = f"rowwise FP8 torch._scaled_mm, use_fast_accum={fast}"
+        why = timed(what, lambda fast=fast: torch._scaled_mm(
+            aq_r, wq_r.t(), scale_a=ra, scale_b=rw.t(), out_dtype=torch.bfloat16, use_fast_accum=fast), ref_r)
+        if why:
+            out.append({"section": where, "what": what, "note": why})
     return out

@@ -3,8 +3,8 @@
 for torchao's (it leaves NaN outside the groups, as an unset output would hold), against the
 float32 experts, values and gradients. The per-kernel breakdown and the FP8 GEMM sweep run their
 kernels under Triton's interpreter with a stand-in clock: every kind of kernel has its row, the
-winners are keyed as FP8_TILES and printed as its entries, and the experts on the winners equal
-the chooser's. The sweep's flags fail with one line."""
+winners are keyed as FP8_TILES and printed as its entries, the experts on the winners equal
+the chooser's, and the library ceiling's rows are timed only where their outputs check out. The sweep's flags fail with one line."""
 
 from __future__ import annotations
 
@@ -93,6 +93,11 @@ w2 = (torch.randn(3, 128, 128, generator=g) / 12).bfloat16()
 a = expert_ffn_fp8(x, slot, w, w13, w2, ops=TRITON_OPS).float()
 b = expert_ffn_fp8(x, slot, w, w13, w2, ops=B.tiled_ops(win)).float()
 assert ((a - b).norm() / a.norm()).item() < 1e-2
+# the library ceiling: the bf16 row, then each FP8 row timed only where its output checked out
+ceil = B.fp8_ceiling_rows(LayerShape(T=64, H=256, I=128, E=2, K=2), 1, 1, device=cpu)
+assert ceil[0]["what"] == "bf16 torch.mm" and len(ceil) == 4, ceil
+assert all(r.get("rel_err_vs_f32", 1) <= 1e-2 or r.get("note") for r in ceil[1:]), ceil
+assert any(r["what"].startswith("rowwise FP8") and "ms" in r for r in ceil), ceil  # torch runs it on the CPU
 print("fp8 bench sweep ok")
 """
 
