@@ -201,7 +201,8 @@ def test_experts_sharded_update_beside_the_next_forward(mesh_group, tmp_path):
     for rank, part in enumerate(runs[True][1]):
         errs = {n: rel_err(w[: native[n]], runs[False][1][rank][n][: native[n]]) for n, w in part.items()}
         bad = {n: e for n, e in errs.items() if not e <= BF16_TOL}
-        assert not bad, (rank, bad)
+        nearest = dict(sorted(errs.items(), key=lambda kv: -kv[1])[:5])
+        assert not bad, (rank, bad, {"nearest": nearest, "losses": {k: v[0] for k, v in runs.items()}})
 
 
 def test_training_2x2_against_4x1(mesh_group, tmp_path):
