@@ -106,9 +106,9 @@ def test_bf16_equal_to_transformers_on_gpu(tmp_path, family):
     ours = model_parity(worker, cfg, cfg.resolve_arch(), ids, truth)
     report = {"transformers_bf16": hf_err, **{p: ours[p] for p in ("native", "clones")}}
     print(json.dumps({family: {k: max(v.values()) for k, v in report.items()}}))
-    if _out(f"bf16_{family}.json"):
-        with open(_out(f"bf16_{family}.json"), "w") as f:
-            json.dump(report, f, indent=1)
+    if _out("bf16_families.jsonl"):  # one line per family, one file for all
+        with open(_out("bf16_families.jsonl"), "a") as f:
+            f.write(json.dumps({"family": family, **report}) + "\n")
     bound = bf16_bounds(hf_err)
     for placement in ("native", "clones"):
         bad = {k: (v, bound[k]) for k, v in ours[placement].items() if not v <= bound[k]}
