@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from ray_moe.model.experts import ExpertActivation
+from ray_moe.model.experts import ExpertActivation, expert_ffn
 from ray_moe.validation.errors import rel_err
 
 PATTERNS = ("random", "all_one_expert", "sparse")
@@ -65,7 +65,7 @@ CLAMPED_TEST_LIMIT = 1.0
 
 @dataclasses.dataclass(frozen=True)
 class RoundedActivation(ExpertActivation):
-    """``act`` applied to the pre-activations rounded to ``dtype`` first (their gradient passes
+    """The activation applied to the pre-activations rounded to ``dtype`` first (their gradient passes
     through the rounding unchanged): the rounding point of the kernels, which save the gate and up
     pre-activations in the activations' dtype and compute the activation from the saved values,
     as transformers' bf16 model does. Where a clamp makes the derivative jump, the elements that
@@ -85,8 +85,6 @@ def reference_expert_ffn(leaves: dict[str, torch.Tensor], slot: torch.Tensor, ac
     grad) and its gradients for ``grad_out`` [R, H] float64; for a reduced-precision case
     (``dtype`` bf16 or fp16) with the pre-activations rounded to ``dtype``
     (:class:`RoundedActivation`). Returns (out [R, H], the leaves' gradients in their order)."""
-    from ray_moe.model.experts import expert_ffn
-
     if dtype in (torch.bfloat16, torch.float16):
         act = RoundedActivation(act.kind, act.alpha, act.limit, dtype)
     out = expert_ffn(leaves["x"], slot, leaves["weight"], leaves["w13"], leaves["w2"], impl="loop", act=act,
@@ -95,10 +93,10 @@ def reference_expert_ffn(leaves: dict[str, torch.Tensor], slot: torch.Tensor, ac
 
 
 def check_expert_ffn(case: dict[str, torch.Tensor], seed: int = 1, plan=None, act=None) -> dict[str, float]:
-    """Relative errors of the triton path vs the float64 loop reference (:func:`reference_expert_ffn`): out, x, weight, w13, w2
-    (and b13, b2 when the case has biases); plus ``empty_slot_grad``: max |dW| (and |db|) over
-    slots with no valid pair (must be exactly 0). ``plan``: a
-    :class:`ray_moe.kernels.grouped_swiglu.KernelPlan` (None → the default); ``act``: an
+    """Relative errors of the triton path vs the float64 loop reference
+    (:func:`reference_expert_ffn`): out, x, weight, w13, w2 (and b13, b2 when the case has biases);
+    plus ``empty_slot_grad``: max |dW| (and |db|) over slots with no valid pair (must be exactly 0).
+    ``plan``: a :class:`ray_moe.kernels.grouped_swiglu.KernelPlan` (None → the default); ``act``: an
     :class:`~ray_moe.model.experts.ExpertActivation` (None → SwiGLU); with the clamped one,
     ``clamped_share``: the share of pre-activation elements where a clamp holds."""
     from ray_moe.kernels.expert_ffn import expert_ffn_triton

@@ -189,8 +189,9 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.fp8_sweep and "fp8" not in args.sections.split(","):
         p.error("--fp8-sweep needs 'fp8' in --sections (it times the FP8 GEMMs of that section)")
     parts = set(filter(None, args.fp8_parts.split(",")))
-    if parts - {"kernels", "layer", "ceiling"}:
-        p.error(f"--fp8-parts: unknown {', '.join(sorted(parts - {'kernels', 'layer', 'ceiling'}))}; known: kernels, layer, ceiling"
+    known = {"kernels", "layer", "ceiling"}
+    if parts - known:
+        p.error(f"--fp8-parts: unknown {', '.join(sorted(parts - known))}; known: {', '.join(sorted(known))}"
                 " (--fp8-sweep adds the sweep)")
     if args.fp8_sweep_gemms is not None:
         if not args.fp8_sweep:

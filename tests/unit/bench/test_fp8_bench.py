@@ -112,7 +112,7 @@ def test_fp8_kernel_breakdown_and_sweep_under_the_interpreter(interpreter_script
     (["--sections", "fp8", "--fp8-sweep-gemms", "down"], "--fp8-sweep-gemms needs --fp8-sweep"),
     (["--sections", "fp8", "--fp8-sweep", "--fp8-sweep-gemms", "down,up"],
      "--fp8-sweep-gemms: unknown up; known: gate_up"),
-    (["--sections", "fp8", "--fp8-parts", "kernels,sweep"], "--fp8-parts: unknown sweep; known: kernels, layer"),
+    (["--sections", "fp8", "--fp8-parts", "kernels,sweep"], "--fp8-parts: unknown sweep; known: ceiling, kernels, layer"),
 ])
 def test_fp8_sweep_flags_name_what_is_wrong(argv, says, capsys):
     with pytest.raises(SystemExit) as exc:
