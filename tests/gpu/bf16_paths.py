@@ -75,7 +75,10 @@ def main() -> None:
     p.add_argument("families", nargs="+", help="HF model types of tests/gpu/test_models_gpu.py's FAMILIES")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     args = p.parse_args()
-    report = {}
+    # float32 products may run on TF32 whatever allow_tf32 says, where the environment overrides it
+    report: dict = {"tf32": {"allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+                             **{k: v for k, v in os.environ.items() if "TF32" in k.upper()}}}
+    print(f"TF32 settings: {report['tf32']}", flush=True)
     for family in args.families:
         with tempfile.TemporaryDirectory() as workdir:
             report[family] = run_family(family, args.device, workdir)
