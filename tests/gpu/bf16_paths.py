@@ -4,7 +4,7 @@ the expert implementation, the attention kernel and compilation swapped one at a
     python -m tests.gpu.bf16_paths gpt_oss [FAMILY ...] [--device cpu]
 
 Prints, per variant, the logits' relative error and the four errors nearest their bound
-(:func:`tests.hf_parity.bf16_bounds`, the GPU test's), and writes every error to
+(:func:`tests.hf_parity.bf16_bounds`, the GPU test's) and the TF32 settings, and writes all of it to
 ``$OUT/bf16_paths.json`` when OUT is set. A variant whose errors drop to transformers' own names the
 path at fault. Variants: ``auto`` (the defaults: Triton experts and compiled blocks on a Hopper GPU),
 ``eager`` (blocks uncompiled), then eager with SDPA in place of flex attention, with the loop or
