@@ -5,16 +5,18 @@ Recipe (E4M3 everywhere, float32 scales, float32 accumulation promoted every 128
     forward   x → 1×128 tiles ─┐
               w13 (128×128) ───┴→ gate|up + SwiGLU (g|u saved in x.dtype; act written FP8, 1×128)
               act ─┐ w2 (128×128) ─┴→ down-projection × routing weight → gather_sum (x.dtype)
-    backward  grad_out → 1×128 tiles; G = grad_out[row] @ w2ᵀ (FP8) → dSwiGLU (elementwise, x.dtype)
-              dh13 → 1×128 tiles; dX rows = dh13 @ w13ᵀ (FP8) → gather_sum
+    backward  grad_out → 1×128 tiles; G = grad_out[row] @ w2ᵀ (FP8) → dSwiGLU, its outputs written
+              only quantised (one kernel, fp8_swiglu): dh13 in 1×128 tiles and 128×1 tiles, aw in 128×1
+              dX rows = dh13 @ w13ᵀ (FP8) → gather_sum
               dW13 = xᵀ dh13, dW2 = awᵀ grad_out: both operands in 1×128 tiles along positions
               (the contraction), i.e. 128×1 tiles of the row matrices (DeepSeek-V3's backward tiles)
 
 Saved for backward: the routing weights, g|u [P, 2I] in x.dtype (the dSwiGLU recomputes act from
 it), the pair layout, and x as its FP8 rows and 1×128 scales, the copy the up-projection read
 (made here, or received from the wire): H + 4·H/128 bytes a row instead of 2·H. dW13 reads their
-values, requantised along the tokens (DeepSeek-V3 caches a Linear's input in FP8 the same way and
-re-tiles it 1×128 → 128×1 in backward), so x reaches dW13 through two E4M3 roundings; g|u stays
+values, dequantised and requantised along the tokens in one pass (DeepSeek-V3 caches a Linear's
+input in FP8 the same way and re-tiles it 1×128 → 128×1 in backward), so x reaches dW13 through two
+E4M3 roundings; g|u stays
 in x.dtype: the up-projection's epilogue writes it (an FP8 copy would be a pass of its own).
 
 The weights' FP8 copies (both orientations, one set of block scales) come from an
@@ -23,7 +25,8 @@ per GEMM or per micro-batch (under CUDA-graph capture once per captured forward,
 after an update reads the new weights).
 
 Two implementations of the same math (:class:`Fp8Ops`): the Triton kernels
-(:mod:`~ray_moe.kernels.fp8_quant`, :mod:`~ray_moe.kernels.fp8_grouped`) on CUDA, and the torch
+(:mod:`~ray_moe.kernels.fp8_quant`, :mod:`~ray_moe.kernels.fp8_grouped`,
+:mod:`~ray_moe.kernels.fp8_swiglu`) on CUDA, and the torch
 references (quantise → dequantise → float32 matmul, host loops over groups) elsewhere: the CPU path
 that emulates the numerics, so that layer parity runs in CI.
 """
@@ -35,10 +38,10 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import triton
 
 from ray_moe.kernels import fp8_grouped as G
 from ray_moe.kernels import fp8_quant as Q
+from ray_moe.kernels import fp8_swiglu as S
 from ray_moe.kernels.gather_sum import gather_sum, gather_sum_reference
 from ray_moe.kernels.routing import PairLayout, pair_layout, pair_layout_reference
 
@@ -56,35 +59,6 @@ class Fp8Weights(NamedTuple):
     w2_s: torch.Tensor  # [S, I/128, cdiv(H, 128)]
 
 
-def _swiglu_bwd_triton(g: torch.Tensor, h13: torch.Tensor, weight: torch.Tensor, layout: PairLayout):
-    """The bf16 path's elementwise SwiGLU backward (:mod:`~ray_moe.kernels.grouped_swiglu`) on G."""
-    from ray_moe.kernels.grouped_swiglu import gated_act_backward_rows
-
-    P, I = g.shape
-    dh13 = torch.empty(P, 2 * I, dtype=g.dtype, device=g.device)
-    aw = torch.empty(P, I, dtype=g.dtype, device=g.device)
-    dw_pos = torch.empty(P, dtype=torch.float32, device=g.device)
-    gated_act_backward_rows(g, h13, weight, layout, dh13, aw, dw_pos)
-    return dh13, aw, dw_pos
-
-
-def swiglu_bwd_reference(g: torch.Tensor, h13: torch.Tensor, weight: torch.Tensor, layout: PairLayout):
-    """From G [P, I] and h13 = g|u [P, 2I]: dh13 = w · (dG·u·silu'(g) | dG·silu(g)), aw = w · a,
-    dw_pos = <a, G> (float32; 0 past offsets[S], as are dh13 and aw there). Dtypes: G's."""
-    P, I = g.shape
-    n_valid = int(layout.offsets[-1])
-    w = torch.zeros(P, dtype=torch.float32, device=g.device)
-    w[:n_valid] = weight.reshape(-1).float()[layout.sorted_pair[:n_valid].long()]
-    valid = (torch.arange(P, device=g.device) < n_valid)[:, None]
-    gf = torch.where(valid, g.float(), 0.0)
-    gate, up = torch.where(valid, h13.float(), 0.0).chunk(2, dim=1)
-    sig = torch.sigmoid(gate)
-    act = gate * sig * up
-    d_act = gf * w[:, None]
-    dh13 = torch.cat([d_act * up * sig * (1 + gate * (1 - sig)), d_act * gate * sig], dim=1)
-    return dh13.to(g.dtype), (act * w[:, None]).to(g.dtype), (act * gf).sum(1)
-
-
 @dataclass(frozen=True)
 class Fp8Ops:
     """One implementation of every step of the FP8 experts (same signatures as the Triton launchers)."""
@@ -96,16 +70,16 @@ class Fp8Ops:
     down: Callable
     rows: Callable
     wgrad: Callable
-    swiglu_bwd: Callable
+    swiglu_bwd: Callable  # the SwiGLU backward with its outputs quantised (fp8_swiglu)
     gather_sum: Callable
     pair_layout: Callable
 
 
 TRITON_OPS = Fp8Ops(Q.quantize_rows, Q.quantize_cols, Q.quantize_blocks, G.fp8_gate_up, G.fp8_down, G.fp8_rows,
-                    G.fp8_wgrad, _swiglu_bwd_triton, gather_sum, pair_layout)
+                    G.fp8_wgrad, S.swiglu_bwd_fp8, gather_sum, pair_layout)
 REFERENCE_OPS = Fp8Ops(Q.quantize_rows_reference, Q.quantize_cols_reference, Q.quantize_blocks_reference,
                        G.fp8_gate_up_reference, G.fp8_down_reference, G.fp8_rows_reference, G.fp8_wgrad_reference,
-                       swiglu_bwd_reference, gather_sum_reference, pair_layout_reference)
+                       S.swiglu_bwd_fp8_reference, gather_sum_reference, pair_layout_reference)
 
 
 def default_ops(device: torch.device) -> Fp8Ops:
@@ -181,26 +155,22 @@ class _ExpertFFNFp8(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         gq, gs = ops.quantize_rows(grad_out)
         g = ops.rows(gq, gs, fw.w2, fw.w2_s, layout, K, True, dtype)  # [P, I] = grad_out[row] @ w2_sᵀ
-        dh13, aw, dw_pos = ops.swiglu_bwd(g, h13, weight, layout)
+        need_dx, need_dw13, need_dw2 = ctx.needs_input_grad[0], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        sb = ops.swiglu_bwd(g, h13, weight, layout, rows=need_dx, cols13=need_dw13, cols_aw=need_dw2)
         del g
-        dx = dweight = None
-        if ctx.needs_input_grad[0]:
-            dq, ds = ops.quantize_rows(dh13)
-            dx = ops.gather_sum(ops.rows(dq, ds, fw.w13, fw.w13_s, layout, K, False, dtype), layout, K)
+        dx = dweight = dw13 = dw2 = None
+        if need_dx:
+            dx = ops.gather_sum(ops.rows(*sb.dh13_rows, fw.w13, fw.w13_s, layout, K, False, dtype), layout, K)
         if ctx.needs_input_grad[2]:
             pos = layout.pair_pos.long()
-            dweight = torch.where(pos < layout.offsets[-1], dw_pos[pos], 0.0).reshape(weight.shape)
-        dw13 = dw2 = None
+            dweight = torch.where(pos < layout.offsets[-1], sb.dw_pos[pos], 0.0).reshape(weight.shape)
         tiles = Q.group_tiles(layout.offsets)
-        if ctx.needs_input_grad[3]:
-            # x's FP8 values (dequantised to x.dtype) are the x of xᵀ dh13, requantised along the
-            # tokens: DeepSeek-V3's 1×128 → 128×1 re-tiling of a cached FP8 Linear input
-            x = Q.dequantize_rows(xq, xs).to(dtype)
-            dw13 = ops.wgrad(*ops.quantize_cols(x, layout, K, True), *ops.quantize_cols(dh13, layout, K, False),
-                             tiles, dtype)
-        if ctx.needs_input_grad[4]:
-            dw2 = ops.wgrad(*ops.quantize_cols(aw, layout, K, False), *ops.quantize_cols(grad_out, layout, K, True),
-                            tiles, dtype)
+        if need_dw13:
+            # x's FP8 values (dequantised to x.dtype on load) are the x of xᵀ dh13, requantised along
+            # the tokens: DeepSeek-V3's 1×128 → 128×1 re-tiling of a cached FP8 Linear input
+            dw13 = ops.wgrad(*ops.quantize_cols(xq, layout, K, True, xs, dtype), *sb.dh13_cols, tiles, dtype)
+        if need_dw2:
+            dw2 = ops.wgrad(*sb.aw_cols, *ops.quantize_cols(grad_out, layout, K, True), tiles, dtype)
         return dx, None, dweight, dw13, dw2, None, None, None
 
 

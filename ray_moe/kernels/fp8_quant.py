@@ -66,6 +66,17 @@ def e4m3_round(v):
 
 
 @triton.jit
+def bf16_round(v, EXACT_CAST: tl.constexpr):
+    """``v`` (float32) rounded to nearest even on bfloat16's grid, still float32 (what storing it
+    as bfloat16 and reading it back gives). The interpreter truncates float32 → bfloat16, so there
+    (EXACT_CAST) the rounding is done on the bits; finite values only."""
+    if EXACT_CAST:
+        bits = v.to(tl.int32, bitcast=True)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return v.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
 def to_e4m3(v, scale, EXACT_CAST: tl.constexpr):
     """``v / scale`` clamped to ±448 and cast to float8e4nv (``scale`` broadcastable to v)."""
     q = tl.minimum(tl.maximum(tl.div_rn(v, scale), -448.0), 448.0)  # div_rn: torch's division, not div.full
@@ -118,11 +129,13 @@ def quantize_rows(x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None
 
 
 @triton.jit
-def _quantize_cols_kernel(src_ptr, qt_ptr, st_ptr, sorted_pair_ptr, starts_ptr, ends_ptr, n_groups, C, stride_src,
-                          stride_qt, stride_st, TOP_K: tl.constexpr, GATHER: tl.constexpr, GROUPS_PAD: tl.constexpr,
+def _quantize_cols_kernel(src_ptr, srcs_ptr, qt_ptr, st_ptr, sorted_pair_ptr, starts_ptr, ends_ptr, n_groups, C,
+                          stride_src, stride_srcs, stride_qt, stride_st, TOP_K: tl.constexpr, GATHER: tl.constexpr,
+                          SCALED: tl.constexpr, ROUND_BF16: tl.constexpr, GROUPS_PAD: tl.constexpr,
                           BLOCK_C: tl.constexpr, EXACT_CAST: tl.constexpr):
     """Tile t = program 0 of the groups' 128-position tiles (its group found from the offsets on
-    the device, as the row GEMMs find theirs); programs past the last tile return."""
+    the device, as the row GEMMs find theirs); programs past the last tile return. SCALED: src is
+    FP8 rows with 1×128 scales (srcs), dequantised on load (then rounded to bf16 if ROUND_BF16)."""
     t = tl.program_id(0)
     group, row_start, row_end, total = _tile_of_groups(starts_ptr, ends_ptr, n_groups, t, 128, GROUPS_PAD)
     if t >= total:
@@ -137,6 +150,11 @@ def _quantize_cols_kernel(src_ptr, qt_ptr, st_ptr, sorted_pair_ptr, starts_ptr, 
     c_ok = cols < C
     v = tl.load(src_ptr + row[:, None] * stride_src + cols[None, :], mask=ok[:, None] & c_ok[None, :],
                 other=0.0).to(tl.float32)  # [128 positions, BLOCK_C]
+    if SCALED:  # (BLOCK_C divides 128: the block lies in one 1x128 tile of each row)
+        s = tl.load(srcs_ptr + row * stride_srcs + (tl.program_id(1) * BLOCK_C) // 128, mask=ok, other=0.0)
+        v = v * s[:, None]
+        if ROUND_BF16:
+            v = bf16_round(v, EXACT_CAST)
     scale = tile_scale(tl.max(tl.abs(v), axis=0))  # [BLOCK_C]
     q = to_e4m3(v, scale[None, :], EXACT_CAST)
     c64 = cols.to(tl.int64)
@@ -157,14 +175,20 @@ def col_tiles(n_pos: int, n_groups: int) -> int:
     return triton.cdiv(n_pos, TILE) + n_groups
 
 
-def quantize_cols(src: torch.Tensor, layout: PairLayout, top_k: int, gather: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_cols(src: torch.Tensor, layout: PairLayout, top_k: int, gather: bool,
+                  scale: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-ordered rows of ``src``, transposed and quantised in 1×128 tiles along positions, each
     group starting a new tile.
 
     Args:
         src: [R, C] rows (``gather``: position p reads row ``sorted_pair[p] // top_k``) or
-            [P, C] positions (P = R * top_k), float32/bfloat16, row-contiguous.
+            [P, C] positions (P = R * top_k), float32/bfloat16, row-contiguous; or, with ``scale``,
+            FP8 rows (float8_e4m3fn, row-strided views allowed) whose values are
+            ``dequantize_rows(src, scale).to(dtype)``, made on load (no dequantised copy).
         layout: the PairLayout of the [R, top_k] slots (S groups).
+        scale: float32 [rows, cdiv(C, 128)], src's 1×128 scales (:func:`quantize_rows`' output).
+        dtype: with ``scale``, what the dequantised values are rounded to (float32 or bfloat16).
     Returns:
         qt float8_e4m3fn [C, 128 · n_tiles] and scale float32 [C, n_tiles], n_tiles =
         :func:`col_tiles` (P, S): the j-th position of group s is column
@@ -173,6 +197,9 @@ def quantize_cols(src: torch.Tensor, layout: PairLayout, top_k: int, gather: boo
     """
     if src.dim() != 2 or src.stride(1) != 1:
         raise ValueError(f"src must be a row-contiguous matrix, got shape {tuple(src.shape)} strides {src.stride()}")
+    if (scale is not None) != (src.dtype == FP8_DTYPE) or dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"FP8 src needs its row scales and values needs none (src {src.dtype}, scale "
+                         f"{'given' if scale is not None else 'none'}); dtype float32 or bfloat16, got {dtype}")
     P = layout.sorted_pair.numel()
     S = layout.offsets.numel() - 1
     C = src.shape[1]
@@ -182,8 +209,9 @@ def quantize_cols(src: torch.Tensor, layout: PairLayout, top_k: int, gather: boo
     if P and C and S:
         block_c = 64
         _quantize_cols_kernel[(n_tiles, triton.cdiv(C, block_c))](
-            src, qt, st, layout.sorted_pair, layout.offsets[:-1], layout.offsets[1:], S, C, src.stride(0),
-            qt.stride(0), st.stride(0), TOP_K=top_k, GATHER=gather, GROUPS_PAD=triton.next_power_of_2(S),
+            src, scale, qt, st, layout.sorted_pair, layout.offsets[:-1], layout.offsets[1:], S, C, src.stride(0),
+            scale.stride(0) if scale is not None else 0, qt.stride(0), st.stride(0), TOP_K=top_k, GATHER=gather,
+            SCALED=scale is not None, ROUND_BF16=dtype == torch.bfloat16, GROUPS_PAD=triton.next_power_of_2(S),
             BLOCK_C=block_c, EXACT_CAST=interpreting(), num_warps=4)
     return qt, st
 
@@ -292,9 +320,12 @@ def pack_rows(x: torch.Tensor, quantize: Callable[..., tuple[torch.Tensor, torch
     return packed
 
 
-def quantize_cols_reference(src: torch.Tensor, layout: PairLayout, top_k: int, gather: bool
+def quantize_cols_reference(src: torch.Tensor, layout: PairLayout, top_k: int, gather: bool,
+                            scale: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of :func:`quantize_cols` (the columns past ``128 · tiles[S]`` are zeros here)."""
+    if scale is not None:
+        src = dequantize_rows(src, scale).to(dtype)
     P = layout.sorted_pair.numel()
     S = layout.offsets.numel() - 1
     n_tiles = col_tiles(P, S)

@@ -54,6 +54,43 @@ def test_quantisation_is_bit_exact(R, K, S, H, I, pattern):
         assert _same(st[:, :used], sr[:, :used]) and _same(qt[:, :used * 128], qr[:, :used * 128])
 
 
+@pytest.mark.parametrize("R,K,S,H,I,pattern", CASES)
+def test_fused_swiglu_backward_equals_the_unfused_kernels(R, K, S, H, I, pattern):
+    """The SwiGLU backward writing dh13 and aw only quantised (one kernel) against the elementwise
+    kernel followed by the three quantisations (bit for bit but for the rare E4M3 step that a
+    differently contracted multiply-add moves), and x's column tiles made from its FP8 rows on load
+    bit for bit those of the dequantised copy."""
+    from ray_moe.kernels import fp8_swiglu as SW
+    from ray_moe.kernels.grouped_swiglu import gated_act_backward_rows
+    from ray_moe.kernels.routing import pair_layout
+
+    case = random_case(R, K, S, H, I, pattern, torch.bfloat16, "cuda", 0)
+    layout = pair_layout(case["slot"], S)
+    n, used = int(layout.offsets[-1]), int(Q.group_tiles(layout.offsets)[-1])
+    g = torch.randn(R * K, I, device="cuda", dtype=torch.bfloat16)
+    h13 = torch.randn(R * K, 2 * I, device="cuda", dtype=torch.bfloat16)
+    weight = case["weight"].float().contiguous()
+    out = SW.swiglu_bwd_fp8(g, h13, weight, layout)
+    dh13, aw = torch.empty_like(h13), torch.empty_like(g)
+    dw = torch.empty(R * K, device="cuda")
+    gated_act_backward_rows(g, h13, weight, layout, dh13, aw, dw)
+
+    def agree(a, b):  # quantised values: equal but for a rare one-step move
+        assert (a[0].view(torch.uint8) != b[0].view(torch.uint8)).float().mean() < 1e-4
+        assert _rel(Q.dequantize_rows(*a), Q.dequantize_rows(*b)) < 1e-3
+
+    q, s = Q.quantize_rows(dh13)
+    agree((out.dh13_rows[0][:n], out.dh13_rows[1][:n]), (q[:n], s[:n]))
+    for got, src in ((out.dh13_cols, dh13), (out.aw_cols, aw)):
+        qt, st = Q.quantize_cols(src, layout, K, False)
+        agree((got[0][:, :used * 128], got[1][:, :used]), (qt[:, :used * 128], st[:, :used]))
+    assert _rel(out.dw_pos[:n], dw[:n]) < 1e-5 and not out.dw_pos[n:].any()
+    xq, xs = Q.quantize_rows(case["x"])
+    a = Q.quantize_cols(xq, layout, K, True, xs, torch.bfloat16)
+    b = Q.quantize_cols(Q.dequantize_rows(xq, xs).bfloat16(), layout, K, True)
+    assert _same(a[0][:, :used * 128], b[0][:, :used * 128]) and _same(a[1][:, :used], b[1][:, :used])
+
+
 def test_quantisation_reference_is_the_same_on_every_device():
     """The reference's scale is amax / 448 correctly rounded on the GPU as on the CPU (a tensor
     divisor: torch multiplies by a Python scalar divisor's float32 reciprocal on CUDA, one

@@ -16,7 +16,7 @@ Rows (forward and forward+backward, medians over ABBA rounds, same inputs):
 Before them, :func:`fp8_kernel_rows`: every kernel of one FP8 expert step alone (the quantisations,
 up + SwiGLU, down, G = grad_out·w2ᵀ and the elementwise SwiGLU backward, dX, dW13, dW2, the
 gather-sums) with its ms, share of the step and, for the GEMMs, the bf16 kernel of the same role
-beside it; and with ``--fp8-sweep``, :func:`fp8_sweep_rows`: each FP8 GEMM of the shape under every
+beside it, then each fused kernel beside the kernels it replaced (``fusion`` rows); and with ``--fp8-sweep``, :func:`fp8_sweep_rows`: each FP8 GEMM of the shape under every
 candidate of :func:`~ray_moe.kernels.fp8_grouped.fp8_candidates` (tiles, stages, warps, promotion
 form, persistent or grid), its winner, and the :data:`~ray_moe.kernels.fp8_grouped.FP8_TILES`
 entries that make the winners the default for this shape. With ``--fp8-parts ceiling``,
@@ -164,14 +164,34 @@ class _Step:
         self.y = self.gemm("down")
         self.gq = ops.quantize_rows(self.go)
         self.g = self.gemm("dact")
-        self.dh13, self.aw, _ = ops.swiglu_bwd(self.g, self.h13, self.weight, self.layout)
-        self.dq = ops.quantize_rows(self.dh13)
+        sb = ops.swiglu_bwd(self.g, self.h13, self.weight, self.layout)
+        self.dq = sb.dh13_rows
         self.dxr = self.gemm("dx")
         self.tiles = Q.group_tiles(self.layout.offsets)
-        self.cols = {"x": ops.quantize_cols(self.x, self.layout, K, True),
-                     "dh13": ops.quantize_cols(self.dh13, self.layout, K, False),
-                     "aw": ops.quantize_cols(self.aw, self.layout, K, False),
+        self.cols = {"x": ops.quantize_cols(*self.xq[:1], self.layout, K, True, self.xq[1], dtype),
+                     "dh13": sb.dh13_cols, "aw": sb.aw_cols,
                      "grad_out": ops.quantize_cols(self.go, self.layout, K, True)}
+
+    def unfused_swiglu_bwd(self) -> Any:
+        """What the fused SwiGLU backward replaces: the elementwise kernel writing dh13 and aw in
+        x.dtype, then dh13's row and column quantisations and aw's column one (four kernels)."""
+        from ray_moe.kernels import fp8_quant as Q
+        from ray_moe.kernels.grouped_swiglu import gated_act_backward_rows
+
+        P, I = self.g.shape
+        dh13 = torch.empty(P, 2 * I, dtype=self.g.dtype, device=self.g.device)
+        aw = torch.empty(P, I, dtype=self.g.dtype, device=self.g.device)
+        dw = torch.empty(P, dtype=torch.float32, device=self.g.device)
+        gated_act_backward_rows(self.g, self.h13, self.weight, self.layout, dh13, aw, dw)
+        return (Q.quantize_rows(dh13), Q.quantize_cols(dh13, self.layout, 1, False),
+                Q.quantize_cols(aw, self.layout, 1, False), dw)
+
+    def unfused_x_cols(self) -> Any:
+        """x's column tiles through a dequantised copy of its FP8 rows (what reading them on load replaces)."""
+        from ray_moe.kernels import fp8_quant as Q
+
+        x = Q.dequantize_rows(*self.xq).to(self.dtype)
+        return Q.quantize_cols(x, self.layout, self.shape.K, True)
 
     def gemm(self, name: str, cfg: Any = None) -> Any:
         """GEMM ``name`` of :data:`FP8_GEMMS` on this step's operands (``cfg``: None, the chooser's)."""
@@ -224,18 +244,16 @@ def fp8_kernel_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms:
         ("quantise", "grad_out rows 1x128", lambda: ops.quantize_rows(st.go), 0.0, None),
         ("dX", FP8_GEMMS["dact"][1] + " (bf16 ms: G and the SwiGLU backward, both kernels)", lambda: st.gemm("dact"), gemm,
          lambda: gs.swiglu_backward_rows(st.go, lay, K, st.weight, st.w2, h13_bf, cfg=plan.dact)),
-        ("dX", "SwiGLU backward on G (elementwise: dh13, aw, routing-weight gradient)",
+        ("dX", "SwiGLU backward on G, its outputs written quantised (dh13 rows and cols, aw cols; one kernel)",
          lambda: ops.swiglu_bwd(st.g, st.h13, st.weight, lay), 0.0, None),
-        ("quantise", "dh13 rows 1x128", lambda: ops.quantize_rows(st.dh13), 0.0, None),
         ("dX", FP8_GEMMS["dx"][1], lambda: st.gemm("dx"), 2 * gemm,
          lambda: gs.dgrad_rows(dh13_bf, lay, K, st.w13, cfg=plan.dx)),
         ("other", "gather_sum of dX rows (bf16: the same kernel)", lambda: ops.gather_sum(st.dxr, lay, K), 0.0,
          lambda: ops.gather_sum(st.dxr, lay, K)),
-        ("quantise", "x cols (gathered, 128 positions x 1)", lambda: ops.quantize_cols(st.x, lay, K, True), 0.0, None),
-        ("quantise", "dh13 cols", lambda: ops.quantize_cols(st.dh13, lay, K, False), 0.0, None),
+        ("quantise", "x cols (gathered, 128 positions x 1, from its FP8 rows)",
+         lambda: ops.quantize_cols(st.xq[0], lay, K, True, st.xq[1], dtype), 0.0, None),
         ("dW", FP8_GEMMS["wgrad13"][1], lambda: st.gemm("wgrad13"), 2 * gemm,
          lambda: gs.grouped_wgrad(st.x, dh13_bf, lay, K, True, False, cfg=plan.wgrad13, dual=plan.dual_wgrad13)),
-        ("quantise", "aw cols", lambda: ops.quantize_cols(st.aw, lay, K, False), 0.0, None),
         ("quantise", "grad_out cols (gathered)", lambda: ops.quantize_cols(st.go, lay, K, True), 0.0, None),
         ("dW", FP8_GEMMS["wgrad2"][1], lambda: st.gemm("wgrad2"), gemm,
          lambda: gs.grouped_wgrad(aw_bf, st.go, lay, K, False, True, cfg=plan.wgrad2)),
@@ -267,6 +285,15 @@ def fp8_kernel_rows(shape: LayerShape, dtype: torch.dtype, seed: int, warmup_ms:
     bf16_total = sum(sum(v) for v in bf16_ms.values())
     out.append({"section": section, "kind": "all", "what": "total of the kernels above", "fp8 ms": total, "share": 1.0,
                 "bf16 ms": bf16_total, "fp8 speed-up": bf16_total / total})
+    # each fused kernel beside what it replaced (not in the totals): the evidence that it wins
+    for what, fused, unfused in (
+            ("SwiGLU backward + quantisations of dh13 and aw: one kernel vs four",
+             lambda: ops.swiglu_bwd(st.g, st.h13, st.weight, lay), st.unfused_swiglu_bwd),
+            ("x cols from its FP8 rows vs through a dequantised copy",
+             lambda: ops.quantize_cols(st.xq[0], lay, K, True, st.xq[1], dtype), st.unfused_x_cols)):
+        ms, ums = median_ms(fused, warmup_ms, rep_ms), median_ms(unfused, warmup_ms, rep_ms)
+        out.append({"section": section, "kind": "fusion", "what": what, "fp8 ms": ms, "unfused ms": ums,
+                    "fused speed-up": ums / ms})
     return out
 
 

@@ -68,8 +68,10 @@ B.median_ms = lambda fn, warmup, rep: (fn(), float(next(clock)))[1]
 ops = TRITON_OPS
 shape, cpu = LayerShape(T=16, H=128, I=128, E=3, K=2), torch.device("cpu")
 rows = B.fp8_kernel_rows(shape, torch.bfloat16, 0, 1, 1, device=cpu, ops=ops)
-assert {r["kind"] for r in rows} == {"quantise", "up", "down", "dX", "dW", "other", "all"}
-parts = [r for r in rows if not r["what"].startswith("total")]
+assert {r["kind"] for r in rows} == {"quantise", "up", "down", "dX", "dW", "other", "all", "fusion"}
+parts = [r for r in rows if not r["what"].startswith("total") and r["kind"] != "fusion"]
+fusions = [r for r in rows if r["kind"] == "fusion"]
+assert len(fusions) == 2 and all(r["fused speed-up"] > 0 and "share" not in r for r in fusions)
 assert abs(sum(r["share"] for r in parts) - 1) < 1e-9
 assert all("fp8 TFLOP/s" in r and "bf16 ms" in r for r in parts if r["kind"] in ("up", "down", "dW"))
 F = G.Fp8GemmConfig
