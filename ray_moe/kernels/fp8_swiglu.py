@@ -11,9 +11,11 @@ did), then quantised as :func:`~ray_moe.kernels.fp8_quant.quantize_rows` and
 :func:`~ray_moe.kernels.fp8_quant.quantize_cols` do; the outputs use their layouts.
 
 Kernel: one program per 128-position tile of one group (``quantize_cols``' tiles, found from the
-offsets on the device), looping over the expert width in 128-column blocks. Each block of values
-is quantised along its rows (one 1×128 tile a row) and along its positions (one 128×1 tile a
-column) while it is in registers.
+offsets on the device), looping over the expert width in 128-column blocks, each made 16 positions
+at a time: a first pass writes the row tiles (a row's 128 columns are in registers), the routing
+weight's gradient per column block and the columns' running |max|; a second pass, reading G and
+g|u again (from L2: the block was just read), quantises with the columns' scales. The routing
+weight's gradient is summed over the column blocks afterwards (one writer per value, no atomics).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from ray_moe.kernels.grouped_swiglu import _tile_of_groups
 from ray_moe.kernels.routing import PairLayout
 
 
-# positions a program holds at once: [16, 128] float32 tiles at 8 warps fit 128 registers (two
-# programs an SM; ptxas for sm_90a spills 464 bytes; [32, 128] needs all 255 and still spills)
+# positions a program holds at once: [16, 128] float32 tiles at 8 warps fit 128 registers, two
+# programs an SM (ptxas 13.4 for sm_90a: 126 registers, no spills, with the 16-divisible sizes the
+# JIT specialises on; [32, 128] needs 204)
 SUB_ROWS = 16
 
 
@@ -93,14 +96,15 @@ def _store_cols(v, scale, cols, tpos, qt_ptr, stride_qt, EXACT_CAST: tl.constexp
 def _swiglu_bwd_fp8_kernel(
     g_ptr, h13_ptr, weight_ptr, sorted_pair_ptr, starts_ptr, ends_ptr, n_groups, I,
     dq_ptr, ds_ptr, d13t_ptr, s13t_ptr, awt_ptr, sawt_ptr, dw_ptr,
-    stride_dq, stride_ds, stride_d13t, stride_s13t, stride_awt, stride_sawt,
+    stride_dq, stride_ds, stride_d13t, stride_s13t, stride_awt, stride_sawt, stride_dw,
     ROWS: tl.constexpr, COLS13: tl.constexpr, COLS_AW: tl.constexpr, ROUND_BF16: tl.constexpr,
     SUB: tl.constexpr, GROUPS_PAD: tl.constexpr, EXACT_CAST: tl.constexpr,
 ):
     """Program t: tile t of the groups' 128-position tiles (programs past the last one return).
     Per position p of it, from G [P, I] and h13 = g|u [P, 2I]: dh13 = w · (G·u·silu'(g) | G·silu(g)),
-    aw = w · a, dw[p] = <a, G> (a = silu(g)·u). Each 128-column block is made SUB positions at a
-    time (registers): once for the row tiles, the columns' amax and dw, and once more, when
+    aw = w · a, and <a, G> over column block c to dw_parts[c, p] (a = silu(g)·u). Each 128-column
+    block is made SUB positions at a time (registers): once for the row tiles, dw and the columns'
+    running |max| (elementwise, reduced across the positions once per block), and once more, when
     column tiles are asked for, to quantise with the columns' scales."""
     t = tl.program_id(0)
     _group, row_start, row_end, total = _tile_of_groups(starts_ptr, ends_ptr, n_groups, t, 128, GROUPS_PAD)
@@ -108,28 +112,28 @@ def _swiglu_bwd_fp8_kernel(
         return
     lane = tl.arange(0, 128)
     sub = tl.arange(0, SUB)
-    dw = tl.zeros([128], dtype=tl.float32)
     for c0 in range(0, I, 128):
-        cols = c0 + lane
+        cols = tl.max_contiguous(tl.multiple_of(c0 + lane, 128), 128)  # (so that loads and stores vectorise)
         kb = c0 // 128
-        amax_g = tl.zeros([128], dtype=tl.float32)
-        amax_u = tl.zeros([128], dtype=tl.float32)
-        amax_a = tl.zeros([128], dtype=tl.float32)
+        m_g = tl.zeros([SUB, 128], dtype=tl.float32)
+        m_u = tl.zeros([SUB, 128], dtype=tl.float32)
+        m_a = tl.zeros([SUB, 128], dtype=tl.float32)
         for r0 in range(0, 128, SUB):
             pos = row_start + r0 + sub
             ok = pos < row_end
             ag, aw, d_gate, d_up = _swiglu_bwd_values(g_ptr, h13_ptr, weight_ptr, sorted_pair_ptr, pos, ok, cols, I,
                                                       ROUND_BF16, EXACT_CAST)
-            part = tl.sum(ag, axis=1)  # [SUB]: placed into dw's rows r0 .. r0 + SUB (exact: one term a row)
-            dw += tl.sum(tl.where(lane[:, None] == (r0 + sub)[None, :], part[None, :], 0.0), axis=1)
+            tl.store(dw_ptr + kb.to(tl.int64) * stride_dw + pos, tl.sum(ag, axis=1), mask=ok)
             if ROWS:
                 _store_rows(d_gate, pos, ok, cols, kb, dq_ptr, ds_ptr, stride_dq, stride_ds, EXACT_CAST)
                 _store_rows(d_up, pos, ok, I + cols, kb + I // 128, dq_ptr, ds_ptr, stride_dq, stride_ds, EXACT_CAST)
-            amax_g = tl.maximum(amax_g, tl.max(tl.abs(d_gate), axis=0))
-            amax_u = tl.maximum(amax_u, tl.max(tl.abs(d_up), axis=0))
-            amax_a = tl.maximum(amax_a, tl.max(tl.abs(aw), axis=0))
+            m_g = tl.maximum(m_g, tl.abs(d_gate))
+            m_u = tl.maximum(m_u, tl.abs(d_up))
+            m_a = tl.maximum(m_a, tl.abs(aw))
         if COLS13 or COLS_AW:
-            s_g, s_u, s_a = tile_scale(amax_g), tile_scale(amax_u), tile_scale(amax_a)
+            s_g = tile_scale(tl.max(m_g, axis=0))
+            s_u = tile_scale(tl.max(m_u, axis=0))
+            s_a = tile_scale(tl.max(m_a, axis=0))
             for r0 in range(0, 128, SUB):
                 pos = row_start + r0 + sub
                 tpos = t * 128 + r0 + sub
@@ -145,8 +149,6 @@ def _swiglu_bwd_fp8_kernel(
                 tl.store(s13t_ptr + (I + cols).to(tl.int64) * stride_s13t + t, s_u)
             if COLS_AW:
                 tl.store(sawt_ptr + cols.to(tl.int64) * stride_sawt + t, s_a)
-    pos = row_start + lane
-    tl.store(dw_ptr + pos, dw, mask=pos < row_end)
 
 
 def _check(g: torch.Tensor, h13: torch.Tensor, weight: torch.Tensor, layout: PairLayout) -> None:
@@ -184,19 +186,20 @@ def swiglu_bwd_fp8(g: torch.Tensor, h13: torch.Tensor, weight: torch.Tensor, lay
     s13t = torch.empty(2 * I, n_tiles, dtype=torch.float32, device=dev) if cols13 else None
     awt = torch.empty(I, n_tiles * Q.TILE, dtype=Q.FP8_DTYPE, device=dev) if cols_aw else None
     sawt = torch.empty(I, n_tiles, dtype=torch.float32, device=dev) if cols_aw else None
-    dw_pos = torch.zeros(P, dtype=torch.float32, device=dev)
+    # <a, G> per 128-column block (summed below: one writer per value, no atomics), 0 past offsets[S]
+    dw_parts = torch.zeros(I // Q.TILE, P, dtype=torch.float32, device=dev)
     if P and I and S:
         def stride(t: torch.Tensor | None) -> int:
             return t.stride(0) if t is not None else 0
 
         _swiglu_bwd_fp8_kernel[(n_tiles,)](
             g, h13, weight.contiguous(), layout.sorted_pair, layout.offsets[:-1], layout.offsets[1:], S, I,
-            dq, ds, d13t, s13t, awt, sawt, dw_pos,
-            stride(dq), stride(ds), stride(d13t), stride(s13t), stride(awt), stride(sawt),
+            dq, ds, d13t, s13t, awt, sawt, dw_parts,
+            stride(dq), stride(ds), stride(d13t), stride(s13t), stride(awt), stride(sawt), dw_parts.stride(0),
             ROWS=rows, COLS13=cols13, COLS_AW=cols_aw, ROUND_BF16=g.dtype == torch.bfloat16, SUB=SUB_ROWS,
             GROUPS_PAD=triton.next_power_of_2(S), EXACT_CAST=Q.interpreting(), num_warps=8, maxnreg=128)
     return SwigluBwdFp8((dq, ds) if rows else None, (d13t, s13t) if cols13 else None,
-                        (awt, sawt) if cols_aw else None, dw_pos)
+                        (awt, sawt) if cols_aw else None, dw_parts.sum(0))
 
 
 # ---------------------------------------------------------------------------------------------
