@@ -38,7 +38,8 @@
 #            commands with GPUTESTS_FILES), a line per
 #            file in $OUT/summary.md and the logs in one archive, $OUT/gputests.tgz;
 #            GPUTESTS_FILES: other files (default: tests/gpu/ but the multi-rank ones, which
-#            scripts/device_ep.sh runs); the optimizer's own: test_precision_gpu.py test_zero_gpu.py
+#            scripts/device_ep.sh runs); the optimizer's own: test_precision_gpu.py test_zero_gpu.py;
+#            GPUTESTS_K: a pytest -k expression applied to every file (e.g. "fp32_equal or clamp")
 # Time limits (seconds) per step: T_GPUTESTS (and T_FILE per file), T_TRAIN, T_MOMENTS, T_SONIC, T_QWEN3, T_DSV3, T_GPTOSS, T_FP8
 # (each bench writes its JSON after every row: a step cut short keeps the rows it finished).
 # A tile A/B of one GEMM role alone: python3 -m ray_moe.bench.layer ... --sections kernels,ffn --sweep
@@ -63,7 +64,7 @@ if has gputests; then
   for f in $GT_FILES; do
     if [ $((SECONDS - t_all)) -ge "${T_GPUTESTS:-560}" ]; then echo "| $f | not started: T_GPUTESTS reached | |" >> "$OUT/summary.md"; continue; fi
     t0=$SECONDS; log="$OUT/gputests/$(basename "$f" .py).log"
-    timeout "${T_FILE:-240}" python3 -m pytest -q -rs -p no:cacheprovider --timeout 120 "$f" > "$log" 2>&1
+    timeout "${T_FILE:-240}" python3 -m pytest -q -rs -p no:cacheprovider --timeout 120 ${GPUTESTS_K:+-k "$GPUTESTS_K"} "$f" > "$log" 2>&1
     result=$(grep -E '(passed|failed|error|skipped|no tests ran)' "$log" | tail -1 | tr -d '=' | sed 's/^ *//; s/ *$//')
     echo "| $f | ${result:-no summary (limit T_FILE)} | $((SECONDS - t0)) |" | tee -a "$OUT/summary.md"
     grep -E "^FAILED|^ERROR" "$log" | cut -c1-200 | head -8
