@@ -176,14 +176,19 @@ def test_experts_sharded_update_beside_the_next_forward(mesh_group, tmp_path):
     """ZeRO 2 over the replicas at 2 x 2 with re-cloning: with the update beside the next forward
     the experts' sharded update and all-gathers run on the side stream too (each expert weight
     reported with its all-gather, clones pushed there after it), and six bf16 steps match the
-    same run with the update in place (train.overlap_update=false) within bf16 bounds; the
-    replicas stay identical in both."""
+    same run with the update in place (train.overlap_update=false); the replicas stay identical
+    in every run. The bound on each parameter is bf16's, or four times the run-to-run noise of the
+    in-place run repeated where that is larger: where a GPU backward is not bitwise reproducible,
+    AdamW's first steps (±lr where a gradient is near zero) amplify its round-off most in the
+    parameter every block's gradient reaches, the position embedding (0.0154 against 1e-2 there
+    on 2026-12-08, every other parameter and the losses within bounds). A late read (a forward on
+    the previous step's weights) is a whole update off, far above either."""
     from ray_moe.driver.trainer import Trainer
     from ray_moe.validation import rel_err
 
     runs = {}
-    for overlap in (True, False):
-        cfg = _config(2, tmp_path / f"overlap{overlap}", **RECLONING, **{
+    for name, overlap in (("beside", True), ("in_place", False), ("in_place_again", False)):
+        cfg = _config(2, tmp_path / name, **RECLONING, **{
             "parallel.zero_stage": 2, "train.overlap_update": overlap, "parallel.overlap_param_gather": True})
         with Trainer(cfg, progress=False, group=mesh_group) as t:
             losses = [t.step()["loss"] for _ in range(6)]
@@ -191,18 +196,23 @@ def test_experts_sharded_update_beside_the_next_forward(mesh_group, tmp_path):
             parts = t.group.execute(_weights)
             assert sum(m["bytes_moved"] for m in t.metrics if m.get("event") == "rebalance") > 0
         for rank in (2, 3):  # DP rank 1 against DP rank 0
-            for name, w in parts[rank].items():
-                assert torch.equal(w, parts[rank - 2][name]), (overlap, rank, name)
-        runs[overlap] = losses, parts, reports
-    assert all(r["beside"] and r["experts_sharded"] and r["experts_one_by_one"] for r in runs[True][2])
-    assert all(not r["beside"] and r["experts_sharded"] for r in runs[False][2])
-    assert runs[True][0] == pytest.approx(runs[False][0], rel=BF16_TOL)
-    native = runs[True][2][0]["native_slots"]  # (a clone's rows follow its plan, compared above by replica)
-    for rank, part in enumerate(runs[True][1]):
-        errs = {n: rel_err(w[: native[n]], runs[False][1][rank][n][: native[n]]) for n, w in part.items()}
-        bad = {n: e for n, e in errs.items() if not e <= BF16_TOL}
-        nearest = dict(sorted(errs.items(), key=lambda kv: -kv[1])[:5])
-        assert not bad, (rank, bad, {"nearest": nearest, "losses": {k: v[0] for k, v in runs.items()}})
+            for pname, w in parts[rank].items():
+                assert torch.equal(w, parts[rank - 2][pname]), (name, rank, pname)
+        runs[name] = losses, parts, reports
+    assert all(r["beside"] and r["experts_sharded"] and r["experts_one_by_one"] for r in runs["beside"][2])
+    assert all(not r["beside"] and r["experts_sharded"] for r in runs["in_place"][2])
+    assert runs["beside"][0] == pytest.approx(runs["in_place"][0], rel=BF16_TOL)
+    native = runs["beside"][2][0]["native_slots"]  # (a clone's rows follow its plan, compared above by replica)
+
+    def errs(a: str, b: str, rank: int) -> dict:
+        return {n: rel_err(w[: native[n]], runs[b][1][rank][n][: native[n]]) for n, w in runs[a][1][rank].items()}
+
+    for rank in range(len(runs["beside"][1])):
+        got, noise = errs("beside", "in_place", rank), errs("in_place_again", "in_place", rank)
+        bad = {n: (e, noise[n]) for n, e in got.items() if not e <= max(BF16_TOL, 4 * noise[n])}
+        nearest = dict(sorted(got.items(), key=lambda kv: -kv[1])[:5])
+        assert not bad, (rank, bad, {"nearest": nearest, "noise": {n: noise[n] for n in nearest},
+                                     "losses": {k: v[0] for k, v in runs.items()}})
 
 
 def test_training_2x2_against_4x1(mesh_group, tmp_path):
