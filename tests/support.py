@@ -86,15 +86,27 @@ def compile_for_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps:
     return _compile_sm90(fn, signature, constexprs, num_warps=num_warps, **options).asm
 
 
-def _compile_sm90(fn, signature: dict[str, str], constexprs: dict, **options: Any):
+def _compile_sm90(fn, signature: dict[str, str], constexprs: dict, divisible: tuple[str, ...] = (), **options: Any):
     import pytest
 
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    names = list(signature)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _divisible_by_16(value: Any) -> bool:
+    """What Triton's JIT specialises an argument on: a pointer 16-byte aligned, an integer a
+    multiple of 16 (it then vectorises loads and stores through them)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
 
 
 H100_SHARED_BYTES = 232448  # shared memory one program may use on an H100 (227 KiB)
@@ -104,7 +116,7 @@ H100_SHARED_BYTES = 232448  # shared memory one program may use on an H100 (227 
 def launches_compiled_for_sm90():
     """Inside, every ``kernel[grid](*args, **kwargs)`` launch compiles ``kernel`` for sm_90 (as
     :func:`compile_for_sm90`) with the launch's own argument types, constexprs, warps, stages and
-    register cap, and runs nothing: the launchers' CUDA arguments (tiles, descriptors, options)
+    register cap, specialised as the JIT does on 16-divisible pointers and integers, and runs nothing: the launchers' CUDA arguments (tiles, descriptors, options)
     checked without a GPU. Yields the list the compiled kernels are appended to, as (kernel name,
     Triton's CompiledKernel: ``asm``, ``metadata.shared``)."""
     from unittest import mock
@@ -128,7 +140,8 @@ def launches_compiled_for_sm90():
             constexprs = {p.name: values[p.name] for p in kernel.params if p.is_constexpr}
             signature = {p.name: "constexpr" if p.is_constexpr else mangle_type(values[p.name])
                          for p in kernel.params}
-            compiled.append((kernel.fn.__name__, _compile_sm90(kernel, signature, constexprs, **options)))
+            divisible = tuple(p.name for p in kernel.params if not p.is_constexpr and _divisible_by_16(values[p.name]))
+            compiled.append((kernel.fn.__name__, _compile_sm90(kernel, signature, constexprs, divisible, **options)))
 
         return launch
 
