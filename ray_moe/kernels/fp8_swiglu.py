@@ -196,7 +196,8 @@ def swiglu_bwd_fp8(g: torch.Tensor, h13: torch.Tensor, weight: torch.Tensor, lay
             g, h13, weight.contiguous(), layout.sorted_pair, layout.offsets[:-1], layout.offsets[1:], S, I,
             dq, ds, d13t, s13t, awt, sawt, dw_parts,
             stride(dq), stride(ds), stride(d13t), stride(s13t), stride(awt), stride(sawt), dw_parts.stride(0),
-            ROWS=rows, COLS13=cols13, COLS_AW=cols_aw, ROUND_BF16=g.dtype == torch.bfloat16, SUB=SUB_ROWS,
+            ROWS=rows, COLS13=cols13, COLS_AW=cols_aw, ROUND_BF16=g.dtype == torch.bfloat16,
+            SUB=64 if Q.interpreting() else SUB_ROWS,  # (the interpreter: fewer, larger slices)
             GROUPS_PAD=triton.next_power_of_2(S), EXACT_CAST=Q.interpreting(), num_warps=8, maxnreg=128)
     return SwigluBwdFp8((dq, ds) if rows else None, (d13t, s13t) if cols13 else None,
                         (awt, sawt) if cols_aw else None, dw_parts.sum(0))
