@@ -116,8 +116,8 @@ H100_SHARED_BYTES = 232448  # shared memory one program may use on an H100 (227 
 def launches_compiled_for_sm90():
     """Inside, every ``kernel[grid](*args, **kwargs)`` launch compiles ``kernel`` for sm_90 (as
     :func:`compile_for_sm90`) with the launch's own argument types, constexprs, warps, stages and
-    register cap, specialised as the JIT does on 16-divisible pointers and integers, and runs nothing: the launchers' CUDA arguments (tiles, descriptors, options)
-    checked without a GPU. Yields the list the compiled kernels are appended to, as (kernel name,
+    register cap, specialised as the JIT does on 16-divisible pointers and integers, and runs
+    nothing: the launchers' CUDA arguments (tiles, descriptors, options) checked without a GPU. Yields the list the compiled kernels are appended to, as (kernel name,
     Triton's CompiledKernel: ``asm``, ``metadata.shared``)."""
     from unittest import mock
 

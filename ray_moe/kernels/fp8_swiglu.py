@@ -12,10 +12,11 @@ did), then quantised as :func:`~ray_moe.kernels.fp8_quant.quantize_rows` and
 
 Kernel: one program per 128-position tile of one group (``quantize_cols``' tiles, found from the
 offsets on the device), looping over the expert width in 128-column blocks, each made
-:data:`SUB_ROWS` positions at a time: a first pass writes the row tiles (a row's 128 columns are in registers), the routing
-weight's gradient per column block and the columns' running |max|; a second pass, reading G and
-g|u again (from L2: the block was just read), quantises with the columns' scales. The routing
-weight's gradient is summed over the column blocks afterwards (one writer per value, no atomics).
+:data:`SUB_ROWS` positions at a time. A first pass writes the row tiles (a row's 128 columns are
+in registers), the routing weight's gradient per column block and the columns' running |max|; a
+second pass, reading G and g|u again (from L2: the block was just read), quantises with the
+columns' scales. The routing weight's gradient is summed over the column blocks afterwards (one
+writer per value, no atomics).
 """
 
 from __future__ import annotations

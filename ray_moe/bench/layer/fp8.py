@@ -14,11 +14,12 @@ Rows (forward and forward+backward, medians over ABBA rounds, same inputs):
   - with ``--fp8-sweep``, ``experts fp8 swept tiles``: the expert side on the sweep's winners.
 
 Before them, :func:`fp8_kernel_rows`: every kernel of one FP8 expert step alone (the quantisations,
-up + SwiGLU, down, G = grad_out·w2ᵀ and the elementwise SwiGLU backward, dX, dW13, dW2, the
+up + SwiGLU, down, G = grad_out·w2ᵀ and the SwiGLU backward, dX, dW13, dW2, the
 gather-sums) with its ms, share of the step and, for the GEMMs, the bf16 kernel of the same role
-beside it, then each fused kernel beside the kernels it replaced (``fusion`` rows); and with ``--fp8-sweep``, :func:`fp8_sweep_rows`: each FP8 GEMM of the shape under every
-candidate of :func:`~ray_moe.kernels.fp8_grouped.fp8_candidates` (tiles, stages, warps, promotion
-form, persistent or grid), its winner, and the :data:`~ray_moe.kernels.fp8_grouped.FP8_TILES`
+beside it, then each fused kernel beside the kernels it replaced (``fusion`` rows); and with
+``--fp8-sweep``, :func:`fp8_sweep_rows`: each FP8 GEMM of the shape under every candidate of
+:func:`~ray_moe.kernels.fp8_grouped.fp8_candidates` (tiles, stages, warps, promotion form,
+persistent or grid), its winner, and the :data:`~ray_moe.kernels.fp8_grouped.FP8_TILES`
 entries that make the winners the default for this shape. With ``--fp8-parts ceiling``,
 :func:`fp8_ceiling_rows`: torch's library FP8 GEMMs (block-scaled and rowwise) beside its bf16 GEMM
 on the up-projection's FLOPs as one dense GEMM, the speed-up this GPU gives the recipe at best.
@@ -168,7 +169,7 @@ class _Step:
         self.dq = sb.dh13_rows
         self.dxr = self.gemm("dx")
         self.tiles = Q.group_tiles(self.layout.offsets)
-        self.cols = {"x": ops.quantize_cols(*self.xq[:1], self.layout, K, True, self.xq[1], dtype),
+        self.cols = {"x": ops.quantize_cols(self.xq[0], self.layout, K, True, self.xq[1], dtype),
                      "dh13": sb.dh13_cols, "aw": sb.aw_cols,
                      "grad_out": ops.quantize_cols(self.go, self.layout, K, True)}
 
