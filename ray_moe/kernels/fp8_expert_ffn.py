@@ -16,8 +16,8 @@ it), the pair layout, and x as its FP8 rows and 1×128 scales, the copy the up-p
 (made here, or received from the wire): H + 4·H/128 bytes a row instead of 2·H. dW13 reads their
 values, dequantised and requantised along the tokens in one pass (DeepSeek-V3 caches a Linear's
 input in FP8 the same way and re-tiles it 1×128 → 128×1 in backward), so x reaches dW13 through two
-E4M3 roundings; g|u stays
-in x.dtype: the up-projection's epilogue writes it (an FP8 copy would be a pass of its own).
+E4M3 roundings; g|u stays in x.dtype: the up-projection's epilogue writes it (an FP8 copy would be
+a pass of its own).
 
 The weights' FP8 copies (both orientations, one set of block scales) come from an
 :class:`Fp8WeightCache`, made once per parameter version: once per step after the update, not once
@@ -26,9 +26,9 @@ after an update reads the new weights).
 
 Two implementations of the same math (:class:`Fp8Ops`): the Triton kernels
 (:mod:`~ray_moe.kernels.fp8_quant`, :mod:`~ray_moe.kernels.fp8_grouped`,
-:mod:`~ray_moe.kernels.fp8_swiglu`) on CUDA, and the torch
-references (quantise → dequantise → float32 matmul, host loops over groups) elsewhere: the CPU path
-that emulates the numerics, so that layer parity runs in CI.
+:mod:`~ray_moe.kernels.fp8_swiglu`) on CUDA, and the torch references (quantise → dequantise →
+float32 matmul, host loops over groups) elsewhere: the CPU path that emulates the numerics, so that
+layer parity runs in CI.
 """
 
 from __future__ import annotations

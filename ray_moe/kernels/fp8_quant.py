@@ -198,8 +198,8 @@ def quantize_cols(src: torch.Tensor, layout: PairLayout, top_k: int, gather: boo
     if src.dim() != 2 or src.stride(1) != 1:
         raise ValueError(f"src must be a row-contiguous matrix, got shape {tuple(src.shape)} strides {src.stride()}")
     if (scale is not None) != (src.dtype == FP8_DTYPE) or dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"FP8 src needs its row scales and values needs none (src {src.dtype}, scale "
-                         f"{'given' if scale is not None else 'none'}); dtype float32 or bfloat16, got {dtype}")
+        raise ValueError(f"an FP8 src needs its row scales and any other src none, and dtype is float32 or "
+                         f"bfloat16; got src {src.dtype}, scale {'given' if scale is not None else 'none'}, {dtype}")
     P = layout.sorted_pair.numel()
     S = layout.offsets.numel() - 1
     C = src.shape[1]
