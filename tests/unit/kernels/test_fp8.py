@@ -337,6 +337,13 @@ def test_argument_rules():
         expert_ffn_fp8(x, slot, weight, w13, w2)
     with pytest.raises(ValueError, match="precision 'fp16' is not one of bf16, fp8"):
         expert_ffn(x, slot, weight, w13, w2, precision="fp16")
+    from ray_moe.kernels.routing import pair_layout_reference
+
+    lay = pair_layout_reference(slot, w13.shape[0])
+    xq, xs = Q.quantize_rows_reference(x)
+    for src, scale, dt in ((xq, None, torch.float32), (x, xs, torch.float32), (xq, xs, torch.float16)):
+        with pytest.raises(ValueError, match="an FP8 src needs its row scales"):
+            Q.quantize_cols(src, lay, 2, True, scale, dt)
 
 
 def test_moe_layer_runs_its_experts_in_fp8():
