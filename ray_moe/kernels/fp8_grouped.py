@@ -407,11 +407,13 @@ FP8_TILES: Mapping[tuple[str, int, int], Fp8GemmConfig] = MappingProxyType({})
 def fp8_candidates(role: str) -> tuple[Fp8GemmConfig, ...]:
     """The configs ``--fp8-sweep`` times for ``role`` on Hopper, the default first.
 
-    Row GEMMs: the default tiles at other stage counts; one-warpgroup 64-row tiles (two or three
-    programs per SM: one program's promotion runs while another's dot does, as the scale after
-    every chunk makes each wgmma wait; capped at 168 registers, three); the ``acc`` promotion (no second tile of registers, so
-    128-row SwiGLU tiles fit); the ``outer`` form (what the ``row`` one replaced); persistent
-    schedules; 256-column tiles and the one-dot SwiGLU form. wgrad: tiles and stages.
+    Row GEMMs: the default tiles at other stage counts; 64-row tiles at one warpgroup or two (two
+    or three programs per SM: one program's promotion runs while another's dot does, as the scale
+    after every chunk makes each wgmma wait; at 4 warps capped at 168 registers, three; down, G
+    and dX at 8 warps take 105-110 registers); the ``acc`` promotion (no second tile of registers: 115-128, two programs
+    per SM, and 128-row SwiGLU tiles fit); the ``outer`` form (what the ``row`` one replaced);
+    persistent schedules; 256-column tiles and the one-dot SwiGLU form. wgrad: tiles and stages.
+    (Registers: ptxas for sm_90a, docs/KERNELS.md.)
     """
     if role not in FP8_ROLES:
         raise ValueError(f"unknown FP8 GEMM role {role!r}; known: {', '.join(FP8_ROLES)}")
@@ -423,8 +425,8 @@ def fp8_candidates(role: str) -> tuple[Fp8GemmConfig, ...]:
         more = (_F(128, 128, 8, 3), _F(128, 128, 8, 5), _F(64, 128, 4, 4), _F(64, 128, 4, 3, maxnreg=168),
                 _F(128, 64, 4, 4), _F(64, 64, 4, 4), _F(128, 128, 8, 4, group_m=16))
     else:
-        more = (_F(128, 128, 8, 4), _F(64, 128, 4, 3), _F(64, 128, 4, 4), _F(64, 128, 4, 3, maxnreg=168),
-                _F(128, 128, 8, 3, promote="acc"),
+        more = (_F(128, 128, 8, 4), _F(64, 128, 8, 3), _F(64, 128, 4, 3), _F(64, 128, 4, 4),
+                _F(64, 128, 4, 3, maxnreg=168), _F(128, 128, 8, 3, promote="acc"),
                 _F(128, 128, 8, 4, promote="acc"), _F(128, 128, 8, 3, persistent=1),
                 _F(64, 128, 4, 3, persistent=2), _F(128, 128, 8, 3, promote="outer"),
                 _F(64, 256, 8, 3, promote="outer"))
