@@ -56,6 +56,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 python3 -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.__version__}')" | tee "$OUT/versions.txt"
 if has gputests; then
   export RAY_AUTH_MODE=disabled  # the tests' own throwaway Ray clusters
+  # an image may force TF32 on cuBLAS for every float32 matmul (read once at start); the float32
+  # tests compare float32 models, so record it and run without it
+  echo "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=${TORCH_ALLOW_TF32_CUBLAS_OVERRIDE-<unset>} (unset for the tests)" | tee "$OUT/tf32.txt"
+  unset TORCH_ALLOW_TF32_CUBLAS_OVERRIDE
   GT_FILES=${GPUTESTS_FILES:-"tests/gpu/test_kernels_gpu.py tests/gpu/test_fp8_gpu.py tests/gpu/test_models_gpu.py
     tests/gpu/test_precision_gpu.py tests/gpu/test_zero_gpu.py tests/gpu/test_compile_gpu.py tests/gpu/test_linear_ce_gpu.py
     tests/gpu/test_memory_model_gpu.py tests/gpu/test_bench_gpu.py tests/gpu/test_dense_fp8_gpu.py"}

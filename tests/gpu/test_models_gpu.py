@@ -165,6 +165,9 @@ def test_fp32_equal_to_transformers_on_gpu(tmp_path, monkeypatch, family, attent
     from tests.hf_parity import model_parity
     from tests.support import single_rank
 
+    if os.environ.get("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "0").lower() not in ("", "0", "false", "off", "no"):
+        pytest.fail("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE is set: cuBLAS runs every float32 matmul in TF32, "
+                    "transformers' reference model's too, whatever allow_tf32 says; unset it before Python starts")
     if attention == "sdpa":
         monkeypatch.setattr(attention_module, "_flex", attention_module._sdpa)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
