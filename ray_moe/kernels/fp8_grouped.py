@@ -441,7 +441,7 @@ def fp8_config(role: str, dims: tuple[int, int], device: torch.device,
     if role not in FP8_ROLES:
         raise ValueError(f"unknown FP8 GEMM role {role!r}; known: {', '.join(FP8_ROLES)}")
     if device.type != "cuda":
-        return _F(16, 16, 4, 1) if role == "wgrad" else _F(16, 128, 4, 1)
+        return _F(16, 128, 4, 1)
     return tiles.get((role, *dims)) or _HOPPER_DEFAULT[role]
 
 
