@@ -410,10 +410,10 @@ def fp8_candidates(role: str) -> tuple[Fp8GemmConfig, ...]:
     Row GEMMs: the default tiles at other stage counts; 64-row tiles at one warpgroup or two (two
     or three programs per SM: one program's promotion runs while another's dot does, as the scale
     after every chunk makes each wgmma wait; at 4 warps capped at 168 registers, three; down, G
-    and dX at 8 warps take 105-110 registers); the ``acc`` promotion (no second tile of registers: 115-128, two programs
-    per SM, and 128-row SwiGLU tiles fit); the ``outer`` form (what the ``row`` one replaced);
-    persistent schedules; 256-column tiles and the one-dot SwiGLU form. wgrad: tiles and stages.
-    (Registers: ptxas for sm_90a, docs/KERNELS.md.)
+    and dX at 8 warps take 105-110 registers); the ``acc`` promotion (no second tile of
+    registers: 115-128, two programs per SM, and 128-row SwiGLU tiles fit); the ``outer`` form
+    (what the ``row`` one replaced); persistent schedules; 256-column tiles and the one-dot
+    SwiGLU form. wgrad: tiles and stages. (Registers: ptxas for sm_90a, docs/KERNELS.md.)
     """
     if role not in FP8_ROLES:
         raise ValueError(f"unknown FP8 GEMM role {role!r}; known: {', '.join(FP8_ROLES)}")
